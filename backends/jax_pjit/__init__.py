@@ -1,0 +1,1 @@
+"""JAX backend: flax model, mesh + logical-axis rules, jitted steps, optax, orbax."""

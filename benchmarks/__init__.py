@@ -1,0 +1,1 @@
+"""Backend comparison benchmarks, each runnable as ``python -m benchmarks.<name>``."""

@@ -1,0 +1,1 @@
+"""dualrl core: everything that is the same for every training backend."""

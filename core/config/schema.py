@@ -1,0 +1,232 @@
+"""Typed description of the dualrl configuration (NeMo RL field names).
+
+Configs stay plain ``dict``s at run time -- code reads ``config["policy"]["backend"]`` --
+and these ``TypedDict``s only describe them: for type checkers, for readers, and for the
+generic validator in :mod:`core.config.validate`, which walks the annotations below.
+Keys marked ``NotRequired`` may be left out of a YAML file; every other key must be
+present (``null`` is only allowed where the type says ``| None``).
+
+Nothing here imports torch, jax or ray.
+"""
+
+import sys
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # pragma: no cover - Python 3.10: typing.TypedDict ignores NotRequired
+    from typing_extensions import NotRequired, TypedDict
+
+__all__ = [
+    "BACKENDS",
+    "PRECISIONS",
+    "GENERATION_BACKENDS",
+    "Backend",
+    "Precision",
+    "TokenizerConfig",
+    "DTensorConfig",
+    "JaxConfig",
+    "DynamicBatchingConfig",
+    "SequencePackingConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "SchedulerMilestones",
+    "VllmConfig",
+    "ColocationResources",
+    "ColocationConfig",
+    "GenerationConfig",
+    "PolicyConfig",
+    "ClusterConfig",
+    "ClippedPGLossConfig",
+    "DPOLossConfig",
+    "MasterConfig",
+]
+
+#: The training backends ``policy.backend`` may name (the CLI's ``--backend``).
+BACKENDS = ("torch_fsdp", "torch_dtensor", "jax_pjit")
+#: The values ``policy.precision`` may take.
+PRECISIONS = ("float32", "bfloat16", "float16")
+#: The values ``policy.generation.backend`` may take.
+GENERATION_BACKENDS = ("vllm", "hf")
+
+Backend = Literal["torch_fsdp", "torch_dtensor", "jax_pjit"]
+Precision = Literal["float32", "bfloat16", "float16"]
+
+
+class TokenizerConfig(TypedDict):
+    """Which tokenizer to load (usually the model's own)."""
+
+    name: str  # HF hub id or local path
+    chat_template: NotRequired[str | None]  # Jinja template; None = the tokenizer's own
+
+
+class DTensorConfig(TypedDict):
+    """Settings of the ``torch_dtensor`` backend (FSDP2 + TP/SP/CP)."""
+
+    cpu_offload: bool  # FSDP2 CPUOffloadPolicy for parameters/gradients/optimizer state
+    sequence_parallel: bool  # shard norms/dropouts over the TP group along the sequence
+    activation_checkpointing: bool  # recompute transformer-block activations in backward
+    tensor_parallel_size: int  # TP degree (mesh axis "tp")
+    context_parallel_size: int  # CP degree (mesh axis "cp"); splits the sequence
+    custom_parallel_plan: NotRequired[str | None]  # "module.path.PLAN" overriding the built-in TP plan
+
+
+class JaxConfig(TypedDict):
+    """Settings of the ``jax_pjit`` backend: a (fsdp, tp) device mesh."""
+
+    fsdp_size: int  # size of the "fsdp" mesh axis; -1 = fill with the remaining devices
+    tensor_parallel_size: int  # size of the "tp" mesh axis
+    activation_checkpointing: bool  # jax.checkpoint (remat) around each transformer block
+
+
+class DynamicBatchingConfig(TypedDict):
+    """Token-budget micro-batching (sort by length, fill up to N tokens)."""
+
+    enabled: bool
+    train_mb_tokens: NotRequired[int]  # token budget of a training micro-batch; required when enabled
+    logprob_mb_tokens: NotRequired[int]  # token budget of a logprob micro-batch; required when enabled
+    sequence_length_round: NotRequired[int]  # pad each micro-batch's length to a multiple of this; required when enabled
+
+
+class SequencePackingConfig(TypedDict):
+    """Pack several sequences into one row (no padding between them)."""
+
+    enabled: bool
+    train_mb_tokens: NotRequired[int]  # tokens per packed training row; required when enabled
+    logprob_mb_tokens: NotRequired[int]  # tokens per packed logprob row; required when enabled
+    algorithm: NotRequired[str]  # bin-packing algorithm, e.g. "modified_first_fit_decreasing"
+
+
+class OptimizerConfig(TypedDict):
+    """An optimizer by import path plus its keyword arguments."""
+
+    name: str  # e.g. "torch.optim.AdamW" (the JAX backend maps it onto optax)
+    kwargs: dict[str, Any]  # passed to the constructor, e.g. {lr: 1.0e-6, weight_decay: 0.01}
+
+
+class SchedulerConfig(TypedDict):
+    """A learning-rate scheduler by import path plus its keyword arguments."""
+
+    name: str  # e.g. "torch.optim.lr_scheduler.LinearLR"
+    kwargs: dict[str, Any]
+
+
+class SchedulerMilestones(TypedDict):
+    """The step boundaries between chained schedulers (``SequentialLR``'s milestones)."""
+
+    milestones: list[int]  # n_schedulers - 1 increasing step numbers
+
+
+class VllmConfig(TypedDict):
+    """vLLM engine settings for generation."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: NotRequired[int]
+    gpu_memory_utilization: float  # fraction of device memory vLLM may take (0, 1]
+    max_model_len: int  # longest prompt + response the engine accepts
+    precision: NotRequired[str]  # dtype of the engine's weights, e.g. "bfloat16"
+    enforce_eager: NotRequired[bool]  # no CUDA graphs
+    async_engine: NotRequired[bool]  # AsyncLLMEngine instead of LLM
+    load_format: NotRequired[str]  # "dummy" when weights are refit from the policy
+    skip_tokenizer_init: NotRequired[bool]
+
+
+class ColocationResources(TypedDict):
+    """Devices for a generation engine that is *not* colocated with training."""
+
+    gpus_per_node: int | None
+    num_nodes: int | None
+
+
+class ColocationConfig(TypedDict):
+    """Whether generation shares the training workers' devices."""
+
+    enabled: bool
+    resources: NotRequired[ColocationResources]  # used only when enabled is false
+
+
+class GenerationConfig(TypedDict):
+    """How rollouts are generated."""
+
+    backend: Literal["vllm", "hf"]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None  # None = no top-k filtering
+    model_name: NotRequired[str]  # defaults to policy.model_name
+    stop_token_ids: list[int] | None
+    stop_strings: list[str] | None
+    pad_token_id: NotRequired[int]  # filled in from the tokenizer when left out
+    colocated: NotRequired[ColocationConfig]
+    vllm_cfg: NotRequired[VllmConfig]  # required by backend "vllm" in practice
+
+
+class PolicyConfig(TypedDict):
+    """The trained policy: model, batch sizes, precision and the backend-specific blocks."""
+
+    backend: Backend  # which training backend runs the policy
+    model_name: str  # HF hub id or local path
+    tokenizer: TokenizerConfig
+    train_global_batch_size: int  # sequences per optimizer step, over all data-parallel ranks
+    train_micro_batch_size: int  # sequences per forward/backward on one data-parallel rank
+    logprob_batch_size: int  # sequences per forward when only log-probs are needed
+    generation_batch_size: NotRequired[int]  # sequences per generate() call (hf generation)
+    max_total_sequence_length: int  # prompt + response, in tokens
+    make_sequence_length_divisible_by: NotRequired[int]  # pad sequence lengths to a multiple of this
+    precision: Precision  # parameter/compute dtype of training
+    dtensor_cfg: DTensorConfig  # read by backend torch_dtensor
+    jax_cfg: JaxConfig  # read by backend jax_pjit
+    fsdp_offload_enabled: NotRequired[bool]  # torch_fsdp (FSDP1): CPUOffload(offload_params=True)
+    activation_checkpointing_enabled: NotRequired[bool]  # torch_fsdp (FSDP1): checkpoint each block
+    dynamic_batching: DynamicBatchingConfig
+    sequence_packing: NotRequired[SequencePackingConfig]
+    optimizer: NotRequired[OptimizerConfig | None]  # None: inference-only policy (e.g. reference model)
+    scheduler: NotRequired[list[SchedulerConfig | SchedulerMilestones] | None]  # SequentialLR form
+    max_grad_norm: float | None  # gradient clipping; None = no clipping
+    generation: NotRequired[GenerationConfig | None]
+    refit_buffer_size_gb: NotRequired[float]  # staging buffer for policy -> generation weight refit
+
+
+class ClusterConfig(TypedDict):
+    """The devices the job runs on."""
+
+    gpus_per_node: int  # on CPU machines: worker slots per node
+    num_nodes: int
+
+
+class ClippedPGLossConfig(TypedDict):
+    """PPO/GRPO clipped policy-gradient loss (NeMo RL's ``ClippedPGLossFn``)."""
+
+    reference_policy_kl_penalty: float  # KL(policy || reference) coefficient; 0 disables
+    ratio_clip_min: float  # epsilon below 1 (ratio clipped to 1 - ratio_clip_min)
+    ratio_clip_max: float  # epsilon above 1 (ratio clipped to 1 + ratio_clip_max)
+    ratio_clip_c: float | None  # dual-clip constant (> 1); None disables dual clipping
+    use_on_policy_kl_approximation: bool  # importance-weight the KL estimate
+    use_importance_sampling_correction: bool  # correct for generation/training logprob mismatch
+    token_level_loss: bool  # mean over tokens (True) or over sequences (False)
+    disable_ppo_ratio: NotRequired[bool]  # REINFORCE: no ratio, no clipping
+    reference_policy_kl_type: NotRequired[Literal["k1", "k2", "k3"]]  # KL estimator
+    kl_input_clamp_value: NotRequired[float | None]  # clamp log-ratio fed into the KL estimator
+    kl_output_clamp_value: NotRequired[float | None]  # clamp the per-token KL value
+    truncated_importance_sampling_ratio: NotRequired[float | None]  # upper bound of the IS weight; None = no truncation
+    truncated_importance_sampling_ratio_min: NotRequired[float | None]  # lower bound (icepop / seq-mask-tis)
+    truncated_importance_sampling_type: NotRequired[Literal["tis", "icepop", "seq-mask-tis"]]
+    sequence_level_importance_ratios: NotRequired[bool]  # GSPO: one ratio per sequence
+
+
+class DPOLossConfig(TypedDict):
+    """Direct preference optimisation loss (NeMo RL's ``DPOLossFn``)."""
+
+    reference_policy_kl_penalty: float  # DPO beta
+    preference_loss_weight: float
+    sft_loss_weight: float  # weight of the NLL on the chosen response
+    preference_average_log_probs: bool  # average (not sum) token log-probs in the preference term
+    sft_average_log_probs: bool  # average (not sum) token log-probs in the SFT term
+
+
+class MasterConfig(TypedDict):
+    """A whole run's configuration (the top level of a YAML file)."""
+
+    policy: PolicyConfig
+    cluster: ClusterConfig
+    loss_fn: NotRequired[ClippedPGLossConfig]
