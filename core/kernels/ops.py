@@ -131,6 +131,10 @@ class TorchOps:
         return x.detach()
 
     # --- host-side inspection ------------------------------------------------------------
+    def count_true(self, mask):
+        """Number of True entries, as a 0-d integer array (no host sync)."""
+        return mask.sum()
+
     def is_concrete(self, x) -> bool:
         return x.device.type != "meta"
 
@@ -241,6 +245,9 @@ class JaxOps:
 
     def stop_gradient(self, x):
         return self.jax.lax.stop_gradient(x)
+
+    def count_true(self, mask):
+        return self.jnp.sum(mask)
 
     def is_concrete(self, x) -> bool:
         return not isinstance(x, self.jax.core.Tracer)

@@ -69,24 +69,30 @@ class LossInputChecker:
     def check_values(self, data: Mapping[str, Any], vocab_size: int | None = None) -> None:
         """Finite values where the loss reads them; token ids in [0, vocab_size).
 
-        Silently skipped for traced (jitted) arrays, whose values are unknown.
+        One device->host sync on the happy path (a single count of every problem); the
+        culprit is looked up only when that count is non-zero.  Silently skipped for traced
+        (jitted) arrays, whose values are unknown.
         """
         ids = data["input_ids"]
         ops = ops_for(ids)
         if not ops.is_concrete(ids):
             return
         valid = self._valid_positions(ops, data)
-        for key in self.finite_keys:
-            x = data[key][:, 1:]
-            if not ops.is_concrete(x):
-                continue
-            bad = valid & ~ops.isfinite(x)
-            if ops.to_python(ops.sum(ops.astype(bad, x.dtype))) > 0:
-                self.fail(f"data[{key!r}] has non-finite values at valid (masked-in) positions")
+
+        def n_bad_values(key):
+            return ops.count_true(valid & ~ops.isfinite(data[key][:, 1:]))
+
+        keys = [k for k in self.finite_keys if ops.is_concrete(data[k])]
+        counts = [n_bad_values(k) for k in keys]
         if vocab_size is not None:
-            lo, hi = ops.to_python(ids.min()), ops.to_python(ids.max())
-            if lo < 0 or hi >= vocab_size:
-                self.fail(f"data['input_ids'] has token ids in [{lo}, {hi}] outside the vocabulary [0, {vocab_size})")
+            counts.append(ops.count_true((ids < 0) | (ids >= vocab_size)))
+        if not counts or ops.to_python(sum(counts)) == 0:
+            return
+        for key in keys:
+            if ops.to_python(n_bad_values(key)) > 0:
+                self.fail(f"data[{key!r}] has non-finite values at valid (masked-in) positions")
+        lo, hi = ops.to_python(ids.min()), ops.to_python(ids.max())
+        self.fail(f"data['input_ids'] has token ids in [{lo}, {hi}] outside the vocabulary [0, {vocab_size})")
 
     def _valid_positions(self, ops, data):
         """Boolean [B, S-1]: token_mask (if present) and sample_mask both on."""

@@ -1,0 +1,25 @@
+"""The `dualrl` command line: config validation as a user runs it."""
+
+import yaml
+
+from core.cli import main
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 0
+    assert "usage: dualrl" in capsys.readouterr().out
+
+
+def test_config_prints_the_resolved_config(capsys):
+    assert main(["config", "--backend", "jax_pjit", "policy.train_micro_batch_size=4"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["policy"]["backend"] == "jax_pjit"
+    assert cfg["policy"]["train_micro_batch_size"] == 4
+
+
+def test_config_errors_name_every_bad_field(capsys):
+    rc = main(["config", "policy.train_global_batch_size=30", "policy.dtensor_cfg.tensor_paralel_size=2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "policy.train_global_batch_size: 30 is not divisible" in err
+    assert "policy.dtensor_cfg.tensor_paralel_size: unknown key (did you mean 'tensor_parallel_size'?)" in err
