@@ -1,0 +1,27 @@
+"""Ray plumbing shared by every backend: start Ray, reserve resources, run SPMD worker groups.
+
+* :func:`init_ray` -- start or join Ray once, quietly (no dashboard, small object store).
+* :class:`RayVirtualCluster` -- one ``STRICT_PACK`` placement group per node.
+* :class:`RayWorkerGroup` -- one actor per bundle with ``RANK``/``MASTER_ADDR``/... set;
+  single-data and sharded calls; fail-fast result collection (:class:`WorkerGroupError`).
+* :class:`WorkerLayout` -- rank <-> coordinates on named axes (``dp``/``cp``/``tp``).
+"""
+
+from core.distributed.ray_init import init_ray
+from core.distributed.virtual_cluster import RayVirtualCluster, ResourcesUnavailableError
+from core.distributed.worker_group import (
+    RayWorkerGroup,
+    ShardedFuture,
+    WorkerGroupError,
+    WorkerLayout,
+)
+
+__all__ = [
+    "init_ray",
+    "RayVirtualCluster",
+    "ResourcesUnavailableError",
+    "RayWorkerGroup",
+    "ShardedFuture",
+    "WorkerGroupError",
+    "WorkerLayout",
+]

@@ -1,0 +1,705 @@
+"""One Ray actor per bundle of a :class:`RayVirtualCluster`, driven as a single SPMD group.
+
+NeMo RL's ``RayWorkerGroup``, with three differences that matter in practice:
+
+* ranks are described by a :class:`WorkerLayout` (named axes such as ``dp``/``cp``/``tp``)
+  instead of a separate sharding annotation object;
+* :meth:`RayWorkerGroup.get_all_worker_results` fails fast: the first failed call (an
+  exception in the method or a dead actor) raises :class:`WorkerGroupError` and kills
+  the group, instead of ``ray.get`` blocking forever on the ranks that are stuck in a
+  collective waiting for the dead one;
+* every error names the method, the rank(s) and the cause.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from core.distributed.virtual_cluster import RayVirtualCluster
+from core.parallel_dims import ParallelDims
+
+__all__ = ["RayWorkerGroup", "WorkerLayout", "WorkerGroupError", "ShardedFuture"]
+
+#: Env vars the group sets on every worker; ``env_vars`` may not override them.
+RESERVED_ENV_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+# ====================================================================== errors
+class WorkerGroupError(RuntimeError):
+    """A call on a worker group failed or timed out.
+
+    Attributes:
+        method: the worker method that was called (``"?"`` if unknown).
+        ranks: the ranks that failed (or, for a timeout, did not finish), sorted.
+        errors: ``{rank: underlying exception}`` for failures; empty for a timeout.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        method: str = "?",
+        ranks: Sequence[int] = (),
+        errors: Mapping[int, BaseException] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.method = method
+        self.ranks = sorted(ranks)
+        self.errors = dict(errors or {})
+
+
+# ====================================================================== layout
+class WorkerLayout:
+    """Ranks as coordinates on named axes, row-major (the last axis varies fastest).
+
+    ``WorkerLayout({"dp": 2, "tp": 2})``: ranks 0,1 are ``dp=0`` with ``tp=0,1``; ranks 2,3
+    are ``dp=1``.  Same convention as ``torch.distributed.init_device_mesh`` with
+    ``mesh_dim_names=("dp", "tp")``, so tensor-parallel neighbours are consecutive ranks
+    (and therefore share a node when nodes hold consecutive ranks).
+
+    Args:
+        sizes: ``{axis name: size}`` outermost first; at least one axis, sizes >= 1.
+        world_size: if given, the product of the sizes must equal it.
+    Raises ``ValueError`` naming the offending axis or the mismatching product.
+    """
+
+    def __init__(self, sizes: Mapping[str, int], world_size: int | None = None) -> None:
+        if not isinstance(sizes, Mapping) or not sizes:
+            raise ValueError(
+                f"WorkerLayout: need a non-empty {{axis: size}} mapping, got {sizes!r}"
+            )
+        for name, size in sizes.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"WorkerLayout: axis names must be identifiers, got {name!r}")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(
+                    f"WorkerLayout: axis {name!r} must have an integer size >= 1, got {size!r}"
+                )
+        self._names = tuple(sizes)
+        self._sizes = tuple(int(s) for s in sizes.values())
+        # stride of axis i = product of the sizes of the axes inside it (row-major)
+        self._strides = tuple(math.prod(self._sizes[i + 1 :]) for i in range(len(self._sizes)))
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(
+                f"WorkerLayout: {self._product_str()} = {self.world_size} does not match "
+                f"world size {world_size}"
+            )
+
+    @classmethod
+    def from_parallel_dims(cls, pd: ParallelDims) -> WorkerLayout:
+        """``{"dp": pd.dp, "cp": pd.cp, "tp": pd.tp}``: data shards are ``dp``
+        (= ``dp_replicate * fsdp``), which is how the driver splits batches."""
+        return cls({"dp": pd.dp, "cp": pd.cp, "tp": pd.tp}, world_size=pd.world_size)
+
+    @classmethod
+    def data_parallel(cls, world_size: int) -> WorkerLayout:
+        """All ranks on one ``dp`` axis (the default of :class:`RayWorkerGroup`)."""
+        return cls({"dp": world_size})
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self._sizes)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{axis: size}``, outermost first (a copy)."""
+        return dict(zip(self._names, self._sizes))
+
+    def has_axis(self, name: str) -> bool:
+        return name in self._names
+
+    def axis_size(self, name: str) -> int:
+        """Size of axis ``name``; ValueError if the layout has no such axis."""
+        return self._sizes[self._index(name)]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{axis: coordinate}`` of ``rank``; ValueError if out of range."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"WorkerLayout: rank {rank!r} is out of range [0, {self.world_size})")
+        return {
+            name: (rank // stride) % size
+            for name, size, stride in zip(self._names, self._sizes, self._strides)
+        }
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank at the given coordinates; every axis must be given."""
+        missing = [n for n in self._names if n not in coords]
+        if missing:
+            raise ValueError(f"WorkerLayout.rank_of: missing coordinate(s) for {missing} in {self}")
+        self._check_coords(coords)
+        return sum(coords[n] * s for n, s in zip(self._names, self._strides))
+
+    def ranks_where(self, **fixed: int) -> list[int]:
+        """Ascending ranks whose coordinates equal ``fixed`` (axes not named are free).
+
+        ``ranks_where(tp=0)`` = one rank per ``dp`` group; ``ranks_where()`` = all ranks.
+        """
+        self._check_coords(fixed)
+        return [
+            r
+            for r in range(self.world_size)
+            if all(self.coords(r)[name] == value for name, value in fixed.items())
+        ]
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, WorkerLayout)
+            and self._names == other._names
+            and self._sizes == other._sizes
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._names, self._sizes))
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes))
+        return f"WorkerLayout({axes})"
+
+    # ------------------------------------------------------------------ internals
+    def _index(self, name: str) -> int:
+        try:
+            return self._names.index(name)
+        except ValueError:
+            raise ValueError(
+                f"WorkerLayout: unknown axis {name!r}; axes are {list(self._names)}"
+            ) from None
+
+    def _check_coords(self, coords: Mapping[str, int]) -> None:
+        for name, value in coords.items():
+            size = self.axis_size(name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+                raise ValueError(
+                    f"WorkerLayout: coordinate {name}={value!r} is out of range [0, {size})"
+                )
+
+    def _product_str(self) -> str:
+        return " x ".join(f"{n} ({s})" for n, s in zip(self._names, self._sizes))
+
+
+# ====================================================================== futures
+@dataclass(frozen=True)
+class ShardedFuture:
+    """The futures of one :meth:`RayWorkerGroup.run_all_workers_sharded_data` call.
+
+    ``futures[i]`` is rank ``ranks[i]``'s call (every rank is called);
+    ``keep`` lists the indices into ``futures`` whose outputs are returned, in shard order.
+    """
+
+    method_name: str
+    futures: list[ray.ObjectRef]
+    ranks: list[int]
+    keep: list[int] = field(default_factory=list)
+
+
+class _CallRegistry:
+    """Which rank and method each pending ObjectRef belongs to, so that an error raised
+    from a plain ``list[ObjectRef]`` can still name them.
+
+    Keyed by the ref's hex id rather than the ref itself: holding the ref would keep its
+    result pinned in the object store.  Bounded (oldest entries dropped) because callers
+    may never hand some futures back to :meth:`RayWorkerGroup.get_all_worker_results`.
+    """
+
+    def __init__(self, capacity: int = 16384) -> None:
+        self._capacity = capacity
+        self._entries: OrderedDict[str, tuple[int, str]] = OrderedDict()
+
+    def add(self, ref: ray.ObjectRef, rank: int, method: str) -> None:
+        self._entries[ref.hex()] = (rank, method)
+        while len(self._entries) > self._capacity:
+            self._entries.popitem(last=False)
+
+    def lookup(self, ref: ray.ObjectRef) -> tuple[int | None, str]:
+        return self._entries.get(ref.hex(), (None, "?"))
+
+    def discard(self, refs: Iterable[ray.ObjectRef]) -> None:
+        for ref in refs:
+            self._entries.pop(ref.hex(), None)
+
+
+# ====================================================================== group
+class RayWorkerGroup:
+    """One actor of ``worker_cls`` per used bundle of ``cluster``, rank = bundle order.
+
+    Args:
+        cluster: where to place the actors.
+        worker_cls: a plain class (wrapped with ``ray.remote`` here) or a Ray actor class.
+        *worker_args, **worker_kwargs: passed to every worker's constructor.
+        name_prefix: actors are named ``f"{name_prefix}-{rank}"`` (unique per Ray namespace).
+        workers_per_node: ``None`` = every bundle; ``int`` = that many (the first ones) on
+            every node; ``list`` = one count per node.  Counts may not exceed a node's bundles.
+        env_vars: extra env vars for every worker (may not override the rank variables).
+        layout: rank -> coordinates; default ``WorkerLayout({"dp": world_size})``.
+
+    Every worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (a fresh port from
+    ``cluster.get_master_address_and_port()``), so ``torch.distributed.init_process_group``
+    with the default ``env://`` works as is.  On CPU bundles ``CUDA_VISIBLE_DEVICES=""``
+    keeps a stray CUDA initialisation from grabbing a GPU of the host.
+    """
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        worker_cls: type,
+        *worker_args: Any,
+        name_prefix: str = "worker",
+        workers_per_node: int | list[int] | None = None,
+        env_vars: Mapping[str, str] | None = None,
+        layout: WorkerLayout | None = None,
+        **worker_kwargs: Any,
+    ) -> None:
+        env_vars = dict(env_vars or {})
+        clash = sorted(set(env_vars) & set(RESERVED_ENV_VARS))
+        if clash:
+            raise ValueError(
+                f"RayWorkerGroup: env_vars may not set {clash}; the group sets them per rank"
+            )
+        self._cluster = cluster
+        self._name_prefix = name_prefix
+        self._counts = _workers_per_node(cluster.bundle_ct_per_node_list, workers_per_node)
+        world_size = sum(self._counts)
+        self._layout = layout if layout is not None else WorkerLayout.data_parallel(world_size)
+        if self._layout.world_size != world_size:
+            raise ValueError(
+                f"RayWorkerGroup: {self._layout} has {self._layout.world_size} ranks but the group "
+                f"has {world_size} workers ({self._counts} per node)"
+            )
+        self._registry = _CallRegistry()
+        self._dead_reason: str | None = None
+        self._workers: list[ray.actor.ActorHandle] = []
+        self._create_workers(worker_cls, worker_args, worker_kwargs, env_vars)
+
+    # ------------------------------------------------------------------ description
+    @property
+    def workers(self) -> list[ray.actor.ActorHandle]:
+        """Actor handles, index = rank (a copy)."""
+        return list(self._workers)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def layout(self) -> WorkerLayout:
+        return self._layout
+
+    @property
+    def workers_per_node(self) -> list[int]:
+        return list(self._counts)
+
+    # ------------------------------------------------------------------ calls
+    def run_all_workers_single_data(
+        self, method_name: str, *args: Any, **kwargs: Any
+    ) -> list[ray.ObjectRef]:
+        """Call ``method_name(*args, **kwargs)`` on every worker; one future per rank."""
+        self._check_alive(method_name)
+        return [self._call(rank, method_name, args, kwargs) for rank in range(self.world_size)]
+
+    def run_all_workers_sharded_data(
+        self,
+        method_name: str,
+        data: Sequence[Any],
+        in_sharded_axes: Sequence[str] = ("dp",),
+        replicate_on_axes: Sequence[str] = ("cp", "tp"),
+        output_is_replicated: Sequence[str] = ("cp", "tp"),
+        common_kwargs: Mapping[str, Any] | None = None,
+    ) -> ShardedFuture:
+        """Call ``method_name(shard, **common_kwargs)`` on every worker, where ``shard`` is
+        ``data[c0][c1]...`` for the worker's coordinates ``c0, c1, ...`` on ``in_sharded_axes``
+        (so with one sharded axis, ``data[i]`` goes to every rank with coordinate ``i``).
+
+        * ``data`` is nested once per sharded axis; each level's length must equal the
+          axis size.
+        * every layout axis of size > 1 must be sharded or in ``replicate_on_axes``
+          (ranks on a replicated axis get the same shard); axes named in
+          ``replicate_on_axes`` / ``output_is_replicated`` that the layout lacks are ignored,
+          so the defaults work with a plain ``dp`` layout.
+        * the returned future keeps the outputs of the ranks with coordinate 0 on every
+          ``output_is_replicated`` axis, ordered by their sharded coordinates (shard order,
+          row-major over ``in_sharded_axes``), then by rank.
+        """
+        self._check_alive(method_name)
+        sharded = self._check_sharding(method_name, in_sharded_axes, replicate_on_axes)
+        _check_nested_lengths(method_name, data, [(a, self._layout.axis_size(a)) for a in sharded])
+        common_kwargs = dict(common_kwargs or {})
+        kept_axes = [a for a in output_is_replicated if self._layout.has_axis(a)]
+
+        # Each shard goes into the object store once, however many replicas receive it;
+        # Ray resolves a top-level ObjectRef argument to its value before the call.
+        shard_refs: dict[tuple[int, ...], Any] = {}
+        futures, keep_keys = [], []
+        for rank in range(self.world_size):
+            coords = self._layout.coords(rank)
+            key = tuple(coords[a] for a in sharded)
+            if key not in shard_refs:
+                shard_refs[key] = ray.put(_nested_get(data, key))
+            futures.append(self._call(rank, method_name, (shard_refs[key],), common_kwargs))
+            if all(coords[a] == 0 for a in kept_axes):
+                keep_keys.append((key, rank))
+        keep = [rank for _, rank in sorted(keep_keys)]  # index into futures == rank
+        return ShardedFuture(method_name, futures, list(range(self.world_size)), keep)
+
+    def get_all_worker_results(
+        self,
+        future_or_list: ShardedFuture | Sequence[ray.ObjectRef] | ray.ObjectRef,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Wait for the futures and return their results (for a :class:`ShardedFuture`,
+        only the kept outputs, in shard order; otherwise one per future, in order).
+
+        Fails fast: as soon as any call has failed (the method raised, or the actor died)
+        it kills this group's actors (ranks blocked in a collective with the failed one
+        would otherwise hang forever) and raises :class:`WorkerGroupError` naming the
+        method, the failed rank(s) and the cause; it does not wait for the other ranks.
+        ``timeout`` seconds without every call finished: :class:`WorkerGroupError` naming
+        the unfinished ranks (the actors are left alive; call :meth:`shutdown`).
+        """
+        refs, ranks, method, keep = self._unpack(future_or_list)
+        results = self._wait_all(refs, ranks, method, timeout)
+        self._registry.discard(refs)
+        return [results[i] for i in keep] if keep is not None else results
+
+    # ------------------------------------------------------------------ teardown
+    def shutdown(self, cleanup_method: str | None = None, timeout: float = 30.0) -> bool:
+        """Optionally call ``cleanup_method()`` on every worker (waiting at most ``timeout``
+        seconds in total), then kill every actor.  Idempotent.
+
+        Returns True if the cleanup calls all succeeded (or none was requested, or the group
+        was already shut down), False if any failed, did not finish in time, or could not run
+        because the actors had been killed after a failure; the actors are killed in every case.
+        """
+        if not self._workers:
+            return True
+        try:
+            if cleanup_method is None:
+                return True
+            if self._dead_reason is not None:
+                return False  # the actors were already killed: the cleanup cannot run any more
+            return self._run_cleanup(cleanup_method, timeout)
+        finally:  # also when cleanup_method does not exist: never leave actors behind
+            self._kill_all("the group was shut down")
+            self._workers = []
+
+    def _run_cleanup(self, cleanup_method: str, timeout: float) -> bool:
+        """Call ``cleanup_method()`` on every worker; True iff all finished without error
+        within ``timeout`` seconds."""
+        refs = [self._call(rank, cleanup_method, (), {}) for rank in range(self.world_size)]
+        ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        ok = not not_ready
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError:
+                ok = False
+        self._registry.discard(refs)
+        return ok
+
+    def __enter__(self) -> RayWorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (
+            f"RayWorkerGroup({self._name_prefix!r}, {self._layout}, "
+            f"workers per node {self._counts})"
+        )
+
+    # ------------------------------------------------------------------ internals: creation
+    def _create_workers(
+        self, worker_cls: type, args: tuple, kwargs: dict, env_vars: dict[str, str]
+    ) -> None:
+        """One actor per used bundle, node by node, pinned to its bundle."""
+        if isinstance(worker_cls, ray.actor.ActorClass):
+            actor_cls = worker_cls
+        else:
+            actor_cls = ray.remote(worker_cls)
+        master_addr, master_port = self._cluster.get_master_address_and_port()
+        share = 1.0 / self._cluster.max_colocated_worker_groups
+        resources: dict[str, float] = {"num_cpus": self._cluster.num_cpus_per_bundle * share}
+        if self._cluster.use_gpus:
+            resources["num_gpus"] = share
+        placement_groups = self._cluster.get_placement_groups()
+        world_size = sum(self._counts)
+        rank = 0
+        for node_rank, (pg, count) in enumerate(zip(placement_groups, self._counts)):
+            for local_rank in range(count):
+                env = dict(env_vars)
+                if not self._cluster.use_gpus:
+                    env.setdefault("CUDA_VISIBLE_DEVICES", "")
+                env.update(
+                    RANK=str(rank),
+                    WORLD_SIZE=str(world_size),
+                    LOCAL_RANK=str(local_rank),
+                    LOCAL_WORLD_SIZE=str(count),
+                    NODE_RANK=str(node_rank),
+                    MASTER_ADDR=master_addr,
+                    MASTER_PORT=str(master_port),
+                )
+                options = dict(
+                    name=f"{self._name_prefix}-{rank}",
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg,
+                        placement_group_bundle_index=local_rank,
+                        # tasks/actors a worker spawns stay inside the cluster's resources
+                        placement_group_capture_child_tasks=True,
+                    ),
+                    runtime_env={"env_vars": env},
+                    # a restarted rank would not rejoin its process group: fail instead
+                    max_restarts=0,
+                    **resources,
+                )
+                try:
+                    self._workers.append(actor_cls.options(**options).remote(*args, **kwargs))
+                except Exception:
+                    self._kill_all("construction failed")
+                    raise
+                rank += 1
+
+    # ------------------------------------------------------------------ internals: calls
+    def _call(
+        self, rank: int, method_name: str, args: tuple, kwargs: Mapping[str, Any]
+    ) -> ray.ObjectRef:
+        try:
+            method = getattr(self._workers[rank], method_name)
+        except AttributeError:
+            raise AttributeError(
+                f"RayWorkerGroup({self._name_prefix!r}): workers have no method {method_name!r}"
+            ) from None
+        ref = method.remote(*args, **kwargs)
+        self._registry.add(ref, rank, method_name)
+        return ref
+
+    def _check_alive(self, method_name: str) -> None:
+        if self._dead_reason is not None:
+            raise WorkerGroupError(
+                f"RayWorkerGroup({self._name_prefix!r}): cannot call {method_name!r}: the group's "
+                f"actors were killed ({self._dead_reason})",
+                method=method_name,
+            )
+
+    def _check_sharding(
+        self, method_name: str, in_sharded_axes: Sequence[str], replicate_on_axes: Sequence[str]
+    ) -> list[str]:
+        """Validate the axis roles against the layout; return the sharded axes."""
+        where = f"run_all_workers_sharded_data({method_name!r})"
+        if isinstance(in_sharded_axes, str) or isinstance(replicate_on_axes, str):
+            raise TypeError(
+                f"{where}: axis arguments are sequences of names, e.g. ('dp',), not a string"
+            )
+        sharded = list(in_sharded_axes)
+        if not sharded:
+            raise ValueError(f"{where}: in_sharded_axes is empty; use run_all_workers_single_data")
+        for axis in sharded:
+            if not self._layout.has_axis(axis):
+                raise ValueError(f"{where}: sharded axis {axis!r} is not in {self._layout}")
+        both = sorted(set(sharded) & set(replicate_on_axes))
+        if both:
+            raise ValueError(f"{where}: axes {both} are both sharded and replicated")
+        unassigned = [
+            a
+            for a in self._layout.axis_names
+            if self._layout.axis_size(a) > 1 and a not in sharded and a not in replicate_on_axes
+        ]
+        if unassigned:
+            raise ValueError(
+                f"{where}: axes {unassigned} of {self._layout} are neither in in_sharded_axes "
+                f"{tuple(sharded)} nor in replicate_on_axes {tuple(replicate_on_axes)}"
+            )
+        return sharded
+
+    def _unpack(
+        self, future_or_list: ShardedFuture | Sequence[ray.ObjectRef] | ray.ObjectRef
+    ) -> tuple[list[ray.ObjectRef], list[int | None], str, list[int] | None]:
+        """(refs, rank per ref, method name, indices to keep or None for all)."""
+        if isinstance(future_or_list, ShardedFuture):
+            f = future_or_list
+            return list(f.futures), list(f.ranks), f.method_name, list(f.keep)
+        if isinstance(future_or_list, ray.ObjectRef):
+            refs = [future_or_list]
+        else:
+            refs = list(future_or_list)
+        looked_up = [self._registry.lookup(r) for r in refs]
+        methods = sorted({m for _, m in looked_up if m != "?"})
+        method = "/".join(methods) if methods else "?"
+        return refs, [rank for rank, _ in looked_up], method, None
+
+    def _wait_all(
+        self, refs: list[ray.ObjectRef], ranks: list[int | None], method: str, timeout: float | None
+    ) -> list[Any]:
+        """Results of ``refs`` in order; raise on the first failure or on the deadline."""
+        positions: dict[str, list[int]] = {}
+        unique: list[ray.ObjectRef] = []
+        for i, ref in enumerate(refs):  # ray.wait rejects duplicate refs
+            if ref.hex() not in positions:
+                positions[ref.hex()] = []
+                unique.append(ref)
+            positions[ref.hex()].append(i)
+        results: list[Any] = [None] * len(refs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = unique
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # num_returns=1: wake up on the *first* finished call, so a failure is seen at once
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                unfinished = sorted({ranks[positions[r.hex()][0]] for r in pending}, key=_rank_key)
+                raise WorkerGroupError(
+                    f"RayWorkerGroup({self._name_prefix!r}): {method!r} did not finish within "
+                    f"{timeout} s on rank(s) {_fmt_ranks(unfinished)}",
+                    method=method,
+                    ranks=[r for r in unfinished if r is not None],
+                )
+            if pending:  # collect everything else that is already done, without blocking
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                ready = ready + more
+            failures: dict[int | None, BaseException] = {}
+            for ref in ready:
+                idx = positions[ref.hex()]
+                try:
+                    value = ray.get(ref)
+                except RayError as err:
+                    failures[ranks[idx[0]]] = err
+                    continue
+                for i in idx:
+                    results[i] = value
+            if failures:
+                self._fail(method, failures)
+        return results
+
+    def _fail(self, method: str, failures: Mapping[int | None, BaseException]) -> None:
+        """Kill the group and raise a WorkerGroupError describing ``failures``."""
+        failed = sorted(failures, key=_rank_key)
+        self._kill_all(f"{method!r} failed on rank(s) {_fmt_ranks(failed)}")
+        details = "\n".join(f"  rank {_fmt_rank(r)}: {_describe(failures[r])}" for r in failed)
+        first = failures[failed[0]]
+        raise WorkerGroupError(
+            f"RayWorkerGroup({self._name_prefix!r}): {method!r} failed on rank(s) "
+            f"{_fmt_ranks(failed)}; all {len(self._workers)} actors of the group were killed.\n"
+            f"{details}",
+            method=method,
+            ranks=[r for r in failed if r is not None],
+            errors={r: e for r, e in failures.items() if r is not None},
+        ) from first
+
+    def _kill_all(self, reason: str) -> None:
+        """``ray.kill`` every actor (no restart); remember why, for later calls."""
+        if self._dead_reason is None:
+            self._dead_reason = reason
+        for worker in self._workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead / Ray gone: nothing left to kill
+                pass
+
+
+# ====================================================================== helpers
+def _workers_per_node(bundles: list[int], requested: int | list[int] | None) -> list[int]:
+    """Workers on each node: validated against the node's bundle count."""
+    if requested is None:
+        return list(bundles)
+    if isinstance(requested, int) and not isinstance(requested, bool):
+        counts = [requested] * len(bundles)
+    elif isinstance(requested, Sequence) and not isinstance(requested, str):
+        counts = list(requested)
+        if len(counts) != len(bundles):
+            raise ValueError(
+                f"RayWorkerGroup: workers_per_node has {len(counts)} entries but the cluster has "
+                f"{len(bundles)} nodes ({bundles} bundles per node)"
+            )
+    else:
+        raise TypeError(
+            f"RayWorkerGroup: workers_per_node must be None, an int or a list, got {requested!r}"
+        )
+    for node, (want, have) in enumerate(zip(counts, bundles)):
+        if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= have:
+            raise ValueError(
+                f"RayWorkerGroup: node {node} has {have} bundles; "
+                f"cannot place {want!r} workers there"
+            )
+    if sum(counts) == 0:
+        raise ValueError("RayWorkerGroup: workers_per_node places no worker at all")
+    return counts
+
+
+def _check_nested_lengths(
+    method: str, data: Any, axes: list[tuple[str, int]], path: str = "data"
+) -> None:
+    """``data`` must be a list (or tuple) of ``axes[0]`` size, each item one of ``axes[1]``...."""
+    if not axes:
+        return
+    (axis, size), rest = axes[0], axes[1:]
+    if not isinstance(data, (list, tuple)):
+        raise TypeError(
+            f"run_all_workers_sharded_data({method!r}): {path} must be a list with one item per "
+            f"{axis!r} coordinate ({size}), e.g. BatchedDataDict.shard_by_batch_size({size}); "
+            f"got {type(data).__name__}"
+        )
+    if len(data) != size:
+        raise ValueError(
+            f"run_all_workers_sharded_data({method!r}): len({path}) is {len(data)} but sharded "
+            f"axis {axis!r} has size {size}"
+        )
+    for i, item in enumerate(data):
+        _check_nested_lengths(method, item, rest, f"{path}[{i}]")
+
+
+def _nested_get(data: Any, key: tuple[int, ...]) -> Any:
+    for i in key:
+        data = data[i]
+    return data
+
+
+def _describe(err: BaseException) -> str:
+    """The worker's own exception for a method error (plus its remote traceback), Ray's
+    explanation for a dead actor."""
+    if isinstance(err, RayTaskError) and err.cause is not None:
+        cause = err.cause
+        return f"{type(cause).__name__}: {cause}\n    remote traceback:\n{_indent(str(err), 6)}"
+    return f"{type(err).__name__}: {_indent(str(err), 4).lstrip()}"
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _indent(text: str, n: int) -> str:
+    """``text`` indented by ``n`` spaces, without the colour codes Ray puts in tracebacks
+    (they end up in log files and CI output, where they are noise)."""
+    pad = " " * n
+    return "\n".join(pad + line for line in _ANSI_ESCAPE.sub("", text).splitlines())
+
+
+def _rank_key(rank: int | None) -> tuple[int, int]:
+    return (1, 0) if rank is None else (0, rank)
+
+
+def _fmt_rank(rank: int | None) -> str:
+    return "?" if rank is None else str(rank)
+
+
+def _fmt_ranks(ranks: Iterable[int | None]) -> str:
+    return "[" + ", ".join(_fmt_rank(r) for r in ranks) + "]"
+
