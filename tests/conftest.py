@@ -10,3 +10,23 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray instance for the whole test session (starting Ray costs ~4 s on 2 cores).
+
+    Tests that need Ray request this fixture (directly or through another fixture);
+    pure-Python tests do not, and run without starting Ray.  4 logical CPUs on a 2-core
+    machine: the test workers mostly wait, and 4 lets a dp=2 x tp=2 group exist.
+    """
+    import ray
+
+    from core.distributed import init_ray
+
+    init_ray(num_cpus=4)
+    yield ray
+    ray.shutdown()

@@ -1,1 +1,5 @@
-"""PyTorch DTensor backend: FSDP2 fully_shard on a (dp, tp) mesh plus tensor/sequence/context parallel."""
+"""PyTorch DTensor backend: FSDP2 fully_shard on a (dp, tp) mesh plus tensor/sequence parallel."""
+
+from backends.torch_dtensor.worker import DTensorPolicyWorker
+
+__all__ = ["DTensorPolicyWorker"]

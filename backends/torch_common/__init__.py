@@ -1,0 +1,1 @@
+"""Code shared by the two torch backends (FSDP1 and DTensor)."""

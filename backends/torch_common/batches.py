@@ -1,0 +1,67 @@
+"""Per-rank batch plumbing shared by the torch workers: micro batches, model inputs, counts.
+
+All of it is the same for FSDP1 and DTensor; what differs per backend (how logits are
+produced, whether they are vocab-sharded) stays in the workers.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from core.data import BatchedDataDict
+
+
+def micro_batches(batch: BatchedDataDict, micro_batch_size: int) -> Iterator[BatchedDataDict]:
+    """The micro batches of ``batch``: the attached dynamic-batching plan if there is one
+    (token-budget micro batches, lockstep over ranks), else fixed ``micro_batch_size`` rows."""
+    if getattr(batch, "micro_batch_indices", None) is not None:
+        return batch.make_microbatch_iterator_with_dynamic_shapes()
+    return batch.make_microbatch_iterator(micro_batch_size)
+
+
+def model_inputs(
+    mb: BatchedDataDict, device: torch.device, seq_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(input_ids, attention_mask, seq_len)`` for one right-padded micro batch.
+
+    The width is padded up to a multiple of ``seq_multiple`` (sequence parallelism splits
+    the sequence over the TP ranks) with masked-out pad columns; ``seq_len`` is the width
+    before padding, so callers can cut outputs back.
+    """
+    ids = mb["input_ids"]
+    lengths = mb["input_lengths"]
+    seq_len = ids.shape[1]
+    width = -(-seq_len // seq_multiple) * seq_multiple
+    if width != seq_len:
+        ids = torch.nn.functional.pad(ids, (0, width - seq_len), value=0)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    return ids.to(device, non_blocking=True), mask.to(device, dtype=torch.long, non_blocking=True), seq_len
+
+
+def global_valid_counts(
+    gb: BatchedDataDict, device: torch.device, dp_group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid sequences, valid next-token positions) of the *global* batch.
+
+    Summed over the data-parallel group so every rank normalises its micro-batch losses by
+    the same global counts: the sum of all micro-batch losses over all ranks is then the
+    loss of the whole batch, whatever the micro-batch size or the number of ranks.
+    """
+    sample_mask = gb["sample_mask"].to(torch.float64)
+    if "token_mask" in gb:
+        tokens = (gb["token_mask"][:, 1:].to(torch.float64) * sample_mask[:, None]).sum()
+    else:
+        tokens = ((torch.arange(gb["input_ids"].shape[1] - 1)[None, :] < (gb["input_lengths"][:, None] - 1))
+                  .to(torch.float64) * sample_mask[:, None]).sum()
+    counts = torch.stack([sample_mask.sum(), tokens]).to(device)
+    if dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(counts, group=dp_group)
+    return counts[0].to(torch.float32), counts[1].to(torch.float32)
+
+
+def pad_columns(t: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
+    """Right-pad dim 1 of ``t`` to ``width``."""
+    return t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)

@@ -1,0 +1,412 @@
+"""HF ``generate`` for the torch policy workers, returning ``GenerationOutputSpec``.
+
+The protocol's sequences are right-padded; a batched decoder-only ``generate`` needs the
+prompts left-padded (so every row's next token is written at the same column), so the
+prompts are moved to the right edge with an attention mask, generated, and the results
+put back into the protocol's right-padded layout:
+
+* ``output_ids`` [B, S + max_new_tokens]: the row's valid prompt tokens, then its
+  generated tokens, then ``pad_token_id``.  The width depends only on the input width and
+  the configured ``max_new_tokens`` (not on when rows stopped), so every data-parallel
+  rank returns the same width for the same input width.
+* ``generation_lengths`` [B]: generated tokens up to and including the one that met a
+  stop condition -- a stop token id, or a stop string completed in the row's generated
+  text (``StopStringCriterion``) -- else ``max_new_tokens``.  Taken from the stop
+  conditions, never from the ids: HF pads finished rows with ``pad_token_id``, which may
+  be a real token.
+* ``logprobs`` [B, S + max_new_tokens] float32, ``get_logprobs`` layout: on a generated
+  position, ``log_softmax(raw_logits / temperature)[token]``, i.e. the distribution
+  *before* top-k/top-p filtering, at the configured temperature (also for ``greedy``,
+  which decodes by argmax but scores with the same temperature) -- what ``get_logprobs``
+  computes for the returned sequence.  0 on prompt and padding positions.
+
+HF fills unset fields of the ``GenerationConfig`` passed to ``generate`` from the model's
+``generation_config`` (checkpoint defaults like ``top_k=20, repetition_penalty=1.05``) and
+then from global defaults (``top_k=50``).  Every field that changes the sampled
+distribution or the stopping is therefore set explicitly here, to its neutral value when
+the policy config does not ask for it; the few fields whose only "off" value is ``None``
+are reported by a warning when the model's config would fill them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, Sequence
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from core.data import BatchedDataDict
+from core.kernels.logprobs import apply_temperature, logprobs_from_logits
+
+__all__ = [
+    "StopStringCriterion",
+    "build_hf_generation_config",
+    "generation_lengths",
+    "hf_generate",
+    "right_to_left_padding",
+]
+
+# GenerationConfig fields that alter decoding but have no neutral value besides ``None``
+# (which means "unset", so HF fills them from the model's generation_config).
+_ONLY_NONE_IS_OFF = (
+    "stop_strings", "max_time", "min_p", "top_h", "bad_words_ids", "sequence_bias", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+    "exponential_decay_length_penalty", "watermarking_config",
+)
+
+
+def hf_generate(
+    model,
+    data: BatchedDataDict,
+    gen_cfg: Mapping[str, Any],
+    *,
+    greedy: bool,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int] = (),
+    tokenizer=None,
+    synced_gpus: bool = False,
+    max_new_tokens: int | None = None,
+    device: torch.device | str | None = None,
+) -> BatchedDataDict:
+    """Continue right-padded prompts with ``model.generate``; returns ``GenerationOutputSpec`` on CPU.
+
+    Args:
+        model: an HF causal LM, or a wrapper whose ``generate`` reaches one (an FSDP2
+            module; for FSDP1 the caller makes the full parameters available).
+        data: ``input_ids`` [B, S] right-padded, ``input_lengths`` [B]; optional
+            ``stop_strings`` (per row: a list of extra stop strings, or None).
+        gen_cfg: the ``GenerationConfig`` block (temperature, top_p, top_k, max_new_tokens,
+            stop_token_ids, stop_strings).
+        greedy: argmax decoding; logprobs still use ``gen_cfg['temperature']``.
+        pad_token_id: fills padding in ``output_ids`` and HF's finished rows.
+        eos_token_ids: stop tokens added to ``gen_cfg['stop_token_ids']``.
+        tokenizer: required when any stop string is configured (generated tokens are decoded).
+        synced_gpus: keep stepping after this rank's rows are done until every rank is;
+            needed when the forward pass has collectives (FSDP), else ranks deadlock.
+        max_new_tokens: overrides ``gen_cfg['max_new_tokens']``.
+        device: where to run; default the device of ``data['input_ids']``.
+
+    Returns:
+        ``output_ids`` [B, S + N] int64, ``logprobs`` [B, S + N] float32,
+        ``generation_lengths`` [B] and ``unpadded_sequence_lengths`` [B] int64, where
+        N = max_new_tokens.  All tensors on CPU.
+    """
+    input_ids, input_lengths = _check_inputs(data)
+    new_tokens = _resolve_max_new_tokens(gen_cfg, max_new_tokens)
+    temperature = _check_temperature(gen_cfg)
+    stop_token_ids = _stop_token_ids(gen_cfg, eos_token_ids)
+    row_strings = _row_stop_strings(data, gen_cfg, input_ids.shape[0])
+    if any(row_strings) and tokenizer is None:
+        raise ValueError(
+            "stop strings are configured (generation.stop_strings or data['stop_strings']) but no tokenizer "
+            "was given: pass tokenizer= so generated tokens can be decoded and matched"
+        )
+
+    device = torch.device(device) if device is not None else input_ids.device
+    left_ids, attention_mask = right_to_left_padding(input_ids, input_lengths, pad_token_id)
+    left_ids, attention_mask = left_ids.to(device), attention_mask.to(device)
+    prompt_width = left_ids.shape[1]
+    hf_cfg = build_hf_generation_config(
+        gen_cfg, greedy=greedy, max_new_tokens=new_tokens, stop_token_ids=stop_token_ids,
+        pad_token_id=pad_token_id,
+    )
+    _warn_inherited_fields(model, hf_cfg)
+    criterion = StopStringCriterion(tokenizer, row_strings, prompt_width) if any(row_strings) else None
+
+    out = _run_generate(model, left_ids, attention_mask, hf_cfg, criterion, synced_gpus)
+
+    generated = out.sequences[:, prompt_width:]  # [B, T], T <= new_tokens
+    with torch.no_grad():
+        token_logprobs = _generated_logprobs(out.logits, generated, temperature).cpu()
+    lengths = generation_lengths(generated, stop_token_ids, None if criterion is None else criterion.stopped_at)
+    return _assemble_output(
+        input_ids, input_lengths, generated.cpu(), token_logprobs, lengths, new_tokens, pad_token_id
+    )
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _check_inputs(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` [B, S] and ``input_lengths`` [B] (int64), validated."""
+    input_ids, input_lengths = data["input_ids"], data["input_lengths"]
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+        shape = tuple(getattr(input_ids, "shape", ()))
+        raise ValueError(f"input_ids must be a 2-D [B, S] tensor, got shape {shape}")
+    batch, seq = input_ids.shape
+    input_lengths = torch.as_tensor(input_lengths)
+    if tuple(input_lengths.shape) != (batch,):
+        raise ValueError(f"input_lengths must have shape [B] = ({batch},), got {tuple(input_lengths.shape)}")
+    if batch == 0:
+        raise ValueError("cannot generate for an empty batch (B = 0)")
+    input_lengths = input_lengths.to(device=input_ids.device, dtype=torch.long)
+    bad = (input_lengths < 1) | (input_lengths > seq)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"input_lengths must be in [1, S={seq}]; row {row} has length {int(input_lengths[row])}"
+        )
+    return input_ids.long(), input_lengths
+
+
+def _resolve_max_new_tokens(gen_cfg: Mapping[str, Any], override: int | None) -> int:
+    value = gen_cfg.get("max_new_tokens") if override is None else override
+    if value is None or int(value) <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _check_temperature(gen_cfg: Mapping[str, Any]) -> float:
+    # Logprobs divide by the temperature, so 0 ("greedy" in vLLM's convention) is refused:
+    # greedy decoding is asked for with greedy=True and keeps a positive temperature.
+    temperature = float(gen_cfg.get("temperature", 1.0))
+    if temperature <= 0:
+        raise ValueError(f"generation temperature must be > 0 (use greedy=True for argmax), got {temperature}")
+    return temperature
+
+
+def _stop_token_ids(gen_cfg: Mapping[str, Any], eos_token_ids: Sequence[int]) -> list[int]:
+    """gen_cfg stop_token_ids + eos_token_ids, de-duplicated in order."""
+    ids = [int(t) for t in (gen_cfg.get("stop_token_ids") or [])] + [int(t) for t in eos_token_ids]
+    return list(dict.fromkeys(ids))
+
+
+def right_to_left_padding(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [B, S] -> left-padded [B, P] ids and attention mask, P = max(input_lengths).
+
+    Row b's valid tokens end up in columns [P - len_b, P); the rest hold ``pad_token_id``
+    with mask 0 (HF derives position ids from the mask, so positions still start at 0).
+    """
+    width = int(input_lengths.max())
+    cols = torch.arange(width, device=input_ids.device)[None, :]
+    shift = (width - input_lengths)[:, None]  # how far each row moves right
+    src = (cols - shift).clamp(min=0)  # the right-padded column each left-padded column reads
+    mask = cols >= shift
+    left = torch.where(mask, input_ids.gather(1, src), torch.full_like(src, pad_token_id))
+    return left, mask.long()
+
+
+# ----------------------------------------------------------------------------- HF config
+
+
+def build_hf_generation_config(
+    gen_cfg: Mapping[str, Any],
+    *,
+    greedy: bool,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+):
+    """A ``transformers.GenerationConfig`` with every decoding-relevant field explicit.
+
+    Unset (None) fields would be filled from the model's generation_config and HF's global
+    defaults (top_k=50!), so sampling knobs and penalties get explicit neutral values:
+    top_k=0 and top_p=1.0 are "off" in HF.  Greedy sets temperature=1, top_p=1, top_k=50:
+    HF applies them only when sampling, and these are the values its validation accepts
+    with do_sample=False (inherited sampling values would make it log a warning).  Stop
+    strings are not HF's (see ``StopStringCriterion``); stop token ids become ``eos_token_id``.
+    """
+    fields: dict[str, Any] = dict(
+        # min_new_tokens=0 overrides any inherited min_length (HF derives min_length from it).
+        max_new_tokens=max_new_tokens, min_new_tokens=0, num_beams=1,
+        num_return_sequences=1, use_cache=True, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0,
+        eta_cutoff=0.0, guidance_scale=1.0, renormalize_logits=False, remove_invalid_values=False,
+        # An empty list (not None) so the model's own eos ids are not inherited.
+        eos_token_id=list(stop_token_ids), pad_token_id=int(pad_token_id),
+        # Raw logits (before processors), the ones get_logprobs reproduces.
+        return_dict_in_generate=True, output_logits=True, output_scores=False,
+        do_sample=not greedy,
+    )
+    if greedy:
+        fields.update(temperature=1.0, top_p=1.0, top_k=50)
+    else:
+        top_k, top_p = gen_cfg.get("top_k"), float(gen_cfg.get("top_p", 1.0))
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be None (off) or a positive int, got {top_k!r}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        fields.update(temperature=_check_temperature(gen_cfg), top_k=top_k or 0, top_p=top_p)
+    return GenerationConfig(**fields)
+
+
+def _warn_inherited_fields(model, hf_cfg) -> None:
+    """Warn about decoding fields the model's generation_config would fill in (see module doc)."""
+    model_cfg = getattr(model, "generation_config", None)
+    if model_cfg is None:
+        return
+    inherited = [
+        name for name in _ONLY_NONE_IS_OFF
+        if getattr(hf_cfg, name, None) is None and getattr(model_cfg, name, None) is not None
+    ]
+    if inherited:
+        warnings.warn(
+            f"hf_generate: the model's generation_config sets {inherited}, which HF applies because the policy "
+            "config has no neutral value for them; clear them on model.generation_config to turn them off",
+            stacklevel=3,
+        )
+
+
+def _run_generate(model, left_ids, attention_mask, hf_cfg, criterion, synced_gpus):
+    """``model.generate`` in eval mode without gradients; restores ``model.training``."""
+    kwargs: dict[str, Any] = {}
+    if criterion is not None:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([criterion])
+    was_training = model.training
+    model.eval()  # dropout off: the logprobs must be those get_logprobs computes
+    try:
+        with torch.no_grad():
+            return model.generate(
+                input_ids=left_ids, attention_mask=attention_mask, generation_config=hf_cfg,
+                synced_gpus=synced_gpus, **kwargs,
+            )
+    finally:
+        model.train(was_training)
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+class StopStringCriterion(StoppingCriteria):
+    """Stops a row once its *generated* text contains one of the row's stop strings.
+
+    HF's ``StopStringCriteria`` (``GenerationConfig.stop_strings``) is not used: it maps
+    every vocabulary entry to its string by tokenizing a probe word, which fails for
+    tokenizers that cannot spell the probe (the tiny word-level tokenizer raises), it
+    matches across the prompt/generation boundary, and it applies one list to the whole
+    batch.  Here each row has its own list (config strings + ``data['stop_strings']``) and
+    the text is ``tokenizer.decode`` of the generated tokens only -- the rule vLLM applies.
+
+    Only the last ``len(longest string) + WINDOW_SLACK`` tokens are decoded each step (a
+    stop string completed by the newest token lies in that tail unless more than
+    ``WINDOW_SLACK`` of its tokens decode to nothing), so a step costs O(window), not O(T).
+
+    ``stopped_at[b]`` records the number of generated tokens when row b first matched (0:
+    never); HF evaluates criteria after appending each token, so the matching token is
+    counted.
+    """
+
+    WINDOW_SLACK = 8
+
+    def __init__(self, tokenizer, row_strings: Sequence[tuple[str, ...]], prompt_width: int):
+        self.tokenizer = tokenizer
+        self.row_strings = [tuple(r) for r in row_strings]
+        self.prompt_width = prompt_width
+        longest = max((len(s) for row in self.row_strings for s in row), default=0)
+        self.window = longest + self.WINDOW_SLACK
+        self.stopped_at = torch.zeros(len(self.row_strings), dtype=torch.long)
+
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        """[B, P + t] ids after step t -> [B] bool, True for rows that have matched by now."""
+        generated = input_ids[:, self.prompt_width :]
+        step = generated.shape[1]
+        pending = [b for b, strings in enumerate(self.row_strings) if strings and self.stopped_at[b] == 0]
+        if pending and step > 0:
+            tails = generated[pending, -self.window :].tolist()  # one device->host copy per step
+            for b, tail in zip(pending, tails):
+                text = self.tokenizer.decode(tail, skip_special_tokens=False)
+                if any(s in text for s in self.row_strings[b]):
+                    self.stopped_at[b] = step
+        return (self.stopped_at > 0).to(input_ids.device)
+
+
+def _row_stop_strings(data: Mapping[str, Any], gen_cfg: Mapping[str, Any], batch: int) -> list[tuple[str, ...]]:
+    """Each row's stop strings: ``gen_cfg['stop_strings']`` + that row's ``data['stop_strings']``."""
+    common = _as_strings(gen_cfg.get("stop_strings"))
+    extra = data.get("stop_strings")
+    if extra is not None and len(extra) != batch:
+        raise ValueError(f"data['stop_strings'] must have one entry per row ({batch}), got {len(extra)}")
+    own = [() if extra is None else _as_strings(extra[b]) for b in range(batch)]
+    rows = [tuple(dict.fromkeys(common + strings)) for strings in own]  # de-duplicated, in order
+    for strings in rows:
+        for s in strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+    return rows
+
+
+def _as_strings(value) -> tuple[str, ...]:
+    """None -> (); a bare string is one stop string (not its characters); a list -> tuple."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def generation_lengths(
+    generated: torch.Tensor, stop_token_ids: Sequence[int], stopped_at: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Generated tokens per row: [B, T] ids -> [B] int64.
+
+    The first step at which a stop condition held, counting the token that met it: the
+    first stop token id (HF's ``EosTokenCriteria`` checks the newest token only), or the
+    step recorded by ``StopStringCriterion.stopped_at`` (> 0), whichever is earlier; T
+    when neither happened.  After that step HF writes ``pad_token_id``, which may be a
+    real token (even a stop token), so the ids after a row's end cannot tell it apart.
+    """
+    steps = generated.shape[1]
+    stop_ids = torch.tensor(list(stop_token_ids), dtype=generated.dtype, device=generated.device)
+    hit = torch.isin(generated, stop_ids)  # [B, T]
+    first = hit.int().argmax(dim=1) + 1  # argmax returns the first True (0 when none)
+    lengths = torch.where(hit.any(dim=1), first, torch.full_like(first, steps)).cpu().long()
+    if stopped_at is not None:
+        stopped_at = stopped_at.cpu().long()
+        lengths = torch.where(stopped_at > 0, torch.minimum(lengths, stopped_at), lengths)
+    return lengths
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _generated_logprobs(step_logits: Sequence[torch.Tensor], generated: torch.Tensor, temperature: float):
+    """log softmax(raw_logits_t / T)[token_t] per step: T x [B, V] and [B, T] -> [B, T] float32.
+
+    One step at a time, so no [B, T, V] copy of the logits HF already holds is made.
+    """
+    if len(step_logits) != generated.shape[1]:
+        raise RuntimeError(f"HF returned {len(step_logits)} logits for {generated.shape[1]} generated tokens")
+    columns = [
+        logprobs_from_logits(apply_temperature(logits[:, None, :], temperature), generated[:, t : t + 1])
+        for t, logits in enumerate(step_logits)
+    ]
+    return torch.cat(columns, dim=1).float()
+
+
+def _assemble_output(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    generated: torch.Tensor,
+    token_logprobs: torch.Tensor,
+    gen_lengths: torch.Tensor,
+    max_new_tokens: int,
+    pad_token_id: int,
+) -> BatchedDataDict:
+    """Right-padded ``GenerationOutputSpec`` of width S + max_new_tokens (CPU inputs).
+
+    generated, token_logprobs: [B, T], T <= max_new_tokens (HF stops early when all rows
+    are done); row b's first ``gen_lengths[b]`` of them go right after its prompt.
+    """
+    input_ids, input_lengths = input_ids.cpu(), input_lengths.cpu()
+    batch, seq = input_ids.shape
+    width = seq + max_new_tokens
+    cols = torch.arange(width)[None, :]
+    output_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    output_ids[:, :seq] = torch.where(cols[:, :seq] < input_lengths[:, None], input_ids, output_ids[:, :seq])
+    logprobs = torch.zeros((batch, width), dtype=torch.float32)
+
+    steps = generated.shape[1]
+    step_idx = torch.arange(steps)[None, :]
+    keep = step_idx < gen_lengths[:, None]  # [B, T]: generated before (or at) the stop
+    rows = torch.arange(batch)[:, None].expand(batch, steps)[keep]
+    dest = (input_lengths[:, None] + step_idx)[keep]
+    output_ids[rows, dest] = generated[keep]
+    logprobs[rows, dest] = token_logprobs[keep]
+
+    return BatchedDataDict(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        generation_lengths=gen_lengths.long(),
+        unpadded_sequence_lengths=input_lengths + gen_lengths.long(),
+    )

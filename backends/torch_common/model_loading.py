@@ -1,0 +1,31 @@
+"""Loading HF causal LMs for training, and the checks that must fail before any work starts."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    if precision not in DTYPES:
+        raise ValueError(f"policy.precision must be one of {sorted(DTYPES)}, got {precision!r}")
+    return DTYPES[precision]
+
+
+def load_hf_model(model_name: str) -> torch.nn.Module:
+    """``AutoModelForCausalLM`` by local path or hub name, in float32 on the host.
+
+    Parameters stay float32 (the optimizer's master copy); ``policy.precision`` is applied as
+    the *compute* dtype by each backend's mixed-precision policy, as NeMo RL does.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+    model.config.use_cache = False  # training forwards never want a KV cache
+    return model
+
+
+def hf_param_meta(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """HF parameter name -> (full shape, dtype), recorded before any sharding."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}

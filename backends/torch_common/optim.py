@@ -1,0 +1,71 @@
+"""Optimizer and learning-rate schedule from the policy config (NeMo RL's format).
+
+``optimizer: {name: "torch.optim.AdamW", kwargs: {...}}`` and a scheduler *list*: the
+schedulers in order plus one ``{milestones: [...]}`` entry, chained with ``SequentialLR``
+(a single scheduler is used as is).  The schedule is stepped once per ``train`` call.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+
+def import_object(path: str, what: str) -> Any:
+    """``"pkg.module.Name"`` -> the object; a clear error naming ``what`` otherwise."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{what}: {path!r} is not a dotted import path like 'torch.optim.AdamW'")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{what}: cannot import {path!r}: {err}") from err
+
+
+def build_optimizer(cfg: Mapping[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer named by ``policy.optimizer`` over ``params``."""
+    cls = import_object(cfg["name"], "policy.optimizer.name")
+    kwargs = dict(cfg.get("kwargs") or {})
+    if "betas" in kwargs:  # YAML gives a list; torch wants a tuple
+        kwargs["betas"] = tuple(kwargs["betas"])
+    try:
+        return cls(params, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"policy.optimizer.kwargs {sorted(kwargs)} rejected by {cfg['name']}: {err}") from err
+
+
+def build_scheduler(
+    entries: Sequence[Mapping[str, Any]] | None, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The schedule of ``policy.scheduler``; ``None``/empty gives a constant learning rate."""
+    if not entries:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
+    schedulers, milestones = [], None
+    for i, entry in enumerate(entries):
+        if "milestones" in entry:
+            milestones = list(entry["milestones"])
+            continue
+        cls = import_object(entry["name"], f"policy.scheduler[{i}].name")
+        schedulers.append(cls(optimizer, **dict(entry.get("kwargs") or {})))
+    if len(schedulers) == 1:
+        return schedulers[0]
+    if milestones is None or len(milestones) != len(schedulers) - 1:
+        raise ValueError(
+            f"policy.scheduler: {len(schedulers)} schedulers need a {{milestones: [...]}} entry with "
+            f"{len(schedulers) - 1} step(s), got {milestones}"
+        )
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones=milestones)
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move every tensor of the optimizer state (exp_avg, ...) to ``device`` in place."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)

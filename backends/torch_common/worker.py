@@ -1,0 +1,448 @@
+"""``TorchPolicyWorker``: everything the FSDP1 and DTensor policy workers have in common.
+
+A backend subclass supplies only what differs between the engines:
+
+* ``_parallel_dims()``      -- the (dp, cp, tp) split of the world,
+* ``_parallelize(model)``   -- wrap/shard the HF module; returns the module to call,
+* ``_clip_grad_norm(max)``  -- global gradient norm (FSDP1 flat params vs DTensors),
+* ``iter_full_weights()``   -- ``(hf_name, full tensor)`` pairs, gathered shard by shard,
+* optionally ``_seq_multiple`` (sequence parallelism pads the width to a multiple of tp).
+
+The rest -- micro-batch loop, global loss normalisation, temperature, logprobs, reference
+swap, optimizer/scheduler, checkpoints, offloading, profiling -- is written once here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from core.data import BatchedDataDict
+from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
+from core.kernels.vocab_parallel import vocab_parallel_next_token_logprobs
+from core.parallel_dims import ParallelDims
+from core.policy.checks import check_sequence_lengths, check_train_batch
+from core.policy.preflight import check_tokenizer_fits
+
+from backends.torch_common import checkpoint as ckpt
+from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns
+from backends.torch_common.dist_env import (
+    device_id,
+    device_info,
+    empty_cache,
+    init_torch_distributed,
+    reset_peak_memory,
+)
+from backends.torch_common.generation import hf_generate
+from backends.torch_common.model_loading import hf_param_meta, load_hf_model, torch_dtype
+from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
+from backends.torch_common.reference import ReferenceWeights, local_shards
+
+class TorchPolicyWorker:
+    """One rank of a torch policy; constructed inside a Ray actor by ``core.policy.Policy``.
+
+    Args mirror NeMo RL's workers: ``config`` is the ``policy`` section, ``tokenizer`` an
+    HF tokenizer; ``weights_path``/``optimizer_path`` resume from a DCP checkpoint.
+    """
+
+    #: Sequence widths are padded to a multiple of this (sequence parallelism sets it to tp).
+    _seq_multiple: int = 1
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        tokenizer: Any = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        **_: Any,
+    ) -> None:
+        self.cfg = dict(config)
+        self.tokenizer = tokenizer
+        self.device = init_torch_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims: ParallelDims = self._parallel_dims()
+        self.compute_dtype = torch_dtype(self.cfg["precision"])
+        self.temperature = float((self.cfg.get("generation") or {}).get("temperature", 1.0))
+
+        hf_model = load_hf_model(self.cfg["model_name"])
+        check_tokenizer_fits(tokenizer, hf_model.config, self.cfg["model_name"])
+        self.model_config = hf_model.config
+        self.param_meta = hf_param_meta(hf_model)
+        self.hf_module = hf_model
+        if self._activation_checkpointing():
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = self._parallelize(hf_model)
+
+        self.reference = None
+        if init_reference_model:
+            self.reference = ReferenceWeights(self._local_weight_shards, pin_memory=self.device.type == "cuda")
+        self.optimizer = None
+        self.scheduler = None
+        if init_optimizer and self.cfg.get("optimizer"):
+            self.optimizer = build_optimizer(self.cfg["optimizer"], self.model.parameters())
+            self.scheduler = build_scheduler(self.cfg.get("scheduler"), self.optimizer)
+        self.train_step = 0
+        self._profiler = None
+        if weights_path:
+            self.load_checkpoint(weights_path, optimizer_path)
+
+    # ------------------------------------------------------------------ backend hooks
+    def _parallel_dims(self) -> ParallelDims:
+        raise NotImplementedError
+
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def _clip_grad_norm(self, max_norm: float | None) -> float:
+        raise NotImplementedError
+
+    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: yield ``(hf_name, full tensor)`` for every weight, on every rank."""
+        raise NotImplementedError
+
+    def _local_weight_shards(self) -> list[torch.Tensor]:
+        """The tensors storing this rank's part of the weights (swapped for the reference).
+
+        Called right before the shards are overwritten, so it first drops any unsharded
+        copy a wrapper kept from the last forward (FSDP keeps the root's parameters
+        gathered after forward): the next forward must gather the new shards, not reuse
+        stale full weights.
+        """
+        self._reshard_all()
+        return local_shards(self.model)
+
+    def _reshard_all(self) -> None:
+        """Free every gathered (unsharded) parameter copy; backend-specific."""
+        raise NotImplementedError
+
+    def _activation_checkpointing(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The data-parallel process group (default: every rank is data parallel)."""
+        return dist.group.WORLD
+
+    # ------------------------------------------------------------------ identity
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={getattr(self, 'rank', '?')}, dims={getattr(self, 'dims', '?')})"
+
+    def is_alive(self) -> bool:
+        return True
+
+    def report_device_id(self) -> str:
+        return device_id(self.device)
+
+    def get_gpu_info(self) -> dict[str, Any]:
+        return device_info(self.device)
+
+    def reset_peak_memory_stats(self) -> None:
+        reset_peak_memory(self.device)
+
+    # ------------------------------------------------------------------ logprobs
+    def _forward_logits(self, mb: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Temperature-scaled logits [b, s', V] (a vocab-sharded DTensor under TP), the
+        device input ids and the unpadded width."""
+        ids, mask, seq_len = model_inputs(mb, self.device, self._seq_multiple)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        return apply_temperature(logits, self.temperature), ids, seq_len
+
+    @staticmethod
+    def _next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[b, s'-1] log p(x_t | x_<t); vocab-parallel when the logits are vocab-sharded."""
+        if isinstance(logits, DTensor):
+            return vocab_parallel_next_token_logprobs(logits, ids)
+        return next_token_logprobs(logits, ids)
+
+    def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
+        """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, on the host."""
+        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        mbs = micro_batch_size or self.cfg["logprob_batch_size"]
+        width = data["input_ids"].shape[1]
+        self.model.eval()
+        outs = []
+        with torch.no_grad():
+            for mb in micro_batches(data, mbs):
+                logits, ids, seq_len = self._forward_logits(mb)
+                next_lp = self._next_token_logprobs(logits, ids)[:, : seq_len - 1]
+                lp = logprobs_to_sequence_layout(next_lp, mb["input_lengths"].to(self.device))
+                outs.append(pad_columns(lp.float().cpu(), width))
+        logprobs = torch.cat(outs) if outs else torch.zeros(0, width)
+        return BatchedDataDict(logprobs=logprobs)
+
+    @contextlib.contextmanager
+    def use_reference_model(self) -> Iterator[None]:
+        """Within the block the model computes with the reference weights."""
+        if self.reference is None:
+            raise RuntimeError("this policy was built with init_reference_model=False: no reference weights")
+        with self.reference.swapped_in():
+            yield
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        with self.use_reference_model():
+            out = self.get_logprobs(data, micro_batch_size)
+        return BatchedDataDict(reference_logprobs=out["logprobs"])
+
+    # ------------------------------------------------------------------ training
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """Optimizer steps over this rank's shard of one or more global batches.
+
+        ``data`` holds ``n * gbs / dp`` rows (``n`` global batches, as sharded by the
+        Policy); each global batch is one optimizer step.  The scheduler steps once per call.
+        Returns rank-identical global values: ``global_loss``/``grad_norm`` [n] and
+        ``metrics`` (each summed over micro batches and ranks = its whole-batch value), plus
+        this rank's per-micro-batch metrics in ``all_mb_metrics``.
+        """
+        gbs = gbs or self.cfg["train_global_batch_size"]
+        mbs = mbs or self.cfg["train_micro_batch_size"]
+        local_gbs = check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"])
+        if not eval_mode and self.optimizer is None:
+            raise RuntimeError("train() needs an optimizer: this policy was built with init_optimizer=False")
+        self._check_loss_inputs(loss_fn, data)
+        self.model.train(not eval_mode)
+        losses, norms, step_metrics, all_mb = [], [], [], {}
+        for gb_idx in range(data.size // local_gbs):
+            gb = data.get_batch(gb_idx, local_gbs)
+            loss, norm, metrics = self._train_global_batch(gb, loss_fn, mbs, eval_mode, all_mb)
+            losses.append(loss)
+            norms.append(norm)
+            step_metrics.append(metrics)
+        if not eval_mode and self.scheduler is not None:
+            self.scheduler.step()
+            self.train_step += 1
+        keys = sorted(step_metrics[0]) if step_metrics else []
+        return {
+            "global_loss": torch.tensor(losses),
+            "grad_norm": torch.tensor(norms),
+            "metrics": {k: torch.tensor([m[k] for m in step_metrics]) for k in keys},
+            "all_mb_metrics": all_mb,
+            "lr": current_lr(self.optimizer) if self.optimizer is not None else None,
+        }
+
+    def _train_global_batch(
+        self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool, all_mb: dict
+    ) -> tuple[float, float, dict[str, float]]:
+        """Forward/backward every micro batch of one global batch, then one optimizer step."""
+        gseq, gtok = global_valid_counts(gb, self.device, self.dp_group)
+        if not eval_mode:
+            self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        for mb in micro_batches(gb, mbs):
+            ctx = contextlib.nullcontext() if not eval_mode else torch.no_grad()
+            with ctx:
+                loss, metrics = self._micro_batch_loss(mb, loss_fn, gseq, gtok)
+                if not eval_mode:
+                    # FSDP averages gradients over the dp ranks; the loss is already globally
+                    # normalised (a sum over ranks), so scale by dp to undo the average.
+                    (loss * self.dims.dp).backward()
+            for k, v in metrics.items():
+                v = v.detach().float()
+                totals[k] = totals.get(k, 0) + v
+                all_mb.setdefault(k, []).append(float(v))
+        grad_norm = 0.0 if eval_mode else self._clip_grad_norm(self.cfg.get("max_grad_norm"))
+        if not eval_mode:
+            self.optimizer.step()
+        loss, metrics = self._reduce_metrics(totals)
+        return loss, grad_norm, metrics
+
+    def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
+        logits, ids, seq_len = self._forward_logits(mb)
+        dev_mb = _to_device(mb, self.device)
+        if hasattr(loss_fn, "loss_from_logprobs"):
+            # One logprob path for get_logprobs and train (same temperature, same
+            # vocab-parallel kernel): the loss sees exactly what get_logprobs returns.
+            next_lp = self._next_token_logprobs(logits, ids)[:, : seq_len - 1]
+            return loss_fn.loss_from_logprobs(next_lp, dev_mb, gseq, gtok)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return loss_fn(logits[:, :seq_len], dev_mb, gseq, gtok)
+
+    def _reduce_metrics(self, totals: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
+        """Sum each metric over the dp ranks in one all-reduce; returns (loss, metrics)."""
+        keys = sorted(totals)
+        if not keys:
+            return 0.0, {}
+        stacked = torch.stack([torch.as_tensor(totals[k], device=self.device).float() for k in keys])
+        if self.dims.dp > 1:
+            dist.all_reduce(stacked, group=self.dp_group)
+        values = dict(zip(keys, stacked.tolist()))
+        return values.get("loss", 0.0), values
+
+    def _check_loss_inputs(self, loss_fn: Any, data: BatchedDataDict) -> None:
+        """Run the loss's own input checks once per call, on the host batch (cheap, and a
+        bad key or shape fails before any collective starts)."""
+        check = getattr(loss_fn, "check", None)
+        if check is not None:
+            check.check_shapes(None, data)
+            check.check_values(data, self.model_config.vocab_size)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """HF ``generate`` on this rank's shard; ``GenerationOutputSpec`` on the host."""
+        gen_cfg = self.cfg.get("generation")
+        if not gen_cfg:
+            raise ValueError("generate() needs policy.generation in the config")
+        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else self.model_config.eos_token_id
+        eos_ids = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+        pad = gen_cfg.get("pad_token_id", getattr(self.tokenizer, "pad_token_id", None))
+        pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
+        max_new = min(gen_cfg["max_new_tokens"], self.cfg["max_total_sequence_length"] - data["input_ids"].shape[1])
+        if max_new <= 0:
+            raise ValueError(
+                f"prompts of width {data['input_ids'].shape[1]} leave no room for new tokens within "
+                f"policy.max_total_sequence_length={self.cfg['max_total_sequence_length']}"
+            )
+        module = self._generation_replica()
+        out = hf_generate(
+            module, data.to(self.device), gen_cfg, greedy=greedy, pad_token_id=pad, eos_token_ids=eos_ids,
+            tokenizer=self.tokenizer, synced_gpus=False, max_new_tokens=max_new,
+        )
+        return out.to("cpu")
+
+    def _generation_replica(self) -> torch.nn.Module:
+        """An unsharded copy of the current weights in the compute dtype, for HF ``generate``.
+
+        Why a replica rather than the sharded module: HF ``generate`` calls the inner HF
+        module, which bypasses FSDP1's root unshard, and under TP/SP the KV-cache decode
+        steps (sequence length 1) cannot be sequence-sharded.  HF generation is the
+        evaluation/debug path (vLLM is the rollout engine), so one full copy per rank during
+        the call is an acceptable price for one code path that is right on every layout.
+        The replica's structure is built once; each call only reloads the weights.
+        """
+        from transformers import AutoModelForCausalLM
+
+        if getattr(self, "_replica", None) is None:
+            # Built on the device directly (not meta): non-persistent buffers such as RoPE's
+            # inv_freq are computed by the constructor and are not in the state dict.
+            with torch.device(self.device):
+                replica = AutoModelForCausalLM.from_config(self.model_config, dtype=self.compute_dtype)
+            replica.config.use_cache = True
+            self._replica = replica.eval()
+        self._replica.load_state_dict(dict(self.iter_full_weights(self.compute_dtype)), strict=True)
+        return self._replica
+
+    # ------------------------------------------------------------------ lifecycle
+    def prepare_for_lp_inference(self) -> None:
+        self.move_to_device(self.model, self.device)
+        self.model.eval()
+        self.offload_before_refit()
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        self.move_to_device(self.model, self.device)
+        self.model.train()
+        if self.optimizer is not None:
+            move_optimizer_state(self.optimizer, self.device)
+        empty_cache(self.device)
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        pass  # nothing to release: training state stays resident until offloaded
+
+    def offload_before_refit(self) -> None:
+        """Free device memory for the refit: optimizer state goes to the host."""
+        if self.optimizer is not None:
+            move_optimizer_state(self.optimizer, "cpu")
+        empty_cache(self.device)
+
+    def offload_after_refit(self) -> None:
+        """After the refit the engine owns the device: the model goes to the host too."""
+        self.move_to_cpu(self.model)
+        if self.optimizer is not None:
+            move_optimizer_state(self.optimizer, "cpu")
+        empty_cache(self.device)
+
+    def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+        return model.to(device)
+
+    def move_to_cuda(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.device.type != "cuda":
+            raise RuntimeError("move_to_cuda: this worker has no CUDA device")
+        return self.move_to_device(model, self.device)
+
+    def move_to_cpu(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.move_to_device(model, "cpu")
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None
+    ) -> None:
+        """Collective: DCP shards of the model (and optimizer + scheduler + step)."""
+        extra = {"train_step": self.train_step}
+        if self.scheduler is not None:
+            extra["scheduler"] = self.scheduler.state_dict()
+        ckpt.save_dcp(self.model, weights_path, self.optimizer, optimizer_path, extra)
+        if tokenizer_path is not None and self.rank == 0 and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(tokenizer_path)
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        self._reshard_all()  # the load writes shards; no stale gathered copy may survive
+        extra = ckpt.load_dcp(self.model, weights_path, self.optimizer, optimizer_path)
+        if "scheduler" in extra and self.scheduler is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        self.train_step = extra.get("train_step", self.train_step)
+
+    def save_hf_checkpoint(self, path: str, save_tokenizer: bool = False) -> None:
+        """Collective: gather full weights; rank 0 writes an HF safetensors checkpoint."""
+        state = {}
+        for name, tensor in self.iter_full_weights():
+            if self.rank == 0:
+                state[name] = tensor.detach().to("cpu", copy=True)
+        if self.rank == 0:
+            ckpt.write_hf_checkpoint(self.hf_module, state, path, self.tokenizer if save_tokenizer else None)
+        dist.barrier()
+
+    # ------------------------------------------------------------------ refit (source side)
+    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF name -> (full shape, dtype) of every weight the refit stream will carry."""
+        return dict(self.param_meta)
+
+    # ------------------------------------------------------------------ profiling
+    def start_gpu_profiling(self) -> None:
+        """Start a torch.profiler trace (CPU activity, plus CUDA on GPU)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._profiler = profile(activities=activities, record_shapes=True)
+        self._profiler.__enter__()
+
+    def stop_gpu_profiling(self) -> str | None:
+        """Stop the trace and write it as Chrome trace JSON; returns the file path.
+
+        Directory: ``$DUALRL_PROFILE_DIR`` (default ``./profiles``); one file per rank.
+        """
+        if self._profiler is None:
+            return None
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        out_dir = Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{type(self).__name__}_rank{self.rank}_{int(time.time())}.json"
+        prof.export_chrome_trace(str(path))
+        return str(path)
+
+    def shutdown(self) -> bool:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True
+
+
+def _to_device(mb: BatchedDataDict, device: torch.device) -> BatchedDataDict:
+    return mb if device.type == "cpu" else mb.to(device)

@@ -1,0 +1,97 @@
+"""``FSDP1PolicyWorker``: the shared torch worker with PyTorch FSDP1 (``FullyShardedDataParallel``).
+
+What is FSDP1-specific: the wrapping (one FSDP unit per transformer block, mixed precision,
+optional parameter CPU offload), FSDP1's own global-norm clipping over flat parameters, and
+gathering a full state dict.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+from torch.distributed.fsdp import (
+    CPUOffload,
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from core.parallel_dims import ParallelDims
+
+from backends.torch_common.layers import decoder_layer_classes
+from backends.torch_common.worker import TorchPolicyWorker
+
+
+class FSDP1PolicyWorker(TorchPolicyWorker):
+    """One rank of an FSDP1 policy: every rank is data parallel (dp = world size)."""
+
+    def _parallel_dims(self) -> ParallelDims:
+        return ParallelDims(self.world_size, fsdp=-1)
+
+    def _activation_checkpointing(self) -> bool:
+        return bool(self.cfg.get("activation_checkpointing_enabled", False))
+
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        mixed = None
+        if self.compute_dtype != torch.float32:
+            # fp32 master weights and gradient reduction; compute in the configured dtype.
+            mixed = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
+                                   buffer_dtype=torch.float32)
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            mixed_precision=mixed,
+            cpu_offload=CPUOffload(offload_params=bool(self.cfg.get("fsdp_offload_enabled", False))),
+            device_id=self.device,  # explicit: FSDP1 only runs on CPU when told so
+            use_orig_params=True,  # optimizer and reference swap see the HF parameters
+            limit_all_gathers=True,
+        )
+
+    def _clip_grad_norm(self, max_norm: float | None) -> float:
+        # FSDP1 gradients are flat local shards: its own clip all-reduces the squared norms.
+        limit = max_norm if max_norm is not None else math.inf
+        return float(self.model.clip_grad_norm_(limit))
+
+    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        # offload_to_cpu=True segfaults on CPU process groups; on GPU it keeps the full copy
+        # off the device.
+        on_gpu = self.device.type == "cuda"
+        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+        state = get_model_state_dict(self.model, options=options)
+        for name in self.param_meta:
+            tensor = state[name]
+            yield name, tensor if dtype is None else tensor.to(dtype)
+
+    def _local_weight_shards(self) -> list[torch.Tensor]:
+        # The flat parameters are what FSDP1 all-gathers for a forward pass; the HF-named
+        # parameters (use_orig_params) are views FSDP re-points, not stable storage.
+        self._reshard_all()
+        return [h.flat_param.data for h in _flat_param_handles(self.model)]
+
+    def _reshard_all(self) -> None:
+        # FSDP1 never reshards the root after forward and has no public reshard call; this
+        # is the step its own post-backward hook runs.
+        from torch.distributed.fsdp._runtime_utils import _reshard
+
+        for module in FSDP.fsdp_modules(self.model):
+            handle = module._handle
+            if handle is None or not handle.uses_sharded_strategy:
+                continue
+            if not hasattr(handle.flat_param, "_full_param_padded"):
+                continue  # FSDP initialises lazily: before the first forward nothing is gathered
+            if not handle.needs_unshard():
+                _reshard(module, handle, True)
+
+    def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:
+        if self.cfg.get("fsdp_offload_enabled", False):
+            return model  # FSDP1 CPU offload manages parameter placement itself
+        return model.to(device)
+
+
+def _flat_param_handles(model: FSDP) -> list:
+    return [m._handle for m in FSDP.fsdp_modules(model) if m._handle is not None]

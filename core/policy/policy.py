@@ -1,0 +1,266 @@
+"""``Policy``: the driver-side facade of NeMo RL's ``lm_policy.Policy``, for every backend.
+
+It owns a :class:`RayWorkerGroup` of the backend's workers (picked from
+``config["backend"]`` through :mod:`core.policy.registry`), shards data over the
+data-parallel axis, replicates it over ``cp``/``tp``, and returns results for the whole
+batch in the caller's row order.  Nothing here imports torch model code or jax.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from core.config.validate import validate_policy_config
+from core.data import BatchedDataDict, DynamicBatchingArgs
+from core.distributed import RayVirtualCluster, RayWorkerGroup
+from core.interfaces import ColocatablePolicyInterface, GenerationInterface
+from core.parallel_dims import ParallelDims
+from core.policy.checks import check_sequence_lengths, check_train_batch
+from core.policy.preflight import preflight_model_checks
+from core.policy.registry import backend_spec
+
+PathLike = Union[str, "os.PathLike[str]"]  # noqa: F821 (string annotation)
+
+
+class Policy(ColocatablePolicyInterface, GenerationInterface):
+    """A trainable LM policy running on ``cluster`` with the backend ``config["backend"]``.
+
+    Args mirror NeMo RL: ``config`` is the ``policy`` section (validated here, with the
+    world size of the group), ``tokenizer`` an HF tokenizer shipped to every worker,
+    ``weights_path``/``optimizer_path`` a DCP checkpoint to resume from.
+    """
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        config: Mapping[str, Any],
+        tokenizer: Any,
+        name_prefix: str = "lm_policy",
+        workers_per_node: Optional[Union[int, list[int]]] = None,
+        init_optimizer: bool = True,
+        weights_path: Optional[PathLike] = None,
+        optimizer_path: Optional[PathLike] = None,
+        init_reference_model: bool = True,
+    ) -> None:
+        spec = backend_spec(config.get("backend") if isinstance(config, Mapping) else None)
+        world_size = _world_size(cluster, workers_per_node)
+        self.cfg = dict(validate_policy_config(config, world_size=world_size))
+        self.dims = ParallelDims.from_policy_config(self.cfg, world_size)
+        preflight_model_checks(self.cfg, tokenizer, self.dims)
+        self.tokenizer = tokenizer
+        self.worker_group = RayWorkerGroup(
+            cluster,
+            spec.load_worker(),
+            self.cfg,
+            tokenizer,
+            name_prefix=name_prefix,
+            workers_per_node=workers_per_node,
+            layout=spec.layout(self.cfg, world_size),
+            weights_path=None if weights_path is None else str(weights_path),
+            optimizer_path=None if optimizer_path is None else str(optimizer_path),
+            init_optimizer=init_optimizer,
+            init_reference_model=init_reference_model,
+        )
+        # Surface construction errors (bad model path, OOM, a failed process group) now,
+        # with the rank and cause, rather than at the first real call.
+        self._all("is_alive")
+
+    # ------------------------------------------------------------------ helpers
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        group = self.worker_group
+        return group.get_all_worker_results(group.run_all_workers_single_data(method, *args, **kwargs))
+
+    def _sharded(self, method: str, shards: list, **common_kwargs: Any) -> list[Any]:
+        group = self.worker_group
+        future = group.run_all_workers_sharded_data(
+            method, shards, in_sharded_axes=("dp",), replicate_on_axes=("cp", "tp"),
+            output_is_replicated=("cp", "tp"), common_kwargs=common_kwargs,
+        )
+        return group.get_all_worker_results(future)
+
+    def _dynamic_args(self, budget_key: str) -> DynamicBatchingArgs | None:
+        db = self.cfg.get("dynamic_batching") or {}
+        if not db.get("enabled", False):
+            return None
+        return DynamicBatchingArgs(
+            input_key="input_ids",
+            input_lengths_key="input_lengths",
+            sequence_length_round=db["sequence_length_round"],
+            max_tokens_per_microbatch=db[budget_key],
+        )
+
+    def _run_inference(self, method: str, data: BatchedDataDict, pad_values: Mapping[str, Any] | None = None,
+                       **kwargs: Any) -> BatchedDataDict:
+        """Shard ``data`` over dp (padding it to a multiple of dp), run ``method``, reassemble
+        in the caller's order and drop the padding rows."""
+        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        real = data.size
+        padded = _pad_rows(data, self.dims.dp)
+        dyn = self._dynamic_args("logprob_mb_tokens")
+        if dyn is None:
+            shards, order = padded.shard_by_batch_size(self.dims.dp, batch_size=None), None
+        else:
+            shards, order = padded.shard_by_batch_size(self.dims.dp, batch_size=None, dynamic_batching_args=dyn)
+        results = self._sharded(method, shards, **kwargs)
+        merged = BatchedDataDict.from_batches(results, pad_value_dict=dict(pad_values or {}))
+        if order is not None:
+            merged = merged.reorder_data(order)
+        return merged.slice(0, real) if merged.size != real else merged
+
+    # ------------------------------------------------------------------ PolicyInterface
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, in input order."""
+        return self._run_inference("get_logprobs", data)
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: Optional[int] = None
+    ) -> BatchedDataDict:
+        """``{"reference_logprobs": [B, S] float32}`` under the frozen reference weights."""
+        return self._run_inference("get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size)
+
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: Optional[int] = None,
+        mbs: Optional[int] = None,
+    ) -> dict[str, Any]:
+        """One optimizer step per ``gbs`` rows of ``data`` (``eval_mode``: loss only).
+
+        Returns ``loss`` and ``grad_norm`` ([steps] tensors), ``metrics`` (whole-batch
+        values per step), ``lr``, and ``all_mb_metrics`` (per micro batch, every rank).
+        """
+        gbs = gbs or self.cfg["train_global_batch_size"]
+        mbs = mbs or self.cfg["train_micro_batch_size"]
+        check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"], local=False)
+        dyn = self._dynamic_args("train_mb_tokens")
+        if dyn is None:
+            shards = data.shard_by_batch_size(self.dims.dp, batch_size=gbs)
+        else:
+            shards, _ = data.shard_by_batch_size(self.dims.dp, batch_size=gbs, dynamic_batching_args=dyn)
+        results = self._sharded("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
+        all_mb: dict[str, list[float]] = {}
+        for r in results:
+            for k, v in r["all_mb_metrics"].items():
+                all_mb.setdefault(k, []).extend(v)
+        first = results[0]
+        return {
+            "loss": first["global_loss"],
+            "grad_norm": first["grad_norm"],
+            "metrics": first["metrics"],
+            "lr": first["lr"],
+            "all_mb_metrics": all_mb,
+        }
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        self._all("prepare_for_training")
+
+    def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
+        self._all("prepare_for_lp_inference")
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        self._all("finish_training")
+
+    def save_checkpoint(
+        self, weights_path: str, optimizer_path: Optional[str] = None, tokenizer_path: Optional[str] = None
+    ) -> None:
+        """DCP checkpoint: sharded weights (and optimizer + scheduler state); tokenizer files."""
+        self._all("save_checkpoint", str(weights_path), None if optimizer_path is None else str(optimizer_path),
+                  None if tokenizer_path is None else str(tokenizer_path))
+
+    def save_hf_checkpoint(self, path: str, save_tokenizer: bool = False) -> None:
+        """An HF safetensors checkpoint of the current weights (loads with ``transformers``)."""
+        self._all("save_hf_checkpoint", str(path), save_tokenizer)
+
+    def shutdown(self) -> bool:
+        return self.worker_group.shutdown(cleanup_method="shutdown")
+
+    # ------------------------------------------------------------------ GenerationInterface (HF)
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """HF ``generate`` on the training workers: ``GenerationOutputSpec`` in input order."""
+        gen = self.cfg.get("generation") or {}
+        pad = gen.get("pad_token_id", getattr(self.tokenizer, "pad_token_id", None))
+        pad_values = {"output_ids": 0 if pad is None else pad}
+        return self._run_inference("generate", data, pad_values=pad_values, greedy=greedy)
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        self._all("prepare_for_lp_inference")
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        return True  # HF generation holds nothing beyond the training state
+
+    # ------------------------------------------------------------------ colocation / refit
+    def offload_before_refit(self) -> None:
+        self._all("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        self._all("offload_after_refit")
+
+    def prepare_refit_info(self) -> Optional[dict[str, Any]]:
+        """HF name -> (full shape, dtype) of every weight a refit carries."""
+        return self._all("prepare_refit_info")[0]
+
+    def prepare_info_for_collective(self) -> dict[str, Any]:
+        return self.prepare_refit_info()
+
+    def init_collective(self, ip: str, port: int, world_size: int) -> list:
+        raise NotImplementedError(_REFIT_PENDING)
+
+    def prepare_weights_for_ipc(self, _refit_buffer_size_gb: Optional[int] = None) -> list[list[str]]:
+        raise NotImplementedError(_REFIT_PENDING)
+
+    def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:
+        raise NotImplementedError(_REFIT_PENDING)
+
+    def broadcast_weights_for_collective(self) -> list:
+        raise NotImplementedError(_REFIT_PENDING)
+
+    # ------------------------------------------------------------------ diagnostics
+    def start_gpu_profiling(self) -> None:
+        self._all("start_gpu_profiling")
+
+    def stop_gpu_profiling(self) -> list[str | None]:
+        """Stop the traces; returns each rank's trace file."""
+        return self._all("stop_gpu_profiling")
+
+    def get_gpu_info(self) -> list[dict[str, Any]]:
+        return self._all("get_gpu_info")
+
+    def report_device_id(self) -> list[str]:
+        return self._all("report_device_id")
+
+    def reset_peak_memory_stats(self) -> None:
+        self._all("reset_peak_memory_stats")
+
+
+_REFIT_PENDING = (
+    "weight transports to a generation engine (IPC handles, collective broadcast) are provided by "
+    "core.refit, which is not part of this version; prepare_refit_info() and the workers' "
+    "iter_full_weights() are available"
+)
+
+
+def _world_size(cluster: RayVirtualCluster, workers_per_node: Optional[Union[int, list[int]]]) -> int:
+    counts = cluster.bundle_ct_per_node_list
+    if workers_per_node is None:
+        return sum(counts)
+    if isinstance(workers_per_node, int):
+        return workers_per_node * len(counts)
+    return sum(workers_per_node)
+
+
+def _pad_rows(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
+    """Append copies of the last row (with ``sample_mask`` 0 if present) so the row count is a
+    multiple of ``multiple``: every data-parallel rank then runs the same number of forward
+    passes, which FSDP's collectives require."""
+    extra = (-data.size) % multiple
+    if extra == 0 or data.size == 0:
+        return data
+    filler = data.select_indices([data.size - 1] * extra)
+    if "sample_mask" in filler:
+        filler["sample_mask"] = torch.zeros_like(filler["sample_mask"])
+    return BatchedDataDict.from_batches([data, filler])

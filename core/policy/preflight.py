@@ -1,0 +1,60 @@
+"""Checks against the model's HF config that must fail before any worker starts.
+
+They read only ``config.json`` (``AutoConfig``), so a tokenizer that does not fit the model,
+or a tensor-parallel size that does not divide its heads, is reported in milliseconds by the
+driver -- and again by each worker, which also runs them on the model it actually loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from core.parallel_dims import ParallelDims
+
+
+def check_tokenizer_fits(tokenizer: Any, model_config: Any, model_name: str) -> None:
+    """A tokenizer that can emit ids >= the model's vocab_size would index out of the
+    embedding (a device assert on GPU, garbage or a crash on CPU): refuse it up front."""
+    if tokenizer is None:
+        return
+    n_tokens = len(tokenizer)
+    if n_tokens > model_config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {n_tokens} tokens but model {model_name!r} has vocab_size "
+            f"{model_config.vocab_size}: token ids >= {model_config.vocab_size} cannot be embedded"
+        )
+
+
+def check_tensor_parallel_fits(model_config: Any, tp: int, field: str) -> None:
+    """Every dimension tensor parallelism shards must be divisible by ``tp``."""
+    if tp <= 1:
+        return
+    dims = {
+        "num_attention_heads": getattr(model_config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(model_config, "num_key_value_heads", None),
+        "intermediate_size": getattr(model_config, "intermediate_size", None),
+        "vocab_size": getattr(model_config, "vocab_size", None),
+    }
+    bad = {k: v for k, v in dims.items() if v is not None and v % tp}
+    if bad:
+        raise ValueError(
+            f"{field}={tp} does not divide the model's " + ", ".join(f"{k}={v}" for k, v in bad.items())
+        )
+
+
+TP_FIELDS = {"torch_dtensor": "policy.dtensor_cfg.tensor_parallel_size",
+             "jax_pjit": "policy.jax_cfg.tensor_parallel_size"}
+
+
+def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any, dims: ParallelDims) -> None:
+    """Tokenizer vs vocab and tp vs heads, from the model's config alone."""
+    from transformers import AutoConfig
+
+    name = policy_cfg["model_name"]
+    try:
+        model_config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"policy.model_name={name!r}: cannot read its HF config: {err}") from err
+    check_tokenizer_fits(tokenizer, model_config, name)
+    field = TP_FIELDS.get(policy_cfg["backend"], "tensor_parallel_size")
+    check_tensor_parallel_fits(model_config, dims.tp, field)

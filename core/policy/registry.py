@@ -1,0 +1,54 @@
+"""The one place that maps ``policy.backend`` to a worker class and a worker layout.
+
+Worker classes are imported lazily: choosing ``torch_fsdp`` must not import jax, and the
+driver process never needs to import a backend at all until it starts one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from core.config.schema import BACKENDS
+from core.distributed import WorkerLayout
+from core.parallel_dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """How to run one backend: where its worker class lives and how ranks map to axes."""
+
+    worker: str  # "package.module:ClassName", imported on first use
+    layout: Callable[[Mapping[str, Any], int], WorkerLayout]
+
+    def load_worker(self) -> type:
+        module_name, _, cls_name = self.worker.partition(":")
+        return getattr(importlib.import_module(module_name), cls_name)
+
+
+def torch_layout(policy_cfg: Mapping[str, Any], world_size: int) -> WorkerLayout:
+    """One rank per device; axes (dp, cp, tp) row-major, the same order as the device mesh."""
+    dims = ParallelDims.from_policy_config(policy_cfg, world_size)
+    return WorkerLayout({"dp": dims.dp, "cp": dims.cp, "tp": dims.tp})
+
+
+_REGISTRY: dict[str, BackendSpec] = {
+    "torch_fsdp": BackendSpec("backends.torch_fsdp.worker:FSDP1PolicyWorker", torch_layout),
+    "torch_dtensor": BackendSpec("backends.torch_dtensor.worker:DTensorPolicyWorker", torch_layout),
+}
+
+
+def register_backend(name: str, spec: BackendSpec) -> None:
+    """Add (or replace) a backend; ``name`` must be one of the config's ``BACKENDS``."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name!r} is not one of {BACKENDS}; add it to core.config.schema.BACKENDS first")
+    _REGISTRY[name] = spec
+
+
+def backend_spec(name: str) -> BackendSpec:
+    if name not in _REGISTRY:
+        known = sorted(_REGISTRY)
+        missing = "" if name not in BACKENDS else " (declared in the config schema but not implemented yet)"
+        raise ValueError(f"policy.backend={name!r} has no registered worker{missing}; available: {known}")
+    return _REGISTRY[name]

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: tiny models and tokenizers built locally (no downloads)."""

@@ -1,0 +1,129 @@
+"""Tiny HF causal LMs and a word-level tokenizer, built from configs on the spot.
+
+Nothing here downloads anything: the models are random-initialised from a config with a
+fixed seed and saved with ``save_pretrained``, the tokenizer is assembled with the
+``tokenizers`` library.  The saved directory loads with ``AutoModelForCausalLM`` /
+``AutoTokenizer`` exactly like a hub checkpoint, so every code path a real user hits
+(``from_pretrained`` by path) is the one the tests run.
+
+Sizes are chosen so that tensor parallelism of 2 divides every sharded dimension
+(heads 4, kv heads 2, intermediate 128, vocab 256) and a forward pass takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+#: Named model shapes: ``family`` picks the HF config class, the rest are config fields.
+TINY_MODELS: dict[str, dict[str, Any]] = {
+    # Llama with grouped-query attention (4 query heads share 2 kv heads).
+    "llama": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    # Qwen2: q/k/v projections carry a bias; GQA as above.
+    "qwen2": dict(family="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    # Llama with the output projection tied to the input embedding.
+    "llama_tied": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Benchmark size (~20M parameters): big enough that compute, not Python, dominates.
+    "llama_bench": dict(family="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
+                        vocab_size=8192),
+}
+
+TINY_VOCAB_SIZE = 256
+MAX_POSITIONS = 512
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+
+
+def tiny_config(name: str):
+    """The HF config of the named tiny model (see ``TINY_MODELS``)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if name not in TINY_MODELS:
+        raise KeyError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}")
+    fields = dict(TINY_MODELS[name])
+    family = fields.pop("family")
+    fields.setdefault("vocab_size", TINY_VOCAB_SIZE)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    return cls(
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        rms_norm_eps=1e-6,
+        **fields,
+    )
+
+
+def tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
+    """A word-level ``PreTrainedTokenizerFast``: specials, the letters a-z, and words ``w4..``.
+
+    Whitespace splits words; every in-vocabulary word is one token, so tests can write
+    prompts as text and know their token count.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = list(SPECIAL_TOKENS) + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    vocab = {w: i for i, w in enumerate(words[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+
+
+def build_tiny_model(name: str, seed: int = 0, dtype=None):
+    """A random-initialised HF causal LM of the named shape (deterministic for a seed)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=dtype or torch.float32)
+    # Small random biases so the Qwen2 q/k/v bias path is actually exercised (HF inits them to 0).
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("_proj.bias"):
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def save_tiny_model(name: str, path: str | os.PathLike, seed: int = 0) -> Path:
+    """Build the named tiny model and save it to ``path``, its tokenizer to ``path/tokenizer``.
+
+    The tokenizer gets its own directory because transformers 5 ``AutoTokenizer`` picks the
+    tokenizer class from a ``config.json`` next to it (Qwen2's BPE tokenizer for a qwen2
+    model), which would re-tokenize our word-level vocabulary.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(name, seed=seed)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path / "tokenizer")
+    return path
+
+
+def random_batch(batch: int, seq: int, vocab: int, seed: int = 0, min_len: int = 2):
+    """Right-padded random token ids with ragged lengths: ``(input_ids [B,S], input_lengths [B])``.
+
+    The first row always has the full length ``seq`` so the padded width is exercised;
+    padding positions hold ``PAD_ID``.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, seq + 1, (batch,), generator=g)
+    lengths[0] = seq
+    ids = torch.randint(len(SPECIAL_TOKENS), vocab, (batch, seq), generator=g)
+    pad = torch.arange(seq)[None, :] >= lengths[:, None]
+    return ids.masked_fill(pad, PAD_ID), lengths

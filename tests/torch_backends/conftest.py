@@ -1,0 +1,87 @@
+"""Fixtures for the torch backend tests: tiny HF models on disk, policy configs, HF references.
+
+Every model is built from a config with a fixed seed (no downloads) and loaded by the
+workers through ``from_pretrained`` on its path, the same code path as a hub model.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+from core.testing.tiny_models import random_batch, save_tiny_model, tiny_tokenizer
+
+SEQ = 12
+VOCAB = 256
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {name: save_tiny_model(name, root / name) for name in ("llama", "qwen2", "llama_tied")}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def policy_config(model_dir: Path, backend: str, tp: int = 1, sp: bool = False, **overrides) -> dict:
+    """The default policy section pointed at a tiny model, with test-sized batches and a
+    learning rate large enough that three steps visibly move the weights."""
+    cfg = copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
+    cfg.update(
+        backend=backend,
+        model_name=str(model_dir),
+        train_global_batch_size=4,
+        train_micro_batch_size=2,
+        logprob_batch_size=2,
+        max_total_sequence_length=32,
+    )
+    cfg["tokenizer"]["name"] = str(model_dir / "tokenizer")
+    cfg["dtensor_cfg"].update(tensor_parallel_size=tp, sequence_parallel=sp)
+    cfg["optimizer"]["kwargs"].update(lr=1e-2, weight_decay=0.01)
+    cfg["scheduler"] = [
+        {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2}},
+    ]
+    cfg["max_grad_norm"] = 1.0
+    cfg["generation"].update(max_new_tokens=6, temperature=1.0)
+    for key, value in overrides.items():
+        cfg[key] = value
+    return cfg
+
+
+def hf_logprobs(model, input_ids: torch.Tensor, input_lengths: torch.Tensor, temperature: float = 1.0):
+    """Single-process HF reference in the ``get_logprobs`` layout: [0, logp...], padding 0."""
+    mask = torch.arange(input_ids.shape[1])[None] < input_lengths[:, None]
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=mask.long()).logits.double() / temperature
+    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(lp.shape[0], 1, dtype=lp.dtype), lp], 1)
+    return (lp * mask).float()
+
+
+def pg_batch(batch: int, seed: int):
+    """A ClippedPG training batch with ragged right padding and a masked-out prompt token."""
+    from core.data import BatchedDataDict
+
+    ids, lens = random_batch(batch, SEQ, VOCAB, seed=seed, min_len=4)
+    g = torch.Generator().manual_seed(seed + 1)
+    valid = (torch.arange(SEQ)[None] < lens[:, None]).float()
+    token_mask = valid.clone()
+    token_mask[:, :2] = 0  # the "prompt": no loss on it
+    old = -torch.rand(batch, SEQ, generator=g) * 3 * valid
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=lens,
+        token_mask=token_mask,
+        sample_mask=torch.ones(batch),
+        advantages=torch.randn(batch, SEQ, generator=g) * valid,
+        prev_logprobs=old,
+        generation_logprobs=old,
+        reference_policy_logprobs=old,
+    )
