@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -28,7 +29,7 @@ from core.data import BatchedDataDict
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.kernels.vocab_parallel import vocab_parallel_next_token_logprobs
 from core.parallel_dims import ParallelDims
-from core.policy.checks import check_sequence_lengths, check_train_batch
+from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
 from core.policy.preflight import check_tokenizer_fits
 
 from backends.torch_common import checkpoint as ckpt
@@ -127,6 +128,16 @@ class TorchPolicyWorker:
     def _activation_checkpointing(self) -> bool:
         raise NotImplementedError
 
+    def _offload_params(self, flag: bool, field: str) -> bool:
+        """Whether to apply parameter CPU offload: only meaningful with an accelerator (on a
+        CPU device the parameters already live in host memory, and FSDP's offload paths
+        require an accelerator), so on CPU the option is accepted and ignored, with a note."""
+        if flag and self.device.type == "cpu":
+            if self.rank == 0:
+                warnings.warn(f"{field}=true has no effect on CPU workers: parameters are already in host memory")
+            return False
+        return flag
+
     @property
     def dp_group(self) -> dist.ProcessGroup:
         """The data-parallel process group (default: every rank is data parallel)."""
@@ -216,7 +227,7 @@ class TorchPolicyWorker:
         local_gbs = check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"])
         if not eval_mode and self.optimizer is None:
             raise RuntimeError("train() needs an optimizer: this policy was built with init_optimizer=False")
-        self._check_loss_inputs(loss_fn, data)
+        check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
         self.model.train(not eval_mode)
         losses, norms, step_metrics, all_mb = [], [], [], {}
         for gb_idx in range(data.size // local_gbs):
@@ -285,14 +296,6 @@ class TorchPolicyWorker:
             dist.all_reduce(stacked, group=self.dp_group)
         values = dict(zip(keys, stacked.tolist()))
         return values.get("loss", 0.0), values
-
-    def _check_loss_inputs(self, loss_fn: Any, data: BatchedDataDict) -> None:
-        """Run the loss's own input checks once per call, on the host batch (cheap, and a
-        bad key or shape fails before any collective starts)."""
-        check = getattr(loss_fn, "check", None)
-        if check is not None:
-            check.check_shapes(None, data)
-            check.check_values(data, self.model_config.vocab_size)
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
@@ -432,7 +435,7 @@ class TorchPolicyWorker:
             return None
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
-        out_dir = Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles"))
+        out_dir = Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles")).resolve()
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{type(self).__name__}_rank{self.rank}_{int(time.time())}.json"
         prof.export_chrome_trace(str(path))

@@ -47,6 +47,10 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         )
         return dims
 
+    @property
+    def _offloading(self) -> bool:
+        return self._offload_params(bool(self.cfg["dtensor_cfg"].get("cpu_offload", False)), "policy.dtensor_cfg.cpu_offload")
+
     def _activation_checkpointing(self) -> bool:
         return bool(self.cfg["dtensor_cfg"].get("activation_checkpointing", False))
 
@@ -73,12 +77,11 @@ class DTensorPolicyWorker(TorchPolicyWorker):
             model.lm_head.weight = model.get_input_embeddings().weight
 
     def _apply_fsdp(self, model: torch.nn.Module) -> None:
-        dtc = self.cfg["dtensor_cfg"]
         kwargs = dict(
             mesh=self.mesh["dp"],
             mp_policy=MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32),
         )
-        if dtc.get("cpu_offload", False):
+        if self._offloading:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
@@ -104,6 +107,6 @@ class DTensorPolicyWorker(TorchPolicyWorker):
             yield name, tensor if dtype is None else tensor.to(dtype)
 
     def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:
-        if self.cfg["dtensor_cfg"].get("cpu_offload", False):
+        if self._offloading:
             return model  # FSDP2's CPUOffloadPolicy owns parameter placement
         return model.to(device)

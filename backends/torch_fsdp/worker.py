@@ -35,6 +35,10 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
     def _activation_checkpointing(self) -> bool:
         return bool(self.cfg.get("activation_checkpointing_enabled", False))
 
+    @property
+    def _offloading(self) -> bool:
+        return self._offload_params(bool(self.cfg.get("fsdp_offload_enabled", False)), "policy.fsdp_offload_enabled")
+
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         mixed = None
         if self.compute_dtype != torch.float32:
@@ -46,7 +50,7 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
             auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             mixed_precision=mixed,
-            cpu_offload=CPUOffload(offload_params=bool(self.cfg.get("fsdp_offload_enabled", False))),
+            cpu_offload=CPUOffload(offload_params=self._offloading),
             device_id=self.device,  # explicit: FSDP1 only runs on CPU when told so
             use_orig_params=True,  # optimizer and reference swap see the HF parameters
             limit_all_gathers=True,
@@ -88,7 +92,7 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
                 _reshard(module, handle, True)
 
     def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:
-        if self.cfg.get("fsdp_offload_enabled", False):
+        if self._offloading:
             return model  # FSDP1 CPU offload manages parameter placement itself
         return model.to(device)
 

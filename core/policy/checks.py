@@ -66,3 +66,12 @@ def check_train_batch(
         raise BatchError(f"{where} has {size} rows, not a positive multiple of the global batch size {rows}"
                          + (f" / dp {dp}" if local else ""))
     return rows
+
+
+def check_loss_inputs(loss_fn: Any, data: Mapping[str, Any], vocab_size: int | None) -> None:
+    """Run a loss's own input checks (keys, shapes, finite values, ids in the vocabulary) on
+    the host batch, if the loss has them (``core.losses`` objects do)."""
+    check = getattr(loss_fn, "check", None)
+    if check is not None:
+        check.check_shapes(None, data)
+        check.check_values(data, vocab_size)

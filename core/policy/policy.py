@@ -17,7 +17,7 @@ from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.distributed import RayVirtualCluster, RayWorkerGroup
 from core.interfaces import ColocatablePolicyInterface, GenerationInterface
 from core.parallel_dims import ParallelDims
-from core.policy.checks import check_sequence_lengths, check_train_batch
+from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
 from core.policy.preflight import preflight_model_checks
 from core.policy.registry import backend_spec
 
@@ -48,7 +48,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         world_size = _world_size(cluster, workers_per_node)
         self.cfg = dict(validate_policy_config(config, world_size=world_size))
         self.dims = ParallelDims.from_policy_config(self.cfg, world_size)
-        preflight_model_checks(self.cfg, tokenizer, self.dims)
+        self.model_config = preflight_model_checks(self.cfg, tokenizer, self.dims)
         self.tokenizer = tokenizer
         self.worker_group = RayWorkerGroup(
             cluster,
@@ -136,6 +136,9 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
         check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"], local=False)
+        # On the driver: a bad key or shape must not reach the workers, where one rank's
+        # exception would take the whole group down.
+        check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
         dyn = self._dynamic_args("train_mb_tokens")
         if dyn is None:
             shards = data.shard_by_batch_size(self.dims.dp, batch_size=gbs)

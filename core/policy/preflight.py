@@ -46,8 +46,8 @@ TP_FIELDS = {"torch_dtensor": "policy.dtensor_cfg.tensor_parallel_size",
              "jax_pjit": "policy.jax_cfg.tensor_parallel_size"}
 
 
-def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any, dims: ParallelDims) -> None:
-    """Tokenizer vs vocab and tp vs heads, from the model's config alone."""
+def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any, dims: ParallelDims) -> Any:
+    """Tokenizer vs vocab and tp vs heads, from the model's config alone; returns the config."""
     from transformers import AutoConfig
 
     name = policy_cfg["model_name"]
@@ -58,3 +58,4 @@ def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any, dims: 
     check_tokenizer_fits(tokenizer, model_config, name)
     field = TP_FIELDS.get(policy_cfg["backend"], "tensor_parallel_size")
     check_tensor_parallel_fits(model_config, dims.tp, field)
+    return model_config
