@@ -1,17 +1,17 @@
 """Policy ``get_logprobs`` / ``train`` throughput on the torch layouts vs plain single-process HF.
 
-    python -m benchmarks.torch_backends [--model llama_bench] [--batch 8] [--seq 256]
-        [--iters 5] [--warmup 2] [--precision float32] [--threads 2] [--cases hf fsdp1-dp2 ...]
+    python -m benchmarks.torch_backends [--model llama_bench] [--batch 8] [--seq 256] [--iters 5]
+        [--warmup 2] [--precision float32] [--threads 2] [--cases hf fsdp1-dp2 ...] [--interleave]
 
 Every case runs the same model on the same batch (right-padded random ids with ragged
-lengths, seed 0) in one invocation, back to back, and is reported as tokens/s and as a
-ratio to the ``hf`` case of this same run:
+lengths, seed 0) in one invocation and is reported as tokens/s and as a ratio to the
+``hf`` case of this same run:
 
-* ``hf``: ``AutoModelForCausalLM`` in a subprocess of its own (so its threads and memory are
-  its alone).  logprobs = one no-grad forward over the whole batch + ``log_softmax`` /
-  ``gather``; train = forward + token-mean NLL + backward + grad-norm clip + AdamW step
-  (the optimizer kwargs and ``max_grad_norm`` of ``core/configs/default.yaml``, as the
-  workers use).
+* ``hf``: ``AutoModelForCausalLM`` in a child process of its own (its threads and memory are
+  its alone; the driver sends it one line per call and it answers with the seconds the call
+  took).  logprobs = one no-grad forward over the whole batch + ``log_softmax``/``gather``;
+  train = forward + token-mean NLL + backward + grad-norm clip + AdamW step, with the
+  optimizer kwargs and ``max_grad_norm`` of ``core/configs/default.yaml`` as the workers.
 * ``fsdp1-*`` / ``dtensor-*``: a :class:`core.policy.Policy` on a fresh
   :class:`RayVirtualCluster` of 1 or 2 CPU workers (gloo).  One micro batch per rank
   (``train_micro_batch_size = logprob_batch_size = batch / dp``), one optimizer step per
@@ -19,23 +19,27 @@ ratio to the ``hf`` case of this same run:
 
 Methodology and caveats:
 
-* tokens/s = real (unpadded) tokens of the batch / wall seconds of one call, timed on the
-  driver around ``policy.get_logprobs`` / ``policy.train``: Ray dispatch, sharding and
-  result collection included (what a user sees).  ``--warmup`` calls per operation are
-  run first and not timed (the first AdamW step allocates its state there).  The table
-  gives the median; min/max follow.
-* Threads: ``--threads T`` (default 2, this machine's core count) is the total budget.
-  ``hf`` uses ``torch.set_num_threads(T)``; a 2-worker case gets Ray bundles of T/2 CPUs,
+* tokens/s = real (unpadded) tokens of the batch / wall seconds of one call.  Policy calls
+  are timed on the driver around ``policy.get_logprobs`` / ``policy.train``: Ray dispatch,
+  sharding and result collection included (what a user sees).  ``--warmup`` calls per
+  operation run first, untimed (the first AdamW step allocates its state there).  The
+  table gives the median; min/max and ratios of the fastest calls follow.
+* Threads: ``--threads T`` (default 2, this machine's core count) is each case's total.
+  ``hf`` runs ``torch.set_num_threads(T)``; a 2-worker case gets Ray bundles of T/2 CPUs,
   a 1-worker case one bundle of T CPUs.  Ray sets ``OMP_NUM_THREADS`` to an actor's CPU
-  count, which is what torch uses; the threads each worker really has
-  (``policy.get_gpu_info()["torch_num_threads"]``) are printed.  So every case uses the
-  same T cores: on a 2-core CPU the dp2/tp2 cases are *not* faster hardware, only the
-  same two cores split into two single-threaded processes plus gloo collectives.
-  The dp1 cases run the exact computation of ``hf`` on one process with the same threads,
-  so their ratio isolates the framework's overhead (Ray, FSDP wrapping, the worker's
-  logprob/loss path); the dp2/tp2 ratios add the parallel split on top.
-* Policies and clusters are shut down between cases; Ray is started once.  Start-up
-  (Policy construction) is reported but not part of any throughput.
+  count, which torch follows; the threads each worker really has
+  (``policy.get_gpu_info()[i]["torch_num_threads"]``) are printed.  So every case uses the
+  same T cores: on a 2-core CPU dp2/tp2 are *not* more hardware, only the same two cores
+  split into two single-threaded processes plus gloo collectives.  The dp1 cases run the
+  computation of ``hf`` on one process with the same threads, so their ratio isolates the
+  framework's overhead (Ray, FSDP wrapping, the worker's logprob/loss path); the dp2/tp2
+  ratios add the parallel split on top.
+* Default schedule: back to back, one case alive at a time (policy and cluster shut down
+  before the next); Ray is started once, before anything is timed.  ``--interleave`` keeps
+  every case alive and calls each once per round instead, so load from other processes on
+  the machine hits all cases alike (the report prints the load average: on a shared
+  machine, prefer ``--interleave`` and the min-based ratios).  Start-up (model load,
+  Policy construction) is reported but is no part of any throughput.
 * ``--precision bfloat16``: the workers compute in bf16 under FSDP mixed precision (fp32
   master weights); ``hf`` approximates that with CPU autocast.
 """
@@ -147,21 +151,6 @@ def policy_config(model_path: str, tokenizer_path: str, layout: Layout, batch: i
     return cfg
 
 
-# ----------------------------------------------------------------------------- timing
-
-
-def time_calls(fn, warmup: int, iters: int) -> list[float]:
-    """Wall seconds of ``iters`` calls of ``fn`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 # ----------------------------------------------------------------------------- hf case (child process)
 
 
@@ -175,10 +164,9 @@ def _hf_steps(model, data, precision: str):
     token_mask = data["token_mask"][:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), **cfg["optimizer"]["kwargs"])
     max_norm = cfg["max_grad_norm"]
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
 
     def next_token_logprobs():
-        with autocast:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
 
@@ -197,83 +185,196 @@ def _hf_steps(model, data, precision: str):
         optimizer.step()
         return float(loss)
 
-    return logprobs, train
+    return {"logprobs": logprobs, "train": train}
 
 
-def run_hf(model_path: str, batch: int, seq: int, iters: int, warmup: int, precision: str, threads: int) -> dict:
-    """Runs in the child process: the plain HF baseline."""
+def serve_hf(model_path: str, args) -> None:
+    """Runs in the child process: load the model, then answer ``logprobs``/``train`` lines on
+    stdin with the seconds each call took (``@@``-prefixed JSON on stdout) until ``quit``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    data = make_batch(batch, seq, model.config.vocab_size)
-    logprobs, train = _hf_steps(model, data, precision)
-    return {
-        "case": "hf",
-        "workers": 1,
-        "threads": [torch.get_num_threads()],
-        "params": sum(p.numel() for p in model.parameters()),
-        "startup_s": None,
-        "logprobs_s": time_calls(logprobs, warmup, iters),
-        "train_s": time_calls(train, warmup, iters),
-    }
+    steps = _hf_steps(model, make_batch(args.batch, args.seq, model.config.vocab_size), args.precision)
+    params = sum(p.numel() for p in model.parameters())
+    print("@@" + json.dumps({"threads": torch.get_num_threads(), "params": params}), flush=True)
+    for line in sys.stdin:
+        op = line.strip()
+        if op == "quit":
+            break
+        t0 = time.perf_counter()
+        steps[op]()
+        print("@@" + json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
 
 
-def spawn_hf(model_path: str, args) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.torch_backends", "--child-hf", model_path,
-           "--batch", str(args.batch), "--seq", str(args.seq), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--precision", args.precision, "--threads", str(args.threads)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"hf child failed (rc {out.returncode}):\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class HFRunner:
+    """The ``hf`` case: a child process running :func:`serve_hf`, timed by itself (pure compute)."""
+
+    name, workers = "hf", 1
+
+    def __init__(self, model_path: str, args) -> None:
+        cmd = [sys.executable, "-m", "benchmarks.torch_backends", "--child-hf", model_path,
+               "--batch", str(args.batch), "--seq", str(args.seq), "--precision", args.precision,
+               "--threads", str(args.threads)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        t0 = time.perf_counter()
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                      text=True, env=env)
+        ready = self._reply()
+        self.startup_s = time.perf_counter() - t0
+        self.threads, self.params = [ready["threads"]], ready["params"]
+
+    def _reply(self) -> dict:
+        for line in self._proc.stdout:
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        self._stderr.seek(0)
+        raise RuntimeError(f"hf child exited (rc {self._proc.wait()}):\n{self._stderr.read()}")
+
+    def _call(self, op: str) -> float:
+        self._proc.stdin.write(op + "\n")
+        self._proc.stdin.flush()
+        return self._reply()["seconds"]
+
+    def logprobs(self) -> float:
+        return self._call("logprobs")
+
+    def train(self) -> float:
+        return self._call("train")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.write("quit\n")
+            self._proc.stdin.close()
+            self._proc.wait(timeout=60)
+        self._stderr.close()
 
 
 # ----------------------------------------------------------------------------- Policy cases
 
 
-def run_policy_case(name: str, model_path: str, tokenizer_path: str, tokenizer, args) -> dict:
-    """Build the case's cluster and Policy, time both operations, tear everything down."""
-    from core.distributed import RayVirtualCluster
-    from core.losses import NLLLoss
-    from core.policy import Policy
+class PolicyRunner:
+    """A Policy case on its own cluster; each call is timed on the driver (Ray dispatch included)."""
 
-    layout = LAYOUTS[name]
-    cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision)
-    data = make_batch(args.batch, args.seq, vocab_size(model_path))
-    cpus = max(1, args.threads // layout.workers)
-    cluster = RayVirtualCluster([layout.workers], use_gpus=False, num_cpus_per_bundle=cpus, name=f"bench-{name}")
-    try:
-        t0 = time.perf_counter()
-        policy = Policy(cluster, cfg, tokenizer, name_prefix=f"bench-{name}")
-        startup = time.perf_counter() - t0
+    def __init__(self, name: str, model_path: str, tokenizer_path: str, tokenizer, args) -> None:
+        from core.distributed import RayVirtualCluster
+        from core.losses import NLLLoss
+        from core.policy import Policy
+
+        layout = LAYOUTS[name]
+        self.name, self.workers = name, layout.workers
+        cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision)
+        self._data = make_batch(args.batch, args.seq, vocab_size(model_path))
+        self._loss, self._gbs, self._mbs = NLLLoss(), args.batch, args.batch // layout.dp
+        cpus = max(1, args.threads // layout.workers)
+        self._cluster = RayVirtualCluster([layout.workers], use_gpus=False, num_cpus_per_bundle=cpus,
+                                          name=f"bench-{name}")
+        self._policy = None
         try:
-            threads = [info.get("torch_num_threads") for info in policy.get_gpu_info()]
-            loss_fn = NLLLoss()
-            lp = time_calls(lambda: policy.get_logprobs(data), args.warmup, args.iters)
-            tr = time_calls(lambda: policy.train(data, loss_fn, gbs=args.batch, mbs=args.batch // layout.dp),
-                            args.warmup, args.iters)
+            t0 = time.perf_counter()
+            self._policy = Policy(self._cluster, cfg, tokenizer, name_prefix=f"bench-{name}")
+            self.startup_s = time.perf_counter() - t0
+            self.threads = [info.get("torch_num_threads") for info in self._policy.get_gpu_info()]
+        except BaseException:
+            self.close()
+            raise
+
+    def logprobs(self) -> float:
+        t0 = time.perf_counter()
+        self._policy.get_logprobs(self._data)
+        return time.perf_counter() - t0
+
+    def train(self) -> float:
+        t0 = time.perf_counter()
+        self._policy.train(self._data, self._loss, gbs=self._gbs, mbs=self._mbs)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            if self._policy is not None:
+                self._policy.shutdown()
         finally:
-            policy.shutdown()
-    finally:
-        cluster.shutdown()
-    return {"case": name, "workers": layout.workers, "threads": threads, "startup_s": startup,
-            "logprobs_s": lp, "train_s": tr}
+            self._cluster.shutdown()
 
 
-def run_case(name: str, model_path: str, tokenizer_path: str, tokenizer, args) -> dict:
-    """One case; a failure is recorded (with its traceback on stderr) and the run goes on."""
-    print(f"[torch_backends] running {name} ...", file=sys.stderr, flush=True)
+# ----------------------------------------------------------------------------- scheduling
+
+
+OPS = ("logprobs", "train")
+
+
+def start_runner(name: str, model_path: str, tokenizer_path: str, tokenizer, args):
+    print(f"[torch_backends] starting {name} ...", file=sys.stderr, flush=True)
+    if name == "hf":
+        return HFRunner(model_path, args)
+    return PolicyRunner(name, model_path, tokenizer_path, tokenizer, args)
+
+
+def _new_result(runner) -> dict:
+    return {"case": runner.name, "workers": runner.workers, "threads": runner.threads,
+            "startup_s": runner.startup_s, "params": getattr(runner, "params", None),
+            "logprobs_s": [], "train_s": []}
+
+
+def _failed(name: str, err: BaseException) -> dict:
+    traceback.print_exc()
+    workers = LAYOUTS[name].workers if name in LAYOUTS else 1
+    first = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+    return {"case": name, "workers": workers, "error": f"{type(err).__name__}: {first}"}
+
+
+def _time_op(runner, op: str, result: dict, timed: bool) -> None:
+    seconds = getattr(runner, op)()
+    if timed:
+        result[f"{op}_s"].append(seconds)
+
+
+def run_back_to_back(cases, start, args) -> list[dict]:
+    """One case at a time: start it, warm-up + timed calls of each operation, shut it down."""
+    results = []
+    for name in cases:
+        try:
+            runner = start(name)
+        except Exception as err:  # noqa: BLE001 -- report it and go on with the other cases
+            results.append(_failed(name, err))
+            continue
+        result = _new_result(runner)
+        try:
+            for op in OPS:
+                for i in range(args.warmup + args.iters):
+                    _time_op(runner, op, result, timed=i >= args.warmup)
+        except Exception as err:  # noqa: BLE001
+            result = _failed(name, err)
+        finally:
+            runner.close()
+        results.append(result)
+    return results
+
+
+def run_interleaved(cases, start, args) -> list[dict]:
+    """Every case alive at once; each round calls every case once, so background load hits all
+    cases alike.  Needs memory for all of them together."""
+    runners, results = {}, {}
+    for name in cases:
+        try:
+            runners[name] = start(name)
+            results[name] = _new_result(runners[name])
+        except Exception as err:  # noqa: BLE001
+            results[name] = _failed(name, err)
     try:
-        if name == "hf":
-            return spawn_hf(model_path, args)
-        return run_policy_case(name, model_path, tokenizer_path, tokenizer, args)
-    except Exception as err:  # noqa: BLE001 -- report and continue with the other cases
-        traceback.print_exc()
-        return {"case": name, "workers": LAYOUTS[name].workers if name in LAYOUTS else 1,
-                "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        for op in OPS:
+            for i in range(args.warmup + args.iters):
+                for name in [n for n in runners if "error" not in results[n]]:
+                    try:
+                        _time_op(runners[name], op, results[name], timed=i >= args.warmup)
+                    except Exception as err:  # noqa: BLE001
+                        results[name] = _failed(name, err)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    return [results[name] for name in cases]
 
 
 # ----------------------------------------------------------------------------- report
@@ -318,33 +419,47 @@ def _spread(times: list[float] | None) -> str:
     return f"{statistics.median(times):.3f} [{min(times):.3f}, {max(times):.3f}]"
 
 
+def _min_ratio(r: dict, hf: dict | None, key: str) -> str:
+    """×hf from each case's fastest call: the least disturbed by other load on the machine."""
+    if not hf or not r.get(key) or not hf.get(key):
+        return "-"
+    return f"{min(hf[key]) / min(r[key]):.2f}"
+
+
 def _timing_table(results: list[dict]) -> list[str]:
-    lines = ["seconds per call: median [min, max]",
-             f"{'case':15} {'startup s':>9}  {'logprobs':28} {'train':28}"]
+    hf = next((r for r in results if r["case"] == "hf" and "error" not in r), None)
+    lines = ["seconds per call: median [min, max]; ×hf(min) = the same ratio from the fastest calls",
+             f"{'case':15} {'startup s':>9}  {'logprobs s':26} {'train s':26} {'×hf(min) lp':>11} {'train':>6}"]
     for r in results:
         if "error" in r:
             lines.append(f"{r['case']:15} FAILED: {r['error']}")
             continue
-        lines.append(f"{r['case']:15} {_fmt(r.get('startup_s'), '9.1f')}  "
-                     f"{_spread(r.get('logprobs_s')):28} {_spread(r.get('train_s')):28}")
+        lines.append(f"{r['case']:15} {_fmt(r.get('startup_s'), '9.1f')}  {_spread(r['logprobs_s']):26} "
+                     f"{_spread(r['train_s']):26} {_min_ratio(r, hf, 'logprobs_s'):>11} "
+                     f"{_min_ratio(r, hf, 'train_s'):>6}")
     return lines
 
 
-def report(results: list[dict], args, tokens: int, params: int | None) -> str:
+def report(results: list[dict], args, tokens: int, params: int | None, load: tuple[float, float]) -> str:
     size = f"{params / 1e6:.1f}M params, " if params else ""
-    padded = args.batch * args.seq
+    mode = "interleaved (all cases alive, one call each per round)" if args.interleave else \
+        "back to back (one case at a time, shut down before the next)"
     lines = [
         f"torch backends vs single-process HF: {args.model} ({size}vocab {args.vocab}), {args.precision}, "
-        f"batch {args.batch} x seq {args.seq} = {tokens} real tokens ({padded} padded), "
-        f"{args.iters} timed calls after {args.warmup} warm-up, {os.cpu_count()} CPU cores",
-        f"threads: total budget {args.threads}; hf torch.set_num_threads({args.threads}); 1-worker cases one "
-        f"Ray bundle of {args.threads} CPUs; 2-worker cases bundles of {max(1, args.threads // 2)} CPU(s) "
-        "(Ray sets OMP_NUM_THREADS to the actor's CPUs). threads/worker below is torch.get_num_threads() "
-        "measured inside each worker.",
-        "Every case shares the same cores: on this machine dp2/tp2 = the same cores split over two "
-        "processes (+ gloo collectives), not extra hardware; dp1 vs hf = framework overhead only.",
-        "tokens/s = real tokens / driver wall time of one Policy call (Ray dispatch included); median of the "
-        "timed calls; ×hf = case tokens/s ÷ hf tokens/s from this run.",
+        f"batch {args.batch} x seq {args.seq} = {tokens} real tokens ({args.batch * args.seq} padded), "
+        f"{args.iters} timed calls after {args.warmup} warm-up per operation, {mode}",
+        f"threads: total budget {args.threads} on {os.cpu_count()} CPU cores; hf: torch.set_num_threads"
+        f"({args.threads}); 1-worker cases: one Ray bundle of {args.threads} CPU(s); 2-worker cases: "
+        f"bundles of {max(1, args.threads // 2)} CPU(s). Ray sets OMP_NUM_THREADS to an actor's CPUs; "
+        "threads/worker = torch.get_num_threads() reported by each worker (get_gpu_info).",
+        "All cases share the same cores: dp2/tp2 = those cores split over two processes (+ gloo "
+        "collectives), not extra hardware; dp1 vs hf = the same compute, so framework overhead only.",
+        "tokens/s = real tokens / wall time of one call: Policy cases timed on the driver around the "
+        "Policy call (Ray dispatch included), hf inside its process; median of the timed calls; "
+        "×hf = case tokens/s ÷ hf tokens/s from this run.",
+        f"machine load average (1 min) {load[0]:.2f} at start, {load[1]:.2f} at end"
+        + (f"  -- WARNING: above {os.cpu_count()} cores, other processes competed for the CPU"
+           if max(load) > (os.cpu_count() or 1) else ""),
         "",
         *_throughput_table(results, tokens),
         "",
@@ -366,6 +481,8 @@ def _parse(argv):
     parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2, help="total torch threads per case (see above)")
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    parser.add_argument("--interleave", action="store_true",
+                        help="keep every case alive and alternate calls between them (robust to background load)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child-hf", metavar="MODEL_PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -376,26 +493,34 @@ def _parse(argv):
     return args
 
 
+def _ray_cpus(args) -> int:
+    """Logical CPUs Ray needs: the largest case (back to back) or all cases (interleaved)."""
+    need = [LAYOUTS[c].workers * max(1, args.threads // LAYOUTS[c].workers) for c in args.cases if c in LAYOUTS]
+    return max(4, sum(need) if args.interleave else max(need, default=0))
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.child_hf:
-        print(json.dumps(run_hf(args.child_hf, args.batch, args.seq, args.iters, args.warmup,
-                                args.precision, args.threads)))
+        serve_hf(args.child_hf, args)
         return 0
 
     from core.distributed import init_ray
 
     wall0 = time.perf_counter()
+    if any(c in LAYOUTS for c in args.cases):
+        init_ray(num_cpus=_ray_cpus(args))  # first: its start-up work is over before any timing
     with tempfile.TemporaryDirectory(prefix="dualrl-bench-") as tmp:
         model_path, tokenizer_path = prepare_model(args.model, Path(tmp))
         args.vocab = vocab_size(model_path)
         tokenizer = load_tokenizer(tokenizer_path)
         tokens = int(make_batch(args.batch, args.seq, args.vocab)["input_lengths"].sum())
-        if any(c in LAYOUTS for c in args.cases):
-            init_ray(num_cpus=max(4, args.threads))  # 4: room for any 2-bundle group
-        results = [run_case(c, model_path, tokenizer_path, tokenizer, args) for c in args.cases]
-    params = next((r.get("params") for r in results if r.get("params")), None)
-    print(report(results, args, tokens, params))
+        load0 = os.getloadavg()[0]
+        start = lambda name: start_runner(name, model_path, tokenizer_path, tokenizer, args)  # noqa: E731
+        results = (run_interleaved if args.interleave else run_back_to_back)(args.cases, start, args)
+        load = (load0, os.getloadavg()[0])
+    params = next((r["params"] for r in results if r.get("params")), None)
+    print(report(results, args, tokens, params, load))
     print(f"\nbenchmark wall time {time.perf_counter() - wall0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

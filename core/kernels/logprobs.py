@@ -40,7 +40,7 @@ def auto_chunk_size(tokens: int, vocab: int, budget: int = DEFAULT_CHUNK_ELEMENT
     return max(1, min(tokens, budget // max(1, vocab)))
 
 
-def _chunk_bounds(rows: int, chunk_size: int):
+def chunk_bounds(rows: int, chunk_size: int):
     return [(s, min(s + chunk_size, rows)) for s in range(0, rows, chunk_size)]
 
 
@@ -60,7 +60,7 @@ def _chunk_logprobs_grad(ops, logits_c, ids_c, g_c):
 
 
 def _forward_chunks(ops, flat, ids, chunk_size):
-    parts = [_chunk_logprobs(ops, flat[s:e], ids[s:e]) for s, e in _chunk_bounds(flat.shape[0], chunk_size)]
+    parts = [_chunk_logprobs(ops, flat[s:e], ids[s:e]) for s, e in chunk_bounds(flat.shape[0], chunk_size)]
     return parts[0] if len(parts) == 1 else ops.concat(parts, axis=0)
 
 
@@ -83,7 +83,7 @@ def _torch_function():
             flat, ids = ctx.saved_tensors
             ops = ops_for(flat)
             grad = torch.empty_like(flat)
-            for s, e in _chunk_bounds(flat.shape[0], ctx.chunk_size):
+            for s, e in chunk_bounds(flat.shape[0], ctx.chunk_size):
                 grad[s:e] = _chunk_logprobs_grad(ops, flat[s:e], ids[s:e], grad_out[s:e])
             return grad, None, None
 
@@ -109,7 +109,7 @@ def _jax_function():
         ops = ops_for(flat)
         parts = [
             _chunk_logprobs_grad(ops, flat[s:e], ids[s:e], g[s:e])
-            for s, e in _chunk_bounds(flat.shape[0], chunk_size)
+            for s, e in chunk_bounds(flat.shape[0], chunk_size)
         ]
         return (parts[0] if len(parts) == 1 else ops.concat(parts, axis=0)), None
 
@@ -120,7 +120,7 @@ def _jax_function():
 # --------------------------------------------------------------------------- public
 
 
-def _check_logits_and_ids(logits, ids) -> None:
+def check_logits_and_ids(logits, ids) -> None:
     if len(logits.shape) != 3:
         raise ValueError(f"logits must be [B, S, V], got shape {tuple(logits.shape)}")
     if tuple(ids.shape) != tuple(logits.shape[:2]):
@@ -143,7 +143,7 @@ def logprobs_from_logits(logits, target_ids, chunk_size: int | None = None):
         [B, S] log-probabilities in the compute dtype (fp32, or fp64 for fp64 logits),
         differentiable w.r.t. ``logits`` with the same memory bound in the backward pass.
     """
-    _check_logits_and_ids(logits, target_ids)
+    check_logits_and_ids(logits, target_ids)
     ops = ops_for(logits)
     batch, seq, vocab = logits.shape
     tokens = batch * seq
@@ -167,7 +167,7 @@ def next_token_logprobs(logits, input_ids, chunk_size: int | None = None):
     Position t of the result scores token ``input_ids[:, t + 1]`` with the logits emitted at
     position t, i.e. it lines up with per-token data sliced ``[:, 1:]``.
     """
-    _check_logits_and_ids(logits, input_ids)
+    check_logits_and_ids(logits, input_ids)
     ops = ops_for(logits)
     # Shift the targets, not the logits (a logits slice is a strided copy of [B, S, V]).
     # The last position gets a dummy in-vocabulary target; its column is dropped, so it
@@ -216,7 +216,7 @@ def entropy_from_logits(logits, chunk_size: int | None = None):
     if chunk_size is None:
         chunk_size = auto_chunk_size(batch * seq, vocab) if ops.name == "torch" else batch * seq
     parts = []
-    for s, e in _chunk_bounds(batch * seq, chunk_size):
+    for s, e in chunk_bounds(batch * seq, chunk_size):
         x = ops.to_compute(flat[s:e])
         parts.append(ops.logsumexp(x, axis=-1) - ops.sum(ops.softmax(x) * x, axis=-1))
     if not parts:

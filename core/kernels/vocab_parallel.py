@@ -24,16 +24,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from core.kernels.logprobs import auto_chunk_size, logprobs_from_logits
+from core.kernels.logprobs import check_logits_and_ids, chunk_bounds, auto_chunk_size, logprobs_from_logits
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """fp64 stays fp64; every other float dtype is computed in fp32 (as ``ops.to_compute``)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _chunk_bounds(rows: int, chunk_size: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk_size, rows)) for s in range(0, rows, chunk_size)]
 
 
 def _local_targets(ids: torch.Tensor, vocab_start: int, vocab_end: int):
@@ -64,7 +60,7 @@ def _forward(flat, ids, vocab_start, vocab_end, group, chunk_size):
     row_max = row_max.masked_fill(row_max.abs() == float("inf"), 0.0)
 
     stats = torch.zeros(3, rows, dtype=dtype, device=flat.device)
-    for s, e in _chunk_bounds(rows, chunk_size):
+    for s, e in chunk_bounds(rows, chunk_size):
         stats[0, s:e] = _exp_shifted(flat[s:e], row_max[s:e]).sum(dim=-1)
     in_shard, idx = _local_targets(ids, vocab_start, vocab_end)
     target_logit = flat.gather(1, idx[:, None]).squeeze(1).to(dtype)
@@ -93,7 +89,7 @@ def _backward(flat, ids, logsumexp, grad_out, vocab_start, vocab_end, chunk_size
     g = grad_out.to(logsumexp.dtype)
     in_shard, idx = _local_targets(ids, vocab_start, vocab_end)
     g_target = torch.where(in_shard, g, torch.zeros_like(g))  # off the shard: adds 0 at col 0
-    for s, e in _chunk_bounds(flat.shape[0], chunk_size):
+    for s, e in chunk_bounds(flat.shape[0], chunk_size):
         chunk_grad = _exp_shifted(flat[s:e], logsumexp[s:e])  # softmax rows, this shard
         chunk_grad.mul_(-g[s:e, None])
         chunk_grad.scatter_add_(1, idx[s:e, None], g_target[s:e, None])
@@ -144,16 +140,6 @@ def _plain(ids):
     return ids.full_tensor() if _is_dtensor(ids) else ids
 
 
-def _check_shapes(logits, ids) -> None:
-    if len(logits.shape) != 3:
-        raise ValueError(f"logits must be [B, S, V] (V may be a local slice), got shape {tuple(logits.shape)}")
-    if tuple(ids.shape) != tuple(logits.shape[:2]):
-        raise ValueError(
-            f"target ids shape {tuple(ids.shape)} does not match logits [B, S] = {tuple(logits.shape[:2])} "
-            f"(logits shape {tuple(logits.shape)})"
-        )
-
-
 def _dtensor_vocab_shard(logits):
     """A [B, S, V] DTensor -> (local [B, S, V/tp], group, vocab_start, vocab_end), or None
     when it is replicated.  Only a 1-D mesh with a Shard(2) placement is a vocab shard."""
@@ -202,7 +188,7 @@ def vocab_parallel_logprobs(
         [B, S] plain tensor of log-probabilities in the compute dtype (fp32, or fp64 for
         fp64 logits), identical on every rank, differentiable w.r.t. ``logits``.
     """
-    _check_shapes(logits, target_ids)
+    check_logits_and_ids(logits, target_ids)
     ids = _plain(target_ids)
     if _is_dtensor(logits):
         if group is not None or vocab_start is not None or vocab_end is not None:
@@ -240,7 +226,7 @@ def vocab_parallel_next_token_logprobs(
     would be a strided copy); the last position's dummy target is dropped with its column.
     Arguments as ``vocab_parallel_logprobs``.
     """
-    _check_shapes(logits, input_ids)
+    check_logits_and_ids(logits, input_ids)
     ids = _plain(input_ids)
     shifted = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     out = vocab_parallel_logprobs(logits, shifted, group, vocab_start, vocab_end, chunk_size=chunk_size)

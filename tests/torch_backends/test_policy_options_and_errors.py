@@ -22,11 +22,16 @@ from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, pol
 from tests.torch_backends.test_torch_policy import PG_CFG
 
 
+TEMPERATURE = 0.7
+
+
 @pytest.fixture(scope="module")
 def dynamic_policy(ray_session, model_dirs, tokenizer):
-    """FSDP1 dp=2 with token-budget (dynamic) micro batches: rows are sorted by length and
-    dealt over ranks, so the caller's order must be restored."""
+    """FSDP1 dp=2 with token-budget (dynamic) micro batches (rows are sorted by length and
+    dealt over ranks, so the caller's order must be restored) and a sampling temperature
+    of 0.7, which get_logprobs and train must both apply."""
     cfg = policy_config(model_dirs["llama"], "torch_fsdp")
+    cfg["generation"]["temperature"] = TEMPERATURE
     cfg["dynamic_batching"] = {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 24,
                                "sequence_length_round": 4}
     cluster = RayVirtualCluster([2], use_gpus=False)
@@ -39,7 +44,8 @@ def dynamic_policy(ray_session, model_dirs, tokenizer):
 def test_dynamic_batching_keeps_caller_order(dynamic_policy):
     ids, lens = random_batch(7, SEQ, VOCAB, seed=60)
     out = dynamic_policy["policy"].get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
-    ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(dynamic_policy["model_dir"]).eval(), ids, lens)
+    ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(dynamic_policy["model_dir"]).eval(), ids, lens,
+                      temperature=TEMPERATURE)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
@@ -49,7 +55,8 @@ def test_dynamic_batching_train_loss_matches_full_batch(dynamic_policy):
     model = AutoModelForCausalLM.from_pretrained(dynamic_policy["model_dir"])
     mask = (torch.arange(SEQ)[None] < data["input_lengths"][:, None]).long()
     with torch.no_grad():
-        ref = float(loss_fn(model(input_ids=data["input_ids"], attention_mask=mask).logits, data, None, None)[0])
+        logits = model(input_ids=data["input_ids"], attention_mask=mask).logits / TEMPERATURE
+        ref = float(loss_fn(logits, data, None, None)[0])
     got = float(dynamic_policy["policy"].train(data, loss_fn, eval_mode=True)["loss"][0])
     assert math.isclose(got, ref, rel_tol=1e-5, abs_tol=1e-6)
 

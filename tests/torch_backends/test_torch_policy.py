@@ -24,6 +24,7 @@ from core.losses import ClippedPGLossFn, NLLLoss
 from core.policy import Policy
 from core.testing.tiny_models import random_batch
 
+from tests.unit.test_losses import BASE_CFG
 from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
 
 # (backend, tp, sequence_parallel, model): every torch layout the issue names, on Llama;
@@ -39,15 +40,8 @@ LAYOUTS = [
     pytest.param(("torch_dtensor", 2, False, "llama_tied", 2), id="dtensor-tp2-tied"),
 ]
 
-PG_CFG = {
-    "reference_policy_kl_penalty": 0.05,
-    "ratio_clip_min": 0.2,
-    "ratio_clip_max": 0.2,
-    "ratio_clip_c": None,
-    "use_on_policy_kl_approximation": False,
-    "use_importance_sampling_correction": False,
-    "token_level_loss": True,
-}
+# The ClippedPG settings of the loss unit tests (PPO clip 0.2, k3 KL 0.05, token level).
+PG_CFG = BASE_CFG
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)

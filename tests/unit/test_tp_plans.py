@@ -1,0 +1,45 @@
+"""Tensor-parallel plans are data: built-in per model family, or a custom plan from config."""
+
+import pytest
+from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+from backends.torch_common.optim import import_object
+from backends.torch_dtensor.tp_plans import TP_PLANS, plan_for
+from core.testing.tiny_models import build_tiny_model
+
+CUSTOM_PLAN = {"lm_head": ColwiseParallel()}
+
+
+def custom_plan_fn(model, sequence_parallel):
+    return {"model.layers.*.mlp.up_proj": ColwiseParallel()}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_builtin_plan_covers_every_projection(name):
+    model = build_tiny_model(name)
+    plan = plan_for(model, sequence_parallel=True)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert f"model.layers.*.self_attn.{proj}" in plan
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert f"model.layers.*.mlp.{proj}" in plan
+    assert isinstance(plan["model.norm"], SequenceParallel)
+    assert "model.norm" not in plan_for(model, sequence_parallel=False)
+
+
+def test_custom_plan_from_config_path():
+    model = build_tiny_model("llama")
+    assert plan_for(model, False, import_object(f"{__name__}.CUSTOM_PLAN", "plan")) is CUSTOM_PLAN
+    plan = plan_for(model, False, import_object(f"{__name__}.custom_plan_fn", "plan"))
+    assert list(plan) == ["model.layers.*.mlp.up_proj"]
+    with pytest.raises(ValueError, match="custom_parallel_plan must give a dict"):
+        plan_for(model, False, lambda m, sp: ["not", "a", "dict"])
+    with pytest.raises(ValueError, match="cannot import 'no.such.PLAN'"):
+        import_object("no.such.PLAN", "policy.dtensor_cfg.custom_parallel_plan")
+
+
+def test_unknown_family_needs_a_custom_plan():
+    model = build_tiny_model("llama")
+    model.config.model_type = "gpt_neox"
+    with pytest.raises(ValueError, match="no tensor-parallel plan for model_type 'gpt_neox'"):
+        plan_for(model, False)
+    assert {"llama", "qwen2"} <= set(TP_PLANS)
