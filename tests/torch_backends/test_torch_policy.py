@@ -146,5 +146,5 @@ def _reference_adamw(model_dir, cfg, batches, loss_fn):
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])))
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, norms[0], model.eval()
