@@ -1,0 +1,343 @@
+"""HF <-> JAX parameter names and layouts, declared once per family as a table.
+
+Each row of a table is ``(HF name pattern, JAX state path pattern, transform)``; ``{i}``
+stands for the layer index.  The same rows drive checkpoint import (``load_hf_weights``,
+``from_pretrained``), export (``save_hf_checkpoint``) and refit (``jax_to_hf_tensors``
+yields HF names and layouts).  Transforms are exact (transposes and reshapes only), so
+``jax_to_hf_tensors(hf_to_jax_state(x, cfg), cfg) == x`` bit for bit.
+
+Transforms (HF layout -> JAX layout, JAX shapes from ``model.param_shapes(cfg)``):
+    embedding        [V, E]           -> [V, E]             (identity)
+    norm             [E]              -> [E]                (identity)
+    linear           [out, in]        -> [in, *out_dims]    (q/k/v: out = heads x head_dim)
+    linear_heads_in  [out, H*D]       -> [H, D, out]        (o_proj: input split into heads)
+    bias_heads       [H*D]            -> [H, D]
+
+Reading checkpoints: ``safetensors.safe_open(..., framework="np")`` (safetensors >= 0.6)
+returns bf16 tensors as ``ml_dtypes.bfloat16`` numpy arrays, which ``jnp.asarray``
+accepts directly; no torch involved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from backends.jax_pjit.model import CausalLM, ModelConfig, abstract_model, param_shapes, params_of
+
+# --------------------------------------------------------------------------- the tables
+
+
+class Row(NamedTuple):
+    hf: str  # HF state-dict name, ``{i}`` = layer index
+    jax: str  # "/"-separated path in ``nnx.state(model, nnx.Param)``
+    transform: str  # a key of TRANSFORMS
+    untied_only: bool = False  # dropped for models with tied word embeddings
+
+
+_LAYER = "model.layers.{i}."
+_JLAYER = "layers/{i}/"
+
+LLAMA_TABLE: tuple[Row, ...] = (
+    Row("model.embed_tokens.weight", "embed_tokens/embedding", "embedding"),
+    Row(_LAYER + "input_layernorm.weight", _JLAYER + "input_layernorm/scale", "norm"),
+    Row(_LAYER + "self_attn.q_proj.weight", _JLAYER + "self_attn/q_proj/kernel", "linear"),
+    Row(_LAYER + "self_attn.k_proj.weight", _JLAYER + "self_attn/k_proj/kernel", "linear"),
+    Row(_LAYER + "self_attn.v_proj.weight", _JLAYER + "self_attn/v_proj/kernel", "linear"),
+    Row(_LAYER + "self_attn.o_proj.weight", _JLAYER + "self_attn/o_proj/kernel", "linear_heads_in"),
+    Row(_LAYER + "post_attention_layernorm.weight", _JLAYER + "post_attention_layernorm/scale", "norm"),
+    Row(_LAYER + "mlp.gate_proj.weight", _JLAYER + "mlp/gate_proj/kernel", "linear"),
+    Row(_LAYER + "mlp.up_proj.weight", _JLAYER + "mlp/up_proj/kernel", "linear"),
+    Row(_LAYER + "mlp.down_proj.weight", _JLAYER + "mlp/down_proj/kernel", "linear"),
+    Row("model.norm.weight", "norm/scale", "norm"),
+    Row("lm_head.weight", "lm_head/kernel", "linear", untied_only=True),
+)
+
+QWEN2_TABLE: tuple[Row, ...] = LLAMA_TABLE + (
+    Row(_LAYER + "self_attn.q_proj.bias", _JLAYER + "self_attn/q_proj/bias", "bias_heads"),
+    Row(_LAYER + "self_attn.k_proj.bias", _JLAYER + "self_attn/k_proj/bias", "bias_heads"),
+    Row(_LAYER + "self_attn.v_proj.bias", _JLAYER + "self_attn/v_proj/bias", "bias_heads"),
+)
+
+FAMILY_TABLES: dict[str, tuple[Row, ...]] = {"llama": LLAMA_TABLE, "qwen2": QWEN2_TABLE}
+
+#: HF buffers that may sit in a checkpoint but are not parameters (recomputed from config).
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+TIED_HF_NAME = "lm_head.weight"
+EMBED_HF_NAME = "model.embed_tokens.weight"
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+class Transform(NamedTuple):
+    to_jax: Callable[[np.ndarray, tuple], np.ndarray]  # (hf array, jax shape) -> jax array
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    hf_shape: Callable[[tuple], tuple]  # jax shape -> hf shape
+
+
+def _identity_shape(s: tuple) -> tuple:
+    return tuple(s)
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "embedding": Transform(lambda x, s: x, lambda x: x, _identity_shape),
+    "norm": Transform(lambda x, s: x, lambda x: x, _identity_shape),
+    # HF [out, in]  <->  JAX [in, *out_dims]
+    "linear": Transform(
+        lambda x, s: np.ascontiguousarray(x.T).reshape(s),
+        lambda x: np.ascontiguousarray(x.reshape(x.shape[0], -1).T),  # (in, out) -> (out, in)
+        lambda s: (math.prod(s[1:]), s[0]),
+    ),
+    # HF [out, H*D]  <->  JAX [H, D, out]
+    "linear_heads_in": Transform(
+        lambda x, s: np.ascontiguousarray(x.T).reshape(s),
+        lambda x: np.ascontiguousarray(x.reshape(-1, x.shape[-1]).T),  # (H*D, out) -> (out, H*D)
+        lambda s: (s[-1], math.prod(s[:-1])),
+    ),
+    # HF [H*D]  <->  JAX [H, D]
+    "bias_heads": Transform(lambda x, s: x.reshape(s), lambda x: x.reshape(-1), lambda s: (math.prod(s),)),
+}
+
+
+class Entry(NamedTuple):
+    hf_name: str
+    jax_path: tuple  # e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
+    transform: str
+    jax_shape: tuple
+    hf_shape: tuple
+
+
+def _jax_path(pattern: str, i: int | None) -> tuple:
+    parts = pattern.format(i=i).split("/")
+    return tuple(int(p) if p.isdigit() else p for p in parts)
+
+
+def table_for(cfg: ModelConfig) -> tuple[Row, ...]:
+    """The family's rows that apply to ``cfg`` (no lm_head row when embeddings are tied)."""
+    return tuple(r for r in FAMILY_TABLES[cfg.family] if not (r.untied_only and cfg.tie_word_embeddings))
+
+
+def expected_entries(cfg: ModelConfig) -> list[Entry]:
+    """Every parameter of ``cfg``'s model: HF name, JAX path, transform and both shapes."""
+    shapes = param_shapes(cfg)
+    entries = []
+    for row in table_for(cfg):
+        for i in range(cfg.num_layers) if "{i}" in row.hf else (None,):
+            path = _jax_path(row.jax, i)
+            jax_shape = shapes[path]
+            hf_shape = TRANSFORMS[row.transform].hf_shape(jax_shape)
+            entries.append(Entry(row.hf.format(i=i), path, row.transform, jax_shape, tuple(hf_shape)))
+    mapped = {e.jax_path for e in entries}
+    if mapped != set(shapes):  # the table and the model must describe the same parameters
+        raise AssertionError(f"HF table / model mismatch: unmapped {set(shapes) - mapped}, "
+                             f"unknown {mapped - set(shapes)}")
+    return entries
+
+
+# --------------------------------------------------------------------------- checks and conversion
+
+
+def check_hf_tensors(hf_tensors: Mapping[str, Any], cfg: ModelConfig) -> list[Entry]:
+    """Raise ``ValueError`` unless ``hf_tensors`` holds exactly ``cfg``'s parameters.
+
+    Every expected HF name must be present with the expected shape; no other names are
+    allowed, except rotary ``inv_freq`` buffers and, on tied models, an ``lm_head.weight``
+    equal to the embedding.  Messages name the HF parameter (and both shapes).
+    """
+    entries = expected_entries(cfg)
+    expected = {e.hf_name for e in entries}
+    missing = [e.hf_name for e in entries if e.hf_name not in hf_tensors]
+    if missing:
+        raise ValueError(f"checkpoint is missing HF parameter(s) {missing} ({cfg.family}, {len(missing)} of "
+                         f"{len(entries)} missing)")
+    unexpected = []
+    for name in hf_tensors:
+        if name in expected or name.endswith(IGNORED_HF_SUFFIXES):
+            continue
+        if name == TIED_HF_NAME and cfg.tie_word_embeddings:
+            if not np.array_equal(np.asarray(hf_tensors[name]), np.asarray(hf_tensors[EMBED_HF_NAME])):
+                raise ValueError(f"HF parameter {TIED_HF_NAME!r} differs from {EMBED_HF_NAME!r} but the "
+                                 "config ties word embeddings (tie_word_embeddings=True)")
+            continue
+        unexpected.append(name)
+    if unexpected:
+        raise ValueError(f"unexpected HF parameter(s) {sorted(unexpected)} for a {cfg.family} model "
+                         f"(tie_word_embeddings={cfg.tie_word_embeddings})")
+    for e in entries:
+        got = tuple(hf_tensors[e.hf_name].shape)
+        if got != e.hf_shape:
+            raise ValueError(f"HF parameter {e.hf_name!r} has shape {got} in the checkpoint, "
+                             f"expected {e.hf_shape} from the config")
+    return entries
+
+
+def hf_to_jax_state(hf_tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """HF tensors -> nested dict keyed like ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``.
+
+    Values are numpy arrays in the checkpoint's dtype (validated by ``check_hf_tensors``).
+    """
+    out: dict = {}
+    for e in check_hf_tensors(hf_tensors, cfg):
+        value = TRANSFORMS[e.transform].to_jax(np.asarray(hf_tensors[e.hf_name]), e.jax_shape)
+        node = out
+        for key in e.jax_path[:-1]:
+            node = node.setdefault(key, {})
+        node[e.jax_path[-1]] = value
+    return out
+
+
+def _flat_values(state: Any) -> dict[tuple, Any]:
+    """``{path: array}`` from a CausalLM, an ``nnx.State`` or a nested pure dict."""
+    if isinstance(state, (nnx.Module, nnx.State)):
+        return {tuple(p): v.get_value() if isinstance(v, nnx.Variable) else v
+                for p, v in nnx.to_flat_state(params_of(state))}
+    flat: dict[tuple, Any] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                walk(v, prefix + (k,))
+        else:
+            flat[prefix] = node
+
+    walk(state, ())
+    return flat
+
+
+def jax_to_hf_tensors(state: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """JAX params (model, ``nnx.State`` or pure dict) -> ``{hf_name: numpy array}`` in HF layout.
+
+    Arrays keep their dtype (bf16 -> ``ml_dtypes.bfloat16``).  Sharded jax arrays are
+    gathered by ``np.asarray`` (they must be fully addressable from this process).
+    """
+    return dict(iter_hf_tensors(state, cfg))
+
+
+def iter_hf_tensors(state: Any, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """``(hf_name, numpy array)`` one parameter at a time, in table order (for streaming
+    refit: only one converted tensor is alive at a time)."""
+    flat = _flat_values(state)
+    for e in expected_entries(cfg):
+        if e.jax_path not in flat:
+            raise ValueError(f"JAX state has no parameter {'/'.join(map(str, e.jax_path))} "
+                             f"(HF {e.hf_name!r})")
+        value = np.asarray(flat[e.jax_path])
+        if tuple(value.shape) != e.jax_shape:
+            raise ValueError(f"JAX parameter {'/'.join(map(str, e.jax_path))} has shape {value.shape}, "
+                             f"expected {e.jax_shape} (HF {e.hf_name!r})")
+        yield e.hf_name, TRANSFORMS[e.transform].to_hf(value)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def read_hf_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint as numpy arrays (bf16 as ``ml_dtypes.bfloat16``).
+
+    ``path`` is a ``.safetensors`` file, or a directory with ``model.safetensors`` or a
+    sharded ``model.safetensors.index.json``.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [path / f for f in sorted(set(weight_map.values()))]
+        elif (path / "model.safetensors").exists():
+            files = [path / "model.safetensors"]
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    else:
+        files = [path]
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        with safe_open(str(f), framework="np") as handle:
+            for name in handle.keys():
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def load_hf_weights(model: CausalLM, path_or_hf_state: str | os.PathLike | Mapping[str, Any]) -> CausalLM:
+    """Fill ``model``'s params (in place; also returned) from an HF checkpoint dir/file or a
+    ``{hf_name: array}`` mapping, cast to the model's ``param_dtype``.
+
+    Works on an abstract model from ``model.abstract_model`` (nothing is initialised
+    twice).  Raises ``ValueError`` naming the HF parameter on missing / unexpected names
+    and shape mismatches.
+    """
+    if isinstance(path_or_hf_state, (str, os.PathLike)):
+        hf_tensors = read_hf_safetensors(path_or_hf_state)
+    else:
+        hf_tensors = {k: _to_numpy(v) for k, v in path_or_hf_state.items()}
+    values = hf_to_jax_state(hf_tensors, model.cfg)
+    state = nnx.state(model, nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+        node = values
+        for key in path:
+            node = node[key]
+        var.set_value(jnp.asarray(node, dtype=model.param_dtype))
+    nnx.update(model, state)
+    return model
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """numpy view of a numpy / jax / torch tensor (torch bf16 goes through float32 -> bf16)."""
+    if type(x).__module__.startswith("torch"):
+        import ml_dtypes
+        import torch
+
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            return x.float().numpy().astype(ml_dtypes.bfloat16)
+        return x.numpy()
+    return np.asarray(x)
+
+
+def save_hf_checkpoint(model: CausalLM, hf_config: Any, path: str | os.PathLike) -> Path:
+    """Write ``model.safetensors`` (HF names and layouts, params' dtype) and ``config.json``
+    to ``path``; ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it.
+
+    ``hf_config`` must describe ``model`` (checked through ``ModelConfig.from_hf``).  One
+    file holds every tensor: fine up to a few GB; sharded writing is not implemented.
+    """
+    from safetensors.numpy import save_file
+
+    if ModelConfig.from_hf(hf_config) != model.cfg:
+        raise ValueError(f"hf_config describes {ModelConfig.from_hf(hf_config)}, the model is {model.cfg}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = jax_to_hf_tensors(model, model.cfg)
+    # transformers refuses safetensors files without format metadata.
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(path)
+    return path
+
+
+def from_pretrained(path: str | os.PathLike, dtype=jnp.float32,
+                    param_dtype=jnp.float32) -> tuple[CausalLM, ModelConfig, Any]:
+    """Load an HF checkpoint directory: ``(CausalLM, ModelConfig, hf_config)``."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path)
+    cfg = ModelConfig.from_hf(hf_config)
+    model = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
+    load_hf_weights(model, path)
+    return model, cfg, hf_config
+
+
+__all__ = [
+    "Row", "LLAMA_TABLE", "QWEN2_TABLE", "FAMILY_TABLES", "TRANSFORMS", "Entry", "table_for",
+    "expected_entries", "check_hf_tensors", "hf_to_jax_state", "jax_to_hf_tensors", "iter_hf_tensors",
+    "read_hf_safetensors",
+    "load_hf_weights", "save_hf_checkpoint", "from_pretrained",
+]

@@ -1,0 +1,49 @@
+"""The logical axis names of the JAX backend, and the one rules table mapping them to mesh axes.
+
+Every parameter and every constrained activation names its dimensions with the logical
+names below (maxtext/levanter style); ``RULES`` decides which mesh axis, if any, shards
+each of them.  A different layout is a different table, not different model code.
+
+Mesh axes are those of ``core.parallel_dims``: ``fsdp`` (data parallel with sharded
+parameters / optimizer state) and ``tp`` (tensor parallel).
+
+Parameters (storage layout):
+    vocab     -- vocabulary rows of the embedding / lm_head         -> tp
+    embed     -- the model (hidden) dimension of a weight           -> fsdp (ZeRO-3 style)
+    heads     -- query heads                                         -> tp
+    kv_heads  -- key/value heads (GQA)                               -> tp
+    head_dim  -- per-head feature dimension                          -> replicated
+    mlp       -- the MLP's intermediate dimension                    -> tp
+    norm      -- the feature dimension of an RMSNorm scale           -> replicated
+Activations:
+    batch     -- the batch dimension                                 -> fsdp (data parallel)
+    seq       -- the sequence dimension                              -> replicated
+    act_embed -- the hidden dimension of activations                 -> replicated
+    act_heads -- the heads dimension of attention activations        -> tp
+    act_mlp   -- the MLP's intermediate activations                  -> tp
+    act_vocab -- the vocabulary dimension of logits                  -> tp
+"""
+
+from __future__ import annotations
+
+from core.parallel_dims import FSDP, TP
+
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+ACTIVATION_AXES = ("batch", "seq", "act_embed", "act_heads", "act_mlp", "act_vocab")
+
+#: logical name -> mesh axis (None = replicated).  Names not listed are replicated.
+RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", TP),
+    ("embed", FSDP),
+    ("heads", TP),
+    ("kv_heads", TP),
+    ("head_dim", None),
+    ("mlp", TP),
+    ("norm", None),
+    ("batch", FSDP),
+    ("seq", None),
+    ("act_embed", None),
+    ("act_heads", TP),
+    ("act_mlp", TP),
+    ("act_vocab", TP),
+)

@@ -1,0 +1,307 @@
+"""The JAX backend's device mesh and the logical-axis -> mesh-axis machinery.
+
+* :func:`make_mesh` builds the 2-d ``("fsdp", "tp")`` :class:`jax.sharding.Mesh` that
+  ``policy.jax_cfg`` asks for (sizes resolved by :class:`core.parallel_dims.ParallelDims`),
+  with ``AxisType.Auto`` axes: jax 0.10 makes ``jax.make_mesh`` *Explicit* by default,
+  which would turn every sharding into part of the array type; this backend relies on
+  ``jit`` + ``with_sharding_constraint`` (GSPMD style) instead.
+* Parameters and activations name their dimensions with the logical names of
+  :mod:`backends.jax_pjit.logical_axes`; :func:`logical_to_mesh_spec` turns such a tuple
+  into a :class:`~jax.sharding.PartitionSpec` through the one ``RULES`` table, and
+  :func:`tree_shardings` does it for a whole parameter tree.
+* :func:`check_divisible` reports, before anything is placed, which parameter dimension a
+  mesh axis does not divide (e.g. 3 heads over ``tp=2``).
+* :func:`activation_constraint` is the ``constrain(x, names)`` hook the model calls.
+* :func:`shard_host_batch` puts a host (numpy / torch) batch onto the mesh, split by
+  batch over ``fsdp``.
+
+Logical-axis trees are pytrees whose leaves are *tuples of names* (``("embed", "mlp")``),
+``()`` for a scalar; a ``None`` leaf means "fully replicated".  Tuples are leaves here,
+never containers: use dicts / lists for the tree structure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from backends.jax_pjit.logical_axes import RULES
+from core.parallel_dims import FSDP, TP, ParallelDims
+
+__all__ = [
+    "MESH_AXES",
+    "make_mesh",
+    "logical_to_mesh_spec",
+    "logical_to_sharding",
+    "tree_shardings",
+    "check_divisible",
+    "activation_constraint",
+    "shard_host_batch",
+    "is_logical_axes",
+    "path_str",
+]
+
+#: The mesh axes of the JAX backend, outermost first (``tp`` innermost: neighbouring devices).
+MESH_AXES = (FSDP, TP)
+
+Rules = Sequence[tuple[str, Any]] | Mapping[str, Any]
+LogicalAxes = tuple[str | None, ...]
+
+
+# ---------------------------------------------------------------------------------- mesh
+def make_mesh(policy_cfg: Mapping[str, Any], devices: Sequence[Any] | None = None) -> Mesh:
+    """The ``(fsdp, tp)`` mesh of ``policy.jax_cfg`` over ``devices`` (default ``jax.devices()``).
+
+    ``jax_cfg.fsdp_size`` may be ``-1`` (= number of devices / ``tensor_parallel_size``).
+    Missing ``jax_cfg`` keys take the defaults of ``core/configs/default.yaml``
+    (``fsdp_size: -1``, ``tensor_parallel_size: 1``).  Raises ``ValueError`` naming
+    ``policy.jax_cfg.fsdp_size`` / ``policy.jax_cfg.tensor_parallel_size`` when the sizes do
+    not fit the device count.  Both axes are ``AxisType.Auto``; ``tp`` is the inner axis so
+    tensor-parallel peers are neighbouring devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("make_mesh: no devices given")
+    backend = policy_cfg.get("backend", "jax_pjit")
+    if backend != "jax_pjit":
+        raise ValueError(f"make_mesh: policy.backend is {backend!r}; the JAX mesh needs 'jax_pjit'")
+    jax_cfg = dict(policy_cfg.get("jax_cfg") or {})
+    fsdp_size = jax_cfg.setdefault("fsdp_size", -1)
+    tp_size = jax_cfg.setdefault("tensor_parallel_size", 1)
+    n = len(devices)
+    try:
+        dims = ParallelDims.from_policy_config({"backend": "jax_pjit", "jax_cfg": jax_cfg}, n)
+    except ValueError as err:
+        raise ValueError(
+            f"policy.jax_cfg.fsdp_size={fsdp_size!r} x policy.jax_cfg.tensor_parallel_size={tp_size!r} "
+            f"does not fit {n} device(s) (fsdp_size x tensor_parallel_size must equal the device "
+            f"count; fsdp_size=-1 fills in): {err}"
+        ) from err
+    shape = (dims.fsdp, dims.tp)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        # Lets jax pick a topology-aware device order (matters on TPU / multi-host GPU).
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except Exception:  # noqa: BLE001 - fall back to the plain row-major order
+        return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)
+
+
+# ------------------------------------------------------------------ logical -> mesh specs
+def _rules_dict(rules: Rules) -> dict[str, Any]:
+    return dict(rules.items()) if isinstance(rules, Mapping) else dict(rules)
+
+
+def _mesh_axes_of(rule: Any) -> tuple[str, ...]:
+    if rule is None:
+        return ()
+    if isinstance(rule, str):
+        return (rule,)
+    return tuple(rule)
+
+
+def is_logical_axes(x: Any) -> bool:
+    """True for a leaf of a logical-axes tree: a tuple of names/None (``()`` included)."""
+    return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
+
+
+def _is_axes_leaf(x: Any) -> bool:
+    return x is None or is_logical_axes(x)
+
+
+def _spec_entries(logical_axes: LogicalAxes, rules: Rules) -> list[tuple[str, ...]]:
+    """Per dimension, the mesh axes that shard it (after dropping re-used mesh axes)."""
+    if not is_logical_axes(logical_axes):
+        raise TypeError(f"logical axes must be a tuple of names (str or None), got {logical_axes!r}")
+    table = _rules_dict(rules)
+    used: set[str] = set()
+    entries = []
+    for name in logical_axes:
+        axes = _mesh_axes_of(table.get(name)) if name is not None else ()
+        # A mesh axis may shard at most one dimension of an array: the first dimension
+        # that asks for it gets it, later ones are replicated over it.
+        kept = tuple(a for a in axes if a not in used)
+        used.update(kept)
+        entries.append(kept)
+    return entries
+
+
+def _to_spec(entries: Sequence[tuple[str, ...]]) -> PartitionSpec:
+    return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
+
+
+def logical_to_mesh_spec(logical_axes: LogicalAxes, rules: Rules = RULES) -> PartitionSpec:
+    """``("embed", "mlp")`` -> ``PartitionSpec("fsdp", "tp")`` through ``rules``.
+
+    One entry per dimension (``None`` = replicated).  Names absent from ``rules`` and
+    ``None`` names are replicated.  A mesh axis may appear at most once in a spec: if two
+    dimensions map to the same mesh axis (e.g. ``("mlp", "vocab")`` both -> ``tp``), the
+    *first* keeps it and the later one is replicated.
+    """
+    return _to_spec(_spec_entries(logical_axes, rules))
+
+
+def logical_to_sharding(logical_axes: LogicalAxes | None, mesh: Mesh, rules: Rules = RULES) -> NamedSharding:
+    """The :class:`NamedSharding` on ``mesh`` for ``logical_axes`` (``None``: replicated)."""
+    if logical_axes is None:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, logical_to_mesh_spec(logical_axes, rules))
+
+
+def tree_shardings(logical_axes_tree: Any, mesh: Mesh, rules: Rules = RULES) -> Any:
+    """Map a tree of logical-axes tuples (tuples are leaves; ``None`` = replicated) to
+    :class:`NamedSharding` s with the same structure -- e.g. for ``jax.device_put`` or a
+    ``jit``'s ``in_shardings`` / ``out_shardings``."""
+    return jax.tree.map(lambda axes: logical_to_sharding(axes, mesh, rules), logical_axes_tree, is_leaf=_is_axes_leaf)
+
+
+# ------------------------------------------------------------------------- divisibility
+def path_str(path: Sequence[Any]) -> str:
+    """A readable ``a/b/0/c`` form of a ``jax.tree_util`` key path (a final ``.value``
+    attribute, the payload of a flax ``nnx.Variable``, is left out)."""
+    path = list(path)
+    if path and getattr(path[-1], "name", None) == "value":
+        path = path[:-1]
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts) or "<root>"
+
+
+def _shape_of(x: Any) -> tuple[int, ...]:
+    if hasattr(x, "shape"):
+        return tuple(int(d) for d in x.shape)
+    return tuple(int(d) for d in x)
+
+
+def check_divisible(shapes_tree: Any, logical_axes_tree: Any, mesh: Mesh, rules: Rules = RULES) -> None:
+    """Raise ``ValueError`` if a mesh axis does not divide the dimension it would shard.
+
+    ``shapes_tree`` has the structure of ``logical_axes_tree``; its leaves are arrays,
+    ``jax.ShapeDtypeStruct`` s (``jax.eval_shape``) or shape tuples.  The message lists every
+    offending parameter path with the dimension, its logical name, its size and the mesh
+    axis size, e.g. ``layers/0/attn/wq: dim 1 ('heads') has size 3, not divisible by mesh
+    axis 'tp' of size 2``; a rank mismatch between a shape and its logical axes is reported
+    the same way.
+    """
+    flat_axes, treedef = jax.tree_util.tree_flatten_with_path(logical_axes_tree, is_leaf=_is_axes_leaf)
+    try:
+        flat_shapes = treedef.flatten_up_to(shapes_tree)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"check_divisible: the shapes tree does not match the logical axes tree: {err}") from err
+    problems = []
+    for (path, axes), leaf in zip(flat_axes, flat_shapes, strict=True):
+        if axes is None:
+            continue
+        shape = _shape_of(leaf)
+        name = path_str(path)
+        if len(shape) != len(axes):
+            problems.append(f"{name}: shape {shape} has {len(shape)} dims but logical axes {axes} name {len(axes)}")
+            continue
+        for dim, (size, mesh_axes, logical) in enumerate(zip(shape, _spec_entries(axes, rules), axes)):
+            for mesh_axis in mesh_axes:
+                if mesh_axis not in mesh.shape:
+                    problems.append(f"{name}: dim {dim} ({logical!r}) maps to mesh axis {mesh_axis!r}, not in mesh {dict(mesh.shape)}")
+            n = math.prod(mesh.shape[a] for a in mesh_axes if a in mesh.shape)
+            if n > 1 and size % n != 0:
+                what = " x ".join(f"{a!r}" for a in mesh_axes)
+                problems.append(
+                    f"{name}: dim {dim} ({logical!r}) has size {size}, not divisible by mesh axis {what} "
+                    f"of size {n} ({logical}={size} % {'*'.join(mesh_axes)}={n} != 0)"
+                )
+    if problems:
+        raise ValueError(
+            "parameter shapes do not fit the mesh " + f"{dict(mesh.shape)}:\n  " + "\n  ".join(problems)
+        )
+
+
+# --------------------------------------------------------------------------- activations
+def activation_constraint(
+    mesh: Mesh, rules: Rules = RULES, *, strict: bool = False
+) -> Callable[[jax.Array, LogicalAxes], jax.Array]:
+    """The model's ``constrain(x, names)`` hook: ``with_sharding_constraint`` by logical names.
+
+    ``names`` gives one logical name per dimension of ``x``.  With ``strict=False`` (the
+    default) a mesh axis that does not divide the dimension it would shard (an odd
+    sequence length, a micro batch smaller than ``fsdp``) is dropped for that call: the
+    dimension is replicated instead of failing the trace.  ``strict=True`` raises.
+    """
+
+    def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+        if len(logical_axes) != x.ndim:
+            raise ValueError(f"constrain: {x.ndim}-d array {x.shape} given {len(logical_axes)} logical axes {logical_axes}")
+        entries = []
+        for dim, (size, axes) in enumerate(zip(x.shape, _spec_entries(logical_axes, rules))):
+            n = math.prod(mesh.shape[a] for a in axes)
+            if size % n != 0:
+                if strict:
+                    raise ValueError(
+                        f"constrain: dim {dim} ({logical_axes[dim]!r}) of {x.shape} has size {size}, "
+                        f"not divisible by mesh axis {'*'.join(axes)} of size {n}"
+                    )
+                axes = ()
+            entries.append(axes)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _to_spec(entries)))
+
+    return constrain
+
+
+# ---------------------------------------------------------------------------- host data
+def _to_numpy(x: Any) -> np.ndarray:
+    """numpy view of a numpy array / torch tensor (CPU copy only if it lives elsewhere)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.split(".")[0] == "torch":
+        import torch  # only reached when the caller already has torch loaded
+
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits
+            import ml_dtypes
+
+            return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(x)
+
+
+def shard_host_batch(
+    array: Any, mesh: Mesh, logical_axes: LogicalAxes = ("batch", "seq"), rules: Rules = RULES
+) -> jax.Array:
+    """Place a host array (numpy or CPU torch tensor) on ``mesh``, dim 0 split over ``fsdp``.
+
+    ``logical_axes`` names the leading dimensions; it is cut to the array's rank, and
+    dimensions beyond it are replicated (so the default ``("batch", "seq")`` serves
+    ``input_ids [B, S]`` and ``input_lengths [B]`` alike).  The batch must divide by the
+    mesh axes it is split over (ValueError otherwise).
+
+    Single process: ``array`` is the *global* batch and ``jax.device_put`` scatters it.
+    Multi-process (``jax.process_count() > 1``): ``array`` is this process's slice and the
+    global array is the concatenation of the processes' slices in process order
+    (``jax.make_array_from_process_local_data``); every process must pass the same shape.
+    """
+    host = _to_numpy(array)
+    names = tuple(logical_axes[: host.ndim]) + (None,) * max(0, host.ndim - len(logical_axes))
+    entries = _spec_entries(names, rules)
+    sharding = NamedSharding(mesh, _to_spec(entries))
+    nproc = jax.process_count()
+    for dim, axes in enumerate(entries):
+        n = math.prod(mesh.shape[a] for a in axes)
+        global_size = host.shape[dim] * (nproc if (dim == 0 and nproc > 1) else 1)
+        if global_size % n != 0:
+            raise ValueError(
+                f"shard_host_batch: dim {dim} ({names[dim]!r}) of size {global_size} is not divisible "
+                f"by mesh axis {'*'.join(axes)} of size {n}"
+            )
+    if nproc == 1:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_process_local_data(sharding, host)
