@@ -30,3 +30,19 @@ def ray_session():
     init_ray(num_cpus=4)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Tiny HF models saved to disk once per session (built from configs, no downloads)."""
+    from core.testing.tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {name: save_tiny_model(name, root / name) for name in ("llama", "qwen2", "llama_tied")}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from core.testing.tiny_models import tiny_tokenizer
+
+    return tiny_tokenizer()

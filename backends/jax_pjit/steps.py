@@ -116,12 +116,15 @@ def make_grad_step(apply_fn: ApplyFn, loss_fn: Any, temperature: float, grad_sha
     return step
 
 
-def make_apply_updates(tx) -> Callable:
+def make_apply_updates(tx, param_shardings: Any = None, opt_shardings: Any = None) -> Callable:
     """``(params, opt_state, grads) -> (params, opt_state, grad_norm)``; params and optimizer
-    state are donated (updated in place)."""
+    state are donated (updated in place) and kept in their shardings, so the steps that
+    consume them next see the same layout and reuse their programs."""
     import optax
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    out = None if param_shardings is None else (param_shardings, opt_shardings, None)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out)
     def apply(params, opt_state, grads):
         norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -16,7 +16,6 @@ from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.distributed import RayVirtualCluster, RayWorkerGroup
 from core.interfaces import ColocatablePolicyInterface, GenerationInterface
-from core.parallel_dims import ParallelDims
 from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
 from core.policy.preflight import preflight_model_checks
 from core.policy.registry import backend_spec
@@ -45,10 +44,14 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         init_reference_model: bool = True,
     ) -> None:
         spec = backend_spec(config.get("backend") if isinstance(config, Mapping) else None)
-        world_size = _world_size(cluster, workers_per_node)
-        self.cfg = dict(validate_policy_config(config, world_size=world_size))
-        self.dims = ParallelDims.from_policy_config(self.cfg, world_size)
-        self.model_config = preflight_model_checks(self.cfg, tokenizer, self.dims)
+        n_workers = _world_size(cluster, workers_per_node)
+        # Torch backends run one worker per device, so the mesh must fit the worker count;
+        # a JAX worker owns all of its host's devices, and checks its mesh itself.
+        self.cfg = dict(validate_policy_config(config, world_size=n_workers if spec.one_worker_per_device else None))
+        layout = spec.layout(self.cfg, n_workers)
+        #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
+        self.dp = layout.axis_size("dp")
+        self.model_config = preflight_model_checks(self.cfg, tokenizer)
         self.tokenizer = tokenizer
         self.worker_group = RayWorkerGroup(
             cluster,
@@ -57,7 +60,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             tokenizer,
             name_prefix=name_prefix,
             workers_per_node=workers_per_node,
-            layout=spec.layout(self.cfg, world_size),
+            layout=layout,
             weights_path=None if weights_path is None else str(weights_path),
             optimizer_path=None if optimizer_path is None else str(optimizer_path),
             init_optimizer=init_optimizer,
@@ -97,12 +100,12 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         in the caller's order and drop the padding rows."""
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
         real = data.size
-        padded = _pad_rows(data, self.dims.dp)
+        padded = _pad_rows(data, self.dp)
         dyn = self._dynamic_args("logprob_mb_tokens")
         if dyn is None:
-            shards, order = padded.shard_by_batch_size(self.dims.dp, batch_size=None), None
+            shards, order = padded.shard_by_batch_size(self.dp, batch_size=None), None
         else:
-            shards, order = padded.shard_by_batch_size(self.dims.dp, batch_size=None, dynamic_batching_args=dyn)
+            shards, order = padded.shard_by_batch_size(self.dp, batch_size=None, dynamic_batching_args=dyn)
         results = self._sharded(method, shards, **kwargs)
         merged = BatchedDataDict.from_batches(results, pad_value_dict=dict(pad_values or {}))
         if order is not None:
@@ -135,15 +138,15 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         """
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
-        check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"], local=False)
+        check_train_batch(data, gbs, mbs, self.dp, self.cfg["max_total_sequence_length"], local=False)
         # On the driver: a bad key or shape must not reach the workers, where one rank's
         # exception would take the whole group down.
         check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
         dyn = self._dynamic_args("train_mb_tokens")
         if dyn is None:
-            shards = data.shard_by_batch_size(self.dims.dp, batch_size=gbs)
+            shards = data.shard_by_batch_size(self.dp, batch_size=gbs)
         else:
-            shards, _ = data.shard_by_batch_size(self.dims.dp, batch_size=gbs, dynamic_batching_args=dyn)
+            shards, _ = data.shard_by_batch_size(self.dp, batch_size=gbs, dynamic_batching_args=dyn)
         results = self._sharded("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
         all_mb: dict[str, list[float]] = {}
         for r in results:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from core.parallel_dims import ParallelDims
 
 
 def check_tokenizer_fits(tokenizer: Any, model_config: Any, model_name: str) -> None:
@@ -42,11 +41,12 @@ def check_tensor_parallel_fits(model_config: Any, tp: int, field: str) -> None:
         )
 
 
-TP_FIELDS = {"torch_dtensor": "policy.dtensor_cfg.tensor_parallel_size",
-             "jax_pjit": "policy.jax_cfg.tensor_parallel_size"}
+#: backend -> (config section, field) of its tensor-parallel size.
+TP_FIELDS = {"torch_dtensor": ("dtensor_cfg", "tensor_parallel_size"),
+             "jax_pjit": ("jax_cfg", "tensor_parallel_size")}
 
 
-def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any, dims: ParallelDims) -> Any:
+def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any) -> Any:
     """Tokenizer vs vocab and tp vs heads, from the model's config alone; returns the config."""
     from transformers import AutoConfig
 
@@ -56,6 +56,7 @@ def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any, dims: 
     except (OSError, ValueError) as err:
         raise ValueError(f"policy.model_name={name!r}: cannot read its HF config: {err}") from err
     check_tokenizer_fits(tokenizer, model_config, name)
-    field = TP_FIELDS.get(policy_cfg["backend"], "tensor_parallel_size")
-    check_tensor_parallel_fits(model_config, dims.tp, field)
+    if policy_cfg["backend"] in TP_FIELDS:
+        section, key = TP_FIELDS[policy_cfg["backend"]]
+        check_tensor_parallel_fits(model_config, policy_cfg[section][key], f"policy.{section}.{key}")
     return model_config

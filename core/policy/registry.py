@@ -20,7 +20,8 @@ class BackendSpec:
     """How to run one backend: where its worker class lives and how ranks map to axes."""
 
     worker: str  # "package.module:ClassName", imported on first use
-    layout: Callable[[Mapping[str, Any], int], WorkerLayout]
+    layout: Callable[[Mapping[str, Any], int], WorkerLayout]  # (policy config, n workers) -> layout
+    one_worker_per_device: bool = True  # False: one worker per host owning all its devices (JAX)
 
     def load_worker(self) -> type:
         module_name, _, cls_name = self.worker.partition(":")
@@ -33,9 +34,16 @@ def torch_layout(policy_cfg: Mapping[str, Any], world_size: int) -> WorkerLayout
     return WorkerLayout({"dp": dims.dp, "cp": dims.cp, "tp": dims.tp})
 
 
+def host_layout(policy_cfg: Mapping[str, Any], n_workers: int) -> WorkerLayout:
+    """One worker per host, each a data-parallel rank of the driver's sharding: the host's
+    rows are then split over its local devices inside the worker's mesh."""
+    return WorkerLayout({"dp": n_workers})
+
+
 _REGISTRY: dict[str, BackendSpec] = {
     "torch_fsdp": BackendSpec("backends.torch_fsdp.worker:FSDP1PolicyWorker", torch_layout),
     "torch_dtensor": BackendSpec("backends.torch_dtensor.worker:DTensorPolicyWorker", torch_layout),
+    "jax_pjit": BackendSpec("backends.jax_pjit.worker:JaxPolicyWorker", host_layout, one_worker_per_device=False),
 }
 
 

@@ -1,4 +1,6 @@
-"""Fixtures for the torch backend tests: tiny HF models on disk, policy configs, HF references.
+"""Helpers for the backend tests: policy configs, HF references, training batches.
+
+(The tiny-model fixtures ``model_dirs`` and ``tokenizer`` live in tests/conftest.py.)
 
 Every model is built from a config with a fixed seed (no downloads) and loaded by the
 workers through ``from_pretrained`` on its path, the same code path as a hub model.
@@ -9,25 +11,13 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import pytest
 import torch
 
 from core.config.loader import DEFAULT_CONFIG_PATH, load_config
-from core.testing.tiny_models import random_batch, save_tiny_model, tiny_tokenizer
+from core.testing.tiny_models import random_batch
 
 SEQ = 12
 VOCAB = 256
-
-
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny_models")
-    return {name: save_tiny_model(name, root / name) for name in ("llama", "qwen2", "llama_tied")}
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 def policy_config(model_dir: Path, backend: str, tp: int = 1, sp: bool = False, **overrides) -> dict:

@@ -1,0 +1,337 @@
+"""``JaxPolicyWorker``: the policy worker protocol on a flax model sharded over a JAX mesh.
+
+One worker per host owns all of that host's devices (several hosts join one
+``jax.distributed`` runtime, the coordinator being the worker group's MASTER_ADDR/PORT).
+Data arrives as ``BatchedDataDict``s of torch tensors, is converted at this boundary to
+host numpy, padded to a shape bucket (``steps.bucket_for``) and placed on the mesh.
+
+Everything that is the same for all backends comes from ``core`` (losses, kernels, batch
+checks); what is JAX-specific lives next to this file: model + HF mapping, mesh and
+logical-axis rules, optax, jitted steps, generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import socket
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from core.data import BatchedDataDict
+from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
+from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
+
+from backends.jax_pjit import steps
+from backends.jax_pjit.hf_mapping import from_pretrained, iter_hf_tensors, save_hf_checkpoint
+from backends.jax_pjit.model import activation_constraint, logical_axes_tree, make_apply_fn
+from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
+from backends.jax_pjit.sharding import activation_constraint as make_constraint
+from backends.jax_pjit.sharding import check_divisible, make_mesh, tree_shardings
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def init_jax_distributed() -> None:
+    """Join the multi-host runtime when the worker group has more than one host."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not jax.distributed.is_initialized():
+        jax.distributed.initialize(
+            coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            num_processes=world,
+            process_id=int(os.environ["RANK"]),
+        )
+
+
+class JaxPolicyWorker:
+    """One host of a JAX policy; constructed inside a Ray actor by ``core.policy.Policy``."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        tokenizer: Any = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        **_: Any,
+    ) -> None:
+        init_jax_distributed()
+        self.cfg = dict(config)
+        self.tokenizer = tokenizer
+        self.rank = jax.process_index()
+        self.mesh = make_mesh(self.cfg)
+        self.temperature = float((self.cfg.get("generation") or {}).get("temperature", 1.0))
+        self.compute_dtype = DTYPES[self.cfg["precision"]]
+
+        model, self.model_cfg, self.hf_config = from_pretrained(
+            self.cfg["model_name"], dtype=self.compute_dtype, param_dtype=jnp.float32)
+        check_tokenizer_fits(tokenizer, self.hf_config, self.cfg["model_name"])
+        check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.jax_cfg.tensor_parallel_size")
+        self.model = model
+        self.apply_fn, params = make_apply_fn(model)
+        axes = logical_axes_tree(params)
+        check_divisible(params, axes, self.mesh)
+        self.shardings = tree_shardings(axes, self.mesh)
+        self.params = jax.device_put(params, self.shardings)
+        # The reference policy lives in host memory (numpy), swapped in by use_reference_model.
+        self.reference = jax.device_get(self.params) if init_reference_model else None
+
+        self.tx = self.schedule = self.opt_state = None
+        if init_optimizer and self.cfg.get("optimizer"):
+            self.tx, self.schedule = build_optax(self.cfg["optimizer"], self.cfg.get("scheduler"),
+                                                 self.cfg.get("max_grad_norm"))
+            with self.mesh:
+                self.opt_state = init_optimizer_state(self.tx, self.params, self.shardings)
+            opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+            self._apply_updates = steps.make_apply_updates(self.tx, self.shardings, opt_shardings)
+        self.train_step = 0
+        self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature)
+        self._grad_steps: dict[tuple, Any] = {}
+        self._profile_dir: str | None = None
+        if weights_path:
+            self.load_checkpoint(weights_path, optimizer_path)
+
+    # ------------------------------------------------------------------ identity
+    def is_alive(self) -> bool:
+        return True
+
+    def report_device_id(self) -> str:
+        dev = jax.local_devices()[0]
+        return f"{dev.platform}:{socket.gethostname()}:{os.getpid()}:{dev.id}"
+
+    def get_gpu_info(self) -> dict[str, Any]:
+        devs = jax.local_devices()
+        info: dict[str, Any] = {
+            "rank": self.rank, "hostname": socket.gethostname(), "pid": os.getpid(),
+            "device_type": devs[0].platform, "local_devices": len(devs), "mesh": dict(self.mesh.shape),
+        }
+        stats = devs[0].memory_stats() if hasattr(devs[0], "memory_stats") else None
+        if stats:
+            info.update(memory_in_use_bytes=stats.get("bytes_in_use"), peak_memory_bytes=stats.get("peak_bytes_in_use"))
+        return info
+
+    def reset_peak_memory_stats(self) -> None:
+        pass  # XLA exposes no reset for its peak counter; get_gpu_info reports it as is
+
+    @property
+    def compile_counts(self) -> dict[str, int]:
+        counts = {"logprobs": self._logprob_step._cache_size()}
+        counts.update({f"grad[{key[0]}#{i}]": fn._cache_size() for i, (key, fn) in enumerate(self._grad_steps.items())})
+        return counts
+
+    def get_compile_counts(self) -> dict[str, int]:
+        """Programs compiled so far per jitted step (bounded by the number of length buckets)."""
+        return self.compile_counts
+
+    # ------------------------------------------------------------------ data
+    def _device_batch(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host arrays -> device arrays, rows split over ``fsdp`` when they divide it."""
+        fsdp = self.mesh.shape["fsdp"]
+        out = {}
+        for key, value in host.items():
+            spec = P("fsdp") if value.shape[0] % fsdp == 0 else P()
+            out[key] = jax.device_put(jnp.asarray(value), NamedSharding(self.mesh, spec))
+        return out
+
+    @contextlib.contextmanager
+    def _on_mesh(self) -> Iterator[None]:
+        with self.mesh, activation_constraint(make_constraint(self.mesh)):
+            yield
+
+    # ------------------------------------------------------------------ logprobs
+    def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
+        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        mbs = micro_batch_size or self.cfg["logprob_batch_size"]
+        ids, lengths = data["input_ids"].numpy(), data["input_lengths"].numpy()
+        width = ids.shape[1]
+        bucket = steps.bucket_for(width, self.cfg["max_total_sequence_length"])
+        outs = []
+        with self._on_mesh():
+            for start in range(0, len(ids), mbs):
+                host = steps.pad_micro_batch({"input_ids": ids[start:start + mbs],
+                                              "input_lengths": lengths[start:start + mbs]}, mbs, bucket)
+                dev = self._device_batch(host)
+                lp = np.asarray(self._logprob_step(self.params, dev["input_ids"], dev["input_lengths"]))
+                outs.append(lp[: min(mbs, len(ids) - start), :width])
+        import torch
+
+        logprobs = np.concatenate(outs) if outs else np.zeros((0, width), np.float32)
+        return BatchedDataDict(logprobs=torch.from_numpy(np.ascontiguousarray(logprobs)))
+
+    @contextlib.contextmanager
+    def use_reference_model(self) -> Iterator[None]:
+        if self.reference is None:
+            raise RuntimeError("this policy was built with init_reference_model=False: no reference weights")
+        policy = self.params
+        self.params = jax.device_put(self.reference, self.shardings)
+        try:
+            yield
+        finally:
+            self.params = policy
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None):
+        with self.use_reference_model():
+            out = self.get_logprobs(data, micro_batch_size)
+        return BatchedDataDict(reference_logprobs=out["logprobs"])
+
+    # ------------------------------------------------------------------ training
+    def _grad_step(self, loss_fn: Any):
+        # Keyed by the loss's configuration, not its identity: every Policy.train call ships
+        # a fresh (unpickled) copy of the same loss, which must reuse the compiled program.
+        key = _loss_key(loss_fn)
+        if key not in self._grad_steps:
+            self._grad_steps[key] = steps.make_grad_step(self.apply_fn, loss_fn, self.temperature, self.shardings)
+        return self._grad_steps[key]
+
+    def train(self, data: BatchedDataDict, loss_fn: Any, eval_mode: bool = False,
+              gbs: int | None = None, mbs: int | None = None) -> dict[str, Any]:
+        """One optimizer step per global batch in ``data`` (this host's rows of it)."""
+        import torch
+
+        gbs = gbs or self.cfg["train_global_batch_size"]
+        mbs = mbs or self.cfg["train_micro_batch_size"]
+        n_hosts = jax.process_count()
+        local_gbs = check_train_batch(data, gbs, mbs, n_hosts, self.cfg["max_total_sequence_length"])
+        check_loss_inputs(loss_fn, data, self.model_cfg.vocab_size)
+        if not eval_mode and self.tx is None:
+            raise RuntimeError("train() needs an optimizer: this policy was built with init_optimizer=False")
+        host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
+        bucket = steps.bucket_for(host["input_ids"].shape[1], self.cfg["max_total_sequence_length"])
+        grad_step = self._grad_step(loss_fn)
+        losses, norms, step_metrics, all_mb = [], [], [], {}
+        with self._on_mesh():
+            if not eval_mode:
+                self.opt_state = set_learning_rate(self.opt_state, self.schedule(self.train_step))
+            for g in range(len(host["input_ids"]) // local_gbs):
+                gb = {k: v[g * local_gbs:(g + 1) * local_gbs] for k, v in host.items()}
+                gseq, gtok = steps.global_valid_counts(gb["sample_mask"], gb.get("token_mask"), gb["input_lengths"])
+                acc = steps.zero_grads(self.params)
+                totals: dict[str, float] = {}
+                for start in range(0, local_gbs, mbs):
+                    mb = steps.pad_micro_batch({k: v[start:start + mbs] for k, v in gb.items()}, mbs, bucket)
+                    acc, metrics = grad_step(self.params, acc, self._device_batch(mb), gseq, gtok)
+                    for k, v in metrics.items():
+                        totals[k] = totals.get(k, 0.0) + float(v)
+                        all_mb.setdefault(k, []).append(float(v))
+                if eval_mode:
+                    norm = 0.0
+                else:
+                    self.params, self.opt_state, norm = self._apply_updates(self.params, self.opt_state, acc)
+                losses.append(totals.get("loss", 0.0))
+                norms.append(float(norm))
+                step_metrics.append(totals)
+        if not eval_mode:
+            self.train_step += 1
+        keys = sorted(step_metrics[0]) if step_metrics else []
+        return {
+            "global_loss": torch.tensor(losses),
+            "grad_norm": torch.tensor(norms),
+            "metrics": {k: torch.tensor([m[k] for m in step_metrics]) for k in keys},
+            "all_mb_metrics": all_mb,
+            "lr": self.schedule(self.train_step) if self.schedule is not None else None,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        pass  # params and optimizer state stay resident on the mesh
+
+    def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def offload_before_refit(self) -> None:
+        """Optimizer state to host memory (device memory is freed when the arrays go)."""
+        if self.opt_state is not None:
+            self._opt_host = jax.device_get(self.opt_state)
+            self._opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+            self.opt_state = None
+
+    def offload_after_refit(self) -> None:
+        """Bring the optimizer state back (the JAX worker keeps params resident)."""
+        if getattr(self, "_opt_host", None) is not None:
+            self.opt_state = jax.device_put(self._opt_host, self._opt_shardings)
+            self._opt_host = None
+
+    def iter_full_weights(self, dtype: Any = None) -> Iterator[tuple[str, np.ndarray]]:
+        """``(hf_name, full array)`` one tensor at a time, gathered to the host."""
+        for name, array in iter_hf_tensors(jax.device_get(self.params), self.model_cfg):
+            yield name, array if dtype is None else array.astype(dtype)
+
+    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {name: (tuple(a.shape), str(a.dtype)) for name, a in self.iter_full_weights()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,
+                        tokenizer_path: str | None = None) -> None:
+        """Orbax: sharded params (and optimizer state + step) for resume."""
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(Path(weights_path).absolute(), self.params, force=True)
+            if optimizer_path is not None:
+                if self.opt_state is None:
+                    raise ValueError("save_checkpoint: optimizer_path given but this policy has no optimizer")
+                ckptr.save(Path(optimizer_path).absolute(),
+                           {"opt_state": self.opt_state, "train_step": self.train_step}, force=True)
+        if tokenizer_path is not None and self.rank == 0 and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(tokenizer_path)
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as ckptr:
+            self.params = ckptr.restore(Path(weights_path).absolute(), _abstract(self.params))
+            if optimizer_path is not None:
+                if self.opt_state is None:
+                    raise ValueError("load_checkpoint: optimizer_path given but this policy has no optimizer")
+                target = {"opt_state": _abstract(self.opt_state), "train_step": 0}
+                restored = ckptr.restore(Path(optimizer_path).absolute(), target)
+                self.opt_state, self.train_step = restored["opt_state"], int(restored["train_step"])
+
+    def save_hf_checkpoint(self, path: str, save_tokenizer: bool = False) -> None:
+        """HF safetensors that ``transformers`` (and the torch backends) load."""
+        if self.rank == 0:
+            from flax import nnx
+
+            nnx.update(self.model, jax.device_get(self.params))
+            save_hf_checkpoint(self.model, self.hf_config, path)
+            if save_tokenizer and self.tokenizer is not None:
+                self.tokenizer.save_pretrained(path)
+
+    # ------------------------------------------------------------------ profiling
+    def start_gpu_profiling(self) -> None:
+        self._profile_dir = str(Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles")).resolve()
+                                / f"jax_rank{self.rank}")
+        jax.profiler.start_trace(self._profile_dir)
+
+    def stop_gpu_profiling(self) -> str | None:
+        if self._profile_dir is None:
+            return None
+        jax.profiler.stop_trace()
+        path, self._profile_dir = self._profile_dir, None
+        return path
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def _loss_key(loss_fn: Any) -> tuple:
+    """(class name, its scalar settings): equal for two copies of one configured loss."""
+    scalars = (bool, int, float, str, type(None), enum.Enum)
+    settings = tuple(sorted((k, v) for k, v in vars(loss_fn).items() if isinstance(v, scalars)))
+    return (type(loss_fn).__qualname__, settings)
+
+
+def _abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs carrying each array's sharding: the restore target."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)

@@ -1,0 +1,310 @@
+"""``backends.jax_pjit.generate``: KV-cache generation against HF torch on the tiny models.
+
+References: the torch backends' ``hf_generate`` (same ``GenerationOutputSpec``) on the same
+weights, and one full forward pass of each returned sequence for the ``get_logprobs``
+layout log-probabilities.  All float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from backends.jax_pjit import generate as gen_mod
+from backends.jax_pjit.generate import compile_cache_sizes, filter_logits, generate, make_decode_fns
+from backends.jax_pjit.hf_mapping import from_pretrained
+from backends.torch_common.generation import hf_generate
+from core.data import BatchedDataDict
+from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
+from core.testing.tiny_models import PAD_ID, random_batch, save_tiny_model, tiny_tokenizer
+
+N_NEW = 8
+TEMPERATURE = 0.7
+
+
+def gen_cfg(**overrides):
+    cfg = dict(max_new_tokens=N_NEW, temperature=TEMPERATURE, top_p=1.0, top_k=None,
+               stop_token_ids=None, stop_strings=None)
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """``models(name) -> (jax CausalLM, DecodeFns, HF torch model)``, each built once."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            path = save_tiny_model(name, tmp_path_factory.mktemp(name))
+            model, _, _ = from_pretrained(path)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            cache[name] = (model, make_decode_fns(model), hf)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Ragged right-padded prompts [4, 7]; row 0 fills the width."""
+    ids, lengths = random_batch(4, 7, 256, seed=3)
+    assert len(set(lengths.tolist())) > 1
+    return ids.numpy(), lengths.numpy()
+
+
+def run_jax(fns, batch, cfg, **kw):
+    kw.setdefault("greedy", True)
+    return generate(fns, None, batch[0], batch[1], cfg, pad_token_id=PAD_ID, **kw)
+
+
+def run_hf(hf_model, batch, cfg, **kw):
+    data = BatchedDataDict(input_ids=torch.as_tensor(batch[0]), input_lengths=torch.as_tensor(batch[1]))
+    out = hf_generate(hf_model, data, cfg, pad_token_id=PAD_ID, greedy=kw.pop("greedy", True), **kw)
+    return {k: v.numpy() for k, v in out.items()}
+
+
+def generated_rows(out, batch) -> list[list[int]]:
+    lengths = batch[1]
+    return [out["output_ids"][b, lengths[b]: out["unpadded_sequence_lengths"][b]].tolist()
+            for b in range(len(lengths))]
+
+
+def full_forward(hf_model, out, temperature):
+    """(get_logprobs-layout logprobs [B, S+N], temperature-scaled logits [B, S+N, V]) of the outputs."""
+    ids = torch.as_tensor(out["output_ids"])
+    lengths = torch.as_tensor(out["unpadded_sequence_lengths"])
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        logits = apply_temperature(hf_model(input_ids=ids, attention_mask=mask).logits.float(), temperature)
+        logprobs = logprobs_to_sequence_layout(next_token_logprobs(logits, ids), lengths)
+    return logprobs.numpy(), logits.numpy()
+
+
+def generated_mask(out, batch) -> np.ndarray:
+    cols = np.arange(out["output_ids"].shape[1])[None, :]
+    return (cols >= batch[1][:, None]) & (cols < out["unpadded_sequence_lengths"][:, None])
+
+
+def check_spec(out, batch, expected_lengths):
+    ids, lengths = batch
+    b, s = ids.shape
+    assert out["output_ids"].shape == (b, s + N_NEW) and out["output_ids"].dtype == np.int64
+    assert out["logprobs"].shape == (b, s + N_NEW) and out["logprobs"].dtype == np.float32
+    np.testing.assert_array_equal(out["generation_lengths"], expected_lengths)
+    np.testing.assert_array_equal(out["unpadded_sequence_lengths"], lengths + np.asarray(expected_lengths))
+    cols = np.arange(s + N_NEW)[None, :]
+    prompt = cols < lengths[:, None]
+    np.testing.assert_array_equal(out["output_ids"][:, :s][prompt[:, :s]], ids[prompt[:, :s]])
+    tail = cols >= out["unpadded_sequence_lengths"][:, None]
+    assert (out["output_ids"][tail] == PAD_ID).all()
+    assert (out["logprobs"][~generated_mask(out, batch)] == 0).all()
+
+
+def check_logprobs(out, batch, hf_model, temperature):
+    ref, _ = full_forward(hf_model, out, temperature)
+    gen = generated_mask(out, batch)
+    np.testing.assert_allclose(out["logprobs"][gen], ref[gen], atol=1e-5, rtol=0)
+    assert (out["logprobs"][gen] < 0).all()
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_greedy_matches_hf_generate(models, batch, name):
+    _, fns, hf = models(name)
+    out = run_jax(fns, batch, gen_cfg())
+    ref = run_hf(hf, batch, gen_cfg())
+    check_spec(out, batch, [N_NEW] * len(batch[1]))
+    np.testing.assert_array_equal(out["output_ids"], ref["output_ids"])
+    np.testing.assert_array_equal(out["generation_lengths"], ref["generation_lengths"])
+    np.testing.assert_allclose(out["logprobs"], ref["logprobs"], atol=1e-5, rtol=0)
+    check_logprobs(out, batch, hf, TEMPERATURE)
+
+
+def test_greedy_is_argmax_of_full_forward(models, batch):
+    """Each generated token is the argmax of the full forward at the previous position."""
+    _, fns, hf = models("llama")
+    out = run_jax(fns, batch, gen_cfg())
+    _, logits = full_forward(hf, out, 1.0)
+    for b, row in enumerate(generated_rows(out, batch)):
+        start = batch[1][b]
+        assert row == logits[b, start - 1: start - 1 + N_NEW].argmax(-1).tolist()
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+@pytest.fixture(scope="module")
+def baseline(models, batch):
+    _, fns, _ = models("llama")
+    out = run_jax(fns, batch, gen_cfg())
+    return generated_rows(out, batch)
+
+
+def test_stop_token(models, batch, baseline):
+    _, fns, hf = models("llama")
+    stop = baseline[0][2]
+    expected = [row.index(stop) + 1 if stop in row else N_NEW for row in baseline]
+    assert expected[0] <= 3 and max(expected) == N_NEW, expected  # one row stops, another runs on
+    cfg = gen_cfg(stop_token_ids=[stop])
+    out = run_jax(fns, batch, cfg)
+    check_spec(out, batch, expected)
+    assert generated_rows(out, batch) == [row[:n] for row, n in zip(baseline, expected)]
+    assert out["output_ids"][0, batch[1][0] + expected[0] - 1] == stop
+    ref = run_hf(hf, batch, cfg)
+    np.testing.assert_array_equal(out["output_ids"], ref["output_ids"])
+    np.testing.assert_array_equal(out["generation_lengths"], ref["generation_lengths"])
+    # eos_token_ids are stop tokens too
+    out_eos = run_jax(fns, batch, gen_cfg(), eos_token_ids=[stop])
+    np.testing.assert_array_equal(out_eos["output_ids"], out["output_ids"])
+    check_logprobs(out, batch, hf, TEMPERATURE)
+
+
+def test_stop_strings(models, batch, baseline, tokenizer):
+    _, fns, hf = models("llama")
+    word = tokenizer.decode([baseline[1][3]])
+    assert " " not in word
+
+    def first_match(row):
+        return next((t for t in range(1, len(row) + 1) if word in tokenizer.decode(row[:t])), N_NEW)
+
+    expected = [first_match(row) for row in baseline]
+    assert expected[1] <= 4 and max(expected) == N_NEW, expected
+    cfg = gen_cfg(stop_strings=[word])
+    with pytest.raises(ValueError, match="tokenizer"):
+        run_jax(fns, batch, cfg)
+    out = run_jax(fns, batch, cfg, tokenizer=tokenizer)
+    check_spec(out, batch, expected)
+    assert generated_rows(out, batch) == [row[:n] for row, n in zip(baseline, expected)]
+    ref = run_hf(hf, batch, cfg, tokenizer=tokenizer)
+    np.testing.assert_array_equal(out["output_ids"], ref["output_ids"])
+    # per-row strings (data['stop_strings']): only row 1 gets it
+    per_row = run_jax(fns, batch, gen_cfg(), tokenizer=tokenizer, stop_strings=[None, [word], None, None])
+    np.testing.assert_array_equal(per_row["generation_lengths"],
+                                  [N_NEW, expected[1]] + [N_NEW] * (len(expected) - 2))
+
+
+def test_loop_stops_once_every_row_is_done(models, batch, monkeypatch):
+    """Every token a stop token: each row ends after one token and the host loop stops
+    after at most one (queued-ahead) step instead of running all N - 1."""
+    _, fns, _ = models("llama")
+    calls = []
+    real_step = gen_mod._step
+
+    def counting_step(*args, **kwargs):
+        calls.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(gen_mod, "_step", counting_step)
+    out = run_jax(fns, batch, gen_cfg(stop_token_ids=list(range(256))))
+    check_spec(out, batch, [1] * len(batch[1]))
+    assert len(calls) <= 1
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_sampling(models, batch, name):
+    _, fns, hf = models(name)
+    top_k, top_p = 8, 0.9
+    cfg = gen_cfg(top_k=top_k, top_p=top_p)
+    out = run_jax(fns, batch, cfg, greedy=False, rng=123)
+    again = run_jax(fns, batch, cfg, greedy=False, rng=jax.random.key(123))
+    other = run_jax(fns, batch, cfg, greedy=False, rng=7)
+    for key in out:
+        np.testing.assert_array_equal(out[key], again[key])
+    assert not np.array_equal(out["output_ids"], other["output_ids"])
+    check_spec(out, batch, [N_NEW] * len(batch[1]))
+    check_logprobs(out, batch, hf, TEMPERATURE)
+
+    # every sampled token survives top-k, then top-p, of the reference distribution
+    _, logits = full_forward(hf, out, TEMPERATURE)
+    for b, row in enumerate(generated_rows(out, batch)):
+        for t, token in enumerate(row):
+            scores = logits[b, batch[1][b] - 1 + t]
+            order = np.argsort(-scores)
+            rank = int(np.nonzero(order == token)[0][0])
+            assert rank < top_k
+            probs = np.exp(scores[order[:top_k]] - scores[order[:top_k]].max())
+            probs /= probs.sum()
+            assert probs[:rank].sum() < top_p + 1e-6
+
+    # top_k=1 (and a tiny top_p) reduce sampling to argmax, through the same programs
+    greedy_ids = run_jax(fns, batch, gen_cfg())["output_ids"]
+    before = compile_cache_sizes()
+    for knobs in (dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, temperature=1.3)):
+        np.testing.assert_array_equal(run_jax(fns, batch, gen_cfg(**knobs), greedy=False)["output_ids"], greedy_ids)
+    assert compile_cache_sizes() == before
+
+
+def test_filter_logits():
+    logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05], [0.05, 0.1, 0.15, 0.2, 0.5]], np.float32))
+    kept = lambda k, p: np.isfinite(np.asarray(filter_logits(logits, np.int32(k), np.float32(p))))  # noqa: E731
+    np.testing.assert_array_equal(kept(0, 1.0), np.ones_like(logits, bool))
+    np.testing.assert_array_equal(kept(2, 1.0)[0], [1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(kept(0, 0.6)[0], [1, 1, 0, 0, 0])  # 0.5 < 0.6 <= 0.7
+    np.testing.assert_array_equal(kept(0, 0.5)[1], [0, 0, 0, 0, 1])  # the top token alone reaches 0.5
+    np.testing.assert_array_equal(kept(3, 0.9)[0], [1, 1, 1, 0, 0])  # renormalised over the top 3
+    np.testing.assert_array_equal(kept(0, 1e-9)[1], [0, 0, 0, 0, 1])
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+def test_second_call_compiles_nothing(models):
+    _, fns, _ = models("llama")
+    ids, lengths = random_batch(2, 5, 256, seed=11)
+    small = (ids.numpy(), lengths.numpy())
+    cfg = dict(max_new_tokens=3, temperature=0.7, top_k=None, top_p=1.0)
+    for greedy in (True, False):
+        start = compile_cache_sizes()
+        generate(fns, None, *small, cfg, greedy=greedy, pad_token_id=PAD_ID, rng=0)
+        first = compile_cache_sizes()
+        assert first == {k: v + 1 for k, v in start.items()}  # one prefill + one step program
+        generate(fns, None, *small, dict(cfg, temperature=1.1, top_k=5, top_p=0.8, stop_token_ids=[3]),
+                 greedy=greedy, pad_token_id=1, eos_token_ids=[2], rng=5)
+        # a CausalLM (re-split on every call) reuses the programs too
+        generate(models("llama")[0], None, *small, cfg, greedy=greedy, pad_token_id=PAD_ID)
+        assert compile_cache_sizes() == first
+
+
+def test_sharded_params_on_mesh(models, batch):
+    """Params sharded fsdp=4 x tp=2 with the activation-constraint hook installed (as the
+    worker runs it): same greedy output, and one prefill + one step program."""
+    from jax.sharding import Mesh
+
+    from backends.jax_pjit.model import activation_constraint, logical_axes_tree
+    from backends.jax_pjit.sharding import activation_constraint as make_constraint
+    from backends.jax_pjit.sharding import tree_shardings
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    model, fns, _ = models("qwen2")
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
+    params = jax.device_put(fns.params, tree_shardings(logical_axes_tree(fns.params), mesh))
+    expected = run_jax(fns, batch, gen_cfg())
+    ids, lengths = random_batch(8, 7, 256, seed=5)  # batch divisible by fsdp
+    expected_8 = generate(fns, None, ids.numpy(), lengths.numpy(), gen_cfg(), greedy=True, pad_token_id=PAD_ID)
+    start = compile_cache_sizes()
+    for _ in range(2):
+        with mesh, activation_constraint(make_constraint(mesh)):
+            out = generate(fns, params, batch[0], batch[1], gen_cfg(), greedy=True, pad_token_id=PAD_ID)
+            out_8 = generate(fns, params, ids.numpy(), lengths.numpy(), gen_cfg(), greedy=True,
+                             pad_token_id=PAD_ID)
+        np.testing.assert_array_equal(out["output_ids"], expected["output_ids"])
+        np.testing.assert_allclose(out["logprobs"], expected["logprobs"], atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(out_8["output_ids"], expected_8["output_ids"])
+        np.testing.assert_allclose(out_8["logprobs"], expected_8["logprobs"], atol=1e-5, rtol=0)
+    assert compile_cache_sizes() == {k: v + 2 for k, v in start.items()}  # per shape: 1 prefill, 1 step
