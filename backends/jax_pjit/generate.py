@@ -110,7 +110,7 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     keep = (mass_before < top_p) | (top_p >= 1.0)
     keep = keep.at[:, 0].set(True)
     n_keep = jnp.sum(keep, axis=-1, keepdims=True)  # keep is a prefix of the sorted order
-    threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)  # (B, 1); -inf when top-p is off
+    threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)  # (B, 1); -inf if top-p keeps all
     threshold = jnp.maximum(threshold, kth)  # top-k's own cut
     return jnp.where(logits < threshold, neg_inf, logits)
 
@@ -242,7 +242,7 @@ def _step(params, rest, state: DecodeState, stop_mask, knobs, *, graphdef, greed
     return _record(state, token, logprob, knobs, stop_mask, cache, slot_mask, key)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DecodeFns:
     """A model's static graph plus the two jitted programs (shared across models of the same
     graph: the jit caches key on ``graphdef``)."""

@@ -26,9 +26,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from core.data import BatchedDataDict
 from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
+from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
 
 from backends.jax_pjit import steps
+from backends.jax_pjit.generate import generate as jax_generate
+from backends.jax_pjit.generate import make_decode_fns
 from backends.jax_pjit.hf_mapping import from_pretrained, iter_hf_tensors, save_hf_checkpoint
 from backends.jax_pjit.model import activation_constraint, logical_axes_tree, make_apply_fn
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
@@ -95,6 +98,8 @@ class JaxPolicyWorker:
         self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature)
         self._grad_steps: dict[tuple, Any] = {}
         self._profile_dir: str | None = None
+        self._decode_fns = make_decode_fns(model)
+        self._generate_calls = 0
         if weights_path:
             self.load_checkpoint(weights_path, optimizer_path)
 
@@ -237,6 +242,24 @@ class JaxPolicyWorker:
             "all_mb_metrics": all_mb,
             "lr": self.schedule(self.train_step) if self.schedule is not None else None,
         }
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """KV-cache decoding on the sharded params; ``GenerationOutputSpec`` as torch tensors."""
+        import torch
+
+        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        args = resolve_generation_args(self.cfg, self.tokenizer, self.hf_config.eos_token_id,
+                                       data["input_ids"].shape[1])
+        self._generate_calls += 1  # a fresh sampling key per call, reproducible per run
+        with self._on_mesh():
+            out = jax_generate(
+                self._decode_fns, self.params, data["input_ids"].numpy(), data["input_lengths"].numpy(),
+                args.gen_cfg, greedy=greedy, pad_token_id=args.pad_token_id, eos_token_ids=args.eos_token_ids,
+                tokenizer=self.tokenizer, max_new_tokens=args.max_new_tokens,
+                rng=self._generate_calls, stop_strings=data.get("stop_strings"),
+            )
+        return BatchedDataDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()})
 
     # ------------------------------------------------------------------ lifecycle
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:

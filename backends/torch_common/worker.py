@@ -30,6 +30,7 @@ from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_to
 from core.kernels.vocab_parallel import vocab_parallel_next_token_logprobs
 from core.parallel_dims import ParallelDims
 from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
+from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
 
 from backends.torch_common import checkpoint as ckpt
@@ -300,24 +301,14 @@ class TorchPolicyWorker:
     # ------------------------------------------------------------------ generation
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         """HF ``generate`` on this rank's shard; ``GenerationOutputSpec`` on the host."""
-        gen_cfg = self.cfg.get("generation")
-        if not gen_cfg:
-            raise ValueError("generate() needs policy.generation in the config")
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else self.model_config.eos_token_id
-        eos_ids = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
-        pad = gen_cfg.get("pad_token_id", getattr(self.tokenizer, "pad_token_id", None))
-        pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
-        max_new = min(gen_cfg["max_new_tokens"], self.cfg["max_total_sequence_length"] - data["input_ids"].shape[1])
-        if max_new <= 0:
-            raise ValueError(
-                f"prompts of width {data['input_ids'].shape[1]} leave no room for new tokens within "
-                f"policy.max_total_sequence_length={self.cfg['max_total_sequence_length']}"
-            )
+        args = resolve_generation_args(self.cfg, self.tokenizer, self.model_config.eos_token_id,
+                                       data["input_ids"].shape[1])
         module = self._generation_replica()
         out = hf_generate(
-            module, data.to(self.device), gen_cfg, greedy=greedy, pad_token_id=pad, eos_token_ids=eos_ids,
-            tokenizer=self.tokenizer, synced_gpus=False, max_new_tokens=max_new,
+            module, data.to(self.device), args.gen_cfg, greedy=greedy, pad_token_id=args.pad_token_id,
+            eos_token_ids=args.eos_token_ids, tokenizer=self.tokenizer, synced_gpus=False,
+            max_new_tokens=args.max_new_tokens,
         )
         return out.to("cpu")
 

@@ -59,6 +59,21 @@ def test_logprobs_match_hf_and_compile_once(qwen_policy):
     assert _compile_counts(policy)["logprobs"] == 1
 
 
+def test_greedy_generate_matches_torch_hf_generate(qwen_policy):
+    """Before training (weights = the HF checkpoint): JAX KV-cache decoding gives the HF
+    tokens, and its logprobs are the policy's own get_logprobs of the output."""
+    from backends.torch_common.generation import hf_generate
+
+    policy, cfg = qwen_policy["policy"], qwen_policy["cfg"]
+    prompts = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(3, 6, VOCAB, seed=5)))
+    out = policy.generate(prompts, greedy=True)
+    hf = AutoModelForCausalLM.from_pretrained(qwen_policy["model_dir"]).eval()
+    ref = hf_generate(hf, prompts, cfg["generation"], greedy=True, pad_token_id=0, eos_token_ids=[2])
+    assert torch.equal(out["output_ids"], ref["output_ids"])
+    assert torch.equal(out["generation_lengths"], ref["generation_lengths"])
+    torch.testing.assert_close(out["logprobs"], ref["logprobs"], rtol=0, atol=1e-5)
+
+
 def test_three_adamw_steps_track_torch(qwen_policy):
     policy, cfg = qwen_policy["policy"], qwen_policy["cfg"]
     loss_fn = ClippedPGLossFn(BASE_CFG)
@@ -135,4 +150,28 @@ def test_torch_export_loads_into_jax_fsdp8(ray_session, model_dirs, tokenizer, t
         torch.testing.assert_close(jax_policy.get_logprobs(probe)["logprobs"], expected, rtol=0, atol=1e-5)
     finally:
         jax_policy.shutdown()
+        cluster.shutdown()
+
+
+def test_mesh_that_does_not_divide_the_devices_is_named(ray_session, model_dirs, tokenizer):
+    from core.distributed import WorkerGroupError
+
+    cfg = policy_config(model_dirs["llama"], "jax_pjit")
+    cfg["jax_cfg"].update(fsdp_size=3, tensor_parallel_size=2)  # 6 of the host's 8 devices
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2)
+    try:
+        with pytest.raises(WorkerGroupError, match="policy.jax_cfg"):
+            Policy(cluster, cfg, tokenizer, name_prefix="bad_mesh")
+    finally:
+        cluster.shutdown()
+
+
+def test_tp_that_does_not_divide_kv_heads_is_refused_on_the_driver(ray_session, model_dirs, tokenizer):
+    cfg = policy_config(model_dirs["llama"], "jax_pjit")
+    cfg["jax_cfg"].update(fsdp_size=2, tensor_parallel_size=4)
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2)
+    try:
+        with pytest.raises(ValueError, match="policy.jax_cfg.tensor_parallel_size=4 does not divide .*num_key_value_heads=2"):
+            Policy(cluster, cfg, tokenizer)
+    finally:
         cluster.shutdown()
