@@ -175,3 +175,18 @@ def test_tp_that_does_not_divide_kv_heads_is_refused_on_the_driver(ray_session, 
             Policy(cluster, cfg, tokenizer)
     finally:
         cluster.shutdown()
+
+
+def test_diagnostics_and_profiling(qwen_policy):
+    policy = qwen_policy["policy"]
+    (info,) = policy.get_gpu_info()
+    assert info["device_type"] == "cpu" and info["local_devices"] == 8 and info["mesh"] == {"fsdp": 4, "tp": 2}
+    assert policy.report_device_id()[0].startswith("cpu:")
+    policy.start_gpu_profiling()
+    policy.get_logprobs(_ragged(2, seed=60))
+    (trace_dir,) = policy.stop_gpu_profiling()
+    import pathlib
+    import shutil
+
+    assert any(pathlib.Path(trace_dir).rglob("*.xplane.pb"))
+    shutil.rmtree(trace_dir)
