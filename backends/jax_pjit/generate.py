@@ -51,6 +51,7 @@ from flax import nnx
 
 from backends.jax_pjit.model import CausalLM, KVCache, constrain, rope_cos_sin
 from core.kernels.logprobs import logprobs_from_logits
+from core.policy.generation_args import row_stop_strings
 
 __all__ = ["DecodeFns", "DecodeState", "make_decode_fns", "generate", "sample_token", "filter_logits",
            "compile_cache_sizes"]
@@ -314,24 +315,9 @@ def _stop_mask(stop_token_ids: Sequence[int], vocab: int) -> np.ndarray:
     return mask
 
 
-def _as_strings(value) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
 def _row_stop_strings(gen_cfg, stop_strings, batch: int) -> list[tuple[str, ...]]:
     """gen_cfg['stop_strings'] + the row's own strings (de-duplicated, in order)."""
-    common = _as_strings(gen_cfg.get("stop_strings"))
-    if stop_strings is not None and len(stop_strings) != batch:
-        raise ValueError(f"stop_strings must have one entry per row ({batch}), got {len(stop_strings)}")
-    rows = [tuple(dict.fromkeys(common + ((() if stop_strings is None else _as_strings(stop_strings[b])))))
-            for b in range(batch)]
-    for strings in rows:
-        for s in strings:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
-    return rows
+    return row_stop_strings(gen_cfg, stop_strings, batch)
 
 
 class _StopStrings:

@@ -37,6 +37,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from core.data import BatchedDataDict
+from core.policy.generation_args import row_stop_strings
 from core.kernels.logprobs import apply_temperature, logprobs_from_logits
 
 __all__ = [
@@ -315,24 +316,7 @@ class StopStringCriterion(StoppingCriteria):
 
 def _row_stop_strings(data: Mapping[str, Any], gen_cfg: Mapping[str, Any], batch: int) -> list[tuple[str, ...]]:
     """Each row's stop strings: ``gen_cfg['stop_strings']`` + that row's ``data['stop_strings']``."""
-    common = _as_strings(gen_cfg.get("stop_strings"))
-    extra = data.get("stop_strings")
-    if extra is not None and len(extra) != batch:
-        raise ValueError(f"data['stop_strings'] must have one entry per row ({batch}), got {len(extra)}")
-    own = [() if extra is None else _as_strings(extra[b]) for b in range(batch)]
-    rows = [tuple(dict.fromkeys(common + strings)) for strings in own]  # de-duplicated, in order
-    for strings in rows:
-        for s in strings:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
-    return rows
-
-
-def _as_strings(value) -> tuple[str, ...]:
-    """None -> (); a bare string is one stop string (not its characters); a list -> tuple."""
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
+    return row_stop_strings(gen_cfg, data.get("stop_strings"), batch)
 
 
 def generation_lengths(

@@ -33,3 +33,25 @@ def resolve_generation_args(policy_cfg: Mapping[str, Any], tokenizer: Any, model
             f"policy.max_total_sequence_length={limit}"
         )
     return GenerationArgs(gen_cfg, pad, eos_ids, max_new)
+
+
+def row_stop_strings(gen_cfg: Mapping[str, Any], extra: Any, batch: int) -> list[tuple[str, ...]]:
+    """Each row's stop strings: ``gen_cfg['stop_strings']`` + that row's own entry of
+    ``extra`` (``data['stop_strings']``: one list, string or None per row), de-duplicated
+    in order.  The same rule for every backend's generate (and vLLM's)."""
+    common = as_strings(gen_cfg.get("stop_strings"))
+    if extra is not None and len(extra) != batch:
+        raise ValueError(f"data['stop_strings'] must have one entry per row ({batch}), got {len(extra)}")
+    rows = [tuple(dict.fromkeys(common + (() if extra is None else as_strings(extra[b])))) for b in range(batch)]
+    for strings in rows:
+        for s in strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+    return rows
+
+
+def as_strings(value: Any) -> tuple[str, ...]:
+    """None -> (); a bare string is one stop string (not its characters); a list -> tuple."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
