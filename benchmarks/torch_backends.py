@@ -279,7 +279,7 @@ class PolicyRunner:
             self._policy = Policy(self._cluster, cfg, tokenizer, name_prefix=f"bench-{name}")
             self.startup_s = time.perf_counter() - t0
             self.threads = [info.get("torch_num_threads") for info in self._policy.get_gpu_info()]
-            self.noop_s = _noop_round_trip(self._policy)
+            self.noop_s = noop_round_trip(self._policy)
         except BaseException:
             self.close()
             raise
@@ -302,7 +302,7 @@ class PolicyRunner:
             self._cluster.shutdown()
 
 
-def _noop_round_trip(policy, calls: int = 5) -> float:
+def noop_round_trip(policy, calls: int = 5) -> float:
     """Median seconds of a call that does nothing on the workers: Ray dispatch + collection."""
     times = []
     for _ in range(calls):
@@ -339,7 +339,7 @@ def _failed(name: str, err: BaseException) -> dict:
     return {"case": name, "workers": workers, "error": f"{type(err).__name__}: {first}"}
 
 
-def _measure(runner, hf, result: dict, hf_result: dict | None, args) -> None:
+def measure(runner, hf, result: dict, hf_result: dict | None, args) -> None:
     """Warm-up + timed calls of each operation, each call of ``runner`` paired with one of
     ``hf`` (when there is one) so both see the same background load."""
     for op in OPS:
@@ -361,7 +361,7 @@ def _run_policy_case(name: str, start, hf, hf_result: dict | None, args) -> dict
         return _failed(name, err)
     try:
         result = _new_result(runner)
-        _measure(runner, hf, result, hf_result, args)
+        measure(runner, hf, result, hf_result, args)
         return result
     except Exception as err:  # noqa: BLE001
         return _failed(name, err)
@@ -383,7 +383,7 @@ def run_cases(cases, start, args) -> list[dict]:
         policy_cases = [c for c in cases if c != "hf"]
         results = {c: _run_policy_case(c, start, hf, hf_result, args) for c in policy_cases}
         if hf is not None and not policy_cases:
-            _measure(hf, None, hf_result, None, args)
+            measure(hf, None, hf_result, None, args)
     finally:
         if hf is not None:
             hf.close()
@@ -395,11 +395,11 @@ def run_cases(cases, start, args) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 
 
-def _median(times) -> float | None:
+def median(times) -> float | None:
     return statistics.median(times) if times else None
 
 
-def _ratio(r: dict, hf: dict | None, op: str, stat=statistics.median) -> float | None:
+def ratio(r: dict, hf: dict | None, op: str, stat=statistics.median) -> float | None:
     """case tokens/s ÷ hf tokens/s = hf seconds ÷ case seconds, against the case's own paired
     hf calls (the hf row: against itself)."""
     mine = r.get(f"{op}_s")
@@ -407,7 +407,7 @@ def _ratio(r: dict, hf: dict | None, op: str, stat=statistics.median) -> float |
     return stat(base) / stat(mine) if mine and base else None
 
 
-def _fmt(x: float | None, spec: str) -> str:
+def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -418,12 +418,12 @@ def _threads(result: dict) -> str:
     return str(threads[0]) if len(set(threads)) == 1 else "/".join(map(str, threads))
 
 
-def _hf_row(results: list[dict]) -> dict | None:
+def hf_row(results: list[dict]) -> dict | None:
     return next((r for r in results if r["case"] == "hf" and "error" not in r), None)
 
 
 def _throughput_table(results: list[dict], tokens: int) -> list[str]:
-    hf = _hf_row(results)
+    hf = hf_row(results)
     lines = ["| case | workers | threads/worker | logprobs tok/s | ×hf | train tok/s | ×hf |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -432,8 +432,8 @@ def _throughput_table(results: list[dict], tokens: int) -> list[str]:
             cells += ["FAILED", "-", "FAILED", "-"]
         else:
             for op in OPS:
-                median = _median(r[f"{op}_s"])
-                cells += [_fmt(tokens / median, ".0f"), _fmt(_ratio(r, hf, op), ".2f")]
+                med = median(r[f"{op}_s"])
+                cells += [fmt(tokens / med, ".0f"), fmt(ratio(r, hf, op), ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -444,8 +444,8 @@ def _spread(times: list[float] | None) -> str:
     return f"{statistics.median(times):.3f} [{min(times):.3f}, {max(times):.3f}]"
 
 
-def _timing_table(results: list[dict]) -> list[str]:
-    hf = _hf_row(results)
+def timing_table(results: list[dict]) -> list[str]:
+    hf = hf_row(results)
     lines = ["seconds per call: median [min, max]; paired hf = median of the hf calls made alongside "
              "this case; ×hf(min) = fastest hf call ÷ fastest call of the case; no-op ms = a Policy call "
              "that does nothing on the workers (report_device_id): Ray dispatch + collection",
@@ -456,10 +456,10 @@ def _timing_table(results: list[dict]) -> list[str]:
             lines.append(f"{r['case']:15} FAILED: {r['error']}")
             continue
         noop_ms = r["noop_s"] * 1e3 if r.get("noop_s") is not None else None
-        row = f"{r['case']:15} {_fmt(r.get('startup_s'), '.1f'):>7} {_fmt(noop_ms, '.1f'):>8}  "
+        row = f"{r['case']:15} {fmt(r.get('startup_s'), '.1f'):>7} {fmt(noop_ms, '.1f'):>8}  "
         for op in OPS:
-            row += f"{_spread(r[f'{op}_s']):25} {_fmt(_median(r.get(f'hf_{op}_s')), '.3f'):>9}  "
-        row += f"{_fmt(_ratio(r, hf, 'logprobs', min), '.2f'):>11} {_fmt(_ratio(r, hf, 'train', min), '.2f'):>6}"
+            row += f"{_spread(r[f'{op}_s']):25} {fmt(median(r.get(f'hf_{op}_s')), '.3f'):>9}  "
+        row += f"{fmt(ratio(r, hf, 'logprobs', min), '.2f'):>11} {fmt(ratio(r, hf, 'train', min), '.2f'):>6}"
         lines.append(row)
     return lines
 
@@ -486,7 +486,7 @@ def report(results: list[dict], args, tokens: int, params: int | None, load: tup
         "",
         *_throughput_table(results, tokens),
         "",
-        *_timing_table(results),
+        *timing_table(results),
     ]
     return "\n".join(lines)
 
@@ -514,7 +514,7 @@ def _parse(argv):
     return args
 
 
-def _ray_cpus(args) -> int:
+def ray_cpus(args) -> int:
     """Logical CPUs for Ray: room for the largest case (one case is alive at a time)."""
     need = [LAYOUTS[c].workers * max(1, args.threads // LAYOUTS[c].workers) for c in args.cases if c in LAYOUTS]
     return max([4, *need])
@@ -531,7 +531,7 @@ def start_ray(args) -> None:
     # Ray sets an actor's OMP_NUM_THREADS to its CPU count only where the variable is unset;
     # an exported value would be inherited by every worker and oversubscribe the cores.
     os.environ.pop("OMP_NUM_THREADS", None)
-    init_ray(num_cpus=_ray_cpus(args))
+    init_ray(num_cpus=ray_cpus(args))
 
 
 def main(argv=None) -> int:

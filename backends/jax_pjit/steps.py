@@ -88,8 +88,9 @@ def zero_grads(params: Any) -> Any:
     The sharding must be the one the grad step returns, or the second micro batch would see
     a differently laid-out accumulator and compile a second program.
     """
-    shardings = jax.tree.map(lambda x: x.sharding, params)
-    return jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=shardings)(params)
+    # jnp.zeros(device=...) hits jax's own compilation cache on every call; a fresh
+    # jax.jit(lambda ...) per call would trace and compile again each time.
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), params)
 
 
 def make_grad_step(apply_fn: ApplyFn, loss_fn: Any, temperature: float, grad_shardings: Any = None) -> Callable:

@@ -10,8 +10,8 @@ from benchmarks import torch_backends as bench
 def test_ratio_uses_the_paired_hf_calls():
     hf = {"case": "hf", "logprobs_s": [1.0, 1.0]}
     case = {"case": "x", "logprobs_s": [0.5, 0.5], "hf_logprobs_s": [2.0, 2.0]}
-    assert bench._ratio(case, hf, "logprobs") == 4.0  # paired hf, not the pooled hf row
-    assert bench._ratio({"case": "y", "logprobs_s": [0.5]}, hf, "logprobs") == 2.0  # fallback: hf row
+    assert bench.ratio(case, hf, "logprobs") == 4.0  # paired hf, not the pooled hf row
+    assert bench.ratio({"case": "y", "logprobs_s": [0.5]}, hf, "logprobs") == 2.0  # fallback: hf row
 
 
 def test_benchmark_runs_hf_and_two_layouts(ray_session, capsys):
