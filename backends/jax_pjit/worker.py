@@ -99,6 +99,7 @@ class JaxPolicyWorker:
         self._grad_steps: dict[tuple, Any] = {}
         self._profile_dir: str | None = None
         self._decode_fns = make_decode_fns(model)
+        self._host_copies: dict[str, tuple[Any, Any]] = {}  # offloaded state: (host tree, shardings)
         self._generate_calls = 0
         if weights_path:
             self.load_checkpoint(weights_path, optimizer_path)
@@ -152,6 +153,7 @@ class JaxPolicyWorker:
 
     # ------------------------------------------------------------------ logprobs
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
+        self._reload("params")
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
         mbs = micro_batch_size or self.cfg["logprob_batch_size"]
         ids, lengths = data["input_ids"].numpy(), data["input_lengths"].numpy()
@@ -174,6 +176,7 @@ class JaxPolicyWorker:
     def use_reference_model(self) -> Iterator[None]:
         if self.reference is None:
             raise RuntimeError("this policy was built with init_reference_model=False: no reference weights")
+        self._reload("params")
         policy = self.params
         self.params = jax.device_put(self.reference, self.shardings)
         try:
@@ -207,6 +210,7 @@ class JaxPolicyWorker:
         check_loss_inputs(loss_fn, data, self.model_cfg.vocab_size)
         if not eval_mode and self.tx is None:
             raise RuntimeError("train() needs an optimizer: this policy was built with init_optimizer=False")
+        self.prepare_for_training()
         host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
         bucket = steps.bucket_for(host["input_ids"].shape[1], self.cfg["max_total_sequence_length"])
         grad_step = self._grad_step(loss_fn)
@@ -251,6 +255,7 @@ class JaxPolicyWorker:
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
         args = resolve_generation_args(self.cfg, self.tokenizer, self.hf_config.eos_token_id,
                                        data["input_ids"].shape[1])
+        self._reload("params")
         self._generate_calls += 1  # a fresh sampling key per call, reproducible per run
         with self._on_mesh():
             out = jax_generate(
@@ -263,29 +268,44 @@ class JaxPolicyWorker:
 
     # ------------------------------------------------------------------ lifecycle
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        pass  # params and optimizer state stay resident on the mesh
+        """Params and optimizer state back on the mesh (after an offload)."""
+        self._reload("params")
+        self._reload("opt_state")
 
     def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        """Params on the mesh; the optimizer state stays (or goes) to host memory."""
+        self._reload("params")
+        self._offload("opt_state")
 
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        pass  # training state stays resident until offloaded
 
     def offload_before_refit(self) -> None:
-        """Optimizer state to host memory (device memory is freed when the arrays go)."""
-        if self.opt_state is not None:
-            self._opt_host = jax.device_get(self.opt_state)
-            self._opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-            self.opt_state = None
+        """Free device memory for the refit: optimizer state to host memory."""
+        self._offload("opt_state")
 
     def offload_after_refit(self) -> None:
-        """Bring the optimizer state back (the JAX worker keeps params resident)."""
-        if getattr(self, "_opt_host", None) is not None:
-            self.opt_state = jax.device_put(self._opt_host, self._opt_shardings)
-            self._opt_host = None
+        """The generation engine owns the devices now: params to host memory too."""
+        self._offload("params")
+        self._offload("opt_state")
+
+    def _offload(self, name: str) -> None:
+        """Move ``self.<name>`` (a sharded pytree) to host numpy, remembering its shardings;
+        the device buffers are freed when the last reference goes."""
+        tree = getattr(self, name)
+        if tree is None:
+            return
+        self._host_copies[name] = (jax.device_get(tree), jax.tree.map(lambda x: x.sharding, tree))
+        setattr(self, name, None)
+
+    def _reload(self, name: str) -> None:
+        if name in self._host_copies:
+            host, shardings = self._host_copies.pop(name)
+            setattr(self, name, jax.device_put(host, shardings))
 
     def iter_full_weights(self, dtype: Any = None) -> Iterator[tuple[str, np.ndarray]]:
         """``(hf_name, full array)`` one tensor at a time, gathered to the host."""
+        self._reload("params")
         for name, array in iter_hf_tensors(jax.device_get(self.params), self.model_cfg):
             yield name, array if dtype is None else array.astype(dtype)
 
@@ -297,6 +317,8 @@ class JaxPolicyWorker:
                         tokenizer_path: str | None = None) -> None:
         """Orbax: sharded params (and optimizer state + step) for resume."""
         import orbax.checkpoint as ocp
+
+        self.prepare_for_training()  # offloaded state is saved from the mesh, sharded
 
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(Path(weights_path).absolute(), self.params, force=True)
@@ -322,6 +344,7 @@ class JaxPolicyWorker:
 
     def save_hf_checkpoint(self, path: str, save_tokenizer: bool = False) -> None:
         """HF safetensors that ``transformers`` (and the torch backends) load."""
+        self._reload("params")
         if self.rank == 0:
             from flax import nnx
 

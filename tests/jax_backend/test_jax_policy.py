@@ -177,6 +177,17 @@ def test_tp_that_does_not_divide_kv_heads_is_refused_on_the_driver(ray_session, 
         cluster.shutdown()
 
 
+def test_offload_round_trip_keeps_the_weights(qwen_policy):
+    policy = qwen_policy["policy"]
+    probe = _ragged(4, seed=55)
+    before = policy.get_logprobs(probe)["logprobs"]
+    policy.offload_before_refit()
+    policy.offload_after_refit()  # params and optimizer state now in host memory
+    policy.prepare_for_training()
+    torch.testing.assert_close(policy.get_logprobs(probe)["logprobs"], before, rtol=0, atol=0)
+    assert math.isfinite(float(policy.train(pg_batch(4, seed=56), ClippedPGLossFn(BASE_CFG))["loss"][0]))
+
+
 def test_diagnostics_and_profiling(qwen_policy):
     policy = qwen_policy["policy"]
     (info,) = policy.get_gpu_info()
