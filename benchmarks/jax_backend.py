@@ -499,16 +499,9 @@ def report(results: list[dict], args, tokens: int, params: int | None, load: tup
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama_bench", help="a core.testing tiny model name, or an HF path / hub id")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per operation, the first one compiles")
-    parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2, help="total threads per case (see torch_backends)")
+    tb.add_workload_args(parser, warmup_help="untimed calls per operation, the first one compiles")
     parser.add_argument("--cases", nargs="+", default=CASES, type=_case,
                         help=f"{' '.join(CASES)}, or any of {tb.CASES}, jax-fsdp<F>[-tp<T>], jax-tp<T>")
-    parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 1 or args.threads < 1:
         parser.error("--iters must be >= 1, --warmup >= 1 (the first call compiles), --threads >= 1")

@@ -496,15 +496,8 @@ def report(results: list[dict], args, tokens: int, params: int | None, load: tup
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama_bench", help="a core.testing tiny model name, or an HF path / hub id")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2, help="total torch threads per case (see above)")
+    add_workload_args(parser)
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
-    parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child-hf", metavar="MODEL_PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0 or args.threads < 1:
@@ -512,6 +505,18 @@ def _parse(argv):
     if any(c in LAYOUTS and args.batch % LAYOUTS[c].dp for c in args.cases):
         parser.error(f"--batch {args.batch} must be divisible by the data-parallel size of every case (2)")
     return args
+
+
+def add_workload_args(parser: argparse.ArgumentParser, warmup_help: str = "untimed calls per operation") -> None:
+    """The arguments every backend benchmark shares: model, batch shape, repetitions, threads."""
+    parser.add_argument("--model", default="llama_bench", help="a core.testing tiny model name, or an HF path / hub id")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help=warmup_help)
+    parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2, help="total threads per case (see the module docstring)")
+    parser.add_argument("--json", help="also write the results to this file")
 
 
 def ray_cpus(args) -> int:

@@ -25,9 +25,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from core.data import BatchedDataDict
-from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
+from core.losses.metrics import MicroBatchMetrics
+from core.policy.checks import check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
+from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase
 
 from backends.jax_pjit import steps
 from backends.jax_pjit.generate import generate as jax_generate
@@ -52,7 +54,7 @@ def init_jax_distributed() -> None:
         )
 
 
-class JaxPolicyWorker:
+class JaxPolicyWorker(PolicyWorkerBase):
     """One host of a JAX policy; constructed inside a Ray actor by ``core.policy.Policy``."""
 
     def __init__(
@@ -66,11 +68,9 @@ class JaxPolicyWorker:
         **_: Any,
     ) -> None:
         init_jax_distributed()
-        self.cfg = dict(config)
-        self.tokenizer = tokenizer
+        super().__init__(config, tokenizer)
         self.rank = jax.process_index()
         self.mesh = make_mesh(self.cfg)
-        self.temperature = float((self.cfg.get("generation") or {}).get("temperature", 1.0))
         self.compute_dtype = DTYPES[self.cfg["precision"]]
 
         model, self.model_cfg, self.hf_config = from_pretrained(
@@ -105,9 +105,6 @@ class JaxPolicyWorker:
             self.load_checkpoint(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------ identity
-    def is_alive(self) -> bool:
-        return True
-
     def report_device_id(self) -> str:
         dev = jax.local_devices()[0]
         return f"{dev.platform}:{socket.gethostname()}:{os.getpid()}:{dev.id}"
@@ -175,7 +172,7 @@ class JaxPolicyWorker:
     @contextlib.contextmanager
     def use_reference_model(self) -> Iterator[None]:
         if self.reference is None:
-            raise RuntimeError("this policy was built with init_reference_model=False: no reference weights")
+            raise RuntimeError(REFERENCE_MISSING)
         self._reload("params")
         policy = self.params
         self.params = jax.device_put(self.reference, self.shardings)
@@ -201,15 +198,12 @@ class JaxPolicyWorker:
     def train(self, data: BatchedDataDict, loss_fn: Any, eval_mode: bool = False,
               gbs: int | None = None, mbs: int | None = None) -> dict[str, Any]:
         """One optimizer step per global batch in ``data`` (this host's rows of it)."""
-        import torch
-
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
         n_hosts = jax.process_count()
         local_gbs = check_train_batch(data, gbs, mbs, n_hosts, self.cfg["max_total_sequence_length"])
-        check_loss_inputs(loss_fn, data, self.model_cfg.vocab_size)
         if not eval_mode and self.tx is None:
-            raise RuntimeError("train() needs an optimizer: this policy was built with init_optimizer=False")
+            raise RuntimeError(OPTIMIZER_MISSING)
         self.prepare_for_training()
         host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
         bucket = steps.bucket_for(host["input_ids"].shape[1], self.cfg["max_total_sequence_length"])
@@ -222,30 +216,24 @@ class JaxPolicyWorker:
                 gb = {k: v[g * local_gbs:(g + 1) * local_gbs] for k, v in host.items()}
                 gseq, gtok = steps.global_valid_counts(gb["sample_mask"], gb.get("token_mask"), gb["input_lengths"])
                 acc = steps.zero_grads(self.params)
-                totals: dict[str, float] = {}
+                collected = MicroBatchMetrics()
                 for start in range(0, local_gbs, mbs):
                     mb = steps.pad_micro_batch({k: v[start:start + mbs] for k, v in gb.items()}, mbs, bucket)
                     acc, metrics = grad_step(self.params, acc, self._device_batch(mb), gseq, gtok)
-                    for k, v in metrics.items():
-                        totals[k] = totals.get(k, 0.0) + float(v)
-                        all_mb.setdefault(k, []).append(float(v))
-                if eval_mode:
-                    norm = 0.0
-                else:
+                    collected.add(metrics)  # read after the step is dispatched, not per micro batch
+                norm = 0.0
+                if not eval_mode:
                     self.params, self.opt_state, norm = self._apply_updates(self.params, self.opt_state, acc)
+                totals = {k: float(v) for k, v in collected.totals().items()}
+                for k, values in collected.per_micro_batch().items():
+                    all_mb.setdefault(k, []).extend(values)
                 losses.append(totals.get("loss", 0.0))
                 norms.append(float(norm))
                 step_metrics.append(totals)
         if not eval_mode:
             self.train_step += 1
-        keys = sorted(step_metrics[0]) if step_metrics else []
-        return {
-            "global_loss": torch.tensor(losses),
-            "grad_norm": torch.tensor(norms),
-            "metrics": {k: torch.tensor([m[k] for m in step_metrics]) for k in keys},
-            "all_mb_metrics": all_mb,
-            "lr": self.schedule(self.train_step) if self.schedule is not None else None,
-        }
+        lr = self.schedule(self.train_step) if self.schedule is not None else None
+        return self._train_result(losses, norms, step_metrics, all_mb, lr)
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
@@ -327,8 +315,7 @@ class JaxPolicyWorker:
                     raise ValueError("save_checkpoint: optimizer_path given but this policy has no optimizer")
                 ckptr.save(Path(optimizer_path).absolute(),
                            {"opt_state": self.opt_state, "train_step": self.train_step}, force=True)
-        if tokenizer_path is not None and self.rank == 0 and self.tokenizer is not None:
-            self.tokenizer.save_pretrained(tokenizer_path)
+        self._save_tokenizer(tokenizer_path)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         import orbax.checkpoint as ocp

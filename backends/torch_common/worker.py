@@ -14,6 +14,7 @@ swap, optimizer/scheduler, checkpoints, offloading, profiling -- is written once
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import time
@@ -29,9 +30,11 @@ from core.data import BatchedDataDict
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.kernels.vocab_parallel import vocab_parallel_next_token_logprobs
 from core.parallel_dims import ParallelDims
-from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
+from core.losses.metrics import MicroBatchMetrics
+from core.policy.checks import check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
+from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase
 
 from backends.torch_common import checkpoint as ckpt
 from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns
@@ -47,7 +50,7 @@ from backends.torch_common.model_loading import hf_param_meta, load_hf_model, to
 from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
 from backends.torch_common.reference import ReferenceWeights, local_shards
 
-class TorchPolicyWorker:
+class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     """One rank of a torch policy; constructed inside a Ray actor by ``core.policy.Policy``.
 
     Args mirror NeMo RL's workers: ``config`` is the ``policy`` section, ``tokenizer`` an
@@ -67,13 +70,11 @@ class TorchPolicyWorker:
         init_reference_model: bool = True,
         **_: Any,
     ) -> None:
-        self.cfg = dict(config)
-        self.tokenizer = tokenizer
+        super().__init__(config, tokenizer)
         self.device = init_torch_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims: ParallelDims = self._parallel_dims()
         self.compute_dtype = torch_dtype(self.cfg["precision"])
-        self.temperature = float((self.cfg.get("generation") or {}).get("temperature", 1.0))
 
         hf_model = load_hf_model(self.cfg["model_name"])
         check_tokenizer_fits(tokenizer, hf_model.config, self.cfg["model_name"])
@@ -98,18 +99,21 @@ class TorchPolicyWorker:
             self.load_checkpoint(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------ backend hooks
+    @abc.abstractmethod
     def _parallel_dims(self) -> ParallelDims:
-        raise NotImplementedError
+        """The (dp, cp, tp) split of the world."""
 
+    @abc.abstractmethod
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        raise NotImplementedError
+        """Wrap/shard the HF module; returns the module to call."""
 
+    @abc.abstractmethod
     def _clip_grad_norm(self, max_norm: float | None) -> float:
-        raise NotImplementedError
+        """Clip to ``max_norm`` (None: only measure); the global norm, equal on every rank."""
 
+    @abc.abstractmethod
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: yield ``(hf_name, full tensor)`` for every weight, on every rank."""
-        raise NotImplementedError
 
     def _local_weight_shards(self) -> list[torch.Tensor]:
         """The tensors storing this rank's part of the weights (swapped for the reference).
@@ -122,12 +126,13 @@ class TorchPolicyWorker:
         self._reshard_all()
         return local_shards(self.model)
 
+    @abc.abstractmethod
     def _reshard_all(self) -> None:
         """Free every gathered (unsharded) parameter copy; backend-specific."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _activation_checkpointing(self) -> bool:
-        raise NotImplementedError
+        """Whether the config asks for activation checkpointing."""
 
     def _offload_params(self, flag: bool, field: str) -> bool:
         """Whether to apply parameter CPU offload: only meaningful with an accelerator (on a
@@ -147,9 +152,6 @@ class TorchPolicyWorker:
     # ------------------------------------------------------------------ identity
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={getattr(self, 'rank', '?')}, dims={getattr(self, 'dims', '?')})"
-
-    def is_alive(self) -> bool:
-        return True
 
     def report_device_id(self) -> str:
         return device_id(self.device)
@@ -195,7 +197,7 @@ class TorchPolicyWorker:
     def use_reference_model(self) -> Iterator[None]:
         """Within the block the model computes with the reference weights."""
         if self.reference is None:
-            raise RuntimeError("this policy was built with init_reference_model=False: no reference weights")
+            raise RuntimeError(REFERENCE_MISSING)
         with self.reference.swapped_in():
             yield
 
@@ -227,8 +229,7 @@ class TorchPolicyWorker:
         mbs = mbs or self.cfg["train_micro_batch_size"]
         local_gbs = check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"])
         if not eval_mode and self.optimizer is None:
-            raise RuntimeError("train() needs an optimizer: this policy was built with init_optimizer=False")
-        check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
+            raise RuntimeError(OPTIMIZER_MISSING)
         self.model.train(not eval_mode)
         losses, norms, step_metrics, all_mb = [], [], [], {}
         for gb_idx in range(data.size // local_gbs):
@@ -240,14 +241,8 @@ class TorchPolicyWorker:
         if not eval_mode and self.scheduler is not None:
             self.scheduler.step()
             self.train_step += 1
-        keys = sorted(step_metrics[0]) if step_metrics else []
-        return {
-            "global_loss": torch.tensor(losses),
-            "grad_norm": torch.tensor(norms),
-            "metrics": {k: torch.tensor([m[k] for m in step_metrics]) for k in keys},
-            "all_mb_metrics": all_mb,
-            "lr": current_lr(self.optimizer) if self.optimizer is not None else None,
-        }
+        lr = current_lr(self.optimizer) if self.optimizer is not None else None
+        return self._train_result(losses, norms, step_metrics, all_mb, lr)
 
     def _train_global_batch(
         self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool, all_mb: dict
@@ -256,7 +251,7 @@ class TorchPolicyWorker:
         gseq, gtok = global_valid_counts(gb, self.device, self.dp_group)
         if not eval_mode:
             self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {}
+        collected = MicroBatchMetrics()
         for mb in micro_batches(gb, mbs):
             ctx = contextlib.nullcontext() if not eval_mode else torch.no_grad()
             with ctx:
@@ -265,14 +260,13 @@ class TorchPolicyWorker:
                     # FSDP averages gradients over the dp ranks; the loss is already globally
                     # normalised (a sum over ranks), so scale by dp to undo the average.
                     (loss * self.dims.dp).backward()
-            for k, v in metrics.items():
-                v = v.detach().float()
-                totals[k] = totals.get(k, 0) + v
-                all_mb.setdefault(k, []).append(float(v))
+            collected.add({k: v.detach().float() for k, v in metrics.items()})
         grad_norm = 0.0 if eval_mode else self._clip_grad_norm(self.cfg.get("max_grad_norm"))
         if not eval_mode:
             self.optimizer.step()
-        loss, metrics = self._reduce_metrics(totals)
+        for k, values in collected.per_micro_batch().items():
+            all_mb.setdefault(k, []).extend(values)
+        loss, metrics = self._reduce_metrics(collected.totals())
         return loss, grad_norm, metrics
 
     def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
@@ -383,8 +377,7 @@ class TorchPolicyWorker:
         if self.scheduler is not None:
             extra["scheduler"] = self.scheduler.state_dict()
         ckpt.save_dcp(self.model, weights_path, self.optimizer, optimizer_path, extra)
-        if tokenizer_path is not None and self.rank == 0 and self.tokenizer is not None:
-            self.tokenizer.save_pretrained(tokenizer_path)
+        self._save_tokenizer(tokenizer_path)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         self._reshard_all()  # the load writes shards; no stale gathered copy may survive

@@ -139,8 +139,9 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
         check_train_batch(data, gbs, mbs, self.dp, self.cfg["max_total_sequence_length"], local=False)
-        # On the driver: a bad key or shape must not reach the workers, where one rank's
-        # exception would take the whole group down.
+        # Only on the driver (the workers trust it): a bad key or shape must not reach the
+        # workers, where one rank's exception would take the whole group down, and the value
+        # scan over the batch runs once, not once per rank.
         check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
         dyn = self._dynamic_args("train_mb_tokens")
         if dyn is None:

@@ -20,7 +20,7 @@ from backends.jax_pjit.hf_mapping import from_pretrained
 from backends.torch_common.generation import hf_generate
 from core.data import BatchedDataDict
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
-from core.testing.tiny_models import PAD_ID, random_batch, save_tiny_model, tiny_tokenizer
+from core.testing.tiny_models import PAD_ID, random_batch, save_tiny_model
 
 N_NEW = 8
 TEMPERATURE = 0.7
@@ -49,11 +49,6 @@ def models(tmp_path_factory):
         return cache[name]
 
     return get
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from backends.torch_common.generation import (
     right_to_left_padding,
 )
 from core.data import BatchedDataDict
-from core.testing.tiny_models import PAD_ID, build_tiny_model, random_batch, tiny_tokenizer
+from core.testing.tiny_models import PAD_ID, build_tiny_model, random_batch
 
 N_NEW = 8
 TEMPERATURE = 0.7
@@ -35,11 +35,6 @@ def gen_cfg(**overrides):
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model(request):
     return build_tiny_model(request.param)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
