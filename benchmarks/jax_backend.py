@@ -241,25 +241,14 @@ class JaxPolicyRunner(tb.PolicyRunner):
     (``logprobs`` / ``train`` / ``close`` are ``torch_backends.PolicyRunner``'s)."""
 
     def __init__(self, name: str, model_path: str, tokenizer_path: str, tokenizer, args) -> None:
-        from core.distributed import RayVirtualCluster
-        from core.losses import NLLLoss
-        from core.policy import Policy
-
         layout = jax_layout(name)
         self.name, self.workers, self.layout = name, 1, layout
         # torch_backends' policy section for one data-parallel rank: one micro batch of `batch`.
         cfg = tb.policy_config(model_path, tokenizer_path, tb.Layout("jax_pjit", 1), args.batch, args.seq,
                                args.precision)
         cfg["jax_cfg"].update(fsdp_size=layout.fsdp, tensor_parallel_size=layout.tp)
-        self._data = tb.make_batch(args.batch, args.seq, tb.vocab_size(model_path))
-        self._loss, self._gbs, self._mbs = NLLLoss(), args.batch, args.batch
-        self._cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=args.threads,
-                                          name=f"bench-{name}")
-        self._policy = None
+        self._start(name, cfg, tokenizer, args, 1, args.threads, args.batch)
         try:
-            t0 = time.perf_counter()
-            self._policy = Policy(self._cluster, cfg, tokenizer, name_prefix=f"bench-{name}")
-            self.startup_s = time.perf_counter() - t0
             info = self._policy.get_gpu_info()[0]
             if info["local_devices"] != layout.devices:
                 raise RuntimeError(f"the actor sees {info['local_devices']} devices, {name} needs {layout.devices}")
@@ -270,7 +259,6 @@ class JaxPolicyRunner(tb.PolicyRunner):
                 self.pinned = set(cpus[:args.threads])
                 pin_process(info["pid"], self.pinned)
             self.threads = [thread_names(info["pid"])[XLA_POOL_THREAD] or None]
-            self.noop_s = tb.noop_round_trip(self._policy)
         except BaseException:
             self.close()
             raise

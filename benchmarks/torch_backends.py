@@ -261,24 +261,32 @@ class PolicyRunner:
     """A Policy case on its own cluster; each call is timed on the driver (Ray dispatch included)."""
 
     def __init__(self, name: str, model_path: str, tokenizer_path: str, tokenizer, args) -> None:
+        layout = LAYOUTS[name]
+        self.name, self.workers = name, layout.workers
+        cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision)
+        cpus = max(1, args.threads // layout.workers)
+        self._start(name, cfg, tokenizer, args, layout.workers, cpus, args.batch // layout.dp)
+        try:
+            self.threads = [info.get("torch_num_threads") for info in self._policy.get_gpu_info()]
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, name: str, cfg: dict, tokenizer, args, workers: int, cpus_per_worker: int, mbs: int) -> None:
+        """Batch, loss and a Policy on a cluster of its own; start-up and Ray round trip timed."""
         from core.distributed import RayVirtualCluster
         from core.losses import NLLLoss
         from core.policy import Policy
 
-        layout = LAYOUTS[name]
-        self.name, self.workers = name, layout.workers
-        cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision)
-        self._data = make_batch(args.batch, args.seq, vocab_size(model_path))
-        self._loss, self._gbs, self._mbs = NLLLoss(), args.batch, args.batch // layout.dp
-        cpus = max(1, args.threads // layout.workers)
-        self._cluster = RayVirtualCluster([layout.workers], use_gpus=False, num_cpus_per_bundle=cpus,
+        self._data = make_batch(args.batch, args.seq, vocab_size(cfg["model_name"]))
+        self._loss, self._gbs, self._mbs = NLLLoss(), args.batch, mbs
+        self._cluster = RayVirtualCluster([workers], use_gpus=False, num_cpus_per_bundle=cpus_per_worker,
                                           name=f"bench-{name}")
         self._policy = None
         try:
             t0 = time.perf_counter()
             self._policy = Policy(self._cluster, cfg, tokenizer, name_prefix=f"bench-{name}")
             self.startup_s = time.perf_counter() - t0
-            self.threads = [info.get("torch_num_threads") for info in self._policy.get_gpu_info()]
             self.noop_s = noop_round_trip(self._policy)
         except BaseException:
             self.close()
