@@ -295,7 +295,16 @@ class JaxPolicyWorker(PolicyWorkerBase):
         """``(hf_name, full array)`` one tensor at a time, gathered to the host."""
         self._reload("params")
         for name, array in iter_hf_tensors(jax.device_get(self.params), self.model_cfg):
-            yield name, array if dtype is None else array.astype(dtype)
+            yield name, array if dtype is None else array.astype(jnp.dtype(dtype))
+
+    def _refit_devices(self) -> list:
+        """IPC buckets go to every local GPU (each colocated engine worker reads its own);
+        on CPU, one host segment."""
+        import torch
+
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]
 
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {name: (tuple(a.shape), str(a.dtype)) for name, a in self.iter_full_weights()}

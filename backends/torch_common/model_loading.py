@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from core.refit.manifest import dtype_name
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -11,6 +13,11 @@ def torch_dtype(precision: str) -> torch.dtype:
     if precision not in DTYPES:
         raise ValueError(f"policy.precision must be one of {sorted(DTYPES)}, got {precision!r}")
     return DTYPES[precision]
+
+
+def as_torch_dtype(dtype: "torch.dtype | str") -> torch.dtype:
+    """A torch dtype from itself or a name (``"bfloat16"``: the refit stream's dtype names)."""
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype_name(dtype))
 
 
 def load_hf_model(model_name: str) -> torch.nn.Module:

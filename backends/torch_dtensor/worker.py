@@ -23,6 +23,7 @@ from core.policy.preflight import check_tensor_parallel_fits
 from backends.torch_common.grad_clip import clip_grad_norm_dtensor
 from backends.torch_common.layers import decoder_layers
 from backends.torch_common.optim import import_object
+from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.worker import TorchPolicyWorker
 from backends.torch_dtensor.tp_plans import plan_for
 
@@ -110,7 +111,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
             tensor = state[name]
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-            yield name, tensor if dtype is None else tensor.to(dtype)
+            yield name, tensor if dtype is None else tensor.to(as_torch_dtype(dtype))
 
     def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:
         if self._offloading:

@@ -23,6 +23,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from core.parallel_dims import ParallelDims
 
 from backends.torch_common.layers import decoder_layer_classes
+from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.worker import TorchPolicyWorker
 
 
@@ -69,7 +70,7 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         state = get_model_state_dict(self.model, options=options)
         for name in self.param_meta:
             tensor = state[name]
-            yield name, tensor if dtype is None else tensor.to(dtype)
+            yield name, tensor if dtype is None else tensor.to(as_torch_dtype(dtype))
 
     def _local_weight_shards(self) -> list[torch.Tensor]:
         # The flat parameters are what FSDP1 all-gathers for a forward pass; the HF-named

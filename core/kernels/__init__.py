@@ -22,6 +22,7 @@ from core.kernels.ratios import (
     truncated_importance_weights,
 )
 from core.kernels.reductions import masked_mean, masked_sum
+from core.kernels.rollout_metrics import generation_policy_kl, token_mult_prob_error
 
 __all__ = [
     "KL_TYPES",
@@ -32,6 +33,7 @@ __all__ = [
     "clipped_surrogate_loss",
     "dual_clip",
     "entropy_from_logits",
+    "generation_policy_kl",
     "logprobs_from_logits",
     "logprobs_to_sequence_layout",
     "masked_mean",
@@ -39,5 +41,6 @@ __all__ = [
     "next_token_logprobs",
     "ops_for",
     "sequence_level_ratio",
+    "token_mult_prob_error",
     "truncated_importance_weights",
 ]

@@ -19,6 +19,7 @@ from core.interfaces import ColocatablePolicyInterface, GenerationInterface
 from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
 from core.policy.preflight import preflight_model_checks
 from core.policy.registry import backend_spec
+from core.refit.cuda_ipc import merge_handles
 
 PathLike = Union[str, "os.PathLike[str]"]  # noqa: F821 (string annotation)
 
@@ -53,6 +54,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         self.dp = layout.axis_size("dp")
         self.model_config = preflight_model_checks(self.cfg, tokenizer)
         self.tokenizer = tokenizer
+        self.cluster = cluster
         self.worker_group = RayWorkerGroup(
             cluster,
             spec.load_worker(),
@@ -208,23 +210,42 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         self._all("offload_after_refit")
 
     def prepare_refit_info(self) -> Optional[dict[str, Any]]:
-        """HF name -> (full shape, dtype) of every weight a refit carries."""
-        return self._all("prepare_refit_info")[0]
+        """HF name -> (full shape, dtype name) of every tensor a refit carries, in the
+        generation dtype (``generation.vllm_cfg.precision``, else ``precision``)."""
+        return self._all("refit_manifest")[0].to_info()
 
     def prepare_info_for_collective(self) -> dict[str, Any]:
         return self.prepare_refit_info()
 
-    def init_collective(self, ip: str, port: int, world_size: int) -> list:
-        raise NotImplementedError(_REFIT_PENDING)
-
-    def prepare_weights_for_ipc(self, _refit_buffer_size_gb: Optional[int] = None) -> list[list[str]]:
-        raise NotImplementedError(_REFIT_PENDING)
+    def prepare_weights_for_ipc(self, _refit_buffer_size_gb: Optional[float] = None) -> list[list[str]]:
+        """Start the weight stream on every worker; returns the bucket plan (HF names per bucket,
+        each bucket at most ``refit_buffer_size_gb``; a larger tensor travels alone)."""
+        return self._all("prepare_weights_for_ipc", _refit_buffer_size_gb)[0]
 
     def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:
-        raise NotImplementedError(_REFIT_PENDING)
+        """Gather the bucket ``keys`` (the next one of the plan) and export it: a shared-memory
+        segment on CPU, CUDA IPC handles keyed by GPU UUID on GPU."""
+        handles = [h for h in self._all("get_weights_ipc_handles", keys) if h is not None]
+        if handles[0].get("kind") == "cuda_ipc":
+            return merge_handles(handles)
+        return handles[0]
 
-    def broadcast_weights_for_collective(self) -> list:
-        raise NotImplementedError(_REFIT_PENDING)
+    def finish_refit_stream(self) -> None:
+        """Release the last exported bucket (after the engine loaded it, or after a failure)."""
+        self._all("finish_refit_stream")
+
+    def refit_rendezvous(self) -> tuple[str, int]:
+        """Address and a free port on training rank 0's node for the broadcast group."""
+        return self.cluster.get_master_address_and_port()
+
+    def init_collective(self, ip: str, port: int, world_size: int) -> list:
+        """Training rank 0 joins the weight-broadcast group as rank 0; returns the futures."""
+        return self.worker_group.run_all_workers_single_data("init_collective", ip, port, world_size)
+
+    def broadcast_weights_for_collective(self, _refit_buffer_size_gb: Optional[float] = None) -> list:
+        """Every rank gathers (collectives), rank 0 broadcasts; returns the futures."""
+        return self.worker_group.run_all_workers_single_data("broadcast_weights_for_collective",
+                                                             _refit_buffer_size_gb)
 
     # ------------------------------------------------------------------ diagnostics
     def start_gpu_profiling(self) -> None:
@@ -244,11 +265,6 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         self._all("reset_peak_memory_stats")
 
 
-_REFIT_PENDING = (
-    "weight transports to a generation engine (IPC handles, collective broadcast) are provided by "
-    "core.refit, which is not part of this version; prepare_refit_info() and the workers' "
-    "iter_full_weights() are available"
-)
 
 
 def _world_size(cluster: RayVirtualCluster, workers_per_node: Optional[Union[int, list[int]]]) -> int:

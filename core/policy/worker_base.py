@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from core.refit.sender import RefitSender
+
 REFERENCE_MISSING = "this policy was built with init_reference_model=False: no reference weights"
 OPTIMIZER_MISSING = "train() needs an optimizer: this policy was built with init_optimizer=False"
 
 
-class PolicyWorkerBase:
-    """Base of ``TorchPolicyWorker`` and ``JaxPolicyWorker``."""
+class PolicyWorkerBase(RefitSender):
+    """Base of ``TorchPolicyWorker`` and ``JaxPolicyWorker``; the refit methods come from
+    ``RefitSender`` on top of each backend's ``iter_full_weights``."""
 
     rank: int = 0
 

@@ -1,0 +1,5 @@
+"""Generation engines: ``VllmGeneration`` (vLLM in Ray actors, refit from the policy)."""
+
+from core.generation.vllm_generation import VllmGeneration
+
+__all__ = ["VllmGeneration"]

