@@ -52,7 +52,8 @@ def refit_policy_generation(policy: Any, generation: Any, transport: Transport =
     """Make ``generation`` serve ``policy``'s current weights; returns timing and volume.
 
     ``offload=True`` (colocated placement) frees the policy's optimizer state before and its
-    weights after the refit, so the engine can take the device memory.
+    weights after the refit, and wakes a sleeping GPU engine in two steps (weights, then KV
+    cache once the policy's weights have left the device).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"refit transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -63,12 +64,14 @@ def refit_policy_generation(policy: Any, generation: Any, transport: Transport =
     generation.prepare_refit_info(info)
     if offload:
         policy.offload_before_refit()
+        generation.prepare_for_generation(tags=["weights"])  # a sleeping GPU engine needs its weight memory back
     if transport == "ipc":
         buckets = _refit_ipc(policy, generation, refit_buffer_size_gb)
     else:
         buckets = _refit_collective(policy, generation, refit_buffer_size_gb, timeout_s)
     if offload:
         policy.offload_after_refit()
+        generation.prepare_for_generation(tags=["kv_cache"])
     return RefitStats(transport, time.perf_counter() - start, manifest.nbytes, len(manifest), buckets)
 
 
