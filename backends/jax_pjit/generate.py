@@ -50,15 +50,12 @@ import numpy as np
 from flax import nnx
 
 from backends.jax_pjit.model import CausalLM, KVCache, constrain, rope_cos_sin
+from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import logprobs_from_logits
-from core.policy.generation_args import row_stop_strings
+from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string
 
 __all__ = ["DecodeFns", "DecodeState", "make_decode_fns", "generate", "sample_token", "filter_logits",
            "compile_cache_sizes"]
-
-#: Stop strings are matched in the decoded tail of this many tokens beyond the longest string
-#: (as ``StopStringCriterion.WINDOW_SLACK``).
-STOP_WINDOW_SLACK = 8
 
 
 # --------------------------------------------------------------------------- device state
@@ -326,7 +323,7 @@ class _StopStrings:
     def __init__(self, tokenizer, row_strings: list[tuple[str, ...]]):
         self.tokenizer = tokenizer
         self.row_strings = row_strings
-        self.window = max(len(s) for row in row_strings for s in row) + STOP_WINDOW_SLACK
+        self.window = stop_window(row_strings)
         self.history: list[list[int]] = [[] for _ in row_strings]
         self.stopped_at = np.zeros(len(row_strings), np.int64)  # 0: never
 
@@ -336,26 +333,8 @@ class _StopStrings:
             if not strings or self.stopped_at[b] or done_before[b]:
                 continue
             self.history[b].append(int(tokens[b]))
-            text = self.tokenizer.decode(self.history[b][-self.window:], skip_special_tokens=False)
-            if any(s in text for s in strings):
+            if tail_hits_stop_string(self.tokenizer, self.history[b][-self.window:], strings):
                 self.stopped_at[b] = count
-
-
-def _assemble(input_ids, input_lengths, tokens, token_logprobs, gen_lengths, max_new_tokens, pad_token_id):
-    batch, seq = input_ids.shape
-    width = seq + max_new_tokens
-    cols = np.arange(width)[None, :]
-    output_ids = np.full((batch, width), pad_token_id, np.int64)
-    output_ids[:, :seq] = np.where(cols[:, :seq] < input_lengths[:, None], input_ids, pad_token_id)
-    logprobs = np.zeros((batch, width), np.float32)
-    step = np.arange(max_new_tokens)[None, :]
-    keep = step < gen_lengths[:, None]  # (B, N)
-    rows = np.broadcast_to(np.arange(batch)[:, None], keep.shape)[keep]
-    dest = (input_lengths[:, None] + step)[keep]
-    output_ids[rows, dest] = tokens[keep]
-    logprobs[rows, dest] = token_logprobs[keep]
-    return dict(output_ids=output_ids, logprobs=logprobs, generation_lengths=gen_lengths.astype(np.int64),
-                unpadded_sequence_lengths=(input_lengths + gen_lengths).astype(np.int64))
 
 
 def generate(
@@ -441,5 +420,5 @@ def generate(
     gen_lengths = np.asarray(gen_lengths, np.int64)
     if matcher is not None:
         gen_lengths = np.where(matcher.stopped_at > 0, np.minimum(gen_lengths, matcher.stopped_at), gen_lengths)
-    return _assemble(input_ids, input_lengths, np.asarray(tokens, np.int64), np.asarray(token_logprobs),
+    return assemble_padded(input_ids, input_lengths, np.asarray(tokens, np.int64), np.asarray(token_logprobs),
                      gen_lengths, new_tokens, pad_token_id)

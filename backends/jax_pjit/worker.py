@@ -307,7 +307,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
         return [torch.device("cpu")]
 
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        return {name: (tuple(a.shape), str(a.dtype)) for name, a in self.iter_full_weights()}
+        # Names and shapes come out of the HF mapping's transforms, so they are read off one
+        # gathered pass -- once: they never change, and every refit asks for them.
+        if getattr(self, "_refit_info", None) is None:
+            self._refit_info = {name: (tuple(a.shape), str(a.dtype)) for name, a in self.iter_full_weights()}
+        return dict(self._refit_info)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,

@@ -37,7 +37,8 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from core.data import BatchedDataDict
-from core.policy.generation_args import row_stop_strings
+from core.generation.sampling import assemble_padded
+from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string
 from core.kernels.logprobs import apply_temperature, logprobs_from_logits
 
 __all__ = [
@@ -281,23 +282,19 @@ class StopStringCriterion(StoppingCriteria):
     batch.  Here each row has its own list (config strings + ``data['stop_strings']``) and
     the text is ``tokenizer.decode`` of the generated tokens only -- the rule vLLM applies.
 
-    Only the last ``len(longest string) + WINDOW_SLACK`` tokens are decoded each step (a
-    stop string completed by the newest token lies in that tail unless more than
-    ``WINDOW_SLACK`` of its tokens decode to nothing), so a step costs O(window), not O(T).
+    Only a tail of ``stop_window`` tokens is decoded each step (see
+    ``core.policy.generation_args.STOP_WINDOW_SLACK``), so a step costs O(window), not O(T).
 
     ``stopped_at[b]`` records the number of generated tokens when row b first matched (0:
     never); HF evaluates criteria after appending each token, so the matching token is
     counted.
     """
 
-    WINDOW_SLACK = 8
-
     def __init__(self, tokenizer, row_strings: Sequence[tuple[str, ...]], prompt_width: int):
         self.tokenizer = tokenizer
         self.row_strings = [tuple(r) for r in row_strings]
         self.prompt_width = prompt_width
-        longest = max((len(s) for row in self.row_strings for s in row), default=0)
-        self.window = longest + self.WINDOW_SLACK
+        self.window = stop_window(self.row_strings)
         self.stopped_at = torch.zeros(len(self.row_strings), dtype=torch.long)
 
     def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
@@ -308,8 +305,7 @@ class StopStringCriterion(StoppingCriteria):
         if pending and step > 0:
             tails = generated[pending, -self.window :].tolist()  # one device->host copy per step
             for b, tail in zip(pending, tails):
-                text = self.tokenizer.decode(tail, skip_special_tokens=False)
-                if any(s in text for s in self.row_strings[b]):
+                if tail_hits_stop_string(self.tokenizer, tail, self.row_strings[b]):
                     self.stopped_at[b] = step
         return (self.stopped_at > 0).to(input_ids.device)
 
@@ -367,30 +363,8 @@ def _assemble_output(
     max_new_tokens: int,
     pad_token_id: int,
 ) -> BatchedDataDict:
-    """Right-padded ``GenerationOutputSpec`` of width S + max_new_tokens (CPU inputs).
-
-    generated, token_logprobs: [B, T], T <= max_new_tokens (HF stops early when all rows
-    are done); row b's first ``gen_lengths[b]`` of them go right after its prompt.
-    """
-    input_ids, input_lengths = input_ids.cpu(), input_lengths.cpu()
-    batch, seq = input_ids.shape
-    width = seq + max_new_tokens
-    cols = torch.arange(width)[None, :]
-    output_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    output_ids[:, :seq] = torch.where(cols[:, :seq] < input_lengths[:, None], input_ids, output_ids[:, :seq])
-    logprobs = torch.zeros((batch, width), dtype=torch.float32)
-
-    steps = generated.shape[1]
-    step_idx = torch.arange(steps)[None, :]
-    keep = step_idx < gen_lengths[:, None]  # [B, T]: generated before (or at) the stop
-    rows = torch.arange(batch)[:, None].expand(batch, steps)[keep]
-    dest = (input_lengths[:, None] + step_idx)[keep]
-    output_ids[rows, dest] = generated[keep]
-    logprobs[rows, dest] = token_logprobs[keep]
-
-    return BatchedDataDict(
-        output_ids=output_ids,
-        logprobs=logprobs,
-        generation_lengths=gen_lengths.long(),
-        unpadded_sequence_lengths=input_lengths + gen_lengths.long(),
-    )
+    """The shared ``GenerationOutputSpec`` layout (``core.generation.sampling.assemble_padded``)
+    as torch tensors; HF may stop before ``max_new_tokens`` when every row is done."""
+    out = assemble_padded(input_ids.cpu().numpy(), input_lengths.cpu().numpy(), generated.cpu().numpy(),
+                          token_logprobs.cpu().float().numpy(), gen_lengths.cpu().numpy(), max_new_tokens, pad_token_id)
+    return BatchedDataDict({k: torch.from_numpy(v) for k, v in out.items()})

@@ -12,9 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from core.policy.generation_args import row_stop_strings
-
-STOP_WINDOW_SLACK = 8  # tokens decoded beyond the longest stop string (as the HF/JAX engines)
+from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string
 
 
 def logprobs_mode(gen_cfg: Mapping[str, Any]) -> str:
@@ -61,10 +59,9 @@ def first_stop_string_hit(tokenizer: Any, tokens: Sequence[int], strings: Sequen
     in the decoded generated text (the HF and JAX engines' rule), or None."""
     if not strings:
         return None
-    window = max(len(s) for s in strings) + STOP_WINDOW_SLACK
+    window = stop_window([strings])
     for count in range(1, len(tokens) + 1):
-        text = tokenizer.decode(list(tokens[max(0, count - window):count]), skip_special_tokens=False)
-        if any(s in text for s in strings):
+        if tail_hits_stop_string(tokenizer, tokens[max(0, count - window):count], strings):
             return count
     return None
 
@@ -72,26 +69,44 @@ def first_stop_string_hit(tokenizer: Any, tokens: Sequence[int], strings: Sequen
 def assemble_output(input_ids: np.ndarray, input_lengths: np.ndarray, rows_tokens: Sequence[Sequence[int]],
                     rows_logprobs: Sequence[Sequence[float]], max_new_tokens: int,
                     pad_token_id: int) -> dict[str, np.ndarray]:
-    """``GenerationOutputSpec`` arrays from ragged per-row generations.
+    """``GenerationOutputSpec`` arrays from ragged per-row generations (vLLM's form);
+    tokens beyond ``max_new_tokens`` are dropped.  See ``assemble_padded``."""
+    batch = len(rows_tokens)
+    lengths = np.array([min(len(r), max_new_tokens) for r in rows_tokens], np.int64)
+    tokens = np.zeros((batch, max_new_tokens), np.int64)
+    logprobs = np.zeros((batch, max_new_tokens), np.float32)
+    for b in range(batch):
+        tokens[b, :lengths[b]] = list(rows_tokens[b])[:lengths[b]]
+        logprobs[b, :lengths[b]] = list(rows_logprobs[b])[:lengths[b]]
+    return assemble_padded(input_ids, input_lengths, tokens, logprobs, lengths, max_new_tokens, pad_token_id)
 
-    ``output_ids`` [B, S + N]: the row's prompt, its generated tokens, then padding;
-    ``logprobs`` [B, S + N]: 0 on prompt and padding, the sampled token's logprob at the
-    token's own position (the ``get_logprobs`` layout); lengths [B] int64.
+
+def assemble_padded(input_ids: np.ndarray, input_lengths: np.ndarray, tokens: np.ndarray, token_logprobs: np.ndarray,
+                    gen_lengths: np.ndarray, max_new_tokens: int, pad_token_id: int) -> dict[str, np.ndarray]:
+    """The one ``GenerationOutputSpec`` layout every engine (HF, JAX, vLLM) returns.
+
+    ``tokens`` / ``token_logprobs`` [B, T] with T <= ``max_new_tokens``; row b's first
+    ``gen_lengths[b]`` go right after its own prompt.  ``output_ids`` [B, S + N]: prompt,
+    generated tokens, then ``pad_token_id``; ``logprobs`` [B, S + N]: 0 on prompt and
+    padding, each sampled token's logprob at the token's own position (the ``get_logprobs``
+    layout); ``generation_lengths`` and ``unpadded_sequence_lengths`` [B] int64.
     """
+    input_ids, input_lengths = np.asarray(input_ids), np.asarray(input_lengths).astype(np.int64)
+    gen_lengths = np.asarray(gen_lengths).astype(np.int64)
     batch, seq = input_ids.shape
     width = seq + max_new_tokens
+    cols = np.arange(width)[None, :]
     output_ids = np.full((batch, width), pad_token_id, np.int64)
+    output_ids[:, :seq] = np.where(cols[:, :seq] < input_lengths[:, None], input_ids, pad_token_id)
     logprobs = np.zeros((batch, width), np.float32)
-    gen_lengths = np.zeros(batch, np.int64)
-    for b in range(batch):
-        n_in = int(input_lengths[b])
-        tokens = list(rows_tokens[b])[:max_new_tokens]
-        output_ids[b, :n_in] = input_ids[b, :n_in]
-        output_ids[b, n_in:n_in + len(tokens)] = tokens
-        logprobs[b, n_in:n_in + len(tokens)] = list(rows_logprobs[b])[:len(tokens)]
-        gen_lengths[b] = len(tokens)
+    step = np.arange(tokens.shape[1])[None, :]
+    keep = step < gen_lengths[:, None]  # [B, T]: generated before (or at) the stop
+    rows = np.broadcast_to(np.arange(batch)[:, None], keep.shape)[keep]
+    dest = (input_lengths[:, None] + step)[keep]
+    output_ids[rows, dest] = np.asarray(tokens)[keep]
+    logprobs[rows, dest] = np.asarray(token_logprobs)[keep]
     return dict(output_ids=output_ids, logprobs=logprobs, generation_lengths=gen_lengths,
-                unpadded_sequence_lengths=input_lengths.astype(np.int64) + gen_lengths)
+                unpadded_sequence_lengths=input_lengths + gen_lengths)
 
 
 def rows_stop_strings(gen_cfg: Mapping[str, Any], data_stop_strings: Any, batch: int) -> list[tuple[str, ...]]:

@@ -23,10 +23,12 @@ from core.kernels import (
     calculate_kl,
     clipped_surrogate_loss,
     dual_clip,
+    generation_policy_kl,
     masked_mean,
     next_token_logprobs,
     ops_for,
     sequence_level_ratio,
+    token_mult_prob_error,
     truncated_importance_weights,
 )
 from core.losses.checks import LossInputChecker
@@ -122,8 +124,9 @@ class ClippedPGLossFn:
             "kl_penalty": sg(kl) / beta if beta != 0 else sg(kl),
             "probs_ratio": tok_mean(ratios),
             "probs_ratio_clamped": tok_mean(ratios_clamped),
-            "token_mult_prob_error": tok_mean(ops.exp(ops.abs(gen_lp - prev_lp))),
-            "gen_kl_error": tok_mean(calculate_kl(gen_lp, prev_lp, "k3", None, None)),
+            # The same rollout-health metrics the refit reports, here per training batch.
+            "token_mult_prob_error": sg(token_mult_prob_error(gen_lp, prev_lp, mask, global_valid_toks)),
+            "gen_kl_error": sg(generation_policy_kl(gen_lp, prev_lp, mask, "k3", global_valid_toks)),
             "sampling_importance_ratio": tok_mean(raw_is),
             "is_oob_ratio": tok_mean(is_oob),
             "approx_entropy": tok_mean(-ops.exp(curr - gen_lp) * curr),

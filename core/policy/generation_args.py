@@ -55,3 +55,21 @@ def as_strings(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+#: Tokens decoded beyond the longest stop string when matching: a stop string completed by
+#: the newest token lies in that tail unless more than this many of its tokens decode to
+#: nothing.  Bounds each check to O(window) instead of O(generated).
+STOP_WINDOW_SLACK = 8
+
+
+def stop_window(row_strings: Any) -> int:
+    """Tail length (tokens) to decode for rows with these stop strings."""
+    return max((len(s) for row in row_strings for s in row), default=0) + STOP_WINDOW_SLACK
+
+
+def tail_hits_stop_string(tokenizer: Any, tail: Any, strings: Any) -> bool:
+    """The stop rule of every engine: the decoded tail of the *generated* tokens (never the
+    prompt) contains one of the row's stop strings."""
+    text = tokenizer.decode(list(tail), skip_special_tokens=False)
+    return any(s in text for s in strings)

@@ -68,7 +68,9 @@ def refit_policy_generation(policy: Any, generation: Any, transport: Transport =
     if transport == "ipc":
         buckets = _refit_ipc(policy, generation, refit_buffer_size_gb)
     else:
-        buckets = _refit_collective(policy, generation, refit_buffer_size_gb, timeout_s)
+        _refit_collective(policy, generation, refit_buffer_size_gb, timeout_s)
+        size = refit_buffer_size_gb if refit_buffer_size_gb is not None else policy.cfg.get("refit_buffer_size_gb")
+        buckets = len(plan_buckets(manifest, buffer_bytes(size)))
     if offload:
         policy.offload_after_refit()
         generation.prepare_for_generation(tags=["kv_cache"])
@@ -86,13 +88,11 @@ def _refit_ipc(policy: Any, generation: Any, refit_buffer_size_gb: float | None)
     return len(plan)
 
 
-def _refit_collective(policy: Any, generation: Any, refit_buffer_size_gb: float | None, timeout_s: float) -> int:
+def _refit_collective(policy: Any, generation: Any, refit_buffer_size_gb: float | None, timeout_s: float) -> None:
     ensure_collective(policy, generation, timeout_s)
     sending = policy.broadcast_weights_for_collective(refit_buffer_size_gb)
     receiving = generation.update_weights_from_collective()
     _wait_both(policy, generation, sending, receiving, timeout_s)
-    size = refit_buffer_size_gb if refit_buffer_size_gb is not None else policy.cfg.get("refit_buffer_size_gb")
-    return len(plan_buckets(RefitManifest.from_info(policy.prepare_refit_info()), buffer_bytes(size)))
 
 
 def ensure_collective(policy: Any, generation: Any, timeout_s: float = 600.0) -> None:

@@ -21,6 +21,13 @@ class RefitError(RuntimeError):
 
 def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` / ``np.dtype('float32')`` / ``jnp.bfloat16`` / ``"bf16"`` -> ``"bfloat16"``."""
+    if isinstance(dtype, type):  # scalar types: np.float32, jnp.bfloat16, ml_dtypes.bfloat16
+        import numpy as np
+
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            pass
     text = str(getattr(dtype, "name", dtype)).replace("torch.", "")
     text = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16",
             "float": "float32", "double": "float64"}.get(text, text)
@@ -75,6 +82,8 @@ class RefitManifest:
                 specs[str(name)] = TensorSpec(tuple(int(d) for d in shape), dtype_name(dtype))
             except (TypeError, ValueError) as exc:
                 raise RefitError(f"refit info for {name!r} must be (shape, dtype), got {value!r}") from exc
+            except RefitError as exc:  # an unsupported dtype: say which tensor has it
+                raise RefitError(f"refit info for {name!r}: {exc}") from None
         return cls(specs)
 
     def to_info(self) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -73,7 +73,8 @@ def as_torch(array: Any) -> torch.Tensor:
         return array
     import numpy as np
 
-    array = np.ascontiguousarray(array)
+    shape = np.shape(array)
+    array = np.ascontiguousarray(array).reshape(shape)  # ascontiguousarray makes 0-d arrays 1-d
     if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: same bits as torch.bfloat16
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(array)

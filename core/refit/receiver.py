@@ -48,13 +48,18 @@ class RefitReceiver:
         if self.manifest is None:
             raise RefitError("refit bucket received before prepare_refit_info: the engine does not "
                              "know which tensors to expect")
+        in_bucket: set[str] = set()
         for name, tensor in items:
             if name not in self.manifest:
                 raise self._fail(f"unknown tensor {name!r}: not in the refit manifest")
-            if name in self.received:
+            if name in self.received or name in in_bucket:
                 raise self._fail(f"tensor {name!r} sent twice in one refit")
+            in_bucket.add(name)
             spec = self.manifest[name]
-            shape, dtype = tuple(tensor.shape), dtype_name(tensor.dtype)
+            try:
+                shape, dtype = tuple(tensor.shape), dtype_name(tensor.dtype)
+            except RefitError as exc:
+                raise self._fail(f"{name!r}: {exc}") from None
             if shape != spec.shape:
                 raise self._fail(f"{name!r}: bucket shape {list(shape)} but the manifest says {list(spec.shape)}")
             if dtype != spec.dtype:

@@ -174,6 +174,21 @@ def test_a_bucket_that_contradicts_the_manifest_is_refused(engine, fsdp_policy):
     refit_policy_generation(fsdp_policy, engine, "collective")
 
 
+def test_stop_strings_follow_the_same_rule_as_the_policy_generate(engine, fsdp_policy, tokenizer):
+    data = prompts(seed=9)
+    free = engine.generate(data, greedy=True)
+    n0 = int(data["input_lengths"][0])
+    third = tokenizer.decode([int(free["output_ids"][0, n0 + 2])])  # row 0 stops after 3 tokens
+    data["stop_strings"] = [[third], None, ["never-generated"], None]
+    out = engine.generate(data, greedy=True)
+    assert out["generation_lengths"][0] == 3
+    assert torch.equal(out["generation_lengths"][1:], free["generation_lengths"][1:])
+    reference = fsdp_policy.generate(data, greedy=True)  # HF generate with its stop-string criterion
+    assert torch.equal(out["output_ids"], reference["output_ids"])
+    assert torch.equal(out["generation_lengths"], reference["generation_lengths"])
+    torch.testing.assert_close(out["logprobs"], reference["logprobs"], atol=2e-4, rtol=0)
+
+
 def test_a_dead_engine_gives_a_clear_error_not_a_hang(engine, fsdp_policy):
     """Last in the module: it kills the shared engine."""
     for actor in engine.engines:
