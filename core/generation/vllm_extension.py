@@ -78,6 +78,7 @@ class VllmRefitExtension:
 
         device = self.device if getattr(self.device, "type", "cpu") == "cuda" else torch.device("cpu")
         rank = rank_offset + int(self.rank)
+        collective.destroy(getattr(self, "_dualrl_group", None))  # a group with an earlier policy
         self._dualrl_group = collective.init_group(host, port, rank, world_size, device, timeout_s)
         return rank
 

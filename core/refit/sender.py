@@ -94,6 +94,7 @@ class RefitSender:
         if self.rank != 0:
             return None
         device = self._refit_devices()[0]
+        collective.destroy(getattr(self, "_refit_group", None))  # a group with an earlier engine
         self._refit_group = collective.init_group(ip, port, 0, world_size, device, timeout_s)
         return 0
 
