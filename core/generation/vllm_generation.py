@@ -20,7 +20,7 @@ import torch
 from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, RayWorkerGroup
-from core.generation.vllm_worker import VllmGenerationWorker, default_env
+from core.generation.vllm_worker import VllmGenerationWorker, default_env, workers_per_engine
 from core.interfaces import RefittableGenerationInterface
 from core.policy.checks import check_sequence_lengths
 
@@ -42,7 +42,7 @@ class VllmGeneration(RefittableGenerationInterface):
         self.cfg = dict(validate_policy_config(config))
         gen = self.cfg.get("generation") or {}
         vcfg = _check_engine_config(self.cfg, gen)
-        self.workers_per_engine = int(vcfg.get("tensor_parallel_size", 1)) * int(vcfg.get("pipeline_parallel_size", 1))
+        self.workers_per_engine = workers_per_engine(vcfg)
         per_node = [n // self.workers_per_engine for n in cluster.bundle_ct_per_node_list]
         if sum(per_node) == 0:
             raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size={self.workers_per_engine} needs that many "

@@ -19,6 +19,11 @@ from core.policy.generation_args import resolve_generation_args
 EXTENSION = "core.generation.vllm_extension.VllmRefitExtension"
 
 
+def workers_per_engine(vcfg: Mapping[str, Any]) -> int:
+    """vLLM workers (processes, devices) one engine spans: tensor x pipeline parallel."""
+    return int(vcfg.get("tensor_parallel_size", 1)) * int(vcfg.get("pipeline_parallel_size", 1))
+
+
 def engine_kwargs(gen_cfg: Mapping[str, Any], model_name: str, seed: int, on_gpu: bool) -> dict[str, Any]:
     """``vllm.LLM`` arguments from ``generation.vllm_cfg``."""
     vcfg = dict(gen_cfg.get("vllm_cfg") or {})
@@ -38,7 +43,7 @@ def engine_kwargs(gen_cfg: Mapping[str, Any], model_name: str, seed: int, on_gpu
     if on_gpu:
         kwargs.update(gpu_memory_utilization=float(vcfg.get("gpu_memory_utilization", 0.6)),
                       enable_sleep_mode=True)
-    if kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"] > 1:
+    if workers_per_engine(vcfg) > 1:
         kwargs["distributed_executor_backend"] = "mp"
     return kwargs
 
@@ -63,10 +68,6 @@ class VllmGenerationWorker:
 
     def is_alive(self) -> bool:
         return True
-
-    def num_workers(self) -> int:
-        vcfg = self.gen_cfg.get("vllm_cfg") or {}
-        return int(vcfg.get("tensor_parallel_size", 1)) * int(vcfg.get("pipeline_parallel_size", 1))
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> dict[str, np.ndarray]:

@@ -7,7 +7,7 @@ order the policy yields them, which keeps each decoder layer's parts close toget
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from core.refit.manifest import RefitError, RefitManifest
 
@@ -20,6 +20,11 @@ def buffer_bytes(refit_buffer_size_gb: float | None, default_gb: float = 1.0) ->
     if not isinstance(size, (int, float)) or isinstance(size, bool) or size <= 0:
         raise ValueError(f"refit_buffer_size_gb must be a positive number of GB, got {size!r}")
     return max(1, int(size * GB))
+
+
+def bucket_budget(policy_cfg: Mapping[str, Any], override_gb: float | None = None) -> int:
+    """Bytes per bucket: a call's ``refit_buffer_size_gb`` argument, else the policy config's."""
+    return buffer_bytes(override_gb if override_gb is not None else policy_cfg.get("refit_buffer_size_gb"))
 
 
 def plan_buckets(manifest: RefitManifest, max_bytes: int) -> list[list[str]]:

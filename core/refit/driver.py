@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import ray
 
-from core.refit.buckets import buffer_bytes, plan_buckets
+from core.refit.buckets import bucket_budget, plan_buckets
 from core.refit.manifest import RefitManifest
 
 Transport = Literal["ipc", "collective"]
@@ -69,8 +69,7 @@ def refit_policy_generation(policy: Any, generation: Any, transport: Transport =
         buckets = _refit_ipc(policy, generation, refit_buffer_size_gb)
     else:
         _refit_collective(policy, generation, refit_buffer_size_gb, timeout_s)
-        size = refit_buffer_size_gb if refit_buffer_size_gb is not None else policy.cfg.get("refit_buffer_size_gb")
-        buckets = len(plan_buckets(manifest, buffer_bytes(size)))
+        buckets = len(plan_buckets(manifest, bucket_budget(policy.cfg, refit_buffer_size_gb)))
     if offload:
         policy.offload_after_refit()
         generation.prepare_for_generation(tags=["kv_cache"])

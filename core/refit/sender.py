@@ -12,24 +12,30 @@ because each colocated engine worker must read the copy on the device it runs on
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Iterator
 
 import torch
 
 from core.refit import collective
-from core.refit.buckets import buffer_bytes, plan_buckets, take_bucket
-from core.refit.cuda_ipc import CudaIpcBucketWriter
+from core.refit.buckets import bucket_budget, plan_buckets, take_bucket
+from core.refit.cuda_ipc import CudaIpcBucketWriter, merge_handles
 from core.refit.manifest import RefitError, RefitManifest, refit_dtype
 from core.refit.packing import as_torch
 from core.refit.shm import ShmBucketWriter
 
 
-class RefitSender:
+class RefitSender(abc.ABC):
     """Mixin for policy workers (``PolicyWorkerBase`` subclasses: ``self.cfg``, ``self.rank``)."""
 
     # -- backend hooks ---------------------------------------------------------------------
+    @abc.abstractmethod
     def iter_full_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
-        raise NotImplementedError
+        """Collective: ``(hf_name, full tensor or numpy array)`` in ``dtype``, on every rank."""
+
+    @abc.abstractmethod
+    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """HF name -> (full shape, training dtype), in the order ``iter_full_weights`` yields."""
 
     def _refit_devices(self) -> list[torch.device]:
         """Devices whose colocated engine workers read this rank's IPC buckets."""
@@ -55,8 +61,7 @@ class RefitSender:
     # -- ipc -----------------------------------------------------------------------------------
     def prepare_weights_for_ipc(self, refit_buffer_size_gb: float | None = None) -> list[list[str]]:
         """Start the weight stream; returns the bucket plan (lists of HF names, in order)."""
-        size = refit_buffer_size_gb if refit_buffer_size_gb is not None else self.cfg.get("refit_buffer_size_gb")
-        plan = plan_buckets(self.refit_manifest(), buffer_bytes(size))
+        plan = plan_buckets(self.refit_manifest(), bucket_budget(self.cfg, refit_buffer_size_gb))
         self._start_stream()
         return plan
 
@@ -70,10 +75,7 @@ class RefitSender:
         if devices[0].type == "cuda":
             writers = getattr(self, "_ipc_writers", None) or [CudaIpcBucketWriter() for _ in devices]
             self._ipc_writers = writers
-            handles = [w.write([(n, t.to(d)) for n, t in items], d) for w, d in zip(writers, devices)]
-            merged = dict(handles[0])
-            merged["handles"] = {u: a for h in handles for u, a in h["handles"].items()}
-            return merged
+            return merge_handles([w.write([(n, t.to(d)) for n, t in items], d) for w, d in zip(writers, devices)])
         if self.rank != 0:
             return None
         writer = getattr(self, "_shm_writer", None) or ShmBucketWriter()
