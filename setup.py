@@ -22,6 +22,11 @@ install_requires = [
     "einops",
     "numpy",
     "pyyaml",
+    # the product layer: prompt datasets (local files / the hub), run logging and plots
+    "datasets",
+    "tqdm",
+    "tensorboard",
+    "matplotlib",
 ]
 
 extras_require = {

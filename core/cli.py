@@ -1,10 +1,14 @@
 """The ``dualrl`` command line.
 
+    dualrl grpo [--config FILE] [--backend NAME] [--resume] [key.path=value ...]
+        GRPO on the chosen backend; with no arguments the embedded default
+        (core/configs/grpo_arithmetic.yaml: a built-in tiny model on the arithmetic task).
     dualrl config [--config FILE] [--backend NAME] [key.path=value ...]
         load a YAML config, apply dotted overrides and --backend, validate it, print it.
 
-The training entry point (GRPO on a chosen backend) arrives with the algorithm issues;
-until then ``config`` is the way to check a run's configuration before launching it.
+Bad input (config, data, resume checkpoint) ends the command with exit code 2 and a
+message naming the field, file or checkpoint, before any worker starts; a failure during
+training (a reward function that raised, a non-finite loss) with exit code 1.
 """
 
 from __future__ import annotations
@@ -12,7 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pathlib import Path
+
 from core.config import BACKENDS, DEFAULT_CONFIG_PATH, ConfigError, load_config
+
+#: ``dualrl grpo``'s config when none is given: the embedded default.
+GRPO_DEFAULT_CONFIG_PATH = Path(DEFAULT_CONFIG_PATH).with_name("grpo_arithmetic.yaml")
 
 
 def _config_command(args: argparse.Namespace) -> int:
@@ -27,6 +36,42 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "the run was asked for something wrong": reported without a traceback."""
+    from core.checkpointing import CheckpointError
+    from core.datasets import DatasetLoadError
+
+    return ConfigError, CheckpointError, DatasetLoadError, FileNotFoundError, ValueError
+
+
+def _grpo_command(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides) + (["checkpointing.resume=true"] if args.resume else [])
+    try:
+        cfg = load_config(args.config, overrides, backend=args.backend)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"invalid config {args.config}:\n{err}", file=sys.stderr)
+        return 2
+    from core.algorithms.grpo_setup import run_grpo  # heavy imports only when training
+    from core.algorithms.loop import NonFiniteLossError
+    from core.environments import RewardError
+
+    try:
+        run_grpo(cfg)
+    except (RewardError, NonFiniteLossError) as err:
+        print(f"dualrl grpo: training failed: {err}", file=sys.stderr)
+        return 1
+    except _input_errors() as err:
+        print(f"dualrl grpo: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_config_args(cmd: argparse.ArgumentParser, default_config: Path) -> None:
+    cmd.add_argument("--config", default=str(default_config), help="YAML file (default: %(default)s)")
+    cmd.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
+    cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.train_micro_batch_size=2")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dualrl",
@@ -34,10 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"({', '.join(BACKENDS)}).",
     )
     sub = parser.add_subparsers(dest="command")
+    grpo = sub.add_parser("grpo", help="GRPO training (no arguments: the embedded arithmetic default)")
+    _add_config_args(grpo, GRPO_DEFAULT_CONFIG_PATH)
+    grpo.add_argument("--resume", action="store_true",
+                      help="continue from the latest complete checkpoint in checkpointing.checkpoint_dir")
+    grpo.set_defaults(func=_grpo_command)
     cfg = sub.add_parser("config", help="validate a config (YAML + overrides) and print the resolved result")
-    cfg.add_argument("--config", default=str(DEFAULT_CONFIG_PATH), help="YAML file (default: %(default)s)")
-    cfg.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
-    cfg.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.train_micro_batch_size=2")
+    _add_config_args(cfg, DEFAULT_CONFIG_PATH)
     cfg.set_defaults(func=_config_command)
     return parser
 

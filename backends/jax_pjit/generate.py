@@ -25,6 +25,12 @@ token is never fed back).  Two jitted programs do all the device work:
   RNG key and per-row done flags live in the (donated) device state, so one program
   serves every step.
 
+Randomness: one key for the batch (``rng``), split every step; or, with ``sample_seeds``,
+one key per row that stays fixed and has the token index folded in at every step, so row
+b's t-th draw is a function of ``sample_seeds[b]`` and t only (not of the other rows, the
+sharding or the call count).  The key's shape (scalar or [B]) picks the scheme when the
+programs are traced.
+
 Sampling knobs (temperature, top_k, top_p) and the pad id are traced scalars and the stop
 token ids a [V] bool mask, so changing them never recompiles; only the shapes (B, S, N),
 ``greedy`` and the model's graph are part of the compile key.  A call compiles at most 2
@@ -52,10 +58,10 @@ from flax import nnx
 from backends.jax_pjit.model import CausalLM, KVCache, constrain, rope_cos_sin
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import logprobs_from_logits
-from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string
+from core.policy.generation_args import checked_sample_seeds, row_stop_strings, stop_window, tail_hits_stop_string
 
 __all__ = ["DecodeFns", "DecodeState", "make_decode_fns", "generate", "sample_token", "filter_logits",
-           "compile_cache_sizes"]
+           "row_keys", "compile_cache_sizes"]
 
 
 # --------------------------------------------------------------------------- device state
@@ -65,6 +71,7 @@ class DecodeState(NamedTuple):
     """Everything the step program reads and writes (a pytree; donated to each step).
 
     count: scalar int32, tokens generated so far (the next one goes to column ``count``).
+    key: one PRNG key (split once per step) or [B] per-row keys (fixed; see ``_draw_keys``).
     """
 
     cache: KVCache  # per layer (k, v) [B, S + N - 1, KV, D]
@@ -72,7 +79,7 @@ class DecodeState(NamedTuple):
     input_lengths: jax.Array  # [B] int32
     last_token: jax.Array  # [B] int32, fed to the next step
     count: jax.Array  # scalar int32
-    key: jax.Array  # PRNG key, split once per step
+    key: jax.Array  # PRNG key (scalar, split once per step) or [B] per-row keys
     done: jax.Array  # [B] bool: row met a stop token (its later tokens are pad)
     gen_lengths: jax.Array  # [B] int32: N until a stop token is hit
     tokens: jax.Array  # [B, N] int32 generated tokens (pad after a row's end)
@@ -116,6 +123,7 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 def sample_token(logits: jax.Array, key: jax.Array, knobs: Mapping[str, jax.Array], greedy: bool):
     """Next token and its logprob from raw logits [B, V] (model compute dtype).
 
+    ``key``: one key for the whole batch, or [B] keys (row b draws with ``key[b]`` only).
     Returns (token [B] int32, logprob [B] float32).  The logprob is the ``get_logprobs``
     one: ``apply_temperature`` in the logits' dtype, then an fp32 log-softmax, unfiltered.
     """
@@ -126,10 +134,40 @@ def sample_token(logits: jax.Array, key: jax.Array, knobs: Mapping[str, jax.Arra
     else:
         # HF samples in float32: temperature, then top-k, then top-p.
         warped = filter_logits(logits.astype(jnp.float32) / temperature, knobs["top_k"], knobs["top_p"])
-        token = jax.random.categorical(key, warped, axis=-1)
+        if key.ndim == 0:
+            token = jax.random.categorical(key, warped, axis=-1)
+        else:  # per-row keys: each row's Gumbel noise comes from its own key
+            token = jax.vmap(jax.random.categorical)(key, warped)
     token = token.astype(jnp.int32)
     logprob = logprobs_from_logits(scaled[:, None, :], token[:, None])[:, 0].astype(jnp.float32)
     return token, logprob
+
+
+def _draw_keys(key: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(key to carry to the next step, key(s) to sample the ``count``-th token with).
+
+    A single key is split (one stream for the batch, so a row's draw depends on its
+    position in the batch).  Per-row keys [B] are carried unchanged and the token index is
+    folded in, so the draw of row b's ``count``-th token depends on its own key only.
+    """
+    if key.ndim == 0:
+        carry, sub = jax.random.split(key)
+        return carry, sub
+    return key, jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, count)
+
+
+def _typed_key(key: jax.Array) -> jax.Array:
+    """A typed key (shape ()) from a typed or legacy raw (``PRNGKey``, uint32 [2]) key:
+    the programs tell one batch key from per-row keys by the key array's shape."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key)
+
+
+def row_keys(sample_seeds: Any, batch: int) -> jax.Array:
+    """[B] PRNG keys ``jax.random.key(sample_seeds[b])`` (seeds checked by the rule every
+    engine shares: ``checked_sample_seeds``)."""
+    return jax.vmap(jax.random.key)(checked_sample_seeds(sample_seeds, batch).astype(np.uint32))
 
 
 def _record(state: DecodeState, token, logprob, knobs, stop_mask, cache, slot_mask, key) -> tuple:
@@ -212,7 +250,7 @@ def _prefill(params, rest, input_ids, input_lengths, stop_mask, knobs, key, *, g
     cache = model.init_cache(batch, max_len)
     h_last, cache = _prefill_last_hidden(model, ids, positions, cache, slot_mask, input_lengths - 1)
     logits = model._logits(h_last)[:, 0]  # (B, V)
-    key, sub = jax.random.split(key)
+    key, sub = _draw_keys(key, jnp.zeros((), jnp.int32))
     token, logprob = sample_token(logits, sub, knobs, greedy)
     state = DecodeState(
         cache=cache, slot_mask=slot_mask, input_lengths=input_lengths,
@@ -235,7 +273,7 @@ def _step(params, rest, state: DecodeState, stop_mask, knobs, *, graphdef, greed
     slot_mask = jnp.where(jnp.arange(max_len)[None, :] == slot, 1, state.slot_mask).astype(jnp.int32)
     positions = (state.input_lengths + state.count - 1)[:, None]  # (B, 1)
     logits, cache = model.decode(state.last_token[:, None], positions, state.cache, slot, slot_mask)
-    key, sub = jax.random.split(state.key)
+    key, sub = _draw_keys(state.key, state.count)
     token, logprob = sample_token(logits[:, 0], sub, knobs, greedy)
     return _record(state, token, logprob, knobs, stop_mask, cache, slot_mask, key)
 
@@ -351,6 +389,7 @@ def generate(
     max_new_tokens: int | None = None,
     rng: jax.Array | int = 0,
     stop_strings: Sequence[Sequence[str] | str | None] | None = None,
+    sample_seeds: Sequence[int] | np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Continue right-padded prompts; returns the ``GenerationOutputSpec`` as numpy arrays.
 
@@ -367,8 +406,11 @@ def generate(
         eos_token_ids: stop tokens added to ``gen_cfg['stop_token_ids']``.
         tokenizer: required when stop strings are configured.
         max_new_tokens: overrides ``gen_cfg['max_new_tokens']``.
-        rng: a PRNG key or an int seed (same key -> same samples).
+        rng: a PRNG key or an int seed (same key -> same samples); unused with ``sample_seeds``.
         stop_strings: optional per-row extra stop strings (``data['stop_strings']``).
+        sample_seeds: optional [B] ints (``data['sample_seeds']``): row b samples with its
+            own key (``row_keys``), so its tokens depend on its seed only, not on the
+            other rows or ``rng``.  Ignored when ``greedy``.
 
     Returns:
         ``output_ids`` [B, S+N] int64, ``logprobs`` [B, S+N] float32,
@@ -393,7 +435,10 @@ def generate(
             raise ValueError("stop strings are configured but no tokenizer was given: pass tokenizer= so "
                              "generated tokens can be decoded and matched")
         matcher = _StopStrings(tokenizer, row_strings)
-    key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
+    if sample_seeds is not None and not greedy:
+        key = row_keys(sample_seeds, batch)
+    else:
+        key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else _typed_key(rng)
 
     state, aux = fns.prefill(params, input_ids.astype(np.int32), input_lengths.astype(np.int32), stop_mask,
                              knobs, key, greedy=greedy, max_new_tokens=new_tokens)

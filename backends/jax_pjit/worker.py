@@ -244,13 +244,17 @@ class JaxPolicyWorker(PolicyWorkerBase):
         args = resolve_generation_args(self.cfg, self.tokenizer, self.hf_config.eos_token_id,
                                        data["input_ids"].shape[1])
         self._reload("params")
-        self._generate_calls += 1  # a fresh sampling key per call, reproducible per run
+        # Without data['sample_seeds'], a fresh sampling key per call: reproducible only for an
+        # uninterrupted worker; with them every row samples from its own seed's key.
+        self._generate_calls += 1
+        seeds = data.get("sample_seeds")
         with self._on_mesh():
             out = jax_generate(
                 self._decode_fns, self.params, data["input_ids"].numpy(), data["input_lengths"].numpy(),
                 args.gen_cfg, greedy=greedy, pad_token_id=args.pad_token_id, eos_token_ids=args.eos_token_ids,
                 tokenizer=self.tokenizer, max_new_tokens=args.max_new_tokens,
                 rng=self._generate_calls, stop_strings=data.get("stop_strings"),
+                sample_seeds=None if seeds is None else np.asarray(seeds),
             )
         return BatchedDataDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()})
 

@@ -39,6 +39,13 @@ __all__ = [
     "ClusterConfig",
     "ClippedPGLossConfig",
     "DPOLossConfig",
+    "GRPOConfig",
+    "DataConfig",
+    "ArithmeticTaskConfig",
+    "MathEnvConfig",
+    "EnvConfig",
+    "LoggerConfig",
+    "CheckpointingConfig",
     "MasterConfig",
 ]
 
@@ -224,9 +231,99 @@ class DPOLossConfig(TypedDict):
     sft_average_log_probs: bool  # average (not sum) token log-probs in the SFT term
 
 
+class GRPOConfig(TypedDict):
+    """The GRPO loop (NeMo RL's ``grpo`` section)."""
+
+    num_prompts_per_step: int  # distinct prompts per step
+    num_generations_per_prompt: int  # samples per prompt (the group); >= 2 for a group baseline
+    max_num_steps: int  # training steps of the run
+    max_num_epochs: NotRequired[int]  # stop after this many passes over a finite prompt set
+    normalize_rewards: bool  # divide advantages by the group's reward std (groups with std 0 are left as is)
+    use_leave_one_out_baseline: bool  # baseline = mean reward of the *other* samples of the group
+    val_period: int  # validate every N steps; 0 = never (except val_at_start / the end)
+    val_at_start: bool  # validate before the first step
+    val_at_end: NotRequired[bool]  # validate after the last step (default true)
+    max_val_samples: int  # held-out prompts per validation (greedy, one sample each)
+    val_batch_size: NotRequired[int]  # prompts per validation generate call (default: all)
+    seed: int  # data order, sampling seeds, task generation: a CPU fp32 run is repeatable
+
+
+class DataConfig(TypedDict):
+    """Prompt data: the built-in task, a local JSONL/parquet file, or a Hugging Face dataset."""
+
+    dataset_name: str  # "arithmetic" (built-in), a .jsonl/.json/.parquet path, or a hub name ("openai/gsm8k")
+    dataset_config: NotRequired[str | None]  # hub subset, e.g. "main"
+    split: NotRequired[str]
+    val_dataset_name: NotRequired[str | None]  # null = hold out grpo.max_val_samples rows of dataset_name
+    val_split: NotRequired[str | None]
+    prompt_key: NotRequired[str]  # column with the prompt text
+    answer_key: NotRequired[str | None]  # column with the reference answer (-> the environment's ground truth)
+    prompt_template: NotRequired[str]  # str.format template around the prompt, e.g. "{prompt}"
+    system_prompt: NotRequired[str | None]  # system message (chat template only)
+    use_chat_template: NotRequired[bool | Literal["auto"]]  # auto = when the tokenizer has one
+    max_input_seq_length: int  # longest prompt in tokens
+    on_long_prompt: NotRequired[Literal["error", "filter"]]  # what a longer prompt does
+    shuffle: NotRequired[bool]
+
+
+class ArithmeticTaskConfig(TypedDict):
+    """Difficulty knobs of the built-in arithmetic task."""
+
+    min_value: NotRequired[int]
+    max_value: NotRequired[int]
+    num_operands: NotRequired[int]
+    operations: NotRequired[list[Literal["+", "-", "*"]]]
+    allow_negative: NotRequired[bool]
+
+
+class MathEnvConfig(TypedDict):
+    """The math-answer verifier (last number / \\boxed{} extraction, numeric equality)."""
+
+    rel_tol: NotRequired[float]
+
+
+class EnvConfig(TypedDict):
+    """The reward environment, run in a pool of Ray actors."""
+
+    name: str  # "arithmetic" | "math" | "package.module:ClassName"
+    num_workers: int  # reward actors
+    timeout_s: NotRequired[float]  # per scoring call
+    arithmetic: NotRequired[ArithmeticTaskConfig]
+    math: NotRequired[MathEnvConfig]
+    kwargs: NotRequired[dict[str, Any]]  # free-form settings of a user's own environment class
+
+
+class LoggerConfig(TypedDict):
+    """Where and how a run reports metrics."""
+
+    log_dir: str  # metrics.jsonl, tensorboard/, curves.png
+    jsonl_enabled: NotRequired[bool]
+    tensorboard_enabled: NotRequired[bool]
+    progress_bar: NotRequired[bool]  # tqdm over steps
+    plot_enabled: NotRequired[bool]  # PNG of the curves at the end
+    num_val_samples_to_print: NotRequired[int]
+
+
+class CheckpointingConfig(TypedDict):
+    """Run checkpoints: policy state + data position + RNG + config, written atomically."""
+
+    enabled: bool
+    checkpoint_dir: str
+    save_period: int  # every N steps (and at the last step)
+    keep_top_k: int | None  # complete checkpoints kept (null = all); the newest is always kept
+    metric_name: NotRequired[str | None]  # keep the best by this metric (e.g. "val/accuracy"); null = the newest
+    higher_is_better: NotRequired[bool]
+    resume: NotRequired[bool]  # continue from the latest complete checkpoint (CLI: --resume)
+
+
 class MasterConfig(TypedDict):
     """A whole run's configuration (the top level of a YAML file)."""
 
     policy: PolicyConfig
     cluster: ClusterConfig
     loss_fn: NotRequired[ClippedPGLossConfig]
+    grpo: NotRequired[GRPOConfig]
+    data: NotRequired[DataConfig]
+    env: NotRequired[EnvConfig]
+    logger: NotRequired[LoggerConfig]
+    checkpointing: NotRequired[CheckpointingConfig]

@@ -669,12 +669,17 @@ def validate_master_config(cfg: Any) -> MasterConfig:
         g, n = cluster.get("gpus_per_node"), cluster.get("num_nodes")
         if _is_int(g) and _is_int(n) and g > 0 and n > 0:
             world_size = g * n
+    from core.config.run_checks import cross_section_errors, section_handlers  # it builds on this module
+
     handlers: dict[Any, _Handler] = {
         PolicyConfig: lambda v, p: _policy_errors(v, world_size, p),
         ClusterConfig: _cluster_errors,
         ClippedPGLossConfig: lambda v, p: _loss_errors(v, ClippedPGLossConfig, p),
+        **section_handlers(),
     }
     errors = validate_typed(cfg, MasterConfig, "", handlers=handlers)
+    if not errors and isinstance(cfg, Mapping):
+        errors = cross_section_errors(cfg)
     if errors:
         raise ConfigError(errors)
     return cfg

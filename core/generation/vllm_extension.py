@@ -115,7 +115,7 @@ class VllmRefitExtension:
             initialize_layerwise_reload(model)
             self._dualrl_layerwise = True
         try:
-            model.load_weights(iter(items))
+            model.load_weights(iter(rx.with_tied_aliases(items)))
         finally:
             rx.mark_loaded(items)  # even a failed load has touched the weights
 

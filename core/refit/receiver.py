@@ -65,6 +65,16 @@ class RefitReceiver:
             if dtype != spec.dtype:
                 raise self._fail(f"{name!r}: bucket dtype {dtype} but the manifest says {spec.dtype}")
 
+    def with_tied_aliases(self, items: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``items`` plus, for a tied tensor the stream leaves out (JAX's export writes no
+        ``lm_head.weight`` for tied embeddings, torch's state dict does), the alias carrying
+        the same tensor: an engine reloading layer by layer must see every layer's weights,
+        and a tied ``lm_head`` left unloaded would keep its dummy values."""
+        sent = set(self.manifest.names) if self.manifest is not None else set()
+        extra = [(alias, tensor) for alias, source in self.expected.aliases.items() if alias not in sent
+                 for name, tensor in items if name == source]
+        return list(items) + extra
+
     def mark_loaded(self, items: Sequence[tuple[str, Any]]) -> None:
         self.loaded_any = True
         self.weights_valid = False

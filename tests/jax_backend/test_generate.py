@@ -246,6 +246,55 @@ def test_sampling(models, batch, name):
     assert compile_cache_sizes() == before
 
 
+SEEDS = np.array([11, 2 ** 32 - 1, 0, 7], np.int64)
+
+
+def rows_of(batch, rows):
+    return batch[0][rows], batch[1][rows]
+
+
+def assert_same_outputs(out, ref):
+    np.testing.assert_array_equal(out["output_ids"], ref["output_ids"])
+    np.testing.assert_array_equal(out["generation_lengths"], ref["generation_lengths"])
+    np.testing.assert_allclose(out["logprobs"], ref["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_sample_seeds_make_each_row_a_function_of_its_seed(models, batch):
+    _, fns, hf = models("llama")
+    top_k = 8
+    cfg = gen_cfg(top_k=top_k, top_p=0.9)
+    first = run_jax(fns, batch, cfg, greedy=False, sample_seeds=SEEDS, rng=1)
+    assert_same_outputs(run_jax(fns, batch, cfg, greedy=False, sample_seeds=SEEDS, rng=2), first)  # rng unused
+    perm = [2, 0, 3, 1]
+    permuted = run_jax(fns, rows_of(batch, perm), cfg, greedy=False, sample_seeds=SEEDS[perm])
+    assert_same_outputs(permuted, {k: v[perm] for k, v in first.items()})
+    for b in range(len(SEEDS)):  # a row alone
+        alone = run_jax(fns, rows_of(batch, [b]), cfg, greedy=False, sample_seeds=SEEDS[[b]])
+        assert_same_outputs(alone, {k: v[[b]] for k, v in first.items()})
+    other = run_jax(fns, batch, cfg, greedy=False, sample_seeds=(SEEDS + 1) % 2 ** 32)
+    assert (other["output_ids"] != first["output_ids"]).any(axis=1).sum() >= 2
+    # Sampled (not argmax) from the top-k, with get_logprobs logprobs.
+    check_logprobs(first, batch, hf, TEMPERATURE)
+    _, logits = full_forward(hf, first, TEMPERATURE)
+    ranks = [int((logits[b, batch[1][b] - 1 + t] > logits[b, batch[1][b] - 1 + t][token]).sum())
+             for b, row in enumerate(generated_rows(first, batch)) for t, token in enumerate(row)]
+    assert 0 < max(ranks) < top_k
+    # Greedy ignores them.
+    assert_same_outputs(run_jax(fns, batch, cfg, sample_seeds=SEEDS), run_jax(fns, batch, cfg))
+
+
+@pytest.mark.parametrize("seeds, match", [
+    (SEEDS[:3], r"\[B\] = \(4,\) integer"),
+    (SEEDS.astype(np.float32), "integer"),
+    (np.array([1, -1, 2, 3]), r"row 1 has -1"),
+    (np.array([1, 2, 2 ** 32, 3]), r"\[0, 2\*\*32\); row 2 has 4294967296"),
+])
+def test_bad_sample_seeds(models, batch, seeds, match):
+    _, fns, _ = models("llama")
+    with pytest.raises(ValueError, match=match):
+        run_jax(fns, batch, gen_cfg(), greedy=False, sample_seeds=seeds)
+
+
 def test_filter_logits():
     logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05], [0.05, 0.1, 0.15, 0.2, 0.5]], np.float32))
     jitted = jax.jit(filter_logits)
@@ -331,4 +380,31 @@ def test_sharded_params_on_mesh(models):
         if call == 0:
             assert sorted(c for c in compiled if c in PROGRAMS) == PROGRAMS
         else:
+            assert compiled == []
+
+
+def test_sample_seeds_on_a_sharded_mesh(models):
+    """Seeded sampling with params and rows sharded as the worker runs it gives the
+    unsharded rows; a second seeded call (other seeds) compiles nothing."""
+    from jax.sharding import Mesh
+
+    from backends.jax_pjit.model import activation_constraint, logical_axes_tree
+    from backends.jax_pjit.sharding import activation_constraint as make_constraint
+    from backends.jax_pjit.sharding import tree_shardings
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    _, fns, _ = models("qwen2")
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tp"))
+    params = jax.device_put(fns.params, tree_shardings(logical_axes_tree(fns.params), mesh))
+    ids, lengths = random_batch(8, 6, 256, seed=5)
+    batch = (ids.numpy(), lengths.numpy())
+    seeds = np.arange(8, dtype=np.int64) * 1000 + 3
+    for call, row_seeds in enumerate((seeds, seeds + 1)):
+        expected = run_jax(fns, batch, gen_cfg(), greedy=False, sample_seeds=row_seeds)
+        with backend_compiles() as compiled, jax.set_mesh(mesh), activation_constraint(make_constraint(mesh)):
+            out = generate(fns, params, *batch, gen_cfg(), greedy=False, pad_token_id=PAD_ID,
+                           sample_seeds=row_seeds)
+        assert_same_outputs(out, expected)
+        if call == 1:
             assert compiled == []

@@ -319,6 +319,77 @@ def test_sampling_without_top_k_is_unfiltered(model, batch):
     check_layout(out, batch, model, 1.0)
 
 
+# ----------------------------------------------------------------------------- per-row seeds
+
+SEEDS = torch.tensor([11, 2 ** 32 - 1, 0, 7])
+
+
+def seeded(batch, rows=None, seeds=SEEDS):
+    """``batch``'s rows ``rows`` (all by default) with their ``sample_seeds``."""
+    rows = list(range(batch.size)) if rows is None else rows
+    data = batch.select_indices(rows)
+    data["sample_seeds"] = seeds[rows]
+    return data
+
+
+def test_sample_seeds_make_each_row_a_function_of_its_seed(model, batch):
+    cfg = gen_cfg(top_k=20, top_p=0.9)
+    torch.manual_seed(0)
+    first = hf_generate(model, seeded(batch), cfg, greedy=False, pad_token_id=PAD_ID)
+    torch.manual_seed(1)  # the global RNG plays no part
+    assert_equal_outputs(hf_generate(model, seeded(batch), cfg, greedy=False, pad_token_id=PAD_ID), first)
+    perm = [2, 0, 3, 1]
+    permuted = hf_generate(model, seeded(batch, perm), cfg, greedy=False, pad_token_id=PAD_ID)
+    assert_equal_outputs(permuted, first.select_indices(perm))
+    for b in range(batch.size):  # a row alone (other left-padding width, no neighbours)
+        alone = hf_generate(model, seeded(batch, [b]), cfg, greedy=False, pad_token_id=PAD_ID)
+        assert_equal_outputs(alone, first.select_indices([b]))
+    other = hf_generate(model, seeded(batch, seeds=(SEEDS + 1) % 2 ** 32), cfg, greedy=False, pad_token_id=PAD_ID)
+    assert (other["output_ids"] != first["output_ids"]).any(dim=1).sum() >= 2
+    # Still sampling (not argmax) from the filtered distribution, with get_logprobs logprobs.
+    ranks = token_ranks(model, first, batch)
+    assert 0 < max(ranks) < 20
+    check_layout(first, batch, model, TEMPERATURE)
+
+
+def assert_equal_outputs(out, ref):
+    assert torch.equal(out["output_ids"], ref["output_ids"])
+    assert torch.equal(out["generation_lengths"], ref["generation_lengths"])
+    torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_sample_seeds_sample_the_warped_distribution(batch):
+    """256 seeded copies of one prompt: the first tokens' frequencies follow the
+    temperature + top-k distribution HF itself would sample from."""
+    model = build_tiny_model("llama")
+    rows = 256
+    data = BatchedDataDict(input_ids=batch["input_ids"][:1].repeat(rows, 1),
+                           input_lengths=batch["input_lengths"][:1].repeat(rows),
+                           sample_seeds=torch.arange(rows))
+    out = hf_generate(model, data, gen_cfg(top_k=5), greedy=False, pad_token_id=PAD_ID, max_new_tokens=1)
+    start = int(batch["input_lengths"][0])
+    with torch.no_grad():
+        logits = model(batch["input_ids"][:1, :start]).logits[0, -1] / TEMPERATURE
+    top = logits.topk(5)
+    expected = torch.softmax(top.values, -1)
+    drawn = out["output_ids"][:, start]
+    assert torch.isin(drawn, top.indices).all()
+    observed = torch.stack([(drawn == t).float().mean() for t in top.indices])
+    assert 0.5 * (observed - expected).abs().sum() < 0.15, (observed, expected)
+
+
+def test_sample_seeds_are_ignored_by_greedy_and_checked(model, batch, baseline):
+    out = hf_generate(model, seeded(batch), gen_cfg(), greedy=True, pad_token_id=PAD_ID)
+    assert torch.equal(out["output_ids"], baseline[0]["output_ids"])
+    for seeds, match in [(SEEDS[:3], r"\[B\] = \(4,\) integer"), (SEEDS.float(), "integer array"),
+                         (torch.tensor([1, 2, -1, 3]), r"row 2 has -1"),
+                         (torch.tensor([1, 2 ** 32, 2, 3]), r"\[0, 2\*\*32\); row 1 has 4294967296")]:
+        data = BatchedDataDict(batch.get_dict())
+        data["sample_seeds"] = seeds
+        with pytest.raises(ValueError, match=match):
+            hf_generate(model, data, gen_cfg(), greedy=False, pad_token_id=PAD_ID)
+
+
 def test_hf_config_fields():
     greedy = build_hf_generation_config(gen_cfg(top_k=5, top_p=0.5), greedy=True, max_new_tokens=4,
                                         stop_token_ids=[], pad_token_id=0)

@@ -832,3 +832,22 @@ def test_sender_broadcast_over_gloo():
         for name, got in bucket:
             assert_bit_equal(got, s.weights[name].to(torch.bfloat16))
     assert s._refit_stream is None  # closed after broadcasting
+
+
+def test_tied_aliases_are_known_and_filled_in_when_the_stream_leaves_them_out():
+    """A JAX stream of a tied model has no ``lm_head.weight``; the engine (which reloads layer
+    by layer) still gets it, carrying the embedding; a stream that sends it is left alone."""
+    expected = manifest_for_hf_config(tiny_config("llama_tied"), "float32")
+    assert expected.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert manifest_for_hf_config(tiny_config("llama"), "float32").aliases == {}
+    embed = torch.ones(tuple(expected["model.embed_tokens.weight"].shape))
+    without = {n: s for n, s in expected.to_info().items() if n != "lm_head.weight"}
+    rx = RefitReceiver(expected, weights_valid=True)
+    rx.begin(without)
+    items = [("model.embed_tokens.weight", embed)]
+    rx.check_bucket(items)
+    filled = rx.with_tied_aliases(items)
+    assert [n for n, _ in filled] == ["model.embed_tokens.weight", "lm_head.weight"] and filled[1][1] is embed
+    assert [n for n, _ in rx.with_tied_aliases([("model.norm.weight", torch.ones(64))])] == ["model.norm.weight"]
+    rx.begin(expected.to_info())  # torch's stream: the alias is sent, nothing is added
+    assert [n for n, _ in rx.with_tied_aliases(items)] == ["model.embed_tokens.weight"]

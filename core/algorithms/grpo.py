@@ -1,0 +1,123 @@
+"""GRPO (NeMo RL's ``grpo_train``) on any training backend.
+
+One step::
+
+    prompts (num_prompts_per_step) x num_generations_per_prompt
+      -> refit the engines if the policy changed        timing/refit_s
+      -> sample rollouts (seeded per row)               timing/generation_s
+      -> rewards from the environment pool              timing/reward_s
+      -> group advantages (core.algorithms.advantages)
+      -> prev_logprobs = policy.get_logprobs            timing/logprobs_s
+      -> reference_policy_logprobs                      timing/reference_s
+      -> policy.train(batch, ClippedPGLossFn)           timing/train_s
+
+The loop around it (validation, logging, checkpoints, resume) is
+:class:`core.algorithms.loop.TrainingLoop`; set-up is :mod:`core.algorithms.grpo_setup`.
+Everything here runs on the driver and talks to the backend only through ``Policy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from core.algorithms.advantages import compute_advantages
+from core.algorithms.rollouts import (
+    decode_completions,
+    prompt_batch,
+    rollout_metrics,
+    sample_seeds,
+    training_batch,
+)
+from core.algorithms.timing import StepTimer
+from core.logging import format_val_samples
+
+
+def grpo_step(run: Any, step: int) -> dict[str, float]:
+    """One GRPO step on ``run`` (a :class:`core.algorithms.grpo_setup.GRPORun`); its metrics."""
+    g, timer = run.cfg["grpo"], StepTimer()
+    group = g["num_generations_per_prompt"]
+    prompts = run.loader.next_batch()
+    batch = prompt_batch([p.input_ids for p in prompts], group, run.tokenizer.pad_token_id)
+    batch["sample_seeds"] = sample_seeds(g["seed"], step, batch.size)
+    texts = [p.prompt for p in prompts for _ in range(group)]
+    metadata = [p.metadata for p in prompts for _ in range(group)]
+
+    with timer("refit"):
+        refit = run.rollouts.sync_weights()
+    with timer("generation"):
+        out = run.rollouts.generate(batch, greedy=False)
+    completions = decode_completions(run.tokenizer, out, batch["input_lengths"])
+    with timer("reward"):
+        scored = run.env.score(texts, completions, metadata)
+    rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    adv = compute_advantages(rewards, group, leave_one_out=g["use_leave_one_out_baseline"],
+                             normalize=g["normalize_rewards"])
+    data = training_batch(out, batch["input_lengths"], adv.advantages)
+
+    run.policy.prepare_for_lp_inference()
+    with timer("logprobs"):
+        data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
+    with timer("reference"):
+        data["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    run.policy.prepare_for_training()
+    with timer("train"):
+        result = run.policy.train(data, run.loss_fn)
+    run.policy.finish_training()
+    run.rollouts.mark_stale()
+
+    metrics = rollout_metrics(out, data["token_mask"], rewards, run.stop_token_ids, run.max_new_tokens)
+    for part in (adv.metrics(), _accuracy(scored.infos), _train_metrics(result), refit, timer.metrics()):
+        metrics.update(part)
+    return metrics
+
+
+def grpo_validate(run: Any, step: int) -> dict[str, float]:
+    """Greedy rollouts of every held-out prompt, scored; accuracy and mean reward."""
+    run.rollouts.sync_weights()
+    items = [run.val_dataset[i] for i in range(len(run.val_dataset))]
+    size = run.cfg["grpo"].get("val_batch_size") or len(items)
+    completions, rewards, infos, lengths = [], [], [], []
+    for start in range(0, len(items), size):
+        chunk = items[start:start + size]
+        batch = prompt_batch([p.input_ids for p in chunk], 1, run.tokenizer.pad_token_id)
+        out = run.rollouts.generate(batch, greedy=True)
+        texts = decode_completions(run.tokenizer, out, batch["input_lengths"])
+        scored = run.env.score([p.prompt for p in chunk], texts, [p.metadata for p in chunk])
+        completions += texts
+        rewards += scored.rewards
+        infos += scored.infos
+        lengths += out["generation_lengths"].tolist()
+    _print_samples(run, step, items, completions, rewards)
+    metrics = {"reward_mean": sum(rewards) / len(rewards), "response_length_mean": sum(lengths) / len(lengths),
+               "num_samples": float(len(items))}
+    metrics.update(_accuracy(infos))
+    return metrics
+
+
+def _accuracy(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """Share of samples the environment marked ``correct`` (environments that do not say
+    whether an answer is correct report rewards only)."""
+    flags = [info["correct"] for info in infos if "correct" in info]
+    return {"accuracy": sum(map(bool, flags)) / len(flags)} if flags and len(flags) == len(infos) else {}
+
+
+def _train_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """``Policy.train``'s result as floats (mean over the step's optimizer steps)."""
+    out = {"loss": float(result["loss"].mean()), "grad_norm": float(result["grad_norm"].mean())}
+    if result.get("lr") is not None:
+        out["lr"] = float(result["lr"])
+    for key, values in result["metrics"].items():
+        if key not in ("loss",):
+            out[key] = float(torch.as_tensor(values, dtype=torch.float64).mean())
+    return out
+
+
+def _print_samples(run: Any, step: int, items: list, completions: list[str], rewards: list[float]) -> None:
+    n = run.cfg["logger"].get("num_val_samples_to_print", 2)
+    if n <= 0:
+        return
+    samples = [{"prompt": p.prompt, "completion": c, "reward": r, "ground_truth": p.metadata.get("ground_truth")}
+               for p, c, r in zip(items[:n], completions, rewards)]
+    run.progress.write(f"validation at step {step}:\n{format_val_samples(samples, n)}")

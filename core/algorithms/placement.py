@@ -1,0 +1,95 @@
+"""Where a run's workers go: the training cluster, and the generation engines' place.
+
+``cluster.gpus_per_node`` x ``cluster.num_nodes`` devices (on a CPU machine: worker slots).
+Torch backends run one worker per device; a JAX worker owns all of its node's devices, so
+its cluster has one bundle per node holding them all.  Generation is either *colocated*
+(the engines share the training bundles: weights move by ``ipc``, and the policy offloads
+while the engines run) or on its own cluster (``generation.colocated.resources``: weights
+move by ``collective`` broadcast) -- the transport follows the placement.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from core.distributed import RayVirtualCluster, init_ray
+
+XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+QUIET_WORKER_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def uses_vllm(cfg: Mapping[str, Any]) -> bool:
+    return (cfg["policy"].get("generation") or {}).get("backend") == "vllm"
+
+
+def is_colocated(cfg: Mapping[str, Any]) -> bool:
+    gen = cfg["policy"].get("generation") or {}
+    return bool((gen.get("colocated") or {}).get("enabled", True))
+
+
+def refit_transport(cfg: Mapping[str, Any]) -> str:
+    return "ipc" if is_colocated(cfg) else "collective"
+
+
+def start_ray(cfg: Mapping[str, Any]) -> None:
+    """Start Ray for this run (joining ``RAY_ADDRESS`` if set).
+
+    A JAX worker on a CPU machine sees as many XLA devices as ``XLA_FLAGS`` asks for when it
+    first imports jax, and Ray's workers inherit the environment of the process that starts
+    Ray -- so the device count (``cluster.gpus_per_node``) is set here, before ``ray.init``,
+    unless the caller already chose one.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Workers inherit these: vLLM's per-call INFO lines and HF's weight-loading bars would bury
+    # the run's own progress bar.  A value the user exported wins.
+    for key, value in QUIET_WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    if cfg["policy"]["backend"] == "jax_pjit":
+        flags = os.environ.get("XLA_FLAGS", "")
+        if XLA_DEVICE_FLAG not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} {XLA_DEVICE_FLAG}={cfg['cluster']['gpus_per_node']}".strip()
+    init_ray(num_cpus=None if _has_gpu() else max(os.cpu_count() or 1, cpu_slots_needed(cfg)))
+
+
+def cpu_slots_needed(cfg: Mapping[str, Any]) -> int:
+    """Logical CPUs a CPU-only run asks Ray for: the training slots, plus the engines' own
+    slots when generation is not colocated.  May exceed the cores: on a CPU machine a slot
+    is a process, and the OS shares the cores between them."""
+    cluster = cfg["cluster"]
+    slots = cluster["gpus_per_node"] * cluster["num_nodes"]
+    if uses_vllm(cfg) and not is_colocated(cfg):
+        resources = (cfg["policy"]["generation"].get("colocated") or {}).get("resources") or {}
+        slots += (resources.get("gpus_per_node") or 1) * (resources.get("num_nodes") or 1)
+    return slots
+
+
+def _has_gpu() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def policy_cluster(cfg: Mapping[str, Any], name: str = "policy") -> RayVirtualCluster:
+    """The training cluster (shared with the engines when generation is colocated)."""
+    cluster = cfg["cluster"]
+    per_node, nodes = cluster["gpus_per_node"], cluster["num_nodes"]
+    share = 2 if uses_vllm(cfg) and is_colocated(cfg) else 1
+    if cfg["policy"]["backend"] == "jax_pjit":
+        return RayVirtualCluster([1] * nodes, num_cpus_per_bundle=per_node, max_colocated_worker_groups=share,
+                                 name=name)
+    return RayVirtualCluster([per_node] * nodes, max_colocated_worker_groups=share, name=name)
+
+
+def generation_cluster(cfg: Mapping[str, Any], name: str = "generation") -> RayVirtualCluster:
+    """The engines' own cluster when generation is not colocated."""
+    resources = ((cfg["policy"].get("generation") or {}).get("colocated") or {}).get("resources") or {}
+    per_node = resources.get("gpus_per_node") or 1
+    nodes = resources.get("num_nodes") or 1
+    return RayVirtualCluster([per_node] * nodes, name=name)

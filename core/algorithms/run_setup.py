@@ -1,0 +1,82 @@
+"""What every training algorithm does before its first step: seeds, tokenizer, model
+resolution, the run's identity for checkpoints.  Backend-free (the policy is built by the
+algorithm through ``core.policy.Policy``)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from core.models.builtin import builtin_tokenizer, is_builtin, resolve_builtin_model
+
+
+def seed_everything(seed: int) -> None:
+    """Python, numpy and torch RNGs of the driver (workers seed from the data they get)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_tokenizer(policy_cfg: Mapping[str, Any]) -> Any:
+    """``policy.tokenizer.name`` (a built-in, a local path or a hub id), with the config's
+    chat template if given and a pad token (the eos) if the tokenizer has none."""
+    tok_cfg = policy_cfg["tokenizer"]
+    name = tok_cfg["name"]
+    if is_builtin(name):
+        tokenizer = builtin_tokenizer(name)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    if tok_cfg.get("chat_template"):
+        tokenizer.chat_template = tok_cfg["chat_template"]
+    if tokenizer.pad_token_id is None:
+        # Generation pads finished rows; any id works since padding is masked, and the eos
+        # is what HF models without a pad token use.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def resolve_model(cfg: Mapping[str, Any], exclude_prompts: Iterable[str],
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """A copy of ``cfg`` whose ``policy.model_name`` is loadable: a built-in model is built (or
+    found in the cache) for the run's task without the held-out ``exclude_prompts``."""
+    cfg = copy.deepcopy(dict(cfg))
+    name = cfg["policy"]["model_name"]
+    if is_builtin(name):
+        task_cfg = (cfg.get("env") or {}).get("arithmetic")
+        cfg["policy"]["model_name"] = str(resolve_builtin_model(name, task_cfg, exclude_prompts, log=log))
+    return cfg
+
+
+def model_fingerprint(model_name: str) -> str:
+    """A hash of the model's ``config.json`` (architecture and shapes), so a resume into
+    another model is refused; hub models not on disk hash their name."""
+    path = Path(model_name) / "config.json"
+    if path.is_file():
+        fields = json.loads(path.read_text())
+        fields.pop("transformers_version", None)
+        text = json.dumps(fields, sort_keys=True)
+    else:
+        text = model_name
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_identity(algorithm: str, configured_cfg: Mapping[str, Any], resolved_cfg: Mapping[str, Any]) -> dict[str, str]:
+    """What a checkpoint of this run must match to be resumed by it."""
+    name = configured_cfg["policy"]["model_name"]
+    if is_builtin(name):  # the cache directory's name carries the hash of the task and warm start
+        name = f"{name}@{Path(resolved_cfg['policy']['model_name']).name}"
+    return {
+        "algorithm": algorithm,
+        "backend": resolved_cfg["policy"]["backend"],
+        "model_name": name,
+        "model_fingerprint": model_fingerprint(resolved_cfg["policy"]["model_name"]),
+    }

@@ -1,0 +1,263 @@
+"""The built-in task: integer arithmetic prompts generated on the fly, exact-answer reward.
+
+A problem is ``"12+7="`` with answer ``"19"``.  Problems are a pure function of the
+settings, a seed and an index, so training and validation sets need no files, every
+process (driver, Ray workers, a resumed run) sees the same problem ``i``, and a run is
+reproducible from its config alone.
+
+Settings (``env.arithmetic`` in YAML; every key optional):
+
+==================  =============  ====================================================
+key                 default        meaning
+==================  =============  ====================================================
+``min_value``       ``0``          smallest operand
+``max_value``       ``20``         largest operand
+``num_operands``    ``2``          operands per problem (>= 2)
+``operations``      ``["+","-"]``  operators drawn from (a subset of ``+ - *``)
+``allow_negative``  ``false``      when false no running total or answer is negative
+==================  =============  ====================================================
+
+Expressions follow Python's precedence (``*`` before ``+``/``-``), so ``eval`` of the
+prompt without its ``=`` gives the answer.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Mapping
+
+from core.environments.interfaces import AnswerCheckingEnvironment, env_subsection
+
+__all__ = ["ARITHMETIC_DEFAULTS", "SUPPORTED_OPERATIONS", "ArithmeticTask", "ArithmeticEnvironment"]
+
+ARITHMETIC_DEFAULTS: dict[str, Any] = {
+    "min_value": 0,
+    "max_value": 20,
+    "num_operands": 2,
+    "operations": ["+", "-"],
+    "allow_negative": False,
+}
+SUPPORTED_OPERATIONS = ("+", "-", "*")
+
+# With allow_negative false a draw can paint itself into a corner (min_value > 0 and the
+# running total already below it); such a draw is discarded and the next one tried.
+_MAX_ATTEMPTS = 1000
+# Problems generated at construction to reject settings that cannot produce any problem.
+_PROBE_PROBLEMS = 8
+
+
+class ArithmeticTask:
+    """Generates problems from validated settings (see the module docstring)."""
+
+    def __init__(self, cfg: Mapping[str, Any] | None = None, path: str = "env.arithmetic") -> None:
+        settings = _validated_settings(cfg, path)
+        self.path = path
+        self.min_value: int = settings["min_value"]
+        self.max_value: int = settings["max_value"]
+        self.num_operands: int = settings["num_operands"]
+        self.operations: list[str] = list(settings["operations"])
+        self.allow_negative: bool = settings["allow_negative"]
+        self._num_distinct: int | None = None
+        for index in range(_PROBE_PROBLEMS):
+            self.problem(0, index)
+
+    # ------------------------------------------------------------------ problems
+    def problem(self, seed: int, index: int) -> dict[str, str]:
+        """Problem ``index`` of the stream ``seed``: ``{"prompt": "12+7=", "answer": "19"}``."""
+        _require_int(seed, "seed")
+        _require_int(index, "index")
+        # A string seed goes through SHA-512 in random.seed (version 2), never through the
+        # per-process salted hash(), so every process draws the same problem; and unlike
+        # ``seed * K + index`` two (seed, index) pairs can never collide.
+        rng = random.Random(f"arithmetic:{seed}:{index}")
+        for _ in range(_MAX_ATTEMPTS):
+            drawn = self._draw(rng)
+            if drawn is not None:
+                operands, ops = drawn
+                answer = evaluate(operands, ops)
+                return {"prompt": self.format_prompt(operands, ops), "answer": str(answer)}
+        raise ValueError(
+            f"{self.path}: no problem without a negative result found in {_MAX_ATTEMPTS} draws "
+            f"(min_value={self.min_value}, max_value={self.max_value}, num_operands="
+            f"{self.num_operands}, operations={self.operations}); lower min_value, raise "
+            f"max_value, use fewer operands or set allow_negative: true"
+        )
+
+    def problems(self, seed: int, start: int, count: int) -> list[dict[str, str]]:
+        """Problems ``start .. start+count-1`` of the stream ``seed``."""
+        _require_int(start, "start")
+        _require_int(count, "count")
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        return [self.problem(seed, start + i) for i in range(count)]
+
+    def num_distinct_problems(self) -> int:
+        """How many different prompts these settings can produce (computed once, cached)."""
+        if self._num_distinct is None:
+            self._num_distinct = self._count_problems()
+        return self._num_distinct
+
+    @staticmethod
+    def format_prompt(operands: list[int], ops: list[str]) -> str:
+        """``"12+7="``: operands and operators without spaces, then ``=``.
+
+        A negative operand is parenthesised (``"3-(-4)="``) so that the prompt still reads
+        as, and ``eval``s to, the intended expression.
+        """
+        if len(ops) != len(operands) - 1:
+            raise ValueError(f"{len(operands)} operands need {len(operands) - 1} operators, got {len(ops)}")
+        parts = [_format_operand(operands[0])]
+        for op, value in zip(ops, operands[1:]):
+            if op not in SUPPORTED_OPERATIONS:
+                raise ValueError(f"unknown operation {op!r}; supported: {list(SUPPORTED_OPERATIONS)}")
+            parts.append(op + _format_operand(value))
+        return "".join(parts) + "="
+
+    # ------------------------------------------------------------------ drawing
+    def _draw(self, rng: random.Random) -> tuple[list[int], list[str]] | None:
+        """One random problem, or ``None`` when this draw cannot avoid a negative total."""
+        ops = [rng.choice(self.operations) for _ in range(self.num_operands - 1)]
+        operands: list[int] = []
+        total = 0
+        for sign, size in _terms(ops):
+            # Only a subtracted term can make the running total negative (operands are
+            # >= 0 whenever allow_negative is false), so only it is bounded.
+            bounded = sign == "-" and not self.allow_negative
+            factors = self._draw_term(rng, size, cap=total if bounded else None)
+            if factors is None:
+                return None
+            operands.extend(factors)
+            total += math.prod(factors) if sign == "+" else -math.prod(factors)
+        return operands, ops
+
+    def _draw_term(self, rng: random.Random, size: int, cap: int | None) -> list[int] | None:
+        """``size`` factors of one product term; with ``cap``, their product is <= cap."""
+        lo, hi = self.min_value, self.max_value
+        if cap is None:
+            return [rng.randint(lo, hi) for _ in range(size)]
+        factors: list[int] = []
+        product = 1
+        for j in range(size):
+            # The smallest the factors still to come can make the product: lo ** remaining.
+            floor_rest = product * lo ** (size - j - 1)
+            top = hi if floor_rest == 0 else min(hi, cap // floor_rest)
+            if top < lo:
+                return None
+            factors.append(rng.randint(lo, top))
+            product *= factors[-1]
+        return factors
+
+    def _count_problems(self) -> int:
+        """Exact size of the problem space (one prompt per operand/operator sequence)."""
+        values = range(self.min_value, self.max_value + 1)
+        sequences = len(self.operations) ** (self.num_operands - 1)
+        if self.allow_negative or "-" not in self.operations:
+            return sequences * len(values) ** self.num_operands
+        # Dynamic programme over (committed total, sign of the open term, open term's value):
+        # a term is checked when it closes, exactly as _draw checks it.
+        states: dict[tuple[int, str, int], int] = {(0, "+", v): 1 for v in values}
+        for _ in range(self.num_operands - 1):
+            following: dict[tuple[int, str, int], int] = {}
+            for (committed, sign, term), count in states.items():
+                for op in self.operations:
+                    if op == "*":
+                        nexts = [(committed, sign, term * v) for v in values]
+                    else:
+                        closed = _close(committed, sign, term)
+                        nexts = [] if closed < 0 else [(closed, op, v) for v in values]
+                    for key in nexts:
+                        following[key] = following.get(key, 0) + count
+            states = following
+        return sum(count for (c, sign, term), count in states.items() if _close(c, sign, term) >= 0)
+
+
+class ArithmeticEnvironment(AnswerCheckingEnvironment):
+    """Reward 1.0 when the completion, stripped, equals the ground-truth answer exactly."""
+
+    name = "arithmetic"
+
+    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
+        # cfg is the whole `env` section; validating our sub-section here makes a bad
+        # setting fail when the environment (or its pool) starts, not mid-training.
+        self.task = ArithmeticTask(env_subsection(cfg, "arithmetic"), path="env.arithmetic")
+
+    def judge(self, completion: str, ground_truth: str) -> tuple[bool, str | None]:
+        """Exact answer: the completion, stripped, is the ground truth."""
+        extracted = str(completion).strip()
+        return extracted == ground_truth.strip(), extracted or None
+
+
+# ---------------------------------------------------------------------- helpers
+def evaluate(operands: list[int], ops: list[str]) -> int:
+    """Value of the expression with ``*`` binding tighter than ``+``/``-`` (as Python)."""
+    total, index = 0, 0
+    for sign, size in _terms(ops):
+        value = math.prod(operands[index : index + size])
+        total += value if sign == "+" else -value
+        index += size
+    return total
+
+
+def _terms(ops: list[str]) -> list[tuple[str, int]]:
+    """Split an operator sequence into product terms: ``["+", "*"]`` -> ``[("+", 1), ("+", 2)]``."""
+    terms = [["+", 1]]
+    for op in ops:
+        if op == "*":
+            terms[-1][1] += 1
+        else:
+            terms.append([op, 1])
+    return [(sign, size) for sign, size in terms]
+
+
+def _close(committed: int, sign: str, term: int) -> int:
+    return committed + term if sign == "+" else committed - term
+
+
+def _format_operand(value: int) -> str:
+    return f"({value})" if value < 0 else str(value)
+
+
+def _require_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _validated_settings(cfg: Mapping[str, Any] | None, path: str) -> dict[str, Any]:
+    """Defaults overlaid with ``cfg``; every problem named by its dotted path."""
+    cfg = {} if cfg is None else cfg
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{path}: expected a mapping of settings, got {type(cfg).__name__}")
+    for key in cfg:
+        if key not in ARITHMETIC_DEFAULTS:
+            raise ValueError(f"{path}.{key}: unknown key; known keys: {sorted(ARITHMETIC_DEFAULTS)}")
+    settings = {**ARITHMETIC_DEFAULTS, **cfg}
+    for key in ("min_value", "max_value", "num_operands"):
+        _require_int(settings[key], f"{path}.{key}")
+    if not isinstance(settings["allow_negative"], bool):
+        raise ValueError(f"{path}.allow_negative must be true or false, got {settings['allow_negative']!r}")
+    _check_operations(settings["operations"], f"{path}.operations")
+    if settings["min_value"] > settings["max_value"]:
+        raise ValueError(
+            f"{path}.min_value ({settings['min_value']}) is greater than "
+            f"{path}.max_value ({settings['max_value']})"
+        )
+    if settings["num_operands"] < 2:
+        raise ValueError(f"{path}.num_operands must be >= 2, got {settings['num_operands']}")
+    if settings["min_value"] < 0 and not settings["allow_negative"]:
+        raise ValueError(
+            f"{path}.min_value ({settings['min_value']}) is negative while "
+            f"{path}.allow_negative is false"
+        )
+    return settings
+
+
+def _check_operations(ops: Any, name: str) -> None:
+    if not isinstance(ops, (list, tuple)) or not ops:
+        supported = list(SUPPORTED_OPERATIONS)
+        raise ValueError(f"{name} must be a non-empty list drawn from {supported}, got {ops!r}")
+    for op in ops:
+        if op not in SUPPORTED_OPERATIONS:
+            raise ValueError(f"{name}: unknown operation {op!r}; supported: {list(SUPPORTED_OPERATIONS)}")
+    if len(set(ops)) != len(ops):
+        raise ValueError(f"{name} lists an operation twice: {list(ops)}")

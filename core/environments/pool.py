@@ -1,0 +1,313 @@
+"""Rewards off the driver: an environment replicated over Ray actors, scored in chunks.
+
+A reward function may be slow (a verifier, a sandboxed test run) or crash; running it in
+``num_workers`` actors keeps it off the driver and spreads a batch over them.  The actors
+ask Ray for ``num_cpus=0`` so that they never take a slot from the placement groups of the
+policy or generation workers.
+
+Failures, and what the caller sees:
+
+* a bad environment config: :class:`EnvironmentPoolError` from the constructor, carrying
+  the original exception's type and message (e.g. ``ValueError: env.arithmetic.max_value``);
+* the reward function raises: :class:`~core.environments.RewardError` naming the sample
+  (the worker re-scores its chunk one sample at a time to find it), the exception type
+  and message, and the remote traceback; the pool stays usable;
+* a malformed result (count, NaN, ...): RewardError from
+  :func:`~core.environments.check_environment_return`, with the global sample index;
+* a chunk slower than ``env.timeout_s``: RewardError naming the chunk; its worker is
+  killed and replaced, so the pool stays usable;
+* a worker process dies: EnvironmentPoolError; the pool is unusable from then on.
+
+``ray`` is imported lazily, so importing :mod:`core.environments` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from typing import Any, Mapping, Sequence
+
+from core.environments.interfaces import (
+    EnvironmentReturn,
+    RewardError,
+    check_batch_lengths,
+    check_environment_return,
+    describe_sample,
+)
+from core.environments.registry import make_environment, resolve_environment_class
+
+__all__ = ["EnvironmentPool", "EnvironmentPoolError", "EnvironmentWorker", "DEFAULT_TIMEOUT_S"]
+
+#: Default of ``env.timeout_s``: seconds one chunk may take before it counts as hung.
+DEFAULT_TIMEOUT_S = 60.0
+#: Seconds the workers get to import and build their environment (imports are slow on a
+#: loaded 2-core machine, and a user environment may load a model).
+STARTUP_TIMEOUT_S = 300.0
+
+
+class EnvironmentPoolError(RuntimeError):
+    """The pool cannot score: a worker could not build its environment, or died."""
+
+
+class EnvironmentWorker:
+    """The body of one pool actor: builds the environment and scores chunks.
+
+    Its methods never raise.  They return ``("ok", value)`` or ``("error", message)``, so
+    that the driver writes every message itself instead of unwrapping Ray's exception
+    wrappers, whose text differs between failure kinds and Ray versions.
+    """
+
+    def __init__(self, env_cfg: Mapping[str, Any]) -> None:
+        self._env = None
+        self._startup_error: str | None = None
+        try:
+            self._env = make_environment(env_cfg)
+        except Exception as err:  # reported by startup_error(), where the driver waits
+            self._startup_error = _describe_exception(err)
+
+    def startup_error(self) -> str | None:
+        """``None`` once the environment is built, else why it could not be."""
+        return self._startup_error
+
+    def score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        metadata: list[dict[str, Any]],
+        offset: int,
+    ) -> tuple[str, Any]:
+        """Score one chunk whose first sample has global index ``offset``."""
+        if self._env is None:
+            return ("error", f"the worker has no environment: {self._startup_error}")
+        try:
+            return ("ok", self._env.score(prompts, completions, metadata))
+        except Exception as err:
+            return ("error", self._locate_failure(prompts, completions, metadata, offset, err))
+
+    def _locate_failure(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        metadata: list[dict[str, Any]],
+        offset: int,
+        chunk_error: Exception,
+    ) -> str:
+        """Re-score sample by sample to name the one that raises (chunks are small)."""
+        name = getattr(self._env, "name", "?")
+        for i, (prompt, completion, meta) in enumerate(zip(prompts, completions, metadata)):
+            try:
+                self._env.score([prompt], [completion], [meta])
+            except Exception as err:
+                sample = describe_sample(offset + i, prompt, completion)
+                return f"environment {name!r}: {sample}: score() raised {_describe_exception(err)}"
+        last = offset + len(prompts) - 1
+        return (
+            f"environment {name!r}: samples {offset}..{last}: score() raised "
+            f"{_describe_exception(chunk_error)}\n(no single sample of this chunk raises on its own)"
+        )
+
+
+class EnvironmentPool:
+    """``num_workers`` Ray actors running the environment ``env_cfg["name"]``.
+
+    ``env_cfg`` is the whole ``env`` section: ``name``, ``num_workers`` (default 1),
+    ``timeout_s`` (default 60) and the environment's own sub-sections.  Ray must be
+    initialised (``core.distributed.init_ray``) before the pool is built.
+    """
+
+    def __init__(self, env_cfg: Mapping[str, Any]) -> None:
+        import ray
+
+        self.name, self.num_workers, self.timeout_s = _pool_settings(env_cfg)
+        if not ray.is_initialized():
+            raise EnvironmentPoolError("Ray is not initialised: call core.distributed.init_ray() first")
+        self._env_cfg = dict(env_cfg)
+        self._actor_cls = ray.remote(num_cpus=0)(EnvironmentWorker)
+        self._broken: str | None = None
+        self._actors = [self._actor_cls.remote(self._env_cfg) for _ in range(self.num_workers)]
+        try:
+            self._await_startup()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ public
+    def score(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        metadata: Sequence[dict[str, Any]],
+    ) -> EnvironmentReturn:
+        """Rewards and infos for every sample, in the caller's order."""
+        check_batch_lengths(prompts, completions, metadata)
+        self._check_usable()
+        if len(prompts) == 0:
+            return EnvironmentReturn(rewards=[], infos=[])
+        chunks = _split(len(prompts), self.num_workers)
+        refs = [
+            actor.score.remote(list(prompts[a:b]), list(completions[a:b]), list(metadata[a:b]), a)
+            for actor, (a, b) in zip(self._actors, chunks)
+        ]
+        self._wait_or_time_out(refs, chunks)
+        rewards: list[float] = []
+        infos: list[dict[str, Any]] = []
+        for worker, (ref, (a, b)) in enumerate(zip(refs, chunks)):
+            result = self._fetch(ref, worker, a, b)
+            checked = check_environment_return(result, prompts[a:b], completions[a:b], self.name, offset=a)
+            rewards.extend(checked.rewards)
+            infos.extend(checked.infos)
+        return EnvironmentReturn(rewards=rewards, infos=infos)
+
+    def shutdown(self) -> None:
+        """Kill the workers (idempotent); the pool cannot score afterwards."""
+        import ray
+
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead, or Ray already shut down: nothing to free
+                pass
+        self._actors = []
+        if self._broken is None:
+            self._broken = "the pool was shut down"
+
+    def __enter__(self) -> EnvironmentPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        settings = f"name={self.name!r}, num_workers={self.num_workers}, timeout_s={self.timeout_s}"
+        return f"EnvironmentPool({settings})"
+
+    # ------------------------------------------------------------------ internals
+    def _await_startup(self, workers: list[int] | None = None) -> None:
+        """Wait until ``workers`` (default all) have built their environment; raise with the
+        first cause."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        workers = list(range(len(self._actors))) if workers is None else workers
+        refs = [self._actors[worker].startup_error.remote() for worker in workers]
+        for worker, ref in zip(workers, refs):
+            where = f"environment {self.name!r}: worker {worker} of {self.num_workers}"
+            try:
+                error = ray.get(ref, timeout=STARTUP_TIMEOUT_S)
+            except GetTimeoutError:
+                raise EnvironmentPoolError(
+                    f"{where} did not build its environment within {STARTUP_TIMEOUT_S:.0f} s"
+                ) from None
+            except RayError as err:
+                cause = _describe_ray_error(err)
+                raise EnvironmentPoolError(f"{where} died while starting: {cause}") from None
+            if error is not None:
+                raise EnvironmentPoolError(f"{where} could not build the environment: {error}")
+
+    def _wait_or_time_out(self, refs: list[Any], chunks: list[tuple[int, int]]) -> None:
+        """Return when every chunk is done; after ``timeout_s``, replace the hung workers and
+        raise a RewardError naming their chunks."""
+        import ray
+
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        if not pending:
+            return
+        hung = [worker for worker, ref in enumerate(refs) if ref in pending]
+        self._replace_workers(hung)
+        described = ", ".join(
+            f"chunk {w} (samples {chunks[w][0]}..{chunks[w][1] - 1}) on worker {w}" for w in hung
+        )
+        raise RewardError(
+            f"environment {self.name!r}: {described} did not finish within {self.timeout_s:g} s "
+            f"(env.timeout_s); the worker was restarted, the batch was not scored"
+        )
+
+    def _fetch(self, ref: Any, worker: int, start: int, stop: int) -> Any:
+        """One chunk's EnvironmentReturn, or the error that chunk reports."""
+        import ray
+        from ray.exceptions import RayActorError, RayError
+
+        chunk = f"chunk {worker} (samples {start}..{stop - 1})"
+        try:
+            status, value = ray.get(ref)
+        except RayActorError as err:
+            self._broken = f"worker {worker} died while scoring {chunk}: {_describe_ray_error(err)}"
+            self.shutdown()
+            raise EnvironmentPoolError(f"environment {self.name!r}: {self._broken}") from None
+        except RayError as err:  # e.g. the result could not be serialised
+            raise RewardError(f"environment {self.name!r}: {chunk}: {_describe_ray_error(err)}") from None
+        if status != "ok":
+            raise RewardError(value)
+        return value
+
+    def _replace_workers(self, workers: list[int]) -> None:
+        """Kill hung workers and start fresh ones in their place.  Awaited, so that the next
+        batch's ``timeout_s`` does not have to cover a worker's start-up."""
+        import ray
+
+        for worker in workers:
+            ray.kill(self._actors[worker], no_restart=True)
+            self._actors[worker] = self._actor_cls.remote(self._env_cfg)
+        try:
+            self._await_startup(workers)
+        except EnvironmentPoolError as err:
+            self._broken = f"a replacement worker failed: {err}"
+            self.shutdown()
+            raise
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise EnvironmentPoolError(
+                f"environment {self.name!r}: the pool is unusable ({self._broken}); "
+                f"build a new EnvironmentPool"
+            )
+
+
+# ---------------------------------------------------------------------- helpers
+def _pool_settings(env_cfg: Any) -> tuple[str, int, float]:
+    """``(name, num_workers, timeout_s)`` from the ``env`` section, validated."""
+    if not isinstance(env_cfg, Mapping):
+        raise ValueError(f"env: expected a mapping, got {type(env_cfg).__name__}")
+    if "name" not in env_cfg:
+        raise ValueError("env.name is missing")
+    # Resolve on the driver too: an unknown name or a broken import path fails here with a
+    # plain ValueError, before any actor starts.
+    resolve_environment_class(env_cfg["name"])
+    num_workers = env_cfg.get("num_workers", 1)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"env.num_workers must be an int >= 1, got {num_workers!r}")
+    timeout_s = env_cfg.get("timeout_s", DEFAULT_TIMEOUT_S)
+    is_number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    if not is_number or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"env.timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    return env_cfg["name"], num_workers, float(timeout_s)
+
+
+def _split(n: int, workers: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` chunks of ``n`` samples over at most ``workers`` workers,
+    sizes differing by at most one."""
+    count = min(n, workers)
+    base, extra = divmod(n, count)
+    bounds, start = [], 0
+    for k in range(count):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _describe_exception(err: BaseException) -> str:
+    """``ValueError: message`` followed by the traceback (indented), for remote errors."""
+    trace = "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
+    indented = "\n".join("    " + line for line in trace.splitlines())
+    return f"{type(err).__name__}: {err}\n  remote traceback:\n{indented}"
+
+
+def _describe_ray_error(err: BaseException) -> str:
+    """The worker's own exception when Ray wrapped one, else Ray's own explanation."""
+    from ray.exceptions import RayTaskError
+
+    cause = getattr(err, "cause", None) if isinstance(err, RayTaskError) else None
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(err).__name__}: {err}"

@@ -1,0 +1,70 @@
+"""``env.name`` -> an environment object: a built-in name or a user's ``module:Class``.
+
+A user environment is any class implementing :class:`~core.environments.Environment`
+whose constructor takes the whole ``env`` config section (so it can read its own
+sub-section); it is named by import path, e.g. ``env.name: my_pkg.rewards:CodeEnv``.
+The class must be importable where the environment runs (the Ray workers of an
+:class:`~core.environments.EnvironmentPool` import it too).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Mapping
+
+from core.environments.arithmetic import ArithmeticEnvironment
+from core.environments.interfaces import Environment
+from core.environments.math_verifier import MathEnvironment
+
+__all__ = ["BUILTIN_ENVIRONMENTS", "make_environment", "resolve_environment_class"]
+
+BUILTIN_ENVIRONMENTS: dict[str, type] = {
+    "arithmetic": ArithmeticEnvironment,
+    "math": MathEnvironment,
+}
+
+
+def resolve_environment_class(name: Any) -> type:
+    """The class ``env.name`` refers to (import errors become a ValueError naming it)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"env.name must be a non-empty string, got {name!r}")
+    if name in BUILTIN_ENVIRONMENTS:
+        return BUILTIN_ENVIRONMENTS[name]
+    if ":" not in name:
+        raise ValueError(
+            f"env.name: unknown environment {name!r}; built-in environments: "
+            f"{sorted(BUILTIN_ENVIRONMENTS)}, or give a user class as 'package.module:ClassName'"
+        )
+    module_name, _, class_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # any import-time failure of user code, not just ImportError
+        raise ValueError(
+            f"env.name: cannot import module {module_name!r} of {name!r}: {type(err).__name__}: {err}"
+        ) from err
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        found = "nothing" if cls is None else type(cls).__name__
+        raise ValueError(
+            f"env.name: {name!r}: module {module_name!r} has no class {class_name!r} (found {found})"
+        )
+    return cls
+
+
+def make_environment(env_cfg: Mapping[str, Any]) -> Environment:
+    """Build the environment ``env_cfg["name"]`` names, passing it the whole ``env_cfg``."""
+    if not isinstance(env_cfg, Mapping):
+        raise ValueError(f"env: expected a mapping, got {type(env_cfg).__name__}")
+    if "name" not in env_cfg:
+        raise ValueError(
+            f"env.name is missing; give a built-in environment {sorted(BUILTIN_ENVIRONMENTS)} "
+            f"or 'package.module:ClassName'"
+        )
+    cls = resolve_environment_class(env_cfg["name"])
+    env = cls(env_cfg)
+    if not isinstance(env, Environment):
+        raise ValueError(
+            f"env.name: {env_cfg['name']!r} built a {type(env).__name__}, which is not an "
+            f"Environment (it needs a `name` attribute and a `score(prompts, completions, metadata)` method)"
+        )
+    return env

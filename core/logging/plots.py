@@ -1,0 +1,151 @@
+"""End-of-run curves as one PNG: reward and validation accuracy, loss, and step timings.
+
+matplotlib is imported inside :func:`plot_run`, and through ``matplotlib.figure.Figure``
+rather than pyplot: a bare ``Figure`` renders with the Agg (PNG) canvas without selecting
+a GUI backend, so it works on machines without a display and leaves the process's
+pyplot state (and any interactive backend a notebook uses) untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from core.logging.progress import timing_keys_in
+from core.logging.sinks import to_float
+
+FIGSIZE = (10.0, 7.0)  # inches
+DPI = 120  # -> 1200 x 840 pixels
+
+_TRAIN_COLOR, _VAL_COLOR, _LOSS_COLOR = "tab:blue", "tab:red", "tab:purple"
+
+
+def series(history: Sequence[Mapping[str, Any]], split: str, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` over the rows of ``split``; infinities become NaN gaps.
+
+    NaN/inf must not reach the axes' autoscaling (an inf limit raises), and a gap in the
+    line shows where the value was not finite.
+    """
+    steps, values = [], []
+    for row in history:
+        if row.get("split") != split or key not in row:
+            continue
+        number = to_float(row[key])
+        if number is not None:
+            steps.append(int(row["step"]))
+            values.append(number if math.isfinite(number) else math.nan)
+    return steps, values
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` points, ignoring NaNs (NaN where a window has none)."""
+    out = []
+    for i in range(len(values)):
+        finite = [v for v in values[max(0, i - window + 1) : i + 1] if not math.isnan(v)]
+        out.append(sum(finite) / len(finite) if finite else math.nan)
+    return out
+
+
+def _smoothing_window(n: int) -> int:
+    """About a tenth of the run, at least 2 and at most 50 points."""
+    return max(2, min(50, round(n / 10)))
+
+
+def _no_data(ax: Any, what: str) -> None:
+    """Mark a panel whose metrics the history lacks."""
+    ax.text(0.5, 0.5, f"no data ({what})", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_yticks([])
+
+
+def _plot_reward_panel(ax: Any, history: Sequence[Mapping[str, Any]]) -> None:
+    """Train reward mean (+ moving average) and validation accuracy on one x axis."""
+    steps, rewards = series(history, "train", "reward_mean")
+    vsteps, accuracy = series(history, "val", "accuracy")
+    ax.set_title("reward / validation accuracy", fontsize=10, loc="left")
+    if not steps and not vsteps:
+        _no_data(ax, "train reward_mean, val accuracy")
+        return
+    if steps:
+        ax.plot(steps, rewards, color=_TRAIN_COLOR, alpha=0.35, marker=".", lw=1, label="train reward mean")
+        window = _smoothing_window(len(rewards))
+        if len(rewards) > window:
+            ax.plot(steps, moving_average(rewards, window), color=_TRAIN_COLOR, lw=2,
+                    label=f"train reward ({window}-step moving avg)")
+    ax.set_ylabel("reward")
+    finite = [v for v in rewards if not math.isnan(v)]
+    # Rewards in [0, 1] share accuracy's scale: one axis is easier to read than two.
+    acc_ax = ax if all(0.0 <= v <= 1.0 for v in finite) else ax.twinx()
+    if vsteps:
+        acc_ax.plot(vsteps, accuracy, color=_VAL_COLOR, marker="o", lw=1.5, label="val accuracy")
+    if acc_ax is ax:
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel("reward / accuracy")
+    else:
+        acc_ax.set_ylim(-0.05, 1.05)
+        acc_ax.set_ylabel("val accuracy", color=_VAL_COLOR)
+    handles, labels = ax.get_legend_handles_labels()
+    if acc_ax is not ax:
+        more_h, more_l = acc_ax.get_legend_handles_labels()
+        handles, labels = handles + more_h, labels + more_l
+    ax.legend(handles, labels, loc="best", fontsize=8)
+
+
+def _plot_loss_panel(ax: Any, history: Sequence[Mapping[str, Any]]) -> None:
+    """Train loss per step."""
+    steps, loss = series(history, "train", "loss")
+    ax.set_title("train loss", fontsize=10, loc="left")
+    if not steps:
+        _no_data(ax, "train loss")
+        return
+    ax.plot(steps, loss, color=_LOSS_COLOR, marker=".", lw=1, label="loss")
+    ax.set_ylabel("loss")
+    ax.legend(loc="best", fontsize=8)
+
+
+def _plot_timing_panel(ax: Any, history: Sequence[Mapping[str, Any]], keys: list[str]) -> None:
+    """Per-phase seconds of each train step, stacked so the top edge is the step time."""
+    train = [row for row in history if row.get("split") == "train"]
+    steps = [int(row["step"]) for row in train]
+    layers = []
+    for key in keys:
+        # A phase missing from a step (or not finite) took no measurable time there.
+        values = [to_float(row.get(key)) for row in train]
+        layers.append([v if v is not None and math.isfinite(v) else 0.0 for v in values])
+    labels = [key.removeprefix("timing/").removesuffix("_s") for key in keys]
+    ax.set_title("step time by phase", fontsize=10, loc="left")
+    ax.stackplot(steps, layers, labels=labels, alpha=0.8)
+    ax.set_ylabel("seconds")
+    ax.legend(loc="upper left", fontsize=8, ncol=min(len(keys), 6))
+
+
+def plot_run(history: Sequence[Mapping[str, Any]], out_path: Path | str, *, title: str = "") -> Path:
+    """Write the run's curves to ``out_path`` (a .png) and return the path.
+
+    Panels: (1) train reward mean with a moving average, and validation accuracy;
+    (2) train loss; (3) only when the history has ``timing/*_s`` keys, the step time by
+    phase.  A panel whose metrics are missing says "no data".  Empty history -> ValueError.
+    """
+    if not history:
+        raise ValueError("plot_run: empty history, nothing to plot")
+    out_path = Path(out_path)
+    if out_path.suffix.lower() != ".png":
+        raise ValueError(f"plot_run: out_path must end in .png, got {out_path}")
+    from matplotlib.figure import Figure  # lazy: matplotlib costs ~0.5 s to import
+
+    timing_keys = timing_keys_in(row for row in history if row.get("split") == "train")
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    axes = fig.subplots(3 if timing_keys else 2, 1, sharex=True, squeeze=True)
+    _plot_reward_panel(axes[0], history)
+    _plot_loss_panel(axes[1], history)
+    if timing_keys:
+        _plot_timing_panel(axes[2], history, timing_keys)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, format="png", dpi=DPI)
+    return out_path

@@ -1,0 +1,53 @@
+"""GRPO run configs for the tests: the embedded default, shrunk to seconds.
+
+The policy is the built-in ``builtin:arithmetic-llama`` (built once per session into a
+temporary cache by the project's own warm start), so rewards are neither all 0 nor all 1
+and the advantages, losses and gradients compared across backends are not trivially zero.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from core.cli import GRPO_DEFAULT_CONFIG_PATH
+from core.config import load_config
+
+SMALL_RUN = [
+    "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=2",
+    "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=true", "grpo.max_val_samples=8",
+    "grpo.val_batch_size=8",
+    "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
+    "logger.progress_bar=false", "logger.plot_enabled=false", "logger.tensorboard_enabled=false",
+    "checkpointing.enabled=false",
+]
+LAYOUTS = {
+    "torch_fsdp": [],
+    "torch_dtensor": ["policy.dtensor_cfg.tensor_parallel_size=2"],
+    # The test session's JAX actors see 8 XLA host devices (tests/conftest.py): fsdp 4 x tp 2.
+    "jax_pjit": ["policy.jax_cfg.tensor_parallel_size=2"],
+}
+SEPARATE_ENGINE = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1",
+                   "policy.generation.colocated.resources.num_nodes=1"]
+
+
+@pytest.fixture(scope="session")
+def builtin_cache(tmp_path_factory):
+    """A session-wide cache for the built-in model (built by the first run that needs it)."""
+    path = tmp_path_factory.mktemp("dualrl_cache")
+    old = os.environ.get("DUALRL_CACHE_DIR")
+    os.environ["DUALRL_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("DUALRL_CACHE_DIR", None)
+    else:
+        os.environ["DUALRL_CACHE_DIR"] = old
+
+
+def grpo_config(run_dir: Path, backend: str, *overrides: str) -> dict:
+    """The embedded default on ``backend``, small, logging under ``run_dir``."""
+    paths = [f"logger.log_dir={run_dir / 'logs'}", f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}"]
+    return load_config(GRPO_DEFAULT_CONFIG_PATH, SMALL_RUN + LAYOUTS[backend] + paths + list(overrides),
+                       backend=backend)
