@@ -7,6 +7,7 @@ here, before any training starts, with the dotted config key that fixes it.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import string
@@ -39,7 +40,7 @@ class PromptDatum:
     metadata: dict[str, Any]  # ground_truth, index, raw_prompt + the row's other columns
 
 
-class PromptDataset:
+class PromptDataset(abc.ABC):
     """Random access to prompts; finite (``size`` = count) or infinite (``size`` None)."""
 
     size: int | None = None
@@ -62,8 +63,9 @@ class PromptDataset:
         # A fresh metadata dict per access: callers may annotate it without changing the data.
         return dataclasses.replace(datum, metadata=dict(datum.metadata))
 
+    @abc.abstractmethod
     def _get(self, i: int) -> PromptDatum:
-        raise NotImplementedError  # every concrete dataset below implements it
+        """Item ``i`` (already range-checked)."""
 
 
 class ListPromptDataset(PromptDataset):

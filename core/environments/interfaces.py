@@ -11,6 +11,7 @@ Nothing here imports torch, jax or ray.
 
 from __future__ import annotations
 
+import abc
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -62,15 +63,15 @@ class Environment(Protocol):
         ...
 
 
-class AnswerCheckingEnvironment:
+class AnswerCheckingEnvironment(abc.ABC):
     """An environment that scores each sample alone: right (1.0) or wrong (0.0) against the
     sample's ``ground_truth``.  Subclasses say how an answer is read and compared."""
 
     name = "answer-checking"
 
+    @abc.abstractmethod
     def judge(self, completion: str, ground_truth: str) -> tuple[bool, str | None]:
-        """(is the completion right, the answer read from it)."""
-        raise NotImplementedError  # abstract: each task has its own answer rule
+        """(is the completion right, the answer read from it): each task has its own rule."""
 
     def score(self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         check_batch_lengths(prompts, completions, metadata)

@@ -111,6 +111,14 @@ class ClippedPGLossFn:
         actor_loss = reduce(is_weights * clip_loss)
         loss = actor_loss + kl
 
+        metrics = self._metrics(ops, loss, actor_loss, kl, ratios, ratios_clamped, curr_lp, prev_lp, gen_lp, raw_is,
+                                is_oob, mask, sample_mask, global_valid_toks)
+        return loss, metrics
+
+    # ------------------------------------------------------------------ pieces
+    def _metrics(self, ops, loss, actor_loss, kl, ratios, ratios_clamped, curr_lp, prev_lp, gen_lp, raw_is, is_oob,
+                 mask, sample_mask, global_valid_toks):
+        """Detached metrics, each normalised like the loss (they sum over micro batches)."""
         sg = ops.stop_gradient
 
         def tok_mean(x):
@@ -134,9 +142,8 @@ class ClippedPGLossFn:
             "approx_entropy": tok_mean(-ops.exp(curr - gen_lp) * curr),
             "num_valid_samples": sg(ops.sum(sample_mask)),
         }
-        return loss, metrics
+        return metrics
 
-    # ------------------------------------------------------------------ pieces
     def _kl_term(self, ops, curr_lp, gen_lp, ref_lp, reduce):
         if self.reference_policy_kl_penalty == 0:
             return ops.zeros((), like=curr_lp)
