@@ -7,6 +7,8 @@ compares it with plain ``transformers`` on the same weights, and with the policy
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,19 @@ def hf_model_from(policy, path: Path):
 
     policy.save_hf_checkpoint(str(path))
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def one_engine(model_dir: Path, tokenizer, name: str):
+    """A vLLM engine (dummy weights) for the tiny model on a one-bundle CPU cluster of its own."""
+    from core.distributed import RayVirtualCluster
+    from core.generation import VllmGeneration
+
+    cfg = refit_config(model_dir, "torch_fsdp")
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1, name=name)
+    generation = VllmGeneration(cluster, cfg, tokenizer, name_prefix=name)
+    try:
+        yield generation
+    finally:
+        generation.shutdown()
+        cluster.shutdown()

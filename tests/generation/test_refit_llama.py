@@ -12,7 +12,6 @@ import ray
 import torch
 
 from core.distributed import RayVirtualCluster
-from core.generation import VllmGeneration
 from core.policy import Policy
 from core.refit import RefitError, refit_policy_generation
 from core.refit.shm import ShmBucketWriter
@@ -20,6 +19,7 @@ from tests.generation.conftest import (
     generated_rows,
     hf_greedy,
     hf_model_from,
+    one_engine,
     prompts,
     refit_config,
     rollout_agreement,
@@ -33,12 +33,8 @@ SMALL_BUCKET = 48 * 1024
 
 @pytest.fixture(scope="module")
 def engine(ray_session, gen_model_dirs, tokenizer):
-    cfg = refit_config(gen_model_dirs["llama_gen"], "torch_fsdp")
-    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1, name="vllm_llama")
-    generation = VllmGeneration(cluster, cfg, tokenizer, name_prefix="vllm_llama")
-    yield generation
-    generation.shutdown()
-    cluster.shutdown()
+    with one_engine(gen_model_dirs["llama_gen"], tokenizer, "vllm_llama") as generation:
+        yield generation
 
 
 def _policy(cfg, tokenizer, name, bundles=(2,), cpus=1):

@@ -15,10 +15,9 @@ import torch
 
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster
-from core.generation import VllmGeneration
 from core.policy import Policy
 from core.refit import refit_policy_generation
-from tests.generation.conftest import prompts, refit_config
+from tests.generation.conftest import one_engine, prompts, refit_config
 
 BATCH = 6
 SEEDS = torch.tensor([101, 202, 303, 2 ** 32 - 404, 0, 606], dtype=torch.int64)  # within [0, 2**32)
@@ -37,13 +36,9 @@ def policy(ray_session, gen_model_dirs, tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(policy, gen_model_dirs, tokenizer):
-    cfg = refit_config(gen_model_dirs["llama_gen"], "torch_fsdp")
-    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1, name="seeds_vllm")
-    generation = VllmGeneration(cluster, cfg, tokenizer, name_prefix="seeds_vllm")
-    refit_policy_generation(policy, generation, "ipc")
-    yield generation
-    generation.shutdown()
-    cluster.shutdown()
+    with one_engine(gen_model_dirs["llama_gen"], tokenizer, "seeds_vllm") as generation:
+        refit_policy_generation(policy, generation, "ipc")
+        yield generation
 
 
 # ---------------------------------------------------------------------------- helpers
