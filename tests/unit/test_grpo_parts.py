@@ -233,3 +233,11 @@ def test_loop_resumes_after_the_start_step_and_honours_should_stop(tmp_path):
     loop, _, _ = _loop(tmp_path, lambda s: steps.append(s) or {"loss": 0.0},
                        should_stop=lambda: "done" if len(steps) == 2 else None)
     assert loop.run(start_step=2) == 4 and steps == [3, 4]
+
+
+def test_jax_cpu_flags_add_devices_and_turn_eigen_threads_off_without_overriding_the_user():
+    from core.algorithms.placement import jax_cpu_flags
+
+    assert jax_cpu_flags("", 2) == "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
+    user = "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=true"
+    assert jax_cpu_flags(user, 2) == user
