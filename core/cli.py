@@ -3,6 +3,8 @@
     dualrl grpo [--config FILE] [--backend NAME] [--resume] [key.path=value ...]
         GRPO on the chosen backend; with no arguments the embedded default
         (core/configs/grpo_arithmetic.yaml: a built-in tiny model on the arithmetic task).
+    dualrl sft  [same options]   SFT (core/configs/sft_arithmetic.yaml: answers of the task)
+    dualrl dpo  [same options]   DPO (core/configs/dpo_arithmetic.yaml: right vs wrong answers)
     dualrl config [--config FILE] [--backend NAME] [key.path=value ...]
         load a YAML config, apply dotted overrides and --backend, validate it, print it.
 
@@ -18,10 +20,10 @@ import sys
 
 from pathlib import Path
 
-from core.config import BACKENDS, DEFAULT_CONFIG_PATH, ConfigError, load_config
+from core.config import BACKENDS, DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config
 
 #: ``dualrl grpo``'s config when none is given: the embedded default.
-GRPO_DEFAULT_CONFIG_PATH = Path(DEFAULT_CONFIG_PATH).with_name("grpo_arithmetic.yaml")
+GRPO_DEFAULT_CONFIG_PATH = EMBEDDED_CONFIGS["grpo"]
 
 
 def _config_command(args: argparse.Namespace) -> int:
@@ -44,24 +46,39 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, CheckpointError, DatasetLoadError, FileNotFoundError, ValueError
 
 
-def _grpo_command(args: argparse.Namespace) -> int:
+def _run_function(algorithm: str):
+    """The training entry point of ``algorithm`` (imported only when training)."""
+    if algorithm == "grpo":
+        from core.algorithms.grpo_setup import run_grpo
+
+        return run_grpo
+    if algorithm == "sft":
+        from core.algorithms.sft import run_sft
+
+        return run_sft
+    from core.algorithms.dpo import run_dpo
+
+    return run_dpo
+
+
+def _train_command(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["checkpointing.resume=true"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides, backend=args.backend)
     except (ConfigError, FileNotFoundError) as err:
         print(f"invalid config {args.config}:\n{err}", file=sys.stderr)
         return 2
-    from core.algorithms.grpo_setup import run_grpo  # heavy imports only when training
+    run = _run_function(args.command)  # heavy imports only when training
     from core.algorithms.loop import NonFiniteLossError
     from core.environments import RewardError
 
     try:
-        run_grpo(cfg)
+        run(cfg)
     except (RewardError, NonFiniteLossError) as err:
-        print(f"dualrl grpo: training failed: {err}", file=sys.stderr)
+        print(f"dualrl {args.command}: training failed: {err}", file=sys.stderr)
         return 1
     except _input_errors() as err:
-        print(f"dualrl grpo: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"dualrl {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0
 
@@ -79,11 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"({', '.join(BACKENDS)}).",
     )
     sub = parser.add_subparsers(dest="command")
-    grpo = sub.add_parser("grpo", help="GRPO training (no arguments: the embedded arithmetic default)")
-    _add_config_args(grpo, GRPO_DEFAULT_CONFIG_PATH)
-    grpo.add_argument("--resume", action="store_true",
-                      help="continue from the latest complete checkpoint in checkpointing.checkpoint_dir")
-    grpo.set_defaults(func=_grpo_command)
+    helps = {"grpo": "GRPO training (no arguments: the embedded arithmetic default)",
+             "sft": "supervised fine-tuning (no arguments: the built-in arithmetic answers, from random weights)",
+             "dpo": "DPO (no arguments: built-in right-vs-wrong answer pairs, from builtin:arithmetic-llama)"}
+    for algorithm, path in EMBEDDED_CONFIGS.items():
+        cmd = sub.add_parser(algorithm, help=helps[algorithm])
+        _add_config_args(cmd, path)
+        cmd.add_argument("--resume", action="store_true",
+                         help="continue from the latest complete checkpoint in checkpointing.checkpoint_dir")
+        cmd.set_defaults(func=_train_command)
     cfg = sub.add_parser("config", help="validate a config (YAML + overrides) and print the resolved result")
     _add_config_args(cfg, DEFAULT_CONFIG_PATH)
     cfg.set_defaults(func=_config_command)

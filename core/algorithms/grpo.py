@@ -31,6 +31,7 @@ from core.algorithms.rollouts import (
     training_batch,
 )
 from core.algorithms.timing import StepTimer
+from core.algorithms.training_run import train_metrics
 from core.logging import format_val_samples
 
 
@@ -68,7 +69,7 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
     run.rollouts.mark_stale()
 
     metrics = rollout_metrics(out, data["token_mask"], rewards, run.stop_token_ids, run.max_new_tokens)
-    for part in (adv.metrics(), _accuracy(scored.infos), _train_metrics(result), refit, timer.metrics()):
+    for part in (adv.metrics(), _accuracy(scored.infos), train_metrics(result), refit, timer.metrics()):
         metrics.update(part)
     return metrics
 
@@ -101,17 +102,6 @@ def _accuracy(infos: list[dict[str, Any]]) -> dict[str, float]:
     whether an answer is correct report rewards only)."""
     flags = [info["correct"] for info in infos if "correct" in info]
     return {"accuracy": sum(map(bool, flags)) / len(flags)} if flags and len(flags) == len(infos) else {}
-
-
-def _train_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """``Policy.train``'s result as floats (mean over the step's optimizer steps)."""
-    out = {"loss": float(result["loss"].mean()), "grad_norm": float(result["grad_norm"].mean())}
-    if result.get("lr") is not None:
-        out["lr"] = float(result["lr"])
-    for key, values in result["metrics"].items():
-        if key not in ("loss",):
-            out[key] = float(torch.as_tensor(values, dtype=torch.float64).mean())
-    return out
 
 
 def _print_samples(run: Any, step: int, items: list, completions: list[str], rewards: list[float]) -> None:

@@ -30,6 +30,7 @@ SECTION = "checkpointing"
 _DEFAULTS: dict[str, Any] = {
     "enabled": True, "checkpoint_dir": None, "save_period": 10, "keep_top_k": None,
     "metric_name": None, "higher_is_better": True, "resume": False,
+    "export_hf_dir": None,  # read by core.algorithms.training_run.finish_run (the final HF export)
 }  # fmt: skip
 _TMP_RE = re.compile(r"\.(tmp|trash)-step_[0-9]+-[0-9a-f]{8}")
 _OLD_RE = re.compile(r"\.old-step_([0-9]+)-[0-9a-f]{8}")
@@ -70,6 +71,9 @@ def _parse_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         errors.append(f"{SECTION}.keep_top_k: {k!r} must be an integer >= 1, or null to keep all")
     if c["metric_name"] is not None and not (isinstance(c["metric_name"], str) and c["metric_name"]):
         errors.append(f"{SECTION}.metric_name: {c['metric_name']!r} must be a metric name or null")
+    export = c["export_hf_dir"]
+    if export is not None and not (isinstance(export, (str, os.PathLike)) and str(export)):
+        errors.append(f"{SECTION}.export_hf_dir: {export!r} is not a path (or null for no export)")
     d = c["checkpoint_dir"]
     if d is None or d == "":
         if c["enabled"] or c["resume"]:

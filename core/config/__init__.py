@@ -11,6 +11,7 @@ Importing this package needs neither torch, jax, ray nor (until a file is loaded
 
 from core.config.loader import (
     DEFAULT_CONFIG_PATH,
+    EMBEDDED_CONFIGS,
     apply_overrides,
     deep_merge,
     load_config,
@@ -28,8 +29,10 @@ from core.config.schema import (
     ClusterConfig,
     DataConfig,
     EnvConfig,
+    DPOConfig,
     GRPOConfig,
     LoggerConfig,
+    SFTConfig,
     MathEnvConfig,
     ColocationConfig,
     ColocationResources,
@@ -67,6 +70,7 @@ __all__ = [
     "validate_master_config",
     # loading
     "DEFAULT_CONFIG_PATH",
+    "EMBEDDED_CONFIGS",
     "load_yaml",
     "deep_merge",
     "parse_override",
@@ -96,6 +100,8 @@ __all__ = [
     "ClippedPGLossConfig",
     "DPOLossConfig",
     "GRPOConfig",
+    "SFTConfig",
+    "DPOConfig",
     "DataConfig",
     "ArithmeticTaskConfig",
     "MathEnvConfig",

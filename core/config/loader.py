@@ -36,6 +36,13 @@ __all__ = [
 #: The shipped example config (``core/configs/default.yaml``).
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
+#: The embedded default of each ``dualrl`` training command (its config with no ``--config``).
+EMBEDDED_CONFIGS = {
+    "grpo": DEFAULT_CONFIG_PATH.with_name("grpo_arithmetic.yaml"),
+    "sft": DEFAULT_CONFIG_PATH.with_name("sft_arithmetic.yaml"),
+    "dpo": DEFAULT_CONFIG_PATH.with_name("dpo_arithmetic.yaml"),
+}
+
 # YAML 1.1 floats plus exponent-without-dot forms ("1e-6", "5E3"), which PyYAML's
 # resolver otherwise leaves as strings.
 _FLOAT_RE = re.compile(

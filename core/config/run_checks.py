@@ -1,5 +1,7 @@
-"""Semantic checks of a run's product sections: ``grpo``, ``data``, ``env``, ``logger``,
-``checkpointing``, and the rules that tie them to ``policy``.
+"""Semantic checks of a run's product sections: ``grpo``, ``sft``, ``dpo``, ``data``, ``env``,
+``logger``, ``checkpointing``, the rules that tie them to ``policy``, and what each
+algorithm accepts (``algorithm_errors``: a section or data key another algorithm uses is
+refused, not silently ignored).
 
 The type walk (unknown keys, wrong types) is :func:`core.config.validate.validate_typed`;
 these add what a type cannot say (positivity, divisibility, a group needs two samples).
@@ -11,7 +13,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from core.config.schema import CheckpointingConfig, DataConfig, EnvConfig, GRPOConfig, LoggerConfig
+from core.config.schema import (
+    CheckpointingConfig,
+    DataConfig,
+    DPOConfig,
+    EnvConfig,
+    GRPOConfig,
+    LoggerConfig,
+    SFTConfig,
+)
 from core.config.validate import _Checker, validate_typed
 
 
@@ -39,6 +49,27 @@ def _grpo_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
         c.err(c.p("num_generations_per_prompt"),
               f"must be >= 2, got {n}: GRPO's baseline is the mean reward of a prompt's group, so a group "
               "of one sample has advantage 0 everywhere and nothing is learned")
+
+
+def _sft_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
+    for key in ("max_num_steps", "max_num_epochs", "val_global_batch_size", "val_micro_batch_size"):
+        _at_least(c, cfg, key, 1)
+    for key in ("val_period", "val_batches"):
+        _at_least(c, cfg, key, 0)
+    gbs, mbs = c.int_of(cfg, "val_global_batch_size"), c.int_of(cfg, "val_micro_batch_size")
+    if gbs and mbs and gbs % mbs:
+        c.err(c.p("val_global_batch_size"), f"{gbs} is not divisible by val_micro_batch_size ({mbs})")
+
+
+def _dpo_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
+    _sft_semantics(c, cfg)
+    c.positive(cfg, "reference_policy_kl_penalty")
+    for key in ("preference_loss_weight", "sft_loss_weight"):
+        c.non_negative(cfg, key)
+    for key in ("val_global_batch_size", "val_micro_batch_size"):
+        v = c.int_of(cfg, key)
+        if v is not None and v % 2:
+            c.err(c.p(key), f"must be even, got {v}: DPO rows come in (chosen, rejected) pairs")
 
 
 def _data_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
@@ -69,6 +100,8 @@ def _checkpointing_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
 
 SECTION_CHECKS = {
     GRPOConfig: _grpo_semantics,
+    SFTConfig: _sft_semantics,
+    DPOConfig: _dpo_semantics,
     DataConfig: _data_semantics,
     EnvConfig: _env_semantics,
     LoggerConfig: _logger_semantics,
@@ -100,4 +133,81 @@ def cross_section_errors(cfg: Mapping[str, Any]) -> list[str]:
             errors.append(
                 f"data.max_input_seq_length: {limit} leaves no room for a response within "
                 f"policy.max_total_sequence_length ({total})")
+    return errors
+
+
+# The sections and data keys each algorithm reads; anything else is refused by name.
+ALGORITHM_SECTIONS = {
+    "grpo": ("policy", "cluster", "grpo", "loss_fn", "data", "env", "logger", "checkpointing"),
+    "sft": ("policy", "cluster", "sft", "data", "logger", "checkpointing"),
+    "dpo": ("policy", "cluster", "dpo", "data", "logger", "checkpointing"),
+}
+_COMMON_DATA_KEYS = ("dataset_name", "dataset_config", "split", "val_dataset_name", "val_split", "prompt_template",
+                     "system_prompt", "use_chat_template", "shuffle")
+ALGORITHM_DATA_KEYS = {
+    "grpo": _COMMON_DATA_KEYS + ("prompt_key", "answer_key", "max_input_seq_length", "on_long_prompt"),
+    "sft": _COMMON_DATA_KEYS + ("prompt_key", "response_key", "messages_key", "on_long_sequence", "arithmetic"),
+    "dpo": _COMMON_DATA_KEYS + ("prompt_key", "chosen_key", "rejected_key", "on_long_sequence", "arithmetic"),
+}
+
+
+def algorithm_errors(cfg: Mapping[str, Any], algorithm: str) -> list[str]:
+    """What ``dualrl <algorithm>`` cannot run with: missing sections, and sections or data
+    keys it would not read (a GRPO key in an SFT run is a mistake, not a no-op)."""
+    sections = ALGORITHM_SECTIONS[algorithm]
+    errors = [f"{s}: missing section (dualrl {algorithm} needs {', '.join(sections)})"
+              for s in sections if s not in cfg]
+    errors += [f"{s}: not used by dualrl {algorithm}; remove the section (it reads {', '.join(sections)})"
+               for s in cfg if s not in sections]
+    data = cfg.get("data")
+    if isinstance(data, Mapping):
+        allowed = ALGORITHM_DATA_KEYS[algorithm]
+        for key in data:
+            if key not in allowed:
+                users = [a for a, keys in ALGORITHM_DATA_KEYS.items() if key in keys]
+                errors.append(f"data.{key}: not used by dualrl {algorithm} (a key of {'/'.join(users)}); remove it")
+        if data.get("arithmetic") is not None and not _uses_builtin_task(cfg):
+            errors.append("data.arithmetic: not used: data.dataset_name is not a built-in task and "
+                          "policy.model_name is not a warm-started built-in model; set it to null")
+        if algorithm == "grpo" and "max_input_seq_length" not in data:
+            errors.append("data.max_input_seq_length: missing (dualrl grpo needs the longest prompt in tokens)")
+    logger = cfg.get("logger")
+    if algorithm != "grpo" and isinstance(logger, Mapping) and "num_val_samples_to_print" in logger:
+        errors.append(f"logger.num_val_samples_to_print: not used by dualrl {algorithm} (it prints GRPO's "
+                      "validation completions); remove it")
+    errors += _algorithm_policy_errors(cfg, algorithm)
+    return errors
+
+
+def _uses_builtin_task(cfg: Mapping[str, Any]) -> bool:
+    """Whether the built-in task's knobs matter: built-in data, or a built-in model (whose warm
+    start trains on the task)."""
+    from core.datasets.sources import is_builtin as builtin_data
+    from core.models.builtin import is_warm_started
+
+    data, policy = cfg.get("data") or {}, cfg.get("policy") or {}
+    names = (data.get("dataset_name"), data.get("val_dataset_name"))
+    return any(isinstance(n, str) and builtin_data(n) for n in names) or is_warm_started(policy.get("model_name"))
+
+
+def _algorithm_policy_errors(cfg: Mapping[str, Any], algorithm: str) -> list[str]:
+    policy = cfg.get("policy")
+    if not isinstance(policy, Mapping):
+        return []
+    errors = []
+    if (policy.get("sequence_packing") or {}).get("enabled") and algorithm != "dpo":
+        # Validated but not implemented by any backend yet: a run must not look packed when it is not.
+        errors.append("policy.sequence_packing.enabled: sequence packing is not implemented by the training "
+                      "backends yet; set it to false (policy.dynamic_batching gives token-budget micro batches)")
+    if algorithm != "dpo":
+        return errors
+    for key in ("train_global_batch_size", "train_micro_batch_size"):
+        value = policy.get(key)
+        if isinstance(value, int) and value % 2:
+            errors.append(f"policy.{key}: must be even for DPO, got {value}: every batch holds whole "
+                          "(chosen, rejected) pairs")
+    for key in ("dynamic_batching", "sequence_packing"):
+        if ((policy.get(key) or {}).get("enabled")):
+            errors.append(f"policy.{key}.enabled: not supported by DPO, which needs (chosen, rejected) rows "
+                          "adjacent in every micro batch; set it to false")
     return errors

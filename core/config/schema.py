@@ -248,22 +248,22 @@ class GRPOConfig(TypedDict):
     seed: int  # data order, sampling seeds, task generation: a CPU fp32 run is repeatable
 
 
-class DataConfig(TypedDict):
-    """Prompt data: the built-in task, a local JSONL/parquet file, or a Hugging Face dataset."""
+class SFTConfig(TypedDict):
+    """The SFT loop (NeMo RL's ``sft`` section)."""
 
-    dataset_name: str  # "arithmetic" (built-in), a .jsonl/.json/.parquet path, or a hub name ("openai/gsm8k")
-    dataset_config: NotRequired[str | None]  # hub subset, e.g. "main"
-    split: NotRequired[str]
-    val_dataset_name: NotRequired[str | None]  # null = hold out grpo.max_val_samples rows of dataset_name
-    val_split: NotRequired[str | None]
-    prompt_key: NotRequired[str]  # column with the prompt text
-    answer_key: NotRequired[str | None]  # column with the reference answer (-> the environment's ground truth)
-    prompt_template: NotRequired[str]  # str.format template around the prompt, e.g. "{prompt}"
-    system_prompt: NotRequired[str | None]  # system message (chat template only)
-    use_chat_template: NotRequired[bool | Literal["auto"]]  # auto = when the tokenizer has one
-    max_input_seq_length: int  # longest prompt in tokens
-    on_long_prompt: NotRequired[Literal["error", "filter"]]  # what a longer prompt does
-    shuffle: NotRequired[bool]
+    max_num_steps: int  # optimizer steps of the run (one policy.train_global_batch_size batch each)
+    max_num_epochs: NotRequired[int]  # stop after this many passes over a finite dataset
+    val_period: int  # validate every N steps; 0 = never (except val_at_start / the end)
+    val_batches: int  # validation = val_batches x val_global_batch_size held-out examples; 0 = no validation
+    val_global_batch_size: int
+    val_micro_batch_size: int
+    val_at_start: bool
+    val_at_end: NotRequired[bool]  # default true
+    seed: int  # data order and held-out split
+
+
+class DPOConfig(SFTConfig, DPOLossConfig):
+    """The DPO loop and its loss keys (NeMo RL's ``dpo`` section holds both, as here)."""
 
 
 class ArithmeticTaskConfig(TypedDict):
@@ -274,6 +274,35 @@ class ArithmeticTaskConfig(TypedDict):
     num_operands: NotRequired[int]
     operations: NotRequired[list[Literal["+", "-", "*"]]]
     allow_negative: NotRequired[bool]
+
+
+class DataConfig(TypedDict):
+    """Training data: the built-in task, a local JSONL/parquet file, or a Hugging Face dataset.
+
+    One section for every algorithm; each uses the keys of its data format and refuses the
+    others (``core.config.run_checks.ALGORITHM_DATA_KEYS``): GRPO prompts, SFT
+    prompt/response or chat ``messages``, DPO prompt/chosen/rejected.
+    """
+
+    dataset_name: str  # "arithmetic" / "arithmetic-preferences" (built-in), a .jsonl/.json/.parquet path, or a hub name
+    dataset_config: NotRequired[str | None]  # hub subset, e.g. "main"
+    split: NotRequired[str]
+    val_dataset_name: NotRequired[str | None]  # null = hold validation rows out of dataset_name
+    val_split: NotRequired[str | None]
+    prompt_key: NotRequired[str | None]  # column with the prompt text (null with SFT's messages_key)
+    answer_key: NotRequired[str | None]  # GRPO: column with the reference answer (-> the environment's ground truth)
+    response_key: NotRequired[str | None]  # SFT: column with the response text (trained on); null with messages_key
+    messages_key: NotRequired[str | None]  # SFT: column with a chat conversation (list of {role, content}); loss on assistant turns
+    chosen_key: NotRequired[str]  # DPO: the preferred response (text or messages)
+    rejected_key: NotRequired[str]  # DPO: the dispreferred response
+    prompt_template: NotRequired[str]  # str.format template around the prompt, e.g. "{prompt}"
+    system_prompt: NotRequired[str | None]  # system message (chat template only)
+    use_chat_template: NotRequired[bool | Literal["auto"]]  # auto = when the tokenizer has one
+    max_input_seq_length: NotRequired[int]  # GRPO: longest prompt in tokens (required there)
+    on_long_prompt: NotRequired[Literal["error", "filter"]]  # GRPO: what a longer prompt does
+    on_long_sequence: NotRequired[Literal["truncate", "filter", "error"]]  # SFT/DPO: a sequence over policy.max_total_sequence_length
+    shuffle: NotRequired[bool]
+    arithmetic: NotRequired[ArithmeticTaskConfig | None]  # SFT/DPO: knobs of the built-in task (GRPO: env.arithmetic); null = none
 
 
 class MathEnvConfig(TypedDict):
@@ -314,6 +343,7 @@ class CheckpointingConfig(TypedDict):
     metric_name: NotRequired[str | None]  # keep the best by this metric (e.g. "val/accuracy"); null = the newest
     higher_is_better: NotRequired[bool]
     resume: NotRequired[bool]  # continue from the latest complete checkpoint (CLI: --resume)
+    export_hf_dir: NotRequired[str | None]  # at the end, the final policy as an HF model (+ tokenizer) here: the next stage's policy.model_name
 
 
 class MasterConfig(TypedDict):
@@ -323,6 +353,8 @@ class MasterConfig(TypedDict):
     cluster: ClusterConfig
     loss_fn: NotRequired[ClippedPGLossConfig]
     grpo: NotRequired[GRPOConfig]
+    sft: NotRequired[SFTConfig]
+    dpo: NotRequired[DPOConfig]
     data: NotRequired[DataConfig]
     env: NotRequired[EnvConfig]
     logger: NotRequired[LoggerConfig]

@@ -1,15 +1,16 @@
-"""Prompt data for RL post-training: sources, tokenized prompt datasets, batch loaders.
+"""Training data: sources, encoded datasets (GRPO prompts, SFT sequences, DPO pairs), loaders.
 
-``build_prompt_datasets(master_cfg, tokenizer, num_val=..., seed=...)`` gives the train
-and validation ``PromptDataset``s of a run; ``PromptLoader`` draws batches from one with a
-position that checkpoints and resumes exactly.  Importing this package imports neither
+``build_prompt_datasets`` (GRPO), ``build_sft_datasets`` and ``build_preference_datasets``
+give the train and validation datasets of a run; ``BatchLoader`` draws batches from one with
+a position that checkpoints and resumes exactly.  Importing this package imports neither
 ``datasets`` nor any training backend (those load lazily, when a source is read).
 """
 
-from core.datasets.loader import PromptLoader
+from core.datasets.base import EncodedDataset, ListDataset, build_datasets, encode_rows
+from core.datasets.loader import BatchLoader
 from core.datasets.prompts import (
-    PromptDataset,
     PromptDatum,
+    PromptEncoder,
     build_prompt_datasets,
     chat_template_used,
     format_prompt,
@@ -19,13 +20,17 @@ from core.datasets.sources import BUILTIN_SOURCES, DatasetLoadError, builtin_row
 
 __all__ = [
     "BUILTIN_SOURCES",
+    "BatchLoader",
     "DatasetLoadError",
-    "PromptDataset",
+    "EncodedDataset",
+    "ListDataset",
     "PromptDatum",
-    "PromptLoader",
+    "PromptEncoder",
+    "build_datasets",
     "build_prompt_datasets",
     "builtin_rows",
     "chat_template_used",
+    "encode_rows",
     "format_prompt",
     "load_rows",
     "tokenize_prompt",

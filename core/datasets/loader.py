@@ -1,4 +1,4 @@
-"""Batches of prompts with a deterministic, checkpointable position.
+"""Batches of examples (prompts, SFT sequences, DPO pairs) with a deterministic, checkpointable position.
 
 The loader's whole state is ``(epoch, position)`` plus the numbers that define the order
 (seed, dataset size, batch size), so a resumed run draws exactly the batches the
@@ -11,34 +11,36 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from core.datasets.prompts import PromptDataset, PromptDatum
+from typing import Any
 
-# The loader properties a saved state must agree on: they decide which prompts come next.
+from core.datasets.base import EncodedDataset
+
+# The loader properties a saved state must agree on: they decide which examples come next.
 _IDENTITY_KEYS = ("dataset_size", "batch_size", "seed")
 
 
-class PromptLoader:
-    """Draws ``batch_size`` prompts per call.
+class BatchLoader:
+    """Draws ``batch_size`` examples per call.
 
     Finite dataset: walks one permutation per epoch (``numpy.random.default_rng(seed +
     epoch)`` when ``shuffle``, else source order), drops the incomplete tail batch and
     moves on to the next epoch.  Infinite dataset: batch k is items ``k*batch_size ..``.
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool, seed: int):
+    def __init__(self, dataset: EncodedDataset, batch_size: int, *, shuffle: bool, seed: int):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if dataset.size is not None and batch_size > dataset.size:
             raise ValueError(f"batch_size {batch_size} is larger than the dataset "
-                             f"({dataset.size} prompts): no full batch can be drawn")
+                             f"({dataset.size} examples): no full batch can be drawn")
         self.dataset, self.batch_size = dataset, int(batch_size)
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.epoch = 0
         self.position = 0  # items of the current epoch (or of the stream) already drawn
         self._order_epoch, self._order = -1, None
 
-    def next_batch(self) -> list[PromptDatum]:
-        """The next ``batch_size`` prompts; advances the position (and maybe the epoch)."""
+    def next_batch(self) -> list[Any]:
+        """The next ``batch_size`` examples; advances the position (and maybe the epoch)."""
         start = self.position
         if self.dataset.size is None:
             indices = range(start, start + self.batch_size)
@@ -68,7 +70,7 @@ class PromptLoader:
         """Continue from a saved state; refuse one taken on a different loader setup.
 
         Resuming with another dataset size, batch size or seed would silently draw other
-        prompts than the interrupted run, so the mismatch is an error naming the key.
+        examples than the interrupted run, so the mismatch is an error naming the key.
         """
         own = self.state_dict()
         missing = [k for k in own if k not in state]
@@ -77,10 +79,10 @@ class PromptLoader:
         for key in _IDENTITY_KEYS:
             if int(state[key]) != own[key]:
                 raise ValueError(f"loader state {key}={state[key]} does not match this "
-                                 f"loader's {key}={own[key]}: resuming would draw other prompts")
+                                 f"loader's {key}={own[key]}: resuming would draw other examples")
         epoch, position = int(state["epoch"]), int(state["position"])
         limit = self.dataset.size
         if epoch < 0 or position < 0 or (limit is not None and position > limit):
             raise ValueError(f"loader state epoch={epoch} position={position} is out of range "
-                             f"for a dataset of {limit} prompts")
+                             f"for a dataset of {limit} examples")
         self.epoch, self.position = epoch, position

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-BUILTIN_SOURCES = ("arithmetic",)
+BUILTIN_SOURCES = ("arithmetic", "arithmetic-preferences")
 
 # File suffixes we hand to a packaged ``datasets`` builder (``load_dataset("json", ...)``).
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -114,13 +114,43 @@ def _check_not_empty(path: str, suffix: str, key_path: str) -> None:
         raise ValueError(f"{key_path}: dataset file {path!r} is empty (no rows)")
 
 
-def builtin_task(name: str, env_cfg: Mapping | None):
-    """The task object behind a built-in source (``ArithmeticTask`` for "arithmetic")."""
-    if name == "arithmetic":
+def builtin_task(name: str, task_cfg: Mapping | None, path: str = "env.arithmetic"):
+    """The task object behind a built-in source: ``ArithmeticTask`` for "arithmetic" (rows:
+    prompt, answer), wrapped in ``PreferenceTask`` for "arithmetic-preferences" (rows: prompt,
+    chosen, rejected, answer).  ``path`` is where its knobs live in the config."""
+    if name in BUILTIN_SOURCES:
         from core.environments.arithmetic import ArithmeticTask  # lazy: sibling package
 
-        return ArithmeticTask(env_cfg, path="env.arithmetic")
+        task = ArithmeticTask(task_cfg, path=path)
+        return PreferenceTask(task) if name == "arithmetic-preferences" else task
     raise ValueError(f"data.dataset_name: {name!r} is not a built-in task {BUILTIN_SOURCES}")
+
+
+class PreferenceTask:
+    """A task's problems as preference pairs: chosen = the right answer, rejected = a wrong
+    one a learner plausibly gives (off by one or two, or by ten: a carry slip), drawn from
+    ``(seed, index)`` so the pair is as reproducible as the problem."""
+
+    _SLIPS = (-10, -2, -1, 1, 2, 10)
+
+    def __init__(self, task):
+        self.task = task
+
+    def problem(self, seed: int, index: int) -> dict[str, str]:
+        import numpy as np
+
+        row = dict(self.task.problem(seed, index))
+        answer = int(row["answer"])
+        slips = [d for d in self._SLIPS if self.task.allow_negative or answer + d >= 0]
+        slip = slips[int(np.random.default_rng([seed, index, 2]).integers(len(slips)))]
+        row.update(chosen=str(answer), rejected=str(answer + slip))
+        return row
+
+    def problems(self, seed: int, start: int, count: int) -> list[dict[str, str]]:
+        return [self.problem(seed, i) for i in range(start, start + count)]
+
+    def num_distinct_problems(self) -> int:
+        return self.task.num_distinct_problems()
 
 
 def builtin_rows(

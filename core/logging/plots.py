@@ -1,4 +1,8 @@
-"""End-of-run curves as one PNG: reward and validation accuracy, loss, and step timings.
+"""End-of-run curves as one PNG: the algorithm's headline panels, then step timings.
+
+Each algorithm names its panels in ``RUN_PANELS`` (GRPO: reward / validation accuracy and
+loss; SFT: train / validation loss and grad norm; DPO: preference accuracy, loss, reward
+margin); a panel draws train and validation series of the same metric on one axis.
 
 matplotlib is imported inside :func:`plot_run`, and through ``matplotlib.figure.Figure``
 rather than pyplot: a bare ``Figure`` renders with the Agg (PNG) canvas without selecting
@@ -19,7 +23,7 @@ from core.logging.sinks import to_float
 FIGSIZE = (10.0, 7.0)  # inches
 DPI = 120  # -> 1200 x 840 pixels
 
-_TRAIN_COLOR, _VAL_COLOR, _LOSS_COLOR = "tab:blue", "tab:red", "tab:purple"
+_TRAIN_COLOR, _VAL_COLOR = "tab:blue", "tab:red"
 
 
 def series(history: Sequence[Mapping[str, Any]], split: str, key: str) -> tuple[list[int], list[float]]:
@@ -59,48 +63,44 @@ def _no_data(ax: Any, what: str) -> None:
     ax.set_yticks([])
 
 
-def _plot_reward_panel(ax: Any, history: Sequence[Mapping[str, Any]]) -> None:
-    """Train reward mean (+ moving average) and validation accuracy on one x axis."""
-    steps, rewards = series(history, "train", "reward_mean")
-    vsteps, accuracy = series(history, "val", "accuracy")
-    ax.set_title("reward / validation accuracy", fontsize=10, loc="left")
-    if not steps and not vsteps:
-        _no_data(ax, "train reward_mean, val accuracy")
-        return
-    if steps:
-        ax.plot(steps, rewards, color=_TRAIN_COLOR, alpha=0.35, marker=".", lw=1, label="train reward mean")
-        window = _smoothing_window(len(rewards))
-        if len(rewards) > window:
-            ax.plot(steps, moving_average(rewards, window), color=_TRAIN_COLOR, lw=2,
-                    label=f"train reward ({window}-step moving avg)")
-    ax.set_ylabel("reward")
-    finite = [v for v in rewards if not math.isnan(v)]
-    # Rewards in [0, 1] share accuracy's scale: one axis is easier to read than two.
-    acc_ax = ax if all(0.0 <= v <= 1.0 for v in finite) else ax.twinx()
-    if vsteps:
-        acc_ax.plot(vsteps, accuracy, color=_VAL_COLOR, marker="o", lw=1.5, label="val accuracy")
-    if acc_ax is ax:
-        ax.set_ylim(-0.05, 1.05)
-        ax.set_ylabel("reward / accuracy")
-    else:
-        acc_ax.set_ylim(-0.05, 1.05)
-        acc_ax.set_ylabel("val accuracy", color=_VAL_COLOR)
-    handles, labels = ax.get_legend_handles_labels()
-    if acc_ax is not ax:
-        more_h, more_l = acc_ax.get_legend_handles_labels()
-        handles, labels = handles + more_h, labels + more_l
-    ax.legend(handles, labels, loc="best", fontsize=8)
+# A panel: (title, ((split, metric key, legend label), ...)).
+Panel = tuple[str, tuple[tuple[str, str, str], ...]]
+
+RUN_PANELS: dict[str, tuple[Panel, ...]] = {
+    "grpo": (("reward / validation accuracy", (("train", "reward_mean", "train reward mean"),
+                                               ("val", "accuracy", "val accuracy"))),
+             ("train loss", (("train", "loss", "loss"),))),
+    "sft": (("loss (token-mean NLL)", (("train", "loss", "train loss"), ("val", "loss", "val loss"))),
+            ("gradient norm", (("train", "grad_norm", "grad norm"),))),
+    "dpo": (("preference accuracy (chosen reward > rejected)", (("train", "accuracy", "train"),
+                                                                 ("val", "accuracy", "val"))),
+            ("loss", (("train", "loss", "train"), ("val", "loss", "val"))),
+            ("reward margin (chosen - rejected)", (("train", "reward_margin", "train"),
+                                                   ("val", "reward_margin", "val")))),
+}
 
 
-def _plot_loss_panel(ax: Any, history: Sequence[Mapping[str, Any]]) -> None:
-    """Train loss per step."""
-    steps, loss = series(history, "train", "loss")
-    ax.set_title("train loss", fontsize=10, loc="left")
-    if not steps:
-        _no_data(ax, "train loss")
+def _plot_panel(ax: Any, history: Sequence[Mapping[str, Any]], panel: Panel) -> None:
+    """Train series as points plus a moving average; validation series as markers."""
+    title, curves = panel
+    ax.set_title(title, fontsize=10, loc="left")
+    drawn = False
+    for split, key, label in curves:
+        steps, values = series(history, split, key)
+        if not steps:
+            continue
+        drawn = True
+        if split == "val":
+            ax.plot(steps, values, color=_VAL_COLOR, marker="o", lw=1.5, label=label)
+            continue
+        ax.plot(steps, values, color=_TRAIN_COLOR, alpha=0.35, marker=".", lw=1, label=label)
+        window = _smoothing_window(len(values))
+        if len(values) > window:
+            ax.plot(steps, moving_average(values, window), color=_TRAIN_COLOR, lw=2,
+                    label=f"{label} ({window}-step moving avg)")
+    if not drawn:
+        _no_data(ax, ", ".join(f"{split} {key}" for split, key, _ in curves))
         return
-    ax.plot(steps, loss, color=_LOSS_COLOR, marker=".", lw=1, label="loss")
-    ax.set_ylabel("loss")
     ax.legend(loc="best", fontsize=8)
 
 
@@ -120,12 +120,13 @@ def _plot_timing_panel(ax: Any, history: Sequence[Mapping[str, Any]], keys: list
     ax.legend(loc="upper left", fontsize=8, ncol=min(len(keys), 6))
 
 
-def plot_run(history: Sequence[Mapping[str, Any]], out_path: Path | str, *, title: str = "") -> Path:
+def plot_run(history: Sequence[Mapping[str, Any]], out_path: Path | str, *, title: str = "",
+             algorithm: str = "grpo") -> Path:
     """Write the run's curves to ``out_path`` (a .png) and return the path.
 
-    Panels: (1) train reward mean with a moving average, and validation accuracy;
-    (2) train loss; (3) only when the history has ``timing/*_s`` keys, the step time by
-    phase.  A panel whose metrics are missing says "no data".  Empty history -> ValueError.
+    Panels: ``RUN_PANELS[algorithm]``, then, only when the history has ``timing/*_s`` keys,
+    the step time by phase.  A panel whose metrics are missing says "no data".  Empty
+    history -> ValueError.
     """
     if not history:
         raise ValueError("plot_run: empty history, nothing to plot")
@@ -134,13 +135,16 @@ def plot_run(history: Sequence[Mapping[str, Any]], out_path: Path | str, *, titl
         raise ValueError(f"plot_run: out_path must end in .png, got {out_path}")
     from matplotlib.figure import Figure  # lazy: matplotlib costs ~0.5 s to import
 
+    if algorithm not in RUN_PANELS:
+        raise ValueError(f"plot_run: unknown algorithm {algorithm!r}; known: {sorted(RUN_PANELS)}")
+    panels = RUN_PANELS[algorithm]
     timing_keys = timing_keys_in(row for row in history if row.get("split") == "train")
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-    axes = fig.subplots(3 if timing_keys else 2, 1, sharex=True, squeeze=True)
-    _plot_reward_panel(axes[0], history)
-    _plot_loss_panel(axes[1], history)
+    axes = fig.subplots(len(panels) + bool(timing_keys), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, panel in zip(axes, panels):
+        _plot_panel(ax, history, panel)
     if timing_keys:
-        _plot_timing_panel(axes[2], history, timing_keys)
+        _plot_timing_panel(axes[-1], history, timing_keys)
     for ax in axes:
         ax.grid(True, alpha=0.3)
     axes[-1].set_xlabel("step")

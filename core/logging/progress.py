@@ -23,13 +23,15 @@ PROGRESS_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward_mean", "train/reward_mean", "reward")),
     ("val_accuracy", ("val/accuracy", "val_accuracy")),
     ("loss", ("loss", "train/loss")),
+    ("val_loss", ("val/loss",)),
+    ("margin", ("reward_margin",)),  # DPO: chosen - rejected implicit reward
     ("s/step", ("step_time_s", "timing/step_s", "timing/total_s")),
 )
 
 # Keys that hold the wall time of a whole step (the "s/step" candidates above).
 STEP_TIME_KEYS: tuple[str, ...] = dict(PROGRESS_FIELDS)["s/step"]
 
-# Per-phase timings of a GRPO step, in pipeline order; plots stack them and the summary
+# Per-phase timings of a step (GRPO's all; SFT train; DPO reference + train), in pipeline order; plots stack them and the summary
 # reports each as a share of their sum, so they must not overlap one another.
 TIMING_KEYS: tuple[str, ...] = (
     "timing/generation_s",

@@ -44,21 +44,22 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
 
 
-def _first_last_best(name: str, points: list[tuple[int, float]]) -> str:
+def _first_last_best(name: str, points: list[tuple[int, float]], lower_is_better: bool = False) -> str:
     """``name: first 0.250 (step 0) -> last 0.600 (step 20) -> best 0.650 (step 15)``."""
     (s0, v0), (s1, v1) = points[0], points[-1]
-    sb, vb = max(points, key=lambda p: p[1])  # the earliest step among ties
+    pick = min if lower_is_better else max
+    sb, vb = pick(points, key=lambda p: p[1])  # the earliest step among ties
     return f"{name}: first {v0:.3f} (step {s0}) -> last {v1:.3f} (step {s1}) -> best {vb:.3f} (step {sb})"
 
 
-def _train_reward_line(train: Sequence[Mapping[str, Any]]) -> str | None:
-    """Train reward mean over the first 10 % of steps vs the last 10 %."""
-    points = _values(train, "reward_mean")
+def _train_trend_line(train: Sequence[Mapping[str, Any]], key: str, name: str) -> str | None:
+    """A train metric's mean over the first 10 % of steps vs the last 10 %."""
+    points = _values(train, key)
     if not points:
         return None
     k = max(1, math.ceil(len(points) / 10))
     first, last = _mean([v for _, v in points[:k]]), _mean([v for _, v in points[-k:]])
-    return f"train reward mean: first 10% {first:.3f} -> last 10% {last:.3f} ({k} step(s) each)"
+    return f"{name}: first 10% {first:.3f} -> last 10% {last:.3f} ({k} step(s) each)"
 
 
 def _timing_lines(train: Sequence[Mapping[str, Any]], wall_time_s: float, n_steps: int) -> list[str]:
@@ -115,9 +116,15 @@ def format_summary(history: Sequence[Mapping[str, Any]], *, wall_time_s: float, 
         lines.append(_first_last_best("val accuracy", accuracy))
     if val_reward := _values(val, "reward_mean"):
         lines.append(_first_last_best("val reward mean", val_reward))
+    if val_loss := _values(val, "loss"):
+        lines.append(_first_last_best("val loss", val_loss, lower_is_better=True))
     if not val:
         lines.append("validation: none run")
-    lines += [line for line in (_train_reward_line(train), _last_values_line(train)) if line]
+    # RL runs are judged by their reward (their loss is a surrogate); SFT / DPO by loss and accuracy.
+    trends = ((("reward_mean", "train reward mean"),) if _values(train, "reward_mean") else
+              (("accuracy", "train accuracy"), ("loss", "train loss")))
+    lines += [line for key, name in trends if (line := _train_trend_line(train, key, name))]
+    lines += [line for line in (_last_values_line(train),) if line]
     lines += _timing_lines(train, wall_time_s, len(train_steps))
     lines.append("files:")
     lines += _path_lines(Path(run_dir))

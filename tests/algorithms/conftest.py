@@ -1,7 +1,7 @@
 """GRPO run configs for the tests: the embedded default, shrunk to seconds.
 
 The policy is the built-in ``builtin:arithmetic-llama`` (built once per session into a
-temporary cache by the project's own warm start), so rewards are neither all 0 nor all 1
+temporary cache by the project's own warm start, a ``dualrl sft`` run), so rewards are neither all 0 nor all 1
 and the advantages, losses and gradients compared across backends are not trivially zero.
 """
 
@@ -34,8 +34,10 @@ SEPARATE_ENGINE = ["policy.generation.colocated.enabled=false", "policy.generati
 
 
 @pytest.fixture(scope="session")
-def builtin_cache(tmp_path_factory):
-    """A session-wide cache for the built-in model (built by the first run that needs it)."""
+def builtin_cache(ray_session, tmp_path_factory):
+    """A session-wide cache for the built-in model (built by the first run that needs it, with
+    a `dualrl sft` run: on the session's Ray, which must be up first -- a run that finds no Ray
+    starts its own, sized for itself)."""
     path = tmp_path_factory.mktemp("dualrl_cache")
     old = os.environ.get("DUALRL_CACHE_DIR")
     os.environ["DUALRL_CACHE_DIR"] = str(path)

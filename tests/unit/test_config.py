@@ -66,12 +66,17 @@ def test_default_yaml_every_schema_key_known(default_raw):
     assert set(default_raw["policy"]) == set(PolicyConfig.__annotations__)
     assert set(default_raw["loss_fn"]) == set(ClippedPGLossConfig.__annotations__)
     assert set(default_raw) == {"policy", "cluster", "loss_fn"}
-    # The run sections (grpo, data, env, logger, checkpointing) are spelled out by the
-    # embedded default, which inherits the rest from default.yaml.
-    from core.cli import GRPO_DEFAULT_CONFIG_PATH
-    from core.config import load_yaml
+    # The run sections are spelled out by the embedded defaults (one per algorithm, each with
+    # exactly the sections its command reads), which inherit policy and cluster.
+    from core.config import EMBEDDED_CONFIGS, load_yaml
+    from core.config.run_checks import ALGORITHM_SECTIONS
 
-    assert set(load_yaml(GRPO_DEFAULT_CONFIG_PATH)) == set(MasterConfig.__annotations__)
+    seen = set()
+    for algorithm, path in EMBEDDED_CONFIGS.items():
+        sections = set(load_yaml(path))
+        assert sections == set(ALGORITHM_SECTIONS[algorithm]), algorithm
+        seen |= sections
+    assert seen == set(MasterConfig.__annotations__)
 
 
 def test_validators_return_the_same_dict(cfg):

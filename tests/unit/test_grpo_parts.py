@@ -149,21 +149,26 @@ def test_builtin_model_names_and_cache_key(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="policy.tokenizer.name: unknown built-in model 'builtin:nope'"):
         builtin_tokenizer("builtin:nope")
     task = {"min_value": 0, "max_value": 20}
+    base = cache_key("arithmetic-llama-base", task, ["1+1="])
+    assert base == cache_key("arithmetic-llama-base", {**task, "max_value": 21}, [])  # random init: task-free
     key = cache_key("arithmetic-llama", task, ["1+1="])
     assert key == cache_key("arithmetic-llama", dict(task), ["1+1="])
     assert key != cache_key("arithmetic-llama", {**task, "max_value": 21}, ["1+1="])
     assert key != cache_key("arithmetic-llama", task, ["1+2="])  # another held-out set: another model
 
 
-def test_char_tokenizer_round_trips_and_warm_start_masks_the_answer():
+def test_char_tokenizer_round_trips_and_the_sft_batch_masks_the_answer():
+    from core.algorithms.sft import sequence_batch
+    from core.datasets.examples import SFTEncoder
     from core.models.char_tokenizer import char_tokenizer
-    from core.models.warm_start import example_batch
 
     tok = char_tokenizer()
     ids = tok("12+7=")["input_ids"]
     assert ids[0] == tok.bos_token_id and len(ids) == 6
     assert tok.decode(ids, skip_special_tokens=True) == "12+7="
-    batch = example_batch(tok, [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+10=", "answer": "20"}])
+    encoder = SFTEncoder({"response_key": "answer"}, tok, max_length=32)
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+10=", "answer": "20"}]
+    batch = sequence_batch([encoder.encode(r, i, "test") for i, r in enumerate(rows)], tok.pad_token_id)
     # <s> 1 + 2 = | 3 </s>   and   <s> 1 0 + 1 0 = | 2 0 </s>
     assert batch["token_mask"][0].tolist()[:7] == [0, 0, 0, 0, 0, 1, 1]
     assert batch["token_mask"][1].tolist() == [0] * 7 + [1, 1, 1]

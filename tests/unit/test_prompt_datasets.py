@@ -17,7 +17,7 @@ import pytest
 
 from core.datasets import (
     DatasetLoadError,
-    PromptLoader,
+    BatchLoader,
     build_prompt_datasets,
     builtin_rows,
     format_prompt,
@@ -215,7 +215,7 @@ def test_long_prompt_error_names_row_length_and_limit(tmp_path, tok):
             cfg(path, max_input_seq_length=5, on_long_prompt="filter"), tok, num_val=1, seed=0)
     assert train.num_filtered == 1 and train.size + val.size == 5
     assert "a b c d e f g" not in prompts(train) + prompts(val)
-    with pytest.raises(ValueError, match=r"all 6 prompts .* filtered"), warnings.catch_warnings():
+    with pytest.raises(ValueError, match=r"all 6 rows .* dropped"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         build_prompt_datasets(cfg(path, max_input_seq_length=2, on_long_prompt="filter"), tok,
                               num_val=1, seed=0)
@@ -257,31 +257,31 @@ def order(loader, batches):
 
 def test_loader_order_is_seeded_and_epochs_reshuffle(tmp_path, tok):
     ds = finite_dataset(tmp_path, tok)
-    a = order(PromptLoader(ds, 3, shuffle=True, seed=5), 6)
-    assert a == order(PromptLoader(ds, 3, shuffle=True, seed=5), 6)
-    assert a != order(PromptLoader(ds, 3, shuffle=True, seed=6), 6)
+    a = order(BatchLoader(ds, 3, shuffle=True, seed=5), 6)
+    assert a == order(BatchLoader(ds, 3, shuffle=True, seed=5), 6)
+    assert a != order(BatchLoader(ds, 3, shuffle=True, seed=6), 6)
     # 10 prompts, batches of 3: each epoch gives 3 batches of distinct prompts, tail dropped.
     epoch0, epoch1 = sum(a[:3], []), sum(a[3:], [])
     assert len(set(epoch0)) == len(set(epoch1)) == 9 and epoch0 != epoch1
-    assert order(PromptLoader(ds, 4, shuffle=False, seed=5), 3) == [[0, 1, 2, 3], [4, 5, 6, 7],
+    assert order(BatchLoader(ds, 4, shuffle=False, seed=5), 3) == [[0, 1, 2, 3], [4, 5, 6, 7],
                                                                     [0, 1, 2, 3]]
-    with pytest.raises(ValueError, match=r"batch_size 11 .*\(10 prompts"):
-        PromptLoader(ds, 11, shuffle=True, seed=0)
+    with pytest.raises(ValueError, match=r"batch_size 11 .*\(10 examples"):
+        BatchLoader(ds, 11, shuffle=True, seed=0)
 
 
 def test_loader_state_round_trip_across_an_epoch_boundary(tmp_path, tok):
     ds = finite_dataset(tmp_path, tok)
-    ref = PromptLoader(ds, 3, shuffle=True, seed=2)
+    ref = BatchLoader(ds, 3, shuffle=True, seed=2)
     order(ref, 2)
     state = ref.state_dict()
     assert state == {"epoch": 0, "position": 6, "seed": 2, "dataset_size": 10, "batch_size": 3}
     expected = order(ref, 4)  # crosses into epochs 1 and 2
-    resumed = PromptLoader(ds, 3, shuffle=True, seed=2)
+    resumed = BatchLoader(ds, 3, shuffle=True, seed=2)
     resumed.load_state_dict(json.loads(json.dumps(state)))  # as stored in a checkpoint
     assert order(resumed, 4) == expected and resumed.epoch == ref.epoch == 1
     for key, value in (("seed", 3), ("batch_size", 2), ("dataset_size", 11)):
         with pytest.raises(ValueError, match=rf"{key}={value} does not match"):
-            PromptLoader(ds, 3, shuffle=True, seed=2).load_state_dict({**state, key: value})
+            BatchLoader(ds, 3, shuffle=True, seed=2).load_state_dict({**state, key: value})
 
 
 # ---------------------------------------------------------------- built-in arithmetic
@@ -334,12 +334,12 @@ def test_builtin_long_prompts_error_or_are_skipped(tok):
 
 def test_infinite_loader_state_round_trip(tok):
     train, _ = build_prompt_datasets(cfg("arithmetic"), tok, num_val=4, seed=0)
-    ref = PromptLoader(train, 5, shuffle=True, seed=0)
+    ref = BatchLoader(train, 5, shuffle=True, seed=0)
     order(ref, 3)
     state = ref.state_dict()
     assert state["dataset_size"] == -1 and state["position"] == 15
     expected = [[d.prompt for d in ref.next_batch()] for _ in range(3)]
-    resumed = PromptLoader(train, 5, shuffle=True, seed=0)
+    resumed = BatchLoader(train, 5, shuffle=True, seed=0)
     resumed.load_state_dict(state)
     assert [[d.prompt for d in resumed.next_batch()] for _ in range(3)] == expected
 

@@ -1,0 +1,182 @@
+"""The parts of a training run every algorithm shares: GRPO, SFT and DPO build on these.
+
+    cfg = check_run_config(cfg, "sft")          # schema + what this algorithm accepts
+    run = open_run(TrainingRun, "sft", cfg, resolved_cfg, tokenizer, loader, val_set, loss_fn)
+    start_policy(run, log)                      # Ray, the cluster, the Policy (resumed weights)
+    train_loop(run, step_fn, validate_fn)       # TrainingLoop with the run's schedule and checkpoints
+    log(finish_run(run, wall_time_s))           # plot, HF export, one screen of summary
+
+``open_run`` restores a resumed run's data position and RNG state and trims the metrics
+log past the checkpoint, so a resumed run logs exactly what the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from core.algorithms.loop import TrainingLoop
+from core.algorithms.run_setup import run_identity
+from core.checkpointing import CheckpointManager, LoadedCheckpoint, restore_rng_state
+from core.config import ConfigError, validate_master_config
+from core.datasets import BatchLoader
+from core.logging import METRICS_FILENAME, PLOT_FILENAME, MetricsLogger, StepProgress, format_summary, plot_run, read_metrics
+
+
+@dataclass
+class TrainingRun:
+    """The live parts of a run (``close()`` stops the workers and closes the sinks)."""
+
+    algorithm: str  # "grpo" | "sft" | "dpo": also the name of the config section of its loop
+    cfg: dict[str, Any]  # as configured (built-in model names kept)
+    resolved_cfg: dict[str, Any]  # policy.model_name resolved to a loadable path
+    tokenizer: Any
+    loader: BatchLoader
+    val_dataset: Any
+    loss_fn: Any
+    checkpoints: CheckpointManager
+    resumed: LoadedCheckpoint | None
+    logger: MetricsLogger
+    progress: StepProgress
+    policy: Any = None
+    _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    @property
+    def section(self) -> dict[str, Any]:
+        """The algorithm's own config section (``grpo`` / ``sft`` / ``dpo``)."""
+        return self.cfg[self.algorithm]
+
+    @property
+    def start_step(self) -> int:
+        return self.resumed.step if self.resumed is not None else 0
+
+    def close(self) -> None:
+        self._exit.close()
+
+
+def check_run_config(cfg: Mapping[str, Any], algorithm: str) -> dict[str, Any]:
+    """The whole config checked, then what ``dualrl <algorithm>`` accepts (sections, data keys)."""
+    from core.config.run_checks import algorithm_errors
+
+    cfg = dict(validate_master_config(cfg))
+    errors = algorithm_errors(cfg, algorithm)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def open_run(run_cls: type, algorithm: str, cfg: dict[str, Any], resolved: dict[str, Any], tokenizer: Any,
+             loader: BatchLoader, val_dataset: Any, loss_fn: Any, **extra: Any) -> Any:
+    """A ``run_cls`` (``TrainingRun`` or a subclass; ``extra`` are its own fields) with its
+    checkpoints, sinks and progress bar; a resumed run continues its data and RNG state."""
+    checkpoints = CheckpointManager(cfg["checkpointing"], identity=run_identity(algorithm, cfg, resolved))
+    resumed = checkpoints.resume_point()
+    if resumed is not None:
+        loader.load_state_dict(resumed.train_state["loader"])
+        restore_rng_state(resumed.rng_state)
+    logger = MetricsLogger(cfg["logger"], resume=resumed is not None)
+    if resumed is not None:
+        logger.truncate_after(resumed.step)
+    progress = StepProgress(cfg[algorithm]["max_num_steps"], initial=resumed.step if resumed else 0,
+                            enabled=cfg["logger"].get("progress_bar", True),
+                            desc=f"{algorithm} {cfg['policy']['backend']}")
+    run = run_cls(algorithm, cfg, resolved, tokenizer, loader, val_dataset, loss_fn, checkpoints, resumed, logger,
+                  progress, **extra)
+    run._exit.callback(logger.close)
+    run._exit.callback(progress.close)
+    return run
+
+
+def start_policy(run: TrainingRun, log: Callable[[str], None], *, colocated_share: bool = False) -> Any:
+    """Ray, the training cluster and the Policy (from the resumed checkpoint if any); the
+    cluster is returned for engines that share it."""
+    from core.algorithms.placement import policy_cluster, start_ray
+    from core.policy import Policy
+
+    cfg, ckpt = run.resolved_cfg, run.resumed
+    start_ray(cfg)
+    cluster = policy_cluster(cfg)
+    run._exit.callback(cluster.shutdown)
+    run.policy = Policy(cluster, cfg["policy"], run.tokenizer,
+                        weights_path=None if ckpt is None else ckpt.policy_dir / "weights",
+                        optimizer_path=None if ckpt is None else ckpt.policy_dir / "optimizer",
+                        init_reference_model=needs_reference(run))
+    run._exit.callback(run.policy.shutdown)
+    return cluster
+
+
+def needs_reference(run: TrainingRun) -> bool:
+    """Whether the policy keeps frozen reference weights: GRPO's KL term and DPO's implicit
+    rewards use them; SFT does not (and saves their host memory)."""
+    return run.algorithm != "sft"
+
+
+def train_loop(run: TrainingRun, step_fn: Callable[[int], dict[str, float]],
+               validate_fn: Callable[[int], dict[str, float]] | None) -> int:
+    """Run the steps left (from a resumed step if any) on ``TrainingLoop``; the last step."""
+    section = run.section
+
+    def write_policy(path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        run.policy.save_checkpoint(path / "weights", path / "optimizer", path / "tokenizer")
+
+    def epochs_done() -> str | None:
+        limit = section.get("max_num_epochs")
+        return f"{limit} epoch(s) over the data" if limit and run.loader.epoch >= limit else None
+
+    loop = TrainingLoop(
+        algorithm=run.algorithm, max_steps=section["max_num_steps"], step_fn=step_fn, validate_fn=validate_fn,
+        write_policy=write_policy, train_state_fn=lambda: {"loader": run.loader.state_dict()}, logger=run.logger,
+        progress=run.progress, checkpoints=run.checkpoints, config=run.cfg, val_period=section["val_period"],
+        val_at_start=section["val_at_start"], val_at_end=section.get("val_at_end", True), should_stop=epochs_done)
+    return loop.run(run.start_step)
+
+
+def train_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """``Policy.train``'s result as floats (mean over the step's optimizer steps)."""
+    out = {"loss": float(result["loss"].mean()), "grad_norm": float(result["grad_norm"].mean())}
+    if result.get("lr") is not None:
+        out["lr"] = float(result["lr"])
+    for key, values in result["metrics"].items():
+        if key not in ("loss",):
+            out[key] = float(torch.as_tensor(values, dtype=torch.float64).mean())
+    return out
+
+
+def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | None = None) -> str:
+    """The HF export (``checkpointing.export_hf_dir``), the end-of-run plot (if enabled),
+    and one screen of summary."""
+    export = run.cfg["checkpointing"].get("export_hf_dir")
+    if export:
+        start = time.perf_counter()
+        run.policy.save_hf_checkpoint(str(export), save_tokenizer=True)
+        run.progress.write(f"final policy exported as an HF model to {export} ({time.perf_counter() - start:.1f} s)")
+    metrics_path = run.logger.log_dir / METRICS_FILENAME
+    history = read_metrics(metrics_path) if metrics_path.is_file() else list(run.logger.history)
+    if run.cfg["logger"].get("plot_enabled", True) and history:
+        plot_run(history, run.logger.log_dir / PLOT_FILENAME, algorithm=run.algorithm,
+                 title=f"{run.algorithm.upper()} {run.cfg['policy']['backend']} - {run.cfg['policy']['model_name']}")
+    info = {"backend": run.cfg["policy"]["backend"], "model": run.cfg["policy"]["model_name"], **(extra or {})}
+    if export:
+        info["hf export"] = export
+    return format_summary(history, wall_time_s=wall_time_s, run_dir=run.logger.log_dir, extra=info)
+
+
+def execute(setup: Callable[..., TrainingRun], train: Callable[[TrainingRun], Any],
+            report_extra: Callable[[TrainingRun], Mapping[str, Any]], cfg: Mapping[str, Any],
+            log: Callable[[str], None], **setup_kwargs: Any) -> TrainingRun:
+    """Set up, train, report, shut down: what ``dualrl <algorithm>`` does.  Returns the (closed) run."""
+    start = time.perf_counter()
+    run = setup(cfg, log, **setup_kwargs)
+    try:
+        train(run)
+        run.progress.close()
+        log(finish_run(run, time.perf_counter() - start, report_extra(run)))
+    finally:
+        run.close()
+    return run
