@@ -56,5 +56,9 @@ bench-trl: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python -m benchmarks.trl_compare
 
+# Numerical parity of the backend layouts vs each other and HF (benchmarks.parity); exit 1 on a failed check.
+parity: $(STAMP)
+	$(BIN)/python -m benchmarks.parity
+
 clean:
 	rm -rf $(VENV) *.egg-info

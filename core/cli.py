@@ -7,6 +7,9 @@
     dualrl dpo  [same options]   DPO (core/configs/dpo_arithmetic.yaml: right vs wrong answers)
     dualrl config [--config FILE] [--backend NAME] [key.path=value ...]
         load a YAML config, apply dotted overrides and --backend, validate it, print it.
+    dualrl parity [--layouts L ...] [--model NAME|PATH] [--json OUT] [--crossload ring|full]
+        numerical parity of the backend layouts vs each other and single-process HF: a
+        pass/fail matrix (benchmarks.parity); exit code 1 when a check fails.
 
 Bad input (config, data, resume checkpoint) ends the command with exit code 2 and a
 message naming the field, file or checkpoint, before any worker starts; a failure during
@@ -83,6 +86,19 @@ def _train_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parity_command(args: argparse.Namespace) -> int:
+    from benchmarks import parity  # heavy work (Ray, models) only when asked for
+
+    argv = ["--crossload", args.crossload]
+    if args.layouts:
+        argv += ["--layouts", *args.layouts]
+    if args.model:
+        argv += ["--model", args.model]
+    if args.json:
+        argv += ["--json", args.json]
+    return parity.main(argv, prog="dualrl parity")
+
+
 def _add_config_args(cmd: argparse.ArgumentParser, default_config: Path) -> None:
     cmd.add_argument("--config", default=str(default_config), help="YAML file (default: %(default)s)")
     cmd.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
@@ -108,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="validate a config (YAML + overrides) and print the resolved result")
     _add_config_args(cfg, DEFAULT_CONFIG_PATH)
     cfg.set_defaults(func=_config_command)
+    par = sub.add_parser("parity", help="backend-layout parity matrix: logprobs, loss, grad norm, batch "
+                                        "invariance, checkpoint cross-load (benchmarks.parity)")
+    par.add_argument("--layouts", nargs="+", help="default: fsdp1-dp2 dtensor-dp2 dtensor-tp2 jax-fsdp2 jax-tp2")
+    par.add_argument("--model", help="tiny model name (llama, tiny-qwen2, ...), HF path or hub id (default: llama)")
+    par.add_argument("--json", help="write every number to this file")
+    par.add_argument("--crossload", choices=["ring", "full"], default="ring",
+                     help="ring: layout i's export loads into layout i+1; full: every ordered pair")
+    par.set_defaults(func=_parity_command)
     return parser
 
 
