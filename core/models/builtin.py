@@ -50,10 +50,12 @@ BUILTIN_MODELS: dict[str, tuple[dict[str, Any], bool]] = {
 }
 
 #: What the warm start changes in core/configs/sft_arithmetic.yaml: no validation (the GRPO /
-#: DPO run validates on its own held-out prompts) and no run checkpoints.
+#: DPO run validates on its own held-out prompts), no run checkpoints, and no progress bar
+#: (the build logs a line before and after; its metrics and curves stay in the model's
+#: directory, under warm_start/).
 WARM_START_OVERRIDES = (
     "sft.val_batches=0", "sft.val_period=0", "sft.val_at_start=false", "sft.val_at_end=false",
-    "checkpointing.enabled=false", "logger.tensorboard_enabled=false",
+    "checkpointing.enabled=false", "logger.tensorboard_enabled=false", "logger.progress_bar=false",
 )
 
 
@@ -105,8 +107,9 @@ def warm_start_config(task_cfg: Mapping[str, Any], out_dir: Path | None = None) 
 def cache_key(short: str, task_cfg: Mapping[str, Any], exclude: Iterable[str]) -> str:
     shape, warm = BUILTIN_MODELS[short]
     payload = {"version": FORMAT_VERSION, "model": shape, "init_seed": INIT_SEED}
-    if warm:
-        payload.update(warm_start=warm_start_config(task_cfg), exclude=sorted(exclude))
+    if warm:  # the SFT config without what cannot change the weights (where logs and files go)
+        sft = {k: v for k, v in warm_start_config(task_cfg).items() if k not in ("logger", "checkpointing")}
+        payload.update(warm_start=sft, exclude=sorted(exclude))
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
