@@ -32,6 +32,7 @@ GRPO_DEFAULT_CONFIG_PATH = EMBEDDED_CONFIGS["grpo"]
 def _config_command(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides, backend=args.backend)
+        _check_as_its_command_would(cfg)
     except (ConfigError, FileNotFoundError) as err:
         print(f"invalid config {args.config}:\n{err}", file=sys.stderr)
         return 2
@@ -39,6 +40,17 @@ def _config_command(args: argparse.Namespace) -> int:
 
     print(yaml.safe_dump(cfg, sort_keys=False), end="")
     return 0
+
+
+def _check_as_its_command_would(cfg: dict) -> None:
+    """A config holding one algorithm's section (grpo / sft / dpo) is also checked as that
+    command checks it (sections and data keys it would refuse), so ``dualrl config`` accepts
+    only what the run would."""
+    from core.config.run_checks import algorithm_errors
+
+    algorithms = [name for name in EMBEDDED_CONFIGS if name in cfg]
+    if len(algorithms) == 1 and (errors := algorithm_errors(cfg, algorithms[0])):
+        raise ConfigError(errors)
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:

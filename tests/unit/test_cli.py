@@ -23,3 +23,17 @@ def test_config_errors_name_every_bad_field(capsys):
     assert rc == 2
     assert "policy.train_global_batch_size: 30 is not divisible" in err
     assert "policy.dtensor_cfg.tensor_paralel_size: unknown key (did you mean 'tensor_parallel_size'?)" in err
+
+
+def test_config_checks_a_run_config_as_its_command_would(capsys):
+    from core.config import EMBEDDED_CONFIGS
+
+    for algorithm, path in EMBEDDED_CONFIGS.items():  # the shipped defaults pass as they are
+        assert main(["config", "--config", str(path)]) == 0, algorithm
+    capsys.readouterr()
+    rc = main(["config", "--config", str(EMBEDDED_CONFIGS["sft"]), "env.name=arithmetic", "env.num_workers=1",
+               "policy.sequence_packing.enabled=true"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "env: not used by dualrl sft" in err
+    assert "policy.sequence_packing.enabled: sequence packing is not implemented" in err
