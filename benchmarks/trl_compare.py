@@ -434,8 +434,9 @@ def layout_workers(name: str) -> int:
     return 1 if is_jax(name) else tb.LAYOUTS[name].workers
 
 
-class DualRLRunner:
-    """One algorithm on one layout: a Policy on a cluster of its own; steps timed on the driver."""
+class DualRLRunner(tb.PolicyRunner):
+    """One algorithm on one layout: a Policy on a cluster of its own; steps timed on the driver.
+    Its own start-up (per-algorithm loss and reference model); ``close`` is the torch runner's."""
 
     def __init__(self, name: str, algorithm: str, data, width: int, model_path: str, tokenizer_path: str,
                  tokenizer, args) -> None:
@@ -505,14 +506,6 @@ class DualRLRunner:
             return None
         group = self._policy.worker_group
         return group.get_all_worker_results(group.run_all_workers_single_data("get_compile_counts"))[0]
-
-    def close(self) -> None:
-        try:
-            if self._policy is not None:
-                self._policy.shutdown()
-        finally:
-            self._cluster.shutdown()
-
 
 # ----------------------------------------------------------------------------- schedule
 

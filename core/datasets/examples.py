@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.datasets.prompts import (
-    _tokenizer_name,
+    tokenizer_name,
     chat_template_used,
     format_prompt,
     tokenize_prompt,
@@ -73,7 +73,7 @@ def render_conversation(tokenizer, messages: list[dict], train_turns: list[int],
         upto = _chat_ids(tokenizer, messages[:k + 1])
         if upto[:len(before)] != before or full[:len(upto)] != upto:
             raise ValueError(
-                f"{where}: the chat template of tokenizer {_tokenizer_name(tokenizer)} does not "
+                f"{where}: the chat template of tokenizer {tokenizer_name(tokenizer)} does not "
                 f"render conversation prefixes as prefixes of the conversation (turn {k}), so "
                 f"the assistant tokens to train on cannot be located")
         if len(upto) == len(before):  # nothing to train on would silently waste the row
@@ -103,7 +103,7 @@ def _require_chat(data_cfg: Mapping, tokenizer, key: str, column: str) -> None:
     if not chat_template_used(data_cfg, tokenizer):
         raise ValueError(
             f"data.{key}: column {column!r} holds conversations, which need a chat template, "
-            f"but none is applied (tokenizer {_tokenizer_name(tokenizer)}, "
+            f"but none is applied (tokenizer {tokenizer_name(tokenizer)}, "
             f"data.use_chat_template: {data_cfg.get('use_chat_template', 'auto')})")
     template = data_cfg.get("prompt_template") or "{prompt}"
     if template != "{prompt}":  # ignoring it silently would train on other prompts
@@ -137,7 +137,7 @@ class _Encoder:
         if not self._chat and tokenizer.eos_token_id is None:
             # Without a template the eos is what teaches the model to stop.
             raise ValueError(f"data.use_chat_template: without a chat template responses end "
-                             f"with the eos token, but tokenizer {_tokenizer_name(tokenizer)} "
+                             f"with the eos token, but tokenizer {tokenizer_name(tokenizer)} "
                              f"has none")
 
     def _with_system(self, messages: list[dict]) -> list[dict]:

@@ -33,7 +33,7 @@ def chat_template_used(data_cfg: Mapping, tokenizer) -> bool:
         return has_template
     if mode is True and not has_template:
         raise ValueError(
-            f"data.use_chat_template: true, but the tokenizer {_tokenizer_name(tokenizer)} has "
+            f"data.use_chat_template: true, but the tokenizer {tokenizer_name(tokenizer)} has "
             f"no chat_template; use a chat model's tokenizer or set data.use_chat_template: auto"
         )
     if mode not in (True, False):
@@ -52,7 +52,7 @@ def format_prompt(text: str, data_cfg: Mapping, tokenizer) -> str:
             # Dropping it silently would train on prompts the user did not ask for.
             raise ValueError(
                 f"data.system_prompt is set but no chat template is applied (tokenizer "
-                f"{_tokenizer_name(tokenizer)}, data.use_chat_template: "
+                f"{tokenizer_name(tokenizer)}, data.use_chat_template: "
                 f"{data_cfg.get('use_chat_template', 'auto')}); put the text in "
                 f"data.prompt_template instead"
             )
@@ -85,7 +85,7 @@ def _check_template(template: str) -> None:
                          f"{{{{ and }}}}")
 
 
-def _tokenizer_name(tokenizer) -> str:
+def tokenizer_name(tokenizer) -> str:
     path = getattr(tokenizer, "name_or_path", "") or "<unnamed>"
     return f"{type(tokenizer).__name__}({path!r})"
 
