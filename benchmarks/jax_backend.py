@@ -1,7 +1,7 @@
-"""Policy ``get_logprobs`` / ``train`` throughput of the JAX layouts vs the torch backends and plain HF.
+"""The JAX Policy runner of ``dualrl bench``: XLA host devices, Ray, threads, and per-process facts.
 
-    python -m benchmarks.jax_backend [--model llama_bench] [--batch 8] [--seq 256] [--iters 5]
-        [--warmup 2] [--precision float32] [--threads 2] [--cases hf fsdp1-dp1 dtensor-dp2 jax-fsdp2 ...]
+    python -m benchmarks.jax_backend [dualrl bench options]
+        = dualrl bench --sections throughput --layouts fsdp1-dp1 dtensor-dp2 jax-fsdp2 jax-tp2 jax-fsdp1 --seq 256
 
 The methodology, the ``hf`` baseline, the batch, the policy config, the Ray set-up and the
 pairing of every Policy call with an ``hf`` call are those of :mod:`benchmarks.torch_backends`
@@ -48,17 +48,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
-import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 from benchmarks import torch_backends as tb
+from benchmarks.layouts import Layout, LayoutError, parse_layout
 
 OPS = tb.OPS
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -66,34 +62,17 @@ DEVICE_FLAG = "--xla_force_host_platform_device_count"
 XLA_POOL_THREAD = "tf_XLAEigen"
 
 
-@dataclass(frozen=True)
-class JaxLayout:
-    """A JAX case: one actor owning ``fsdp x tp`` XLA host devices, mesh ``(fsdp, tp)``."""
-
-    fsdp: int
-    tp: int = 1
-
-    @property
-    def devices(self) -> int:
-        return self.fsdp * self.tp
-
-
-JAX_LAYOUTS: dict[str, JaxLayout] = {
-    "jax-fsdp2": JaxLayout(2),
-    "jax-tp2": JaxLayout(1, tp=2),
-    "jax-fsdp1": JaxLayout(1),
-}
+JAX_LAYOUTS: dict[str, Layout] = {name: parse_layout(name) for name in ("jax-fsdp2", "jax-tp2", "jax-fsdp1")}
 CASES = ["hf", "fsdp1-dp1", "dtensor-dp2", *JAX_LAYOUTS]
-_JAX_NAME = re.compile(r"jax-(?:fsdp(\d+))?(?:-?tp(\d+))?")
 
 
-def jax_layout(name: str) -> JaxLayout | None:
-    """``jax-fsdp4-tp2`` -> ``JaxLayout(4, 2)``; ``None`` for a name that is no JAX case."""
-    m = _JAX_NAME.fullmatch(name)
-    if not m or not (m.group(1) or m.group(2)):
+def jax_layout(name: str) -> Layout | None:
+    """``jax-fsdp4-tp2`` -> its :class:`Layout` (mesh fsdp=4, tp=2); ``None`` for a name that is no JAX layout."""
+    try:
+        layout = parse_layout(name)
+    except LayoutError:
         return None
-    layout = JaxLayout(int(m.group(1) or 1), int(m.group(2) or 1))
-    return layout if layout.fsdp >= 1 and layout.tp >= 1 else None
+    return layout if layout.is_jax else None
 
 
 def _case(name: str) -> str:
@@ -161,6 +140,7 @@ class RaySession:
         """Ray whose actors get ``devices`` host devices (``None``: any, for torch cases)."""
         import ray
 
+        from core.algorithms.placement import jax_cpu_flags
         from core.distributed import init_ray
 
         if not self.owned:
@@ -174,14 +154,16 @@ class RaySession:
         if restart:
             ray.shutdown()
         if devices is not None:
-            os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS"), devices)
+            # and Eigen's intra-op pool off, as `dualrl grpo` runs JAX on a CPU: with it on, a long
+            # run died in an in-process all-reduce rendezvous (core.algorithms.placement.jax_cpu_flags)
+            os.environ["XLA_FLAGS"] = jax_cpu_flags(with_device_count(os.environ.get("XLA_FLAGS"), devices), devices)
             os.environ.pop("JAX_NUM_CPU_DEVICES", None)  # it would override the flag
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
             self.devices = devices
         # As torch_backends.start_ray (an exported OMP_NUM_THREADS would reach every worker),
         # with room for a JAX case's one bundle of --threads CPUs too.
         os.environ.pop("OMP_NUM_THREADS", None)
-        init_ray(num_cpus=max(tb.ray_cpus(self.args), self.args.threads))
+        init_ray(num_cpus=getattr(self.args, "ray_cpus", None) or max(tb.ray_cpus(self.args), self.args.threads))
         if restart:
             self.restarts.append((devices, time.perf_counter() - t0))
 
@@ -244,10 +226,11 @@ class JaxPolicyRunner(tb.PolicyRunner):
         layout = jax_layout(name)
         self.name, self.workers, self.layout = name, 1, layout
         # torch_backends' policy section for one data-parallel rank: one micro batch of `batch`.
-        cfg = tb.policy_config(model_path, tokenizer_path, tb.Layout("jax_pjit", 1), args.batch, args.seq,
-                               args.precision)
-        cfg["jax_cfg"].update(fsdp_size=layout.fsdp, tensor_parallel_size=layout.tp)
-        self._start(name, cfg, tokenizer, args, 1, args.threads, args.batch)
+        micro = args.micro * layout.dp if getattr(args, "micro", None) else None  # rows split over fsdp
+        cfg = tb.policy_config(model_path, tokenizer_path, Layout(name, "jax_pjit"), args.batch, args.seq,
+                               args.precision, micro)
+        cfg["jax_cfg"].update(fsdp_size=layout.dp, tensor_parallel_size=layout.tp)
+        self._start(name, cfg, tokenizer, args, 1, args.threads, cfg["train_micro_batch_size"])
         try:
             info = self._policy.get_gpu_info()[0]
             if info["local_devices"] != layout.devices:
@@ -255,7 +238,7 @@ class JaxPolicyRunner(tb.PolicyRunner):
             self.mesh, self.pids = info["mesh"], [info["pid"]]
             self.pinned = None
             cpus = sorted(os.sched_getaffinity(info["pid"]))
-            if args.threads < len(cpus):  # XLA sized its pool to the affinity mask: shrink the mask
+            if args.threads < len(cpus) and not tb.on_cuda(args):  # XLA sized its pool to the affinity mask: shrink the mask
                 self.pinned = set(cpus[:args.threads])
                 pin_process(info["pid"], self.pinned)
             self.threads = [thread_names(info["pid"])[XLA_POOL_THREAD] or None]
@@ -319,203 +302,15 @@ class Probe:
         return out
 
 
-# ----------------------------------------------------------------------------- run
-
-
-def _start(name: str, session: RaySession, model_path: str, tokenizer_path: str, tokenizer, args,
-           probes: dict) -> Probe:
-    print(f"[jax_backend] starting {name} ...", file=sys.stderr, flush=True)
-    if name == "hf":
-        runner = tb.HFRunner(model_path, args)
-        probes[name] = Probe(runner, [runner._proc.pid])
-        return probes[name]
-    session.start(_devices(name) if jax_layout(name) else None)
-    if jax_layout(name):
-        runner = JaxPolicyRunner(name, model_path, tokenizer_path, tokenizer, args)
-        pids = runner.pids
-    else:
-        runner = tb.PolicyRunner(name, model_path, tokenizer_path, tokenizer, args)
-        try:
-            pids = [info["pid"] for info in runner._policy.get_gpu_info()]
-        except BaseException:
-            runner.close()
-            raise
-    probes[name] = Probe(runner, pids)
-    return probes[name]
-
-
-def run(cases: list[str], args, model_path: str, tokenizer_path: str,
-        tokenizer) -> tuple[list[dict], RaySession | None]:
-    """All cases through ``torch_backends.run_cases`` (hf alive throughout, Policy cases one at a
-    time, every call paired with an hf call), plus the probes' facts; skipped cases listed."""
-    session = None
-    if any(c != "hf" for c in cases):
-        session = RaySession(args)
-        first_jax = next((_devices(c) for c in cases if jax_layout(c)), None)
-        if session.owned:
-            session.start(first_jax)  # before anything is timed
-    skipped = [c for c in cases if jax_layout(c) and not session.fits(_devices(c))]
-    runnable = [c for c in cases if c not in skipped]
-    probes: dict[str, Probe] = {}
-    start = lambda name: _start(name, session, model_path, tokenizer_path, tokenizer, args, probes)  # noqa: E731
-    results = {r["case"]: r for r in tb.run_cases(runnable, start, args)}
-    for name, probe in probes.items():
-        if "error" not in results[name]:
-            results[name].update(probe.summary(0 if name == "hf" else args.warmup))
-    for name in cases:
-        results.setdefault(name, {"case": name, "workers": _workers(name),
-                                  "skipped": f"needs {_devices(name)} XLA host devices per actor; "
-                                             f"the caller's Ray gives {session.devices}"})
-        results[name]["devices"] = _devices(name)
-    return [results[c] for c in cases], session
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def _first(r: dict, op: str) -> float | None:
-    return (r.get("first_s") or {}).get(op)
-
-
-def _compile_estimate(r: dict, op: str) -> float | None:
-    first, med = _first(r, op), tb.median(r.get(f"{op}_s"))
-    return None if first is None or med is None else first - med
-
-
-def _main_table(results: list[dict], tokens: int) -> list[str]:
-    hf = tb.hf_row(results)
-    lines = ["| case | workers×devices | first call s: logprobs / train | logprobs tok/s | ×hf "
-             "| train tok/s | ×hf |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        cells = [r["case"], f"{r['workers']}×{r['devices']}"]
-        if "skipped" in r or "error" in r:
-            word = "skipped" if "skipped" in r else "FAILED"
-            cells += ["-", word, "-", word, "-"]
-        else:
-            cells.append(" / ".join(tb.fmt(_first(r, op), ".2f") for op in OPS))
-            for op in OPS:
-                cells += [tb.fmt(tokens / tb.median(r[f"{op}_s"]), ".0f"), tb.fmt(tb.ratio(r, hf, op), ".2f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _list(values) -> str:
-    values = [v for v in (values or []) if v is not None]
-    if not values:
-        return "?"
-    return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, values))
-
-
-def _cpu_table(results: list[dict]) -> list[str]:
-    lines = ["| case | processes | compute threads/process | OS threads/process | CPUs allowed | "
-             "cores busy: logprobs | train |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        if "skipped" in r or "error" in r:
-            continue
-        compute = _list(r.get("threads"))
-        if jax_layout(r["case"]):
-            compute += " (XLA pool)"
-        cpus = _list(r.get("allowed_cpus")) + (f" (pinned {r['pinned']})" if r.get("pinned") else "")
-        lines.append("| " + " | ".join([
-            r["case"], str(len(r.get("os_threads") or [])), compute, _list(r.get("os_threads")), cpus,
-            tb.fmt(r.get("logprobs_cores"), ".2f"), tb.fmt(r.get("train_cores"), ".2f")]) + " |")
-    return lines
-
-
-def _compile_lines(results: list[dict]) -> list[str]:
-    lines = []
-    for r in results:
-        if not jax_layout(r["case"]) or "skipped" in r or "error" in r:
-            continue
-        est = " / ".join(tb.fmt(_compile_estimate(r, op), ".2f") for op in OPS)
-        lines.append(f"{r['case']:15} mesh {r.get('mesh')}  compile ~ (first - median) s, logprobs / train: {est}  "
-                     f"get_compile_counts() at the end: {r.get('compile_counts')}")
-    return lines
-
-
-def report(results: list[dict], args, tokens: int, params: int | None, load: tuple[float, float],
-           session: RaySession | None) -> str:
-    size = f"{params / 1e6:.1f}M params, " if params else ""
-    cores = os.cpu_count() or 1
-    if session is None:
-        ray_line = "Ray: not used"
-    elif session.owned:
-        restarts = ", ".join(f"to {n} device(s) in {s:.1f} s" for n, s in session.restarts) or "none"
-        ray_line = ("Ray: started here with XLA_FLAGS in its environment (actors inherit it); "
-                    f"restarts for another device count: {restarts} (not part of any timing)")
-    else:
-        ray_line = f"Ray: started by the caller; its actors see {session.devices} XLA host device(s)"
-    lines = [
-        f"JAX layouts vs torch backends vs single-process HF: {args.model} ({size}vocab {args.vocab}), "
-        f"{args.precision}, batch {args.batch} x seq {args.seq} = {tokens} real tokens "
-        f"({args.batch * args.seq} padded), {args.iters} timed calls after {args.warmup} warm-up per operation "
-        "and case (the first warm-up call = compile + run, reported on its own)",
-        f"threads: total budget {args.threads} per case on {cores} CPU cores; hf: torch.set_num_threads; torch "
-        f"cases: Ray bundles of {args.threads} CPU(s) per case, OMP_NUM_THREADS = the bundle; JAX: one actor "
-        f"(bundle of {args.threads} CPU(s)) whose XLA pool is sized by its CPU affinity (see the CPU table)",
-        "first call s = seconds of the first call of each operation (the first warm-up call; excluded from "
-        "tok/s like every warm-up call): for JAX compile + run, for torch/hf a compile-free first call.",
-        "tokens/s = real tokens / wall time of one call (median): Policy calls timed on the driver "
-        "(Ray dispatch included), hf calls inside its process. Each Policy call is followed by the same "
-        "hf call; ×hf = case tokens/s ÷ tokens/s of those paired hf calls.",
-        ray_line,
-        f"machine load average (1 min): {load[0]:.2f} at start, {load[1]:.2f} at end"
-        + (f"  -- above {cores} cores: other processes competed for the CPU; trust ×hf (paired) "
-           "more than absolute tokens/s" if max(load) > cores else ""),
-        "",
-        *_main_table(results, tokens),
-        "",
-        "CPU use: compute threads = torch.get_num_threads() (hf, torch workers) or the XLA intra-op pool "
-        f"({XLA_POOL_THREAD} threads) of the JAX actor; cores busy = CPU seconds of the case's processes "
-        "(/proc, all threads) ÷ wall seconds, over its timed calls (hf: over all its calls)",
-        *_cpu_table(results),
-        "",
-        *tb.timing_table([r for r in results if "skipped" not in r]),
-        "",
-        "JAX compilation (first call - median warm call; the counts are jax.jit cache sizes of the worker's "
-        "logprob / grad steps)",
-        *_compile_lines(results),
-    ]
-    lines += [f"{r['case']:15} skipped: {r['skipped']}" for r in results if "skipped" in r]
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- driver
 
 
-def _parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tb.add_workload_args(parser, warmup_help="untimed calls per operation, the first one compiles")
-    parser.add_argument("--cases", nargs="+", default=CASES, type=_case,
-                        help=f"{' '.join(CASES)}, or any of {tb.CASES}, jax-fsdp<F>[-tp<T>], jax-tp<T>")
-    args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 1 or args.threads < 1:
-        parser.error("--iters must be >= 1, --warmup >= 1 (the first call compiles), --threads >= 1")
-    if any(c in tb.LAYOUTS and args.batch % tb.LAYOUTS[c].dp for c in args.cases):
-        parser.error(f"--batch {args.batch} must be divisible by the data-parallel size of every torch case")
-    return args
-
-
 def main(argv=None) -> int:
-    args = _parse(argv)
-    wall0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="dualrl-bench-") as tmp:
-        model_path, tokenizer_path = tb.prepare_model(args.model, Path(tmp))
-        args.vocab = tb.vocab_size(model_path)
-        tokenizer = tb.load_tokenizer(tokenizer_path)
-        tokens = int(tb.make_batch(args.batch, args.seq, args.vocab)["input_lengths"].sum())
-        load0 = os.getloadavg()[0]
-        results, session = run(args.cases, args, model_path, tokenizer_path, tokenizer)
-        load = (load0, os.getloadavg()[0])
-    params = next((r["params"] for r in results if r.get("params")), None)
-    print(report(results, args, tokens, params, load, session))
-    print(f"\nbenchmark wall time {time.perf_counter() - wall0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"tokens": tokens, "args": vars(args), "results": results}, f, indent=2, default=str)
-    return 1 if any("error" in r for r in results) else 0
+    """``dualrl bench`` on HF, two torch layouts and the JAX layouts, throughput only."""
+    from benchmarks import compare
+
+    return compare.main(["--sections", "throughput", "--layouts", *CASES[1:], "--model", "llama_bench", "--seq", "256",
+                         *(argv if argv is not None else sys.argv[1:])], prog="python -m benchmarks.jax_backend")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Policy ``get_logprobs`` / ``train`` throughput on the torch layouts vs plain single-process HF.
+"""The HF eager baseline and the torch Policy runner of ``dualrl bench`` (``benchmarks.compare``).
 
-    python -m benchmarks.torch_backends [--model llama_bench] [--batch 8] [--seq 256] [--iters 5]
-        [--warmup 2] [--precision float32] [--threads 2] [--cases hf fsdp1-dp2 ...]
+    python -m benchmarks.torch_backends [dualrl bench options]
+        = dualrl bench --sections throughput --layouts <the torch layouts below> --model llama_bench --seq 256
 
 Every case runs the same model on the same batch (right-padded random ids with ragged
 lengths, seed 0) in one invocation and is reported as tokens/s and as a ratio to the
@@ -57,36 +57,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.layouts import Layout, parse_layout
 
 #: RNG seed of the batch: the driver and the hf subprocess build identical batches from it.
 SEED = 0
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A Policy case: backend, workers, tensor parallel size, sequence parallelism."""
-
-    backend: str
-    workers: int
-    tp: int = 1
-    sp: bool = False
-
-    @property
-    def dp(self) -> int:
-        return self.workers // self.tp
-
-
-LAYOUTS: dict[str, Layout] = {
-    "fsdp1-dp1": Layout("torch_fsdp", 1),
-    "dtensor-dp1": Layout("torch_dtensor", 1),
-    "fsdp1-dp2": Layout("torch_fsdp", 2),
-    "dtensor-dp2": Layout("torch_dtensor", 2),
-    "dtensor-tp2": Layout("torch_dtensor", 2, tp=2),
-    "dtensor-tp2-sp": Layout("torch_dtensor", 2, tp=2, sp=True),
-}
+LAYOUTS: dict[str, Layout] = {name: parse_layout(name) for name in (
+    "fsdp1-dp1", "dtensor-dp1", "fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp")}
 CASES = ["hf", *LAYOUTS]
 
 
@@ -135,10 +115,11 @@ def default_policy_section() -> dict:
 
 
 def policy_config(model_path: str, tokenizer_path: str, layout: Layout, batch: int, seq: int,
-                  precision: str) -> dict:
-    """The default policy section on this model, one micro batch per rank, width ``seq``."""
+                  precision: str, micro: int | None = None) -> dict:
+    """The default policy section on this model, width ``seq``; micro batches of ``micro`` rows
+    per rank (default: one micro batch of all the rank's rows)."""
     cfg = default_policy_section()
-    local = batch // layout.dp
+    local = min(micro or batch, batch // layout.dp)
     cfg.update(
         backend=layout.backend,
         model_name=model_path,
@@ -156,32 +137,45 @@ def policy_config(model_path: str, tokenizer_path: str, layout: Layout, batch: i
 # ----------------------------------------------------------------------------- hf case (child process)
 
 
-def _hf_steps(model, data, precision: str):
-    """(logprobs step, train step) closures: plain HF forward / forward+backward+AdamW."""
+def on_cuda(args) -> bool:
+    """Whether this run measures on a CUDA GPU (``--device cuda``) rather than the CPU."""
+    return getattr(args, "device", "cpu") == "cuda"
+
+
+def _hf_steps(model, data, precision: str, micro: int | None = None):
+    """(logprobs step, train step) closures: plain HF forward / forward+backward+AdamW, over
+    micro batches of ``micro`` rows (gradients accumulated; default: the whole batch at once)."""
     import torch
 
     cfg = default_policy_section()
+    device = next(model.parameters()).device
+    data = data.to(device)
     ids = data["input_ids"]
     mask = (torch.arange(ids.shape[1])[None, :] < data["input_lengths"][:, None]).long()
     token_mask = data["token_mask"][:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), **cfg["optimizer"]["kwargs"])
     max_norm = cfg["max_grad_norm"]
 
-    def next_token_logprobs():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    rows = ids.shape[0]
+    chunks = [slice(i, i + (micro or rows)) for i in range(0, rows, micro or rows)]
+
+    def next_token_logprobs(part: slice):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+            logits = model(input_ids=ids[part], attention_mask=mask[part], use_cache=False).logits
+        return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[part, 1:, None])[..., 0]
 
     def logprobs():
         model.eval()
         with torch.no_grad():
-            return next_token_logprobs() * token_mask
+            return torch.cat([next_token_logprobs(part) * token_mask[part] for part in chunks])
 
     def train():
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        loss = -(next_token_logprobs() * token_mask).sum() / token_mask.sum()
-        loss.backward()
+        total = token_mask.sum()
+        for part in chunks:  # token-mean over the whole batch, as the workers' global normaliser
+            loss = -(next_token_logprobs(part) * token_mask[part]).sum() / total
+            loss.backward()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
@@ -197,17 +191,25 @@ def serve_hf(model_path: str, args) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    steps = _hf_steps(model, make_batch(args.batch, args.seq, model.config.vocab_size), args.precision)
+    device = torch.device("cuda" if on_cuda(args) else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    steps = _hf_steps(model, make_batch(args.batch, args.seq, model.config.vocab_size), args.precision,
+                      getattr(args, "micro", None))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     params = sum(p.numel() for p in model.parameters())
     print("@@" + json.dumps({"threads": torch.get_num_threads(), "params": params}), flush=True)
     for line in sys.stdin:
         op = line.strip()
         if op == "quit":
             break
+        sync()
         t0 = time.perf_counter()
         steps[op]()
-        print("@@" + json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+        sync()
+        reply = {"seconds": time.perf_counter() - t0}
+        if device.type == "cuda":
+            reply["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        print("@@" + json.dumps(reply), flush=True)
 
 
 class HFRunner:
@@ -218,7 +220,8 @@ class HFRunner:
     def __init__(self, model_path: str, args) -> None:
         cmd = [sys.executable, "-m", "benchmarks.torch_backends", "--child-hf", model_path,
                "--batch", str(args.batch), "--seq", str(args.seq), "--precision", args.precision,
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads), "--device", getattr(args, "device", "cpu"),
+               *(["--micro", str(args.micro)] if getattr(args, "micro", None) else [])]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
         self._stderr = tempfile.TemporaryFile(mode="w+")
         t0 = time.perf_counter()
@@ -238,7 +241,8 @@ class HFRunner:
     def _call(self, op: str) -> float:
         self._proc.stdin.write(op + "\n")
         self._proc.stdin.flush()
-        return self._reply()["seconds"]
+        self.last_reply = self._reply()  # on a GPU also its peak allocated bytes
+        return self.last_reply["seconds"]
 
     def logprobs(self) -> float:
         return self._call("logprobs")
@@ -261,11 +265,12 @@ class PolicyRunner:
     """A Policy case on its own cluster; each call is timed on the driver (Ray dispatch included)."""
 
     def __init__(self, name: str, model_path: str, tokenizer_path: str, tokenizer, args) -> None:
-        layout = LAYOUTS[name]
+        layout = LAYOUTS.get(name) or parse_layout(name)
         self.name, self.workers = name, layout.workers
-        cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision)
+        micro = getattr(args, "micro", None)
+        cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision, micro)
         cpus = max(1, args.threads // layout.workers)
-        self._start(name, cfg, tokenizer, args, layout.workers, cpus, args.batch // layout.dp)
+        self._start(name, cfg, tokenizer, args, layout.workers, cpus, cfg["train_micro_batch_size"])
         try:
             self.threads = [info.get("torch_num_threads") for info in self._policy.get_gpu_info()]
         except BaseException:
@@ -280,7 +285,7 @@ class PolicyRunner:
 
         self._data = make_batch(args.batch, args.seq, vocab_size(cfg["model_name"]))
         self._loss, self._gbs, self._mbs = NLLLoss(), args.batch, mbs
-        self._cluster = RayVirtualCluster([workers], use_gpus=False, num_cpus_per_bundle=cpus_per_worker,
+        self._cluster = RayVirtualCluster([workers], use_gpus=on_cuda(args), num_cpus_per_bundle=cpus_per_worker,
                                           name=f"bench-{name}")
         self._policy = None
         try:
@@ -326,25 +331,11 @@ def noop_round_trip(policy, calls: int = 5) -> float:
 OPS = ("logprobs", "train")
 
 
-def start_runner(name: str, model_path: str, tokenizer_path: str, tokenizer, args):
-    print(f"[torch_backends] starting {name} ...", file=sys.stderr, flush=True)
-    if name == "hf":
-        return HFRunner(model_path, args)
-    return PolicyRunner(name, model_path, tokenizer_path, tokenizer, args)
-
-
 def _new_result(runner) -> dict:
     return {"case": runner.name, "workers": runner.workers, "threads": runner.threads,
             "startup_s": runner.startup_s, "noop_s": getattr(runner, "noop_s", None),
             "params": getattr(runner, "params", None),
             **{f"{op}_s": [] for op in OPS}, **{f"hf_{op}_s": [] for op in OPS}}
-
-
-def _failed(name: str, err: BaseException) -> dict:
-    traceback.print_exc()
-    workers = LAYOUTS[name].workers if name in LAYOUTS else 1
-    first = str(err).strip().splitlines()[-1] if str(err).strip() else ""
-    return {"case": name, "workers": workers, "error": f"{type(err).__name__}: {first}"}
 
 
 def measure(runner, hf, result: dict, hf_result: dict | None, args) -> None:
@@ -360,44 +351,6 @@ def measure(runner, hf, result: dict, hf_result: dict | None, args) -> None:
             if hf is not None:
                 result[f"hf_{op}_s"].append(hf_seconds)
                 hf_result[f"{op}_s"].append(hf_seconds)
-
-
-def _run_policy_case(name: str, start, hf, hf_result: dict | None, args) -> dict:
-    try:
-        runner = start(name)
-    except Exception as err:  # noqa: BLE001 -- report it and go on with the other cases
-        return _failed(name, err)
-    try:
-        result = _new_result(runner)
-        measure(runner, hf, result, hf_result, args)
-        return result
-    except Exception as err:  # noqa: BLE001
-        return _failed(name, err)
-    finally:
-        runner.close()
-
-
-def run_cases(cases, start, args) -> list[dict]:
-    """Policy cases one at a time (each shut down before the next), every call paired with an
-    ``hf`` call; ``hf`` lives through the whole run and its row pools all its paired calls."""
-    hf, hf_result = None, None
-    if "hf" in cases:
-        try:
-            hf = start("hf")
-            hf_result = _new_result(hf)
-        except Exception as err:  # noqa: BLE001
-            hf_result = _failed("hf", err)
-    try:
-        policy_cases = [c for c in cases if c != "hf"]
-        results = {c: _run_policy_case(c, start, hf, hf_result, args) for c in policy_cases}
-        if hf is not None and not policy_cases:
-            measure(hf, None, hf_result, None, args)
-    finally:
-        if hf is not None:
-            hf.close()
-    if hf_result is not None:
-        results["hf"] = hf_result
-    return [results[c] for c in cases]
 
 
 # ----------------------------------------------------------------------------- report
@@ -426,105 +379,13 @@ def _threads(result: dict) -> str:
     return str(threads[0]) if len(set(threads)) == 1 else "/".join(map(str, threads))
 
 
-def hf_row(results: list[dict]) -> dict | None:
-    return next((r for r in results if r["case"] == "hf" and "error" not in r), None)
-
-
-def _throughput_table(results: list[dict], tokens: int) -> list[str]:
-    hf = hf_row(results)
-    lines = ["| case | workers | threads/worker | logprobs tok/s | ×hf | train tok/s | ×hf |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        cells = [r["case"], str(r["workers"]), _threads(r)]
-        if "error" in r:
-            cells += ["FAILED", "-", "FAILED", "-"]
-        else:
-            for op in OPS:
-                med = median(r[f"{op}_s"])
-                cells += [fmt(tokens / med, ".0f"), fmt(ratio(r, hf, op), ".2f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
 def _spread(times: list[float] | None) -> str:
     if not times:
         return "-"
     return f"{statistics.median(times):.3f} [{min(times):.3f}, {max(times):.3f}]"
 
 
-def timing_table(results: list[dict]) -> list[str]:
-    hf = hf_row(results)
-    lines = ["seconds per call: median [min, max]; paired hf = median of the hf calls made alongside "
-             "this case; ×hf(min) = fastest hf call ÷ fastest call of the case; no-op ms = a Policy call "
-             "that does nothing on the workers (report_device_id): Ray dispatch + collection",
-             f"{'case':15} {'start s':>7} {'no-op ms':>8}  {'logprobs s':25} {'paired hf':>9}  {'train s':25} {'paired hf':>9}"
-             f"  {'×hf(min) lp':>11} {'train':>6}"]
-    for r in results:
-        if "error" in r:
-            lines.append(f"{r['case']:15} FAILED: {r['error']}")
-            continue
-        noop_ms = r["noop_s"] * 1e3 if r.get("noop_s") is not None else None
-        row = f"{r['case']:15} {fmt(r.get('startup_s'), '.1f'):>7} {fmt(noop_ms, '.1f'):>8}  "
-        for op in OPS:
-            row += f"{_spread(r[f'{op}_s']):25} {fmt(median(r.get(f'hf_{op}_s')), '.3f'):>9}  "
-        row += f"{fmt(ratio(r, hf, 'logprobs', min), '.2f'):>11} {fmt(ratio(r, hf, 'train', min), '.2f'):>6}"
-        lines.append(row)
-    return lines
-
-
-def report(results: list[dict], args, tokens: int, params: int | None, load: tuple[float, float]) -> str:
-    size = f"{params / 1e6:.1f}M params, " if params else ""
-    cores = os.cpu_count() or 1
-    lines = [
-        f"torch backends vs single-process HF: {args.model} ({size}vocab {args.vocab}), {args.precision}, "
-        f"batch {args.batch} x seq {args.seq} = {tokens} real tokens ({args.batch * args.seq} padded), "
-        f"{args.iters} timed calls after {args.warmup} warm-up per operation and case",
-        f"threads: total budget {args.threads} on {cores} CPU cores; hf: torch.set_num_threads({args.threads}); "
-        f"1-worker cases: one Ray bundle of {args.threads} CPU(s); 2-worker cases: bundles of "
-        f"{max(1, args.threads // 2)} CPU(s). Ray sets OMP_NUM_THREADS to an actor's CPUs; threads/worker = "
-        "torch.get_num_threads() reported by each worker (get_gpu_info).",
-        "All cases share the same cores: dp2/tp2 = those cores split over two processes (+ gloo "
-        "collectives), not extra hardware; dp1 vs hf = the same compute, so framework overhead only.",
-        "tokens/s = real tokens / wall time of one call (median): Policy calls timed on the driver "
-        "(Ray dispatch included), hf calls inside its process. Policy cases run one at a time, each "
-        "call followed by an hf call; ×hf = case tokens/s ÷ tokens/s of those paired hf calls.",
-        f"machine load average (1 min): {load[0]:.2f} at start, {load[1]:.2f} at end"
-        + (f"  -- above {cores} cores: other processes competed for the CPU; trust ×hf (paired) "
-           "more than absolute tokens/s" if max(load) > cores else ""),
-        "",
-        *_throughput_table(results, tokens),
-        "",
-        *timing_table(results),
-    ]
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- driver
-
-
-def _parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_workload_args(parser)
-    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
-    parser.add_argument("--child-hf", metavar="MODEL_PATH", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0 or args.threads < 1:
-        parser.error("--iters must be >= 1, --warmup >= 0, --threads >= 1")
-    if any(c in LAYOUTS and args.batch % LAYOUTS[c].dp for c in args.cases):
-        parser.error(f"--batch {args.batch} must be divisible by the data-parallel size of every case (2)")
-    return args
-
-
-def add_workload_args(parser: argparse.ArgumentParser, warmup_help: str = "untimed calls per operation") -> None:
-    """The arguments every backend benchmark shares: model, batch shape, repetitions, threads."""
-    parser.add_argument("--model", default="llama_bench", help="a core.testing tiny model name, or an HF path / hub id")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2, help=warmup_help)
-    parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2, help="total threads per case (see the module docstring)")
-    parser.add_argument("--json", help="also write the results to this file")
 
 
 def ray_cpus(args) -> int:
@@ -548,31 +409,22 @@ def start_ray(args) -> None:
 
 
 def main(argv=None) -> int:
-    args = _parse(argv)
-    if args.child_hf:
-        serve_hf(args.child_hf, args)
+    """``dualrl bench`` on the torch layouts, throughput only (``--child-hf``: the HF child)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--child-hf", metavar="MODEL_PATH")
+    known, rest = parser.parse_known_args(argv)
+    if known.child_hf:
+        child = argparse.ArgumentParser()
+        for name, kind in (("batch", int), ("seq", int), ("threads", int), ("micro", int)):
+            child.add_argument(f"--{name}", type=kind)
+        child.add_argument("--precision")
+        child.add_argument("--device", default="cpu")
+        serve_hf(known.child_hf, child.parse_args(rest))
         return 0
+    from benchmarks import compare
 
-    wall0 = time.perf_counter()
-    if any(c in LAYOUTS for c in args.cases):
-        start_ray(args)  # first: its start-up work is over before anything is timed
-    with tempfile.TemporaryDirectory(prefix="dualrl-bench-") as tmp:
-        model_path, tokenizer_path = prepare_model(args.model, Path(tmp))
-        args.vocab = vocab_size(model_path)
-        tokenizer = load_tokenizer(tokenizer_path)
-        tokens = int(make_batch(args.batch, args.seq, args.vocab)["input_lengths"].sum())
-        load0 = os.getloadavg()[0]
-        start = lambda name: start_runner(name, model_path, tokenizer_path, tokenizer, args)  # noqa: E731
-        results = run_cases(args.cases, start, args)
-        load = (load0, os.getloadavg()[0])
-    params = next((r["params"] for r in results if r.get("params")), None)
-    print(report(results, args, tokens, params, load))
-    print(f"\nbenchmark wall time {time.perf_counter() - wall0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"tokens": tokens, "args": {k: v for k, v in vars(args).items() if k != "child_hf"},
-                       "results": results}, f, indent=2)
-    return 1 if any("error" in r for r in results) else 0
+    return compare.main(["--sections", "throughput", "--layouts", *LAYOUTS, "--model", "llama_bench", "--seq", "256",
+                         *rest], prog="python -m benchmarks.torch_backends")
 
 
 if __name__ == "__main__":

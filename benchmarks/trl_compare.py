@@ -129,6 +129,7 @@ from pathlib import Path
 
 from benchmarks import jax_backend as jb
 from benchmarks import torch_backends as tb
+from benchmarks.layouts import Layout
 
 ALGORITHMS = ("sft", "dpo")
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "jax-fsdp2", "dtensor-dp1"]
@@ -156,23 +157,10 @@ def trl_version() -> str | None:
 
 def build_builtin_model(path: Path) -> Path:
     """The built-in tiny Llama's shape, random init (seed 0), saved with its tokenizer in ``path``."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from transformers.utils.logging import disable_progress_bar
-
-    from core.models.builtin import BUILTIN_MODELS
-    from core.models.char_tokenizer import char_tokenizer
+    from core.models.builtin import BUILTIN_MODELS, write_random_init
 
     shape, _ = BUILTIN_MODELS[BUILTIN_MODEL]  # the shape only: random init, no warm start
-    tokenizer = char_tokenizer()
-    config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-6)
-    torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    disable_progress_bar()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return write_random_init(shape, path, seed=SEED)
 
 
 def prepare_model(model: str, root: Path) -> tuple[str, str]:
@@ -447,8 +435,8 @@ class DualRLRunner(tb.PolicyRunner):
         self.name, self.algorithm, self._data = name, algorithm, data
         jax = jb.jax_layout(name)
         if jax:
-            layout, workers, cpus = tb.Layout("jax_pjit", 1), 1, args.threads
-            self.mbs = args.micro * jax.fsdp if args.micro else args.batch  # rows split over fsdp
+            layout, workers, cpus = Layout(name, "jax_pjit"), 1, args.threads
+            self.mbs = args.micro * jax.dp if args.micro else args.batch  # rows split over fsdp
         else:
             layout = tb.LAYOUTS[name]
             workers, cpus = layout.workers, max(1, args.threads // layout.workers)
@@ -456,7 +444,7 @@ class DualRLRunner(tb.PolicyRunner):
         cfg = tb.policy_config(model_path, tokenizer_path, layout, args.batch, width, "float32")
         cfg.update(train_micro_batch_size=self.mbs, logprob_batch_size=self.mbs, scheduler=None)
         if jax:
-            cfg["jax_cfg"].update(fsdp_size=jax.fsdp, tensor_parallel_size=jax.tp)
+            cfg["jax_cfg"].update(fsdp_size=jax.dp, tensor_parallel_size=jax.tp)
         self.optimizer_kwargs, self.max_grad_norm = cfg["optimizer"]["kwargs"], cfg["max_grad_norm"]
         self.workers = workers
         self._loss = NLLLoss() if algorithm == "sft" else DPOLossFn(DPO_LOSS_CFG)
@@ -770,7 +758,7 @@ def _parse(argv):
     if args.batch % 2:
         parser.error("--batch must be even (DPO pairs)")
     for name in args.layouts:
-        shards = jb.jax_layout(name).fsdp if is_jax(name) else tb.LAYOUTS[name].dp
+        shards = jb.jax_layout(name).dp if is_jax(name) else tb.LAYOUTS[name].dp
         micro = args.micro or args.batch // shards
         if args.batch % (shards * micro) or micro % 2:
             parser.error(f"{name}: --batch {args.batch} must split into {shards} rank(s) x micro batches of "

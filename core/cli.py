@@ -7,9 +7,12 @@
     dualrl dpo  [same options]   DPO (core/configs/dpo_arithmetic.yaml: right vs wrong answers)
     dualrl config [--config FILE] [--backend NAME] [key.path=value ...]
         load a YAML config, apply dotted overrides and --backend, validate it, print it.
-    dualrl parity [--layouts L ...] [--model NAME|PATH] [--json OUT] [--crossload ring|full]
+    dualrl parity [--layouts L ...] [--model NAME|PATH] [--json OUT] [--crossload ring|full] [--engine [L ...]]
         numerical parity of the backend layouts vs each other and single-process HF: a
         pass/fail matrix (benchmarks.parity); exit code 1 when a check fails.
+    dualrl bench [--size tiny|small|1b] [--layouts L ...] [--model NAME|PATH] [--device cpu|cuda] ...
+        every layout on one workload in one run: tokens/s x HF eager, MFU, memory, refit GB/s,
+        vLLM tokens/s, the GRPO step's breakdown x TRL (benchmarks.compare; --help lists all).
 
 Bad input (config, data, resume checkpoint) ends the command with exit code 2 and a
 message naming the field, file or checkpoint, before any worker starts; a failure during
@@ -101,14 +104,13 @@ def _train_command(args: argparse.Namespace) -> int:
 def _parity_command(args: argparse.Namespace) -> int:
     from benchmarks import parity  # heavy work (Ray, models) only when asked for
 
-    argv = ["--crossload", args.crossload]
-    if args.layouts:
-        argv += ["--layouts", *args.layouts]
-    if args.model:
-        argv += ["--model", args.model]
-    if args.json:
-        argv += ["--json", args.json]
-    return parity.main(argv, prog="dualrl parity")
+    return parity.main(args.forwarded, prog="dualrl parity")
+
+
+def _bench_command(args: argparse.Namespace) -> int:
+    from benchmarks import compare  # heavy work (Ray, models) only when asked for
+
+    return compare.main(args.forwarded, prog="dualrl bench")
 
 
 def _add_config_args(cmd: argparse.ArgumentParser, default_config: Path) -> None:
@@ -136,19 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="validate a config (YAML + overrides) and print the resolved result")
     _add_config_args(cfg, DEFAULT_CONFIG_PATH)
     cfg.set_defaults(func=_config_command)
-    par = sub.add_parser("parity", help="backend-layout parity matrix: logprobs, loss, grad norm, batch "
-                                        "invariance, checkpoint cross-load (benchmarks.parity)")
-    par.add_argument("--layouts", nargs="+", help="default: fsdp1-dp2 dtensor-dp2 dtensor-tp2 jax-fsdp2 jax-tp2")
-    par.add_argument("--model", help="tiny model name (llama, tiny-qwen2, ...), HF path or hub id (default: llama)")
-    par.add_argument("--json", help="write every number to this file")
-    par.add_argument("--crossload", choices=["ring", "full"], default="ring",
-                     help="ring: layout i's export loads into layout i+1; full: every ordered pair")
+    par = sub.add_parser("parity", add_help=False, help="backend-layout parity matrix: logprobs, loss, grad norm, "
+                         "GRPO step, batch invariance, checkpoint cross-load, vLLM refit (benchmarks.parity; "
+                         "dualrl parity --help)")
     par.set_defaults(func=_parity_command)
+    bench = sub.add_parser("bench", add_help=False, help="every backend layout on one workload, one table "
+                                                          "(benchmarks.compare; dualrl bench --help)")
+    bench.set_defaults(func=_bench_command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    forward = {"bench": _bench_command, "parity": _parity_command}
+    if argv[:1] and argv[0] in forward:  # every option is the benchmark's own (argparse cannot forward them)
+        return forward[argv[0]](argparse.Namespace(forwarded=argv[1:]))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -143,7 +143,7 @@ def _build(short: str, settings: Mapping[str, Any], exclude: frozenset[str], out
            log: Callable[[str], None], run_cfg: Mapping[str, Any] | None) -> None:
     shape, warm = BUILTIN_MODELS[short]
     if not warm:
-        _write_random_init(shape, out)
+        write_random_init(shape, out)
         return
     from core.algorithms.placement import start_ray
     from core.algorithms.sft import run_sft
@@ -163,17 +163,20 @@ def _build(short: str, settings: Mapping[str, Any], exclude: frozenset[str], out
         f"(SFT loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f})")
 
 
-def _write_random_init(shape: Mapping[str, Any], out: Path) -> None:
+def write_random_init(shape: Mapping[str, Any], out: Path, seed: int = INIT_SEED) -> Path:
+    """A Llama of ``shape`` (HF config fields) with seeded random weights and the character
+    tokenizer, saved as an HF checkpoint in ``out`` (benchmarks build their models with it too)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     tokenizer = char_tokenizer()
-    torch.manual_seed(INIT_SEED)
+    torch.manual_seed(seed)
     config = LlamaConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-6, **shape)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
 
 
 @contextlib.contextmanager

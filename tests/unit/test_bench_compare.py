@@ -1,0 +1,101 @@
+"""``dualrl bench`` (``benchmarks.compare``): layout names, FLOP accounting, and one tiny run of
+every section on a torch and a JAX layout, with bad layouts reported while the others run."""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+
+import pytest
+
+from benchmarks import jax_backend, machine, refit, torch_backends
+from benchmarks.layouts import LayoutError, check_fits, parse_layout
+from benchmarks.grpo_step import PHASES
+from core.cli import main as cli_main
+
+
+def test_layout_names():
+    assert parse_layout("dtensor-tp2-sp") == parse_layout("dtensor-tp2-sp")
+    lay = parse_layout("dtensor-dp2-tp2")
+    assert (lay.backend, lay.dp, lay.tp, lay.devices, lay.workers) == ("torch_dtensor", 2, 2, 4, 4)
+    jax = parse_layout("jax-fsdp4-tp2")
+    assert (jax.backend, jax.dp, jax.tp, jax.devices, jax.workers) == ("jax_pjit", 4, 2, 8, 1)
+    assert parse_layout("fsdp1-dp2").backend == "torch_fsdp"
+    for bad, words in (("bogus", "unknown layout 'bogus'"), ("fsdp1-tp2", "FSDP1"), ("dtensor-dp2-sp", "-sp"),
+                       ("jax-", "unknown layout"), ("dtensor-dp0", ">= 1")):
+        with pytest.raises(LayoutError, match=re.escape(words)):
+            parse_layout(bad)
+    assert "needs 4 devices" in check_fits(parse_layout("dtensor-tp4"), 2, "--max-devices")
+    assert jax_backend.jax_layout("jax-tp2").tp == 2 and jax_backend.jax_layout("dtensor-dp2") is None
+    flags = jax_backend.with_device_count("--xla_foo=1 --xla_force_host_platform_device_count=8", 2)
+    assert flags == "--xla_foo=1 --xla_force_host_platform_device_count=2"
+    assert jax_backend.device_count_of(flags) == 2 and jax_backend.device_count_of(None) == 1
+
+
+def test_flops_per_token_by_hand():
+    cfg = types.SimpleNamespace(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                intermediate_size=16, vocab_size=10)
+    # per layer: q,o 8x8 each + k,v 8x4 each = 192; mlp 3*8*16 = 384; head 8*10 = 80
+    assert machine.matmul_params(cfg) == 2 * (192 + 384) + 80
+    assert machine.flops_per_token(cfg, seq=4, train=False) == 2 * 1232 + 4 * 2 * 4 * 8
+    assert machine.flops_per_token(cfg, seq=4, train=True) == 3 * (2 * 1232 + 256)
+    assert machine.datasheet_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.0
+    assert machine.datasheet_tflops("Intel Xeon", "bfloat16") is None
+
+
+def test_ratio_uses_the_paired_hf_calls_and_memcpy_baseline():
+    hf = {"case": "hf", "logprobs_s": [1.0, 1.0]}
+    case = {"case": "x", "logprobs_s": [0.5, 0.5], "hf_logprobs_s": [2.0, 2.0]}
+    assert torch_backends.ratio(case, hf, "logprobs") == 4.0  # paired hf, not the pooled hf row
+    assert torch_backends.ratio({"case": "y", "logprobs_s": [0.5]}, hf, "logprobs") == 2.0
+    copy = refit.memcpy_seconds(1 << 20, copies=3)
+    assert copy["threads"] == 1 and copy["warm_s"] > 0
+
+
+def test_every_section_on_a_torch_and_a_jax_layout(ray_session, tmp_path, capsys, monkeypatch):
+    """One tiny run through ``dualrl bench``: the test session's Ray (JAX actors see 8 XLA host
+    devices, hence jax-fsdp4-tp2); TRL's row is left out (CI installs no ``bench`` extra)."""
+    from benchmarks import trl_grpo
+
+    monkeypatch.setattr(trl_grpo, "trl_version", lambda: None)
+    rc = cli_main(["bench", "--size", "tiny", "--layouts", "fsdp1-dp2", "jax-fsdp4-tp2", "bogus", "dtensor-tp16",
+                   "--max-devices", "8", "--iters", "1", "--warmup", "1", "--out", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 1, out  # the two bad layouts
+    assert "ERROR bogus: unknown layout 'bogus'" in out
+    assert "ERROR dtensor-tp16: layout 'dtensor-tp16' needs 16 devices/workers" in out
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    rows = {r["case"]: r for r in results["layouts"]}
+    assert set(rows) == {"fsdp1-dp2", "jax-fsdp4-tp2"}
+    for name, row in rows.items():
+        assert "error" not in row and "skipped" not in row, row
+        assert row["logprobs_s"] and row["train_s"] and row["hf_train_s"], name
+        assert all(b and b > 50 * 2**20 for b in row["peak_memory_bytes"]), row["peak_memory_bytes"]
+        for transport in ("ipc", "collective"):
+            t = row["refit"]["transports"][transport]
+            assert "error" not in t and t["seconds"] and t["bytes"] > 1e6, (name, t)
+        grpo = row["grpo"]
+        assert "error" not in grpo, grpo
+        assert grpo["step_s"] > 0 and set(grpo["phases_s"]) == set(PHASES)
+        assert 1.0 <= grpo["token_mult_prob_error"] < 1.001, grpo
+        assert re.search(rf"\| {name} \| [\d.]+ \| - \| - \|", out)  # GRPO row, no TRL
+    assert results["generation"]["tokens_per_s"] > 0
+    assert re.search(r"\| fsdp1-dp2 \| 2 \| [\d.]+ \| [\d.]+ / [\d.]+ \| [\d,]+ \| [\d.]+ \|", out)
+    assert "### vLLM generation:" in out and "TRL GRPOTrainer row skipped" in out
+    assert results["machine"]["matmul_tflops"] > 0 and results["params"] > 1e6
+
+
+def test_a_model_the_jax_backend_cannot_run_is_named_before_any_worker_starts():
+    import argparse
+
+    from transformers import GPT2Config
+
+    from benchmarks import compare
+
+    bench = compare.Bench(args=argparse.Namespace(model="tiny-gpt2"), size=compare.SIZES["tiny"],
+                          config=GPT2Config(n_layer=1, n_embd=16, n_head=2))
+    why = compare.jax_unsupported(bench, parse_layout("jax-fsdp2"))
+    assert "model 'tiny-gpt2' is not supported by the JAX backend" in why and "'gpt2'" in why
+    assert compare.jax_unsupported(bench, parse_layout("dtensor-dp2")) is None  # torch runs any HF model
