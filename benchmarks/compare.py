@@ -326,6 +326,9 @@ def start_trl(bench: Bench) -> None:
     if trl_grpo.trl_version() is None:
         bench.notes.append("TRL GRPOTrainer row skipped: trl is not installed (pip install -e .[bench])")
         return
+    if bench.args.device == "cuda":  # its runner trains on the CPU (use_cpu): no fair GPU baseline yet
+        bench.notes.append("TRL GRPOTrainer row skipped: benchmarks.trl_grpo runs TRL on the CPU only")
+        return
     work = bench.size.grpo
     cfg = grpo_config(parse_layout("fsdp1-dp1"), work, bench.model_path, bench.tokenizer_path,
                       bench.args.precision, str(bench.tmp / "trl"), generation=bench.args.grpo_generation)

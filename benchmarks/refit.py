@@ -27,13 +27,13 @@ Methodology:
 * seconds = :class:`RefitStats` ``.seconds``: wall clock on the driver around the whole
   refit (manifest check, gathers, transport, engine load, end-of-stream check).  Per case,
   ``--warmup`` untimed refits per transport come first (the first ``collective`` one also
-  forms the broadcast group; its seconds are shown as "first s"), then ``--repeats`` rounds
+  forms the broadcast group; its seconds are shown as "first s"), then ``--iters`` rounds
   of one refit per transport, alternating, so both transports see the same background
   load; the table gives the median.  After the timed refits the engine must report valid
   weights (``weights_valid()``), else the case is marked FAILED.
 * GB = bytes of the refit stream (the manifest, in the engine's dtype) / 1e9; GB/s = GB /
-  seconds.  ``--bucket-gb`` is ``refit_buffer_size_gb`` (GiB, like the config field;
-  default: the config's value), buckets = transport calls of one refit.
+  seconds; buckets = transport calls of one refit (``refit_buffer_size_gb`` of the policy
+  section).
 * memcpy: ``dst.copy_(src)`` of two ``torch.uint8`` tensors of the same byte count, in the
   driver process on one thread (``torch.set_num_threads(1)``: a plain memcpy, and immune to
   the stalls a 2-thread copy suffers when another process holds one of the cores), ``dst``
@@ -160,7 +160,7 @@ def _refit(policy, engine: Engine, transport: str, args):
 
 
 def measure(runner, engine: Engine, transports, args) -> dict[str, dict]:
-    """Warm-up refits per transport, then ``--repeats`` alternating rounds; one result per
+    """Warm-up refits per transport, then ``args.repeats`` (``dualrl bench``: ``--iters``) alternating rounds; one result per
     transport (a transport that fails is dropped from the later rounds)."""
     policy = runner._policy
     out = {t: {"seconds": [], "first_s": None} for t in transports}

@@ -253,3 +253,10 @@ def test_tiny_matrix_one_layout_per_backend_passes(ray_session):
     assert set(engine) == {"fsdp1-dp2", f"jax-fsdp{n}"}
     assert all(set(c["transports"]) == {"ipc", "collective"} and 1.0 <= c["value"] for c in engine.values())
     json.dumps(results)
+
+
+def test_bf16_bands_are_used_for_bf16_runs_and_are_tighter_than_a_real_error():
+    assert parity.judge("logprobs", 5e-3, parity.BF16_TOLERANCES) and not parity.judge("logprobs", 5e-3)
+    assert not parity.judge("logprobs", 0.1, parity.BF16_TOLERANCES)  # a tenth of a nat: a real error
+    with pytest.raises(ValueError, match="precision must be float32 or bfloat16"):
+        parity.run_parity(["fsdp1-dp2"], precision="float16")
