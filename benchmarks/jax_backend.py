@@ -54,7 +54,7 @@ import sys
 import time
 
 from benchmarks import torch_backends as tb
-from benchmarks.layouts import Layout, LayoutError, parse_layout
+from benchmarks.layouts import Layout, jax_layout, parse_layout  # noqa: F401 -- jax_layout: used as jb.jax_layout
 
 OPS = tb.OPS
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -64,15 +64,6 @@ XLA_POOL_THREAD = "tf_XLAEigen"
 
 JAX_LAYOUTS: dict[str, Layout] = {name: parse_layout(name) for name in ("jax-fsdp2", "jax-tp2", "jax-fsdp1")}
 CASES = ["hf", "fsdp1-dp1", "dtensor-dp2", *JAX_LAYOUTS]
-
-
-def jax_layout(name: str) -> Layout | None:
-    """``jax-fsdp4-tp2`` -> its :class:`Layout` (mesh fsdp=4, tp=2); ``None`` for a name that is no JAX layout."""
-    try:
-        layout = parse_layout(name)
-    except LayoutError:
-        return None
-    return layout if layout.is_jax else None
 
 
 def _case(name: str) -> str:

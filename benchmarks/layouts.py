@@ -83,13 +83,22 @@ def check_batch(layout: Layout, batch: int) -> str | None:
     return None
 
 
-def torch_layout(name: str) -> Layout | None:
-    """The torch layout of that name, or None (a JAX layout, or no layout at all)."""
+def _layout_if(name: str, jax: bool) -> Layout | None:
     try:
         layout = parse_layout(name)
     except LayoutError:
         return None
-    return None if layout.is_jax else layout
+    return layout if layout.is_jax == jax else None
+
+
+def torch_layout(name: str) -> Layout | None:
+    """The torch layout of that name, or None (a JAX layout, or no layout at all)."""
+    return _layout_if(name, jax=False)
+
+
+def jax_layout(name: str) -> Layout | None:
+    """``jax-fsdp4-tp2`` -> its :class:`Layout` (mesh fsdp=4, tp=2); None for any other name."""
+    return _layout_if(name, jax=True)
 
 
 def jax_model_problem(hf_config, model: str) -> str | None:
