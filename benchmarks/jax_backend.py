@@ -218,9 +218,10 @@ class JaxPolicyRunner(tb.PolicyRunner):
         self.name, self.workers, self.layout = name, 1, layout
         # torch_backends' policy section for one data-parallel rank: one micro batch of `batch`.
         micro = args.micro * layout.dp if getattr(args, "micro", None) else None  # rows split over fsdp
-        cfg = tb.policy_config(model_path, tokenizer_path, Layout(name, "jax_pjit"), args.batch, args.seq,
-                               args.precision, micro)
-        cfg["jax_cfg"].update(fsdp_size=layout.dp, tensor_parallel_size=layout.tp)
+        host = Layout(name, "jax_pjit", cp=layout.cp, packed=layout.packed)  # the host's rows: all of them
+        cfg = tb.policy_config(model_path, tokenizer_path, host, args.batch, args.seq,
+                               args.precision, micro, getattr(args, "packing", None))
+        cfg["jax_cfg"].update(fsdp_size=layout.dp, tensor_parallel_size=layout.tp, context_parallel_size=layout.cp)
         self._start(name, cfg, tokenizer, args, 1, args.threads, cfg["train_micro_batch_size"])
         try:
             info = self._policy.get_gpu_info()[0]

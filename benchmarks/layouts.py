@@ -1,16 +1,18 @@
 """Backend layouts by name: what every benchmark and ``dualrl parity`` / ``dualrl bench`` accept.
 
-Grammar (``D``, ``T``, ``F``: positive integers):
+Grammar (``D``, ``C``, ``T``, ``F``: positive integers; bracketed parts optional, at least one size):
 
-* ``fsdp1-dp<D>``: ``torch_fsdp`` on ``D`` workers (FSDP1 has no tensor parallel);
-* ``dtensor-dp<D>``, ``dtensor-tp<T>``, ``dtensor-dp<D>-tp<T>``, each with an optional ``-sp``
-  (sequence parallel, needs ``T >= 2``): ``torch_dtensor`` on ``D x T`` workers;
-* ``jax-fsdp<F>``, ``jax-tp<T>``, ``jax-fsdp<F>-tp<T>``: ``jax_pjit``, one worker owning
-  ``F x T`` devices, mesh ``(fsdp=F, tp=T)``.
+* ``fsdp1-dp<D>``: ``torch_fsdp`` on ``D`` workers (FSDP1 has no tensor or context parallel);
+* ``dtensor-[dp<D>][-cp<C>][-tp<T>][-sp]``: ``torch_dtensor`` on ``D x C x T`` workers, context
+  parallel over ``C``, sequence parallel (``-sp``) needs ``T >= 2``;
+* ``jax-[fsdp<F>][-cp<C>][-tp<T>]``: ``jax_pjit``, one worker owning ``F x C x T`` devices,
+  mesh ``(fsdp=F, cp=C, tp=T)``;
+* any of them with ``-packed``: sequence packing on (rows of at most one padded micro
+  batch's tokens).
 
 A torch worker holds one device (on a CPU machine: one process with a share of the threads);
-so a layout needs ``devices`` = ``D x T`` or ``F x T`` of the machine's budget whatever its backend,
-which is what :func:`check_fits` compares.
+so a layout needs ``devices`` = ``D x C x T`` or ``F x C x T`` of the machine's budget whatever
+its backend, which is what :func:`check_fits` compares.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?tp(\d+))?(-sp)?")
-_JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?tp(\d+))?")
+_TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-sp)?(-packed)?")
+_JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-packed)?")
 BACKEND_OF = {"fsdp1": "torch_fsdp", "dtensor": "torch_dtensor", "jax": "jax_pjit"}
-GRAMMAR = "fsdp1-dp<D>, dtensor-dp<D>[-tp<T>][-sp], dtensor-tp<T>[-sp], jax-fsdp<F>[-tp<T>], jax-tp<T>"
+GRAMMAR = ("fsdp1-dp<D>[-packed], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed], "
+           "jax-[fsdp<F>][-cp<C>][-tp<T>][-packed]")
 
 
 class LayoutError(ValueError):
@@ -35,6 +38,8 @@ class Layout:
     dp: int = 1  # torch: data-parallel workers; JAX: the mesh's fsdp axis
     tp: int = 1
     sp: bool = False
+    cp: int = 1  # context parallel: the sequence split over this many devices
+    packed: bool = False  # sequence packing on
 
     @property
     def is_jax(self) -> bool:
@@ -42,7 +47,12 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What ``make_sequence_length_divisible_by`` must be a multiple of on this layout."""
+        return 2 * self.cp * (self.tp if self.sp else 1) if self.cp > 1 else 1
 
     @property
     def workers(self) -> int:
@@ -53,18 +63,20 @@ class Layout:
 def parse_layout(name: str) -> Layout:
     """``dtensor-tp2-sp`` -> ``Layout("dtensor-tp2-sp", "torch_dtensor", 1, 2, True)``."""
     torch_match, jax_match = _TORCH.fullmatch(name), _JAX.fullmatch(name)
-    if torch_match and (torch_match.group(2) or torch_match.group(3)):
-        kind, dp, tp, sp = torch_match.groups()
-        layout = Layout(name, BACKEND_OF[kind], int(dp or 1), int(tp or 1), bool(sp))
-        if kind == "fsdp1" and layout.tp > 1:
-            raise LayoutError(f"layout {name!r}: FSDP1 (torch_fsdp) has no tensor parallel; use dtensor-...-tp<T>")
+    if torch_match and any(torch_match.group(i) for i in (2, 3, 4)):
+        kind, dp, cp, tp, sp, packed = torch_match.groups()
+        layout = Layout(name, BACKEND_OF[kind], int(dp or 1), int(tp or 1), bool(sp), int(cp or 1), bool(packed))
+        if kind == "fsdp1" and (layout.tp > 1 or layout.cp > 1):
+            raise LayoutError(f"layout {name!r}: FSDP1 (torch_fsdp) has no tensor or context parallel; "
+                              "use dtensor-...")
         if layout.sp and layout.tp < 2:
             raise LayoutError(f"layout {name!r}: sequence parallel (-sp) needs tensor parallel tp >= 2")
-    elif jax_match and (jax_match.group(1) or jax_match.group(2)):
-        layout = Layout(name, "jax_pjit", int(jax_match.group(1) or 1), int(jax_match.group(2) or 1))
+    elif jax_match and any(jax_match.group(i) for i in (1, 2, 3)):
+        fsdp, cp, tp, packed = jax_match.groups()
+        layout = Layout(name, "jax_pjit", int(fsdp or 1), int(tp or 1), False, int(cp or 1), bool(packed))
     else:
         raise LayoutError(f"unknown layout {name!r}: expected one of {GRAMMAR}")
-    if layout.dp < 1 or layout.tp < 1:
+    if layout.dp < 1 or layout.tp < 1 or layout.cp < 1:
         raise LayoutError(f"layout {name!r}: sizes must be >= 1")
     return layout
 

@@ -5,8 +5,10 @@
         [--crossload ring|full] [--engine [LAYOUT ...]] [--batch 8] [--seq 24] [--lr 1e-3] [--threads 2]
     dualrl parity [--layouts ...] [--model ...] [--json OUT] [--crossload ...]
 
-Every layout (``benchmarks.torch_backends.LAYOUTS``, any ``fsdp1-dp<D>`` / ``dtensor-[dp<D>][-tp<T>][-sp]``
-name, and the ``jax-fsdp<F>[-tp<T>]`` / ``jax-tp<T>`` layouts of ``benchmarks.jax_backend``) runs
+Every layout (``benchmarks.torch_backends.LAYOUTS``, or any name of the ``benchmarks.layouts``
+grammar: ``fsdp1-dp<D>``, ``dtensor-[dp<D>][-cp<C>][-tp<T>][-sp]``, ``jax-[fsdp<F>][-cp<C>][-tp<T>]``,
+each optionally ``-packed`` -- so context parallelism and sequence packing are checked against
+the plain layouts like any other layout) runs
 one :class:`core.policy.Policy`, started by those benchmarks' runners (same cluster shapes,
 thread budget, Ray/XLA set-up), on one fixed ragged batch (``torch_backends.make_batch``:
 right-padded random ids of different lengths, seed 0, loss on every real token).  ``hf`` is a

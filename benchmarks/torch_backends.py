@@ -115,9 +115,10 @@ def default_policy_section() -> dict:
 
 
 def policy_config(model_path: str, tokenizer_path: str, layout: Layout, batch: int, seq: int,
-                  precision: str, micro: int | None = None) -> dict:
+                  precision: str, micro: int | None = None, packing: dict | None = None) -> dict:
     """The default policy section on this model, width ``seq``; micro batches of ``micro`` rows
-    per rank (default: one micro batch of all the rank's rows)."""
+    per rank (default: one micro batch of all the rank's rows); ``packing`` updates
+    ``sequence_packing`` (``benchmarks.packing``)."""
     cfg = default_policy_section()
     local = min(micro or batch, batch // layout.dp)
     cfg.update(
@@ -131,6 +132,14 @@ def policy_config(model_path: str, tokenizer_path: str, layout: Layout, batch: i
     )
     cfg["tokenizer"]["name"] = tokenizer_path
     cfg["dtensor_cfg"].update(tensor_parallel_size=layout.tp, sequence_parallel=layout.sp)
+    if layout.backend == "torch_dtensor":
+        cfg["dtensor_cfg"]["context_parallel_size"] = layout.cp
+    if layout.cp > 1:
+        cfg["make_sequence_length_divisible_by"] = layout.sequence_multiple
+    if layout.packed:  # packed rows of at most one padded micro batch's tokens
+        cfg["sequence_packing"].update(enabled=True, train_mb_tokens=local * seq, logprob_mb_tokens=local * seq)
+    if packing:
+        cfg["sequence_packing"].update(packing)
     return cfg
 
 
@@ -268,7 +277,8 @@ class PolicyRunner:
         layout = LAYOUTS.get(name) or parse_layout(name)
         self.name, self.workers = name, layout.workers
         micro = getattr(args, "micro", None)
-        cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision, micro)
+        cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision, micro,
+                            getattr(args, "packing", None))
         cpus = max(1, args.threads // layout.workers)
         self._start(name, cfg, tokenizer, args, layout.workers, cpus, cfg["train_micro_batch_size"])
         try:
@@ -285,6 +295,7 @@ class PolicyRunner:
 
         self._data = make_batch(args.batch, args.seq, vocab_size(cfg["model_name"]))
         self._loss, self._gbs, self._mbs = NLLLoss(), args.batch, mbs
+        name = f"{name}{getattr(args, 'tag', '')}"  # a tag tells apart two Policies of one layout
         self._cluster = RayVirtualCluster([workers], use_gpus=on_cuda(args), num_cpus_per_bundle=cpus_per_worker,
                                           name=f"bench-{name}")
         self._policy = None

@@ -98,7 +98,8 @@ class ParallelDims:
 
         * ``torch_fsdp``    -- every rank is an FSDP shard: ``fsdp = world_size``;
         * ``torch_dtensor`` -- ``tp``/``cp`` from ``dtensor_cfg``, ``fsdp`` takes the rest;
-        * ``jax_pjit``      -- ``fsdp``/``tp`` from ``jax_cfg`` (``fsdp_size: -1`` fills in).
+        * ``jax_pjit``      -- ``fsdp``/``cp``/``tp`` from ``jax_cfg`` (``fsdp_size: -1`` fills in;
+          ``context_parallel_size`` defaults to 1).
         """
         backend = policy_cfg.get("backend")
         if backend == "torch_fsdp":
@@ -110,7 +111,8 @@ class ParallelDims:
             )
         if backend == "jax_pjit":
             j = policy_cfg["jax_cfg"]
-            return cls.build(world_size, fsdp=j["fsdp_size"], tp=j["tensor_parallel_size"])
+            return cls.build(world_size, fsdp=j["fsdp_size"], tp=j["tensor_parallel_size"],
+                             cp=j.get("context_parallel_size", 1))
         raise ValueError(
             f"ParallelDims: unknown backend {backend!r}; choose one of "
             "'torch_fsdp', 'torch_dtensor', 'jax_pjit'"

@@ -6,6 +6,11 @@ stands for the layer index.  The same rows drive checkpoint import (``load_hf_we
 yields HF names and layouts).  Transforms are exact (transposes and reshapes only), so
 ``jax_to_hf_tensors(hf_to_jax_state(x, cfg), cfg) == x`` bit for bit.
 
+Padded vocabulary: when ``cfg.padded_vocab_size > cfg.vocab_size`` (tensor parallelism
+over a vocabulary it does not divide), the rows with a ``vocab_dim`` (embedding, lm_head)
+are zero-padded along that JAX dim on import and cut back to ``vocab_size`` on export and
+refit, so HF names *and shapes* never see the padding.
+
 Transforms (HF layout -> JAX layout, JAX shapes from ``model.param_shapes(cfg)``):
     embedding        [V, E]           -> [V, E]             (identity)
     norm             [E]              -> [E]                (identity)
@@ -40,13 +45,14 @@ class Row(NamedTuple):
     jax: str  # "/"-separated path in ``nnx.state(model, nnx.Param)``
     transform: str  # a key of TRANSFORMS
     untied_only: bool = False  # dropped for models with tied word embeddings
+    vocab_dim: int | None = None  # the JAX dim over the vocabulary (padded to cfg.padded_vocab_size)
 
 
 _LAYER = "model.layers.{i}."
 _JLAYER = "layers/{i}/"
 
 LLAMA_TABLE: tuple[Row, ...] = (
-    Row("model.embed_tokens.weight", "embed_tokens/embedding", "embedding"),
+    Row("model.embed_tokens.weight", "embed_tokens/embedding", "embedding", vocab_dim=0),
     Row(_LAYER + "input_layernorm.weight", _JLAYER + "input_layernorm/scale", "norm"),
     Row(_LAYER + "self_attn.q_proj.weight", _JLAYER + "self_attn/q_proj/kernel", "linear"),
     Row(_LAYER + "self_attn.k_proj.weight", _JLAYER + "self_attn/k_proj/kernel", "linear"),
@@ -57,7 +63,7 @@ LLAMA_TABLE: tuple[Row, ...] = (
     Row(_LAYER + "mlp.up_proj.weight", _JLAYER + "mlp/up_proj/kernel", "linear"),
     Row(_LAYER + "mlp.down_proj.weight", _JLAYER + "mlp/down_proj/kernel", "linear"),
     Row("model.norm.weight", "norm/scale", "norm"),
-    Row("lm_head.weight", "lm_head/kernel", "linear", untied_only=True),
+    Row("lm_head.weight", "lm_head/kernel", "linear", untied_only=True, vocab_dim=1),
 )
 
 QWEN2_TABLE: tuple[Row, ...] = LLAMA_TABLE + (
@@ -111,8 +117,9 @@ class Entry(NamedTuple):
     hf_name: str
     jax_path: tuple  # e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
     transform: str
-    jax_shape: tuple
-    hf_shape: tuple
+    jax_shape: tuple  # as stored (vocab dim padded to cfg.padded_vocab_size)
+    hf_shape: tuple  # as in the checkpoint (vocab dim = cfg.vocab_size)
+    vocab_dim: int | None = None  # JAX dim padded from cfg.vocab_size to cfg.padded_vocab_size
 
 
 def _jax_path(pattern: str, i: int | None) -> tuple:
@@ -125,6 +132,30 @@ def table_for(cfg: ModelConfig) -> tuple[Row, ...]:
     return tuple(r for r in FAMILY_TABLES[cfg.family] if not (r.untied_only and cfg.tie_word_embeddings))
 
 
+def _unpadded_shape(jax_shape: tuple, vocab_dim: int | None, cfg: ModelConfig) -> tuple:
+    """``jax_shape`` with its vocab dim (if any) at the real ``cfg.vocab_size``."""
+    if vocab_dim is None:
+        return tuple(jax_shape)
+    return tuple(cfg.vocab_size if d == vocab_dim else n for d, n in enumerate(jax_shape))
+
+
+def _to_jax(e: Entry, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """HF array -> the JAX layout, zero-padded along the vocab dim to ``cfg.padded_vocab_size``."""
+    out = TRANSFORMS[e.transform].to_jax(value, _unpadded_shape(e.jax_shape, e.vocab_dim, cfg))
+    if e.vocab_dim is not None and out.shape != e.jax_shape:
+        pad = [(0, 0)] * out.ndim
+        pad[e.vocab_dim] = (0, e.jax_shape[e.vocab_dim] - out.shape[e.vocab_dim])
+        out = np.pad(out, pad)
+    return out
+
+
+def _to_hf(e: Entry, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """JAX array -> the HF layout, cut along the vocab dim to the real ``cfg.vocab_size``."""
+    if e.vocab_dim is not None and value.shape[e.vocab_dim] != cfg.vocab_size:
+        value = value[(slice(None),) * e.vocab_dim + (slice(0, cfg.vocab_size),)]
+    return np.ascontiguousarray(TRANSFORMS[e.transform].to_hf(value))
+
+
 def expected_entries(cfg: ModelConfig) -> list[Entry]:
     """Every parameter of ``cfg``'s model: HF name, JAX path, transform and both shapes."""
     shapes = param_shapes(cfg)
@@ -133,8 +164,9 @@ def expected_entries(cfg: ModelConfig) -> list[Entry]:
         for i in range(cfg.num_layers) if "{i}" in row.hf else (None,):
             path = _jax_path(row.jax, i)
             jax_shape = shapes[path]
-            hf_shape = TRANSFORMS[row.transform].hf_shape(jax_shape)
-            entries.append(Entry(row.hf.format(i=i), path, row.transform, jax_shape, tuple(hf_shape)))
+            hf_shape = TRANSFORMS[row.transform].hf_shape(_unpadded_shape(jax_shape, row.vocab_dim, cfg))
+            entries.append(Entry(row.hf.format(i=i), path, row.transform, jax_shape, tuple(hf_shape),
+                                 row.vocab_dim))
     mapped = {e.jax_path for e in entries}
     if mapped != set(shapes):  # the table and the model must describe the same parameters
         raise AssertionError(f"HF table / model mismatch: unmapped {set(shapes) - mapped}, "
@@ -186,7 +218,7 @@ def hf_to_jax_state(hf_tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> d
     """
     out: dict = {}
     for e in check_hf_tensors(hf_tensors, cfg):
-        value = TRANSFORMS[e.transform].to_jax(np.asarray(hf_tensors[e.hf_name]), e.jax_shape)
+        value = _to_jax(e, np.asarray(hf_tensors[e.hf_name]), cfg)
         node = out
         for key in e.jax_path[:-1]:
             node = node.setdefault(key, {})
@@ -233,7 +265,7 @@ def iter_hf_tensors(state: Any, cfg: ModelConfig) -> Iterator[tuple[str, np.ndar
         if tuple(value.shape) != e.jax_shape:
             raise ValueError(f"JAX parameter {'/'.join(map(str, e.jax_path))} has shape {value.shape}, "
                              f"expected {e.jax_shape} (HF {e.hf_name!r})")
-        yield e.hf_name, TRANSFORMS[e.transform].to_hf(value)
+        yield e.hf_name, _to_hf(e, value, cfg)
 
 
 # --------------------------------------------------------------------------- files
@@ -307,12 +339,13 @@ def save_hf_checkpoint(model: CausalLM, hf_config: Any, path: str | os.PathLike)
     """Write ``model.safetensors`` (HF names and layouts, params' dtype) and ``config.json``
     to ``path``; ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it.
 
-    ``hf_config`` must describe ``model`` (checked through ``ModelConfig.from_hf``).  One
-    file holds every tensor: fine up to a few GB; sharded writing is not implemented.
+    ``hf_config`` must describe ``model`` (checked through ``ModelConfig.from_hf``; a padded
+    vocabulary is cut back to ``hf_config.vocab_size``).  One file holds every tensor: fine
+    up to a few GB; sharded writing is not implemented.
     """
     from safetensors.numpy import save_file
 
-    if ModelConfig.from_hf(hf_config) != model.cfg:
+    if ModelConfig.from_hf(hf_config) != model.cfg.unpadded():
         raise ValueError(f"hf_config describes {ModelConfig.from_hf(hf_config)}, the model is {model.cfg}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -323,13 +356,17 @@ def save_hf_checkpoint(model: CausalLM, hf_config: Any, path: str | os.PathLike)
     return path
 
 
-def from_pretrained(path: str | os.PathLike, dtype=jnp.float32,
-                    param_dtype=jnp.float32) -> tuple[CausalLM, ModelConfig, Any]:
-    """Load an HF checkpoint directory: ``(CausalLM, ModelConfig, hf_config)``."""
+def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32, *, tp: int = 1,
+                    make_vocab_size_divisible_by: int = 1) -> tuple[CausalLM, ModelConfig, Any]:
+    """Load an HF checkpoint directory: ``(CausalLM, ModelConfig, hf_config)``.
+
+    The vocabulary is zero-padded to ``padded_vocab_size(vocab_size, tp,
+    make_vocab_size_divisible_by)`` (unchanged with the defaults, or when ``tp`` divides it).
+    """
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = ModelConfig.from_hf(hf_config).with_padded_vocab(tp, make_vocab_size_divisible_by)
     model = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
     load_hf_weights(model, path)
     return model, cfg, hf_config

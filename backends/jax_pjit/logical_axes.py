@@ -5,7 +5,9 @@ names below (maxtext/levanter style); ``RULES`` decides which mesh axis, if any,
 each of them.  A different layout is a different table, not different model code.
 
 Mesh axes are those of ``core.parallel_dims``: ``fsdp`` (data parallel with sharded
-parameters / optimizer state) and ``tp`` (tensor parallel).
+parameters / optimizer state), ``cp`` (context parallel: the sequence of activations is
+split; the rows are permuted first so every ``cp`` rank holds a head and a tail chunk, see
+``core.data.context_parallel``) and ``tp`` (tensor parallel).
 
 Parameters (storage layout):
     vocab     -- vocabulary rows of the embedding / lm_head         -> tp
@@ -17,7 +19,8 @@ Parameters (storage layout):
     norm      -- the feature dimension of an RMSNorm scale           -> replicated
 Activations:
     batch     -- the batch dimension                                 -> fsdp (data parallel)
-    seq       -- the sequence dimension                              -> replicated
+    seq       -- the sequence dimension (queries, residual stream)   -> cp (context parallel)
+    kv_seq    -- the sequence dimension of attention keys / values   -> replicated (gathered over cp)
     act_embed -- the hidden dimension of activations                 -> replicated
     act_heads -- the heads dimension of attention activations        -> tp
     act_mlp   -- the MLP's intermediate activations                  -> tp
@@ -26,10 +29,10 @@ Activations:
 
 from __future__ import annotations
 
-from core.parallel_dims import FSDP, TP
+from core.parallel_dims import CP, FSDP, TP
 
 PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
-ACTIVATION_AXES = ("batch", "seq", "act_embed", "act_heads", "act_mlp", "act_vocab")
+ACTIVATION_AXES = ("batch", "seq", "kv_seq", "act_embed", "act_heads", "act_mlp", "act_vocab")
 
 #: logical name -> mesh axis (None = replicated).  Names not listed are replicated.
 RULES: tuple[tuple[str, str | None], ...] = (
@@ -41,9 +44,17 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("mlp", TP),
     ("norm", None),
     ("batch", FSDP),
-    ("seq", None),
+    ("seq", CP),
+    ("kv_seq", None),
     ("act_embed", None),
     ("act_heads", TP),
     ("act_mlp", TP),
     ("act_vocab", TP),
+)
+
+#: KV-cache decoding: the same table with the sequence replicated.  A decode step feeds one
+#: token per row, which cannot be split over ``cp``; the ``cp`` ranks of a data-parallel
+#: group then decode the same rows redundantly (the prefill too) -- correct, not faster.
+DECODE_RULES: tuple[tuple[str, str | None], ...] = tuple(
+    (name, None if name == "seq" else axis) for name, axis in RULES
 )

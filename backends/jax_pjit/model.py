@@ -26,6 +26,8 @@ Layouts (logical axes):
     *.gate_proj, up_proj .kernel [embed, mlp];  down_proj.kernel [mlp, embed]
     *_layernorm.scale, norm.scale [norm]
     lm_head.kernel               [embed, vocab]   (absent when tied: logits = h @ embedding.T)
+The stored vocab dim is ``cfg.padded_vocab_size`` (zero-padded for tensor parallelism; the
+padded logits are masked in ``CausalLM._logits``).
 """
 
 from __future__ import annotations
@@ -81,8 +83,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     max_position_embeddings: int = 2048
+    #: Embedding rows / lm_head columns the model *stores* (>= ``vocab_size``; None =
+    #: ``vocab_size``): tensor parallelism shards the vocabulary, so a vocabulary ``tp`` does
+    #: not divide is padded with zeros (``core.policy.vocab_padding``).  The padded
+    #: logits are masked in ``CausalLM._logits``; ``vocab_size`` stays the real vocabulary,
+    #: and everything leaving the backend (HF export, refit, logprobs) has that many rows.
+    padded_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.padded_vocab_size is None:
+            object.__setattr__(self, "padded_vocab_size", self.vocab_size)
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} < vocab_size={self.vocab_size}")
         rope = dict(self.rope_scaling or {})
         rope.setdefault("rope_type", rope.get("type", "default"))
         rope.pop("type", None)
@@ -107,6 +119,21 @@ class ModelConfig:
     @property
     def rope_type(self) -> str:
         return self.rope_parameters["rope_type"]
+
+    @property
+    def is_vocab_padded(self) -> bool:
+        return self.padded_vocab_size != self.vocab_size
+
+    def with_padded_vocab(self, tp: int = 1, make_divisible_by: int = 1) -> "ModelConfig":
+        """This config with the vocabulary padded for ``tp``-way sharding (and to a multiple of
+        ``make_divisible_by``): ``core.policy.vocab_padding.padded_vocab_size``."""
+        from core.policy.vocab_padding import padded_vocab_size
+
+        return dataclasses.replace(self, padded_vocab_size=padded_vocab_size(self.vocab_size, tp, make_divisible_by))
+
+    def unpadded(self) -> "ModelConfig":
+        """This config as the HF checkpoint describes it (``padded_vocab_size = vocab_size``)."""
+        return dataclasses.replace(self, padded_vocab_size=self.vocab_size)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
@@ -220,6 +247,9 @@ _activation_constraint: ConstraintFn | None = None
 
 RESIDUAL_AXES = ("batch", "seq", "act_embed")
 HEADS_AXES = ("batch", "seq", "act_heads", "head_dim")
+#: Keys / values as attention reads them: every query of a row needs every key, so under
+#: context parallelism (``seq`` -> ``cp``) they are gathered over ``cp`` (``kv_seq`` is replicated).
+KV_AXES = ("batch", "kv_seq", "act_heads", "head_dim")
 MLP_AXES = ("batch", "seq", "act_mlp")
 LOGITS_AXES = ("batch", "seq", "act_vocab")
 
@@ -349,6 +379,7 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)  # (B, L, KV, D)
             v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)  # (B, L, KV, D)
             new_cache = (k, v)
+        k, v = constrain(k, KV_AXES), constrain(v, KV_AXES)
         out = attend(q, k.astype(self.dtype), v.astype(self.dtype), allowed, self.scale)  # (B, T, H, D)
         return self.o_proj(constrain(out, HEADS_AXES)), new_cache
 
@@ -412,14 +443,14 @@ class CausalLM(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
+        self.embed_tokens = Embed(cfg.padded_vocab_size, cfg.hidden_size, rngs=rngs, **kw)
         # A Python loop over layers: simple, but compile time grows with depth; an
         # ``nnx.scan`` over stacked layer params would compile one layer for deep models.
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         # Tied models have no lm_head: logits = h @ embedding.T.
         self.lm_head = None if cfg.tie_word_embeddings else Dense(
-            (cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), use_bias=False, rngs=rngs, **kw)
+            (cfg.hidden_size,), (cfg.padded_vocab_size,), ("embed",), ("vocab",), use_bias=False, rngs=rngs, **kw)
 
     # -- pieces shared by the full forward and decoding
 
@@ -428,22 +459,36 @@ class CausalLM(nnx.Module):
 
     def _logits(self, h: jax.Array) -> jax.Array:
         h = self.norm(h)
-        logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)  # (B, S, V)
+        logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)  # (B, S, Vp)
+        if self.cfg.is_vocab_padded:
+            # Padding columns (ids >= vocab_size) -> the dtype's lowest finite value: no
+            # probability after any softmax (exp underflows to exactly 0), never sampled, and
+            # `where` sends them zero gradient (so the zero padding rows stay zero under AdamW).
+            # Finite, not -inf, so p * log p (entropy) stays 0 instead of NaN.
+            real = jnp.arange(logits.shape[-1]) < self.cfg.vocab_size  # (Vp,)
+            logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
         return constrain(logits, LOGITS_AXES)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None,
+                 positions: jax.Array | None = None, allowed: jax.Array | None = None) -> jax.Array:
         """Logits [B, S, V] (compute dtype) of right-padded ``input_ids`` [B, S].
 
         ``attention_mask`` [B, S]: 1 for real tokens, 0 for padding (padding keys are never
         attended to; padding queries produce finite, meaningless logits).  ``positions``
         [B, S] int defaults to 0..S-1 on every row.
+
+        ``allowed`` [B, S, S] bool (query i may read key j) replaces the causal-and-padding
+        mask built from ``attention_mask`` (which is then not read and may be None): packed
+        rows (attention confined to each sequence) and context parallelism (columns
+        permuted for load balance) pass the mask of ``core.data.context_parallel.attention_allowed``
+        together with the matching ``positions``.
         """
         b, s = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))  # (B, S)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))  # (S, S): query i reads keys j <= i
-        allowed = causal[None] & attention_mask.astype(bool)[:, None, :]  # (B, S, S)
+        if allowed is None:
+            causal = jnp.tril(jnp.ones((s, s), dtype=bool))  # (S, S): query i reads keys j <= i
+            allowed = causal[None] & attention_mask.astype(bool)[:, None, :]  # (B, S, S)
         cos, sin = rope_cos_sin(self.cfg, positions, self.dtype)
         h = self._embed(input_ids)
         for layer in self.layers:
@@ -539,13 +584,14 @@ def _pure_axes(state: nnx.State, axes_of) -> dict:
 def make_apply_fn(model: CausalLM) -> tuple[Callable, nnx.State]:
     """Split ``model`` into ``(apply_fn, params)`` for pure, jittable steps.
 
-    ``apply_fn(params, input_ids, attention_mask, positions) -> logits`` rebuilds the module
-    from the static graph definition and ``params`` (an ``nnx.State`` pytree).
+    ``apply_fn(params, input_ids, attention_mask, positions, allowed=None) -> logits`` rebuilds
+    the module from the static graph definition and ``params`` (an ``nnx.State`` pytree);
+    ``allowed`` is ``CausalLM.__call__``'s explicit attention mask.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def apply_fn(params, input_ids, attention_mask, positions=None):
-        return nnx.merge(graphdef, params, rest)(input_ids, attention_mask, positions)
+    def apply_fn(params, input_ids, attention_mask, positions=None, allowed=None):
+        return nnx.merge(graphdef, params, rest)(input_ids, attention_mask, positions, allowed)
 
     return apply_fn, params
 

@@ -1,6 +1,6 @@
 """The JAX backend's device mesh and the logical-axis -> mesh-axis machinery.
 
-* :func:`make_mesh` builds the 2-d ``("fsdp", "tp")`` :class:`jax.sharding.Mesh` that
+* :func:`make_mesh` builds the 3-d ``("fsdp", "cp", "tp")`` :class:`jax.sharding.Mesh` that
   ``policy.jax_cfg`` asks for (sizes resolved by :class:`core.parallel_dims.ParallelDims`),
   with ``AxisType.Auto`` axes: jax 0.10 makes ``jax.make_mesh`` *Explicit* by default,
   which would turn every sharding into part of the array type; this backend relies on
@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from backends.jax_pjit.logical_axes import RULES
-from core.parallel_dims import FSDP, TP, ParallelDims
+from core.parallel_dims import CP, FSDP, TP, ParallelDims
 
 __all__ = [
     "MESH_AXES",
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: The mesh axes of the JAX backend, outermost first (``tp`` innermost: neighbouring devices).
-MESH_AXES = (FSDP, TP)
+MESH_AXES = (FSDP, CP, TP)
 
 Rules = Sequence[tuple[str, Any]] | Mapping[str, Any]
 LogicalAxes = tuple[str | None, ...]
@@ -55,14 +55,16 @@ LogicalAxes = tuple[str | None, ...]
 
 # ---------------------------------------------------------------------------------- mesh
 def make_mesh(policy_cfg: Mapping[str, Any], devices: Sequence[Any] | None = None) -> Mesh:
-    """The ``(fsdp, tp)`` mesh of ``policy.jax_cfg`` over ``devices`` (default ``jax.devices()``).
+    """The ``(fsdp, cp, tp)`` mesh of ``policy.jax_cfg`` over ``devices`` (default ``jax.devices()``).
 
-    ``jax_cfg.fsdp_size`` may be ``-1`` (= number of devices / ``tensor_parallel_size``).
-    Missing ``jax_cfg`` keys take the defaults of ``core/configs/default.yaml``
-    (``fsdp_size: -1``, ``tensor_parallel_size: 1``).  Raises ``ValueError`` naming
-    ``policy.jax_cfg.fsdp_size`` / ``policy.jax_cfg.tensor_parallel_size`` when the sizes do
-    not fit the device count.  Both axes are ``AxisType.Auto``; ``tp`` is the inner axis so
-    tensor-parallel peers are neighbouring devices.
+    ``jax_cfg.fsdp_size`` may be ``-1`` (= number of devices / (``context_parallel_size`` x
+    ``tensor_parallel_size``)).  Missing ``jax_cfg`` keys take the defaults of
+    ``core/configs/policy.yaml`` (``fsdp_size: -1``, ``tensor_parallel_size: 1``,
+    ``context_parallel_size: 1``).  Raises ``ValueError`` naming ``policy.jax_cfg.fsdp_size`` /
+    ``policy.jax_cfg.context_parallel_size`` / ``policy.jax_cfg.tensor_parallel_size`` when the
+    sizes do not fit the device count.  All axes are ``AxisType.Auto``; ``tp`` is the inner
+    axis so tensor-parallel peers are neighbouring devices, ``cp`` the next.  The ``cp`` axis
+    is always present (size 1 without context parallelism).
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
@@ -73,16 +75,18 @@ def make_mesh(policy_cfg: Mapping[str, Any], devices: Sequence[Any] | None = Non
     jax_cfg = dict(policy_cfg.get("jax_cfg") or {})
     fsdp_size = jax_cfg.setdefault("fsdp_size", -1)
     tp_size = jax_cfg.setdefault("tensor_parallel_size", 1)
+    cp_size = jax_cfg.setdefault("context_parallel_size", 1)
     n = len(devices)
     try:
         dims = ParallelDims.from_policy_config({"backend": "jax_pjit", "jax_cfg": jax_cfg}, n)
     except ValueError as err:
         raise ValueError(
-            f"policy.jax_cfg.fsdp_size={fsdp_size!r} x policy.jax_cfg.tensor_parallel_size={tp_size!r} "
-            f"does not fit {n} device(s) (fsdp_size x tensor_parallel_size must equal the device "
-            f"count; fsdp_size=-1 fills in): {err}"
+            f"policy.jax_cfg.fsdp_size={fsdp_size!r} x policy.jax_cfg.context_parallel_size={cp_size!r} x "
+            f"policy.jax_cfg.tensor_parallel_size={tp_size!r} does not fit {n} device(s) (fsdp_size x "
+            f"context_parallel_size x tensor_parallel_size must equal the device count; fsdp_size=-1 "
+            f"fills in): {err}"
         ) from err
-    shape = (dims.fsdp, dims.tp)
+    shape = (dims.fsdp, dims.cp, dims.tp)
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     try:
         # Lets jax pick a topology-aware device order (matters on TPU / multi-host GPU).
@@ -225,6 +229,16 @@ def check_divisible(shapes_tree: Any, logical_axes_tree: Any, mesh: Mesh, rules:
 
 
 # --------------------------------------------------------------------------- activations
+def _on_mesh(entries: Sequence[tuple[str, ...]], mesh: Mesh) -> list[tuple[str, ...]]:
+    """Spec entries without the mesh axes ``mesh`` lacks, and without ``cp`` when it has size 1:
+    the rules map the activations' ``seq`` to ``cp``, and without context parallelism every
+    activation layout is then exactly the one of an ``(fsdp, tp)`` mesh (same programs)."""
+    def keep(axis: str) -> bool:
+        return axis in mesh.shape and (axis != CP or mesh.shape[axis] > 1)
+
+    return [tuple(a for a in axes if keep(a)) for axes in entries]
+
+
 def activation_constraint(
     mesh: Mesh, rules: Rules = RULES, *, strict: bool = False
 ) -> Callable[[jax.Array, LogicalAxes], jax.Array]:
@@ -234,13 +248,14 @@ def activation_constraint(
     default) a mesh axis that does not divide the dimension it would shard (an odd
     sequence length, a micro batch smaller than ``fsdp``) is dropped for that call: the
     dimension is replicated instead of failing the trace.  ``strict=True`` raises.
+    Mesh axes the mesh lacks, and ``cp`` of size 1, are left out (see :func:`_on_mesh`).
     """
 
     def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         if len(logical_axes) != x.ndim:
             raise ValueError(f"constrain: {x.ndim}-d array {x.shape} given {len(logical_axes)} logical axes {logical_axes}")
         entries = []
-        for dim, (size, axes) in enumerate(zip(x.shape, _spec_entries(logical_axes, rules))):
+        for dim, (size, axes) in enumerate(zip(x.shape, _on_mesh(_spec_entries(logical_axes, rules), mesh))):
             n = math.prod(mesh.shape[a] for a in axes)
             if size % n != 0:
                 if strict:
@@ -291,7 +306,7 @@ def shard_host_batch(
     """
     host = _to_numpy(array)
     names = tuple(logical_axes[: host.ndim]) + (None,) * max(0, host.ndim - len(logical_axes))
-    entries = _spec_entries(names, rules)
+    entries = _on_mesh(_spec_entries(names, rules), mesh)
     sharding = NamedSharding(mesh, _to_spec(entries))
     nproc = jax.process_count()
     for dim, axes in enumerate(entries):

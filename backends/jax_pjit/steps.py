@@ -12,6 +12,11 @@ nothing) and to a sequence length from a short ladder (powers of two from 16, ca
 ``max_total_sequence_length``), so a run compiles at most ``len(ladder)`` programs per step
 kind, however ragged its batches are.  ``CompileCounter`` reports how many were built.
 
+Context parallelism and sequence packing use the ``layout`` steps further down: the rows
+carry explicit positions and segments (packed rows: several sequences each), the columns
+are permuted for the ``cp`` load balance inside the program, and packed logprobs are
+unpacked onto the plain ``[rows, S-1]`` layout before the same ``loss_from_logprobs``.
+
 Gradient accumulation uses the same global normalisation as the torch backends: the
 loss of every micro batch is divided by the *global* number of valid tokens (or
 sequences) of the step's batch, so the accumulated gradient is the full-batch gradient,
@@ -27,26 +32,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
+from backends.jax_pjit.model import constrain
+from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
+from core.data.sequence_packing import PackedRow
+from core.kernels import apply_temperature, logprobs_from_logits, logprobs_to_sequence_layout, next_token_logprobs
 
 ApplyFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 MIN_BUCKET = 16
 
 
-def length_buckets(max_len: int, minimum: int = MIN_BUCKET) -> list[int]:
-    """Powers of two from ``minimum`` up to, and always ending at, ``max_len``."""
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def length_buckets(max_len: int, minimum: int = MIN_BUCKET, multiple: int = 1) -> list[int]:
+    """Powers of two from ``minimum`` up to, and always ending at, ``max_len``; with
+    ``multiple`` > 1 (``policy.make_sequence_length_divisible_by``) every rung is rounded up
+    to a multiple of it -- the top one too, which may then exceed ``max_len`` (padding)."""
+    top = _round_up(max_len, multiple)
     ladder, n = [], minimum
     while n < max_len:
-        ladder.append(n)
+        rung = _round_up(n, multiple)
+        if rung < top and (not ladder or rung > ladder[-1]):
+            ladder.append(rung)
         n *= 2
-    return ladder + [max_len]
+    return ladder + [top]
 
 
-def bucket_for(length: int, max_len: int) -> int:
-    """The smallest bucket holding ``length`` tokens."""
+def bucket_for(length: int, max_len: int, multiple: int = 1,
+               field: str = "policy.max_total_sequence_length") -> int:
+    """The smallest bucket holding ``length`` tokens (``field`` names ``max_len`` in the error)."""
     if length > max_len:
-        raise ValueError(f"sequence length {length} exceeds policy.max_total_sequence_length={max_len}")
-    return next(b for b in length_buckets(max_len) if b >= length)
+        raise ValueError(f"sequence length {length} exceeds {field}={max_len}")
+    return next(b for b in length_buckets(max_len, multiple=multiple) if b >= length)
+
+
+def check_cp_ladder(max_len: int, cp: int, multiple: int, field: str = "policy.max_total_sequence_length") -> None:
+    """Context parallelism splits every row into ``2 * cp`` chunks, so every width of the
+    ladder up to ``max_len`` (``field``) must be a multiple of ``2 * cp``; the widths are
+    rounded up to ``policy.make_sequence_length_divisible_by``, the field the error names."""
+    if cp <= 1:
+        return
+    ladder = length_buckets(max_len, multiple=multiple)
+    for width in ladder:
+        try:
+            check_cp_width(width, cp, 2 * cp, "policy.make_sequence_length_divisible_by")
+        except ValueError as err:
+            raise ValueError(
+                f"{err} (policy.jax_cfg.context_parallel_size={cp}: the JAX backend pads rows to the widths "
+                f"{ladder} for {field}={max_len}, each rounded up to make_sequence_length_divisible_by="
+                f"{multiple})") from None
 
 
 def pad_micro_batch(batch: Mapping[str, np.ndarray], rows: int, width: int) -> dict[str, np.ndarray]:
@@ -115,6 +150,141 @@ def make_grad_step(apply_fn: ApplyFn, loss_fn: Any, temperature: float, grad_sha
         return jax.tree.map(jnp.add, grads_acc, grads), metrics
 
     return step
+
+
+# ------------------------------------------------------------ explicit row layouts (CP, packing)
+#
+# The steps above serve plain right-padded rows on a mesh without context parallelism.  The
+# ones below take each row's token ``positions`` and ``segments`` explicitly (the attention
+# mask is built from them with ``core.data.context_parallel.attention_allowed``), which
+# serves both packed rows (several sequences per row, positions restarting per sequence)
+# and context parallelism (``cp`` > 1: the columns are permuted into
+# ``load_balanced_columns(width, cp)`` order before the model, so the contiguous split of
+# the sequence over the ``cp`` mesh axis gives every device a head and a tail chunk).
+
+ROW_KEYS = ("input_ids", "positions", "segments")
+MASK_AXES = ("batch", "seq", "kv_seq")
+
+
+def layout_next_logprobs(apply_fn: ApplyFn, params: Any, input_ids: jax.Array, positions: jax.Array,
+                         segments: jax.Array, cp: int, temperature: float) -> jax.Array:
+    """Next-token logprobs ``[B, W-1]`` (column order, compute dtype) of rows ``input_ids``
+    ``[B, W]`` whose tokens carry ``positions`` (RoPE) and ``segments`` (attention stays
+    within a segment, causal in column order).  Column ``t`` scores ``input_ids[:, t+1]``.
+
+    With ``cp`` > 1 the model sees the columns in load-balanced order (ids, positions and
+    the mask follow the permutation); the target of the token at column ``c`` is
+    ``input_ids[:, c+1]`` and the logprobs are put back into column order afterwards, so
+    the result equals ``cp`` = 1 up to float summation order.
+    """
+    width = input_ids.shape[1]
+    cols = load_balanced_columns(width, cp).reshape(-1) if cp > 1 else np.arange(width)
+    # Column indices as (small) device constants: the [W, W] comparison is computed by the
+    # program instead of being embedded in it.
+    dev_cols = jnp.asarray(cols, dtype=jnp.int32)
+    allowed = constrain(attention_allowed(dev_cols, dev_cols, segments), MASK_AXES)  # (B, W, W)
+    if cp == 1:
+        logits = apply_fn(params, input_ids, None, positions, allowed=allowed)
+        return next_token_logprobs(apply_temperature(logits, temperature), input_ids)
+    ids, pos = jnp.take(input_ids, dev_cols, axis=1), jnp.take(positions, dev_cols, axis=1)
+    logits = apply_fn(params, ids, None, pos, allowed=allowed)
+    # The last column's target is a dummy in-vocabulary id; its logprob is dropped below.
+    targets = jnp.take(input_ids, jnp.asarray(np.minimum(cols + 1, width - 1), jnp.int32), axis=1)
+    lp = logprobs_from_logits(apply_temperature(logits, temperature), targets)  # (B, W), permuted
+    return jnp.take(lp, jnp.asarray(np.argsort(cols), jnp.int32), axis=1)[:, :-1]
+
+
+def unpack_next(next_lp: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
+    """Packed next-token logprobs ``[B, W-1]`` -> the unpacked ``[R, S-1]`` layout through a
+    flat ``index`` / ``valid`` pair from :func:`packed_micro_batch` (0 where not valid)."""
+    return jnp.where(valid, next_lp.reshape(-1)[index], 0.0)
+
+
+def make_layout_logprob_step(apply_fn: ApplyFn, temperature: float, cp: int) -> Callable:
+    """``(params, rows) -> next-token logprobs [B, W-1] float32`` for the ``ROW_KEYS`` arrays
+    ``rows`` ([B, W] each); the caller unpacks / lays them out on the host."""
+
+    @jax.jit
+    def step(params, rows):
+        lp = layout_next_logprobs(apply_fn, params, rows["input_ids"], rows["positions"], rows["segments"],
+                                  cp, temperature)
+        return lp.astype(jnp.float32)
+
+    return step
+
+
+def make_layout_grad_step(apply_fn: ApplyFn, loss_fn: Any, temperature: float, cp: int,
+                          grad_shardings: Any = None) -> Callable:
+    """``(params, grads_acc, rows, batch, global_valid_seqs, global_valid_toks) ->
+    (grads_acc + d loss/d params, metrics)``: ``make_grad_step`` for explicit row layouts.
+
+    ``rows`` holds the model's ``ROW_KEYS`` arrays [B, W], and for packed rows also
+    ``unpack_index`` / ``unpack_valid`` [R, S-1]: the logprobs are then unpacked onto the
+    loss batch's rows first.  ``batch`` is the loss's batch in the plain [R, S] layout, so
+    ``loss_fn.loss_from_logprobs`` and the global normalisation are exactly the unpacked ones.
+    """
+
+    def micro_loss(params, rows, batch, gseq, gtok):
+        next_lp = layout_next_logprobs(apply_fn, params, rows["input_ids"], rows["positions"], rows["segments"],
+                                       cp, temperature)
+        if "unpack_index" in rows:
+            next_lp = unpack_next(next_lp, rows["unpack_index"], rows["unpack_valid"])
+        return loss_fn.loss_from_logprobs(next_lp, batch, gseq, gtok)
+
+    out_shardings = None if grad_shardings is None else (grad_shardings, None)
+
+    @functools.partial(jax.jit, donate_argnums=(1,), out_shardings=out_shardings)
+    def step(params, grads_acc, rows, batch, gseq, gtok):
+        (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, rows, batch, gseq, gtok)
+        return jax.tree.map(jnp.add, grads_acc, grads), metrics
+
+    return step
+
+
+def plain_rows(input_ids: np.ndarray, input_lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """``ROW_KEYS`` of right-padded rows (host): positions 0.., padding as its own segment."""
+    rows, width = input_ids.shape
+    return {
+        "input_ids": input_ids,
+        "positions": np.broadcast_to(np.arange(width, dtype=np.int32), (rows, width)).copy(),
+        "segments": row_segments(input_lengths, width).astype(np.int32),
+    }
+
+
+def packed_micro_batch(input_ids: np.ndarray, input_lengths: np.ndarray, bins: list[tuple[int, int]],
+                       rows: int, width: int, unpack_rows: int | None = None) -> tuple[dict, list[PackedRow]]:
+    """Pack ``bins`` (row ranges of the right-padded ``input_ids`` [N, S]) into ``rows`` packed
+    rows of ``width`` tokens each (``PackedRow.build``; rows past ``len(bins)`` are all
+    padding).  Returns the host ``ROW_KEYS`` arrays [rows, width] and the ``PackedRow`` of each
+    bin; with ``unpack_rows`` also ``unpack_index`` / ``unpack_valid`` [unpack_rows, S-1]
+    mapping the packed next-token logprobs (flattened) onto the bins' rows in order,
+    followed by invalid padding rows."""
+    source_width = input_ids.shape[1]
+    if len(bins) > rows:
+        raise ValueError(f"packed_micro_batch: {len(bins)} bins do not fit {rows} rows")
+    packs = [PackedRow.build(input_lengths[a:b], source_width, multiple=width) for a, b in bins]
+    if any(p.width != width for p in packs):
+        raise ValueError(f"packed_micro_batch: a bin of {[int(p.lengths.sum()) for p in packs]} tokens exceeds "
+                         f"the width {width}")
+    empty = PackedRow.build(np.zeros(0, np.int64), source_width, multiple=width)
+    out = {key: np.zeros((rows, width), np.int32) for key in ROW_KEYS}
+    for k in range(rows):
+        pack = packs[k] if k < len(packs) else empty
+        if k < len(packs):
+            a, b = bins[k]
+            out["input_ids"][k] = pack.pack(np.asarray(input_ids[a:b]))[0]
+        out["positions"][k] = pack.positions
+        out["segments"][k] = pack.segments
+    if unpack_rows is not None:
+        index = np.zeros((unpack_rows, source_width - 1), np.int32)
+        valid = np.zeros((unpack_rows, source_width - 1), bool)
+        row = 0
+        for k, pack in enumerate(packs):
+            i, v = pack.unpack_index()
+            index[row:row + len(i)], valid[row:row + len(i)] = i + k * (width - 1), v
+            row += len(i)
+        out["unpack_index"], out["unpack_valid"] = index, valid
+    return out, packs
 
 
 def make_apply_updates(tx, param_shardings: Any = None, opt_shardings: Any = None) -> Callable:

@@ -5,6 +5,12 @@ One worker per host owns all of that host's devices (several hosts join one
 Data arrives as ``BatchedDataDict``s of torch tensors, is converted at this boundary to
 host numpy, padded to a shape bucket (``steps.bucket_for``) and placed on the mesh.
 
+Context parallelism (``jax_cfg.context_parallel_size`` > 1: the mesh's ``cp`` axis splits
+the sequence) and sequence packing (``policy.sequence_packing``: the driver's bins, or a
+local plan, become packed rows; ``fsdp`` bins per micro batch) run through the
+explicit-layout steps (``steps.make_layout_*``); without either, the original steps run
+unchanged.  Generation decodes with the sequence replicated (``DECODE_RULES``).
+
 Everything that is the same for all backends comes from ``core`` (losses, kernels, batch
 checks); what is JAX-specific lives next to this file: model + HF mapping, mesh and
 logical-axis rules, optax, jitted steps, generation.
@@ -25,6 +31,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from core.data import BatchedDataDict
+from core.data.context_parallel import check_cp_width
+from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
 from core.losses.metrics import MicroBatchMetrics
 from core.policy.checks import check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
@@ -35,6 +43,7 @@ from backends.jax_pjit import steps
 from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
 from backends.jax_pjit.hf_mapping import from_pretrained, iter_hf_tensors, save_hf_checkpoint
+from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
 from backends.jax_pjit.model import activation_constraint, logical_axes_tree, make_apply_fn
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
 from backends.jax_pjit.sharding import activation_constraint as make_constraint
@@ -73,8 +82,13 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self.mesh = make_mesh(self.cfg)
         self.compute_dtype = DTYPES[self.cfg["precision"]]
 
+        # A vocabulary tp does not divide is zero-padded inside the backend (embedding rows /
+        # lm_head columns, masked logits); model_cfg.vocab_size and everything leaving the
+        # worker (logprobs, refit, HF export) keep the real vocabulary.
         model, self.model_cfg, self.hf_config = from_pretrained(
-            self.cfg["model_name"], dtype=self.compute_dtype, param_dtype=jnp.float32)
+            self.cfg["model_name"], dtype=self.compute_dtype, param_dtype=jnp.float32,
+            tp=self.mesh.shape["tp"],
+            make_vocab_size_divisible_by=int(self.cfg.get("make_vocab_size_divisible_by") or 1))
         check_tokenizer_fits(tokenizer, self.hf_config, self.cfg["model_name"])
         check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.jax_cfg.tensor_parallel_size")
         self.model = model
@@ -97,6 +111,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self.train_step = 0
         self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature)
         self._grad_steps: dict[tuple, Any] = {}
+        # Context parallelism / sequence packing: rows with explicit positions and segments.
+        self.cp = int(self.mesh.shape["cp"])
+        self.seq_multiple = int(self.cfg.get("make_sequence_length_divisible_by") or 1)
+        self._check_widths()
+        self._layout_logprob_step = steps.make_layout_logprob_step(self.apply_fn, self.temperature, self.cp)
         self._profile_dir: str | None = None
         self._decode_fns = make_decode_fns(model)
         self._host_copies: dict[str, tuple[Any, Any]] = {}  # offloaded state: (host tree, shardings)
@@ -125,7 +144,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
     @property
     def compile_counts(self) -> dict[str, int]:
-        counts = {"logprobs": self._logprob_step._cache_size()}
+        counts = {"logprobs": self._logprob_step._cache_size(),
+                  "logprobs_layout": self._layout_logprob_step._cache_size()}
         counts.update({f"grad[{key[0]}#{i}]": fn._cache_size() for i, (key, fn) in enumerate(self._grad_steps.items())})
         return counts
 
@@ -144,9 +164,104 @@ class JaxPolicyWorker(PolicyWorkerBase):
         return out
 
     @contextlib.contextmanager
-    def _on_mesh(self) -> Iterator[None]:
-        with self.mesh, activation_constraint(make_constraint(self.mesh)):
+    def _on_mesh(self, decode: bool = False) -> Iterator[None]:
+        """The mesh and its activation-sharding hook; ``decode``: the sequence replicated
+        (``DECODE_RULES``: KV-cache decoding feeds one token per row, which cp cannot split)."""
+        with self.mesh, activation_constraint(make_constraint(self.mesh, DECODE_RULES if decode else RULES)):
             yield
+
+    # ------------------------------------------------------------------ layouts (CP, packing)
+    @property
+    def _packing(self) -> Mapping[str, Any] | None:
+        """``policy.sequence_packing`` when enabled, else None."""
+        sp = self.cfg.get("sequence_packing") or {}
+        return sp if sp.get("enabled", False) else None
+
+    @property
+    def _plain(self) -> bool:
+        """Plain right-padded rows through the original steps: no context parallelism, no packing."""
+        return self.cp == 1 and self._packing is None
+
+    def _check_widths(self) -> None:
+        """Under context parallelism every width a step can see must split into 2 x cp chunks:
+        refuse a ladder that cannot, naming ``policy.make_sequence_length_divisible_by``."""
+        steps.check_cp_ladder(self.cfg["max_total_sequence_length"], self.cp, self.seq_multiple)
+        if self._packing is not None:
+            for key in ("train_mb_tokens", "logprob_mb_tokens"):
+                steps.check_cp_ladder(self._packing[key], self.cp, self.seq_multiple,
+                                      f"policy.sequence_packing.{key}")
+
+    def _bucket(self, width: int) -> int:
+        """The ladder width a plain batch of ``width`` columns is padded to."""
+        bucket = steps.bucket_for(width, self.cfg["max_total_sequence_length"], self.seq_multiple)
+        if self.cp > 1:
+            check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")
+        return bucket
+
+    def _packed_bucket(self, tokens: int, budget_key: str) -> int:
+        """The ladder width (up to the packing budget) of a packed row of ``tokens`` tokens."""
+        bucket = steps.bucket_for(tokens, self._packing[budget_key], self.seq_multiple,
+                                  f"policy.sequence_packing.{budget_key}")
+        if self.cp > 1:
+            check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")
+        return bucket
+
+    def _packing_plan(self, data: BatchedDataDict, lengths: np.ndarray, chunk_rows: int,
+                      budget_key: str) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+        """Per chunk of ``chunk_rows`` rows: ``(row order within the chunk, bins)``, each bin a
+        ``(start, end)`` range of the reordered chunk.  The driver's plan
+        (``data.micro_batch_indices``: rows already reordered, the same number of bins on
+        every host) is used when attached; otherwise the chunk is planned here."""
+        n_chunks = len(lengths) // chunk_rows if chunk_rows else 0
+        attached = getattr(data, "micro_batch_indices", None)
+        if attached is not None:
+            counts = [ranges[-1][1] if ranges else 0 for ranges in attached]
+            if counts != [chunk_rows] * n_chunks:
+                raise ValueError(f"sequence packing plan covers chunks of {counts} rows, expected "
+                                 f"{n_chunks} chunk(s) of {chunk_rows}")
+            return [(np.arange(chunk_rows), [tuple(r) for r in ranges]) for ranges in attached]
+        sp = self._packing
+        check_packing_budget(lengths.tolist(), sp[budget_key], f"policy.sequence_packing.{budget_key}")
+        plans = []
+        for g in range(n_chunks):
+            ((order, bins),) = plan_packed_micro_batches(
+                [lengths[g * chunk_rows:(g + 1) * chunk_rows].tolist()], sp[budget_key],
+                sp.get("algorithm", "modified_first_fit_decreasing"))
+            plans.append((np.asarray(order, np.int64), bins))
+        return plans
+
+    def _bin_groups(self, bins: list[tuple[int, int]]) -> Iterator[list[tuple[int, int]]]:
+        """``fsdp`` consecutive bins per micro batch: one packed row per fsdp shard."""
+        fsdp = self.mesh.shape["fsdp"]
+        for i in range(0, len(bins), fsdp):
+            yield bins[i:i + fsdp]
+
+    def _layout_logprobs(self, ids: np.ndarray, lengths: np.ndarray, data: BatchedDataDict,
+                         mbs: int) -> np.ndarray:
+        """``get_logprobs`` layout [N, S] through the explicit-layout step (CP and/or packing)."""
+        n, width = ids.shape
+        out = np.zeros((n, width), np.float32)
+        if self._packing is None:  # context parallelism on plain rows: mbs rows per micro batch
+            bucket = self._bucket(width)
+            for start in range(0, n, mbs):
+                host = steps.pad_micro_batch({"input_ids": ids[start:start + mbs],
+                                              "input_lengths": lengths[start:start + mbs]}, mbs, bucket)
+                rows = steps.plain_rows(host["input_ids"], host["input_lengths"])
+                next_lp = np.asarray(self._layout_logprob_step(self.params, self._device_batch(rows)))
+                count = min(mbs, n - start)
+                out[start:start + count, 1:] = next_lp[:count, :width - 1]
+            return out * (np.arange(width)[None, :] < lengths[:, None])
+        fsdp = self.mesh.shape["fsdp"]
+        for order, bins in self._packing_plan(data, lengths, n, "logprob_mb_tokens"):
+            chunk_ids, chunk_lengths = ids[order], lengths[order]
+            for group in self._bin_groups(bins):
+                tokens = max(int(chunk_lengths[a:b].sum()) for a, b in group)
+                rows, packs = steps.packed_micro_batch(chunk_ids, chunk_lengths, group, fsdp,
+                                                       self._packed_bucket(tokens, "logprob_mb_tokens"))
+                next_lp = np.asarray(self._layout_logprob_step(self.params, self._device_batch(rows)))
+                for k, (a, b) in enumerate(group):
+                    out[order[a:b], 1:] = packs[k].unpack_next_logprobs(next_lp[k])
+        return out
 
     # ------------------------------------------------------------------ logprobs
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
@@ -155,7 +270,13 @@ class JaxPolicyWorker(PolicyWorkerBase):
         mbs = micro_batch_size or self.cfg["logprob_batch_size"]
         ids, lengths = data["input_ids"].numpy(), data["input_lengths"].numpy()
         width = ids.shape[1]
-        bucket = steps.bucket_for(width, self.cfg["max_total_sequence_length"])
+        if not self._plain:
+            import torch
+
+            with self._on_mesh():
+                logprobs = self._layout_logprobs(ids, lengths, data, mbs)
+            return BatchedDataDict(logprobs=torch.from_numpy(np.ascontiguousarray(logprobs)))
+        bucket = steps.bucket_for(width, self.cfg["max_total_sequence_length"], self.seq_multiple)
         outs = []
         with self._on_mesh():
             for start in range(0, len(ids), mbs):
@@ -190,10 +311,42 @@ class JaxPolicyWorker(PolicyWorkerBase):
     def _grad_step(self, loss_fn: Any):
         # Keyed by the loss's configuration, not its identity: every Policy.train call ships
         # a fresh (unpickled) copy of the same loss, which must reuse the compiled program.
-        key = _loss_key(loss_fn)
+        key = _loss_key(loss_fn) + (() if self._plain else ("layout",))
         if key not in self._grad_steps:
-            self._grad_steps[key] = steps.make_grad_step(self.apply_fn, loss_fn, self.temperature, self.shardings)
+            if self._plain:
+                self._grad_steps[key] = steps.make_grad_step(self.apply_fn, loss_fn, self.temperature, self.shardings)
+            else:
+                self._grad_steps[key] = steps.make_layout_grad_step(self.apply_fn, loss_fn, self.temperature,
+                                                                    self.cp, self.shardings)
         return self._grad_steps[key]
+
+    def _micro_batches(self, gb: Mapping[str, np.ndarray], plan: Any, mbs: int,
+                       bucket: int) -> Iterator[tuple[Any, ...]]:
+        """The grad step's arguments before ``gseq, gtok`` for each micro batch of the
+        (local) global batch ``gb``: ``(batch,)`` on plain rows; ``(rows, batch)`` for the
+        layout step -- context parallelism on ``mbs`` plain rows, or packing: ``fsdp`` bins of
+        the plan per micro batch as packed rows, with the loss batch = the bins' rows in the
+        plain layout, padded to all of ``gb``'s rows (one program per packed width)."""
+        rows_total = len(gb["input_ids"])
+        if self._packing is None:
+            for start in range(0, rows_total, mbs):
+                mb = steps.pad_micro_batch({k: v[start:start + mbs] for k, v in gb.items()}, mbs, bucket)
+                if self._plain:
+                    yield (self._device_batch(mb),)
+                else:
+                    rows = steps.plain_rows(mb["input_ids"], mb["input_lengths"])
+                    yield self._device_batch(rows), self._device_batch(mb)
+            return
+        order, bins = plan
+        gb = steps.pad_micro_batch({k: v[order] for k, v in gb.items()}, rows_total, bucket)
+        fsdp = self.mesh.shape["fsdp"]
+        for group in self._bin_groups(bins):
+            tokens = max(int(gb["input_lengths"][a:b].sum()) for a, b in group)
+            rows, _ = steps.packed_micro_batch(gb["input_ids"], gb["input_lengths"], group, fsdp,
+                                               self._packed_bucket(tokens, "train_mb_tokens"), unpack_rows=rows_total)
+            start, end = group[0][0], group[-1][1]
+            mb = steps.pad_micro_batch({k: v[start:end] for k, v in gb.items()}, rows_total, bucket)
+            yield self._device_batch(rows), self._device_batch(mb)
 
     def train(self, data: BatchedDataDict, loss_fn: Any, eval_mode: bool = False,
               gbs: int | None = None, mbs: int | None = None) -> dict[str, Any]:
@@ -206,7 +359,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
             raise RuntimeError(OPTIMIZER_MISSING)
         self.prepare_for_training()
         host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
-        bucket = steps.bucket_for(host["input_ids"].shape[1], self.cfg["max_total_sequence_length"])
+        bucket = self._bucket(host["input_ids"].shape[1])
+        plans = (self._packing_plan(data, host["input_lengths"], local_gbs, "train_mb_tokens")
+                 if self._packing is not None else None)
         grad_step = self._grad_step(loss_fn)
         losses, norms, step_metrics, all_mb = [], [], [], {}
         with self._on_mesh():
@@ -217,9 +372,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 gseq, gtok = steps.global_valid_counts(gb["sample_mask"], gb.get("token_mask"), gb["input_lengths"])
                 acc = steps.zero_grads(self.params)
                 collected = MicroBatchMetrics()
-                for start in range(0, local_gbs, mbs):
-                    mb = steps.pad_micro_batch({k: v[start:start + mbs] for k, v in gb.items()}, mbs, bucket)
-                    acc, metrics = grad_step(self.params, acc, self._device_batch(mb), gseq, gtok)
+                for args in self._micro_batches(gb, plans[g] if plans else None, mbs, bucket):
+                    acc, metrics = grad_step(self.params, acc, *args, gseq, gtok)
                     collected.add(metrics)  # read after the step is dispatched, not per micro batch
                 norm = 0.0
                 if not eval_mode:
@@ -248,7 +402,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         # uninterrupted worker; with them every row samples from its own seed's key.
         self._generate_calls += 1
         seeds = data.get("sample_seeds")
-        with self._on_mesh():
+        with self._on_mesh(decode=True):
             out = jax_generate(
                 self._decode_fns, self.params, data["input_ids"].numpy(), data["input_lengths"].numpy(),
                 args.gen_cfg, greedy=greedy, pad_token_id=args.pad_token_id, eos_token_ids=args.eos_token_ids,

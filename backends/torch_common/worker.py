@@ -16,19 +16,24 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import os
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from core.data import BatchedDataDict
+from core.data.context_parallel import attention_allowed, row_segments
+from core.data.sequence_packing import PackedRow
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
-from core.kernels.vocab_parallel import vocab_parallel_next_token_logprobs
+from core.kernels.logprobs import logprobs_from_logits
+from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
 from core.parallel_dims import ParallelDims
 from core.losses.metrics import MicroBatchMetrics
 from core.policy.checks import check_sequence_lengths, check_train_batch
@@ -74,6 +79,9 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         self.device = init_torch_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims: ParallelDims = self._parallel_dims()
+        # Widths are padded to make_sequence_length_divisible_by as well as to what the layout
+        # needs (sequence / context parallelism); the config check keeps the two compatible.
+        self._seq_multiple = math.lcm(self._seq_multiple, int(self.cfg.get("make_sequence_length_divisible_by", 1)))
         self.compute_dtype = torch_dtype(self.cfg["precision"])
 
         hf_model = load_hf_model(self.cfg["model_name"])
@@ -177,6 +185,70 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             return vocab_parallel_next_token_logprobs(logits, ids)
         return next_token_logprobs(logits, ids)
 
+    @staticmethod
+    def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[b, s] log p(targets) under ``logits`` (vocab-parallel when vocab-sharded)."""
+        if isinstance(logits, DTensor):
+            return vocab_parallel_logprobs(logits, targets)
+        return logprobs_from_logits(logits, targets)
+
+    @property
+    def _packing(self) -> bool:
+        return bool((self.cfg.get("sequence_packing") or {}).get("enabled", False))
+
+    @property
+    def _rows_reshaped(self) -> bool:
+        """Whether micro batches leave the plain padded layout (packing or context parallel)."""
+        return self._packing or self.dims.cp > 1
+
+    def _micro_batch_next_logprobs(self, mb: BatchedDataDict) -> torch.Tensor:
+        """[b, S-1] next-token logprobs of one micro batch (S = its width), whatever the layout.
+
+        Plain rows go through HF's own 2-D mask.  Packed rows become one row of several
+        sequences (positions restarting, attention confined by segment), context-parallel
+        rows are split over the cp ranks; either way the result is mapped back onto the
+        micro batch's rows, so every caller sees the plain layout.
+        """
+        if not self._rows_reshaped:
+            logits, ids, seq_len = self._forward_logits(mb)
+            return self._next_token_logprobs(logits, ids)[:, : seq_len - 1]
+        width = mb["input_ids"].shape[1]
+        lengths = mb["input_lengths"]
+        if self._packing:
+            layout = PackedRow.build(lengths.tolist(), width, self._seq_multiple)
+            ids = layout.pack(mb["input_ids"])
+            positions = torch.from_numpy(layout.positions)[None]
+            segments = layout.segments[None]
+        else:
+            layout = None
+            ids, _, _ = model_inputs(mb, "cpu", self._seq_multiple)
+            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+            segments = row_segments(lengths.tolist(), ids.shape[1])
+        ids, positions = ids.to(self.device), positions.to(self.device)
+        if self.dims.cp > 1:
+            next_lp = self._cp_rows.next_logprobs(self._model_logits, self._token_logprobs, ids, positions, segments)
+        elif self._varlen_attention:
+            # FlashAttention's varlen kernel: HF finds the sequences from the restarting
+            # position ids (no mask), and skips the attention between them.
+            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            next_lp = self._next_token_logprobs(apply_temperature(logits, self.temperature), ids)
+        else:
+            cols = np.arange(ids.shape[1])
+            allowed = torch.from_numpy(attention_allowed(cols, cols, segments))[:, None].to(self.device)
+            next_lp = self._next_token_logprobs(self._model_logits(ids, positions, allowed), ids)
+        if layout is not None:
+            return layout.unpack_next_logprobs(next_lp)
+        return next_lp[:, : width - 1]
+
+    @property
+    def _varlen_attention(self) -> bool:
+        return str(getattr(self.model_config, "_attn_implementation", "")).startswith("flash_attention")
+
+    def _model_logits(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Temperature-scaled logits with explicit positions and a [rows, 1, q, k] bool mask."""
+        logits = self.model(input_ids=ids, position_ids=positions, attention_mask=allowed, use_cache=False).logits
+        return apply_temperature(logits, self.temperature)
+
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, on the host."""
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
@@ -186,8 +258,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         outs = []
         with torch.no_grad():
             for mb in micro_batches(data, mbs):
-                logits, ids, seq_len = self._forward_logits(mb)
-                next_lp = self._next_token_logprobs(logits, ids)[:, : seq_len - 1]
+                next_lp = self._micro_batch_next_logprobs(mb)
                 lp = logprobs_to_sequence_layout(next_lp, mb["input_lengths"].to(self.device))
                 outs.append(pad_columns(lp.float().cpu(), width))
         logprobs = torch.cat(outs) if outs else torch.zeros(0, width)
@@ -257,9 +328,11 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             with ctx:
                 loss, metrics = self._micro_batch_loss(mb, loss_fn, gseq, gtok)
                 if not eval_mode:
-                    # FSDP averages gradients over the dp ranks; the loss is already globally
-                    # normalised (a sum over ranks), so scale by dp to undo the average.
-                    (loss * self.dims.dp).backward()
+                    # FSDP averages gradients over the ranks it shards over (dp, and cp with
+                    # context parallelism); the loss is already globally normalised (a sum over
+                    # dp ranks; each cp rank holds a partial gradient of the same loss), so
+                    # scale by that count to undo the average.
+                    (loss * self.dims.dp * self.dims.cp).backward()
             collected.add({k: v.detach().float() for k, v in metrics.items()})
         grad_norm = 0.0 if eval_mode else self._clip_grad_norm(self.cfg.get("max_grad_norm"))
         if not eval_mode:
@@ -270,13 +343,17 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         return loss, grad_norm, metrics
 
     def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
-        logits, ids, seq_len = self._forward_logits(mb)
         dev_mb = _to_device(mb, self.device)
         if hasattr(loss_fn, "loss_from_logprobs"):
             # One logprob path for get_logprobs and train (same temperature, same
             # vocab-parallel kernel): the loss sees exactly what get_logprobs returns.
-            next_lp = self._next_token_logprobs(logits, ids)[:, : seq_len - 1]
-            return loss_fn.loss_from_logprobs(next_lp, dev_mb, gseq, gtok)
+            return loss_fn.loss_from_logprobs(self._micro_batch_next_logprobs(mb), dev_mb, gseq, gtok)
+        if self._rows_reshaped:
+            raise ValueError(
+                f"loss {type(loss_fn).__name__} has no loss_from_logprobs: with sequence packing or context "
+                "parallelism the worker never holds a micro batch's full [b, S, V] logits; use a core.losses loss"
+            )
+        logits, ids, seq_len = self._forward_logits(mb)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         return loss_fn(logits[:, :seq_len], dev_mb, gseq, gtok)

@@ -1,8 +1,9 @@
 """``DTensorPolicyWorker``: the shared torch worker with FSDP2 (``fully_shard``) + TP/SP on a
 (dp, cp, tp) device mesh.
 
-Parallelism is applied in small ordered steps (torchtitan style): tensor parallel plan on
-the ``tp`` sub-mesh, then FSDP2 per transformer block and at the root on the ``dp`` sub-mesh.
+Parallelism is applied in small ordered steps (torchtitan style): vocabulary padding (when
+tp does not divide it; ``vocab_padding.py``), tensor parallel plan on the ``tp`` sub-mesh,
+then FSDP2 per transformer block and at the root on the ``dp`` sub-mesh.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from backends.torch_common.layers import decoder_layers
 from backends.torch_common.optim import import_object
 from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.worker import TorchPolicyWorker
+from backends.torch_dtensor.context_parallel import (
+    ContextParallelRows,
+    create_context_parallel_ctx,
+    install_allgather_attention,
+    train_context,
+)
 from backends.torch_dtensor.tp_plans import plan_for
+from backends.torch_dtensor.vocab_padding import OriginalVocabLoss, pad_vocab_, padded_vocab_size, unpad_rows
 
 
 # The global grad norm of parameters on the 2-D (dp, tp) mesh is reduced over both axes with
@@ -38,21 +46,24 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     def _parallel_dims(self) -> ParallelDims:
         dims = ParallelDims.from_policy_config(self.cfg, self.world_size)
-        if dims.cp > 1:
-            # torch's context_parallel() shards SDPA ring attention over CUDA kernels only,
-            # and HF models need position ids threaded through it; not supported here yet.
-            raise NotImplementedError(
-                f"policy.dtensor_cfg.context_parallel_size={dims.cp}: context parallelism is not "
-                f"supported by the torch_dtensor backend on {self.device.type} in this version; set it to 1"
-            )
         dtc = self.cfg["dtensor_cfg"]
         self.tp_size = dims.tp
         self.sequence_parallel = bool(dtc.get("sequence_parallel", False)) and dims.tp > 1
-        self._seq_multiple = dims.tp if self.sequence_parallel else 1
+        # Sequence parallelism splits a rank's columns over tp; context parallelism splits
+        # the row into 2 x cp load-balanced chunks.
+        self._seq_multiple = (dims.tp if self.sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
         self.mesh: DeviceMesh = init_device_mesh(
             self.device.type, (dims.dp, dims.cp, dims.tp), mesh_dim_names=("dp", "cp", "tp")
         )
+        # FSDP2 shards over dp x cp: its gradient reduction then also sums the cp ranks'
+        # partial gradients (each computed from its own share of the sequence).
+        self.fsdp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if dims.cp > 1 else self.mesh["dp"]
+        self._cp_rows = ContextParallelRows(self.mesh["cp"].get_group()) if dims.cp > 1 else None
         return dims
+
+    # The seed's context-parallel API (torch ring attention; see context_parallel.py).
+    create_context_parallel_ctx = staticmethod(create_context_parallel_ctx)
+    train_context = staticmethod(train_context)
 
     @property
     def _offloading(self) -> bool:
@@ -66,10 +77,27 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         return self.mesh["dp"].get_group()
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        self._pad_vocabulary(model)
+        if self._cp_rows is not None:
+            install_allgather_attention(model, self._cp_rows.group)
         if self.tp_size > 1:
             self._apply_tp(model)
         self._apply_fsdp(model)
         return model
+
+    def _pad_vocabulary(self, model: torch.nn.Module) -> None:
+        """Zero-pad embedding and lm_head rows to a multiple of tp (and of
+        ``policy.make_vocab_size_divisible_by``); the padded logits are masked
+        (``backends/torch_dtensor/vocab_padding.py``)."""
+        vocab = int(model.config.vocab_size)
+        multiple = int(self.cfg.get("make_vocab_size_divisible_by") or 1)
+        self.padded_vocab_size = padded_vocab_size(vocab, self.tp_size, multiple)
+        pad_vocab_(model, self.padded_vocab_size)
+
+    def _micro_batch_loss(self, mb, loss_fn, gseq, gtok):
+        if self.padded_vocab_size != self.model_config.vocab_size and not hasattr(loss_fn, "loss_from_logprobs"):
+            loss_fn = OriginalVocabLoss(loss_fn, self.model_config.vocab_size)  # full logits: [..., :V]
+        return super()._micro_batch_loss(mb, loss_fn, gseq, gtok)
 
     def _apply_tp(self, model: torch.nn.Module) -> None:
         check_tensor_parallel_fits(model.config, self.tp_size, "policy.dtensor_cfg.tensor_parallel_size")
@@ -85,7 +113,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     def _apply_fsdp(self, model: torch.nn.Module) -> None:
         kwargs = dict(
-            mesh=self.mesh["dp"],
+            mesh=self.fsdp_mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32),
         )
         if self._offloading:
@@ -111,6 +139,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
             tensor = state[name]
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
+            tensor = unpad_rows(tensor, self.param_meta[name][0])  # padded vocab rows never leave
             yield name, tensor if dtype is None else tensor.to(as_torch_dtype(dtype))
 
     def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:

@@ -31,6 +31,14 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
     """One rank of an FSDP1 policy: every rank is data parallel (dp = world size)."""
 
     def _parallel_dims(self) -> ParallelDims:
+        multiple = self.cfg.get("make_vocab_size_divisible_by") or 1
+        if multiple > 1:
+            # No tensor parallelism here, so nothing needs a padded vocabulary: refuse rather
+            # than accept and ignore it (the config check says the same on the driver).
+            raise ValueError(
+                f"policy.make_vocab_size_divisible_by={multiple}: the torch_fsdp (FSDP1) backend does not "
+                "pad the vocabulary; set it to 1 (torch_dtensor and jax_pjit pad)"
+            )
         return ParallelDims(self.world_size, fsdp=-1)
 
     def _activation_checkpointing(self) -> bool:

@@ -195,10 +195,6 @@ def _algorithm_policy_errors(cfg: Mapping[str, Any], algorithm: str) -> list[str
     if not isinstance(policy, Mapping):
         return []
     errors = []
-    if (policy.get("sequence_packing") or {}).get("enabled") and algorithm != "dpo":
-        # Validated but not implemented by any backend yet: a run must not look packed when it is not.
-        errors.append("policy.sequence_packing.enabled: sequence packing is not implemented by the training "
-                      "backends yet; set it to false (policy.dynamic_batching gives token-budget micro batches)")
     if algorithm != "dpo":
         return errors
     for key in ("train_global_batch_size", "train_micro_batch_size"):

@@ -58,6 +58,8 @@ GENERATION_BACKENDS = ("vllm", "hf")
 
 Backend = Literal["torch_fsdp", "torch_dtensor", "jax_pjit"]
 Precision = Literal["float32", "bfloat16", "float16"]
+#: core.data.sequence_packing.pack_bins algorithms (NeMo RL's names).
+PackingAlgorithm = Literal["modified_first_fit_decreasing", "first_fit_decreasing", "concatenative"]
 
 
 class TokenizerConfig(TypedDict):
@@ -79,10 +81,11 @@ class DTensorConfig(TypedDict):
 
 
 class JaxConfig(TypedDict):
-    """Settings of the ``jax_pjit`` backend: a (fsdp, tp) device mesh."""
+    """Settings of the ``jax_pjit`` backend: a (fsdp, cp, tp) device mesh."""
 
     fsdp_size: int  # size of the "fsdp" mesh axis; -1 = fill with the remaining devices
     tensor_parallel_size: int  # size of the "tp" mesh axis
+    context_parallel_size: NotRequired[int]  # size of the "cp" mesh axis (splits the sequence); default 1
     activation_checkpointing: bool  # jax.checkpoint (remat) around each transformer block
 
 
@@ -101,7 +104,7 @@ class SequencePackingConfig(TypedDict):
     enabled: bool
     train_mb_tokens: NotRequired[int]  # tokens per packed training row; required when enabled
     logprob_mb_tokens: NotRequired[int]  # tokens per packed logprob row; required when enabled
-    algorithm: NotRequired[str]  # bin-packing algorithm, e.g. "modified_first_fit_decreasing"
+    algorithm: NotRequired[PackingAlgorithm]  # how sequences are binned into packed rows
 
 
 class OptimizerConfig(TypedDict):
@@ -180,6 +183,10 @@ class PolicyConfig(TypedDict):
     generation_batch_size: NotRequired[int]  # sequences per generate() call (hf generation)
     max_total_sequence_length: int  # prompt + response, in tokens
     make_sequence_length_divisible_by: NotRequired[int]  # pad sequence lengths to a multiple of this
+    # Pad the training copy of the vocabulary (embedding, lm_head rows; zeros, logits masked, never
+    # exported) to a multiple of this and of the tensor-parallel size (Megatron style); default 1.
+    # torch_dtensor and jax_pjit pad; torch_fsdp (FSDP1) has no TP and refuses values > 1.
+    make_vocab_size_divisible_by: NotRequired[int]
     precision: Precision  # parameter/compute dtype of training
     dtensor_cfg: DTensorConfig  # read by backend torch_dtensor
     jax_cfg: JaxConfig  # read by backend jax_pjit

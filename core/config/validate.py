@@ -382,9 +382,15 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
         "generation_batch_size",
         "max_total_sequence_length",
         "make_sequence_length_divisible_by",
+        "make_vocab_size_divisible_by",
         "refit_buffer_size_gb",
     ):
         c.positive(cfg, key)
+    vocab_multiple = c.int_of(cfg, "make_vocab_size_divisible_by")
+    if cfg.get("backend") == "torch_fsdp" and vocab_multiple is not None and vocab_multiple > 1:
+        c.err(c.p("make_vocab_size_divisible_by"),
+              f"{vocab_multiple}: the torch_fsdp (FSDP1) backend has no tensor parallelism and does not "
+              "pad the vocabulary; set it to 1 (torch_dtensor and jax_pjit pad)")
     mgn = c.num_of(cfg, "max_grad_norm")
     if mgn is not None and mgn <= 0:
         c.err(c.p("max_grad_norm"), f"must be > 0 (or null for no clipping), got {mgn!r}")
@@ -428,6 +434,14 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
                 c.p("sequence_packing", "enabled"),
                 "sequence packing and dynamic batching cannot both be enabled",
             )
+        limit = c.int_of(cfg, "max_total_sequence_length")
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            budget = c.int_of(sp, key)
+            if budget is not None and limit is not None and 0 < budget < limit:
+                c.err(c.p("sequence_packing", key),
+                      f"{budget} is smaller than max_total_sequence_length ({limit}): a sequence of the "
+                      "allowed length would fit no packed row")
+    _check_sequence_multiple(c, cfg)
 
     # ---- scheduler chain
     _check_scheduler(c, cfg.get("scheduler"))
@@ -455,6 +469,26 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
     return c.errors
 
 
+def _check_sequence_multiple(c: _Checker, cfg: Mapping[str, Any]) -> None:
+    """Context parallelism splits every row into 2 x cp chunks (each further split over tp
+    with sequence parallelism): make_sequence_length_divisible_by must say so."""
+    if cfg.get("backend") != "torch_dtensor":
+        return
+    dt = c.sub("dtensor_cfg")
+    cp, tp = c.int_of(dt, "context_parallel_size"), c.int_of(dt, "tensor_parallel_size")
+    multiple = c.int_of(cfg, "make_sequence_length_divisible_by")
+    if cp is None or cp <= 1 or tp is None or tp < 1:
+        return
+    need = 2 * cp * (tp if dt.get("sequence_parallel") is True and tp > 1 else 1)
+    have = 1 if multiple is None else multiple
+    if have % need:
+        how = f"2 x context_parallel_size ({cp})" + (f" x tensor_parallel_size ({tp}) with sequence_parallel"
+                                                      if need != 2 * cp else "")
+        c.err(c.p("make_sequence_length_divisible_by"),
+              f"{have} is not a multiple of {how} = {need}: context parallelism splits every row into "
+              f"2 x cp load-balanced chunks; set it to {need} (or a multiple)")
+
+
 def _check_parallel(c: _Checker, cfg: Mapping[str, Any], world_size: int | None) -> int | None:
     """Check the parallel sizes (positivity always, fit with world_size for the active
     backend); return the data-parallel size when world_size is known and all is well."""
@@ -465,10 +499,11 @@ def _check_parallel(c: _Checker, cfg: Mapping[str, Any], world_size: int | None)
         if v is not None and v < 1:
             c.err(c.p("dtensor_cfg", key), f"must be >= 1, got {v}")
             ok = False
-    v = c.int_of(jx, "tensor_parallel_size")
-    if v is not None and v < 1:
-        c.err(c.p("jax_cfg", "tensor_parallel_size"), f"must be >= 1, got {v}")
-        ok = False
+    for key in ("tensor_parallel_size", "context_parallel_size"):
+        v = c.int_of(jx, key)
+        if v is not None and v < 1:
+            c.err(c.p("jax_cfg", key), f"must be >= 1, got {v}")
+            ok = False
     v = c.int_of(jx, "fsdp_size")
     if v is not None and v < 1 and v != -1:
         c.err(c.p("jax_cfg", "fsdp_size"), f"must be >= 1, or -1 to use the remaining devices, got {v}")
@@ -480,35 +515,18 @@ def _check_parallel(c: _Checker, cfg: Mapping[str, Any], world_size: int | None)
     ws = world_size
     if backend == "torch_dtensor":
         tp, cp = c.int_of(dt, "tensor_parallel_size"), c.int_of(dt, "context_parallel_size")
-        if tp is None or cp is None:
-            return None
-        if ws % tp != 0:
-            c.err(
-                c.p("dtensor_cfg", "tensor_parallel_size"),
-                f"tensor_parallel_size ({tp}) does not divide the world size ({ws})",
-            )
-            return None
-        if ws % (tp * cp) != 0:
-            c.err(
-                c.p("dtensor_cfg", "context_parallel_size"),
-                f"tensor_parallel_size ({tp}) x context_parallel_size ({cp}) = {tp * cp} "
-                f"does not divide the world size ({ws})",
-            )
+        if tp is None or cp is None or not _tp_cp_divide(c, "dtensor_cfg", tp, cp, ws):
             return None
     elif backend == "jax_pjit":
         fsdp, tp = c.int_of(jx, "fsdp_size"), c.int_of(jx, "tensor_parallel_size")
-        if fsdp is None or tp is None:
+        cp = c.int_of(jx, "context_parallel_size") if "context_parallel_size" in jx else 1
+        if fsdp is None or tp is None or cp is None or not _tp_cp_divide(c, "jax_cfg", tp, cp, ws):
             return None
-        if ws % tp != 0:
-            c.err(
-                c.p("jax_cfg", "tensor_parallel_size"),
-                f"tensor_parallel_size ({tp}) does not divide the world size ({ws})",
-            )
-            return None
-        if fsdp != -1 and fsdp * tp != ws:
+        if fsdp != -1 and fsdp * cp * tp != ws:
+            sizes = f"fsdp_size ({fsdp}) x " + (f"context_parallel_size ({cp}) x " if cp != 1 else "")
             c.err(
                 c.p("jax_cfg", "fsdp_size"),
-                f"fsdp_size ({fsdp}) x tensor_parallel_size ({tp}) = {fsdp * tp} does not "
+                f"{sizes}tensor_parallel_size ({tp}) = {fsdp * cp * tp} does not "
                 f"equal the world size ({ws}); use -1 to fill in",
             )
             return None
@@ -519,6 +537,19 @@ def _check_parallel(c: _Checker, cfg: Mapping[str, Any], world_size: int | None)
     except (ValueError, KeyError, TypeError) as e:  # pragma: no cover - checked above
         c.err(c.path or "<config>", str(e))
         return None
+
+
+def _tp_cp_divide(c: _Checker, section: str, tp: int, cp: int, ws: int) -> bool:
+    """tp, then tp x cp, must divide the world size; the error names the field at fault."""
+    if ws % tp != 0:
+        c.err(c.p(section, "tensor_parallel_size"), f"tensor_parallel_size ({tp}) does not divide the world size ({ws})")
+        return False
+    if ws % (tp * cp) != 0:
+        c.err(c.p(section, "context_parallel_size"),
+              f"tensor_parallel_size ({tp}) x context_parallel_size ({cp}) = {tp * cp} "
+              f"does not divide the world size ({ws})")
+        return False
+    return True
 
 
 def _check_scheduler(c: _Checker, sched: Any) -> None:

@@ -30,6 +30,7 @@ from core.data.dynamic_batching import (
     sort_and_deal,
     validate_dynamic_batching_args,
 )
+from core.data.sequence_packing import SequencePackingArgs, plan_packed_micro_batches
 
 __all__ = ["BatchedDataDict", "SlicedDataDict"]
 
@@ -320,6 +321,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         batch_size: Optional[int] = None,
         allow_uneven_shards: bool = False,
         dynamic_batching_args: Optional[DynamicBatchingArgs] = None,
+        sequence_packing_args: Optional[SequencePackingArgs] = None,
     ) -> Union[list["SlicedDataDict"], tuple[list["SlicedDataDict"], list[int]]]:
         """Split the batch over ``shards`` data-parallel ranks (NeMo RL semantics).
 
@@ -351,6 +353,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 ``shards``.
             allow_uneven_shards: allow a batch size not divisible by ``shards``.
             dynamic_batching_args: enables token-budget micro batching.
+            sequence_packing_args: enables packed micro batches: rows are sorted and
+                dealt as with dynamic batching, then each shard's rows are bin-packed
+                (``core.data.sequence_packing``) and reordered so that every bin is one
+                contiguous micro batch; all shards get the same number of bins.  The
+                return value is ``(shards, sorted_indices)`` as with dynamic batching.
 
         Returns:
             ``list[SlicedDataDict]`` of length ``shards``, or with dynamic batching
@@ -361,8 +368,12 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 combinations or dynamic-batching arguments (the message names them).
         """
         total = self.size
-        dynamic = dynamic_batching_args is not None
+        if dynamic_batching_args is not None and sequence_packing_args is not None:
+            raise ValueError("dynamic_batching_args and sequence_packing_args cannot be combined")
+        dynamic = dynamic_batching_args is not None or sequence_packing_args is not None
         batch_size = _resolve_chunk_size(total, shards, batch_size, allow_uneven_shards, dynamic)
+        if sequence_packing_args is not None:
+            return self._shard_packed(shards, batch_size, sequence_packing_args)
         if not dynamic:
             rows = _contiguous_shard_rows(total, shards, batch_size, allow_uneven_shards)
             return [self._sliced_rows(shard_rows) for shard_rows in rows]
@@ -397,6 +408,32 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             shard.micro_batch_lengths = [list(plan.lengths) for plan in plans]
         sorted_indices = [row for rows in shard_rows for row in rows]
         return sliced, sorted_indices
+
+    def _shard_packed(
+        self, shards: int, batch_size: int, args: SequencePackingArgs
+    ) -> tuple[list["SlicedDataDict"], list[int]]:
+        """Sequence-packing branch of ``shard_by_batch_size``."""
+        lengths = read_sequence_lengths(self.data, {**args, "sequence_length_round": 1})
+        shard_rows: list[list[int]] = [[] for _ in range(shards)]
+        ranges: list[list[list[tuple[int, int]]]] = [[] for _ in range(shards)]
+        widths: list[list[list[int]]] = [[] for _ in range(shards)]
+        for chunk_start in range(0, len(lengths), max(batch_size, 1)):
+            chunk_lengths = lengths[chunk_start : chunk_start + batch_size]
+            dealt = sort_and_deal(chunk_lengths, shards)
+            plans = plan_packed_micro_batches(
+                [[chunk_lengths[i] for i in part] for part in dealt],
+                args["max_tokens_per_microbatch"], args["algorithm"],
+            )
+            for k, (part, (order, bins)) in enumerate(zip(dealt, plans)):
+                rows = [part[i] for i in order]
+                shard_rows[k].extend(chunk_start + i for i in rows)
+                ranges[k].append(bins)
+                # A bin's tensors keep the width of its longest row (the worker packs them).
+                widths[k].append([max(chunk_lengths[rows[i]] for i in range(a, b)) for a, b in bins])
+        sliced = [self._sliced_rows(rows) for rows in shard_rows]
+        for shard, r, w in zip(sliced, ranges, widths):
+            shard.micro_batch_indices, shard.micro_batch_lengths = r, w
+        return sliced, [row for rows in shard_rows for row in rows]
 
     def _sliced_rows(self, rows: list[int]) -> "SlicedDataDict":
         """The rows ``rows`` (validated, in order) as a ``SlicedDataDict``."""

@@ -14,6 +14,7 @@ import torch
 
 from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict, DynamicBatchingArgs
+from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
 from core.interfaces import ColocatablePolicyInterface, GenerationInterface
 from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
@@ -96,6 +97,28 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             max_tokens_per_microbatch=db[budget_key],
         )
 
+    def _packing_args(self, budget_key: str, data: BatchedDataDict) -> SequencePackingArgs | None:
+        """The packing plan's settings, after checking every sequence fits one packed row."""
+        sp = self.cfg.get("sequence_packing") or {}
+        if not sp.get("enabled", False):
+            return None
+        lengths = data["input_lengths"].tolist() if "input_lengths" in data else []
+        check_packing_budget(lengths, sp[budget_key], f"policy.sequence_packing.{budget_key}")
+        return SequencePackingArgs(
+            input_key="input_ids", input_lengths_key="input_lengths",
+            max_tokens_per_microbatch=sp[budget_key],
+            algorithm=sp.get("algorithm", "modified_first_fit_decreasing"),
+        )
+
+    def _shard(self, data: BatchedDataDict, batch_size: Optional[int], budget_key: str):
+        """``(shards, order)``: ``order`` is None unless dynamic batching or packing sorted the rows."""
+        dyn = self._dynamic_args(budget_key)
+        packing = self._packing_args(budget_key, data)
+        if dyn is None and packing is None:
+            return data.shard_by_batch_size(self.dp, batch_size=batch_size), None
+        return data.shard_by_batch_size(self.dp, batch_size=batch_size, dynamic_batching_args=dyn,
+                                        sequence_packing_args=packing)
+
     def _run_inference(self, method: str, data: BatchedDataDict, pad_values: Mapping[str, Any] | None = None,
                        **kwargs: Any) -> BatchedDataDict:
         """Shard ``data`` over dp (padding it to a multiple of dp), run ``method``, reassemble
@@ -103,11 +126,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
         real = data.size
         padded = _pad_rows(data, self.dp)
-        dyn = self._dynamic_args("logprob_mb_tokens")
-        if dyn is None:
-            shards, order = padded.shard_by_batch_size(self.dp, batch_size=None), None
-        else:
-            shards, order = padded.shard_by_batch_size(self.dp, batch_size=None, dynamic_batching_args=dyn)
+        shards, order = self._shard(padded, None, "logprob_mb_tokens")
         results = self._sharded(method, shards, **kwargs)
         merged = BatchedDataDict.from_batches(results, pad_value_dict=dict(pad_values or {}))
         if order is not None:
@@ -145,11 +164,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         # workers, where one rank's exception would take the whole group down, and the value
         # scan over the batch runs once, not once per rank.
         check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
-        dyn = self._dynamic_args("train_mb_tokens")
-        if dyn is None:
-            shards = data.shard_by_batch_size(self.dp, batch_size=gbs)
-        else:
-            shards, _ = data.shard_by_batch_size(self.dp, batch_size=gbs, dynamic_batching_args=dyn)
+        shards, _ = self._shard(data, gbs, "train_mb_tokens")
         results = self._sharded("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
         all_mb: dict[str, list[float]] = {}
         for r in results:

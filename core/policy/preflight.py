@@ -25,14 +25,17 @@ def check_tokenizer_fits(tokenizer: Any, model_config: Any, model_name: str) -> 
 
 
 def check_tensor_parallel_fits(model_config: Any, tp: int, field: str) -> None:
-    """Every dimension tensor parallelism shards must be divisible by ``tp``."""
+    """Every dimension tensor parallelism shards must be divisible by ``tp``.
+
+    Except the vocabulary: the backends pad it (``core.policy.vocab_padding``), so a
+    vocab_size such as GPT-2's 50257 trains under any tp.
+    """
     if tp <= 1:
         return
     dims = {
         "num_attention_heads": getattr(model_config, "num_attention_heads", None),
         "num_key_value_heads": getattr(model_config, "num_key_value_heads", None),
         "intermediate_size": getattr(model_config, "intermediate_size", None),
-        "vocab_size": getattr(model_config, "vocab_size", None),
     }
     bad = {k: v for k, v in dims.items() if v is not None and v % tp}
     if bad:

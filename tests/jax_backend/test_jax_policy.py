@@ -191,7 +191,7 @@ def test_offload_round_trip_keeps_the_weights(qwen_policy):
 def test_diagnostics_and_profiling(qwen_policy):
     policy = qwen_policy["policy"]
     (info,) = policy.get_gpu_info()
-    assert info["device_type"] == "cpu" and info["local_devices"] == 8 and info["mesh"] == {"fsdp": 4, "tp": 2}
+    assert info["device_type"] == "cpu" and info["local_devices"] == 8 and info["mesh"] == {"fsdp": 4, "cp": 1, "tp": 2}
     assert policy.report_device_id()[0].startswith("cpu:")
     policy.start_gpu_profiling()
     policy.get_logprobs(_ragged(2, seed=60))

@@ -55,9 +55,9 @@ def mesh42():
 def test_make_mesh_sizes(fsdp, tp, n_dev, expect):
     devices = jax.devices()[:n_dev]
     mesh = make_mesh(_cfg(fsdp, tp), devices=devices)
-    assert mesh.axis_names == ("fsdp", "tp")
-    assert (mesh.shape["fsdp"], mesh.shape["tp"]) == expect
-    assert tuple(mesh.axis_types) == (AxisType.Auto, AxisType.Auto)
+    assert mesh.axis_names == ("fsdp", "cp", "tp")  # cp always present (size 1 here)
+    assert (mesh.shape["fsdp"], mesh.shape["tp"]) == expect and mesh.shape["cp"] == 1
+    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 3
     assert set(mesh.devices.flat) == set(devices)
 
 
@@ -91,7 +91,7 @@ def test_make_mesh_rejects_other_backend():
         (("embed", "kv_heads", "head_dim"), P("fsdp", "tp", None)),
         (("norm",), P(None)),
         ((), P()),
-        (("batch", "seq", "act_vocab"), P("fsdp", None, "tp")),
+        (("batch", "seq", "act_vocab"), P("fsdp", "cp", "tp")),  # seq -> cp (context parallel)
         (("not_a_rule", None), P(None, None)),
         # one mesh axis per spec: the first dimension keeps it, later ones are replicated
         (("mlp", "vocab"), P("tp", None)),

@@ -75,3 +75,22 @@ def pg_batch(batch: int, seed: int):
         generation_logprobs=old,
         reference_policy_logprobs=old,
     )
+
+
+def uneven_pg_batch(lengths, width: int, seed: int):
+    """A ClippedPG batch with the given real lengths (right padding to ``width``, the first two
+    tokens a masked-out prompt): the packing / context-parallel tests' batch."""
+    from core.data import BatchedDataDict
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lengths)
+    valid = torch.arange(width)[None] < lens[:, None]
+    ids = torch.randint(4, VOCAB, (len(lengths), width), generator=g) * valid
+    token_mask = valid.float()
+    token_mask[:, :2] = 0
+    old = -torch.rand(len(lengths), width, generator=g) * 3 * valid
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lens, token_mask=token_mask, sample_mask=torch.ones(len(lengths)),
+        advantages=torch.randn(len(lengths), width, generator=g) * valid,
+        prev_logprobs=old, generation_logprobs=old, reference_policy_logprobs=old,
+    )

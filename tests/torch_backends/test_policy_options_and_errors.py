@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from core.config.validate import ConfigError
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, WorkerGroupError
 from core.losses import ClippedPGLossFn, LossInputError, NLLLoss
@@ -145,12 +146,13 @@ def test_tp_must_divide_heads(ray_session, tmp_path, tokenizer):
         cluster.shutdown()
 
 
-def test_context_parallel_on_cpu_is_a_clear_error(ray_session, model_dirs, tokenizer):
+def test_context_parallel_needs_a_sequence_multiple_before_any_worker_starts(ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["llama"], "torch_dtensor")
     cfg["dtensor_cfg"]["context_parallel_size"] = 2
     cluster = RayVirtualCluster([2], use_gpus=False)
     try:
-        with pytest.raises(WorkerGroupError, match="context_parallel_size=2"):
+        with pytest.raises(ConfigError, match=r"make_sequence_length_divisible_by: 1 is not a multiple of 2 x "
+                                              r"context_parallel_size \(2\) = 4"):
             Policy(cluster, cfg, tokenizer)
     finally:
         cluster.shutdown()

@@ -22,8 +22,14 @@ def test_layout_names():
     jax = parse_layout("jax-fsdp4-tp2")
     assert (jax.backend, jax.dp, jax.tp, jax.devices, jax.workers) == ("jax_pjit", 4, 2, 8, 1)
     assert parse_layout("fsdp1-dp2").backend == "torch_fsdp"
+    cp = parse_layout("dtensor-dp2-cp2-tp2-sp-packed")
+    assert (cp.dp, cp.cp, cp.tp, cp.sp, cp.packed, cp.devices, cp.sequence_multiple) == (2, 2, 2, True, True, 8, 8)
+    jcp = parse_layout("jax-fsdp2-cp2")
+    assert (jcp.dp, jcp.cp, jcp.devices, jcp.workers, jcp.sequence_multiple) == (2, 2, 4, 1, 4)
+    assert parse_layout("fsdp1-dp2-packed").packed and not parse_layout("fsdp1-dp2").packed
     for bad, words in (("bogus", "unknown layout 'bogus'"), ("fsdp1-tp2", "FSDP1"), ("dtensor-dp2-sp", "-sp"),
-                       ("jax-", "unknown layout"), ("dtensor-dp0", ">= 1")):
+                       ("jax-", "unknown layout"), ("dtensor-dp0", ">= 1"), ("fsdp1-dp2-cp2", "context parallel"),
+                       ("dtensor-packed", "unknown layout")):
         with pytest.raises(LayoutError, match=re.escape(words)):
             parse_layout(bad)
     assert "needs 4 devices" in check_fits(parse_layout("dtensor-tp4"), 2, "--max-devices")

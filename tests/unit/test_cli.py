@@ -31,9 +31,7 @@ def test_config_checks_a_run_config_as_its_command_would(capsys):
     for algorithm, path in EMBEDDED_CONFIGS.items():  # the shipped defaults pass as they are
         assert main(["config", "--config", str(path)]) == 0, algorithm
     capsys.readouterr()
-    rc = main(["config", "--config", str(EMBEDDED_CONFIGS["sft"]), "env.name=arithmetic", "env.num_workers=1",
-               "policy.sequence_packing.enabled=true"])
+    rc = main(["config", "--config", str(EMBEDDED_CONFIGS["sft"]), "env.name=arithmetic", "env.num_workers=1"])
     err = capsys.readouterr().err
     assert rc == 2
     assert "env: not used by dualrl sft" in err
-    assert "policy.sequence_packing.enabled: sequence packing is not implemented" in err

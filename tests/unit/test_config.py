@@ -608,7 +608,8 @@ def test_defaults_on_the_shipped_config(tmp_path):
     )
     cfg = load_config(tmp_path / "exp.yaml", backend="jax_pjit")
     assert cfg["policy"]["train_micro_batch_size"] == 4
-    assert cfg["policy"]["jax_cfg"] == {"fsdp_size": -1, "tensor_parallel_size": 2, "activation_checkpointing": False}
+    assert cfg["policy"]["jax_cfg"] == {"fsdp_size": -1, "tensor_parallel_size": 2, "context_parallel_size": 1,
+                                        "activation_checkpointing": False}
     assert cfg["policy"]["model_name"] == "Qwen/Qwen2.5-0.5B"
 
 

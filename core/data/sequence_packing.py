@@ -1,0 +1,246 @@
+"""Sequence packing: several sequences per row, so a micro batch carries no padding.
+
+Two halves, both backend-free (numpy index arithmetic the torch and JAX workers share):
+
+* **Planning** (driver side, in ``BatchedDataDict.shard_by_batch_size``): the rows of each
+  data-parallel shard are bin-packed by length into micro batches of at most
+  ``max_tokens_per_microbatch`` tokens (:func:`pack_bins`), and the shards are given the
+  same number of micro batches (:func:`plan_packed_micro_batches`): FSDP ranks that run a
+  different number of forward/backward passes hang in a collective.
+* **Layout** (worker side): :class:`PackedRow` turns one micro batch of right-padded rows
+  into one packed row -- token ids, positions restarting at 0 for every sequence, segment
+  ids that confine attention to each sequence -- and maps the packed next-token logprobs
+  back onto the caller's ``[rows, width - 1]`` layout, so losses and their normalisation
+  see exactly what the unpacked path gives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence, TypedDict, get_args
+
+import numpy as np
+
+from core.config.schema import PackingAlgorithm
+
+__all__ = [
+    "PACKING_ALGORITHMS",
+    "SequencePackingArgs",
+    "PackedRow",
+    "pack_bins",
+    "plan_packed_micro_batches",
+    "check_packing_budget",
+]
+
+#: ``policy.sequence_packing.algorithm`` values (NeMo RL's names), as the config schema types them.
+PACKING_ALGORITHMS = get_args(PackingAlgorithm)
+
+
+class SequencePackingArgs(TypedDict):
+    """Settings for packed micro batches (pass to ``shard_by_batch_size``)."""
+
+    input_key: str  # [B, S] token ids
+    input_lengths_key: str  # [B] real lengths
+    max_tokens_per_microbatch: int  # tokens of one packed row (before rounding up)
+    algorithm: str  # one of PACKING_ALGORITHMS
+
+
+def check_packing_budget(lengths: Sequence[int], budget: int, field: str) -> None:
+    """A sequence longer than the packing budget fits no bin: name the field, row and length."""
+    if budget < 1:
+        raise ValueError(f"{field} must be a positive number of tokens, got {budget!r}")
+    for row, length in enumerate(lengths):
+        if length > budget:
+            raise ValueError(
+                f"{field}={budget} is smaller than sequence {row} (length {length}): every sequence must fit "
+                f"one packed row; raise {field} to at least the longest sequence"
+            )
+
+
+# ---------------------------------------------------------------------------------- bins
+def pack_bins(lengths: Sequence[int], capacity: int, algorithm: str) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins whose lengths sum to ``<= capacity``.
+
+    ``first_fit_decreasing``: longest first, each into the first bin with room.
+    ``modified_first_fit_decreasing`` (Johnson & Garey): large items (> C/2) open one bin
+    each; medium items (C/3, C/2] are added to those bins front to back, small items
+    (C/6, C/3] in pairs back to front; what is left goes first-fit-decreasing -- fewer
+    bins than FFD on mixes of long and mid-length sequences.  ``concatenative``: in
+    order, a new bin whenever the next one does not fit.  Within a bin the indices keep
+    ascending order, so a packed row is deterministic.
+    """
+    check_packing_budget(lengths, capacity, "max_tokens_per_microbatch")
+    if algorithm == "first_fit_decreasing":
+        bins = _first_fit(_decreasing(lengths, range(len(lengths))), lengths, capacity, [])
+    elif algorithm == "modified_first_fit_decreasing":
+        bins = _modified_first_fit_decreasing(lengths, capacity)
+    elif algorithm == "concatenative":
+        bins = _concatenative(lengths, capacity)
+    else:
+        raise ValueError(f"unknown sequence packing algorithm {algorithm!r}; choose one of {PACKING_ALGORITHMS}")
+    return [sorted(b) for b in bins]
+
+
+def _decreasing(lengths: Sequence[int], items) -> list[int]:
+    return sorted(items, key=lambda i: (-lengths[i], i))
+
+
+def _first_fit(order: list[int], lengths: Sequence[int], capacity: int, bins: list[list[int]]) -> list[list[int]]:
+    room = [capacity - sum(lengths[i] for i in b) for b in bins]
+    for i in order:
+        for k, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[k].append(i)
+                room[k] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def _modified_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    c = capacity
+    large = _decreasing(lengths, [i for i, n in enumerate(lengths) if n > c / 2])
+    medium = _decreasing(lengths, [i for i, n in enumerate(lengths) if c / 3 < n <= c / 2])
+    small = _decreasing(lengths, [i for i, n in enumerate(lengths) if c / 6 < n <= c / 3])
+    tiny = [i for i, n in enumerate(lengths) if n <= c / 6]
+    bins = [[i] for i in large]
+    room = [c - lengths[i] for i in large]
+    # Medium items, bins front to back: the largest medium item that still fits.
+    for k in range(len(bins)):
+        fit = next((i for i in medium if lengths[i] <= room[k]), None)
+        if fit is not None:
+            medium.remove(fit)
+            bins[k].append(fit)
+            room[k] -= lengths[fit]
+    # Small items in pairs, bins back to front (the emptiest bins first): the smallest
+    # small item plus the largest one that fits beside it.
+    for k in reversed(range(len(bins))):
+        if len(bins[k]) > 1 or len(small) < 2:
+            continue
+        smallest = small[-1]
+        if lengths[smallest] + lengths[small[-2]] > room[k]:
+            continue
+        partner = next(i for i in small[:-1] if lengths[i] + lengths[smallest] <= room[k])
+        small.remove(smallest)
+        small.remove(partner)
+        bins[k] += [partner, smallest]
+        room[k] -= lengths[partner] + lengths[smallest]
+    rest = _decreasing(lengths, medium + small + tiny)
+    return _first_fit(rest, lengths, capacity, bins)
+
+
+def _concatenative(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    used = capacity + 1
+    for i, n in enumerate(lengths):
+        if used + n > capacity:
+            bins.append([])
+            used = 0
+        bins[-1].append(i)
+        used += n
+    return bins
+
+
+def _split_to(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """Split the fullest multi-sequence bins in two until there are ``count`` bins.
+
+    Every shard holds as many rows as the others, so the shard with the most bins has no
+    more bins than rows, and any shard can always be split that far."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        k = max((k for k, b in enumerate(bins) if len(b) > 1), key=lambda k: (sum(lengths[i] for i in bins[k]), -k))
+        half = len(bins[k]) // 2
+        bins[k:k + 1] = [bins[k][:half], bins[k][half:]]
+    return bins
+
+
+def plan_packed_micro_batches(
+    lengths_by_shard: Sequence[Sequence[int]], capacity: int, algorithm: str
+) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Per shard ``(row order, micro-batch row ranges)``: the shard's rows reordered so that
+    each bin is a contiguous range, with every shard given the same number of bins."""
+    binned = [pack_bins(lengths, capacity, algorithm) for lengths in lengths_by_shard]
+    count = max((len(b) for b in binned), default=0)
+    plans = []
+    for lengths, bins in zip(lengths_by_shard, binned):
+        bins = _split_to(bins, lengths, count)
+        order = [i for b in bins for i in b]
+        ends = np.cumsum([len(b) for b in bins]).tolist()
+        plans.append((order, list(zip([0] + ends[:-1], ends))))
+    return plans
+
+
+# ---------------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class PackedRow:
+    """Index maps between ``rows`` right-padded sequences and one packed row.
+
+    Attributes:
+        lengths: ``[rows]`` real lengths; ``starts``: where each begins in the packed row.
+        width: packed width, ``sum(lengths)`` rounded up to ``multiple``; the tail is one
+            padding segment of its own.
+        source: ``[width]`` flat index ``row * source_width + col`` of each packed token
+            (0 for the padding tail), ``valid``: ``[width]`` real-token flags.
+        positions: ``[width]`` RoPE positions, restarting at 0 for every sequence.
+        segments: ``[width]`` sequence number of each token (``rows`` for the tail).
+    """
+
+    lengths: np.ndarray
+    starts: np.ndarray
+    source_width: int
+    width: int
+    source: np.ndarray
+    valid: np.ndarray
+    positions: np.ndarray
+    segments: np.ndarray
+
+    @classmethod
+    def build(cls, lengths: Sequence[int], source_width: int, multiple: int = 1) -> "PackedRow":
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim != 1 or (lengths < 0).any() or (lengths > source_width).any():
+            raise ValueError(f"PackedRow: lengths {lengths.tolist()} must lie in [0, {source_width}]")
+        total = int(lengths.sum())
+        width = max(-(-total // multiple) * multiple, multiple)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        segments = np.repeat(np.arange(len(lengths)), lengths)
+        positions = np.concatenate([np.arange(n) for n in lengths]) if total else np.zeros(0, np.int64)
+        source = segments * source_width + positions
+        tail = width - total
+        return cls(
+            lengths=lengths, starts=starts, source_width=source_width, width=width,
+            source=np.concatenate([source, np.zeros(tail, np.int64)]),
+            valid=np.concatenate([np.ones(total, bool), np.zeros(tail, bool)]),
+            positions=np.concatenate([positions, np.arange(tail)]).astype(np.int64),
+            segments=np.concatenate([segments, np.full(tail, len(lengths))]).astype(np.int64),
+        )
+
+    def pack(self, tokens: Any) -> Any:
+        """``[rows, source_width]`` token ids (numpy, torch or jax) -> ``[1, width]``."""
+        flat = tokens.reshape(-1)[self.source]
+        return (flat * _like(flat, self.valid))[None]
+
+    def unpack_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """``([rows, source_width - 1]`` index into the packed next-token logprobs,
+        its validity mask)``: entry ``(i, t)`` is log p(token t+1 | tokens <= t) of row i."""
+        t = np.arange(self.source_width - 1)[None, :]
+        valid = t < (self.lengths[:, None] - 1)
+        index = np.where(valid, self.starts[:, None] + t, 0)
+        return index, valid
+
+    def unpack_next_logprobs(self, packed_next: Any) -> Any:
+        """``[1, width - 1]`` (or ``[width - 1]``) packed next-token logprobs -> the rows'
+        ``[rows, source_width - 1]`` layout, 0 past each row's last prediction."""
+        index, valid = self.unpack_index()
+        flat = packed_next.reshape(-1)[index]
+        return flat * _like(flat, valid)
+
+
+def _like(x: Any, mask: np.ndarray) -> Any:
+    """``mask`` as an array of ``x``'s kind, dtype and device (numpy, torch or jax)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return torch.as_tensor(mask, device=x.device).to(x.dtype)
+    return mask.astype(x.dtype)  # numpy and jax (ml_dtypes covers bfloat16)
