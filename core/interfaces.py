@@ -29,6 +29,23 @@ if TYPE_CHECKING:  # heavy imports only for annotations
     from core.data import BatchedDataDict
 
 
+# ----------------------------------------------------------------------------- skipped steps
+
+#: Why an optimizer step was skipped (weights and optimizer state left unchanged on every
+#: rank): the key a backend reports in ``skip_reasons`` -> the words a warning uses.
+SKIP_REASONS = {
+    "no_valid_tokens": "the global batch has no valid token / sequence (all masked out)",
+    "non_finite_loss": "non-finite loss",
+    "non_finite_grad_norm": "non-finite grad norm",
+}
+
+
+class NonFiniteStepError(RuntimeError):
+    """``policy.non_finite_step: error`` and an optimizer step was skipped (non-finite loss or
+    grad norm, or no valid token).  Raised on the driver after the workers returned, so the
+    worker group is intact and the weights and optimizer state are those before the step."""
+
+
 # ----------------------------------------------------------------------------- losses
 
 
@@ -175,7 +192,11 @@ class PolicyInterface(ABC):
         Returns a dict with at least ``loss`` (tensor [n_global_batches]), ``grad_norm``
         (tensor [n_global_batches], before clipping), and ``all_mb_metrics`` (dict of
         metric name -> list over micro batches and ranks; summing a list gives the
-        global-batch value).
+        global-batch value).  An optimizer step whose global loss or grad norm is not
+        finite, or whose global batch has no valid token, is skipped on every rank (weights
+        and optimizer state unchanged) and reported in ``skipped`` (bool [n_global_batches]),
+        ``skip_reasons`` (None or a :data:`SKIP_REASONS` key per step) and ``skipped_steps``;
+        with ``policy.non_finite_step: error`` the call raises :class:`NonFiniteStepError`.
         """
 
     @abstractmethod

@@ -288,18 +288,32 @@ def packed_micro_batch(input_ids: np.ndarray, input_lengths: np.ndarray, bins: l
 
 
 def make_apply_updates(tx, param_shardings: Any = None, opt_shardings: Any = None) -> Callable:
-    """``(params, opt_state, grads) -> (params, opt_state, grad_norm)``; params and optimizer
-    state are donated (updated in place) and kept in their shardings, so the steps that
-    consume them next see the same layout and reuse their programs."""
+    """``(params, opt_state, grads, loss=0, valid=True) -> (params, opt_state, grad_norm,
+    skipped)``; params and optimizer state are donated (updated in place) and kept in their
+    shardings, so the steps that consume them next see the same layout and reuse their programs.
+
+    The step is skipped -- params *and* optimizer state returned bit for bit as they came in,
+    ``skipped`` True -- when the global gradient norm or ``loss`` (the step's global loss) is
+    not finite, or ``valid`` is false (the global batch has no valid token).  The choice is a
+    ``jnp.where`` inside the program on globally reduced values, so every device and host
+    makes the same one; the update computed from bad gradients is simply not selected.
+    """
     import optax
 
-    out = None if param_shardings is None else (param_shardings, opt_shardings, None)
+    out = None if param_shardings is None else (param_shardings, opt_shardings, None, None)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out)
-    def apply(params, opt_state, grads):
+    def apply(params, opt_state, grads, loss=0.0, valid=True):
         norm = optax.global_norm(grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, norm
+        ok = jnp.isfinite(norm) & jnp.isfinite(loss) & jnp.asarray(valid, bool)
+        updates, new_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+
+        def keep(new, old):
+            return jnp.where(ok, new, old)
+
+        return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state), norm,
+                jnp.logical_not(ok))
 
     return apply
 

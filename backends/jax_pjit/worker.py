@@ -37,8 +37,9 @@ from core.losses.metrics import MicroBatchMetrics
 from core.policy.checks import check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
-from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase
+from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
 
+from backends.jax_pjit import checkpoint as jax_ckpt
 from backends.jax_pjit import steps
 from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
@@ -120,8 +121,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self._decode_fns = make_decode_fns(model)
         self._host_copies: dict[str, tuple[Any, Any]] = {}  # offloaded state: (host tree, shardings)
         self._generate_calls = 0
-        if weights_path:
-            self.load_checkpoint(weights_path, optimizer_path)
+        if weights_path:  # the Policy verified the manifests' checksums on the driver already
+            self.load_checkpoint(weights_path, optimizer_path, checksums=not _.get("checkpoint_verified", False))
 
     # ------------------------------------------------------------------ identity
     def report_device_id(self) -> str:
@@ -350,7 +351,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
     def train(self, data: BatchedDataDict, loss_fn: Any, eval_mode: bool = False,
               gbs: int | None = None, mbs: int | None = None) -> dict[str, Any]:
-        """One optimizer step per global batch in ``data`` (this host's rows of it)."""
+        """One optimizer step per global batch in ``data`` (this host's rows of it).
+
+        A step with no valid token, or a non-finite global loss or gradient norm, is skipped
+        inside the jitted update (params and optimizer state kept); the learning-rate
+        schedule advances only if at least one step of the call was applied, as on torch."""
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
         n_hosts = jax.process_count()
@@ -363,7 +368,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         plans = (self._packing_plan(data, host["input_lengths"], local_gbs, "train_mb_tokens")
                  if self._packing is not None else None)
         grad_step = self._grad_step(loss_fn)
-        losses, norms, step_metrics, all_mb = [], [], [], {}
+        losses, norms, step_metrics, all_mb, reasons = [], [], [], {}, []
         with self._on_mesh():
             if not eval_mode:
                 self.opt_state = set_learning_rate(self.opt_state, self.schedule(self.train_step))
@@ -375,19 +380,26 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 for args in self._micro_batches(gb, plans[g] if plans else None, mbs, bucket):
                     acc, metrics = grad_step(self.params, acc, *args, gseq, gtok)
                     collected.add(metrics)  # read after the step is dispatched, not per micro batch
-                norm = 0.0
+                norm, reason = 0.0, None
+                device_totals = collected.totals()
                 if not eval_mode:
-                    self.params, self.opt_state, norm = self._apply_updates(self.params, self.opt_state, acc)
-                totals = {k: float(v) for k, v in collected.totals().items()}
+                    valid = bool(gseq > 0 and gtok > 0)
+                    self.params, self.opt_state, norm, skipped = self._apply_updates(
+                        self.params, self.opt_state, acc, device_totals.get("loss", 0.0), valid)
+                    if bool(skipped):
+                        reason = step_skip_reason(float(gseq), float(gtok), float(device_totals.get("loss", 0.0)),
+                                                  float(norm)) or "non_finite_grad_norm"
+                reasons.append(reason)
+                totals = {k: float(v) for k, v in device_totals.items()}
                 for k, values in collected.per_micro_batch().items():
                     all_mb.setdefault(k, []).extend(values)
                 losses.append(totals.get("loss", 0.0))
                 norms.append(float(norm))
                 step_metrics.append(totals)
-        if not eval_mode:
+        if not eval_mode and any(r is None for r in reasons):
             self.train_step += 1
         lr = self.schedule(self.train_step) if self.schedule is not None else None
-        return self._train_result(losses, norms, step_metrics, all_mb, lr)
+        return self._train_result(losses, norms, step_metrics, all_mb, lr, reasons)
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
@@ -474,31 +486,21 @@ class JaxPolicyWorker(PolicyWorkerBase):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,
                         tokenizer_path: str | None = None) -> None:
-        """Orbax: sharded params (and optimizer state + step) for resume."""
-        import orbax.checkpoint as ocp
-
+        """Orbax: sharded params (and optimizer state + step) for resume; atomic, with a
+        manifest (``backends.jax_pjit.checkpoint``)."""
         self.prepare_for_training()  # offloaded state is saved from the mesh, sharded
-
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(Path(weights_path).absolute(), self.params, force=True)
-            if optimizer_path is not None:
-                if self.opt_state is None:
-                    raise ValueError("save_checkpoint: optimizer_path given but this policy has no optimizer")
-                ckptr.save(Path(optimizer_path).absolute(),
-                           {"opt_state": self.opt_state, "train_step": self.train_step}, force=True)
+        jax_ckpt.save_orbax(self.params, self.opt_state, self.train_step, weights_path, optimizer_path)
         self._save_tokenizer(tokenizer_path)
 
-    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        import orbax.checkpoint as ocp
-
-        with ocp.StandardCheckpointer() as ckptr:
-            self.params = ckptr.restore(Path(weights_path).absolute(), _abstract(self.params))
-            if optimizer_path is not None:
-                if self.opt_state is None:
-                    raise ValueError("load_checkpoint: optimizer_path given but this policy has no optimizer")
-                target = {"opt_state": _abstract(self.opt_state), "train_step": 0}
-                restored = ckptr.restore(Path(optimizer_path).absolute(), target)
-                self.opt_state, self.train_step = restored["opt_state"], int(restored["train_step"])
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None, checksums: bool = True) -> None:
+        """Verified restore: manifests, kinds, and orbax's metadata against the live trees
+        (keys and shapes) are checked before any array is read."""
+        params, opt_state, step = jax_ckpt.load_orbax(
+            self.params, self.opt_state, weights_path, optimizer_path, checksums=checksums,
+            what=f"model {self.cfg['model_name']!r}")
+        self.params, self.opt_state = params, opt_state
+        if step is not None:
+            self.train_step = step
 
     def save_hf_checkpoint(self, path: str, save_tokenizer: bool = False) -> None:
         """HF safetensors that ``transformers`` (and the torch backends) load."""
@@ -533,9 +535,3 @@ def _loss_key(loss_fn: Any) -> tuple:
     scalars = (bool, int, float, str, type(None), enum.Enum)
     settings = tuple(sorted((k, v) for k, v in vars(loss_fn).items() if isinstance(v, scalars)))
     return (type(loss_fn).__qualname__, settings)
-
-
-def _abstract(tree: Any) -> Any:
-    """ShapeDtypeStructs carrying each array's sharding: the restore target."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                        if isinstance(x, jax.Array) else x, tree)

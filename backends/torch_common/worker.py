@@ -39,7 +39,7 @@ from core.losses.metrics import MicroBatchMetrics
 from core.policy.checks import check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
-from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase
+from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
 
 from backends.torch_common import checkpoint as ckpt
 from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns
@@ -103,8 +103,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             self.scheduler = build_scheduler(self.cfg.get("scheduler"), self.optimizer)
         self.train_step = 0
         self._profiler = None
-        if weights_path:
-            self.load_checkpoint(weights_path, optimizer_path)
+        if weights_path:  # the Policy verified the manifests' checksums on the driver already
+            self.load_checkpoint(weights_path, optimizer_path, checksums=not _.get("checkpoint_verified", False))
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
@@ -291,10 +291,14 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         """Optimizer steps over this rank's shard of one or more global batches.
 
         ``data`` holds ``n * gbs / dp`` rows (``n`` global batches, as sharded by the
-        Policy); each global batch is one optimizer step.  The scheduler steps once per call.
-        Returns rank-identical global values: ``global_loss``/``grad_norm`` [n] and
-        ``metrics`` (each summed over micro batches and ranks = its whole-batch value), plus
-        this rank's per-micro-batch metrics in ``all_mb_metrics``.
+        Policy); each global batch is one optimizer step.  A step whose global batch has no
+        valid token, or whose global loss or gradient norm is not finite, is skipped on every
+        rank (weights and optimizer state unchanged; see ``step_skip_reason``).  The scheduler
+        steps once per call if at least one step was applied (a skipped step does not advance
+        the schedule, as in Megatron).  Returns rank-identical global values:
+        ``global_loss``/``grad_norm`` [n], ``skipped`` [n] / ``skip_reasons`` and ``metrics``
+        (each summed over micro batches and ranks = its whole-batch value), plus this rank's
+        per-micro-batch metrics in ``all_mb_metrics``.
         """
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
@@ -302,23 +306,28 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         if not eval_mode and self.optimizer is None:
             raise RuntimeError(OPTIMIZER_MISSING)
         self.model.train(not eval_mode)
-        losses, norms, step_metrics, all_mb = [], [], [], {}
+        losses, norms, step_metrics, all_mb, reasons = [], [], [], {}, []
         for gb_idx in range(data.size // local_gbs):
             gb = data.get_batch(gb_idx, local_gbs)
-            loss, norm, metrics = self._train_global_batch(gb, loss_fn, mbs, eval_mode, all_mb)
+            loss, norm, metrics, reason = self._train_global_batch(gb, loss_fn, mbs, eval_mode, all_mb)
             losses.append(loss)
             norms.append(norm)
             step_metrics.append(metrics)
-        if not eval_mode and self.scheduler is not None:
+            reasons.append(reason)
+        applied = any(r is None for r in reasons)
+        if not eval_mode and self.scheduler is not None and applied:
             self.scheduler.step()
             self.train_step += 1
         lr = current_lr(self.optimizer) if self.optimizer is not None else None
-        return self._train_result(losses, norms, step_metrics, all_mb, lr)
+        return self._train_result(losses, norms, step_metrics, all_mb, lr, reasons)
 
     def _train_global_batch(
         self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool, all_mb: dict
-    ) -> tuple[float, float, dict[str, float]]:
-        """Forward/backward every micro batch of one global batch, then one optimizer step."""
+    ) -> tuple[float, float, dict[str, float], str | None]:
+        """Forward/backward every micro batch of one global batch, then one optimizer step,
+        unless ``step_skip_reason`` (from the all-reduced counts, loss and grad norm, so the
+        same on every rank) says to skip it: then the gradients are dropped and neither the
+        weights nor the optimizer state move.  Returns (loss, grad norm, metrics, skip reason)."""
         gseq, gtok = global_valid_counts(gb, self.device, self.dp_group)
         if not eval_mode:
             self.optimizer.zero_grad(set_to_none=True)
@@ -334,13 +343,21 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
                     # scale by that count to undo the average.
                     (loss * self.dims.dp * self.dims.cp).backward()
             collected.add({k: v.detach().float() for k, v in metrics.items()})
-        grad_norm = 0.0 if eval_mode else self._clip_grad_norm(self.cfg.get("max_grad_norm"))
+        loss, metrics = self._reduce_metrics(collected.totals())
+        reason = None
+        grad_norm = 0.0
         if not eval_mode:
-            self.optimizer.step()
+            # The norm is measured (and the gradients clipped) before the decision; a skipped
+            # step drops the gradients, so a non-finite norm's clipping poisons nothing.
+            grad_norm = self._clip_grad_norm(self.cfg.get("max_grad_norm"))
+            reason = step_skip_reason(float(gseq), float(gtok), loss, grad_norm)
+            if reason is None:
+                self.optimizer.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
         for k, values in collected.per_micro_batch().items():
             all_mb.setdefault(k, []).extend(values)
-        loss, metrics = self._reduce_metrics(collected.totals())
-        return loss, grad_norm, metrics
+        return loss, grad_norm, metrics, reason
 
     def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
         dev_mb = _to_device(mb, self.device)
@@ -453,12 +470,15 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         extra = {"train_step": self.train_step}
         if self.scheduler is not None:
             extra["scheduler"] = self.scheduler.state_dict()
-        ckpt.save_dcp(self.model, weights_path, self.optimizer, optimizer_path, extra)
+        ckpt.save_dcp(self.model, weights_path, self.optimizer, optimizer_path, extra, train_step=self.train_step)
         self._save_tokenizer(tokenizer_path)
 
-    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None, checksums: bool = True) -> None:
+        """Collective: verified DCP load (manifest, kinds, scheduler file, keys and shapes
+        checked on rank 0 before any shard is read; ``CheckpointError`` naming the cause)."""
         self._reshard_all()  # the load writes shards; no stale gathered copy may survive
-        extra = ckpt.load_dcp(self.model, weights_path, self.optimizer, optimizer_path)
+        extra = ckpt.load_dcp(self.model, weights_path, self.optimizer, optimizer_path, checksums=checksums,
+                              what=f"model {self.cfg['model_name']!r}")
         if "scheduler" in extra and self.scheduler is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
         self.train_step = extra.get("train_step", self.train_step)

@@ -22,7 +22,15 @@ from typing import Any, Callable, Mapping, Sequence
 from core.algorithms.run_setup import load_tokenizer, resolve_model, seed_everything
 from core.algorithms.sft import evaluate, held_out_prompts, sequence_batch, start_workers, step_throughput
 from core.algorithms.timing import StepTimer
-from core.algorithms.training_run import TrainingRun, check_run_config, execute, open_run, train_loop, train_metrics
+from core.algorithms.training_run import (
+    TrainingRun,
+    check_run_config,
+    execute,
+    open_run,
+    report_skipped_steps,
+    train_loop,
+    train_metrics,
+)
 from core.config.schema import DPOLossConfig
 from core.data import BatchedDataDict
 from core.datasets import BatchLoader
@@ -54,6 +62,7 @@ def dpo_step(run: TrainingRun, step: int) -> dict[str, float]:
     with timer("train"):
         result = run.policy.train(data, run.loss_fn)
     run.policy.finish_training()
+    report_skipped_steps(run, step, result)
     metrics = with_margin(train_metrics(result))
     metrics.update(timer.metrics())
     metrics.update(step_throughput(data, metrics["timing/train_s"]))

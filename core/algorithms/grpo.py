@@ -31,7 +31,7 @@ from core.algorithms.rollouts import (
     training_batch,
 )
 from core.algorithms.timing import StepTimer
-from core.algorithms.training_run import train_metrics
+from core.algorithms.training_run import report_skipped_steps, train_metrics
 from core.logging import format_val_samples
 
 
@@ -66,6 +66,7 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
     with timer("train"):
         result = run.policy.train(data, run.loss_fn)
     run.policy.finish_training()
+    report_skipped_steps(run, step, result)
     run.rollouts.mark_stale()
 
     metrics = rollout_metrics(out, data["token_mask"], rewards, run.stop_token_ids, run.max_new_tokens)

@@ -5,6 +5,10 @@ state is saved -- and :class:`TrainingLoop` does the rest the same way for GRPO,
 DPO: the step schedule, ``val_period`` / ``val_at_start`` / ``val_at_end``, metrics to the
 sinks and the progress bar, ``checkpointing.save_period`` saves (with the driver's data
 position and RNG state), and a stop before a non-finite loss can reach a checkpoint.
+
+A non-finite step the policy *skipped* (``policy.non_finite_step: skip``: weights and
+optimizer state unchanged, reported as ``skipped_steps``) does not stop the run; with
+``non_finite_step: error`` the policy's error stops it, naming the step.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from core.checkpointing import CheckpointManager, capture_rng_state
 from core.logging import MetricsLogger, StepProgress
+from core.interfaces import NonFiniteStepError
 
 
 class NonFiniteLossError(RuntimeError):
@@ -47,7 +52,10 @@ class TrainingLoop:
             self._validate(0)
         step = start_step
         for step in range(start_step + 1, self.max_steps + 1):
-            metrics = self.step_fn(step)
+            try:
+                metrics = self.step_fn(step)
+            except NonFiniteStepError as err:
+                raise NonFiniteLossError(f"step {step}: {err}") from err
             _check_finite(step, metrics)
             self.logger.log("train", step, metrics)
             self.progress.update(step, metrics)
@@ -84,6 +92,10 @@ class TrainingLoop:
 
 
 def _check_finite(step: int, metrics: Mapping[str, float]) -> None:
+    if metrics.get("skipped_steps"):
+        # The non-finite values belong to optimizer steps the policy skipped on every rank
+        # (an applied step's loss and grad norm are finite): nothing bad reached the weights.
+        return
     for key in ("loss", "grad_norm"):
         value = metrics.get(key)
         if value is not None and not math.isfinite(value):

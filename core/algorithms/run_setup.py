@@ -34,6 +34,9 @@ def load_tokenizer(policy_cfg: Mapping[str, Any]) -> Any:
     else:
         from transformers import AutoTokenizer
 
+        from core.policy.preflight import check_model_path
+
+        check_model_path(name, "policy.tokenizer.name")
         tokenizer = AutoTokenizer.from_pretrained(name)
     if tok_cfg.get("chat_template"):
         tokenizer.chat_template = tok_cfg["chat_template"]
@@ -53,6 +56,10 @@ def resolve_model(cfg: Mapping[str, Any], exclude_prompts: Iterable[str],
     if is_builtin(name):
         task_cfg = (cfg.get("env") or {}).get("arithmetic")
         cfg["policy"]["model_name"] = str(resolve_builtin_model(name, task_cfg, exclude_prompts, log=log))
+    else:
+        from core.policy.preflight import check_model_path
+
+        check_model_path(name, "policy.model_name")
     return cfg
 
 

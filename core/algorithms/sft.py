@@ -25,6 +25,7 @@ from core.algorithms.training_run import (
     check_run_config,
     execute,
     open_run,
+    report_skipped_steps,
     start_policy,
     train_loop,
     train_metrics,
@@ -95,6 +96,7 @@ def sft_step(run: TrainingRun, step: int) -> dict[str, float]:
     with timer("train"):
         result = run.policy.train(data, run.loss_fn)
     run.policy.finish_training()
+    report_skipped_steps(run, step, result)
     metrics = train_metrics(result)
     metrics.update(timer.metrics())
     metrics.update(step_throughput(data, metrics["timing/train_s"]))

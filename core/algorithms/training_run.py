@@ -138,14 +138,27 @@ def train_loop(run: TrainingRun, step_fn: Callable[[int], dict[str, float]],
 
 
 def train_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """``Policy.train``'s result as floats (mean over the step's optimizer steps)."""
-    out = {"loss": float(result["loss"].mean()), "grad_norm": float(result["grad_norm"].mean())}
+    """``Policy.train``'s result as floats (mean over the step's optimizer steps), with
+    ``skipped_steps``: how many of its optimizer steps were skipped (non-finite loss / grad
+    norm, or no valid token; their loss / grad norm stay in the means as they were)."""
+    out = {"loss": float(result["loss"].mean()), "grad_norm": float(result["grad_norm"].mean()),
+           "skipped_steps": float(result.get("skipped_steps", 0))}
     if result.get("lr") is not None:
         out["lr"] = float(result["lr"])
     for key, values in result["metrics"].items():
         if key not in ("loss",):
             out[key] = float(torch.as_tensor(values, dtype=torch.float64).mean())
     return out
+
+
+def report_skipped_steps(run: Any, step: int, result: Mapping[str, Any]) -> None:
+    """A warning line per optimizer step ``Policy.train`` skipped in run step ``step``: why
+    (non-finite loss / grad norm, no valid tokens) and the values; nothing if none was."""
+    from core.policy.policy import describe_skipped_steps
+
+    for phrase in describe_skipped_steps(result):
+        run.progress.write(f"WARNING step {step}: {phrase}; weights and optimizer state unchanged "
+                           "(policy.non_finite_step: skip)")
 
 
 def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | None = None) -> str:

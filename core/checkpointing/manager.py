@@ -178,19 +178,9 @@ class CheckpointManager:
     def _install(self, tmp: Path, step: int) -> Path:
         """Rename the finished temp dir to ``step_<step>``, swapping out an existing one."""
         final = tmp.parent / f"step_{step}"
-        old = None
-        if final.exists() or final.is_symlink():
-            # os.replace cannot overwrite a non-empty directory: move the old one aside
-            # (cleanup_stale_temp_dirs puts it back if we die before the next rename).
-            old = tmp.parent / f".old-step_{step}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            if old is not None:
-                os.replace(old, final)
-            raise
-        mf.fsync_dir(tmp.parent)
+        # The previous step_N is moved aside first (cleanup_stale_temp_dirs puts it back if
+        # we die before the next rename).
+        old = mf.install_dir(tmp, final, tmp.parent / f".old-step_{step}-{uuid.uuid4().hex[:8]}")
         if old is not None:
             _rmtree_quiet(old)
         return final

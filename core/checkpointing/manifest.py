@@ -31,6 +31,7 @@ __all__ = [
     "write_manifest",
     "verify_manifest",
     "fsync_dir",
+    "install_dir",
     "serialize_driver_state",
     "read_state_file",
     "decode_metrics",
@@ -67,6 +68,25 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def install_dir(tmp: Path, final: Path, old: Path) -> Path | None:
+    """Rename the complete directory ``tmp`` to ``final``; an existing ``final`` is first moved
+    aside to ``old`` (``os.replace`` cannot overwrite a non-empty directory) and put back if
+    the second rename fails.  Returns where the previous directory now is (None: there was
+    none) for the caller to delete once everything is in place."""
+    moved = None
+    if final.exists() or final.is_symlink():
+        os.replace(final, old)
+        moved = old
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if moved is not None:
+            os.replace(moved, final)
+        raise
+    fsync_dir(final.parent)
+    return moved
 
 
 def _sha256(path: Path, *, sync: bool = False) -> str:

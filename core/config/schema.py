@@ -58,6 +58,8 @@ GENERATION_BACKENDS = ("vllm", "hf")
 
 Backend = Literal["torch_fsdp", "torch_dtensor", "jax_pjit"]
 Precision = Literal["float32", "bfloat16", "float16"]
+#: What ``Policy.train`` does after a skipped (non-finite / all-masked) optimizer step.
+NonFiniteStep = Literal["skip", "error"]
 #: core.data.sequence_packing.pack_bins algorithms (NeMo RL's names).
 PackingAlgorithm = Literal["modified_first_fit_decreasing", "first_fit_decreasing", "concatenative"]
 
@@ -197,6 +199,11 @@ class PolicyConfig(TypedDict):
     optimizer: NotRequired[OptimizerConfig | None]  # None: inference-only policy (e.g. reference model)
     scheduler: NotRequired[list[SchedulerConfig | SchedulerMilestones] | None]  # SequentialLR form
     max_grad_norm: float | None  # gradient clipping; None = no clipping
+    # An optimizer step whose global loss / grad norm is NaN or inf, or whose global batch has
+    # no valid token, is always skipped on every rank (weights, optimizer state and the LR
+    # schedule unchanged). "skip" (default): reported (skipped_steps, a warning) and the run
+    # goes on; "error": Policy.train then raises on the driver naming the step and the value.
+    non_finite_step: NotRequired[NonFiniteStep]
     generation: NotRequired[GenerationConfig | None]
     refit_buffer_size_gb: NotRequired[float]  # staging buffer for policy -> generation weight refit
 

@@ -3,7 +3,8 @@
 * :func:`init_ray` -- start or join Ray once, quietly (no dashboard, small object store).
 * :class:`RayVirtualCluster` -- one ``STRICT_PACK`` placement group per node.
 * :class:`RayWorkerGroup` -- one actor per bundle with ``RANK``/``MASTER_ADDR``/... set;
-  single-data and sharded calls; fail-fast result collection (:class:`WorkerGroupError`).
+  single-data and sharded calls; fail-fast result collection (:class:`WorkerGroupError`;
+  :class:`WorkerStartupError` when a worker's constructor raised).
 * :class:`WorkerLayout` -- rank <-> coordinates on named axes (``dp``/``cp``/``tp``).
 """
 
@@ -12,8 +13,11 @@ from core.distributed.virtual_cluster import RayVirtualCluster, ResourcesUnavail
 from core.distributed.worker_group import (
     RayWorkerGroup,
     ShardedFuture,
+    StartupFailure,
     WorkerGroupError,
     WorkerLayout,
+    WorkerStartupError,
+    startup_failure,
 )
 
 __all__ = [
@@ -24,4 +28,7 @@ __all__ = [
     "ShardedFuture",
     "WorkerGroupError",
     "WorkerLayout",
+    "WorkerStartupError",
+    "StartupFailure",
+    "startup_failure",
 ]

@@ -8,12 +8,17 @@ NeMo RL's ``RayWorkerGroup``, with three differences that matter in practice:
   exception in the method or a dead actor) raises :class:`WorkerGroupError` and kills
   the group, instead of ``ray.get`` blocking forever on the ranks that are stuck in a
   collective waiting for the dead one;
-* every error names the method, the rank(s) and the cause.
+* every error names the method, the rank(s) and the cause; a worker that died in its
+  constructor gives :class:`WorkerStartupError`, whose first line names the rank, its
+  node/bundle, the exception the constructor raised and the project line that raised it
+  (the alternative is Ray's "the actor died because of an error raised in its creation
+  task" with the cause somewhere in the worker's log).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from collections import OrderedDict
@@ -22,13 +27,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from core.distributed.virtual_cluster import RayVirtualCluster
 from core.parallel_dims import ParallelDims
 
-__all__ = ["RayWorkerGroup", "WorkerLayout", "WorkerGroupError", "ShardedFuture"]
+__all__ = [
+    "RayWorkerGroup",
+    "WorkerLayout",
+    "WorkerGroupError",
+    "WorkerStartupError",
+    "StartupFailure",
+    "startup_failure",
+    "ShardedFuture",
+]
 
 #: Env vars the group sets on every worker; ``env_vars`` may not override them.
 RESERVED_ENV_VARS = (
@@ -63,6 +76,28 @@ class WorkerGroupError(RuntimeError):
         self.method = method
         self.ranks = sorted(ranks)
         self.errors = dict(errors or {})
+
+
+class WorkerStartupError(WorkerGroupError):
+    """A worker died in its constructor (bad optimizer, unreadable weights, a mesh that does
+    not fit, ...).  The message's first line names the rank, the exception the constructor
+    raised (type and first line of its message) and where (``file:line``, the innermost
+    frame of project code); the remote traceback follows.
+
+    Attributes (besides :class:`WorkerGroupError`'s): ``failures``, ``{rank: StartupFailure}``
+    for the ranks whose constructor raised.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        method: str = "?",
+        ranks: Sequence[int] = (),
+        errors: Mapping[int, BaseException] | None = None,
+        failures: Mapping[int, StartupFailure] | None = None,
+    ) -> None:
+        super().__init__(message, method=method, ranks=ranks, errors=errors)
+        self.failures = dict(failures or {})
 
 
 # ====================================================================== layout
@@ -289,6 +324,8 @@ class RayWorkerGroup:
         self._registry = _CallRegistry()
         self._dead_reason: str | None = None
         self._workers: list[ray.actor.ActorHandle] = []
+        #: (node rank, bundle index) of every rank, for error messages.
+        self._placement: list[tuple[int, int]] = []
         self._create_workers(worker_cls, worker_args, worker_kwargs, env_vars)
 
     # ------------------------------------------------------------------ description
@@ -477,6 +514,7 @@ class RayWorkerGroup:
                 except Exception:
                     self._kill_all("construction failed")
                     raise
+                self._placement.append((node_rank, local_rank))
                 rank += 1
 
     # ------------------------------------------------------------------ internals: calls
@@ -591,8 +629,12 @@ class RayWorkerGroup:
         return results
 
     def _fail(self, method: str, failures: Mapping[int | None, BaseException]) -> None:
-        """Kill the group and raise a WorkerGroupError describing ``failures``."""
+        """Kill the group and raise a WorkerGroupError describing ``failures``
+        (a :class:`WorkerStartupError` when a worker died in its constructor)."""
         failed = sorted(failures, key=_rank_key)
+        startup = {r: s for r in failed if (s := startup_failure(failures[r])) is not None}
+        if startup:
+            self._fail_startup(method, failures, startup)
         self._kill_all(f"{method!r} failed on rank(s) {_fmt_ranks(failed)}")
         details = "\n".join(f"  rank {_fmt_rank(r)}: {_describe(failures[r])}" for r in failed)
         first = failures[failed[0]]
@@ -604,6 +646,58 @@ class RayWorkerGroup:
             ranks=[r for r in failed if r is not None],
             errors={r: e for r, e in failures.items() if r is not None},
         ) from first
+
+    def _fail_startup(
+        self,
+        method: str,
+        failures: Mapping[int | None, BaseException],
+        startup: Mapping[int | None, StartupFailure],
+    ) -> None:
+        """Kill the group and raise :class:`WorkerStartupError`: first line = the first rank
+        whose constructor raised, with the cause and its location; then every failed rank."""
+        failed = sorted(failures, key=_rank_key)
+        started = sorted(startup, key=_rank_key)
+        self._kill_all(f"rank(s) {_fmt_ranks(started)} failed to start")
+        first_rank = started[0]
+        first = startup[first_rank]
+        others = [r for r in started if r != first_rank]
+        more = f" (and rank(s) {_fmt_ranks(others)})" if others else ""
+        details = []
+        for r in failed:
+            s = startup.get(r)
+            if s is None:
+                details.append(f"  rank {_fmt_rank(r)}: {_describe(failures[r])}")
+            else:
+                details.append(f"  rank {_fmt_rank(r)}{self._where(r, s)}: {s.describe()}")
+        raise WorkerStartupError(
+            f"RayWorkerGroup({self._name_prefix!r}): rank {_fmt_rank(first_rank)}{self._bundle(first_rank)}{more} "
+            f"failed to start: "
+            f"{first.summary()}; all {len(self._workers)} actors of the group were killed.\n"
+            + "\n".join(details),
+            method=method,
+            ranks=[r for r in failed if r is not None],
+            errors={r: e for r, e in failures.items() if r is not None},
+            failures={r: s for r, s in startup.items() if r is not None},
+        ) from failures[first_rank]
+
+    def _bundle(self, rank: int | None) -> str:
+        """`` (node N, bundle B)`` of ``rank``; "" if unknown."""
+        if rank is None or not 0 <= rank < len(self._placement):
+            return ""
+        node, bundle = self._placement[rank]
+        return f" (node {node}, bundle {bundle})"
+
+    def _where(self, rank: int | None, failure: StartupFailure) -> str:
+        """`` (node N, bundle B, ip, pid)`` of ``rank``, as far as known."""
+        parts = []
+        if rank is not None and 0 <= rank < len(self._placement):
+            node, bundle = self._placement[rank]
+            parts += [f"node {node}", f"bundle {bundle}"]
+        if failure.ip:
+            parts.append(f"ip {failure.ip}")
+        if failure.pid:
+            parts.append(f"pid {failure.pid}")
+        return f" ({', '.join(parts)})" if parts else ""
 
     def _kill_all(self, reason: str) -> None:
         """``ray.kill`` every actor (no restart); remember why, for later calls."""
@@ -671,6 +765,165 @@ def _nested_get(data: Any, key: tuple[int, ...]) -> Any:
     for i in key:
         data = data[i]
     return data
+
+
+# ====================================================================== start-up failures
+#: The project's root directory (frames under it, outside a venv, are "project code").
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+_CHAIN_MARKERS = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+_THIRD_PARTY = ("site-packages", "dist-packages", ".venv", "venv")
+_HEADER_ONLY = re.compile(r"^\d+ validation errors? for \S+$")
+
+
+@dataclass(frozen=True)
+class StartupFailure:
+    """Why an actor died in its constructor, from Ray's creation-task error.
+
+    ``exc_type`` / ``message``: the exception the constructor raised (message in full);
+    ``location``: ``"path:line in function"`` of the innermost frame of project code that
+    raised it ("" if the traceback has none); ``caused_by``: the first exception of its
+    chain (``raise ... from err``), "" if it has none; ``traceback``: the remote traceback.
+    """
+
+    exc_type: str
+    message: str
+    location: str = ""
+    caused_by: str = ""
+    actor: str = ""
+    ip: str = ""
+    pid: int = 0
+    traceback: str = ""
+
+    @property
+    def first_line(self) -> str:
+        """The message's first line; when that is only a header ("...:", pydantic's "1
+        validation error for ModelConfig"), the first line of its body joined to it."""
+        lines = [line.strip() for line in self.message.strip().splitlines() if line.strip()]
+        if not lines:
+            return ""
+        if len(lines) > 1 and (lines[0].endswith(":") or _HEADER_ONLY.match(lines[0])):
+            return f"{lines[0].rstrip(':')}: {lines[1]}"
+        return lines[0]
+
+    def summary(self) -> str:
+        """``"ValueError: <first line> (at path:line in f)"``: one line."""
+        text = f"{self.exc_type}: {self.first_line}" if self.first_line else self.exc_type
+        return f"{text} (at {self.location})" if self.location else text
+
+    def describe(self) -> str:
+        """The summary, the chain's original exception and the remote traceback."""
+        actor = f" ({self.actor})" if self.actor else ""
+        out = f"died in its constructor{actor} with {self.summary()}"
+        if self.caused_by:
+            out += f"\n    caused by {self.caused_by}"
+        if self.traceback:
+            out += f"\n    remote traceback:\n{_indent(self.traceback, 6)}"
+        return out
+
+
+def startup_failure(err: BaseException) -> StartupFailure | None:
+    """The :class:`StartupFailure` in ``err`` if it says an actor died because its constructor
+    raised (Ray's ``ActorDiedError`` wrapping the creation task's ``RayTaskError``), else None.
+
+    Works on what ``ray.get`` raises for any call on such an actor, and on a
+    :class:`WorkerGroupError` / ``RuntimeError`` chained (``from``) to one.
+    """
+    seen = 0
+    while err is not None and seen < 8:
+        task_err = _creation_task_error(err)
+        if task_err is not None:
+            return _parse_task_error(task_err)
+        err = err.__cause__
+        seen += 1
+    return None
+
+
+def _creation_task_error(err: BaseException) -> RayTaskError | None:
+    if not isinstance(err, RayActorError) or not getattr(err, "actor_init_failed", False):
+        return None
+    for arg in getattr(err, "args", ()):
+        if isinstance(arg, RayTaskError):
+            return arg
+    return None
+
+
+def _parse_task_error(task_err: RayTaskError) -> StartupFailure:
+    tb = _ANSI_ESCAPE.sub("", getattr(task_err, "traceback_str", "") or "")
+    blocks = _split_chain(tb)
+    cause = getattr(task_err, "cause", None)
+    if cause is not None and not isinstance(cause, RayError):
+        exc_type, message = type(cause).__name__, str(cause)
+    else:  # the exception could not travel (unpicklable): read it off the traceback
+        exc_type, _, message = _exception_text(blocks[-1] if blocks else "").partition(": ")
+        # "pydantic_core._pydantic_core.ValidationError" -> "ValidationError", like type().__name__
+        exc_type = exc_type.rpartition(".")[2] or type(task_err).__name__
+    caused_by = _exception_line(blocks[0]) if len(blocks) > 1 else ""
+    if caused_by and caused_by.partition(": ")[2] in message:
+        caused_by = ""  # the message already says it
+    # "ray::lm_policy-0:FSDP1PolicyWorker.__init__()" -> "FSDP1PolicyWorker.__init__"
+    actor = _ANSI_ESCAPE.sub("", str(getattr(task_err, "proctitle", "") or ""))
+    actor = actor.rpartition(":")[2].removesuffix("()") if "__init__" in actor else ""
+    return StartupFailure(
+        exc_type=exc_type,
+        message=message,
+        location=_project_location(blocks[-1] if blocks else ""),
+        caused_by=caused_by,
+        actor=actor,
+        ip=str(getattr(task_err, "ip", "") or ""),
+        pid=int(getattr(task_err, "pid", 0) or 0),
+        traceback=tb.strip(),
+    )
+
+
+def _split_chain(tb: str) -> list[str]:
+    """A formatted traceback split at the chain markers: the first block is the original
+    exception, the last the one that was finally raised."""
+    blocks = [tb]
+    for marker in _CHAIN_MARKERS:
+        blocks = [part for block in blocks for part in block.split(marker)]
+    return [b for b in blocks if b.strip()]
+
+
+def _exception_text(block: str) -> str:
+    """The ``Type: message`` text at the end of one traceback block: from the first line
+    after the header that is not indented (frames, source lines and carets are) to the end."""
+    lines = block.strip().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(("Traceback (most recent call last)", "ray::")) or not line.strip():
+            continue
+        if not line[0].isspace():
+            return "\n".join(lines[i:]).strip()
+    return ""
+
+
+def _exception_line(block: str) -> str:
+    """The first line of :func:`_exception_text`."""
+    text = _exception_text(block)
+    return text.splitlines()[0].strip() if text else ""
+
+
+def _project_location(block: str) -> str:
+    """``"path:line in func"`` of the innermost frame under the project root (not in a
+    venv); failing that, of the innermost frame outside third-party code and Ray."""
+    frames = [m.groupdict() for line in block.splitlines() if (m := _FRAME.match(line))]
+
+    def third_party(path: str) -> bool:
+        parts = path.replace("\\", "/").split("/")
+        return any(p in _THIRD_PARTY for p in parts) or path.startswith(("python/ray", "<"))
+
+    root = _PROJECT_ROOT + os.sep
+    mine = [f for f in frames if f["file"].startswith(root) and not third_party(f["file"][len(root):])]
+    if not mine:
+        mine = [f for f in frames if not third_party(f["file"]) and "/lib/python" not in f["file"]]
+    if not mine:
+        return ""
+    f = mine[-1]
+    path = f["file"][len(root):] if f["file"].startswith(root) else f["file"]
+    return f"{path}:{f['line']} in {f['func'].strip()}"
 
 
 def _describe(err: BaseException) -> str:

@@ -7,7 +7,9 @@ one per engine (each row's ``sample_seeds`` entry travels with it, so seeded row
 the same whatever the split); a refit reaches every engine.
 
 Engine errors come back as themselves (a ``RefitError`` stays a ``RefitError``); an engine
-whose actor died gives a ``RuntimeError`` naming it, after at most ``call_timeout_s``.
+whose actor died gives a ``RuntimeError`` naming it, after at most ``call_timeout_s``; one
+that died in its constructor, a ``WorkerStartupError`` (a ``RuntimeError``) naming its rank,
+the exception and the line that raised it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from core.distributed import RayVirtualCluster, RayWorkerGroup
 from core.generation.vllm_worker import VllmGenerationWorker, default_env, workers_per_engine
 from core.interfaces import RefittableGenerationInterface
 from core.policy.checks import check_sequence_lengths
+from core.policy.preflight import check_model_path
 
 CALL_TIMEOUT_S = 600.0
 
@@ -43,6 +46,10 @@ class VllmGeneration(RefittableGenerationInterface):
         self.cfg = dict(validate_policy_config(config))
         gen = self.cfg.get("generation") or {}
         vcfg = _check_engine_config(self.cfg, gen)
+        if gen.get("model_name"):
+            check_model_path(gen["model_name"], "policy.generation.model_name")
+        else:
+            check_model_path(self.cfg["model_name"], "policy.model_name")
         self.workers_per_engine = workers_per_engine(vcfg)
         per_node = [n // self.workers_per_engine for n in cluster.bundle_ct_per_node_list]
         if sum(per_node) == 0:
@@ -54,7 +61,14 @@ class VllmGeneration(RefittableGenerationInterface):
             name_prefix=name_prefix, workers_per_node=per_node, env_vars=default_env(cluster.use_gpus),
         )
         self.engines = self.worker_group.workers
-        self._get([e.is_alive.remote() for e in self.engines], "start")
+        # Through the group, not _get: an engine that died in its constructor is reported with
+        # its rank and the exception (WorkerStartupError, a RuntimeError), not as "dead".
+        group = self.worker_group
+        try:
+            group.get_all_worker_results(group.run_all_workers_single_data("is_alive"), timeout=call_timeout_s)
+        except BaseException:
+            group.shutdown()  # the caller gets no handle to shut down: leave no engine behind
+            raise
 
     @property
     def num_engines(self) -> int:

@@ -12,11 +12,12 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from core.checkpointing.policy_files import check_load_paths, check_save_paths
 from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
-from core.interfaces import ColocatablePolicyInterface, GenerationInterface
+from core.interfaces import SKIP_REASONS, ColocatablePolicyInterface, GenerationInterface, NonFiniteStepError
 from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
 from core.policy.preflight import preflight_model_checks
 from core.policy.registry import backend_spec
@@ -54,6 +55,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
         self.model_config = preflight_model_checks(self.cfg, tokenizer)
+        if weights_path is not None or optimizer_path is not None:
+            # Before any worker starts: a missing, partial, corrupt or mislabelled checkpoint is
+            # a CheckpointError naming the path and file here, not a rank's failure killing the group.
+            check_load_paths(weights_path, optimizer_path, fmt=spec.checkpoint_format, checksums=True,
+                             optimizer_required=spec.optimizer_files, restore=True)
         self.tokenizer = tokenizer
         self.cluster = cluster
         self.worker_group = RayWorkerGroup(
@@ -66,6 +72,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             layout=layout,
             weights_path=None if weights_path is None else str(weights_path),
             optimizer_path=None if optimizer_path is None else str(optimizer_path),
+            checkpoint_verified=weights_path is not None,  # checksums done above: workers check sizes only
             init_optimizer=init_optimizer,
             init_reference_model=init_reference_model,
         )
@@ -155,7 +162,13 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         """One optimizer step per ``gbs`` rows of ``data`` (``eval_mode``: loss only).
 
         Returns ``loss`` and ``grad_norm`` ([steps] tensors), ``metrics`` (whole-batch
-        values per step), ``lr``, and ``all_mb_metrics`` (per micro batch, every rank).
+        values per step), ``lr``, ``all_mb_metrics`` (per micro batch, every rank), and the
+        skipped steps: ``skipped`` ([steps] bool), ``skip_reasons`` (per step None or a
+        ``core.interfaces.SKIP_REASONS`` key) and ``skipped_steps`` (their count).
+        A step is skipped on every rank -- weights and optimizer state unchanged, the LR
+        schedule not advanced by it -- when its global loss or grad norm is not finite or its
+        global batch has no valid token; with ``policy.non_finite_step: error`` this then
+        raises :class:`NonFiniteStepError` (the policy stays usable).
         """
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
@@ -171,13 +184,22 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             for k, v in r["all_mb_metrics"].items():
                 all_mb.setdefault(k, []).extend(v)
         first = results[0]
-        return {
+        n_steps = len(first["global_loss"])
+        skipped = first.get("skipped", torch.zeros(n_steps, dtype=torch.bool))
+        reasons = list(first.get("skip_reasons") or [None] * n_steps)
+        out = {
             "loss": first["global_loss"],
             "grad_norm": first["grad_norm"],
             "metrics": first["metrics"],
             "lr": first["lr"],
             "all_mb_metrics": all_mb,
+            "skipped": skipped,
+            "skip_reasons": reasons,
+            "skipped_steps": int(skipped.sum()),
         }
+        if not eval_mode and out["skipped_steps"] and self.cfg.get("non_finite_step", "skip") == "error":
+            raise NonFiniteStepError(_skip_message(out))
+        return out
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
         self._all("prepare_for_training")
@@ -191,7 +213,13 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     def save_checkpoint(
         self, weights_path: str, optimizer_path: Optional[str] = None, tokenizer_path: Optional[str] = None
     ) -> None:
-        """DCP checkpoint: sharded weights (and optimizer + scheduler state); tokenizer files."""
+        """DCP checkpoint: sharded weights (and optimizer + scheduler state); tokenizer files.
+
+        Atomic: written to temporary siblings and renamed into place (replacing a previous
+        checkpoint there only once the new one is complete) with a manifest of sizes and
+        sha256 (``core.checkpointing.policy_files``).
+        """
+        check_save_paths({"weights_path": weights_path, "optimizer_path": optimizer_path})
         self._all("save_checkpoint", str(weights_path), None if optimizer_path is None else str(optimizer_path),
                   None if tokenizer_path is None else str(tokenizer_path))
 
@@ -280,6 +308,26 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         self._all("reset_peak_memory_stats")
 
 
+
+
+def describe_skipped_steps(result: Mapping[str, Any]) -> list[str]:
+    """One phrase per skipped optimizer step of a ``Policy.train`` result: which global
+    batch of the call, why, and the loss / grad norm it had."""
+    n = len(result["loss"])
+    out = []
+    for i, reason in enumerate(result.get("skip_reasons") or []):
+        if reason is None:
+            continue
+        out.append(f"optimizer step {i + 1} of {n} of this train() call skipped: {SKIP_REASONS.get(reason, reason)} "
+                   f"(loss={float(result['loss'][i]):.6g}, grad_norm={float(result['grad_norm'][i]):.6g})")
+    return out
+
+
+def _skip_message(result: Mapping[str, Any]) -> str:
+    return ("; ".join(describe_skipped_steps(result))
+            + ". policy.non_finite_step is 'error': the weights and optimizer state are unchanged (the step was "
+            "not applied on any rank) and the policy is still usable; set policy.non_finite_step: skip to skip "
+            "such steps and continue, or lower policy.optimizer.kwargs.lr / check the rewards and advantages.")
 
 
 def _world_size(cluster: RayVirtualCluster, workers_per_node: Optional[Union[int, list[int]]]) -> int:

@@ -7,7 +7,43 @@ driver -- and again by each worker, which also runs them on the model it actuall
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, Mapping
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Whether ``name`` (a ``model_name`` / tokenizer name) means a directory on this machine
+    rather than a hub id (``"gpt2"``, ``"org/name"``).
+
+    Local: it starts with ``/``, ``./``, ``../`` or ``~`` (or is ``.`` / ``..``); it has more
+    than two ``/``-separated parts (a hub id has at most ``org/name``); or its first part
+    exists here (``models/my-run`` next to a ``models`` directory).  ``org/name`` whose
+    ``org`` is not a local directory stays a hub id.
+    """
+    if name in (".", "..") or name.startswith(("/", "./", "../", "~")):
+        return True
+    seps = [os.sep] + ([os.altsep] if os.altsep else [])
+    if not any(sep in name for sep in seps):
+        return False
+    parts = [p for p in re.split("|".join(re.escape(s) for s in seps), name) if p]
+    return len(parts) > 2 or (bool(parts) and os.path.exists(parts[0]))
+
+
+def check_model_path(name: Any, field: str) -> None:
+    """``{field}: no such directory: PATH`` for a local-looking ``name`` that does not exist
+    (instead of transformers' "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'", or a worker dying on it).  Built-ins and hub ids pass."""
+    if not isinstance(name, (str, os.PathLike)):
+        return
+    name = os.fspath(name)
+    if name.startswith("builtin:") or not looks_like_local_path(name):
+        return
+    path = os.path.expanduser(name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{field}: no such directory: {name}")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"{field}: not a directory: {name}")
 
 
 
@@ -54,6 +90,7 @@ def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any) -> Any
     from transformers import AutoConfig
 
     name = policy_cfg["model_name"]
+    check_model_path(name, "policy.model_name")
     try:
         model_config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:

@@ -22,6 +22,10 @@ class BackendSpec:
     worker: str  # "package.module:ClassName", imported on first use
     layout: Callable[[Mapping[str, Any], int], WorkerLayout]  # (policy config, n workers) -> layout
     one_worker_per_device: bool = True  # False: one worker per host owning all its devices (JAX)
+    #: ``save_checkpoint``'s on-disk format (the manifest's ``identity.format``) and the files
+    #: an optimizer checkpoint must hold besides the shards: checked on the driver at load.
+    checkpoint_format: str = "torch-dcp"
+    optimizer_files: tuple[str, ...] = ("scheduler_and_step.pt",)
 
     def load_worker(self) -> type:
         module_name, _, cls_name = self.worker.partition(":")
@@ -43,7 +47,8 @@ def host_layout(policy_cfg: Mapping[str, Any], n_workers: int) -> WorkerLayout:
 _REGISTRY: dict[str, BackendSpec] = {
     "torch_fsdp": BackendSpec("backends.torch_fsdp.worker:FSDP1PolicyWorker", torch_layout),
     "torch_dtensor": BackendSpec("backends.torch_dtensor.worker:DTensorPolicyWorker", torch_layout),
-    "jax_pjit": BackendSpec("backends.jax_pjit.worker:JaxPolicyWorker", host_layout, one_worker_per_device=False),
+    "jax_pjit": BackendSpec("backends.jax_pjit.worker:JaxPolicyWorker", host_layout, one_worker_per_device=False,
+                            checkpoint_format="orbax", optimizer_files=()),
 }
 
 

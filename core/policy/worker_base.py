@@ -37,16 +37,38 @@ class PolicyWorkerBase(RefitSender):
 
     @staticmethod
     def _train_result(losses: Sequence[float], norms: Sequence[float], step_metrics: Sequence[Mapping[str, float]],
-                      all_mb: Mapping[str, list[float]], lr: float | None) -> dict[str, Any]:
+                      all_mb: Mapping[str, list[float]], lr: float | None,
+                      skip_reasons: Sequence[str | None] | None = None) -> dict[str, Any]:
         """``train``'s return value: per optimizer step ``global_loss``/``grad_norm`` [n] and
-        ``metrics`` (whole-batch values), plus this rank's per-micro-batch metrics."""
+        ``metrics`` (whole-batch values), plus this rank's per-micro-batch metrics, and per
+        step whether the optimizer step was skipped (``skipped`` [n] bool) and why
+        (``skip_reasons``: None for an applied step, else a ``core.interfaces.SKIP_REASONS`` key)."""
         import torch
 
         keys = sorted(step_metrics[0]) if step_metrics else []
+        reasons = list(skip_reasons) if skip_reasons is not None else [None] * len(losses)
         return {
             "global_loss": torch.tensor(list(losses)),
             "grad_norm": torch.tensor(list(norms)),
             "metrics": {k: torch.tensor([m[k] for m in step_metrics]) for k in keys},
             "all_mb_metrics": dict(all_mb),
             "lr": lr,
+            "skipped": torch.tensor([r is not None for r in reasons], dtype=torch.bool),
+            "skip_reasons": reasons,
         }
+
+
+def step_skip_reason(global_seqs: float, global_toks: float, loss: float, grad_norm: float) -> str | None:
+    """Whether an optimizer step must be skipped, from *globally reduced* values (so every
+    rank decides the same): no valid sequence / token in the global batch, a non-finite
+    global loss, or a non-finite global gradient norm.  None: apply the step; else the
+    ``core.interfaces.SKIP_REASONS`` key."""
+    import math
+
+    if not (global_seqs > 0 and global_toks > 0):
+        return "no_valid_tokens"
+    if not math.isfinite(loss):
+        return "non_finite_loss"
+    if not math.isfinite(grad_norm):
+        return "non_finite_grad_norm"
+    return None
