@@ -88,15 +88,9 @@ class WorkerStartupError(WorkerGroupError):
     for the ranks whose constructor raised.
     """
 
-    def __init__(
-        self,
-        message: str,
-        method: str = "?",
-        ranks: Sequence[int] = (),
-        errors: Mapping[int, BaseException] | None = None,
-        failures: Mapping[int, StartupFailure] | None = None,
-    ) -> None:
-        super().__init__(message, method=method, ranks=ranks, errors=errors)
+    def __init__(self, message: str, *args: Any, failures: Mapping[int, StartupFailure] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
         self.failures = dict(failures or {})
 
 
