@@ -80,7 +80,7 @@ def grpo_overrides(layout: Layout, work: GRPOWorkload, model_path: str, tokenize
         f"policy.max_total_sequence_length={work.seq}", f"policy.generation.vllm_cfg.max_model_len={work.seq}",
         f"policy.generation.max_new_tokens={work.new_tokens}", f"policy.generation.backend={generation}",
         # a constant lr: the default's 400-step decay schedule is no part of a step's cost
-        "policy.scheduler=[]",
+        "policy.scheduler=null",
         f"grpo.num_prompts_per_step={work.prompts}", f"grpo.num_generations_per_prompt={work.group}",
         f"grpo.max_num_steps={work.warmup + work.steps}",
         "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",

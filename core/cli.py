@@ -32,10 +32,19 @@ from core.config import BACKENDS, DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigE
 GRPO_DEFAULT_CONFIG_PATH = EMBEDDED_CONFIGS["grpo"]
 
 
+def load_command_config(args: argparse.Namespace) -> dict:
+    """The validated config of a parsed ``config`` / ``grpo`` / ``sft`` / ``dpo`` command line:
+    everything the command checks before any worker starts (the training commands' own
+    rules included, so their errors too name the file or override at fault)."""
+    if args.command == "config":
+        return load_config(args.config, args.overrides, backend=args.backend, checks=[_as_its_command_would])
+    overrides = list(args.overrides) + (["checkpointing.resume=true"] if args.resume else [])
+    return load_config(args.config, overrides, backend=args.backend, checks=[_command_checks(args.command)])
+
+
 def _config_command(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config, args.overrides, backend=args.backend)
-        _check_as_its_command_would(cfg)
+        cfg = load_command_config(args)
     except (ConfigError, FileNotFoundError) as err:
         print(f"invalid config {args.config}:\n{err}", file=sys.stderr)
         return 2
@@ -45,15 +54,19 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_as_its_command_would(cfg: dict) -> None:
+def _as_its_command_would(cfg: dict) -> list[str]:
     """A config holding one algorithm's section (grpo / sft / dpo) is also checked as that
     command checks it (sections and data keys it would refuse), so ``dualrl config`` accepts
     only what the run would."""
+    algorithms = [name for name in EMBEDDED_CONFIGS if name in cfg]
+    return _command_checks(algorithms[0])(cfg) if len(algorithms) == 1 else []
+
+
+def _command_checks(algorithm: str):
+    """``cfg -> error lines``: what ``dualrl <algorithm>`` refuses beyond the schema."""
     from core.config.run_checks import algorithm_errors
 
-    algorithms = [name for name in EMBEDDED_CONFIGS if name in cfg]
-    if len(algorithms) == 1 and (errors := algorithm_errors(cfg, algorithms[0])):
-        raise ConfigError(errors)
+    return lambda cfg: algorithm_errors(cfg, algorithm)
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -80,9 +93,8 @@ def _run_function(algorithm: str):
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides) + (["checkpointing.resume=true"] if args.resume else [])
     try:
-        cfg = load_config(args.config, overrides, backend=args.backend)
+        cfg = load_command_config(args)
     except (ConfigError, FileNotFoundError) as err:
         print(f"invalid config {args.config}:\n{err}", file=sys.stderr)
         return 2

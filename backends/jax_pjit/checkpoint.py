@@ -20,6 +20,7 @@ import numpy as np
 
 from core.checkpointing import policy_files as pf
 from core.checkpointing.manifest import CheckpointError
+from core.distributed.recoverable import before_collectives
 
 FORMAT = "orbax"  # the manifest's identity.format of a JAX policy checkpoint
 
@@ -84,9 +85,10 @@ def save_orbax(params: Any, opt_state: Any, train_step: int, weights_path: str |
     """Every process: write the params (and optimizer state + step) atomically."""
     import orbax.checkpoint as ocp
 
-    if optimizer_path is not None and opt_state is None:
-        raise ValueError("save_checkpoint: optimizer_path given but this policy has no optimizer")
-    pf.check_save_paths({"weights_path": weights_path, "optimizer_path": optimizer_path})
+    with before_collectives():  # every process checks the same paths: all raise together
+        if optimizer_path is not None and opt_state is None:
+            raise ValueError("save_checkpoint: optimizer_path given but this policy has no optimizer")
+        pf.check_save_paths({"weights_path": weights_path, "optimizer_path": optimizer_path})
     targets = [(Path(weights_path).absolute(), pf.KIND_WEIGHTS)]
     if optimizer_path is not None:
         targets.append((Path(optimizer_path).absolute(), pf.KIND_OPTIMIZER))

@@ -58,7 +58,8 @@ from flax import nnx
 from backends.jax_pjit.model import CausalLM, KVCache, constrain, rope_cos_sin
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import logprobs_from_logits
-from core.policy.generation_args import checked_sample_seeds, row_stop_strings, stop_window, tail_hits_stop_string
+from core.policy.generation_args import (checked_sample_seeds, row_stop_strings, stop_window, tail_hits_stop_string,
+                                         top_k_or_off)
 
 __all__ = ["DecodeFns", "DecodeState", "make_decode_fns", "generate", "sample_token", "filter_logits",
            "row_keys", "compile_cache_sizes"]
@@ -331,15 +332,14 @@ def _knobs(gen_cfg: Mapping[str, Any], greedy: bool, pad_token_id: int) -> dict[
     temperature = float(gen_cfg.get("temperature", 1.0))
     if temperature <= 0:
         raise ValueError(f"generation temperature must be > 0 (use greedy=True for argmax), got {temperature}")
-    top_k, top_p = gen_cfg.get("top_k"), gen_cfg.get("top_p")
+    top_p = gen_cfg.get("top_p")
     top_p = 1.0 if top_p is None else float(top_p)
+    top_k = 0  # filter_logits' "off"; greedy decoding never filters
     if not greedy:
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
-                                  or top_k < 0):
-            raise ValueError(f"top_k must be None/0 (off) or a positive int, got {top_k!r}")
+        top_k = top_k_or_off(gen_cfg.get("top_k"))
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    return dict(temperature=np.float32(temperature), top_k=np.int32(top_k or 0), top_p=np.float32(top_p),
+    return dict(temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p),
                 pad_token_id=np.int32(pad_token_id))
 
 
@@ -390,6 +390,7 @@ def generate(
     rng: jax.Array | int = 0,
     stop_strings: Sequence[Sequence[str] | str | None] | None = None,
     sample_seeds: Sequence[int] | np.ndarray | None = None,
+    batch_size: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Continue right-padded prompts; returns the ``GenerationOutputSpec`` as numpy arrays.
 
@@ -399,7 +400,7 @@ def generate(
         params: the ``nnx.Param`` state to decode with (e.g. the trained, sharded params);
             ``None`` uses the model's own.
         input_ids: [B, S] right-padded prompts; input_lengths: [B], each in [1, S].
-        gen_cfg: temperature, top_k (None/0 off), top_p (1.0 off), max_new_tokens,
+        gen_cfg: temperature, top_k (None/-1 off), top_p (1.0 off), max_new_tokens,
             stop_token_ids, stop_strings.
         greedy: argmax decoding; logprobs still use ``gen_cfg['temperature']``.
         pad_token_id: fills padding in ``output_ids``.
@@ -411,6 +412,11 @@ def generate(
         sample_seeds: optional [B] ints (``data['sample_seeds']``): row b samples with its
             own key (``row_keys``), so its tokens depend on its seed only, not on the
             other rows or ``rng``.  Ignored when ``greedy``.
+        batch_size: decode at most this many rows at a time (``policy.generation_batch_size``);
+            None = all B rows at once.  Every chunk has this many rows (the last one is
+            filled up with copies of a real row, dropped afterwards), so one call compiles
+            one program per step kind.  Greedy and ``sample_seeds`` results do not depend on
+            it; with one ``rng`` key each chunk samples from its own split of the key.
 
     Returns:
         ``output_ids`` [B, S+N] int64, ``logprobs`` [B, S+N] float32,
@@ -427,43 +433,92 @@ def generate(
     knobs = _knobs(gen_cfg, greedy, pad_token_id)
     stop_ids = list(dict.fromkeys([int(t) for t in (gen_cfg.get("stop_token_ids") or [])]
                                   + [int(t) for t in eos_token_ids]))
-    stop_mask = _stop_mask(stop_ids, fns.vocab_size)
     row_strings = _row_stop_strings(gen_cfg, stop_strings, batch)
-    matcher = None
-    if any(row_strings):
-        if tokenizer is None:
-            raise ValueError("stop strings are configured but no tokenizer was given: pass tokenizer= so "
-                             "generated tokens can be decoded and matched")
-        matcher = _StopStrings(tokenizer, row_strings)
-    if sample_seeds is not None and not greedy:
-        key = row_keys(sample_seeds, batch)
-    else:
-        key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else _typed_key(rng)
+    if any(row_strings) and tokenizer is None:
+        raise ValueError("stop strings are configured but no tokenizer was given: pass tokenizer= so "
+                         "generated tokens can be decoded and matched")
+    seeds = None if greedy or sample_seeds is None else checked_sample_seeds(sample_seeds, batch)
+    chunks = _row_chunks(batch, batch_size)
+    keys = _chunk_keys(rng, len(chunks)) if seeds is None else [None] * len(chunks)
+    decode = _Decoder(fns, params, knobs, _stop_mask(stop_ids, fns.vocab_size), greedy, new_tokens, tokenizer)
+    width = chunks[0].stop - chunks[0].start
+    pieces = []
+    for rows, key in zip(chunks, keys):
+        take = _fill_rows(rows, width)  # every chunk has `width` rows: one compiled shape
+        chunk_seeds = None if seeds is None else seeds[take]
+        out = decode(input_ids[take], input_lengths[take], [row_strings[i] for i in take],
+                     row_keys(chunk_seeds, width) if chunk_seeds is not None else key)
+        pieces.append(tuple(x[: rows.stop - rows.start] for x in out))
+    tokens, token_logprobs, gen_lengths = (np.concatenate(parts) for parts in zip(*pieces))
+    return assemble_padded(input_ids, input_lengths, tokens, token_logprobs, gen_lengths, new_tokens, pad_token_id)
 
-    state, aux = fns.prefill(params, input_ids.astype(np.int32), input_lengths.astype(np.int32), stop_mask,
-                             knobs, key, greedy=greedy, max_new_tokens=new_tokens)
-    count = 1  # tokens generated by the programs dispatched so far (aux describes token `count`)
-    done_before = np.zeros(batch, bool)
-    while True:
-        # Queue the next step before reading the previous one's flags (keeps the device busy).
-        nxt = fns.step(params, state, stop_mask, knobs, greedy=greedy) if count < new_tokens else None
-        done = np.asarray(aux.done)
+
+def _row_chunks(batch: int, batch_size: int | None) -> list[slice]:
+    """Consecutive row slices of at most ``batch_size`` rows (one slice when None)."""
+    if batch_size is None:
+        return [slice(0, batch)]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"policy.generation_batch_size must be a positive int, got {batch_size!r}")
+    size = min(int(batch_size), batch)
+    return [slice(start, min(start + size, batch)) for start in range(0, batch, size)]
+
+
+def _fill_rows(rows: slice, width: int) -> np.ndarray:
+    """The row indices of ``rows``, filled up to ``width`` by repeating its first row (a
+    copy finishes exactly when its original does, so it never prolongs the chunk)."""
+    idx = np.arange(rows.start, rows.stop)
+    return np.concatenate([idx, np.full(width - len(idx), rows.start, idx.dtype)])
+
+
+def _chunk_keys(rng: jax.Array | int, n_chunks: int) -> list[jax.Array]:
+    """One batch key per chunk: the call's key when there is one chunk (unchunked calls
+    sample as before); else its splits, so rows of different chunks never share noise."""
+    key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else _typed_key(rng)
+    return [key] if n_chunks == 1 else list(jax.random.split(key, n_chunks))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoder:
+    """What every chunk of one ``generate`` call shares; calling it decodes one chunk."""
+
+    fns: DecodeFns
+    params: Any
+    knobs: dict[str, np.ndarray]
+    stop_mask: np.ndarray
+    greedy: bool
+    new_tokens: int
+    tokenizer: Any
+
+    def __call__(self, input_ids, input_lengths, row_strings, key):
+        """Prefill + steps for these rows: (tokens [b, N] int64, logprobs [b, N] float32,
+        generation lengths [b] int64) on the host."""
+        fns, params, greedy = self.fns, self.params, self.greedy
+        matcher = _StopStrings(self.tokenizer, row_strings) if any(row_strings) else None
+        batch = input_ids.shape[0]
+        state, aux = fns.prefill(params, input_ids.astype(np.int32), input_lengths.astype(np.int32),
+                                 self.stop_mask, self.knobs, key, greedy=greedy, max_new_tokens=self.new_tokens)
+        count = 1  # tokens generated by the programs dispatched so far (aux describes token `count`)
+        done_before = np.zeros(batch, bool)
+        while True:
+            # Queue the next step before reading the previous one's flags (keeps the device busy).
+            nxt = (fns.step(params, state, self.stop_mask, self.knobs, greedy=greedy)
+                   if count < self.new_tokens else None)
+            done = np.asarray(aux.done)
+            if matcher is not None:
+                matcher.update(np.asarray(aux.token), done_before, count)
+                finished = bool(np.all(done | (matcher.stopped_at > 0)))
+            else:
+                finished = bool(done.all())
+            done_before = done
+            if nxt is None:
+                break
+            state, aux = nxt
+            if finished:  # the queued step ran on finished rows only: it changed nothing that is kept
+                break
+            count += 1
+
+        tokens, token_logprobs, gen_lengths = jax.device_get((state.tokens, state.logprobs, state.gen_lengths))
+        gen_lengths = np.asarray(gen_lengths, np.int64)
         if matcher is not None:
-            matcher.update(np.asarray(aux.token), done_before, count)
-            finished = bool(np.all(done | (matcher.stopped_at > 0)))
-        else:
-            finished = bool(done.all())
-        done_before = done
-        if nxt is None:
-            break
-        state, aux = nxt
-        if finished:  # the queued step ran on finished rows only: it changed nothing that is kept
-            break
-        count += 1
-
-    tokens, token_logprobs, gen_lengths = jax.device_get((state.tokens, state.logprobs, state.gen_lengths))
-    gen_lengths = np.asarray(gen_lengths, np.int64)
-    if matcher is not None:
-        gen_lengths = np.where(matcher.stopped_at > 0, np.minimum(gen_lengths, matcher.stopped_at), gen_lengths)
-    return assemble_padded(input_ids, input_lengths, np.asarray(tokens, np.int64), np.asarray(token_logprobs),
-                     gen_lengths, new_tokens, pad_token_id)
+            gen_lengths = np.where(matcher.stopped_at > 0, np.minimum(gen_lengths, matcher.stopped_at), gen_lengths)
+        return np.asarray(tokens, np.int64), np.asarray(token_logprobs), gen_lengths

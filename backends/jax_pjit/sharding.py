@@ -14,6 +14,11 @@
 * :func:`activation_constraint` is the ``constrain(x, names)`` hook the model calls.
 * :func:`shard_host_batch` puts a host (numpy / torch) batch onto the mesh, split by
   batch over ``fsdp``.
+* Several JAX processes (``jax.process_count() > 1``, one per host): :func:`check_process_rows`
+  refuses a mesh on which a process does not own whole ``fsdp`` rows, :func:`host_copy`
+  gathers a full host copy of a sharded tree on every process, and :class:`HostShards`
+  (:func:`to_host_shards` / :func:`from_host_shards`) keeps only this process's shards in
+  host memory and puts them back.
 
 Logical-axis trees are pytrees whose leaves are *tuples of names* (``("embed", "mlp")``),
 ``()`` for a scalar; a ``None`` leaf means "fully replicated".  Tuples are leaves here,
@@ -22,6 +27,7 @@ never containers: use dicts / lists for the tree structure.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -42,6 +48,11 @@ __all__ = [
     "check_divisible",
     "activation_constraint",
     "shard_host_batch",
+    "check_process_rows",
+    "host_copy",
+    "HostShards",
+    "to_host_shards",
+    "from_host_shards",
     "is_logical_axes",
     "path_str",
 ]
@@ -320,3 +331,102 @@ def shard_host_batch(
     if nproc == 1:
         return jax.device_put(host, sharding)
     return jax.make_array_from_process_local_data(sharding, host)
+
+
+# ------------------------------------------------------------------ several processes
+def check_process_rows(mesh: Mesh) -> None:
+    """Several processes: each must own whole, contiguous ``fsdp`` rows of ``mesh``.
+
+    Every process feeds its own rows of the batch (the Policy shards batches over the
+    processes), which become its part of the batch dimension split over ``fsdp``
+    (``jax.make_array_from_process_local_data``).  A ``cp`` x ``tp`` block spanning two
+    processes would make them feed different rows for one replicated slice: refused,
+    naming the fields that size the block.
+    """
+    if jax.process_count() == 1:
+        return
+    owners = []
+    for i in range(mesh.shape[FSDP]):
+        procs = sorted({d.process_index for d in np.ravel(mesh.devices[i])})
+        if len(procs) > 1:
+            raise ValueError(
+                f"multi-process JAX: the mesh {dict(mesh.shape)} puts fsdp row {i} on processes {procs}; every "
+                f"process feeds its own batch rows, so policy.jax_cfg.context_parallel_size x "
+                f"policy.jax_cfg.tensor_parallel_size must fit in one process's {jax.local_device_count()} devices")
+        owners.append(procs[0])
+    runs = [p for k, p in enumerate(owners) if k == 0 or owners[k - 1] != p]
+    if len(runs) != len(set(runs)):
+        raise ValueError(f"multi-process JAX: the mesh's fsdp rows are owned by processes {owners}, not in one "
+                         f"contiguous run per process; a process's batch rows could not be placed in one piece")
+
+
+def host_copy(tree: Any) -> Any:
+    """The full arrays of ``tree`` as host numpy, on this process (HF export, refit).
+
+    One process: ``jax.device_get``.  Several: a leaf sharded over other processes' devices
+    is all-gathered (``multihost_utils.process_allgather(tiled=True)``), one leaf at a time
+    (the replicated copy of one leaf at a time is the transient device memory).  That is a
+    collective: every process must call this with the same tree, in the same order.
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return jax.tree.map(_host_leaf, tree)
+
+
+def _host_leaf(x: Any) -> Any:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return jax.device_get(x)
+    if x.is_fully_replicated:  # every device holds all of it: read a local one, no traffic
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(x, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostShards:
+    """This process's shards of one global array in host memory (:func:`to_host_shards`):
+    each distinct block once, and which block each local device holds."""
+
+    shape: tuple[int, ...]
+    sharding: jax.sharding.Sharding
+    blocks: tuple[np.ndarray, ...]
+    device_blocks: tuple[tuple[Any, int], ...]  # (local device, index into blocks)
+
+    def to_device(self) -> jax.Array:
+        arrays = [jax.device_put(self.blocks[i], device) for device, i in self.device_blocks]
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)  # slices are unhashable before 3.12
+
+
+def _leaf_shards(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+        return x
+    blocks: list[np.ndarray] = []
+    seen: dict[tuple, int] = {}
+    device_blocks = []
+    for shard in x.addressable_shards:
+        key = _index_key(shard.index)
+        if key not in seen:  # a block replicated over local devices is stored once
+            seen[key] = len(blocks)
+            blocks.append(np.asarray(shard.data))
+        device_blocks.append((shard.device, seen[key]))
+    return HostShards(tuple(x.shape), x.sharding, tuple(blocks), tuple(device_blocks))
+
+
+def to_host_shards(tree: Any) -> Any:
+    """``tree`` with every ``jax.Array`` leaf replaced by its :class:`HostShards`.
+
+    For state that goes back onto the same shardings (offload, the reference weights):
+    no collective, and host memory for this process's share only, where :func:`host_copy`
+    would gather every array to every process."""
+    return jax.tree.map(_leaf_shards, tree)
+
+
+def from_host_shards(tree: Any) -> Any:
+    """The inverse of :func:`to_host_shards`: the global arrays, on their shardings again."""
+    return jax.tree.map(lambda x: x.to_device() if isinstance(x, HostShards) else x, tree,
+                        is_leaf=lambda x: isinstance(x, HostShards))

@@ -322,15 +322,30 @@ def global_valid_counts(sample_mask: np.ndarray, token_mask: np.ndarray | None,
                         input_lengths: np.ndarray) -> tuple[np.float32, np.float32]:
     """Valid sequences and next-token positions of a whole (global) batch, on the host.
 
-    Computed before the micro-batch loop from the full step batch, exactly what the torch
-    backends all-reduce over their data-parallel ranks.
+    Computed before the micro-batch loop from the step batch's rows on this process, and
+    summed over the processes when there are several (each holds only its own rows):
+    exactly what the torch backends all-reduce over their data-parallel ranks.
     """
     sample_mask = np.asarray(sample_mask, np.float64)
     if token_mask is not None:
         tokens = (np.asarray(token_mask, np.float64)[:, 1:] * sample_mask[:, None]).sum()
     else:
         tokens = ((np.asarray(input_lengths) - 1).clip(0) * sample_mask).sum()
-    return np.float32(sample_mask.sum()), np.float32(tokens)
+    seqs = sample_mask.sum()
+    if jax.process_count() > 1:
+        seqs, tokens = _sum_over_processes(seqs, tokens)
+    return np.float32(seqs), np.float32(tokens)
+
+
+def _sum_over_processes(*values: float) -> tuple[float, ...]:
+    """Each value summed over the JAX processes (a collective: every process calls it).
+
+    The gather travels as float32 (jax without x64); counts stay exact below 2**24 per
+    process, and the sum is taken in float64 here."""
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(values, np.float64))  # [processes, n]
+    return tuple(float(v) for v in np.asarray(gathered, np.float64).reshape(-1, len(values)).sum(0))
 
 
 class CompileCounter:

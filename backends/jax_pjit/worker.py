@@ -5,6 +5,14 @@ One worker per host owns all of that host's devices (several hosts join one
 Data arrives as ``BatchedDataDict``s of torch tensors, is converted at this boundary to
 host numpy, padded to a shape bucket (``steps.bucket_for``) and placed on the mesh.
 
+Several processes (``jax.process_count() > 1``): each feeds its own rows of every micro
+batch (``shard_host_batch``), gets its own rows of the outputs back, and the loss's valid
+counts are summed over the processes; full host copies (refit, HF export) are gathered
+(``sharding.host_copy``), offloaded state and the reference weights keep this process's
+shards (``sharding.HostShards``).  Context parallelism, sequence packing and generation on
+the policy workers are refused there (``_check_multi_process``).  One process runs exactly
+the single-host code.
+
 Context parallelism (``jax_cfg.context_parallel_size`` > 1: the mesh's ``cp`` axis splits
 the sequence) and sequence packing (``policy.sequence_packing``: the driver's bins, or a
 local plan, become packed rows; ``fsdp`` bins per micro batch) run through the
@@ -33,8 +41,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from core.data import BatchedDataDict
 from core.data.context_parallel import check_cp_width
 from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
+from core.distributed.recoverable import before_collectives
 from core.losses.metrics import MicroBatchMetrics
-from core.policy.checks import check_sequence_lengths, check_train_batch
+from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
 from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
@@ -48,7 +57,16 @@ from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
 from backends.jax_pjit.model import activation_constraint, logical_axes_tree, make_apply_fn
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
 from backends.jax_pjit.sharding import activation_constraint as make_constraint
-from backends.jax_pjit.sharding import check_divisible, make_mesh, tree_shardings
+from backends.jax_pjit.sharding import (
+    check_divisible,
+    check_process_rows,
+    from_host_shards,
+    host_copy,
+    make_mesh,
+    shard_host_batch,
+    to_host_shards,
+    tree_shardings,
+)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -81,6 +99,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         super().__init__(config, tokenizer)
         self.rank = jax.process_index()
         self.mesh = make_mesh(self.cfg)
+        self._check_multi_process()
         self.compute_dtype = DTYPES[self.cfg["precision"]]
 
         # A vocabulary tp does not divide is zero-padded inside the backend (embedding rows /
@@ -99,7 +118,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self.shardings = tree_shardings(axes, self.mesh)
         self.params = jax.device_put(params, self.shardings)
         # The reference policy lives in host memory (numpy), swapped in by use_reference_model.
-        self.reference = jax.device_get(self.params) if init_reference_model else None
+        self.reference = _stash(self.params) if init_reference_model else None
 
         self.tx = self.schedule = self.opt_state = None
         if init_optimizer and self.cfg.get("optimizer"):
@@ -119,7 +138,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self._layout_logprob_step = steps.make_layout_logprob_step(self.apply_fn, self.temperature, self.cp)
         self._profile_dir: str | None = None
         self._decode_fns = make_decode_fns(model)
-        self._host_copies: dict[str, tuple[Any, Any]] = {}  # offloaded state: (host tree, shardings)
+        self._host_copies: dict[str, tuple[Any, Any]] = {}  # offloaded state, as _stash returns it
         self._generate_calls = 0
         if weights_path:  # the Policy verified the manifests' checksums on the driver already
             self.load_checkpoint(weights_path, optimizer_path, checksums=not _.get("checkpoint_verified", False))
@@ -154,9 +173,50 @@ class JaxPolicyWorker(PolicyWorkerBase):
         """Programs compiled so far per jitted step (bounded by the number of length buckets)."""
         return self.compile_counts
 
+    # ------------------------------------------------------------------ several processes
+    def _check_multi_process(self) -> None:
+        """Several JAX processes: refuse at start-up, naming the field, what is not supported
+        across processes yet (it would run on each process's rows as if they were the whole
+        batch); and a mesh on which a process does not own whole fsdp rows."""
+        n = jax.process_count()
+        if n == 1:
+            return
+        check_process_rows(self.mesh)
+        unsupported = []
+        if int(self.mesh.shape["cp"]) > 1:
+            unsupported.append(f"policy.jax_cfg.context_parallel_size={int(self.mesh.shape['cp'])} "
+                               "(context parallelism)")
+        if self._packing is not None:
+            unsupported.append("policy.sequence_packing.enabled=true (sequence packing)")
+        if (self.cfg.get("generation") or {}).get("backend") == "hf":
+            unsupported.append("policy.generation.backend='hf' (generation on the policy workers)")
+        if unsupported:
+            raise ValueError(f"multi-process JAX ({n} processes) does not support {'; '.join(unsupported)} "
+                             "yet: use one JAX process (one node) for it")
+
+    def _check_rows_split(self, rows: int, field: str) -> None:
+        """Several processes: a micro batch of ``rows`` rows per process must split over the
+        mesh's fsdp axis (one process cannot fall back to replicating its rows: the others'
+        differ)."""
+        n, fsdp = jax.process_count(), int(self.mesh.shape["fsdp"])
+        if n > 1 and (rows * n) % fsdp:
+            raise ValueError(f"{field}={rows} rows per process x {n} processes is not divisible by the mesh's "
+                             f"fsdp axis of size {fsdp}: multi-process JAX needs every micro batch split over fsdp")
+
+    def _host_rows(self, out: jax.Array) -> np.ndarray:
+        """A step's output rows that belong to this process's input rows (one process: all)."""
+        if jax.process_count() == 1:
+            return np.asarray(out)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.global_array_to_host_local_array(out, self.mesh, P("fsdp")))
+
     # ------------------------------------------------------------------ data
     def _device_batch(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Host arrays -> device arrays, rows split over ``fsdp`` when they divide it."""
+        """Host arrays -> device arrays, rows split over ``fsdp`` when they divide it.
+        Several processes: ``host`` is this process's rows of the global micro batch."""
+        if jax.process_count() > 1:
+            return {key: shard_host_batch(value, self.mesh, ("batch",)) for key, value in host.items()}
         fsdp = self.mesh.shape["fsdp"]
         out = {}
         for key, value in host.items():
@@ -168,6 +228,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
     def _on_mesh(self, decode: bool = False) -> Iterator[None]:
         """The mesh and its activation-sharding hook; ``decode``: the sequence replicated
         (``DECODE_RULES``: KV-cache decoding feeds one token per row, which cp cannot split)."""
+        if decode and jax.process_count() > 1:  # generate() would decode this host's rows as the global batch
+            raise RuntimeError(f"generate: multi-process JAX ({jax.process_count()} processes) does not support "
+                               "generation on the policy workers yet; use policy.generation.backend='vllm'")
         with self.mesh, activation_constraint(make_constraint(self.mesh, DECODE_RULES if decode else RULES)):
             yield
 
@@ -266,8 +329,12 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
     # ------------------------------------------------------------------ logprobs
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
+        with before_collectives():
+            check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+            check_model_inputs(data, self.hf_config.vocab_size)  # XLA would wrap or NaN a bad id silently
+            self._check_rows_split(micro_batch_size or self.cfg["logprob_batch_size"],
+                                   "micro_batch_size" if micro_batch_size else "policy.logprob_batch_size")
         self._reload("params")
-        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
         mbs = micro_batch_size or self.cfg["logprob_batch_size"]
         ids, lengths = data["input_ids"].numpy(), data["input_lengths"].numpy()
         width = ids.shape[1]
@@ -284,7 +351,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 host = steps.pad_micro_batch({"input_ids": ids[start:start + mbs],
                                               "input_lengths": lengths[start:start + mbs]}, mbs, bucket)
                 dev = self._device_batch(host)
-                lp = np.asarray(self._logprob_step(self.params, dev["input_ids"], dev["input_lengths"]))
+                lp = self._host_rows(self._logprob_step(self.params, dev["input_ids"], dev["input_lengths"]))
                 outs.append(lp[: min(mbs, len(ids) - start), :width])
         import torch
 
@@ -297,7 +364,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             raise RuntimeError(REFERENCE_MISSING)
         self._reload("params")
         policy = self.params
-        self.params = jax.device_put(self.reference, self.shardings)
+        self.params = _unstash(*self.reference)
         try:
             yield
         finally:
@@ -359,9 +426,14 @@ class JaxPolicyWorker(PolicyWorkerBase):
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
         n_hosts = jax.process_count()
-        local_gbs = check_train_batch(data, gbs, mbs, n_hosts, self.cfg["max_total_sequence_length"])
-        if not eval_mode and self.tx is None:
-            raise RuntimeError(OPTIMIZER_MISSING)
+        with before_collectives():
+            local_gbs = check_train_batch(data, gbs, mbs, n_hosts, self.cfg["max_total_sequence_length"])
+            check_model_inputs(data, self.hf_config.vocab_size)
+            check_loss_fn(loss_fn)
+            if not eval_mode and self.tx is None:
+                raise RuntimeError(OPTIMIZER_MISSING)
+            self._check_rows_split(mbs, "policy.train_micro_batch_size" if mbs == self.cfg["train_micro_batch_size"]
+                                   else "mbs")
         self.prepare_for_training()
         host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
         bucket = self._bucket(host["input_ids"].shape[1])
@@ -391,8 +463,12 @@ class JaxPolicyWorker(PolicyWorkerBase):
                                                   float(norm)) or "non_finite_grad_norm"
                 reasons.append(reason)
                 totals = {k: float(v) for k, v in device_totals.items()}
-                for k, values in collected.per_micro_batch().items():
-                    all_mb.setdefault(k, []).extend(values)
+                # Several processes: a micro batch spans them all, so every process holds the
+                # same per-micro-batch values; process 0 alone reports them, so that the
+                # Policy's concatenation over workers still sums to the step's value.
+                if self.rank == 0:
+                    for k, values in collected.per_micro_batch().items():
+                        all_mb.setdefault(k, []).extend(values)
                 losses.append(totals.get("loss", 0.0))
                 norms.append(float(norm))
                 step_metrics.append(totals)
@@ -403,12 +479,15 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        """KV-cache decoding on the sharded params; ``GenerationOutputSpec`` as torch tensors."""
+        """KV-cache decoding on the sharded params, ``policy.generation_batch_size`` rows at a time;
+        ``GenerationOutputSpec`` as torch tensors."""
         import torch
 
-        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
-        args = resolve_generation_args(self.cfg, self.tokenizer, self.hf_config.eos_token_id,
-                                       data["input_ids"].shape[1])
+        with before_collectives():
+            check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+            check_model_inputs(data, self.hf_config.vocab_size)
+            args = resolve_generation_args(self.cfg, self.tokenizer, self.hf_config.eos_token_id,
+                                           data["input_ids"].shape[1])
         self._reload("params")
         # Without data['sample_seeds'], a fresh sampling key per call: reproducible only for an
         # uninterrupted worker; with them every row samples from its own seed's key.
@@ -421,6 +500,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 tokenizer=self.tokenizer, max_new_tokens=args.max_new_tokens,
                 rng=self._generate_calls, stop_strings=data.get("stop_strings"),
                 sample_seeds=None if seeds is None else np.asarray(seeds),
+                batch_size=self.cfg.get("generation_batch_size"),
             )
         return BatchedDataDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()})
 
@@ -448,23 +528,23 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self._offload("opt_state")
 
     def _offload(self, name: str) -> None:
-        """Move ``self.<name>`` (a sharded pytree) to host numpy, remembering its shardings;
-        the device buffers are freed when the last reference goes."""
+        """Move ``self.<name>`` (a sharded pytree) to host memory (``_stash``); the device
+        buffers are freed when the last reference goes."""
         tree = getattr(self, name)
         if tree is None:
             return
-        self._host_copies[name] = (jax.device_get(tree), jax.tree.map(lambda x: x.sharding, tree))
+        self._host_copies[name] = _stash(tree)
         setattr(self, name, None)
 
     def _reload(self, name: str) -> None:
         if name in self._host_copies:
-            host, shardings = self._host_copies.pop(name)
-            setattr(self, name, jax.device_put(host, shardings))
+            setattr(self, name, _unstash(*self._host_copies.pop(name)))
 
     def iter_full_weights(self, dtype: Any = None) -> Iterator[tuple[str, np.ndarray]]:
-        """``(hf_name, full array)`` one tensor at a time, gathered to the host."""
+        """``(hf_name, full array)`` one tensor at a time, gathered to the host (every
+        process takes part in the gather when there are several)."""
         self._reload("params")
-        for name, array in iter_hf_tensors(jax.device_get(self.params), self.model_cfg):
+        for name, array in iter_hf_tensors(host_copy(self.params), self.model_cfg):
             yield name, array if dtype is None else array.astype(jnp.dtype(dtype))
 
     def _refit_devices(self) -> list:
@@ -505,10 +585,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
     def save_hf_checkpoint(self, path: str, save_tokenizer: bool = False) -> None:
         """HF safetensors that ``transformers`` (and the torch backends) load."""
         self._reload("params")
+        params = host_copy(self.params)  # several processes: a collective, so every one gathers
         if self.rank == 0:
             from flax import nnx
 
-            nnx.update(self.model, jax.device_get(self.params))
+            nnx.update(self.model, params)
             save_hf_checkpoint(self.model, self.hf_config, path)
             if save_tokenizer and self.tokenizer is not None:
                 self.tokenizer.save_pretrained(path)
@@ -527,7 +608,29 @@ class JaxPolicyWorker(PolicyWorkerBase):
         return path
 
     def shutdown(self) -> bool:
+        """Several processes: leave the ``jax.distributed`` runtime together.  The group calls
+        this on every worker at once; ``jax.distributed.shutdown`` waits for all of them, so
+        the coordinator (process 0) does not vanish while another process is still attached
+        to it -- which aborts that process (SIGABRT in its coordination-service agent)."""
+        self.finish_refit_stream()  # the group ray.kill()s us next: exit handlers never run
+        if jax.distributed.is_initialized():
+            jax.distributed.shutdown()
         return True
+
+
+def _stash(tree: Any) -> tuple[Any, Any]:
+    """``tree`` in host memory, to go back onto the same shardings through ``_unstash``.
+
+    One process: ``(numpy copy, shardings)``.  Several: ``(HostShards tree, None)``, only
+    this process's shards -- no collective, and host memory for this host's share, where a
+    full copy would gather every array to every host at each offload."""
+    if jax.process_count() > 1:
+        return to_host_shards(tree), None
+    return jax.device_get(tree), jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _unstash(host: Any, shardings: Any) -> Any:
+    return from_host_shards(host) if shardings is None else jax.device_put(host, shardings)
 
 
 def _loss_key(loss_fn: Any) -> tuple:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from core.checkpointing import policy_files as pf
 from core.checkpointing.manifest import CheckpointError
+from core.distributed.recoverable import before_collectives
 
 SCHEDULER_FILE = "scheduler_and_step.pt"
 FORMAT = "torch-dcp"  # the manifest's identity.format of a DCP policy checkpoint
@@ -81,8 +82,9 @@ def save_dcp(
     once all are done rank 0 writes the manifests and renames the directories into place,
     replacing (and only then deleting) a previous checkpoint at those paths.
     """
-    if optimizer_path is not None and optimizer is None:
-        raise ValueError("save_checkpoint: optimizer_path given but this policy has no optimizer")
+    with before_collectives():
+        if optimizer_path is not None and optimizer is None:
+            raise ValueError("save_checkpoint: optimizer_path given but this policy has no optimizer")
     targets = [(weights_path, pf.KIND_WEIGHTS)]
     if optimizer_path is not None:
         targets.append((optimizer_path, pf.KIND_OPTIMIZER))
@@ -93,7 +95,8 @@ def save_dcp(
         token = pf.new_token()
         return token, pf.prepare_save([p for p, _ in targets], token)
 
-    token, temps = _rank0(prepare)
+    with before_collectives():  # _rank0 hands rank 0's error to every rank: all raise together
+        token, temps = _rank0(prepare)
     try:
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(temps[0]))
         if optimizer_path is not None:

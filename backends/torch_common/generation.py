@@ -35,6 +35,7 @@ are reported by a warning when the model's config would fill them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Mapping, Sequence
@@ -45,7 +46,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from core.data import BatchedDataDict
 from core.generation.sampling import assemble_padded
 from backends.torch_common.seeded_sampling import SeededRowSampler, row_sample_seeds
-from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string
+from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
 from core.kernels.logprobs import apply_temperature, logprobs_from_logits
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "generation_lengths",
     "hf_generate",
     "right_to_left_padding",
+    "row_chunks",
 ]
 
 # GenerationConfig fields that alter decoding but have no neutral value besides ``None``
@@ -78,6 +80,7 @@ def hf_generate(
     synced_gpus: bool = False,
     max_new_tokens: int | None = None,
     device: torch.device | str | None = None,
+    batch_size: int | None = None,
 ) -> BatchedDataDict:
     """Continue right-padded prompts with ``model.generate``; returns ``GenerationOutputSpec`` on CPU.
 
@@ -98,6 +101,11 @@ def hf_generate(
             needed when the forward pass has collectives (FSDP), else ranks deadlock.
         max_new_tokens: overrides ``gen_cfg['max_new_tokens']``.
         device: where to run; default the device of ``data['input_ids']``.
+        batch_size: at most this many rows per ``model.generate`` call
+            (``policy.generation_batch_size``); None = all rows in one call.  Greedy and
+            seeded (``sample_seeds``) results do not depend on it; unseeded sampling draws
+            from the global RNG chunk after chunk (same distribution, other draws).  With
+            ``synced_gpus`` every rank must then hold as many chunks as the others.
 
     Returns:
         ``output_ids`` [B, S + N] int64, ``logprobs`` [B, S + N] float32,
@@ -105,38 +113,82 @@ def hf_generate(
         N = max_new_tokens.  All tensors on CPU.
     """
     input_ids, input_lengths = _check_inputs(data)
+    batch = input_ids.shape[0]
     new_tokens = _resolve_max_new_tokens(gen_cfg, max_new_tokens)
     temperature = _check_temperature(gen_cfg)
     stop_token_ids = _stop_token_ids(gen_cfg, eos_token_ids)
-    row_strings = _row_stop_strings(data, gen_cfg, input_ids.shape[0])
+    row_strings = _row_stop_strings(data, gen_cfg, batch)
     if any(row_strings) and tokenizer is None:
         raise ValueError(
             "stop strings are configured (generation.stop_strings or data['stop_strings']) but no tokenizer "
             "was given: pass tokenizer= so generated tokens can be decoded and matched"
         )
-
-    device = torch.device(device) if device is not None else input_ids.device
-    left_ids, attention_mask = right_to_left_padding(input_ids, input_lengths, pad_token_id)
-    left_ids, attention_mask = left_ids.to(device), attention_mask.to(device)
-    prompt_width = left_ids.shape[1]
     config = functools.partial(build_hf_generation_config, gen_cfg, max_new_tokens=new_tokens,
                                stop_token_ids=stop_token_ids, pad_token_id=pad_token_id)
-    seeds = None if greedy else row_sample_seeds(data, input_ids.shape[0])
-    sampler = None if seeds is None else SeededRowSampler(config(greedy=False), seeds, device)
-    # With per-row seeds the sampler draws and HF only takes its argmax (see SeededRowSampler).
-    hf_cfg = config(greedy=greedy or sampler is not None)
-    _warn_inherited_fields(model, hf_cfg)
-    criterion = StopStringCriterion(tokenizer, row_strings, prompt_width) if any(row_strings) else None
-
-    out = _run_generate(model, left_ids, attention_mask, hf_cfg, criterion, synced_gpus, sampler)
-
-    generated = out.sequences[:, prompt_width:]  # [B, T], T <= new_tokens
-    with torch.no_grad():
-        token_logprobs = _generated_logprobs(out.logits, generated, temperature).cpu()
-    lengths = generation_lengths(generated, stop_token_ids, None if criterion is None else criterion.stopped_at)
-    return _assemble_output(
-        input_ids, input_lengths, generated.cpu(), token_logprobs, lengths, new_tokens, pad_token_id
+    call = _GenerateCall(
+        model=model, config=config, greedy=greedy, stop_token_ids=stop_token_ids, temperature=temperature,
+        tokenizer=tokenizer, synced_gpus=synced_gpus, new_tokens=new_tokens, pad_token_id=pad_token_id,
+        device=torch.device(device) if device is not None else input_ids.device,
+        # Every chunk is left-padded to the whole batch's prompt width, so a row sees the same
+        # columns (and the same kernels' shapes along the sequence) whichever chunk it is in.
+        prompt_width=int(input_lengths.max()),
     )
+    _warn_inherited_fields(model, config(greedy=greedy))
+    seeds = None if greedy else row_sample_seeds(data, batch)
+    pieces = [
+        call.rows(input_ids[rows], input_lengths[rows], row_strings[rows], None if seeds is None else seeds[rows])
+        for rows in row_chunks(batch, batch_size)
+    ]
+    generated, token_logprobs, lengths = (torch.cat(parts) for parts in zip(*pieces))
+    return _assemble_output(input_ids, input_lengths, generated, token_logprobs, lengths, new_tokens, pad_token_id)
+
+
+def row_chunks(batch: int, batch_size: int | None) -> list[slice]:
+    """Consecutive row slices of at most ``batch_size`` rows (one slice when None)."""
+    if batch_size is None:
+        return [slice(0, batch)]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"policy.generation_batch_size must be a positive int, got {batch_size!r}")
+    return [slice(start, min(start + batch_size, batch)) for start in range(0, batch, batch_size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _GenerateCall:
+    """What every chunk of one ``hf_generate`` call shares; ``rows`` runs one chunk."""
+
+    model: Any
+    config: Any  # greedy -> transformers.GenerationConfig
+    greedy: bool
+    stop_token_ids: list[int]
+    temperature: float
+    tokenizer: Any
+    synced_gpus: bool
+    new_tokens: int
+    pad_token_id: int
+    device: torch.device
+    prompt_width: int
+
+    def rows(self, input_ids, input_lengths, row_strings, seeds):
+        """One ``model.generate`` over these rows: (generated [b, N], token logprobs [b, N],
+        generation lengths [b]) on CPU, padded to N = new_tokens columns (HF stops early
+        when all of a chunk's rows are done; the columns past a row's length are never read)."""
+        left_ids, attention_mask = right_to_left_padding(input_ids, input_lengths, self.pad_token_id,
+                                                         width=self.prompt_width)
+        left_ids, attention_mask = left_ids.to(self.device), attention_mask.to(self.device)
+        sampler = None if seeds is None else SeededRowSampler(self.config(greedy=False), seeds, self.device)
+        # With per-row seeds the sampler draws and HF only takes its argmax (see SeededRowSampler).
+        hf_cfg = self.config(greedy=self.greedy or sampler is not None)
+        criterion = (StopStringCriterion(self.tokenizer, row_strings, self.prompt_width)
+                     if any(row_strings) else None)
+        out = _run_generate(self.model, left_ids, attention_mask, hf_cfg, criterion, self.synced_gpus, sampler)
+        generated = out.sequences[:, self.prompt_width:]  # [b, T], T <= new_tokens
+        with torch.no_grad():
+            token_logprobs = _generated_logprobs(out.logits, generated, self.temperature).cpu()
+        lengths = generation_lengths(generated, self.stop_token_ids,
+                                     None if criterion is None else criterion.stopped_at)
+        fill = self.new_tokens - generated.shape[1]
+        generated = torch.nn.functional.pad(generated.cpu(), (0, fill), value=self.pad_token_id)
+        return generated, torch.nn.functional.pad(token_logprobs, (0, fill)), lengths
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -187,14 +239,15 @@ def _stop_token_ids(gen_cfg: Mapping[str, Any], eos_token_ids: Sequence[int]) ->
 
 
 def right_to_left_padding(
-    input_ids: torch.Tensor, input_lengths: torch.Tensor, pad_token_id: int
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, pad_token_id: int, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [B, S] -> left-padded [B, P] ids and attention mask, P = max(input_lengths).
+    """Right-padded [B, S] -> left-padded [B, P] ids and attention mask, P = ``width``
+    (default max(input_lengths); at most S).
 
     Row b's valid tokens end up in columns [P - len_b, P); the rest hold ``pad_token_id``
     with mask 0 (HF derives position ids from the mask, so positions still start at 0).
     """
-    width = int(input_lengths.max())
+    width = int(input_lengths.max()) if width is None else int(width)
     cols = torch.arange(width, device=input_ids.device)[None, :]
     shift = (width - input_lengths)[:, None]  # how far each row moves right
     src = (cols - shift).clamp(min=0)  # the right-padded column each left-padded column reads
@@ -238,12 +291,10 @@ def build_hf_generation_config(
     if greedy:
         fields.update(temperature=1.0, top_p=1.0, top_k=50)
     else:
-        top_k, top_p = gen_cfg.get("top_k"), float(gen_cfg.get("top_p", 1.0))
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be None (off) or a positive int, got {top_k!r}")
+        top_k, top_p = top_k_or_off(gen_cfg.get("top_k")), float(gen_cfg.get("top_p", 1.0))
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        fields.update(temperature=_check_temperature(gen_cfg), top_k=top_k or 0, top_p=top_p)
+        fields.update(temperature=_check_temperature(gen_cfg), top_k=top_k, top_p=top_p)
     return GenerationConfig(**fields)
 
 

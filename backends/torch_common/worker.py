@@ -31,12 +31,13 @@ from torch.distributed.tensor import DTensor
 from core.data import BatchedDataDict
 from core.data.context_parallel import attention_allowed, row_segments
 from core.data.sequence_packing import PackedRow
+from core.distributed.recoverable import before_collectives
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
 from core.parallel_dims import ParallelDims
 from core.losses.metrics import MicroBatchMetrics
-from core.policy.checks import check_sequence_lengths, check_train_batch
+from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
 from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
@@ -251,7 +252,9 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, on the host."""
-        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        with before_collectives():
+            check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+            check_model_inputs(data, self.model_config.vocab_size)
         mbs = micro_batch_size or self.cfg["logprob_batch_size"]
         width = data["input_ids"].shape[1]
         self.model.eval()
@@ -302,9 +305,12 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         """
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
-        local_gbs = check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"])
-        if not eval_mode and self.optimizer is None:
-            raise RuntimeError(OPTIMIZER_MISSING)
+        with before_collectives():
+            local_gbs = check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"])
+            check_model_inputs(data, self.model_config.vocab_size)
+            check_loss_fn(loss_fn)
+            if not eval_mode and self.optimizer is None:
+                raise RuntimeError(OPTIMIZER_MISSING)
         self.model.train(not eval_mode)
         losses, norms, step_metrics, all_mb, reasons = [], [], [], {}, []
         for gb_idx in range(data.size // local_gbs):
@@ -388,15 +394,18 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        """HF ``generate`` on this rank's shard; ``GenerationOutputSpec`` on the host."""
-        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
-        args = resolve_generation_args(self.cfg, self.tokenizer, self.model_config.eos_token_id,
-                                       data["input_ids"].shape[1])
+        """HF ``generate`` on this rank's shard, ``policy.generation_batch_size`` rows per call;
+        ``GenerationOutputSpec`` on the host."""
+        with before_collectives():
+            check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+            check_model_inputs(data, self.model_config.vocab_size)
+            args = resolve_generation_args(self.cfg, self.tokenizer, self.model_config.eos_token_id,
+                                           data["input_ids"].shape[1])
         module = self._generation_replica()
         out = hf_generate(
             module, data.to(self.device), args.gen_cfg, greedy=greedy, pad_token_id=args.pad_token_id,
             eos_token_ids=args.eos_token_ids, tokenizer=self.tokenizer, synced_gpus=False,
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=args.max_new_tokens, batch_size=self.cfg.get("generation_batch_size"),
         )
         return out.to("cpu")
 
@@ -523,6 +532,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         return str(path)
 
     def shutdown(self) -> bool:
+        self.finish_refit_stream()  # the group ray.kill()s us next: exit handlers never run
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -90,12 +91,29 @@ def check_save_paths(paths: Mapping[str, str | os.PathLike | None]) -> None:
         if path in seen:
             raise CheckpointError(f"save_checkpoint: {seen[path]} and {role} are the same directory {path}")
         seen[path] = role
+        check_writable(path, f"save_checkpoint: {role}")
         if path.exists() and not _replaceable(path):
             kind = "a file" if not path.is_dir() else "a non-empty directory that is not a checkpoint"
             raise CheckpointError(
                 f"save_checkpoint: {role}={str(path)!r} is {kind}; refusing to replace it "
                 "(a save replaces the whole directory)"
             )
+
+
+def check_writable(path: str | os.PathLike, role: str) -> None:
+    """The nearest existing ancestor of ``path`` must be a writable directory: a save then
+    can create its temp sibling and rename it into place."""
+    path = Path(path).absolute()
+    anchor = path.parent
+    while not anchor.exists():
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        raise CheckpointError(f"{role}={str(path)!r}: {str(anchor)!r} is a file, not a directory")
+    try:  # a real attempt: os.access says yes to root even on /proc or a read-only mount
+        os.rmdir(tempfile.mkdtemp(prefix=".dualrl-write-probe-", dir=anchor))
+    except OSError as exc:
+        raise CheckpointError(f"{role}={str(path)!r}: cannot create directories in {str(anchor)!r} "
+                              f"({exc.strerror or exc})") from None
 
 
 def prepare_save(finals: Iterable[str | os.PathLike], token: str) -> list[Path]:

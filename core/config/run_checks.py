@@ -79,8 +79,20 @@ def _data_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
         c.err(c.p("prompt_template"), f"must contain '{{prompt}}', got {template!r}")
 
 
+#: core.environments.registry.BUILTIN_ENVIRONMENTS (named here: the config layer imports no environment).
+BUILTIN_ENVIRONMENT_NAMES = ("arithmetic", "math")
+
+
 def _env_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
     _at_least(c, cfg, "num_workers", 1)
+    name = cfg.get("name")
+    # A user's class gets the whole section and may read anything; a built-in reads its own keys.
+    if name in BUILTIN_ENVIRONMENT_NAMES and cfg.get("kwargs"):
+        c.err(c.p("kwargs"), f"{cfg['kwargs']!r}: not read by the built-in environment {name!r} (it is for a "
+                             "user's own class, env.name: package.module:ClassName); remove it")
+    if name == "arithmetic" and cfg.get("math") is not None:
+        c.err(c.p("math"), f"{cfg['math']!r}: not read by env.name 'arithmetic' (these are the math verifier's "
+                           "settings); remove it")
     c.positive(cfg, "timeout_s")
     arith = c.sub("arithmetic")
     lo, hi = c.int_of(arith, "min_value"), c.int_of(arith, "max_value")

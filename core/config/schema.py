@@ -88,7 +88,7 @@ class JaxConfig(TypedDict):
     fsdp_size: int  # size of the "fsdp" mesh axis; -1 = fill with the remaining devices
     tensor_parallel_size: int  # size of the "tp" mesh axis
     context_parallel_size: NotRequired[int]  # size of the "cp" mesh axis (splits the sequence); default 1
-    activation_checkpointing: bool  # jax.checkpoint (remat) around each transformer block
+    activation_checkpointing: bool  # must be false: the jax_pjit backend has no remat yet (true is refused)
 
 
 class DynamicBatchingConfig(TypedDict):
@@ -135,10 +135,10 @@ class VllmConfig(TypedDict):
     tensor_parallel_size: int
     pipeline_parallel_size: NotRequired[int]
     gpu_memory_utilization: float  # fraction of device memory vLLM may take (0, 1]
-    max_model_len: int  # longest prompt + response the engine accepts
+    max_model_len: int  # longest prompt + response the engine accepts; >= policy.max_total_sequence_length
     precision: NotRequired[str]  # dtype of the engine's weights, e.g. "bfloat16"
     enforce_eager: NotRequired[bool]  # no CUDA graphs
-    async_engine: NotRequired[bool]  # AsyncLLMEngine instead of LLM
+    async_engine: NotRequired[bool]  # must be false: dualrl has no async engine (true is refused)
     load_format: NotRequired[str]  # "dummy" when weights are refit from the policy
     skip_tokenizer_init: NotRequired[bool]
 
@@ -162,10 +162,10 @@ class GenerationConfig(TypedDict):
 
     backend: Literal["vllm", "hf"]
     max_new_tokens: int
-    temperature: float
+    temperature: float  # > 0; greedy decoding is a per-call switch (greedy=True), not temperature 0
     top_p: float
-    top_k: int | None  # None = no top-k filtering
-    model_name: NotRequired[str]  # defaults to policy.model_name
+    top_k: int | None  # None or -1 = no top-k filtering; else >= 1 (0 is refused as a likely typo)
+    model_name: NotRequired[str]  # vllm only (the engine's architecture); defaults to policy.model_name
     stop_token_ids: list[int] | None
     stop_strings: list[str] | None
     pad_token_id: NotRequired[int]  # filled in from the tokenizer when left out
@@ -182,7 +182,7 @@ class PolicyConfig(TypedDict):
     train_global_batch_size: int  # sequences per optimizer step, over all data-parallel ranks
     train_micro_batch_size: int  # sequences per forward/backward on one data-parallel rank
     logprob_batch_size: int  # sequences per forward when only log-probs are needed
-    generation_batch_size: NotRequired[int]  # sequences per generate() call (hf generation)
+    generation_batch_size: NotRequired[int]  # hf generation: rows per model generate call (per worker)
     max_total_sequence_length: int  # prompt + response, in tokens
     make_sequence_length_divisible_by: NotRequired[int]  # pad sequence lengths to a multiple of this
     # Pad the training copy of the vocabulary (embedding, lm_head rows; zeros, logits masked, never
@@ -197,7 +197,8 @@ class PolicyConfig(TypedDict):
     dynamic_batching: DynamicBatchingConfig
     sequence_packing: NotRequired[SequencePackingConfig]
     optimizer: NotRequired[OptimizerConfig | None]  # None: inference-only policy (e.g. reference model)
-    scheduler: NotRequired[list[SchedulerConfig | SchedulerMilestones] | None]  # SequentialLR form
+    # SequentialLR form; null = a constant learning rate ([] is refused)
+    scheduler: NotRequired[list[SchedulerConfig | SchedulerMilestones] | None]
     max_grad_norm: float | None  # gradient clipping; None = no clipping
     # An optimizer step whose global loss / grad norm is NaN or inf, or whose global batch has
     # no valid token, is always skipped on every rank (weights, optimizer state and the LR

@@ -446,27 +446,76 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
     # ---- scheduler chain
     _check_scheduler(c, cfg.get("scheduler"))
 
-    # ---- generation
+    _check_missing_features(c, cfg)
     gen = c.sub("generation")
     if gen:
-        c.positive(gen, "max_new_tokens", "generation")
-        c.non_negative(gen, "temperature", "generation")
-        top_p = c.num_of(gen, "top_p")
-        if top_p is not None and not 0 < top_p <= 1:
-            c.err(c.p("generation", "top_p"), f"must be in (0, 1], got {top_p!r}")
-        vllm = gen.get("vllm_cfg")
-        if gen.get("backend") == "vllm" and "vllm_cfg" not in gen:
-            c.err(c.p("generation", "vllm_cfg"), "required when generation.backend is 'vllm'")
-        if isinstance(vllm, Mapping):
-            for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
-                c.positive(vllm, key, "generation", "vllm_cfg")
-            gmu = c.num_of(vllm, "gpu_memory_utilization")
-            if gmu is not None and not 0 < gmu <= 1:
-                c.err(
-                    c.p("generation", "vllm_cfg", "gpu_memory_utilization"),
-                    f"must be in (0, 1], got {gmu!r}",
-                )
+        _check_sampling(c, gen)
+        _check_vllm(c, cfg, gen)
     return c.errors
+
+
+def _check_missing_features(c: _Checker, cfg: Mapping[str, Any]) -> None:
+    """Switches the schema accepts (NeMo RL has them, policy.yaml lists them) for features
+    dualrl does not have: on, they would be silently ignored, so they are refused by name."""
+    if c.sub("jax_cfg").get("activation_checkpointing") is True:
+        c.err(c.p("jax_cfg", "activation_checkpointing"),
+              "True: the jax_pjit backend has no activation checkpointing (no remat around its blocks); "
+              "set it to false")
+    vllm = c.sub("generation").get("vllm_cfg")
+    if isinstance(vllm, Mapping) and vllm.get("async_engine") is True:
+        c.err(c.p("generation", "vllm_cfg", "async_engine"),
+              "True: dualrl has no async vLLM engine (every engine is a synchronous vllm.LLM); "
+              "set it to false or remove it")
+
+
+def _check_sampling(c: _Checker, gen: Mapping[str, Any]) -> None:
+    """What every engine (HF, JAX, vLLM) would refuse at the first generate call."""
+    c.positive(gen, "max_new_tokens", "generation")
+    temperature = c.num_of(gen, "temperature")
+    if temperature is not None and temperature <= 0:
+        # Logprobs divide the logits by it; greedy decoding is a per-call switch (greedy=True).
+        c.err(c.p("generation", "temperature"),
+              f"must be > 0, got {temperature!r}: logprobs are computed at this temperature; greedy "
+              "decoding is asked for per call (greedy=True, e.g. validation), not with temperature 0")
+    top_p = c.num_of(gen, "top_p")
+    if top_p is not None and not 0 < top_p <= 1:
+        c.err(c.p("generation", "top_p"), f"must be in (0, 1], got {top_p!r}")
+    top_k = c.int_of(gen, "top_k")
+    if top_k == 0:
+        c.err(c.p("generation", "top_k"), "0: use -1 or null for no top-k filtering (-1 means off; "
+                                          "0 is probably a typo), or a positive number of tokens")
+    elif top_k is not None and top_k < -1:
+        c.err(c.p("generation", "top_k"), f"{top_k}: must be a positive number of tokens, or -1 / null "
+                                          "for no top-k filtering")
+    for key in ("stop_token_ids", "pad_token_id"):
+        ids = gen.get(key)
+        for i, token in enumerate(ids if isinstance(ids, list) else [ids]):
+            if _is_int(token) and token < 0:
+                where = c.p("generation", key) + (f"[{i}]" if isinstance(ids, list) else "")
+                c.err(where, f"{token}: token ids are >= 0")
+    if gen.get("backend") == "hf" and gen.get("model_name") is not None:
+        c.err(c.p("generation", "model_name"),
+              f"{gen['model_name']!r}: not used by generation.backend 'hf' (the policy's workers generate "
+              "with their own weights); remove it")
+
+
+def _check_vllm(c: _Checker, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> None:
+    vllm = gen.get("vllm_cfg")
+    if gen.get("backend") == "vllm" and "vllm_cfg" not in gen:
+        c.err(c.p("generation", "vllm_cfg"), "required when generation.backend is 'vllm'")
+    if not isinstance(vllm, Mapping):
+        return
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
+        c.positive(vllm, key, "generation", "vllm_cfg")
+    gmu = c.num_of(vllm, "gpu_memory_utilization")
+    if gmu is not None and not 0 < gmu <= 1:
+        c.err(c.p("generation", "vllm_cfg", "gpu_memory_utilization"), f"must be in (0, 1], got {gmu!r}")
+    max_len, total = c.int_of(vllm, "max_model_len"), c.int_of(cfg, "max_total_sequence_length")
+    if gen.get("backend") == "vllm" and max_len is not None and total is not None and 0 < max_len < total:
+        # The engine refuses (VllmGeneration) or truncates what the policy would train on.
+        c.err(c.p("generation", "vllm_cfg", "max_model_len"),
+              f"{max_len} is below policy.max_total_sequence_length ({total}): a rollout of the allowed "
+              "length would not fit the engine; set it to at least that")
 
 
 def _check_sequence_multiple(c: _Checker, cfg: Mapping[str, Any]) -> None:
@@ -557,6 +606,13 @@ def _check_scheduler(c: _Checker, sched: Any) -> None:
         return
     n_sched = sum(1 for e in sched if isinstance(e, Mapping) and "name" in e)
     ms_idx = [i for i, e in enumerate(sched) if isinstance(e, Mapping) and "milestones" in e]
+    if n_sched == 0:
+        # [] reads like "no schedule" but is easily a list whose entries were lost in a merge
+        # (lists replace); null is the one spelling of a constant learning rate.
+        what = "[]" if not sched else "only a milestones entry"
+        c.err(c.p("scheduler"), f"{what}: no scheduler to run; use null for a constant learning rate, "
+                                "or list the schedulers (e.g. torch.optim.lr_scheduler.LinearLR)")
+        return
     if len(ms_idx) > 1:
         c.err(
             c.p("scheduler"),
@@ -693,13 +749,15 @@ def validate_loss_config(cfg: Any, schema: Any, path: str = "loss_fn") -> Any:
 
 def validate_master_config(cfg: Any) -> MasterConfig:
     """Check a whole config; the world size is ``cluster.gpus_per_node * cluster.num_nodes``.
-    Returns ``cfg`` unchanged."""
+    It is also checked against its model's vocabulary and the optimizer / scheduler classes it
+    names (:mod:`core.config.external_checks`).  Returns ``cfg`` unchanged."""
     world_size = None
     cluster = cfg.get("cluster") if isinstance(cfg, Mapping) else None
     if isinstance(cluster, Mapping):
         g, n = cluster.get("gpus_per_node"), cluster.get("num_nodes")
         if _is_int(g) and _is_int(n) and g > 0 and n > 0:
             world_size = g * n
+    from core.config.external_checks import external_errors  # reads model configs, imports classes
     from core.config.run_checks import cross_section_errors, section_handlers  # it builds on this module
 
     handlers: dict[Any, _Handler] = {
@@ -711,6 +769,8 @@ def validate_master_config(cfg: Any) -> MasterConfig:
     errors = validate_typed(cfg, MasterConfig, "", handlers=handlers)
     if not errors and isinstance(cfg, Mapping):
         errors = cross_section_errors(cfg)
+    if isinstance(cfg, Mapping):  # each of its rules reads only values of the right type
+        errors += external_errors(cfg)
     if errors:
         raise ConfigError(errors)
     return cfg

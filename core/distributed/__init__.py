@@ -4,14 +4,22 @@
 * :class:`RayVirtualCluster` -- one ``STRICT_PACK`` placement group per node.
 * :class:`RayWorkerGroup` -- one actor per bundle with ``RANK``/``MASTER_ADDR``/... set;
   single-data and sharded calls; fail-fast result collection (:class:`WorkerGroupError`;
-  :class:`WorkerStartupError` when a worker's constructor raised).
+  :class:`WorkerStartupError` when a worker's constructor raised; :class:`RecoverableCallError`
+  when every failure was recoverable and the group lives on, see :mod:`core.distributed.recoverable`).
 * :class:`WorkerLayout` -- rank <-> coordinates on named axes (``dp``/``cp``/``tp``).
 """
 
 from core.distributed.ray_init import init_ray
 from core.distributed.virtual_cluster import RayVirtualCluster, ResourcesUnavailableError
+from core.distributed.recoverable import (
+    RecoverableWorkerError,
+    RefitPeerLostError,
+    before_collectives,
+    raised_before_collectives,
+)
 from core.distributed.worker_group import (
     RayWorkerGroup,
+    RecoverableCallError,
     ShardedFuture,
     StartupFailure,
     WorkerGroupError,
@@ -27,6 +35,11 @@ __all__ = [
     "RayWorkerGroup",
     "ShardedFuture",
     "WorkerGroupError",
+    "RecoverableCallError",
+    "RecoverableWorkerError",
+    "RefitPeerLostError",
+    "before_collectives",
+    "raised_before_collectives",
     "WorkerLayout",
     "WorkerStartupError",
     "StartupFailure",

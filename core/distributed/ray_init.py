@@ -6,12 +6,22 @@ useless on CI), a small object store (the default reserves 30 % of RAM), no usag
 reporting, and ``RAY_AUTH_MODE=disabled`` (Ray >= 2.5x otherwise asks for a token on
 some setups).  Worker stdout/stderr are still forwarded to the driver, because that is
 where a failing worker's traceback shows up first.
+
+A local Ray started here also gets a watchdog (:mod:`core.distributed.ray_reaper`): if the
+driver is killed hard, Ray's own fate-sharing stops the GCS, the raylet and the workers,
+but the raylet's dashboard and runtime-env agents outlive it for over a minute (they block
+reporting the raylet's death to the dead GCS); the watchdog kills them within a second.
+Clean-up by hand (a session whose watchdog was killed too, or a cluster from ``ray start``)
+is described in the README, "Troubleshooting: leftovers of a killed run".
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import threading
 
 import ray
 
@@ -40,10 +50,20 @@ def init_ray(
       existing cluster; ``num_cpus`` and ``object_store_memory`` are then ignored, since
       the cluster's own nodes define its resources (Ray refuses them on connect).
     * otherwise start a local single-node cluster with ``num_cpus`` CPUs (``None``: all
-      cores) and an object store of ``object_store_memory`` bytes.
+      cores) and an object store of ``object_store_memory`` bytes -- even when this
+      machine already runs a Ray cluster (``ray start``, another test session's
+      ``ray.cluster_utils.Cluster``).  To join that one, pass its address or ``"auto"``.
 
     Idempotent: a second call (with any arguments) does nothing, so library code may call
     it defensively without fighting an initialisation done by the caller.
+
+    A local cluster dies with this process, even on SIGKILL: see the module doc (watchdog).
+    Left-overs of a session whose watchdog died too::
+
+        python -m core.distributed.ray_reaper /tmp/ray/session_<date>_<driver pid>
+
+    kills that session's Ray processes only (``ray stop --force`` kills every Ray process of
+    the user on the machine, other runs' included).
     """
     if ray.is_initialized():
         return
@@ -56,8 +76,39 @@ def init_ray(
         ray.init(address=address, **common)
         return
     ray.init(
+        # "local", not None: with None, Ray joins the cluster named in
+        # /tmp/ray/ray_current_cluster (written by `ray start` and by cluster_utils.Cluster,
+        # left behind by a killed one) and then rejects num_cpus / object_store_memory.
+        address="local",
         num_cpus=num_cpus,
         object_store_memory=int(object_store_memory),
         include_dashboard=False,
         **common,
     )
+    _start_reaper()
+
+
+def _start_reaper() -> None:
+    """Start the watchdog of the local session just started (Linux: it reads /proc).
+
+    It reads the session directory and the raylet's pid from Ray's node object, which is not
+    public API: if a Ray version moves them, Ray runs without a watchdog (logged), as before.
+    """
+    if not os.path.isdir("/proc"):
+        return
+    try:
+        node = ray._private.worker.global_worker.node
+        session_dir = node.get_session_dir_path()
+        raylet_pid = node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    except (AttributeError, KeyError, IndexError) as exc:
+        logging.getLogger(__name__).warning("no Ray watchdog (Ray's node layout changed: %r); after a hard kill "
+                                            "see README 'Troubleshooting: leftovers of a killed run'", exc)
+        return
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_reaper.py")
+    # A session of its own: the signal that kills the driver's process group spares it.
+    # Run by path: imports nothing but the standard library.
+    proc = subprocess.Popen([sys.executable, script, "--watch", str(os.getpid()), str(raylet_pid), session_dir],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)
+    # Reap it when it exits after a ray.shutdown() (else a zombie until this process ends).
+    threading.Thread(target=proc.wait, name="ray-reaper-wait", daemon=True).start()

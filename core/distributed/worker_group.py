@@ -7,7 +7,9 @@ NeMo RL's ``RayWorkerGroup``, with three differences that matter in practice:
 * :meth:`RayWorkerGroup.get_all_worker_results` fails fast: the first failed call (an
   exception in the method or a dead actor) raises :class:`WorkerGroupError` and kills
   the group, instead of ``ray.get`` blocking forever on the ranks that are stuck in a
-  collective waiting for the dead one;
+  collective waiting for the dead one -- unless the failure is recoverable
+  (:mod:`core.distributed.recoverable`: raised before any collective, on every failed rank,
+  and every other rank finished): then :class:`RecoverableCallError` and the group lives;
 * every error names the method, the rank(s) and the cause; a worker that died in its
   constructor gives :class:`WorkerStartupError`, whose first line names the rank, its
   node/bundle, the exception the constructor raised and the project line that raised it
@@ -30,6 +32,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from core.distributed.recoverable import recoverable_cause
 from core.distributed.virtual_cluster import RayVirtualCluster
 from core.parallel_dims import ParallelDims
 
@@ -37,6 +40,7 @@ __all__ = [
     "RayWorkerGroup",
     "WorkerLayout",
     "WorkerGroupError",
+    "RecoverableCallError",
     "WorkerStartupError",
     "StartupFailure",
     "startup_failure",
@@ -55,6 +59,11 @@ RESERVED_ENV_VARS = (
 )
 
 
+#: After a rank's recoverable failure, how long its peers get to finish the same call
+#: before they are taken to be blocked in a collective (validation takes milliseconds).
+RECOVER_GRACE_S = 10.0
+
+
 # ====================================================================== errors
 class WorkerGroupError(RuntimeError):
     """A call on a worker group failed or timed out.
@@ -64,6 +73,9 @@ class WorkerGroupError(RuntimeError):
         ranks: the ranks that failed (or, for a timeout, did not finish), sorted.
         errors: ``{rank: underlying exception}`` for failures; empty for a timeout.
     """
+
+    #: True only for :class:`RecoverableCallError`: the group survived the failure.
+    recoverable = False
 
     def __init__(
         self,
@@ -76,6 +88,14 @@ class WorkerGroupError(RuntimeError):
         self.method = method
         self.ranks = sorted(ranks)
         self.errors = dict(errors or {})
+
+
+class RecoverableCallError(WorkerGroupError):
+    """A call failed on some ranks with a :class:`~core.distributed.recoverable.RecoverableWorkerError`
+    (e.g. raised before any collective) and every other rank finished: the group's actors
+    are alive and usable.  ``errors`` holds each failed rank's exception."""
+
+    recoverable = True
 
 
 class WorkerStartupError(WorkerGroupError):
@@ -317,6 +337,8 @@ class RayWorkerGroup:
             )
         self._registry = _CallRegistry()
         self._dead_reason: str | None = None
+        #: Seconds the other ranks get to finish after a recoverable failure (see _wait_all).
+        self.recover_grace_s = RECOVER_GRACE_S
         self._workers: list[ray.actor.ActorHandle] = []
         #: (node rank, bundle index) of every rank, for error messages.
         self._placement: list[tuple[int, int]] = []
@@ -582,7 +604,8 @@ class RayWorkerGroup:
     def _wait_all(
         self, refs: list[ray.ObjectRef], ranks: list[int | None], method: str, timeout: float | None
     ) -> list[Any]:
-        """Results of ``refs`` in order; raise on the first failure or on the deadline."""
+        """Results of ``refs`` in order; raise on the first fatal failure, on the deadline,
+        or -- after every call has finished -- for recoverable failures."""
         positions: dict[str, list[int]] = {}
         unique: list[ray.ObjectRef] = []
         for i, ref in enumerate(refs):  # ray.wait rejects duplicate refs
@@ -592,13 +615,18 @@ class RayWorkerGroup:
             positions[ref.hex()].append(i)
         results: list[Any] = [None] * len(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
+        recovered: dict[int | None, BaseException] = {}
+        grace_end: float | None = None  # set by the first recoverable failure
         pending = unique
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ends = [t for t in (deadline, grace_end) if t is not None]
+            remaining = None if not ends else max(0.0, min(ends) - time.monotonic())
             # num_returns=1: wake up on the *first* finished call, so a failure is seen at once
             ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             if not ready:
                 unfinished = sorted({ranks[positions[r.hex()][0]] for r in pending}, key=_rank_key)
+                if recovered:
+                    self._fail_stranded(method, recovered, unfinished)
                 raise WorkerGroupError(
                     f"RayWorkerGroup({self._name_prefix!r}): {method!r} did not finish within "
                     f"{timeout} s on rank(s) {_fmt_ranks(unfinished)}",
@@ -618,9 +646,54 @@ class RayWorkerGroup:
                     continue
                 for i in idx:
                     results[i] = value
-            if failures:
-                self._fail(method, failures)
+            if failures and all(recoverable_cause(e) is not None for e in failures.values()):
+                # The other ranks either fail the same way or finish; one still running after
+                # the grace period is blocked in a collective waiting for a failed rank.
+                recovered.update(failures)
+                grace_end = grace_end or time.monotonic() + self.recover_grace_s
+            elif failures:
+                self._fail(method, {**recovered, **failures})
+        if recovered:
+            self._raise_recoverable(method, recovered)
         return results
+
+    def _error(self, cls: type, method: str, failures: Mapping[int | None, BaseException], text: str,
+               describe: Any = None) -> WorkerGroupError:
+        """``cls`` with ``text`` (after the group's name), then one line per failed rank."""
+        failed = sorted(failures, key=_rank_key)
+        describe = describe or _describe
+        details = "\n".join(f"  rank {_fmt_rank(r)}: {describe(failures[r])}" for r in failed)
+        return cls(
+            f"RayWorkerGroup({self._name_prefix!r}): {text}\n{details}",
+            method=method,
+            ranks=[r for r in failed if r is not None],
+            errors={r: e for r, e in failures.items() if r is not None},
+        )
+
+    def _raise_recoverable(self, method: str, failures: Mapping[int | None, BaseException]) -> None:
+        failed = sorted(failures, key=_rank_key)
+        raise self._error(
+            RecoverableCallError, method, failures,
+            f"{method!r} failed on rank(s) {_fmt_ranks(failed)}: {_recoverable_text(failures[failed[0]])}\n"
+            f"Recoverable: every failed rank raised before any collective (or kept its peers in step) and "
+            f"every other rank finished; the group's {len(self._workers)} actors are alive and usable.",
+            _recoverable_text,
+        ) from failures[failed[0]]
+
+    def _fail_stranded(self, method: str, failures: Mapping[int | None, BaseException],
+                       stranded: Sequence[int | None]) -> None:
+        """Recoverable failures on some ranks, but others never finished: those are blocked in
+        a collective the failed ranks will not join, so the group cannot go on."""
+        failed = sorted(failures, key=_rank_key)
+        self._kill_all(f"{method!r} failed on rank(s) {_fmt_ranks(failed)} while rank(s) "
+                       f"{_fmt_ranks(stranded)} were in a collective")
+        raise self._error(
+            WorkerGroupError, method, failures,
+            f"{method!r} failed on rank(s) {_fmt_ranks(failed)} before any collective, but rank(s) "
+            f"{_fmt_ranks(stranded)} had not finished {self.recover_grace_s:g} s later (blocked in a collective "
+            f"waiting for the failed ranks). Fatal: all {len(self._workers)} actors of the group were killed.",
+            _recoverable_text,
+        ) from failures[failed[0]]
 
     def _fail(self, method: str, failures: Mapping[int | None, BaseException]) -> None:
         """Kill the group and raise a WorkerGroupError describing ``failures``
@@ -630,16 +703,14 @@ class RayWorkerGroup:
         if startup:
             self._fail_startup(method, failures, startup)
         self._kill_all(f"{method!r} failed on rank(s) {_fmt_ranks(failed)}")
-        details = "\n".join(f"  rank {_fmt_rank(r)}: {_describe(failures[r])}" for r in failed)
-        first = failures[failed[0]]
-        raise WorkerGroupError(
-            f"RayWorkerGroup({self._name_prefix!r}): {method!r} failed on rank(s) "
-            f"{_fmt_ranks(failed)}; all {len(self._workers)} actors of the group were killed.\n"
-            f"{details}",
-            method=method,
-            ranks=[r for r in failed if r is not None],
-            errors={r: e for r, e in failures.items() if r is not None},
-        ) from first
+        died = any(isinstance(failures[r], RayActorError) for r in failed)
+        why = ("a worker process died" if died else
+               "an exception inside or after a collective (its peers may be blocked in it)")
+        raise self._error(
+            WorkerGroupError, method, failures,
+            f"{method!r} failed on rank(s) {_fmt_ranks(failed)}. Fatal ({why}): all {len(self._workers)} actors "
+            "of the group were killed.",
+        ) from failures[failed[0]]
 
     def _fail_startup(
         self,
@@ -930,6 +1001,12 @@ def _describe(err: BaseException) -> str:
 
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _recoverable_text(err: BaseException) -> str:
+    """``Type: message`` of the worker exception behind a recoverable failure."""
+    cause = recoverable_cause(err) or err
+    return f"{type(cause).__name__}: {cause}"
 
 
 def _indent(text: str, n: int) -> str:

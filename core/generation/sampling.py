@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string
+from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
 
 
 def logprobs_mode(gen_cfg: Mapping[str, Any]) -> str:
@@ -37,12 +37,13 @@ def sampling_kwargs(gen_cfg: Mapping[str, Any], *, greedy: bool, max_new_tokens:
         warnings.warn(f"greedy vLLM generation reports logprobs at temperature 1.0, not generation.temperature="
                       f"{temperature}: vLLM's greedy path skips temperature; token_mult_prob_error against "
                       "get_logprobs is only meaningful for sampled rollouts here", stacklevel=3)
-    top_k = gen_cfg.get("top_k")
+    # vLLM spells "no top-k" -1; the shared rule also refuses 0 and values below -1.
+    top_k = -1 if greedy else (top_k_or_off(gen_cfg.get("top_k")) or -1)
     kwargs = dict(
         n=1,
         temperature=0.0 if greedy else temperature,
         top_p=1.0 if greedy else float(gen_cfg.get("top_p", 1.0)),
-        top_k=-1 if greedy or top_k is None else int(top_k),
+        top_k=top_k,
         max_tokens=int(max_new_tokens),
         logprobs=0,  # the sampled token's own logprob
         stop_token_ids=stop_token_ids(gen_cfg, eos_token_ids),

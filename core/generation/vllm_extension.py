@@ -92,13 +92,28 @@ class VllmRefitExtension:
         if group is None:
             raise RuntimeError("update_weights_from_collective before init_collective")
         buckets = collective.receive_buckets(group)
-        try:
-            for items in buckets:
+        while True:
+            try:
+                items = next(buckets)
+            except StopIteration:
+                break
+            except BaseException as exc:  # the transport broke: the sender died or left the group
+                self._dualrl_abandon(group, f"the weight stream broke ({type(exc).__name__}: {exc})")
+                raise
+            try:
                 self._dualrl_load(items)
-        except BaseException:
-            collective.drain(buckets)
-            raise
+            except BaseException:
+                collective.drain(buckets)
+                raise
         return self.dualrl_refit_finish()
+
+    def _dualrl_abandon(self, group: Any, reason: str) -> None:
+        """A stream that can never finish: make the model whole again (stale weights, marked
+        so) and drop the broken group; a later refit forms a new one."""
+        self._dualrl_finalize()
+        self._dualrl_receiver().abandon(reason)
+        collective.destroy(group)
+        self._dualrl_group = None
 
     # ------------------------------------------------------------------ internals
     def _dualrl_load(self, items: list) -> None:

@@ -6,10 +6,13 @@ whose T workers shard the model.  ``generate`` splits a batch into contiguous ro
 one per engine (each row's ``sample_seeds`` entry travels with it, so seeded rows sample
 the same whatever the split); a refit reaches every engine.
 
-Engine errors come back as themselves (a ``RefitError`` stays a ``RefitError``); an engine
-whose actor died gives a ``RuntimeError`` naming it, after at most ``call_timeout_s``; one
-that died in its constructor, a ``WorkerStartupError`` (a ``RuntimeError``) naming its rank,
-the exception and the line that raised it.
+Bad input is refused on the driver (``BatchError`` naming the key, row and value) and again
+in the engine actor before it reaches vLLM.  Engine errors come back as themselves (a
+``RefitError`` stays a ``RefitError``) once a health probe shows the engine still works; an
+engine that died, hung past ``call_timeout_s`` or failed the probe is killed and gives
+``EngineDeadError`` on this and every later call (:mod:`core.generation.engine_health`; a new
+``VllmGeneration`` refit from the policy replaces it); one that died in its constructor, a
+``WorkerStartupError`` (a ``RuntimeError``) naming its rank, the exception and the line.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import torch
 from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, RayWorkerGroup
+from core.generation.engine_health import PROBE_TIMEOUT_S, EngineDeadError, EngineHealth
 from core.generation.vllm_worker import VllmGenerationWorker, default_env, workers_per_engine
 from core.interfaces import RefittableGenerationInterface
-from core.policy.checks import check_sequence_lengths
-from core.policy.preflight import check_model_path
+from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
+from core.policy.generation_args import checked_sample_seeds
+from core.policy.preflight import absolute_model_paths, check_model_path
 
 CALL_TIMEOUT_S = 600.0
 
@@ -40,10 +45,11 @@ class VllmGeneration(RefittableGenerationInterface):
         name_prefix: str = "vllm_generation",
         seed: int = 0,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         """``config`` is the policy section (its ``generation`` block configures the engine;
         ``model_name`` and ``max_total_sequence_length`` come from it)."""
-        self.cfg = dict(validate_policy_config(config))
+        self.cfg = absolute_model_paths(validate_policy_config(config))
         gen = self.cfg.get("generation") or {}
         vcfg = _check_engine_config(self.cfg, gen)
         if gen.get("model_name"):
@@ -61,14 +67,18 @@ class VllmGeneration(RefittableGenerationInterface):
             name_prefix=name_prefix, workers_per_node=per_node, env_vars=default_env(cluster.use_gpus),
         )
         self.engines = self.worker_group.workers
+        self.health = EngineHealth(self.engines, probe_timeout_s)
         # Through the group, not _get: an engine that died in its constructor is reported with
         # its rank and the exception (WorkerStartupError, a RuntimeError), not as "dead".
         group = self.worker_group
         try:
-            group.get_all_worker_results(group.run_all_workers_single_data("is_alive"), timeout=call_timeout_s)
+            limits = group.get_all_worker_results(group.run_all_workers_single_data("limits"),
+                                                  timeout=call_timeout_s)
         except BaseException:
             group.shutdown()  # the caller gets no handle to shut down: leave no engine behind
             raise
+        #: The engine model's vocabulary and context (what generate's inputs are checked against).
+        self.vocab_size, self.max_model_len = limits[0]["vocab_size"], limits[0]["max_model_len"]
 
     @property
     def num_engines(self) -> int:
@@ -76,16 +86,28 @@ class VllmGeneration(RefittableGenerationInterface):
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        self.check_inputs(data)
         rows = data.size
         bounds = np.linspace(0, rows, self.num_engines + 1).astype(int)
-        calls = []
-        for engine, start, end in zip(self.engines, bounds[:-1], bounds[1:]):
+        calls, owners = [], []
+        for i, (engine, start, end) in enumerate(zip(self.engines, bounds[:-1], bounds[1:])):
             if end > start:
                 calls.append(engine.generate.remote(_rows(data, start, end), greedy))
-        parts = self._get(calls, "generate")
+                owners.append(i)
+        parts = self._get(calls, "generate", owners=owners)
         merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         return BatchedDataDict({k: torch.from_numpy(v) for k, v in merged.items()})
+
+    def check_inputs(self, data: BatchedDataDict) -> None:
+        """Everything the engines would trip over, on the driver (``BatchError`` / ``ValueError``
+        naming the key, row and value): ids (integer, in the engine's vocabulary), lengths,
+        room for a new token within ``policy.max_total_sequence_length`` (which
+        ``max_model_len`` covers), and per-row sampling seeds."""
+        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        check_model_inputs(data, self.vocab_size)
+        check_prompt_room(data, self.cfg["max_total_sequence_length"])
+        if data.get("sample_seeds") is not None:
+            checked_sample_seeds(data["sample_seeds"], data.size)
 
     def prepare_for_generation(self, *args: Any, tags: Optional[list[str]] = None, **kwargs: Any) -> bool:
         """Wake the engines (GPU sleep mode; a no-op returning False on CPU)."""
@@ -112,6 +134,7 @@ class VllmGeneration(RefittableGenerationInterface):
 
     def init_collective(self, ip: str, port: int, world_size: int) -> list[ray.ObjectRef]:
         """Engine workers join as ranks 1.. (rank 0 is the policy's)."""
+        self.health.require_alive("init_collective")
         expected = 1 + self.num_engines * self.workers_per_engine
         if world_size != expected:
             raise ValueError(f"init_collective: world_size {world_size} but the group is policy rank 0 + "
@@ -120,30 +143,39 @@ class VllmGeneration(RefittableGenerationInterface):
                 for i, e in enumerate(self.engines)]
 
     def update_weights_from_collective(self) -> list[ray.ObjectRef]:
+        self.health.require_alive("update_weights_from_collective")
         return [e.update_weights_from_collective.remote() for e in self.engines]
+
+    def engine_failed(self, engine: int, exc: BaseException, what: str) -> None:
+        """The future engine ``engine`` returned from ``init_collective`` /
+        ``update_weights_from_collective`` failed: returns if a probe shows the engine healthy,
+        raises :class:`EngineDeadError` if it is gone or wedged (it is then killed)."""
+        self.health.after_failure(engine, exc, what)
+
+    def engines_timed_out(self, engines: list[int], what: str) -> None:
+        """Engines that did not answer a collective call in time: killed, EngineDeadError."""
+        for i in engines:
+            self.health.declare_dead(i, f"did not answer {what}")
+        self.health.require_alive(what)
 
     def weights_valid(self) -> bool:
         return all(self._get([e.weights_valid.remote() for e in self.engines], "weights_valid"))
 
     def check_alive(self, timeout_s: float = 30.0) -> None:
+        """Every engine answers within ``timeout_s`` (else it is killed: EngineDeadError)."""
         self._get([e.is_alive.remote() for e in self.engines], "is_alive", timeout_s)
 
     def shutdown(self) -> bool:
         return self.worker_group.shutdown()
 
     # ------------------------------------------------------------------ internals
-    def _get(self, refs: list[ray.ObjectRef], what: str, timeout_s: float | None = None) -> list[Any]:
-        return get_engine_results(refs, what, self.call_timeout_s if timeout_s is None else timeout_s)
-
-
-def get_engine_results(refs: list[ray.ObjectRef], what: str, timeout_s: float) -> list[Any]:
-    """``ray.get`` with an engine-shaped failure: a dead actor or a timeout names the call."""
-    try:
-        return ray.get(list(refs), timeout=timeout_s)
-    except ray.exceptions.RayActorError as exc:
-        raise RuntimeError(f"vLLM generation engine is dead ({what}): {exc}") from exc
-    except ray.exceptions.GetTimeoutError as exc:
-        raise RuntimeError(f"vLLM generation engine did not answer {what} within {timeout_s:.0f} s") from exc
+    def _get(self, refs: list[ray.ObjectRef], what: str, timeout_s: float | None = None,
+             owners: list[int] | None = None) -> list[Any]:
+        """Results of one call per engine (``owners``: engine index per ref, default all in
+        order) within the deadline; failures classified by :class:`EngineHealth`."""
+        self.health.require_alive(what)
+        owners = list(range(len(refs))) if owners is None else owners
+        return self.health.get(refs, owners, what, self.call_timeout_s if timeout_s is None else timeout_s)
 
 
 def _rows(data: BatchedDataDict, start: int, end: int) -> dict[str, Any]:

@@ -13,7 +13,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from core.distributed.recoverable import before_collectives
 from core.generation import sampling
+from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
 from core.policy.generation_args import checked_sample_seeds, resolve_generation_args
 
 EXTENSION = "core.generation.vllm_extension.VllmRefitExtension"
@@ -69,21 +71,42 @@ class VllmGenerationWorker:
     def is_alive(self) -> bool:
         return True
 
+    def limits(self) -> dict[str, int]:
+        """What the driver checks prompts against: the model's vocabulary and context."""
+        return {"vocab_size": int(self.hf_config.vocab_size),
+                "max_model_len": int(self.llm.llm_engine.model_config.max_model_len)}
+
+    def probe(self) -> bool:
+        """Health check after a failed call: one greedy token of a one-token prompt through the
+        whole engine (also before the first refit, when ``generate`` refuses dummy weights)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1, temperature=0.0),
+                                use_tqdm=False)
+        return len(out[0].outputs[0].token_ids) == 1
+
     # ------------------------------------------------------------------ generation
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> dict[str, np.ndarray]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.llm.collective_rpc("dualrl_require_valid")
-        input_ids = np.asarray(data["input_ids"])
-        input_lengths = np.asarray(data["input_lengths"])
-        batch = input_ids.shape[0]
-        args = resolve_generation_args(self.policy_cfg, self.tokenizer,
-                                       self.hf_config.eos_token_id, input_ids.shape[1])
-        row_strings = sampling.rows_stop_strings(self.gen_cfg, data.get("stop_strings"), batch)
-        if any(row_strings) and self.tokenizer is None:
-            raise ValueError("stop strings are configured but VllmGeneration has no tokenizer: pass tokenizer=")
-        seeds = self._request_seeds(data.get("sample_seeds"), batch)
+        # The driver checks the same; here again because a bad id, float ids or a full context
+        # inside vLLM can wedge the engine for good.  Raised before the engine sees anything.
+        self.llm.collective_rpc("dualrl_require_valid")  # a RefitError (stale weights), as itself
+        with before_collectives():
+            check_sequence_lengths(data, self.policy_cfg["max_total_sequence_length"])
+            check_model_inputs(data, int(self.hf_config.vocab_size), what="engine input")
+            check_prompt_room(data, self.policy_cfg["max_total_sequence_length"])
+            input_ids = np.asarray(data["input_ids"])
+            input_lengths = np.asarray(data["input_lengths"])
+            batch = input_ids.shape[0]
+            args = resolve_generation_args(self.policy_cfg, self.tokenizer,
+                                           self.hf_config.eos_token_id, input_ids.shape[1])
+            row_strings = sampling.rows_stop_strings(self.gen_cfg, data.get("stop_strings"), batch)
+            if any(row_strings) and self.tokenizer is None:
+                raise ValueError("stop strings are configured but VllmGeneration has no tokenizer: pass tokenizer=")
+            seeds = self._request_seeds(data.get("sample_seeds"), batch)
         params = [SamplingParams(**sampling.sampling_kwargs(
             self.gen_cfg, greedy=greedy, max_new_tokens=args.max_new_tokens, eos_token_ids=args.eos_token_ids,
             seed=seeds[b])) for b in range(batch)]

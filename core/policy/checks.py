@@ -8,9 +8,79 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
+
 
 class BatchError(ValueError):
     """A batch the policy cannot process; the message names the culprit."""
+
+
+#: Masks the losses and the packing read; each must hold finite weights in [0, 1].
+MASK_KEYS = ("token_mask", "sample_mask")
+
+
+def check_model_inputs(data: Mapping[str, Any], vocab_size: int | None, what: str = "data") -> None:
+    """What every backend's forward needs of a batch, checked on the driver so that bad input
+    never reaches a worker: at least one row; integer ``input_ids`` with every id (padding
+    included: the embedding reads it too) in [0, vocab_size); integer ``input_lengths``;
+    masks finite and in [0, 1].  Torch tensors or numpy arrays."""
+    ids = _as_tensor(data["input_ids"])
+    if ids.ndim != 2 or ids.shape[0] == 0:
+        raise BatchError(f"{what}['input_ids'] must be a non-empty [B, S] batch, got shape {tuple(ids.shape)}"
+                         + (" (an empty batch)" if ids.ndim == 2 else ""))
+    for key in ("input_ids", "input_lengths"):
+        dtype = _as_tensor(data[key]).dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise BatchError(f"{what}[{key!r}] must hold integers, got dtype {dtype}")
+    if vocab_size is not None:
+        _check_id_range(ids, vocab_size, what)
+    for key in MASK_KEYS:
+        if key in data and data[key] is not None:
+            _check_mask(_as_tensor(data[key]), f"{what}[{key!r}]")
+
+
+def check_prompt_room(data: Mapping[str, Any], limit: int, field: str = "policy.max_total_sequence_length") -> None:
+    """Prompts as wide as the sequence limit leave no room for a single new token."""
+    width = int(data["input_ids"].shape[1])
+    if width >= limit:
+        raise BatchError(f"prompts are {width} tokens wide but {field}={limit}: no room to generate a token "
+                         f"(generate needs prompt width < {limit})")
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """A loss the training loop can drive: a ``core.interfaces.LossFunction``."""
+    from core.interfaces import LossFunction, LossType
+
+    if not isinstance(loss_fn, LossFunction) or not isinstance(getattr(loss_fn, "loss_type", None), LossType):
+        raise TypeError(
+            f"loss_fn must be a core.interfaces.LossFunction (callable(next_token_logits, data, "
+            f"global_valid_seqs, global_valid_toks) with a LossType `loss_type`), e.g. "
+            f"core.losses.ClippedPGLossFn; got {type(loss_fn).__name__}: {loss_fn!r:.80}"
+        )
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def _check_id_range(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise BatchError(f"{what}['input_ids'][{row}, {col}] = {int(ids[row, col])} is outside the vocabulary "
+                         f"[0, {vocab_size}) ({int(bad.sum())} such ids; padding must be a valid id too)")
+
+
+def _check_mask(mask: torch.Tensor, where: str) -> None:
+    if mask.dtype == torch.bool:
+        return
+    if not mask.dtype.is_floating_point:
+        mask = mask.float()
+    bad = ~torch.isfinite(mask) | (mask < 0) | (mask > 1)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise BatchError(f"{where}{list(index)} = {float(mask[index])}: masks must be finite and in [0, 1] "
+                         f"({int(bad.sum())} bad entries)")
 
 
 def check_sequence_lengths(data: Mapping[str, Any], max_total_sequence_length: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Mapping, NamedTuple
 
 
@@ -33,6 +34,23 @@ def resolve_generation_args(policy_cfg: Mapping[str, Any], tokenizer: Any, model
             f"policy.max_total_sequence_length={limit}"
         )
     return GenerationArgs(gen_cfg, pad, eos_ids, max_new)
+
+
+#: What ``generation.top_k`` may be: None or -1 (vLLM's spelling) turn top-k filtering off.
+TOP_K_OFF = (None, -1)
+
+
+def top_k_or_off(top_k: Any) -> int:
+    """``generation.top_k`` as the count of tokens kept, 0 meaning "no top-k filtering" (the
+    "off" of HF's ``GenerationConfig`` and of the JAX sampler).  None and -1 are off; 0 and
+    values below -1 are refused (the config validator says why: 0 is most likely a typo)."""
+    if isinstance(top_k, bool) or not (top_k is None or isinstance(top_k, numbers.Integral)):
+        raise ValueError(f"top_k must be None or -1 (off) or a positive int, got {top_k!r}")
+    if top_k in TOP_K_OFF:
+        return 0
+    if top_k < 1:
+        raise ValueError(f"top_k must be None or -1 (off) or a positive int, got {top_k!r}")
+    return int(top_k)
 
 
 def row_stop_strings(gen_cfg: Mapping[str, Any], extra: Any, batch: int) -> list[tuple[str, ...]]:

@@ -8,22 +8,31 @@ batch in the caller's row order.  Nothing here imports torch model code or jax.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from core.checkpointing.policy_files import check_load_paths, check_save_paths
+from core.checkpointing.policy_files import check_load_paths, check_save_paths, check_writable
 from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
 from core.interfaces import SKIP_REASONS, ColocatablePolicyInterface, GenerationInterface, NonFiniteStepError
-from core.policy.checks import check_loss_inputs, check_sequence_lengths, check_train_batch
-from core.policy.preflight import preflight_model_checks
+from core.policy.checks import (
+    check_loss_fn,
+    check_loss_inputs,
+    check_model_inputs,
+    check_prompt_room,
+    check_sequence_lengths,
+    check_train_batch,
+)
+from core.policy.preflight import absolute_model_paths, preflight_model_checks
 from core.policy.registry import backend_spec
 from core.refit.cuda_ipc import merge_handles
+from core.refit.shm import sweep_stale_segments
 
-PathLike = Union[str, "os.PathLike[str]"]  # noqa: F821 (string annotation)
+PathLike = Union[str, "os.PathLike[str]"]
 
 
 class Policy(ColocatablePolicyInterface, GenerationInterface):
@@ -50,7 +59,8 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         n_workers = _world_size(cluster, workers_per_node)
         # Torch backends run one worker per device, so the mesh must fit the worker count;
         # a JAX worker owns all of its host's devices, and checks its mesh itself.
-        self.cfg = dict(validate_policy_config(config, world_size=n_workers if spec.one_worker_per_device else None))
+        self.cfg = absolute_model_paths(
+            validate_policy_config(config, world_size=n_workers if spec.one_worker_per_device else None))
         layout = spec.layout(self.cfg, n_workers)
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
@@ -70,8 +80,8 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             name_prefix=name_prefix,
             workers_per_node=workers_per_node,
             layout=layout,
-            weights_path=None if weights_path is None else str(weights_path),
-            optimizer_path=None if optimizer_path is None else str(optimizer_path),
+            weights_path=_absolute(weights_path),
+            optimizer_path=_absolute(optimizer_path),
             checkpoint_verified=weights_path is not None,  # checksums done above: workers check sizes only
             init_optimizer=init_optimizer,
             init_reference_model=init_reference_model,
@@ -131,6 +141,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         """Shard ``data`` over dp (padding it to a multiple of dp), run ``method``, reassemble
         in the caller's order and drop the padding rows."""
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        check_model_inputs(data, self.model_config.vocab_size)
         real = data.size
         padded = _pad_rows(data, self.dp)
         shards, order = self._shard(padded, None, "logprob_mb_tokens")
@@ -172,7 +183,9 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         """
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
+        check_loss_fn(loss_fn)
         check_train_batch(data, gbs, mbs, self.dp, self.cfg["max_total_sequence_length"], local=False)
+        check_model_inputs(data, self.model_config.vocab_size)
         # Only on the driver (the workers trust it): a bad key or shape must not reach the
         # workers, where one rank's exception would take the whole group down, and the value
         # scan over the batch runs once, not once per rank.
@@ -220,15 +233,17 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         sha256 (``core.checkpointing.policy_files``).
         """
         check_save_paths({"weights_path": weights_path, "optimizer_path": optimizer_path})
-        self._all("save_checkpoint", str(weights_path), None if optimizer_path is None else str(optimizer_path),
-                  None if tokenizer_path is None else str(tokenizer_path))
+        self._all("save_checkpoint", _absolute(weights_path), _absolute(optimizer_path), _absolute(tokenizer_path))
 
     def save_hf_checkpoint(self, path: str, save_tokenizer: bool = False) -> None:
         """An HF safetensors checkpoint of the current weights (loads with ``transformers``)."""
-        self._all("save_hf_checkpoint", str(path), save_tokenizer)
+        check_writable(path, "save_hf_checkpoint: path")
+        self._all("save_hf_checkpoint", _absolute(path), save_tokenizer)
 
     def shutdown(self) -> bool:
-        return self.worker_group.shutdown(cleanup_method="shutdown")
+        ok = self.worker_group.shutdown(cleanup_method="shutdown")
+        sweep_stale_segments()  # refit segments of ranks that died without cleaning up
+        return ok
 
     # ------------------------------------------------------------------ GenerationInterface (HF)
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
@@ -236,6 +251,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         gen = self.cfg.get("generation") or {}
         pad = gen.get("pad_token_id", getattr(self.tokenizer, "pad_token_id", None))
         pad_values = {"output_ids": 0 if pad is None else pad}
+        check_prompt_room(data, self.cfg["max_total_sequence_length"])
         return self._run_inference("generate", data, pad_values=pad_values, greedy=greedy)
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
@@ -328,6 +344,11 @@ def _skip_message(result: Mapping[str, Any]) -> str:
             + ". policy.non_finite_step is 'error': the weights and optimizer state are unchanged (the step was "
             "not applied on any rank) and the policy is still usable; set policy.non_finite_step: skip to skip "
             "such steps and continue, or lower policy.optimizer.kwargs.lr / check the rewards and advantages.")
+
+
+def _absolute(path: Optional[PathLike]) -> Optional[str]:
+    """Paths the workers use, resolved on the driver: workers run in their own directory."""
+    return None if path is None else os.path.abspath(os.path.expanduser(os.fspath(path)))
 
 
 def _world_size(cluster: RayVirtualCluster, workers_per_node: Optional[Union[int, list[int]]]) -> int:

@@ -12,6 +12,27 @@ import re
 from typing import Any, Mapping
 
 
+def absolute_model_paths(policy_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the policy section whose local model / tokenizer paths are absolute: Ray
+    workers and engines run in their own working directory, so ``models/run1`` must be
+    resolved where the user wrote it, on the driver.  Hub ids and built-ins are unchanged."""
+    cfg = dict(policy_cfg)
+
+    def resolve(name: Any) -> Any:
+        if isinstance(name, (str, os.PathLike)) and not os.fspath(name).startswith("builtin:"):
+            name = os.fspath(name)
+            if looks_like_local_path(name) and os.path.exists(os.path.expanduser(name)):
+                return os.path.abspath(os.path.expanduser(name))
+        return name
+
+    cfg["model_name"] = resolve(cfg.get("model_name"))
+    for section in ("tokenizer", "generation"):
+        key = "name" if section == "tokenizer" else "model_name"
+        if isinstance(cfg.get(section), Mapping) and cfg[section].get(key):
+            cfg[section] = {**cfg[section], key: resolve(cfg[section][key])}
+    return cfg
+
+
 def looks_like_local_path(name: str) -> bool:
     """Whether ``name`` (a ``model_name`` / tokenizer name) means a directory on this machine
     rather than a hub id (``"gpt2"``, ``"org/name"``).

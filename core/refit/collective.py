@@ -60,23 +60,46 @@ def _send_header(group: RefitGroup, slots: Sequence[Slot] | None, total: int, de
         _broadcast(group, torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device))
 
 
+class ReceiverLost(RuntimeError):
+    """A broadcast failed (a receiving engine died or left the group) part-way through the
+    stream; the sender still produced every bucket, so its training peers are in step."""
+
+
 def send_buckets(group: RefitGroup, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> int:
-    """Rank 0: broadcast every bucket, then the end marker.  Returns the bytes sent."""
+    """Rank 0: broadcast every bucket, then the end marker.  Returns the bytes sent.
+
+    ``buckets`` is consumed to the end even after a broadcast failed: producing a bucket is a
+    gather the other training ranks run too, and a rank that stopped early would leave them
+    blocked in it.  Then :class:`ReceiverLost` is raised.
+    """
     device = group.device
     sent = 0
+    lost: BaseException | None = None
     try:
         for items in buckets:
-            slots, total = plan_layout(items)
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            pack_into(buffer, slots, items)
-            _send_header(group, slots, total, device)
-            _broadcast(group, buffer)
-            sent += total
+            if lost is not None:
+                continue
+            try:
+                sent += _send_bucket(group, items, device)
+            except Exception as exc:  # noqa: BLE001 - the receivers' side of the group broke
+                lost = exc
     finally:
         # Also when producing a bucket failed: the receivers stop waiting, notice the
         # stream is incomplete and mark the engine stale, instead of blocking until timeout.
-        _send_header(group, None, 0, device)
+        if lost is None:
+            _send_header(group, None, 0, device)
+    if lost is not None:
+        raise ReceiverLost(f"the weight broadcast failed after {sent} bytes: {type(lost).__name__}: {lost}") from lost
     return sent
+
+
+def _send_bucket(group: RefitGroup, items: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> int:
+    slots, total = plan_layout(items)
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    pack_into(buffer, slots, items)
+    _send_header(group, slots, total, device)
+    _broadcast(group, buffer)
+    return total
 
 
 def receive_buckets(group: RefitGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
+from ray.exceptions import RayError
 
 from core.refit.buckets import bucket_budget, plan_buckets
 from core.refit.manifest import RefitManifest
@@ -107,19 +108,55 @@ def ensure_collective(policy: Any, generation: Any, timeout_s: float = 600.0) ->
 
 
 def _wait_both(policy: Any, generation: Any, policy_refs: list, engine_refs: list, timeout_s: float) -> None:
-    """Wait for both sides of a collective; the first failure on either side is raised
-    as soon as it happens (the other side would otherwise block until its timeout)."""
-    from core.generation.vllm_generation import get_engine_results
+    """Wait for both sides of a collective and classify a failure on either side.
+
+    An engine that failed is probed (``generation.engine_failed``: ``EngineDeadError`` if it
+    is dead or wedged, else its own error).  The policy's side is then waited for too: its
+    sending rank notices the lost receiver, finishes the gathers its peers are in and raises
+    a recoverable error, so the policy survives the engine.  A deadline with engine calls
+    still pending kills those engines (``EngineDeadError``); a fatal policy failure is a
+    ``WorkerGroupError`` as anywhere else.
+    """
+    from core.distributed import RecoverableCallError
 
     pending = list(policy_refs) + list(engine_refs)
-    engine_set = set(engine_refs)
+    engine_index = {ref.hex(): i for i, ref in enumerate(engine_refs)}
     deadline = time.monotonic() + timeout_s
+    policy_error: RecoverableCallError | None = None
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            raise RuntimeError(f"refit collective did not finish within {timeout_s:.0f} s")
+            late = [engine_index[r.hex()] for r in pending if r.hex() in engine_index]
+            if late:
+                generation.engines_timed_out(late, f"refit (collective) within {timeout_s:.0f} s")
+            raise RuntimeError(f"refit collective did not finish within {timeout_s:.0f} s (the policy side "
+                               "had not answered)")
         ref = ready[0]
-        if ref in engine_set:
-            get_engine_results([ref], "update_weights_from_collective", timeout_s)
-        else:
-            policy.worker_group.get_all_worker_results([ref])
+        if ref.hex() not in engine_index:
+            try:
+                policy.worker_group.get_all_worker_results([ref])
+            except RecoverableCallError as exc:  # the sender lost its receiver; the policy is fine
+                policy_error = policy_error or exc
+            continue
+        try:
+            ray.get(ref)
+        except RayError as exc:
+            try:
+                generation.engine_failed(engine_index[ref.hex()], exc, "refit (collective)")
+            finally:
+                _settle_policy(policy, [r for r in pending if r.hex() not in engine_index], deadline)
+            raise
+    if policy_error is not None:
+        raise policy_error
+
+
+def _settle_policy(policy: Any, policy_refs: list, deadline: float) -> None:
+    """After the engine side failed: let the policy's ranks finish the stream (recoverable)."""
+    from core.distributed import RecoverableCallError
+
+    if not policy_refs:
+        return
+    try:
+        policy.worker_group.get_all_worker_results(policy_refs, timeout=max(1.0, deadline - time.monotonic()))
+    except RecoverableCallError:
+        pass  # the sender lost its receiver and kept the training ranks in step

@@ -103,6 +103,12 @@ class RefitReceiver:
             raise RefitError(f"the {self.engine} refuses to generate: {self.stale_reason}; run a complete "
                              "refit (refit_policy_generation) first")
 
+    def abandon(self, reason: str) -> None:
+        """The stream broke off (its sender is gone): stale if anything was loaded."""
+        if self.loaded_any:
+            self._mark_stale(f"the last refit broke off after loading part of the weights: {reason}")
+        self.manifest, self.loaded_any = None, False
+
     # ------------------------------------------------------------------ internals
     def _fail(self, message: str) -> RefitError:
         if self.loaded_any:

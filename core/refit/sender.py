@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from core.distributed.recoverable import RefitPeerLostError
 from core.refit import collective
 from core.refit.buckets import bucket_budget, plan_buckets, take_bucket
 from core.refit.cuda_ipc import CudaIpcBucketWriter, merge_handles
@@ -113,5 +114,12 @@ class RefitSender(abc.ABC):
             for _ in buckets:
                 pass
             return 0
+        except collective.ReceiverLost as exc:
+            # Every gather ran on every training rank: the policy is intact, only the group
+            # with the engine is gone (a new engine forms a new one through init_collective).
+            collective.destroy(self._refit_group)
+            self._refit_group = None
+            raise RefitPeerLostError(f"{exc}; the training ranks finished the stream and are in step",
+                                     "ReceiverLost") from exc
         finally:
             self._close_stream()

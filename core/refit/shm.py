@@ -4,11 +4,24 @@ The sender packs the bucket into ``/dev/shm/<name>`` (one copy, from the gathere
 tensors); every engine worker on the host maps the same file with ``torch.from_file`` and
 views the tensors in place.  The mapping lives as long as a view does, so a layer vLLM is
 still assembling keeps its bytes after the sender unlinks the name.
+
+Segments outlive their writer unless someone unlinks them (``/dev/shm`` is RAM), so:
+
+* a writer unlinks its segment when packing fails and when its process exits normally
+  (``atexit``);
+* a process killed hard runs neither, so :func:`sweep_stale_segments` -- run whenever a
+  writer is created, and callable at policy shutdown -- removes the segments whose owner
+  process is gone.  A segment is named ``<prefix>-<pid>-p<pid namespace>-<uuid>``: the owner
+  counts as gone only if ``pid`` in *our* pid namespace does not exist, is a zombie, or
+  started after the segment was last written (the pid was reused).  Segments of live
+  processes, of other runs included, and of other pid namespaces are left alone.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import tempfile
 import uuid
 from typing import Any, Sequence
@@ -18,35 +31,145 @@ import torch
 from core.refit.packing import Slot, pack_into, plan_layout, unpack
 
 KIND = "shm"
+DEFAULT_PREFIX = "dualrl-refit"
+#: A segment last written this many seconds before its pid's process started is stale (the
+#: pid was reused).  The margin covers the 1 s resolution of the boot time in /proc/stat and
+#: small clock steps; a pid reused sooner than this only delays the clean-up to that
+#: process's own end.
+PID_REUSE_MARGIN_S = 30.0
+
+# path -> pid of the process that created it.  A forked child inherits this dict; it must
+# not unlink its parent's live segments when it exits, hence the pid.
+_LIVE_SEGMENTS: dict[str, int] = {}
 
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 where /proc has none): pids are only
+    comparable between processes of the same namespace (containers sharing /dev/shm)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def segment_name(prefix: str = DEFAULT_PREFIX, pid: int | None = None, namespace: int | None = None) -> str:
+    """A fresh segment name owned by ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    namespace = _pid_namespace() if namespace is None else namespace
+    return f"{prefix}-{pid}-p{namespace}-{uuid.uuid4().hex[:12]}"
+
+
+def _parse(name: str, prefix: str) -> tuple[int, int | None] | None:
+    """``(pid, namespace)`` of one of our segment names; namespace None for the older
+    ``<prefix>-<pid>-<uuid>`` names (written before namespaces were recorded); else None."""
+    match = re.fullmatch(re.escape(prefix) + r"-(\d+)-(?:p(\d+)-)?([0-9a-f]{12})", name)
+    if match is None:
+        return None
+    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
+
+
+def _process_start_time(pid: int) -> float | None:
+    """Wall-clock start of ``pid`` from /proc (None if it does not exist; +inf for a zombie,
+    which will never touch its segments again)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the command name may contain spaces and ')'
+    if fields[0] in ("Z", "X"):
+        return float("inf")
+    with open("/proc/stat") as f:
+        boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _owner_gone(pid: int, last_write: float) -> bool:
+    if not os.path.isdir("/proc"):  # no /proc (macOS): existence only, no reuse check
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+    started = _process_start_time(pid)
+    return started is None or started > last_write + PID_REUSE_MARGIN_S
+
+
+def sweep_stale_segments(directory: str | None = None, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Unlink the segments in ``directory`` (default: the shm dir) whose owner process is
+    gone (see the module doc); returns the removed paths.  Never raises for one segment:
+    another process may sweep or release it at the same moment, or own it as another user."""
+    directory = directory or _shm_dir()
+    namespace = _pid_namespace()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        owner = _parse(name, prefix)
+        if owner is None or owner[1] not in (None, namespace):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if _owner_gone(owner[0], os.stat(path).st_mtime):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def _unlink(path: str) -> None:
+    _LIVE_SEGMENTS.pop(path, None)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    for path, owner in list(_LIVE_SEGMENTS.items()):
+        if owner == os.getpid():
+            _unlink(path)
+
+
 class ShmBucketWriter:
     """Owns at most one live segment: writing the next bucket unlinks the previous one."""
 
-    def __init__(self, prefix: str = "dualrl-refit") -> None:
+    def __init__(self, prefix: str = DEFAULT_PREFIX, directory: str | None = None) -> None:
         self._prefix = prefix
+        self._dir = directory or _shm_dir()
         self._path: str | None = None
+        # A writer starts once per worker: the moment to clear what killed ranks left behind.
+        sweep_stale_segments(self._dir, prefix)
 
     def write(self, items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         self.release()
         slots, total = plan_layout(items)
-        path = os.path.join(_shm_dir(), f"{self._prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        path = os.path.join(self._dir, segment_name(self._prefix))
+        # Registered before the file exists: from_file may create it and then fail.
         self._path = path
-        pack_into(buffer, slots, [(n, t.detach().cpu()) for n, t in items])
+        _LIVE_SEGMENTS[path] = os.getpid()
+        try:
+            buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            pack_into(buffer, slots, [(n, t.detach().cpu()) for n, t in items])
+        except BaseException:
+            self.release()  # a half-written bucket is of no use to anyone
+            raise
         del buffer  # the file holds the bytes; the engine maps it read-only by name
         return {"kind": KIND, "path": path, "nbytes": total, "slots": [s.to_list() for s in slots]}
 
     def release(self) -> None:
         if self._path is not None:
-            try:
-                os.unlink(self._path)
-            except FileNotFoundError:
-                pass
+            _unlink(self._path)
             self._path = None
 
 

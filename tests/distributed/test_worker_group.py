@@ -17,6 +17,7 @@ import pytest
 
 from core.distributed import (
     RayVirtualCluster,
+    RecoverableCallError,
     RayWorkerGroup,
     ResourcesUnavailableError,
     ShardedFuture,
@@ -72,6 +73,17 @@ class ProbeWorker:
     def raise_on(self, rank: int) -> int:
         if _my_rank() == rank:
             raise ValueError(f"boom from rank {rank}")
+        return _my_rank()
+
+    def reject_on(self, rank: int, then_sleep: float = 0.0) -> int:
+        """``rank`` fails its input check (before any collective); the others sleep (as if
+        they had gone on into a collective) then finish."""
+        from core.distributed import before_collectives
+
+        if _my_rank() == rank:
+            with before_collectives():
+                raise KeyError(f"bad key on rank {rank}")
+        time.sleep(then_sleep)
         return _my_rank()
 
     def cleanup(self) -> str:
@@ -369,6 +381,29 @@ def test_worker_exception_names_rank_and_message(make_group, ray_session):
     assert "rank 1: ValueError: boom from rank 1" in str(err)
     assert isinstance(err.errors[1], ray_session.exceptions.RayTaskError)
     _assert_dead(ray_session, group.workers[0])
+
+
+def test_failure_before_any_collective_keeps_the_group(make_group, ray_session):
+    group = make_group([2], name_prefix="recover")
+    with pytest.raises(RecoverableCallError) as exc:
+        group.get_all_worker_results(group.run_all_workers_single_data("reject_on", 0, 0.5))
+    err = exc.value
+    assert err.recoverable and err.ranks == [0] and err.method == "reject_on"
+    assert "KeyError: 'bad key on rank 0'" in str(err) and "alive and usable" in str(err)
+    # the same actors answer the next call
+    assert group.get_all_worker_results(group.run_all_workers_single_data("rank")) == [0, 1]
+
+
+def test_recoverable_failure_with_a_stranded_peer_is_fatal(make_group, ray_session):
+    group = make_group([2], name_prefix="strand")
+    group.recover_grace_s = 1.0
+    t0 = time.monotonic()
+    with pytest.raises(WorkerGroupError) as exc:  # rank 1 "waits in a collective" for 60 s
+        group.get_all_worker_results(group.run_all_workers_single_data("reject_on", 0, 60))
+    assert time.monotonic() - t0 < 15
+    assert not exc.value.recoverable and "rank(s) [1] had not finished" in str(exc.value)
+    assert "Fatal" in str(exc.value)
+    _assert_dead(ray_session, group.workers[1])
 
 
 def test_timeout_names_unfinished_ranks(make_group):

@@ -189,7 +189,7 @@ def test_a_dead_engine_gives_a_clear_error_not_a_hang(engine, fsdp_policy):
     """Last in the module: it kills the shared engine."""
     for actor in engine.engines:
         ray.kill(actor)
-    with pytest.raises(RuntimeError, match="vLLM generation engine is dead"):
+    with pytest.raises(RuntimeError, match="vLLM generation engine 0 is dead"):
         refit_policy_generation(fsdp_policy, engine, "collective")
-    with pytest.raises(RuntimeError, match="vLLM generation engine is dead"):
+    with pytest.raises(RuntimeError, match="vLLM generation engine 0 is dead"):
         engine.generate(prompts(), greedy=True)

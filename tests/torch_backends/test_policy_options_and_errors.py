@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from core.config.validate import ConfigError
+from core.policy.checks import BatchError
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, WorkerGroupError
 from core.losses import ClippedPGLossFn, LossInputError, NLLLoss
@@ -86,7 +87,7 @@ def test_loss_input_errors_name_the_key(dynamic_policy):
         dynamic_policy["policy"].train(data, ClippedPGLossFn(PG_CFG))
     data = pg_batch(4, seed=64)
     data["input_ids"][1, 2] = VOCAB + 5
-    with pytest.raises(LossInputError, match="outside the vocabulary"):
+    with pytest.raises(BatchError, match="outside the vocabulary"):
         dynamic_policy["policy"].train(data, ClippedPGLossFn(PG_CFG))
 
 
