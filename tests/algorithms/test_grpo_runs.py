@@ -72,6 +72,8 @@ def test_two_steps_with_a_separate_engine(ray_session, builtin_cache, tmp_path_f
     _check_two_steps(run, "collective")
 
 
+# slow (~70 s): the run-checkpoint resume path stays in CI through the SFT/DPO resume tests
+@pytest.mark.slow
 def test_resume_repeats_the_next_step(ray_session, builtin_cache, tmp_path_factory):
     ckpt = ["checkpointing.enabled=true", "checkpointing.save_period=1", "checkpointing.keep_top_k=null"]
     full, run_dir = _run(tmp_path_factory, "grpo-resume", "torch_fsdp", *ckpt)

@@ -3,6 +3,7 @@ its shard of every bucket, over both transports (collective: policy rank 0 + 2 e
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from core.distributed import RayVirtualCluster
@@ -12,6 +13,8 @@ from core.refit import refit_policy_generation
 from tests.generation.conftest import generated_rows, hf_greedy, prompts, refit_config, rollout_agreement
 
 
+# slow (~30 s): a tp=2 engine; the one-worker engine refits on every transport in CI
+@pytest.mark.slow
 def test_tp2_engine_refit_from_fsdp1_both_transports(ray_session, gen_model_dirs, tokenizer):
     from transformers import AutoModelForCausalLM
 

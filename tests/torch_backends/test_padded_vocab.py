@@ -90,6 +90,7 @@ class FullLogitsPG:
 
     def __init__(self, cfg):
         self.inner = ClippedPGLossFn(cfg)
+        self.loss_type = self.inner.loss_type
 
     def __call__(self, logits, data, global_valid_seqs, global_valid_toks):
         if logits.shape[-1] != V:

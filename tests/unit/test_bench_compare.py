@@ -93,6 +93,8 @@ def _bench(tmp_path, capsys, monkeypatch, layouts: list[str]) -> tuple[int, str,
     return rc, out, results
 
 
+# slow (~80 s): the whole bench on one layout; the layout grammar, errors and tables stay in CI above
+@pytest.mark.slow
 def test_every_section_on_a_torch_layout_bad_layouts_named(ray_session, tmp_path, capsys, monkeypatch):
     _, out, _ = _bench(tmp_path, capsys, monkeypatch, ["fsdp1-dp2"])
     assert re.search(r"\| fsdp1-dp2 \| 2 \| [\d.]+ \| [\d.]+ / [\d.]+ \| [\d,]+ \| [\d.]+ \|", out)
