@@ -43,10 +43,9 @@ from core.data.context_parallel import check_cp_width
 from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
 from core.distributed.recoverable import before_collectives
 from core.losses.metrics import MicroBatchMetrics
-from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
-from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
+from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
 
 from backends.jax_pjit import checkpoint as jax_ckpt
 from backends.jax_pjit import steps
@@ -330,8 +329,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
     # ------------------------------------------------------------------ logprobs
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         with before_collectives():
-            check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
-            check_model_inputs(data, self.hf_config.vocab_size)  # XLA would wrap or NaN a bad id silently
+            self._check_batch(data, self.hf_config.vocab_size)  # XLA would wrap or NaN a bad id silently
             self._check_rows_split(micro_batch_size or self.cfg["logprob_batch_size"],
                                    "micro_batch_size" if micro_batch_size else "policy.logprob_batch_size")
         self._reload("params")
@@ -427,11 +425,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
         mbs = mbs or self.cfg["train_micro_batch_size"]
         n_hosts = jax.process_count()
         with before_collectives():
-            local_gbs = check_train_batch(data, gbs, mbs, n_hosts, self.cfg["max_total_sequence_length"])
-            check_model_inputs(data, self.hf_config.vocab_size)
-            check_loss_fn(loss_fn)
-            if not eval_mode and self.tx is None:
-                raise RuntimeError(OPTIMIZER_MISSING)
+            local_gbs = self._check_train_call(data, loss_fn, gbs, mbs, n_hosts, self.hf_config.vocab_size,
+                                               eval_mode, self.tx is not None)
             self._check_rows_split(mbs, "policy.train_micro_batch_size" if mbs == self.cfg["train_micro_batch_size"]
                                    else "mbs")
         self.prepare_for_training()
@@ -484,8 +479,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         import torch
 
         with before_collectives():
-            check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
-            check_model_inputs(data, self.hf_config.vocab_size)
+            self._check_batch(data, self.hf_config.vocab_size)
             args = resolve_generation_args(self.cfg, self.tokenizer, self.hf_config.eos_token_id,
                                            data["input_ids"].shape[1])
         self._reload("params")

@@ -37,10 +37,9 @@ from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
 from core.parallel_dims import ParallelDims
 from core.losses.metrics import MicroBatchMetrics
-from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
-from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
+from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
 
 from backends.torch_common import checkpoint as ckpt
 from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns
@@ -253,8 +252,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, on the host."""
         with before_collectives():
-            check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
-            check_model_inputs(data, self.model_config.vocab_size)
+            self._check_batch(data, self.model_config.vocab_size)
         mbs = micro_batch_size or self.cfg["logprob_batch_size"]
         width = data["input_ids"].shape[1]
         self.model.eval()
@@ -306,11 +304,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
         with before_collectives():
-            local_gbs = check_train_batch(data, gbs, mbs, self.dims.dp, self.cfg["max_total_sequence_length"])
-            check_model_inputs(data, self.model_config.vocab_size)
-            check_loss_fn(loss_fn)
-            if not eval_mode and self.optimizer is None:
-                raise RuntimeError(OPTIMIZER_MISSING)
+            local_gbs = self._check_train_call(data, loss_fn, gbs, mbs, self.dims.dp, self.model_config.vocab_size,
+                                               eval_mode, self.optimizer is not None)
         self.model.train(not eval_mode)
         losses, norms, step_metrics, all_mb, reasons = [], [], [], {}, []
         for gb_idx in range(data.size // local_gbs):
@@ -397,8 +392,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         """HF ``generate`` on this rank's shard, ``policy.generation_batch_size`` rows per call;
         ``GenerationOutputSpec`` on the host."""
         with before_collectives():
-            check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
-            check_model_inputs(data, self.model_config.vocab_size)
+            self._check_batch(data, self.model_config.vocab_size)
             args = resolve_generation_args(self.cfg, self.tokenizer, self.model_config.eos_token_id,
                                            data["input_ids"].shape[1])
         module = self._generation_replica()

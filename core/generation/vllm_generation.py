@@ -26,7 +26,7 @@ import torch
 from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, RayWorkerGroup
-from core.generation.engine_health import PROBE_TIMEOUT_S, EngineDeadError, EngineHealth
+from core.generation.engine_health import PROBE_TIMEOUT_S, EngineHealth
 from core.generation.vllm_worker import VllmGenerationWorker, default_env, workers_per_engine
 from core.interfaces import RefittableGenerationInterface
 from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.refit.sender import RefitSender
 
 REFERENCE_MISSING = "this policy was built with init_reference_model=False: no reference weights"
@@ -29,6 +30,23 @@ class PolicyWorkerBase(RefitSender):
 
     def is_alive(self) -> bool:
         return True
+
+    # The driver's checks again, for a caller that went past it; callers run these inside
+    # ``before_collectives()`` so that a failure here leaves the group usable.
+    def _check_batch(self, data: Mapping[str, Any], vocab_size: int) -> None:
+        """``get_logprobs`` / ``generate`` input: lengths within the limit, ids and masks valid."""
+        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        check_model_inputs(data, vocab_size)
+
+    def _check_train_call(self, data: Mapping[str, Any], loss_fn: Any, gbs: int, mbs: int, dp: int,
+                          vocab_size: int, eval_mode: bool, has_optimizer: bool) -> int:
+        """``train`` input; returns this rank's rows per global batch."""
+        local_gbs = check_train_batch(data, gbs, mbs, dp, self.cfg["max_total_sequence_length"])
+        check_model_inputs(data, vocab_size)
+        check_loss_fn(loss_fn)
+        if not eval_mode and not has_optimizer:
+            raise RuntimeError(OPTIMIZER_MISSING)
+        return local_gbs
 
     def _save_tokenizer(self, tokenizer_path: str | None) -> None:
         """Rank 0 writes the tokenizer files next to a checkpoint."""

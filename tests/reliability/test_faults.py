@@ -39,6 +39,13 @@ SMALL_BUCKET = 48 * 1024  # several buckets per refit, so a death can land in th
 pytestmark = pytest.mark.slow
 
 
+def _shut_down(*parts) -> None:
+    """Engines, policies, then clusters; parts never built are None."""
+    for part in parts:
+        if part is not None:
+            part.shutdown()
+
+
 def _report(what: str, seconds: float) -> None:
     print(f"\n[fault timing] {what}: {seconds:.2f} s")
 
@@ -156,11 +163,7 @@ def test_engine_killed_mid_refit_leaves_the_policy_intact(transport, ray_session
         out = engine.generate(prompts(), greedy=True)
         assert torch.equal(out["output_ids"], policy.generate(prompts(), greedy=True)["output_ids"])
     finally:
-        for handle in (engine, policy):
-            if handle is not None:
-                handle.shutdown()
-        engine_cluster.shutdown()
-        policy_cluster.shutdown()
+        _shut_down(engine, policy, engine_cluster, policy_cluster)
 
 
 def _kill_sender_mid_broadcast(policy: Policy) -> None:
@@ -207,11 +210,7 @@ def test_engine_survives_the_policy_dying_mid_refit(ray_session, gen_model_dirs,
         refit_policy_generation(policy, engine, "collective")  # a new group with the same engine
         assert torch.equal(engine.generate(prompts(), greedy=True)["output_ids"], expected)
     finally:
-        for handle in (engine, policy):
-            if handle is not None:
-                handle.shutdown()
-        engine_cluster.shutdown()
-        policy_cluster.shutdown()
+        _shut_down(engine, policy, engine_cluster, policy_cluster)
 
 
 def test_a_wedged_engine_is_declared_dead_not_waited_for(ray_session, gen_model_dirs, tokenizer):
