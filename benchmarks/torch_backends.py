@@ -11,7 +11,9 @@ lengths, seed 0) in one invocation and is reported as tokens/s and as a ratio to
   its alone; the driver sends it one line per call and it answers with the seconds the call
   took).  logprobs = one no-grad forward over the whole batch + ``log_softmax``/``gather``;
   train = forward + token-mean NLL + backward + grad-norm clip + AdamW step, with the
-  optimizer kwargs and ``max_grad_norm`` of ``core/configs/default.yaml`` as the workers.
+  optimizer kwargs and ``max_grad_norm`` of ``core/configs/default.yaml`` as the workers
+  (and their defaults: fused AdamW on CUDA, the float32 matmul precision of
+  ``policy.matmul_precision``).
 * ``fsdp1-*`` / ``dtensor-*``: a :class:`core.policy.Policy` on a fresh
   :class:`RayVirtualCluster` of 1 or 2 CPU workers (gloo).  One micro batch per rank
   (``train_micro_batch_size = logprob_batch_size = batch / dp``), one optimizer step per
@@ -162,7 +164,11 @@ def _hf_steps(model, data, precision: str, micro: int | None = None):
     ids = data["input_ids"]
     mask = (torch.arange(ids.shape[1])[None, :] < data["input_lengths"][:, None]).long()
     token_mask = data["token_mask"][:, 1:]
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg["optimizer"]["kwargs"])
+    from backends.torch_common.optim import with_default_kernel
+
+    # The workers' kernel choice (fused AdamW on CUDA unless the config says otherwise).
+    optimizer = torch.optim.AdamW(model.parameters(),
+                                  **with_default_kernel(torch.optim.AdamW, cfg["optimizer"]["kwargs"], device.type))
     max_norm = cfg["max_grad_norm"]
 
     rows = ids.shape[0]
@@ -199,7 +205,11 @@ def serve_hf(model_path: str, args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from backends.torch_common.precision import apply_matmul_precision
+
     torch.set_num_threads(args.threads)
+    # The float32 matmul / TF32 settings the workers apply for this precision (no TF32 in fp32).
+    apply_matmul_precision({**default_policy_section(), "precision": args.precision})
     device = torch.device("cuda" if on_cuda(args) else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     steps = _hf_steps(model, make_batch(args.batch, args.seq, model.config.vocab_size), args.precision,

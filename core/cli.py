@@ -13,6 +13,9 @@
     dualrl bench [--size tiny|small|1b] [--layouts L ...] [--model NAME|PATH] [--device cpu|cuda] ...
         every layout on one workload in one run: tokens/s x HF eager, MFU, memory, refit GB/s,
         vLLM tokens/s, the GRPO step's breakdown x TRL (benchmarks.compare; --help lists all).
+    dualrl bench --gpu [--size 1b|tiny] [--mbs M ...] [--sections throughput refit loss] ...
+        one device (a GPU, else the CPU): every backend next to HF eager, tokens/s, MFU, peak
+        memory, refit source seconds, fp32 loss curves vs plain torch (benchmarks.gpu).
 
 Bad input (config, data, resume checkpoint) ends the command with exit code 2 and a
 message naming the field, file or checkpoint, before any worker starts; a failure during
@@ -120,6 +123,11 @@ def _parity_command(args: argparse.Namespace) -> int:
 
 
 def _bench_command(args: argparse.Namespace) -> int:
+    if "--gpu" in args.forwarded:  # the one-device mode: every backend next to HF eager (benchmarks.gpu)
+        from benchmarks import gpu
+
+        rest = [a for a in args.forwarded if a != "--gpu"]
+        return gpu.main(rest, prog="dualrl bench --gpu")
     from benchmarks import compare  # heavy work (Ray, models) only when asked for
 
     return compare.main(args.forwarded, prog="dualrl bench")
@@ -155,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "dualrl parity --help)")
     par.set_defaults(func=_parity_command)
     bench = sub.add_parser("bench", add_help=False, help="every backend layout on one workload, one table "
-                                                          "(benchmarks.compare; dualrl bench --help)")
+                                                          "(benchmarks.compare; dualrl bench --help); --gpu: "
+                                                          "every backend on one device vs HF eager "
+                                                          "(benchmarks.gpu; dualrl bench --gpu --help)")
     bench.set_defaults(func=_bench_command)
     return parser
 

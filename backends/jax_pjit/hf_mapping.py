@@ -85,7 +85,9 @@ EMBED_HF_NAME = "model.embed_tokens.weight"
 
 class Transform(NamedTuple):
     to_jax: Callable[[np.ndarray, tuple], np.ndarray]  # (hf array, jax shape) -> jax array
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    # Reshapes and transposes only (no copy): the same function lays out a numpy array on
+    # the host and a jax array on the devices (``hf_layout``, the refit stream).
+    to_hf: Callable[[Any], Any]
     hf_shape: Callable[[tuple], tuple]  # jax shape -> hf shape
 
 
@@ -99,13 +101,13 @@ TRANSFORMS: dict[str, Transform] = {
     # HF [out, in]  <->  JAX [in, *out_dims]
     "linear": Transform(
         lambda x, s: np.ascontiguousarray(x.T).reshape(s),
-        lambda x: np.ascontiguousarray(x.reshape(x.shape[0], -1).T),  # (in, out) -> (out, in)
+        lambda x: x.reshape(x.shape[0], -1).T,  # (in, out) -> (out, in)
         lambda s: (math.prod(s[1:]), s[0]),
     ),
     # HF [out, H*D]  <->  JAX [H, D, out]
     "linear_heads_in": Transform(
         lambda x, s: np.ascontiguousarray(x.T).reshape(s),
-        lambda x: np.ascontiguousarray(x.reshape(-1, x.shape[-1]).T),  # (H*D, out) -> (out, H*D)
+        lambda x: x.reshape(-1, x.shape[-1]).T,  # (H*D, out) -> (out, H*D)
         lambda s: (s[-1], math.prod(s[:-1])),
     ),
     # HF [H*D]  <->  JAX [H, D]
@@ -151,9 +153,19 @@ def _to_jax(e: Entry, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 def _to_hf(e: Entry, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """JAX array -> the HF layout, cut along the vocab dim to the real ``cfg.vocab_size``."""
-    if e.vocab_dim is not None and value.shape[e.vocab_dim] != cfg.vocab_size:
-        value = value[(slice(None),) * e.vocab_dim + (slice(0, cfg.vocab_size),)]
-    return np.ascontiguousarray(TRANSFORMS[e.transform].to_hf(value))
+    return np.ascontiguousarray(hf_layout(value, e.transform, e.vocab_dim, cfg.vocab_size))
+
+
+def hf_layout(value: Any, transform: str, vocab_dim: int | None, vocab_size: int, dtype: Any = None) -> Any:
+    """One parameter in the JAX layout -> the HF layout (a view where numpy can make one):
+    cut along ``vocab_dim`` (if any) to ``vocab_size`` rows, reshaped/transposed by
+    ``TRANSFORMS[transform]``, cast to ``dtype`` (None: kept).  Traceable: jitted on the
+    devices it serves the refit stream (``JaxPolicyWorker.iter_full_weights``); the static
+    arguments are an ``Entry``'s, so every layer's copy of a tensor shares one program."""
+    if vocab_dim is not None and value.shape[vocab_dim] != vocab_size:
+        value = value[(slice(None),) * vocab_dim + (slice(0, vocab_size),)]
+    value = TRANSFORMS[transform].to_hf(value)
+    return value if dtype is None else value.astype(dtype)
 
 
 def expected_entries(cfg: ModelConfig) -> list[Entry]:
@@ -226,7 +238,7 @@ def hf_to_jax_state(hf_tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> d
     return out
 
 
-def _flat_values(state: Any) -> dict[tuple, Any]:
+def flat_values(state: Any) -> dict[tuple, Any]:
     """``{path: array}`` from a CausalLM, an ``nnx.State`` or a nested pure dict."""
     if isinstance(state, (nnx.Module, nnx.State)):
         return {tuple(p): v.get_value() if isinstance(v, nnx.Variable) else v
@@ -256,7 +268,7 @@ def jax_to_hf_tensors(state: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
 def iter_hf_tensors(state: Any, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """``(hf_name, numpy array)`` one parameter at a time, in table order (for streaming
     refit: only one converted tensor is alive at a time)."""
-    flat = _flat_values(state)
+    flat = flat_values(state)
     for e in expected_entries(cfg):
         if e.jax_path not in flat:
             raise ValueError(f"JAX state has no parameter {'/'.join(map(str, e.jax_path))} "
@@ -375,6 +387,6 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
 __all__ = [
     "Row", "LLAMA_TABLE", "QWEN2_TABLE", "FAMILY_TABLES", "TRANSFORMS", "Entry", "table_for",
     "expected_entries", "check_hf_tensors", "hf_to_jax_state", "jax_to_hf_tensors", "iter_hf_tensors",
-    "read_hf_safetensors",
+    "hf_layout", "flat_values", "read_hf_safetensors",
     "load_hf_weights", "save_hf_checkpoint", "from_pretrained",
 ]

@@ -8,7 +8,12 @@ agree with HF torch to ~1e-6:
 * Rotate-half RoPE, ``inv_freq`` computed exactly like ``modeling_rope_utils`` (float32
   numpy mirroring the torch expression) for ``rope_type`` "default" and "llama3".
 * Grouped-query attention (query head ``h`` reads kv head ``h // (heads // kv_heads)``, as
-  HF ``repeat_kv``), scores softmaxed in float32; Qwen2 adds q/k/v biases.
+  HF ``repeat_kv``), scores and softmax in float32; Qwen2 adds q/k/v biases.  Plain
+  right-padded rows go through ``jax.nn.dot_product_attention`` (cuDNN flash attention on
+  NVIDIA GPUs in bf16/fp16); packed rows, context parallelism and KV-cache decoding through
+  ``attend`` with an explicit mask.
+* bf16 compute over fp32 params: norm scales and biases act through ``per_feature``, so their
+  gradients are summed in float32 (independent of the micro-batch size up to rounding).
 * SwiGLU MLP ``down(silu(gate(x)) * up(x))``; optional tied output embedding.
 
 Sharding: every ``nnx.Param`` carries its *logical* axis names (see ``logical_axes.py``)
@@ -36,7 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +299,23 @@ def _param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
+def per_feature(op: Callable, x: jax.Array, param: jax.Array, dtype) -> jax.Array:
+    """``op(x, param)`` for a per-feature parameter broadcast over every token, in ``dtype``.
+
+    Both operands are rounded to ``dtype`` (as the torch backends' bf16 params and
+    activations are), the op runs in float32 and its result is rounded once: for a product or
+    a sum of two bf16 values that is the bf16 op's result.  Why not the op in ``dtype``: the
+    parameter's gradient is a sum over all tokens of the micro batch, and in bf16 XLA
+    accumulates that sum in bf16 (a ``reduce`` with a bf16 ``add``), an error that grows with
+    the tokens per micro batch -- bf16 training then depended on the micro-batch size (norm
+    scale gradients of micro batch 1 vs 2 differed by 1e-2).  Here the sum is float32 and
+    rounded once, as torch does.  In float32 every cast is a no-op.
+    """
+    x32 = x.astype(dtype).astype(jnp.float32)
+    p32 = param.astype(dtype).astype(jnp.float32)
+    return op(x32, p32).astype(dtype)
+
+
 class Dense(nnx.Module):
     """``y[..., out] = x[..., in] . kernel[in, out] (+ bias[out])`` with multi-dim in/out.
 
@@ -313,7 +335,7 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=self.n_in)
         if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
+            y = per_feature(jnp.add, y, self.bias[...], self.dtype)
         return y
 
 
@@ -330,7 +352,59 @@ class RMSNorm(nnx.Module):
         h = x.astype(jnp.float32)
         variance = jnp.mean(h * h, axis=-1, keepdims=True)  # (B, S, 1)
         h = h * jax.lax.rsqrt(variance + self.eps)
-        return self.scale[...].astype(self.dtype) * h.astype(input_dtype)
+        return per_feature(jnp.multiply, h.astype(input_dtype), self.scale[...],
+                           jnp.result_type(input_dtype, self.dtype))
+
+
+class RightPadded(NamedTuple):
+    """The attention mask of plain right-padded rows, as the key count of each row: query
+    ``t`` reads keys ``s <= t`` with ``s < lengths[b]`` (a pytree, so it passes ``nnx.remat``).
+    The explicit-mask paths (packing, context parallelism, KV-cache decoding) pass a
+    ``[B, T, S]`` bool array instead."""
+
+    lengths: jax.Array  # [B] int32
+
+
+def attention_implementation(q: jax.Array) -> str:
+    """Which ``jax.nn.dot_product_attention`` implementation serves ``q`` [B, T, H, D]:
+    ``"cudnn"`` (flash attention: no [B, H, T, S] scores in memory) on an NVIDIA GPU when
+    ``flash_eligible``, else ``"xla"`` (the scores are materialised; float32 compute always
+    is: flash kernels are half precision only).
+
+    The choice is made here because ``implementation=None`` still means XLA in jax 0.10 (its
+    auto-selection is a TODO), and XLA's scores ran a 1B Llama at 4 x 2048 out of memory on
+    an H100.
+    """
+    return "cudnn" if _on_nvidia_gpu() and flash_eligible(q.dtype, q.shape[-1]) else "xla"
+
+
+def flash_eligible(dtype, head_dim: int) -> bool:
+    """cuDNN flash attention's dtype / head-dim conditions (jax's ``check_layout`` and
+    ``check_is_flash_attention``): bf16 or fp16, head dim a multiple of 8 up to 128 (256 from
+    Hopper on; 128 holds everywhere)."""
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+
+
+def _on_nvidia_gpu() -> bool:
+    """JAX runs on CUDA GPUs (ROCm reports backend "gpu" too; cuDNN is NVIDIA's)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return "cuda" in str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, scale: float) -> jax.Array:
+    """Causal grouped-query attention over right-padded rows (``RightPadded``).
+
+    q [B, T, H, D]; k, v [B, T, KV, D] (KV heads read natively, never repeated); lengths [B].
+    Through ``jax.nn.dot_product_attention`` (``attention_implementation``): on XLA it is
+    ``attend``'s computation (scores in float32, masked, softmax in float32), in fp32 equal to
+    it within 1e-6 (tested).  A padding query (t >= lengths[b]) reads the row's valid keys, as
+    it does in ``attend``; its output is never used.  A row of length 0 (a padding row of a
+    micro batch) is given one key: cuDNN is not asked what an empty key range means.
+    """
+    kv_lengths = jnp.maximum(lengths, 1).astype(jnp.int32)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, key_value_seq_lengths=kv_lengths,
+                                        implementation=attention_implementation(q))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
@@ -343,8 +417,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: 
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)  # (B, T, KV, G, D): head h = kv * G + g, as repeat_kv
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * scale  # (B, KV, G, T, S)
-    scores = jnp.where(allowed[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    # Scores leave the matmul in float32 and are scaled there (bf16 compute: not rounded to
+    # bf16 first), as in jax.nn.dot_product_attention: the plain and explicit-mask paths agree.
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale  # (B, KV, G, T, S)
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # (B, T, KV, G, D)
     return out.reshape(b, t, h, d)  # (B, T, H, D)
@@ -364,7 +440,8 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, allowed, cache=None, cache_index=None):
         """x [B, T, E] -> ([B, T, E], new (k, v) cache or None).
 
-        Without a cache the keys are this call's own tokens (``allowed`` [B, T, T]); with a
+        Without a cache the keys are this call's own tokens (``allowed`` [B, T, T], or
+        ``RightPadded`` for plain right-padded rows: causal, flash attention on GPU); with a
         cache (k, v [B, L, KV, D]) the new keys/values are written at slots
         ``cache_index .. cache_index + T - 1`` and the queries read all L slots
         (``allowed`` [B, T, L]).
@@ -380,7 +457,11 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)  # (B, L, KV, D)
             new_cache = (k, v)
         k, v = constrain(k, KV_AXES), constrain(v, KV_AXES)
-        out = attend(q, k.astype(self.dtype), v.astype(self.dtype), allowed, self.scale)  # (B, T, H, D)
+        k, v = k.astype(self.dtype), v.astype(self.dtype)
+        if isinstance(allowed, RightPadded):
+            out = causal_attention(q, k, v, allowed.lengths, self.scale)  # (B, T, H, D)
+        else:
+            out = attend(q, k, v, allowed, self.scale)  # (B, T, H, D)
         return self.o_proj(constrain(out, HEADS_AXES)), new_cache
 
 
@@ -410,6 +491,17 @@ class DecoderLayer(nnx.Module):
         x = constrain(x + h, RESIDUAL_AXES)
         x = constrain(x + self.mlp(self.post_attention_layernorm(x)), RESIDUAL_AXES)
         return x, new_cache
+
+
+def _block(layer: DecoderLayer, h, cos, sin, allowed) -> jax.Array:
+    """One decoder layer of the full forward (no cache)."""
+    return layer(h, cos, sin, allowed)[0]
+
+
+#: ``_block`` rematerialised: its activations are recomputed in the backward pass, so a
+#: layer keeps only its input alive between forward and backward (``jax.checkpoint``, no
+#: saveable intermediates; ``prevent_cse`` stays on, as a Python loop of layers needs).
+_remat_block = nnx.remat(_block)
 
 
 class Embed(nnx.Module):
@@ -444,8 +536,15 @@ class CausalLM(nnx.Module):
         self.param_dtype = param_dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embed(cfg.padded_vocab_size, cfg.hidden_size, rngs=rngs, **kw)
-        # A Python loop over layers: simple, but compile time grows with depth; an
-        # ``nnx.scan`` over stacked layer params would compile one layer for deep models.
+        # A Python loop over per-layer modules, not an ``nnx.scan`` over stacked layer params.
+        # Scanning needs the layers stacked: stored stacked, every user of the per-layer
+        # layout changes (hf_mapping's ``layers/{i}/...`` rows, the sharding rules, orbax
+        # checkpoints -- old ones no longer load -- and refit); stacked inside each step, every
+        # layer's weights and gradients are copied once more per micro batch.  The loop's cost
+        # is compile time linear in depth, and it is small: the fp32 grad step of a tiny Llama
+        # (hidden 64, batch 2 x 64) traced + compiled in 1.1 / 1.2 / 1.5 / 2.3 / 4.7 / 10.6 s
+        # for 2 / 4 / 8 / 16 / 32 / 64 layers on 2 CPU cores (~0.14 s per layer; remat: 2.8 s
+        # at 2 layers, 4.7 s at 16, 15.9 s at 64 on a busier machine).  A 1B Llama has 16.
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         # Tied models have no lm_head: logits = h @ embedding.T.
@@ -470,29 +569,34 @@ class CausalLM(nnx.Module):
         return constrain(logits, LOGITS_AXES)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None,
-                 positions: jax.Array | None = None, allowed: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, allowed: jax.Array | None = None,
+                 remat: bool = False) -> jax.Array:
         """Logits [B, S, V] (compute dtype) of right-padded ``input_ids`` [B, S].
 
-        ``attention_mask`` [B, S]: 1 for real tokens, 0 for padding (padding keys are never
-        attended to; padding queries produce finite, meaningless logits).  ``positions``
+        ``attention_mask`` [B, S]: 1 for real tokens, then 0 for padding -- right padding only:
+        each row's keys are its first ``attention_mask.sum()`` tokens (``RightPadded``), which
+        lets attention run as flash attention on GPU (``causal_attention``).  Padding keys are
+        never attended to; padding queries produce finite, meaningless logits.  ``positions``
         [B, S] int defaults to 0..S-1 on every row.
 
-        ``allowed`` [B, S, S] bool (query i may read key j) replaces the causal-and-padding
-        mask built from ``attention_mask`` (which is then not read and may be None): packed
-        rows (attention confined to each sequence) and context parallelism (columns
-        permuted for load balance) pass the mask of ``core.data.context_parallel.attention_allowed``
-        together with the matching ``positions``.
+        ``allowed`` [B, S, S] bool (query i may read key j) replaces that mask (``attention_mask``
+        is then not read and may be None): packed rows (attention confined to each sequence),
+        context parallelism (columns permuted for load balance) and any other padding pass
+        the mask of ``core.data.context_parallel.attention_allowed`` with matching ``positions``.
+
+        ``remat``: recompute each decoder layer in the backward pass instead of keeping its
+        activations (``jax.checkpoint``; ``policy.jax_cfg.activation_checkpointing``).
         """
         b, s = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))  # (B, S)
         if allowed is None:
-            causal = jnp.tril(jnp.ones((s, s), dtype=bool))  # (S, S): query i reads keys j <= i
-            allowed = causal[None] & attention_mask.astype(bool)[:, None, :]  # (B, S, S)
+            allowed = RightPadded(jnp.sum(attention_mask.astype(jnp.int32), axis=-1))  # (B,)
         cos, sin = rope_cos_sin(self.cfg, positions, self.dtype)
         h = self._embed(input_ids)
+        block = _remat_block if remat else _block
         for layer in self.layers:
-            h, _ = layer(h, cos, sin, allowed)
+            h = block(layer, h, cos, sin, allowed)
         return self._logits(h)
 
     # -- KV-cache decoding
@@ -584,14 +688,14 @@ def _pure_axes(state: nnx.State, axes_of) -> dict:
 def make_apply_fn(model: CausalLM) -> tuple[Callable, nnx.State]:
     """Split ``model`` into ``(apply_fn, params)`` for pure, jittable steps.
 
-    ``apply_fn(params, input_ids, attention_mask, positions, allowed=None) -> logits`` rebuilds
-    the module from the static graph definition and ``params`` (an ``nnx.State`` pytree);
-    ``allowed`` is ``CausalLM.__call__``'s explicit attention mask.
+    ``apply_fn(params, input_ids, attention_mask, positions, allowed=None, remat=False) -> logits``
+    rebuilds the module from the static graph definition and ``params`` (an ``nnx.State``
+    pytree); ``allowed`` and ``remat`` are ``CausalLM.__call__``'s.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def apply_fn(params, input_ids, attention_mask, positions=None, allowed=None):
-        return nnx.merge(graphdef, params, rest)(input_ids, attention_mask, positions, allowed)
+    def apply_fn(params, input_ids, attention_mask, positions=None, allowed=None, remat=False):
+        return nnx.merge(graphdef, params, rest)(input_ids, attention_mask, positions, allowed, remat)
 
     return apply_fn, params
 

@@ -37,8 +37,23 @@ def model_inputs(
     width = -(-seq_len // seq_multiple) * seq_multiple
     if width != seq_len:
         ids = torch.nn.functional.pad(ids, (0, width - seq_len), value=0)
-    mask = torch.arange(width)[None, :] < lengths[:, None]
-    return ids.to(device, non_blocking=True), mask.to(device, dtype=torch.long, non_blocking=True), seq_len
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return to_device(ids, device), to_device(mask, device), seq_len
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait for the device.
+
+    A plain ``.to("cuda")`` of host memory returns only after the copy ran, and the copy is
+    queued behind all earlier work on the stream (a non-blocking copy of pageable memory
+    may stage synchronously too): inside a micro-batch loop that drains the pipeline once
+    per micro batch.  A non-blocking copy from pinned memory does not wait; torch's pinned-
+    memory allocator keeps the staging buffer alive until the copy has run.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def global_valid_counts(

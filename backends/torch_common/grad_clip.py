@@ -33,12 +33,13 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(squares).sum().sqrt()
 
 
-def clip_grad_norm_dtensor(parameters: Iterable[torch.nn.Parameter], max_norm: float | None) -> float:
+def clip_grad_norm_dtensor(parameters: Iterable[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Clip gradients in place to ``max_norm`` (``None``: only measure) and return the total
-    L2 norm before clipping, identical on every rank."""
+    L2 norm before clipping, identical on every rank, as a 0-d tensor on the gradients'
+    device (no host sync: the caller reads it with the step's other values)."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
-        return 0.0
+        return torch.zeros(())
     total = total_grad_norm([p.grad for p in params])
     if max_norm is not None and math.isfinite(max_norm):
         # clip_grads_with_norm_ scales each grad by one scalar: DTensor grads of any mesh
@@ -46,4 +47,4 @@ def clip_grad_norm_dtensor(parameters: Iterable[torch.nn.Parameter], max_norm: f
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:
             p.grad.mul_(coef.to(p.grad.device))
-    return float(total)
+    return total

@@ -8,6 +8,7 @@ schedulers in order plus one ``{milestones: [...]}`` entry, chained with ``Seque
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -27,13 +28,38 @@ def import_object(path: str, what: str) -> Any:
 def build_optimizer(cfg: Mapping[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer named by ``policy.optimizer`` over ``params``."""
     cls = import_object(cfg["name"], "policy.optimizer.name")
+    params = list(params)
     kwargs = dict(cfg.get("kwargs") or {})
     if "betas" in kwargs:  # YAML gives a list; torch wants a tuple
         kwargs["betas"] = tuple(kwargs["betas"])
+    kwargs = with_default_kernel(cls, kwargs, params[0].device.type if params else "cpu")
     try:
         return cls(params, **kwargs)
     except TypeError as err:
         raise ValueError(f"policy.optimizer.kwargs {sorted(kwargs)} rejected by {cfg['name']}: {err}") from err
+
+
+def with_default_kernel(cls: type, kwargs: Mapping[str, Any], param_device_type: str) -> dict[str, Any]:
+    """``kwargs`` plus ``fused=True`` when that is the fast, safe default: the parameters live
+    on CUDA, ``cls`` takes a ``fused`` argument (torch's Adam/AdamW/SGD do) and the user set
+    neither ``fused`` nor ``foreach`` (null counts as unset, as it does for torch; a value is
+    a choice we keep).
+
+    Why: torch's own default on CUDA is the multi-tensor ``foreach`` kernel; the fused one does
+    the whole update in a few kernels (the H100 reference run of DESIGN.md, HF + per-block
+    compile + fused AdamW, used it).  Parameters on the host (CPU workers, FSDP CPU offload)
+    keep torch's default, so CPU numerics are unchanged.
+    """
+    out = dict(kwargs)
+    if param_device_type != "cuda" or out.get("fused") is not None or out.get("foreach") is not None:
+        return out
+    try:
+        accepts = "fused" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented class without a signature
+        accepts = False
+    if accepts:
+        out["fused"] = True
+    return out
 
 
 def build_scheduler(

@@ -6,10 +6,14 @@ A backend subclass supplies only what differs between the engines:
 * ``_parallelize(model)``   -- wrap/shard the HF module; returns the module to call,
 * ``_clip_grad_norm(max)``  -- global gradient norm (FSDP1 flat params vs DTensors),
 * ``iter_full_weights()``   -- ``(hf_name, full tensor)`` pairs, gathered shard by shard,
+* ``_no_gradient_sync()`` / ``_keep_params_gathered()`` -- how the engine skips per-micro-
+  batch collectives (gradient reduction, parameter re-gathering),
 * optionally ``_seq_multiple`` (sequence parallelism pads the width to a multiple of tp).
 
 The rest -- micro-batch loop, global loss normalisation, temperature, logprobs, reference
 swap, optimizer/scheduler, checkpoints, offloading, profiling -- is written once here.
+The micro-batch loops issue no host synchronisation: values stay on the device and are
+read once per optimizer step / call (``host_reads``).
 """
 
 from __future__ import annotations
@@ -36,13 +40,12 @@ from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_to
 from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
 from core.parallel_dims import ParallelDims
-from core.losses.metrics import MicroBatchMetrics
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
 from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
 
 from backends.torch_common import checkpoint as ckpt
-from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns
+from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns, to_device
 from backends.torch_common.dist_env import (
     device_id,
     device_info,
@@ -51,8 +54,11 @@ from backends.torch_common.dist_env import (
     reset_peak_memory,
 )
 from backends.torch_common.generation import hf_generate
+from backends.torch_common.host_reads import DeviceMetrics, read_once
+from backends.torch_common.memory_trade import full_copies_fit, weight_bytes
 from backends.torch_common.model_loading import hf_param_meta, load_hf_model, torch_dtype
 from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
+from backends.torch_common.precision import apply_matmul_precision, matmul_precision_state
 from backends.torch_common.reference import ReferenceWeights, local_shards
 
 class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
@@ -77,6 +83,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     ) -> None:
         super().__init__(config, tokenizer)
         self.device = init_torch_distributed()
+        # Before any module exists: every matmul of the run (init included) uses it.
+        self.float32_matmul_precision = apply_matmul_precision(self.cfg)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims: ParallelDims = self._parallel_dims()
         # Widths are padded to make_sequence_length_divisible_by as well as to what the layout
@@ -116,8 +124,19 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         """Wrap/shard the HF module; returns the module to call."""
 
     @abc.abstractmethod
-    def _clip_grad_norm(self, max_norm: float | None) -> float:
-        """Clip to ``max_norm`` (None: only measure); the global norm, equal on every rank."""
+    def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Clip to ``max_norm`` (None: only measure); the global norm, equal on every rank, as
+        a 0-d device tensor (read on the host with the step's other values)."""
+
+    @abc.abstractmethod
+    def _no_gradient_sync(self) -> contextlib.AbstractContextManager:
+        """Around a micro batch's forward + backward that is not the step's last: gradients
+        accumulate locally, unreduced (the last micro batch's backward reduces the sum)."""
+
+    @abc.abstractmethod
+    def _keep_params_gathered(self) -> contextlib.AbstractContextManager:
+        """Around a no-grad pass over several micro batches: each wrapped unit gathers its
+        parameters once and keeps them until the block ends (then every copy is freed)."""
 
     @abc.abstractmethod
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -142,6 +161,11 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     def _activation_checkpointing(self) -> bool:
         """Whether the config asks for activation checkpointing."""
 
+    @property
+    def _offloading(self) -> bool:
+        """Whether parameter CPU offload is on (backends with such an option override this)."""
+        return False
+
     def _offload_params(self, flag: bool, field: str) -> bool:
         """Whether to apply parameter CPU offload: only meaningful with an accelerator (on a
         CPU device the parameters already live in host memory, and FSDP's offload paths
@@ -165,7 +189,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         return device_id(self.device)
 
     def get_gpu_info(self) -> dict[str, Any]:
-        return device_info(self.device)
+        """Device facts plus the float32 matmul / TF32 settings this worker applied."""
+        return {**device_info(self.device), **matmul_precision_state()}
 
     def reset_peak_memory_stats(self) -> None:
         reset_peak_memory(self.device)
@@ -224,7 +249,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             ids, _, _ = model_inputs(mb, "cpu", self._seq_multiple)
             positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
             segments = row_segments(lengths.tolist(), ids.shape[1])
-        ids, positions = ids.to(self.device), positions.to(self.device)
+        ids, positions = to_device(ids, self.device), to_device(positions, self.device)
         if self.dims.cp > 1:
             next_lp = self._cp_rows.next_logprobs(self._model_logits, self._token_logprobs, ids, positions, segments)
         elif self._varlen_attention:
@@ -234,7 +259,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             next_lp = self._next_token_logprobs(apply_temperature(logits, self.temperature), ids)
         else:
             cols = np.arange(ids.shape[1])
-            allowed = torch.from_numpy(attention_allowed(cols, cols, segments))[:, None].to(self.device)
+            allowed = to_device(torch.from_numpy(attention_allowed(cols, cols, segments))[:, None], self.device)
             next_lp = self._next_token_logprobs(self._model_logits(ids, positions, allowed), ids)
         if layout is not None:
             return layout.unpack_next_logprobs(next_lp)
@@ -256,14 +281,23 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         mbs = micro_batch_size or self.cfg["logprob_batch_size"]
         width = data["input_ids"].shape[1]
         self.model.eval()
+        batches = list(micro_batches(data, mbs))
         outs = []
-        with torch.no_grad():
-            for mb in micro_batches(data, mbs):
+        with torch.no_grad(), self._gathered_for(len(batches)):
+            for mb in batches:
                 next_lp = self._micro_batch_next_logprobs(mb)
-                lp = logprobs_to_sequence_layout(next_lp, mb["input_lengths"].to(self.device))
-                outs.append(pad_columns(lp.float().cpu(), width))
-        logprobs = torch.cat(outs) if outs else torch.zeros(0, width)
+                lp = logprobs_to_sequence_layout(next_lp, to_device(mb["input_lengths"], self.device))
+                outs.append(pad_columns(lp.float(), width))  # stays on the device: no sync here
+        logprobs = torch.cat(outs).cpu() if outs else torch.zeros(0, width)
         return BatchedDataDict(logprobs=logprobs)
+
+    def _gathered_for(self, n_micro_batches: int) -> contextlib.AbstractContextManager:
+        """``_keep_params_gathered`` when it saves work and fits (the kept weights are in the
+        compute dtype; ``memory_trade.full_copies_fit``), else nothing."""
+        nbytes = weight_bytes(self.param_meta, self.compute_dtype)
+        if full_copies_fit(self.device, n_micro_batches, nbytes, self._offloading):
+            return self._keep_params_gathered()
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def use_reference_model(self) -> Iterator[None]:
@@ -328,14 +362,55 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         """Forward/backward every micro batch of one global batch, then one optimizer step,
         unless ``step_skip_reason`` (from the all-reduced counts, loss and grad norm, so the
         same on every rank) says to skip it: then the gradients are dropped and neither the
-        weights nor the optimizer state move.  Returns (loss, grad norm, metrics, skip reason)."""
+        weights nor the optimizer state move.  Returns (loss, grad norm, metrics, skip reason).
+
+        The step's values are read on the host once, after the norm: the skip decision
+        needs them, and nothing before it waits for the device."""
         gseq, gtok = global_valid_counts(gb, self.device, self.dp_group)
         if not eval_mode:
             self.optimizer.zero_grad(set_to_none=True)
-        collected = MicroBatchMetrics()
-        for mb in micro_batches(gb, mbs):
-            ctx = contextlib.nullcontext() if not eval_mode else torch.no_grad()
-            with ctx:
+        collected = self._run_micro_batches(gb, loss_fn, mbs, eval_mode, gseq, gtok)
+        keys, table = collected.keys, collected.table(self.device)
+        totals = self._sum_over_dp(table.sum(0))
+        # The norm is measured (and the gradients clipped) before the decision; a skipped
+        # step drops the gradients, so a non-finite norm's clipping poisons nothing.
+        norm = (self._clip_grad_norm(self.cfg.get("max_grad_norm")) if not eval_mode
+                else torch.zeros((), device=self.device))
+        head = torch.stack([gseq, gtok, norm.float().to(self.device)])
+        (seqs, toks, grad_norm), total_values, mb_values = read_once(head, totals, table)
+        metrics = dict(zip(keys, total_values))
+        loss = metrics.get("loss", 0.0)
+        reason = None
+        if not eval_mode:
+            reason = step_skip_reason(seqs, toks, loss, grad_norm)
+            if reason is None:
+                self.optimizer.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+        for k, values in collected.per_micro_batch(mb_values).items():
+            all_mb.setdefault(k, []).extend(values)
+        return loss, grad_norm, metrics, reason
+
+    def _run_micro_batches(self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool,
+                           gseq: torch.Tensor, gtok: torch.Tensor) -> DeviceMetrics:
+        """Forward (and backward) of each micro batch; the metrics stay on the device.
+
+        Gradients are reduced across ranks in the last micro batch's backward only (when
+        the full-size unreduced gradients fit, ``memory_trade.full_copies_fit``): the others
+        run under ``_no_gradient_sync`` (every rank has the same number of micro batches:
+        fixed size, or a lockstep dynamic / packing plan).  An exception in here comes after
+        collectives, so the group is torn down (``core.distributed.recoverable``): gradients
+        held back by a failed loop never reach a later step.
+        """
+        batches = list(micro_batches(gb, mbs))
+        # Unreduced gradients are accumulated in fp32 (FSDP's reduce dtype), full size.
+        defer = not eval_mode and full_copies_fit(self.device, len(batches),
+                                                  weight_bytes(self.param_meta, torch.float32), self._offloading)
+        collected = DeviceMetrics()
+        for i, mb in enumerate(batches):
+            deferred = defer and i < len(batches) - 1
+            with (torch.no_grad() if eval_mode else contextlib.nullcontext()), \
+                    (self._no_gradient_sync() if deferred else contextlib.nullcontext()):
                 loss, metrics = self._micro_batch_loss(mb, loss_fn, gseq, gtok)
                 if not eval_mode:
                     # FSDP averages gradients over the ranks it shards over (dp, and cp with
@@ -343,22 +418,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
                     # dp ranks; each cp rank holds a partial gradient of the same loss), so
                     # scale by that count to undo the average.
                     (loss * self.dims.dp * self.dims.cp).backward()
-            collected.add({k: v.detach().float() for k, v in metrics.items()})
-        loss, metrics = self._reduce_metrics(collected.totals())
-        reason = None
-        grad_norm = 0.0
-        if not eval_mode:
-            # The norm is measured (and the gradients clipped) before the decision; a skipped
-            # step drops the gradients, so a non-finite norm's clipping poisons nothing.
-            grad_norm = self._clip_grad_norm(self.cfg.get("max_grad_norm"))
-            reason = step_skip_reason(float(gseq), float(gtok), loss, grad_norm)
-            if reason is None:
-                self.optimizer.step()
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-        for k, values in collected.per_micro_batch().items():
-            all_mb.setdefault(k, []).extend(values)
-        return loss, grad_norm, metrics, reason
+            collected.add(metrics)
+        return collected
 
     def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
         dev_mb = _to_device(mb, self.device)
@@ -376,16 +437,11 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             logits = logits.full_tensor()
         return loss_fn(logits[:, :seq_len], dev_mb, gseq, gtok)
 
-    def _reduce_metrics(self, totals: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
-        """Sum each metric over the dp ranks in one all-reduce; returns (loss, metrics)."""
-        keys = sorted(totals)
-        if not keys:
-            return 0.0, {}
-        stacked = torch.stack([torch.as_tensor(totals[k], device=self.device).float() for k in keys])
-        if self.dims.dp > 1:
-            dist.all_reduce(stacked, group=self.dp_group)
-        values = dict(zip(keys, stacked.tolist()))
-        return values.get("loss", 0.0), values
+    def _sum_over_dp(self, totals: torch.Tensor) -> torch.Tensor:
+        """Each metric summed over the dp ranks, in one all-reduce (stays on the device)."""
+        if self.dims.dp > 1 and totals.numel():
+            dist.all_reduce(totals, group=self.dp_group)
+        return totals
 
     # ------------------------------------------------------------------ generation
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
@@ -533,4 +589,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
 
 def _to_device(mb: BatchedDataDict, device: torch.device) -> BatchedDataDict:
-    return mb if device.type == "cpu" else mb.to(device)
+    """A device copy of ``mb`` (lists kept), without waiting for the copies (``to_device``)."""
+    if device.type == "cpu":
+        return mb
+    return BatchedDataDict({k: to_device(v, device) if torch.is_tensor(v) else v for k, v in mb.items()})

@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from core.data.context_parallel import attention_allowed, load_balanced_columns
 
+from backends.torch_common.batches import to_device
+
 ATTENTION_NAME = "dualrl_cp_allgather"
 _cp_group: dist.ProcessGroup | None = None
 
@@ -112,13 +114,14 @@ class ContextParallelRows:
         width = ids.shape[1]
         cols = load_balanced_columns(width, self.cp)
         mine, order = cols[self.rank], cols.reshape(-1)
-        allowed = torch.from_numpy(attention_allowed(mine, order, segments))[:, None].to(ids.device)
-        index = torch.from_numpy(mine).to(ids.device)
+        # Host-built index/mask tensors go over with to_device: no host sync per micro batch.
+        allowed = to_device(torch.from_numpy(attention_allowed(mine, order, segments))[:, None], ids.device)
+        index = to_device(torch.from_numpy(mine), ids.device)
         logits = forward(ids[:, index], positions[:, index], allowed)
-        targets = ids[:, torch.from_numpy(np.minimum(mine + 1, width - 1)).to(ids.device)]
+        targets = ids[:, to_device(torch.from_numpy(np.minimum(mine + 1, width - 1)), ids.device)]
         local = token_logprobs(logits, targets)  # [rows, T / cp]
         row = gather_seq(local, 1, self.group, sum_grads=False)  # columns in `order`
-        restore = torch.from_numpy(np.argsort(order)).to(ids.device)
+        restore = to_device(torch.from_numpy(np.argsort(order)), ids.device)
         return row[:, restore][:, : width - 1]
 
 

@@ -3,11 +3,17 @@
 
 Parallelism is applied in small ordered steps (torchtitan style): vocabulary padding (when
 tp does not divide it; ``vocab_padding.py``), tensor parallel plan on the ``tp`` sub-mesh,
-then FSDP2 per transformer block and at the root on the ``dp`` sub-mesh.
+activation checkpointing, ``torch.compile`` per transformer block (``compile.py``), then
+FSDP2 per transformer block and at the root on the ``dp`` sub-mesh.
+
+Per micro batch FSDP2 does no avoidable work: gradients are reduce-scattered in the last
+micro batch's backward only (``set_requires_gradient_sync``), and a get_logprobs call
+gathers each block once (``set_reshard_after_forward``), see ``TorchPolicyWorker``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Iterator
 
@@ -26,6 +32,7 @@ from backends.torch_common.layers import decoder_layers
 from backends.torch_common.optim import import_object
 from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.worker import TorchPolicyWorker
+from backends.torch_dtensor.compile import check_compile_supported, compile_blocks
 from backends.torch_dtensor.context_parallel import (
     ContextParallelRows,
     create_context_parallel_ctx,
@@ -76,12 +83,22 @@ class DTensorPolicyWorker(TorchPolicyWorker):
     def dp_group(self) -> dist.ProcessGroup:
         return self.mesh["dp"].get_group()
 
+    @property
+    def _compile(self) -> bool:
+        return bool(self.cfg["dtensor_cfg"].get("compile", False))
+
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self._compile:  # before any work: a combination compile gets wrong fails here
+            check_compile_supported(self.dims)
         self._pad_vocabulary(model)
         if self._cp_rows is not None:
             install_allgather_attention(model, self._cp_rows.group)
         if self.tp_size > 1:
             self._apply_tp(model)
+        # Activation checkpointing was switched on by the base class (HF's per-block flag)
+        # before this method: TP -> AC -> compile -> FSDP, torchtitan's order.
+        if self._compile:
+            compile_blocks(model)
         self._apply_fsdp(model)
         return model
 
@@ -118,18 +135,40 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         )
         if self._offloading:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        for layer in decoder_layers(model):
-            fully_shard(layer, **kwargs)
+        self._fsdp_blocks = decoder_layers(model)
+        for layer in self._fsdp_blocks:
+            fully_shard(layer, reshard_after_forward=True, **kwargs)
         # The root holds embeddings, final norm and lm_head; keep it unsharded after forward
         # (its all-gather would be repeated immediately by backward).
         fully_shard(model, reshard_after_forward=False, **kwargs)
+
+    @contextlib.contextmanager
+    def _no_gradient_sync(self):
+        # FSDP2 then accumulates unsharded gradients in the reduce dtype (fp32), so deferring
+        # the reduce-scatter changes no precision; the next synced backward reduces the sum.
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    @contextlib.contextmanager
+    def _keep_params_gathered(self):
+        for block in self._fsdp_blocks:
+            block.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for block in self._fsdp_blocks:
+                block.set_reshard_after_forward(True, recurse=False)
+                block.reshard()
 
     def _reshard_all(self) -> None:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def _clip_grad_norm(self, max_norm: float | None) -> float:
+    def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         return clip_grad_norm_dtensor(self.model.parameters(), max_norm)
 
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,12 +1,14 @@
 """``FSDP1PolicyWorker``: the shared torch worker with PyTorch FSDP1 (``FullyShardedDataParallel``).
 
 What is FSDP1-specific: the wrapping (one FSDP unit per transformer block, mixed precision,
-optional parameter CPU offload), FSDP1's own global-norm clipping over flat parameters, and
-gathering a full state dict.
+optional parameter CPU offload), FSDP1's own global-norm clipping over flat parameters,
+gathering full weights unit by unit (``full_weights.py``), and how per-micro-batch
+collectives are skipped (``no_sync``; keeping units gathered through a get_logprobs call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator
 
@@ -17,7 +19,6 @@ from torch.distributed.fsdp import (
     MixedPrecision,
     ShardingStrategy,
 )
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from core.parallel_dims import ParallelDims
@@ -25,6 +26,7 @@ from core.parallel_dims import ParallelDims
 from backends.torch_common.layers import decoder_layer_classes
 from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.worker import TorchPolicyWorker
+from backends.torch_fsdp.full_weights import UnitPlan
 
 
 class FSDP1PolicyWorker(TorchPolicyWorker):
@@ -65,20 +67,54 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
             limit_all_gathers=True,
         )
 
-    def _clip_grad_norm(self, max_norm: float | None) -> float:
+    def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         # FSDP1 gradients are flat local shards: its own clip all-reduces the squared norms.
         limit = max_norm if max_norm is not None else math.inf
-        return float(self.model.clip_grad_norm_(limit))
+        return self.model.clip_grad_norm_(limit)
+
+    @property
+    def _unit_plan(self) -> UnitPlan:
+        if getattr(self, "_plan", None) is None:
+            self._plan = UnitPlan(self.model, self.param_meta)
+        return self._plan
+
+    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Metadata only, in the order ``iter_full_weights`` gathers (unit by unit)."""
+        return {name: self.param_meta[name] for name in self._unit_plan.order}
 
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        # offload_to_cpu=True segfaults on CPU process groups; on GPU it keeps the full copy
-        # off the device.
-        on_gpu = self.device.type == "cuda"
-        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
-        state = get_model_state_dict(self.model, options=options)
-        for name in self.param_meta:
-            tensor = state[name]
-            yield name, tensor if dtype is None else tensor.to(as_torch_dtype(dtype))
+        yield from self._unit_plan.iter_weights(None if dtype is None else as_torch_dtype(dtype))
+
+    @contextlib.contextmanager
+    def _no_gradient_sync(self):
+        if self.compute_dtype != torch.float32:
+            # Under no_sync FSDP1 accumulates the unsharded gradients in the compute dtype
+            # (its mixed precision casts to reduce_dtype only when it reduces): bf16 sums over
+            # micro batches would lose precision the fp32 shard accumulation keeps.  So with
+            # mixed precision every micro batch still reduce-scatters.
+            yield
+            return
+        with self.model.no_sync():
+            yield
+
+    @contextlib.contextmanager
+    def _keep_params_gathered(self):
+        # FSDP1 has no public switch for resharding after forward; its post-forward hook
+        # frees a unit's gathered parameters only under the reshard-after-forward strategies
+        # (FULL_SHARD), so the call runs with the handles marked SHARD_GRAD_OP (gathered once,
+        # kept), then the strategy is restored and every gathered copy freed.
+        from torch.distributed.fsdp._flat_param import HandleShardingStrategy
+
+        handles = [h for h in _flat_param_handles(self.model) if h.uses_sharded_strategy]
+        saved = [h._sharding_strategy for h in handles]
+        for h in handles:
+            h._sharding_strategy = HandleShardingStrategy.SHARD_GRAD_OP
+        try:
+            yield
+        finally:
+            for h, strategy in zip(handles, saved):
+                h._sharding_strategy = strategy
+            self._reshard_all()
 
     def _local_weight_shards(self) -> list[torch.Tensor]:
         # The flat parameters are what FSDP1 all-gathers for a forward pass; the HF-named

@@ -23,6 +23,8 @@ __all__ = [
     "GENERATION_BACKENDS",
     "Backend",
     "Precision",
+    "MATMUL_PRECISIONS",
+    "MatmulPrecision",
     "TokenizerConfig",
     "DTensorConfig",
     "JaxConfig",
@@ -58,6 +60,10 @@ GENERATION_BACKENDS = ("vllm", "hf")
 
 Backend = Literal["torch_fsdp", "torch_dtensor", "jax_pjit"]
 Precision = Literal["float32", "bfloat16", "float16"]
+#: The values ``policy.matmul_precision`` may take (JAX's names; torch maps them onto its
+#: float32 matmul precision, see ``core.policy.matmul_precision``).
+MATMUL_PRECISIONS = ("highest", "high", "default")
+MatmulPrecision = Literal["highest", "high", "default"]
 #: What ``Policy.train`` does after a skipped (non-finite / all-masked) optimizer step.
 NonFiniteStep = Literal["skip", "error"]
 #: core.data.sequence_packing.pack_bins algorithms (NeMo RL's names).
@@ -80,6 +86,8 @@ class DTensorConfig(TypedDict):
     tensor_parallel_size: int  # TP degree (mesh axis "tp")
     context_parallel_size: int  # CP degree (mesh axis "cp"); splits the sequence
     custom_parallel_plan: NotRequired[str | None]  # "module.path.PLAN" overriding the built-in TP plan
+    # torch.compile each transformer block (torchtitan order: TP -> AC -> compile -> FSDP); default false
+    compile: NotRequired[bool]
 
 
 class JaxConfig(TypedDict):
@@ -88,7 +96,7 @@ class JaxConfig(TypedDict):
     fsdp_size: int  # size of the "fsdp" mesh axis; -1 = fill with the remaining devices
     tensor_parallel_size: int  # size of the "tp" mesh axis
     context_parallel_size: NotRequired[int]  # size of the "cp" mesh axis (splits the sequence); default 1
-    activation_checkpointing: bool  # must be false: the jax_pjit backend has no remat yet (true is refused)
+    activation_checkpointing: bool  # jax.checkpoint (remat) around every transformer block
 
 
 class DynamicBatchingConfig(TypedDict):
@@ -190,6 +198,10 @@ class PolicyConfig(TypedDict):
     # torch_dtensor and jax_pjit pad; torch_fsdp (FSDP1) has no TP and refuses values > 1.
     make_vocab_size_divisible_by: NotRequired[int]
     precision: Precision  # parameter/compute dtype of training
+    # Precision of float32 matmuls on every backend: "highest" = true fp32 (no TF32 on GPU),
+    # "high"/"default" = the device's fast path (TF32 on NVIDIA GPUs; torch allows TF32, JAX
+    # uses its default).  null / left out = "highest" when precision is float32, else "default".
+    matmul_precision: NotRequired[MatmulPrecision | None]
     dtensor_cfg: DTensorConfig  # read by backend torch_dtensor
     jax_cfg: JaxConfig  # read by backend jax_pjit
     fsdp_offload_enabled: NotRequired[bool]  # torch_fsdp (FSDP1): CPUOffload(offload_params=True)

@@ -447,6 +447,7 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
     _check_scheduler(c, cfg.get("scheduler"))
 
     _check_missing_features(c, cfg)
+    _check_compile(c, cfg)
     gen = c.sub("generation")
     if gen:
         _check_sampling(c, gen)
@@ -454,13 +455,20 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
     return c.errors
 
 
+def _check_compile(c: _Checker, cfg: Mapping[str, Any]) -> None:
+    """torch.compile of tensor-parallel blocks computes wrong gradients in torch 2.13 (see
+    backends/torch_dtensor/compile.py): refused here, before any worker starts."""
+    dt = c.sub("dtensor_cfg")
+    tp = c.int_of(dt, "tensor_parallel_size")
+    if cfg.get("backend") == "torch_dtensor" and dt.get("compile") is True and tp is not None and tp > 1:
+        c.err(c.p("dtensor_cfg", "compile"),
+              f"True with policy.dtensor_cfg.tensor_parallel_size={tp}: torch.compile of tensor-parallel "
+              "blocks computes wrong gradients in this torch version; turn one of them off")
+
+
 def _check_missing_features(c: _Checker, cfg: Mapping[str, Any]) -> None:
     """Switches the schema accepts (NeMo RL has them, policy.yaml lists them) for features
     dualrl does not have: on, they would be silently ignored, so they are refused by name."""
-    if c.sub("jax_cfg").get("activation_checkpointing") is True:
-        c.err(c.p("jax_cfg", "activation_checkpointing"),
-              "True: the jax_pjit backend has no activation checkpointing (no remat around its blocks); "
-              "set it to false")
     vllm = c.sub("generation").get("vllm_cfg")
     if isinstance(vllm, Mapping) and vllm.get("async_engine") is True:
         c.err(c.p("generation", "vllm_cfg", "async_engine"),

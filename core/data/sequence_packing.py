@@ -242,5 +242,10 @@ def _like(x: Any, mask: np.ndarray) -> Any:
     if type(x).__module__.startswith("torch"):
         import torch
 
-        return torch.as_tensor(mask, device=x.device).to(x.dtype)
+        # From pinned memory without blocking: a plain host->GPU copy would make the host wait
+        # once per packed micro batch.
+        host = torch.from_numpy(np.ascontiguousarray(mask))
+        if x.device.type == "cuda":
+            return host.pin_memory().to(x.device, non_blocking=True).to(x.dtype)
+        return host.to(x.device).to(x.dtype)
     return mask.astype(x.dtype)  # numpy and jax (ml_dtypes covers bfloat16)

@@ -152,9 +152,10 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         return merged.slice(0, real) if merged.size != real else merged
 
     # ------------------------------------------------------------------ PolicyInterface
-    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, in input order."""
-        return self._run_inference("get_logprobs", data)
+    def get_logprobs(self, data: BatchedDataDict, micro_batch_size: Optional[int] = None) -> BatchedDataDict:
+        """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, in input order;
+        ``micro_batch_size`` replaces ``policy.logprob_batch_size`` for this call (benchmarks)."""
+        return self._run_inference("get_logprobs", data, micro_batch_size=micro_batch_size)
 
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, micro_batch_size: Optional[int] = None

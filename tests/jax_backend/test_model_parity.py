@@ -103,11 +103,14 @@ def test_logits_match_hf(checkpoint, name):
 
 
 def test_fully_masked_rows_are_finite(checkpoint):
-    """A query row with no valid key (e.g. left padding) must not produce NaN."""
+    """A query row with no valid key must not produce NaN: an all-padding row on the plain
+    (right-padded) path, and left padding through an explicit ``allowed`` mask."""
     model, _, _ = hf_mapping.from_pretrained(checkpoint("llama")[0])
     ids = jnp.full((2, 6), 5, jnp.int32)
-    mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
-    assert np.isfinite(np.asarray(model(ids, mask))).all()
+    assert np.isfinite(np.asarray(model(ids, jnp.asarray([[1, 1, 1, 0, 0, 0], [0] * 6])))).all()
+    keys = jnp.asarray([[0, 0, 1, 1, 1, 1], [0] * 6], bool)
+    allowed = jnp.tril(jnp.ones((6, 6), bool))[None] & keys[:, None, :]
+    assert np.isfinite(np.asarray(model(ids, None, allowed=allowed))).all()
 
 
 def test_bf16_compute_close_to_fp32(checkpoint):

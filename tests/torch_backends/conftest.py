@@ -1,4 +1,4 @@
-"""Helpers for the backend tests: policy configs, HF references, training batches.
+"""Helpers for the backend tests: policy configs, HF references, training batches, collective counts.
 
 (The tiny-model fixtures ``model_dirs`` and ``tokenizer`` live in tests/conftest.py.)
 
@@ -8,7 +8,10 @@ workers through ``from_pretrained`` on its path, the same code path as a hub mod
 
 from __future__ import annotations
 
+import collections
 import copy
+import json
+import os
 from pathlib import Path
 
 import torch
@@ -94,3 +97,24 @@ def uneven_pg_batch(lengths, width: int, seed: int):
         advantages=torch.randn(len(lengths), width, generator=g) * valid,
         prev_logprobs=old, generation_logprobs=old, reference_policy_logprobs=old,
     )
+
+
+# c10d ops in a worker's profiler trace, FSDP2 / FSDP1 (FSDP1 all-gathers CPU tensors with the list form).
+ALL_GATHERS = ("c10d::_allgather_base_", "c10d::allgather_")
+REDUCE_SCATTERS = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_")
+
+
+def count_collectives(policy, call) -> dict[str, int]:
+    """{"all_gather": n, "reduce_scatter": n}: the c10d ops rank 0 issued during ``call()``,
+    from the workers' own profiler traces (``start_gpu_profiling`` / ``stop_gpu_profiling``)."""
+    policy.start_gpu_profiling()
+    try:
+        call()
+    finally:
+        paths = policy.stop_gpu_profiling()
+    with open(paths[0]) as f:
+        names = collections.Counter(e.get("name") for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op")
+    for path in paths:
+        os.remove(path)
+    return {"all_gather": sum(names[n] for n in ALL_GATHERS),
+            "reduce_scatter": sum(names[n] for n in REDUCE_SCATTERS)}

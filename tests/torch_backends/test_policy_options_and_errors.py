@@ -20,7 +20,7 @@ from core.losses import ClippedPGLossFn, LossInputError, NLLLoss
 from core.policy import BatchError, Policy
 from core.testing.tiny_models import random_batch, tiny_tokenizer
 
-from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
+from tests.torch_backends.conftest import SEQ, VOCAB, count_collectives, hf_logprobs, pg_batch, policy_config
 from tests.torch_backends.test_torch_policy import PG_CFG
 
 
@@ -174,13 +174,21 @@ def test_bf16_with_activation_checkpointing_and_offload(backend, ray_session, mo
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, cfg, tokenizer)
     try:
+        # policy.matmul_precision left out with bf16 compute: the fast path (TF32 allowed).
+        assert [i["float32_matmul_precision"] for i in policy.get_gpu_info()] == ["high", "high"]
         ids, lens = random_batch(4, SEQ, VOCAB, seed=70)
         out = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
         ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval(), ids, lens)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, ref, rtol=0, atol=0.1)  # bf16 compute
         data = pg_batch(4, seed=71)
-        losses = [float(policy.train(data, NLLLoss())["loss"][0]) for _ in range(3)]
+        # 2 micro batches per rank.  FSDP2 holds the unreduced gradients back in fp32 (one
+        # reduce-scatter per unit and step); FSDP1 would hold them in bf16, so it keeps one
+        # reduce-scatter per micro batch (fp32 shard accumulation): 3 units x 2.
+        first = {}
+        counts = count_collectives(policy, lambda: first.update(policy.train(data, NLLLoss(), mbs=1)))
+        assert counts["reduce_scatter"] == (6 if backend == "torch_fsdp" else 3), counts
+        losses = [float(first["loss"][0])] + [float(policy.train(data, NLLLoss(), mbs=1)["loss"][0]) for _ in range(2)]
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     finally:
         policy.shutdown()

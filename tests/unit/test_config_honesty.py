@@ -34,8 +34,7 @@ def the_error(field: str, *overrides, **kw) -> str:
 
 # ----------------------------------------------------------------------------- every field is read
 #: Fields whose feature does not exist: accepted only when off, refused by name when on.
-REFUSED_SWITCHES = {("JaxConfig", "activation_checkpointing"): "policy.jax_cfg.activation_checkpointing=true",
-                    ("VllmConfig", "async_engine"): "policy.generation.vllm_cfg.async_engine=true"}
+REFUSED_SWITCHES = {("VllmConfig", "async_engine"): "policy.generation.vllm_cfg.async_engine=true"}
 
 
 def _source_text() -> str:
@@ -57,7 +56,7 @@ def test_every_schema_field_is_read_outside_the_config_package():
 def test_a_switch_for_a_missing_feature_is_refused_when_on(override):
     field = override.split("=")[0]
     line = the_error(field, override)
-    assert "True: " in line and ("no activation checkpointing" in line or "no async vLLM engine" in line)
+    assert "True: " in line and "no async vLLM engine" in line
     load_config(GRPO, [override.replace("true", "false")])  # off: what happens anyway
 
 
@@ -213,3 +212,13 @@ def test_env_settings_a_builtin_environment_does_not_read_are_refused():
     assert "not read by the built-in environment 'arithmetic'" in the_error("env.kwargs", "env.kwargs={a: 1}")
     assert "not read by env.name 'arithmetic'" in the_error("env.math", "env.math={rel_tol: 0.1}")
     load_config(GRPO, ["env.name=my_pkg.rewards:Env", "env.kwargs={a: 1}", "env.math={rel_tol: 0.1}"])  # a user's
+
+
+def test_compile_with_tensor_parallel_is_refused_before_any_worker_starts():
+    line = the_error("policy.dtensor_cfg.compile", "policy.dtensor_cfg.compile=true",
+                     "policy.dtensor_cfg.tensor_parallel_size=2")
+    assert "tensor_parallel_size=2" in line and "wrong gradients" in line
+    load_config(GRPO, ["policy.dtensor_cfg.compile=true"])  # tp = 1: allowed
+    # Another backend's knobs are accepted, so a switch is one --backend flag.
+    load_config(GRPO, ["policy.dtensor_cfg.compile=true", "policy.dtensor_cfg.tensor_parallel_size=2"],
+                backend="jax_pjit")

@@ -1,0 +1,56 @@
+"""The JAX worker's side of a refit: metadata without a gather, tensors laid out and cast on the devices.
+
+``prepare_refit_info`` answers from the HF mapping's shapes (it works with the params
+offloaded to host memory and leaves them there); ``iter_full_weights(dtype)`` lays out and
+casts each tensor on the devices -- one program per distinct shape, shared by the layers --
+and its tensors equal, bit for bit, the host-side conversion of the gathered params.
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from backends.jax_pjit.hf_mapping import jax_to_hf_tensors
+from backends.jax_pjit.sharding import host_copy
+from core.config.validate import validate_policy_config
+
+from tests.torch_backends.conftest import policy_config
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) jax devices")
+
+
+@pytest.fixture(scope="module")
+def worker(model_dirs, tokenizer):
+    """Qwen2 (biases: every HF transform) on fsdp 4 x tp 2: every tensor is sharded."""
+    from backends.jax_pjit.worker import JaxPolicyWorker
+
+    cfg = policy_config(model_dirs["qwen2"], "jax_pjit")
+    cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
+    return JaxPolicyWorker(validate_policy_config(cfg), tokenizer, init_reference_model=False)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", None])
+def test_stream_equals_the_host_conversion(worker, dtype):
+    reference = jax_to_hf_tensors(host_copy(worker.params), worker.model_cfg)
+    streamed = list(worker.iter_full_weights(dtype))
+    assert [name for name, _ in streamed] == list(reference)
+    for name, array in streamed:
+        expected = reference[name] if dtype is None else reference[name].astype(ml_dtypes.bfloat16)
+        assert isinstance(array, np.ndarray) and array.dtype == expected.dtype, name
+        assert array.shape == expected.shape and array.tobytes() == expected.tobytes(), name
+    # One program per distinct (shape, transform, dtype): the 2 layers share theirs.
+    assert worker._hf_layout._cache_size() < len(streamed)
+
+
+def test_prepare_refit_info_is_metadata_only(worker):
+    streamed = {name: (tuple(a.shape), str(a.dtype)) for name, a in worker.iter_full_weights()}
+    worker.offload_after_refit()  # params to host memory: nothing on the devices to gather
+    try:
+        info = worker.prepare_refit_info()
+        assert worker.params is None  # not brought back
+        assert list(info) == list(streamed) and info == streamed
+    finally:
+        worker.prepare_for_training()

@@ -1,0 +1,36 @@
+"""``policy.matmul_precision``: one setting for every backend, fp32 meaning fp32 by default."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.config import EMBEDDED_CONFIGS, ConfigError, load_config
+from core.policy.matmul_precision import resolve_matmul_precision, torch_float32_matmul
+
+
+@pytest.mark.parametrize("precision, given, jax_value, torch_value", [
+    ("float32", None, "highest", "highest"),      # fp32 means fp32: no TF32 on either engine
+    ("bfloat16", None, "default", "high"),        # bf16 compute: the device's fast path
+    ("float32", "high", "high", "high"),
+    ("float32", "default", "default", "high"),
+    ("bfloat16", "highest", "highest", "highest"),
+])
+def test_defaults_follow_the_training_precision(precision, given, jax_value, torch_value):
+    cfg = {"precision": precision, "matmul_precision": given}
+    assert resolve_matmul_precision(cfg) == jax_value
+    assert torch_float32_matmul(cfg) == torch_value
+
+
+def test_an_unknown_value_is_refused_by_the_config_and_by_the_resolver():
+    with pytest.raises(ConfigError) as info:
+        load_config(EMBEDDED_CONFIGS["grpo"], ["policy.matmul_precision=tf32"])
+    line = next(e for e in info.value.errors if e.startswith("policy.matmul_precision: "))
+    assert "'tf32'" in line and "highest" in line and "policy.matmul_precision=tf32" in line
+    with pytest.raises(ValueError, match="policy.matmul_precision must be one of"):
+        resolve_matmul_precision({"precision": "float32", "matmul_precision": "tf32"})
+
+
+def test_the_embedded_configs_leave_it_to_the_default():
+    cfg = load_config(EMBEDDED_CONFIGS["grpo"], [])
+    assert cfg["policy"]["matmul_precision"] is None
+    assert resolve_matmul_precision(cfg["policy"]) == "highest"
