@@ -35,6 +35,7 @@ def worker(model_dirs, tokenizer):
 @pytest.mark.parametrize("dtype", ["bfloat16", None])
 def test_stream_equals_the_host_conversion(worker, dtype):
     reference = jax_to_hf_tensors(host_copy(worker.params), worker.model_cfg)
+    programs_before = worker._hf_layout._cache_size()  # the module's worker may have streamed already
     streamed = list(worker.iter_full_weights(dtype))
     assert [name for name, _ in streamed] == list(reference)
     for name, array in streamed:
@@ -42,7 +43,7 @@ def test_stream_equals_the_host_conversion(worker, dtype):
         assert isinstance(array, np.ndarray) and array.dtype == expected.dtype, name
         assert array.shape == expected.shape and array.tobytes() == expected.tobytes(), name
     # One program per distinct (shape, transform, dtype): the 2 layers share theirs.
-    assert worker._hf_layout._cache_size() < len(streamed)
+    assert worker._hf_layout._cache_size() - programs_before < len(streamed)
 
 
 def test_prepare_refit_info_is_metadata_only(worker):
