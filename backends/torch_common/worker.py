@@ -43,6 +43,7 @@ from core.parallel_dims import ParallelDims
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
 from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
+from core.refit.manifest import tied_aliases
 
 from backends.torch_common import checkpoint as ckpt
 from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns, to_device
@@ -96,6 +97,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         check_tokenizer_fits(tokenizer, hf_model.config, self.cfg["model_name"])
         self.model_config = hf_model.config
         self.param_meta = hf_param_meta(hf_model)
+        # Tied names (lm_head.weight of a tied model): in the state dict, not sent by refit.
+        self._refit_skip = frozenset(tied_aliases(hf_model))
         self.hf_module = hf_model
         if self._activation_checkpointing():
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -139,7 +142,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         parameters once and keeps them until the block ends (then every copy is freed)."""
 
     @abc.abstractmethod
-    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_weights(self, dtype: torch.dtype | None = None,
+                          skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: yield ``(hf_name, full tensor)`` for every weight, on every rank."""
 
     def _local_weight_shards(self) -> list[torch.Tensor]:
@@ -554,8 +558,12 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
     # ------------------------------------------------------------------ refit (source side)
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """HF name -> (full shape, dtype) of every weight the refit stream will carry."""
-        return dict(self.param_meta)
+        """HF name -> (full shape, dtype) of every weight the refit stream will carry (tied
+        aliases left out: the engine's receiver loads them from the weight they share)."""
+        return {n: meta for n, meta in self.param_meta.items() if n not in self._refit_skip}
+
+    def _refit_weights(self, dtype: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.iter_full_weights(dtype, skip=self._refit_skip)
 
     # ------------------------------------------------------------------ profiling
     def start_gpu_profiling(self) -> None:

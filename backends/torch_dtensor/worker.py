@@ -171,10 +171,12 @@ class DTensorPolicyWorker(TorchPolicyWorker):
     def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         return clip_grad_norm_dtensor(self.model.parameters(), max_norm)
 
-    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_weights(self, dtype: torch.dtype | None = None,
+                          skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         # One parameter at a time: peak extra memory is one full tensor, not the model.
+        # ``skip``: names not gathered at all (every rank passes the same set).
         state = self.model.state_dict()
-        for name in self.param_meta:
+        for name in (n for n in self.param_meta if n not in skip):
             tensor = state[name]
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()

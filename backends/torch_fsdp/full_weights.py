@@ -46,15 +46,17 @@ class UnitPlan:
             raise RuntimeError(f"FSDP1 full-weight plan: state-dict names {sorted(unknown)} are held by no FSDP unit")
         self.order = [name for _, own in self.units for _, name in own if name in names] + sorted(self.buffers)
 
-    def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective: ``(hf_name, full tensor)`` in ``self.order``, each a fresh copy (the
-        gathered storage is freed when its unit is left)."""
+    def iter_weights(self, dtype: torch.dtype | None = None,
+                     skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: ``(hf_name, full tensor)`` in ``self.order`` minus ``skip``, each a
+        fresh copy (the gathered storage is freed when its unit is left)."""
         for unit, own in self.units:
             with FSDP.summon_full_params(unit, recurse=False, writeback=False):
                 params = dict(unit.module.named_parameters(remove_duplicate=False))
                 for raw, name in own:
-                    yield name, _copy(params[raw], dtype)
-        for name in sorted(self.buffers):
+                    if name not in skip:
+                        yield name, _copy(params[raw], dtype)
+        for name in sorted(set(self.buffers) - skip):
             yield name, _copy(self.buffers[name], dtype)
 
 

@@ -79,11 +79,13 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         return self._plan
 
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Metadata only, in the order ``iter_full_weights`` gathers (unit by unit)."""
-        return {name: self.param_meta[name] for name in self._unit_plan.order}
+        """Metadata only, in the order ``iter_full_weights`` gathers (unit by unit); tied
+        aliases left out, as the refit stream leaves them out."""
+        return {name: self.param_meta[name] for name in self._unit_plan.order if name not in self._refit_skip}
 
-    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self._unit_plan.iter_weights(None if dtype is None else as_torch_dtype(dtype))
+    def iter_full_weights(self, dtype: torch.dtype | None = None,
+                          skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._unit_plan.iter_weights(None if dtype is None else as_torch_dtype(dtype), skip)
 
     @contextlib.contextmanager
     def _no_gradient_sync(self):

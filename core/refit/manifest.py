@@ -152,11 +152,18 @@ def manifest_for_hf_config(hf_config: Any, dtype: Any) -> RefitManifest:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    state = model.state_dict(keep_vars=True)  # the Parameters themselves: tied names share one object
-    params = dict(model.named_parameters())  # de-duplicates tied weights
-    owner = {id(p): n for n, p in params.items()}
+    state = model.state_dict(keep_vars=True)
     name = dtype_name(dtype)
     specs = {n: TensorSpec(tuple(t.shape), name) for n, t in state.items()}
+    params = dict(model.named_parameters())
     optional = [n for n in state if n not in params]
-    aliases = {n: owner[id(state[n])] for n in optional if id(state[n]) in owner}
-    return RefitManifest(specs, optional=optional, aliases=aliases)
+    return RefitManifest(specs, optional=optional, aliases=tied_aliases(model))
+
+
+def tied_aliases(model: Any) -> dict[str, str]:
+    """State-dict names of a torch module that are the same Parameter as an earlier name
+    (a tied ``lm_head.weight`` -> ``model.embed_tokens.weight``): the refit stream leaves
+    them out (the engine's receiver fills them in), so a tied weight is not sent twice."""
+    state = model.state_dict(keep_vars=True)  # the Parameters themselves: tied names share one object
+    owner = {id(p): n for n, p in model.named_parameters()}  # de-duplicated: the first name owns
+    return {n: owner[id(t)] for n, t in state.items() if id(t) in owner and owner[id(t)] != n}

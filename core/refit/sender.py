@@ -36,7 +36,12 @@ class RefitSender(abc.ABC):
 
     @abc.abstractmethod
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """HF name -> (full shape, training dtype), in the order ``iter_full_weights`` yields."""
+        """HF name -> (full shape, training dtype), in the order ``_refit_weights`` yields."""
+
+    def _refit_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+        """Collective: the refit stream; ``iter_full_weights`` unless a backend leaves some
+        of its weights out (torch: tied aliases, which the receiver fills in)."""
+        return self.iter_full_weights(dtype)
 
     def _refit_devices(self) -> list[torch.device]:
         """Devices whose colocated engine workers read this rank's IPC buckets."""
@@ -50,7 +55,7 @@ class RefitSender(abc.ABC):
     def _start_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._close_stream()
         dtype = refit_dtype(self.cfg)
-        self._refit_stream = ((n, as_torch(t)) for n, t in self.iter_full_weights(dtype))
+        self._refit_stream = ((n, as_torch(t)) for n, t in self._refit_weights(dtype))
         return self._refit_stream
 
     def _close_stream(self) -> None:

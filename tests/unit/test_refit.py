@@ -26,6 +26,7 @@ from core.refit.manifest import (
     dtype_name,
     manifest_for_hf_config,
     refit_dtype,
+    tied_aliases,
 )
 from core.refit.packing import ALIGN, Slot, as_torch, pack_into, plan_layout, unpack, view_of
 from core.refit.receiver import RefitReceiver
@@ -196,6 +197,9 @@ def test_manifest_for_hf_config_matches_hf_state_dict(name, optional):
     stream = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     RefitManifest.from_info(stream).check_against(manifest)
     assert manifest_for_hf_config(tiny_config(name), "bf16").cast("float32").to_info() == manifest.to_info()
+    # The torch workers leave exactly the optional aliases out of their stream.
+    assert tied_aliases(model) == manifest.aliases
+    assert set(tied_aliases(model)) == optional
 
 
 def test_refit_dtype():
