@@ -51,7 +51,8 @@ def layout_overrides(layout: Layout, jax_cpu_slots: int | None = None) -> list[s
         out += [f"policy.jax_cfg.fsdp_size={layout.dp}", f"policy.jax_cfg.tensor_parallel_size={layout.tp}"]
     elif layout.backend == "torch_dtensor":
         out += [f"policy.dtensor_cfg.tensor_parallel_size={layout.tp}",
-                f"policy.dtensor_cfg.sequence_parallel={str(layout.sp).lower()}"]
+                f"policy.dtensor_cfg.sequence_parallel={str(layout.sp).lower()}",
+                f"policy.dtensor_cfg.compile={str(layout.compiled).lower()}"]
     return out + _sequence_overrides(layout)
 
 

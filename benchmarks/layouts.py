@@ -8,7 +8,10 @@ Grammar (``D``, ``C``, ``T``, ``F``: positive integers; bracketed parts optional
 * ``jax-[fsdp<F>][-cp<C>][-tp<T>]``: ``jax_pjit``, one worker owning ``F x C x T`` devices,
   mesh ``(fsdp=F, cp=C, tp=T)``;
 * any of them with ``-packed``: sequence packing on (rows of at most one padded micro
-  batch's tokens).
+  batch's tokens);
+* a ``dtensor-`` layout with ``-compiled`` (last): ``policy.dtensor_cfg.compile`` on (each
+  transformer block under ``torch.compile``), so ``dtensor-dp2 dtensor-dp2-compiled`` measures
+  eager against compiled side by side in one run.
 
 A torch worker holds one device (on a CPU machine: one process with a share of the threads);
 so a layout needs ``devices`` = ``D x C x T`` or ``F x C x T`` of the machine's budget whatever
@@ -20,10 +23,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-sp)?(-packed)?")
+_TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-sp)?(-packed)?(-compiled)?")
 _JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-packed)?")
 BACKEND_OF = {"fsdp1": "torch_fsdp", "dtensor": "torch_dtensor", "jax": "jax_pjit"}
-GRAMMAR = ("fsdp1-dp<D>[-packed], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed], "
+GRAMMAR = ("fsdp1-dp<D>[-packed], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed][-compiled], "
            "jax-[fsdp<F>][-cp<C>][-tp<T>][-packed]")
 
 
@@ -40,6 +43,7 @@ class Layout:
     sp: bool = False
     cp: int = 1  # context parallel: the sequence split over this many devices
     packed: bool = False  # sequence packing on
+    compiled: bool = False  # torch_dtensor: policy.dtensor_cfg.compile on
 
     @property
     def is_jax(self) -> bool:
@@ -64,8 +68,12 @@ def parse_layout(name: str) -> Layout:
     """``dtensor-tp2-sp`` -> ``Layout("dtensor-tp2-sp", "torch_dtensor", 1, 2, True)``."""
     torch_match, jax_match = _TORCH.fullmatch(name), _JAX.fullmatch(name)
     if torch_match and any(torch_match.group(i) for i in (2, 3, 4)):
-        kind, dp, cp, tp, sp, packed = torch_match.groups()
-        layout = Layout(name, BACKEND_OF[kind], int(dp or 1), int(tp or 1), bool(sp), int(cp or 1), bool(packed))
+        kind, dp, cp, tp, sp, packed, compiled = torch_match.groups()
+        layout = Layout(name, BACKEND_OF[kind], int(dp or 1), int(tp or 1), bool(sp), int(cp or 1), bool(packed),
+                        bool(compiled))
+        if kind == "fsdp1" and layout.compiled:
+            raise LayoutError(f"layout {name!r}: -compiled is policy.dtensor_cfg.compile, a torch_dtensor "
+                              "setting; use dtensor-...-compiled")
         if kind == "fsdp1" and (layout.tp > 1 or layout.cp > 1):
             raise LayoutError(f"layout {name!r}: FSDP1 (torch_fsdp) has no tensor or context parallel; "
                               "use dtensor-...")

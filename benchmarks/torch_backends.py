@@ -133,7 +133,7 @@ def policy_config(model_path: str, tokenizer_path: str, layout: Layout, batch: i
         precision=precision,
     )
     cfg["tokenizer"]["name"] = tokenizer_path
-    cfg["dtensor_cfg"].update(tensor_parallel_size=layout.tp, sequence_parallel=layout.sp)
+    cfg["dtensor_cfg"].update(tensor_parallel_size=layout.tp, sequence_parallel=layout.sp, compile=layout.compiled)
     if layout.backend == "torch_dtensor":
         cfg["dtensor_cfg"]["context_parallel_size"] = layout.cp
     if layout.cp > 1:

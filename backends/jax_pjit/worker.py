@@ -43,7 +43,7 @@ from core.data import BatchedDataDict
 from core.data.context_parallel import check_cp_width
 from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
 from core.distributed.recoverable import before_collectives
-from core.losses.metrics import MicroBatchMetrics
+from core.losses.metrics import MicroBatchMetrics, read_once
 from core.policy.generation_args import resolve_generation_args
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
@@ -210,13 +210,15 @@ class JaxPolicyWorker(PolicyWorkerBase):
             raise ValueError(f"{field}={rows} rows per process x {n} processes is not divisible by the mesh's "
                              f"fsdp axis of size {fsdp}: multi-process JAX needs every micro batch split over fsdp")
 
-    def _host_rows(self, out: jax.Array) -> np.ndarray:
-        """A step's output rows that belong to this process's input rows (one process: all)."""
+    def _host_rows_of(self, outs: list[jax.Array]) -> list[np.ndarray]:
+        """Each step output's rows that belong to this process's input rows (one process: all),
+        their transfers started together."""
         if jax.process_count() == 1:
-            return np.asarray(out)
+            return [np.asarray(o) for o in jax.device_get(outs)]
         from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.global_array_to_host_local_array(out, self.mesh, P("fsdp")))
+        local = multihost_utils.global_array_to_host_local_array(outs, self.mesh, [P("fsdp")] * len(outs))
+        return [np.asarray(o) for o in jax.device_get(local)]
 
     # ------------------------------------------------------------------ data
     def _device_batch(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -322,24 +324,30 @@ class JaxPolicyWorker(PolicyWorkerBase):
         out = np.zeros((n, width), np.float32)
         if self._packing is None:  # context parallelism on plain rows: mbs rows per micro batch
             bucket = self._bucket(width)
-            for start in range(0, n, mbs):
+            starts = range(0, n, mbs)
+            pending = []
+            for start in starts:
                 host = steps.pad_micro_batch({"input_ids": ids[start:start + mbs],
                                               "input_lengths": lengths[start:start + mbs]}, mbs, bucket)
                 rows = steps.plain_rows(host["input_ids"], host["input_lengths"])
-                next_lp = np.asarray(self._layout_logprob_step(self.params, self._device_batch(rows)))
+                pending.append(self._layout_logprob_step(self.params, self._device_batch(rows)))
+            for start, next_lp in zip(starts, jax.device_get(pending)):  # read once all are queued
                 count = min(mbs, n - start)
-                out[start:start + count, 1:] = next_lp[:count, :width - 1]
+                out[start:start + count, 1:] = np.asarray(next_lp)[:count, :width - 1]
             return out * (np.arange(width)[None, :] < lengths[:, None])
         fsdp = self.mesh.shape["fsdp"]
+        unpack, pending = [], []
         for order, bins in self._packing_plan(data, lengths, n, "logprob_mb_tokens"):
             chunk_ids, chunk_lengths = ids[order], lengths[order]
             for group in self._bin_groups(bins):
                 tokens = max(int(chunk_lengths[a:b].sum()) for a, b in group)
                 rows, packs = steps.packed_micro_batch(chunk_ids, chunk_lengths, group, fsdp,
                                                        self._packed_bucket(tokens, "logprob_mb_tokens"))
-                next_lp = np.asarray(self._layout_logprob_step(self.params, self._device_batch(rows)))
-                for k, (a, b) in enumerate(group):
-                    out[order[a:b], 1:] = packs[k].unpack_next_logprobs(next_lp[k])
+                pending.append(self._layout_logprob_step(self.params, self._device_batch(rows)))
+                unpack.append((order, group, packs))
+        for (order, group, packs), next_lp in zip(unpack, jax.device_get(pending)):  # read once all are queued
+            for k, (a, b) in enumerate(group):
+                out[order[a:b], 1:] = packs[k].unpack_next_logprobs(np.asarray(next_lp)[k])
         return out
 
     # ------------------------------------------------------------------ logprobs
@@ -359,14 +367,17 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 logprobs = self._layout_logprobs(ids, lengths, data, mbs)
             return BatchedDataDict(logprobs=torch.from_numpy(np.ascontiguousarray(logprobs)))
         bucket = steps.bucket_for(width, self.cfg["max_total_sequence_length"], self.seq_multiple)
-        outs = []
+        pending = []
         with self._on_mesh():
             for start in range(0, len(ids), mbs):
                 host = steps.pad_micro_batch({"input_ids": ids[start:start + mbs],
                                               "input_lengths": lengths[start:start + mbs]}, mbs, bucket)
                 dev = self._device_batch(host)
-                lp = self._host_rows(self._logprob_step(self.params, dev["input_ids"], dev["input_lengths"]))
-                outs.append(lp[: min(mbs, len(ids) - start), :width])
+                pending.append(self._logprob_step(self.params, dev["input_ids"], dev["input_lengths"]))
+        # Read only once every micro batch is queued: a read inside the loop would leave the
+        # device idle while the host copies the result and prepares the next micro batch.
+        outs = [lp[: min(mbs, len(ids) - start), :width]
+                for start, lp in zip(range(0, len(ids), mbs), self._host_rows_of(pending))]
         import torch
 
         logprobs = np.concatenate(outs) if outs else np.zeros((0, width), np.float32)
@@ -464,26 +475,35 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 collected = MicroBatchMetrics()
                 for args in self._micro_batches(gb, plans[g] if plans else None, mbs, bucket):
                     acc, metrics = grad_step(self.params, acc, *args, gseq, gtok)
-                    collected.add(metrics)  # read after the step is dispatched, not per micro batch
-                norm, reason = 0.0, None
-                device_totals = collected.totals()
+                    collected.add(metrics)  # stays on the device: read once, below
+                keys = collected.keys
+                table = collected.table(jnp.zeros((), jnp.float32))
+                device_totals = table.sum(0)
+                parts = [device_totals, table]
                 if not eval_mode:
+                    loss = device_totals[keys.index("loss")] if "loss" in keys else 0.0
                     valid = bool(gseq > 0 and gtok > 0)
                     self.params, self.opt_state, norm, skipped = self._apply_updates(
-                        self.params, self.opt_state, acc, device_totals.get("loss", 0.0), valid)
-                    if bool(skipped):
-                        reason = step_skip_reason(float(gseq), float(gtok), float(device_totals.get("loss", 0.0)),
-                                                  float(norm)) or "non_finite_grad_norm"
+                        self.params, self.opt_state, acc, loss, valid)
+                    parts += [norm, skipped]
+                # The step's one host read: totals, per-micro-batch values, norm and skip flag.
+                values = read_once(*parts)
+                totals = dict(zip(keys, values[0]))
+                norm, reason = 0.0, None
+                if not eval_mode:
+                    norm = values[2][0]
+                    if values[3][0]:
+                        reason = step_skip_reason(float(gseq), float(gtok), totals.get("loss", 0.0),
+                                                  norm) or "non_finite_grad_norm"
                 reasons.append(reason)
-                totals = {k: float(v) for k, v in device_totals.items()}
                 # Several processes: a micro batch spans them all, so every process holds the
                 # same per-micro-batch values; process 0 alone reports them, so that the
                 # Policy's concatenation over workers still sums to the step's value.
                 if self.rank == 0:
-                    for k, values in collected.per_micro_batch().items():
-                        all_mb.setdefault(k, []).extend(values)
+                    for k, mb_values in collected.per_micro_batch(values[1]).items():
+                        all_mb.setdefault(k, []).extend(mb_values)
                 losses.append(totals.get("loss", 0.0))
-                norms.append(float(norm))
+                norms.append(norm)
                 step_metrics.append(totals)
         if not eval_mode and any(r is None for r in reasons):
             self.train_step += 1

@@ -13,7 +13,7 @@ A backend subclass supplies only what differs between the engines:
 The rest -- micro-batch loop, global loss normalisation, temperature, logprobs, reference
 swap, optimizer/scheduler, checkpoints, offloading, profiling -- is written once here.
 The micro-batch loops issue no host synchronisation: values stay on the device and are
-read once per optimizer step / call (``host_reads``).
+read once per optimizer step / call (``core.losses.metrics``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from core.distributed.recoverable import before_collectives
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
+from core.losses.metrics import MicroBatchMetrics, read_once
 from core.parallel_dims import ParallelDims
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
@@ -55,7 +56,6 @@ from backends.torch_common.dist_env import (
     reset_peak_memory,
 )
 from backends.torch_common.generation import hf_generate
-from backends.torch_common.host_reads import DeviceMetrics, read_once
 from backends.torch_common.memory_trade import full_copies_fit, weight_bytes
 from backends.torch_common.model_loading import hf_param_meta, load_hf_model, torch_dtype
 from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
@@ -374,7 +374,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         if not eval_mode:
             self.optimizer.zero_grad(set_to_none=True)
         collected = self._run_micro_batches(gb, loss_fn, mbs, eval_mode, gseq, gtok)
-        keys, table = collected.keys, collected.table(self.device)
+        keys, table = collected.keys, collected.table(gseq)
         totals = self._sum_over_dp(table.sum(0))
         # The norm is measured (and the gradients clipped) before the decision; a skipped
         # step drops the gradients, so a non-finite norm's clipping poisons nothing.
@@ -396,7 +396,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         return loss, grad_norm, metrics, reason
 
     def _run_micro_batches(self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool,
-                           gseq: torch.Tensor, gtok: torch.Tensor) -> DeviceMetrics:
+                           gseq: torch.Tensor, gtok: torch.Tensor) -> MicroBatchMetrics:
         """Forward (and backward) of each micro batch; the metrics stay on the device.
 
         Gradients are reduced across ranks in the last micro batch's backward only (when
@@ -410,7 +410,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         # Unreduced gradients are accumulated in fp32 (FSDP's reduce dtype), full size.
         defer = not eval_mode and full_copies_fit(self.device, len(batches),
                                                   weight_bytes(self.param_meta, torch.float32), self._offloading)
-        collected = DeviceMetrics()
+        collected = MicroBatchMetrics()
         for i, mb in enumerate(batches):
             deferred = defer and i < len(batches) - 1
             with (torch.no_grad() if eval_mode else contextlib.nullcontext()), \

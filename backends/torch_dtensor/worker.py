@@ -32,7 +32,7 @@ from backends.torch_common.layers import decoder_layers
 from backends.torch_common.optim import import_object
 from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.worker import TorchPolicyWorker
-from backends.torch_dtensor.compile import check_compile_supported, compile_blocks
+from backends.torch_dtensor.compile import compile_blocks
 from backends.torch_dtensor.context_parallel import (
     ContextParallelRows,
     create_context_parallel_ctx,
@@ -88,8 +88,6 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         return bool(self.cfg["dtensor_cfg"].get("compile", False))
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self._compile:  # before any work: a combination compile gets wrong fails here
-            check_compile_supported(self.dims)
         self._pad_vocabulary(model)
         if self._cp_rows is not None:
             install_allgather_attention(model, self._cp_rows.group)

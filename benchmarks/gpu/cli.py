@@ -12,7 +12,7 @@ from pathlib import Path
 from benchmarks.gpu.bench import Bench, start_ray
 from benchmarks.gpu.report import failed, report
 from benchmarks.gpu.sections import run
-from benchmarks.gpu.workload import BACKENDS, SECTIONS, SIZES
+from benchmarks.gpu.workload import BACKENDS, SECTIONS, SIZES, default_backends
 from benchmarks.gpu.yardstick import child_main
 
 
@@ -22,7 +22,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog or "python -m benchmarks.gpu", description=gpu.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), help="default: 1b on a GPU, tiny on a CPU")
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--backends", nargs="+", choices=BACKENDS,
+                   help="default: all on a GPU; on a CPU all but torch_dtensor-compiled")
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda when a GPU is visible")
     p.add_argument("--mbs", nargs="+", type=int, help="micro batch sizes (default: the size's)")
@@ -53,6 +54,7 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
     if a.device is None:
         parser.error("--device cuda, but no CUDA GPU is visible")
     a.size = a.size or ("1b" if a.device == "cuda" else "tiny")
+    a.backends = a.backends or default_backends(a.device)
     size = SIZES[a.size]
     a.batch, a.seq = a.batch or size.batch, a.seq or size.seq
     a.mbs, a.precision = a.mbs or list(size.mbs), a.precision or size.precision

@@ -10,14 +10,17 @@ from typing import Any, Callable
 from benchmarks import machine
 from benchmarks import torch_backends as tb
 from benchmarks.gpu.bench import Bench, error_text
-from benchmarks.gpu.workload import full_batch, timing, worst_diff
+from benchmarks.gpu.workload import engine_of, full_batch, timing, worst_diff
 from benchmarks.layouts import Layout
 
 
 def policy_config(bench: Bench, backend: str, precision: str, mbs: int) -> dict:
-    """The default policy section on this model and batch, one device, micro batch ``mbs``."""
+    """The default policy section on this model and batch, one device, micro batch ``mbs``
+    (``backend``: a row of ``workload.BACKENDS``)."""
     a = bench.args
-    cfg = tb.policy_config(bench.model_path, bench.model_path, Layout(backend, backend), a.batch, a.seq, precision, mbs)
+    engine, compiled = engine_of(backend)
+    layout = Layout(backend, engine, compiled=compiled)
+    cfg = tb.policy_config(bench.model_path, bench.model_path, layout, a.batch, a.seq, precision, mbs)
     # the engine a refit would feed: rows of this length, in the training dtype (the stream is cast to it)
     cfg["generation"]["vllm_cfg"].update(max_model_len=a.seq, precision=precision)
     return cfg

@@ -11,7 +11,20 @@ from typing import Any
 from benchmarks import machine
 from benchmarks import torch_backends as tb
 
-BACKENDS = ("torch_fsdp", "torch_dtensor", "jax_pjit")
+#: Rows of Policies; ``torch_dtensor-compiled`` is torch_dtensor with ``dtensor_cfg.compile`` on.
+COMPILED = "torch_dtensor-compiled"
+BACKENDS = ("torch_fsdp", "torch_dtensor", COMPILED, "jax_pjit")
+
+
+def engine_of(backend: str) -> tuple[str, bool]:
+    """A row's ``policy.backend`` and whether its blocks are compiled."""
+    return ("torch_dtensor", True) if backend == COMPILED else (backend, False)
+
+
+def default_backends(device: str) -> list[str]:
+    """Every row on a GPU; on a CPU not the compiled one (inductor's CPU build of the blocks
+    takes longer than the rest of a tiny run, and says nothing about a GPU)."""
+    return [b for b in BACKENDS if device == "cuda" or b != COMPILED]
 SECTIONS = ("throughput", "refit", "loss")
 SEED = 0
 

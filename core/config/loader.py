@@ -313,13 +313,28 @@ def load_config(
     the CLI's ``--backend`` does), validate the whole config and return it.
 
     ``checks`` are further ``cfg -> error lines`` rules (e.g. what one ``dualrl`` command
-    accepts), run once the config is valid.  Every line of the :class:`ConfigError` raised
-    names where the value at fault came from (see :class:`Provenance`).
+    accepts).  They run even when the schema refuses the config, so that a section the
+    command does not use is named as such, not only by the keys it is missing; a check must
+    therefore read only values of the right type.  Every line of the :class:`ConfigError`
+    raised names where the value at fault came from (see :class:`Provenance`).
     """
     cfg, provenance = load_with_provenance(path, overrides, backend)
     with provenance.explaining():
-        validate_master_config(cfg)
-        errors = [line for check in checks for line in check(cfg)]
+        try:
+            validate_master_config(cfg)
+            errors = []
+        except ConfigError as err:
+            errors = list(err.errors)
+        refused = [line for check in checks for line in check(cfg)]
+        errors = _below_none_of(errors, refused) + refused
         if errors:
             raise ConfigError(errors)
     return cfg
+
+
+def _below_none_of(errors: list[str], refused: list[str]) -> list[str]:
+    """``errors`` less the lines about fields inside a section ``refused`` names: once the
+    whole section is refused, what it lacks is noise."""
+    sections = {line.partition(": ")[0] for line in refused}
+    return [line for line in errors
+            if not any(line.startswith((s + ".", s + "[")) for s in sections)]

@@ -197,7 +197,7 @@ def _uses_builtin_task(cfg: Mapping[str, Any]) -> bool:
     from core.datasets.sources import is_builtin as builtin_data
     from core.models.builtin import is_warm_started
 
-    data, policy = cfg.get("data") or {}, cfg.get("policy") or {}
+    data, policy = (cfg.get(k) if isinstance(cfg.get(k), Mapping) else {} for k in ("data", "policy"))
     names = (data.get("dataset_name"), data.get("val_dataset_name"))
     return any(isinstance(n, str) and builtin_data(n) for n in names) or is_warm_started(policy.get("model_name"))
 
@@ -206,7 +206,7 @@ def _algorithm_policy_errors(cfg: Mapping[str, Any], algorithm: str) -> list[str
     policy = cfg.get("policy")
     if not isinstance(policy, Mapping):
         return []
-    errors = []
+    errors = _generation_section_errors(policy, algorithm)
     if algorithm != "dpo":
         return errors
     for key in ("train_global_batch_size", "train_micro_batch_size"):
@@ -215,7 +215,22 @@ def _algorithm_policy_errors(cfg: Mapping[str, Any], algorithm: str) -> list[str
             errors.append(f"policy.{key}: must be even for DPO, got {value}: every batch holds whole "
                           "(chosen, rejected) pairs")
     for key in ("dynamic_batching", "sequence_packing"):
-        if ((policy.get(key) or {}).get("enabled")):
+        section = policy.get(key)
+        if isinstance(section, Mapping) and section.get("enabled"):
             errors.append(f"policy.{key}.enabled: not supported by DPO, which needs (chosen, rejected) rows "
                           "adjacent in every micro batch; set it to false")
     return errors
+
+
+def _generation_section_errors(policy: Mapping[str, Any], algorithm: str) -> list[str]:
+    """GRPO samples from ``policy.generation``; SFT and DPO never generate, and the section's
+    ``temperature`` would still divide the logits their losses train on (the workers apply
+    generation's temperature to every logprob, so that GRPO's training matches its sampling)."""
+    gen = policy.get("generation")
+    if algorithm == "grpo" and gen is None:
+        return ["policy.generation: missing; dualrl grpo samples its rollouts with these settings "
+                "(see core/configs/policy.yaml)"]
+    if algorithm != "grpo" and gen is not None:
+        return [f"policy.generation: not used by dualrl {algorithm}, which never generates (and its "
+                "temperature would scale the logits the loss trains on); set policy.generation: null"]
+    return []

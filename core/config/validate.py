@@ -447,23 +447,11 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
     _check_scheduler(c, cfg.get("scheduler"))
 
     _check_missing_features(c, cfg)
-    _check_compile(c, cfg)
     gen = c.sub("generation")
     if gen:
         _check_sampling(c, gen)
         _check_vllm(c, cfg, gen)
     return c.errors
-
-
-def _check_compile(c: _Checker, cfg: Mapping[str, Any]) -> None:
-    """torch.compile of tensor-parallel blocks computes wrong gradients in torch 2.13 (see
-    backends/torch_dtensor/compile.py): refused here, before any worker starts."""
-    dt = c.sub("dtensor_cfg")
-    tp = c.int_of(dt, "tensor_parallel_size")
-    if cfg.get("backend") == "torch_dtensor" and dt.get("compile") is True and tp is not None and tp > 1:
-        c.err(c.p("dtensor_cfg", "compile"),
-              f"True with policy.dtensor_cfg.tensor_parallel_size={tp}: torch.compile of tensor-parallel "
-              "blocks computes wrong gradients in this torch version; turn one of them off")
 
 
 def _check_missing_features(c: _Checker, cfg: Mapping[str, Any]) -> None:

@@ -2,8 +2,9 @@
 
 The kernels and losses are written once against this small vocabulary; ``ops_for(x)``
 picks the engine from the array type.  It is deliberately narrow (~30 functions), not a
-general array API: each entry exists because a kernel uses it, and each has the same
-meaning on both engines (including how gradients flow through it).
+general array API: each entry exists because a kernel (or the per-step metric collector,
+``core.losses.metrics``) uses it, and each has the same meaning on both engines (including
+how gradients flow through it).
 
 Neither torch nor jax is imported at module import time: a torch-only worker never
 pays for jax, and vice versa.
@@ -141,6 +142,18 @@ class TorchOps:
     def to_python(self, x):
         return x.item()
 
+    def read_floats(self, parts):
+        """Each array of ``parts`` as a flat list of Python floats, through one device->host
+        copy (each ``.item()`` would wait for the device separately)."""
+        t = self.t
+        flat = t.cat([p.detach().reshape(-1).to(t.float64) for p in parts])
+        values = flat.tolist()  # the one synchronisation
+        out, start = [], 0
+        for p in parts:
+            out.append(values[start:start + p.numel()])
+            start += p.numel()
+        return out
+
 
 class JaxOps:
     """Primitives on ``jax.Array`` (usable inside ``jax.jit`` and under ``jax.grad``)."""
@@ -254,6 +267,13 @@ class JaxOps:
 
     def to_python(self, x):
         return x.item()
+
+    def read_floats(self, parts):
+        """Each array of ``parts`` as a flat list of Python floats; ``device_get`` of all of
+        them starts every transfer before waiting on any."""
+        import numpy as np
+
+        return [np.asarray(a, np.float64).reshape(-1).tolist() for a in self.jax.device_get(list(parts))]
 
 
 _OPS: dict[str, Any] = {}

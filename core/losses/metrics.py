@@ -1,37 +1,74 @@
-"""Collecting a step's loss metrics over micro batches without a host sync per micro batch.
+"""A step's loss metrics over its micro batches, read on the host once per step.
 
 Losses return detached 0-d arrays (torch or jax).  Reading one with ``float()`` waits for the
-device, so doing it inside the micro-batch loop would stall the pipeline after every micro
-batch; ``MicroBatchMetrics`` keeps the arrays and reads them once, after the step.
+device to finish everything queued before it, so reading per micro batch would stall the
+pipeline after every micro batch.  Both engines' workers therefore keep a step's metrics as
+device arrays in a :class:`MicroBatchMetrics`, stack them into one [micro batches, metrics]
+table on the device (summed there for the step's totals, all-reduced there on torch), and
+read the table together with the step's other values (counts, gradient norm, skip flag) in
+one :func:`read_once`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+from core.kernels.ops import ops_for
+
+
+def read_once(*parts: Any) -> list[list[float]]:
+    """Each array of ``parts`` (torch tensors or jax arrays, any shape) as a flat list of
+    Python floats, through one device->host transfer for all of them."""
+    if not parts:
+        return []
+    return ops_for(*parts).read_floats(parts)
 
 
 class MicroBatchMetrics:
-    """The metrics of one step's micro batches, in order."""
+    """The loss metrics of one global batch's micro batches, kept on the device.
+
+    Every metric is normalised by the global batch's counts, so summing it over the micro
+    batches (and data-parallel ranks) gives its whole-batch value.
+    """
 
     def __init__(self) -> None:
-        self._micro_batches: list[dict[str, Any]] = []
+        self._rows: list[dict[str, Any]] = []
 
     def add(self, metrics: Mapping[str, Any]) -> None:
-        self._micro_batches.append(dict(metrics))
+        """One micro batch's metrics: 0-d arrays (a loss's metrics are scalars)."""
+        for key, value in metrics.items():
+            if tuple(getattr(value, "shape", (None,))) != ():
+                raise ValueError(f"metric {key!r}: expected a 0-d array, got {type(value).__name__} "
+                                 f"of shape {tuple(getattr(value, 'shape', ()))}")
+        self._rows.append({k: ops_for(v).stop_gradient(v) for k, v in metrics.items()})
 
-    def totals(self) -> dict[str, Any]:
-        """Each metric summed over the micro batches (arrays of the metrics' engine): the
-        step's value, since every metric is normalised by global counts."""
-        totals: dict[str, Any] = {}
-        for metrics in self._micro_batches:
-            for key, value in metrics.items():
-                totals[key] = value if key not in totals else totals[key] + value
-        return totals
+    def __len__(self) -> int:
+        return len(self._rows)
 
-    def per_micro_batch(self) -> dict[str, list[float]]:
-        """``{metric: [value of micro batch 0, 1, ...]}`` as Python floats (reads the device)."""
+    @property
+    def keys(self) -> list[str]:
+        """Every metric name, sorted: the table's columns."""
+        return sorted({k for row in self._rows for k in row})
+
+    def table(self, like: Any) -> Any:
+        """[micro batches, keys] float32 array on the engine and device of ``like`` (0 where a
+        micro batch did not report a metric)."""
+        ops = ops_for(like)
+        keys = self.keys
+        zero = ops.to_compute(ops.zeros((), like))  # float32 (float64 if like is), on like's device
+        if not keys:
+            return ops.zeros((len(self._rows), 0), zero)
+        rows = [ops.concat([ops.expand_dims(ops.astype(row.get(k, zero), zero.dtype), 0) for k in keys], 0)
+                for row in self._rows]
+        return ops.concat([ops.expand_dims(r, 0) for r in rows], 0)
+
+    def per_micro_batch(self, values: Sequence[float]) -> dict[str, list[float]]:
+        """``{metric: [micro batch 0, 1, ...]}`` from the row-major host values of
+        :meth:`table` (a micro batch that did not report a metric is left out of its list)."""
+        keys = self.keys
         out: dict[str, list[float]] = {}
-        for metrics in self._micro_batches:
-            for key, value in metrics.items():
-                out.setdefault(key, []).append(float(value))
+        for r, row in enumerate(self._rows):
+            for i, key in enumerate(keys):
+                if key in row:
+                    out.setdefault(key, []).append(values[r * len(keys) + i])
         return out

@@ -61,14 +61,14 @@ def test_sft_messages_need_a_chat_template(tmp_path, capsys):
 def test_sft_every_sequence_over_the_limit(tmp_path, capsys):
     path = _jsonl(tmp_path, [{"prompt": "12+34=", "answer": "46"}] * 3)
     err = _run(capsys, tmp_path, "sft", f"data.dataset_name={path}", "data.on_long_sequence=filter",
-               "policy.max_total_sequence_length=4", "policy.generation.vllm_cfg.max_model_len=4")
+               "policy.max_total_sequence_length=4")
     assert "policy.max_total_sequence_length: all 3 rows of dataset" in err
 
 
 def test_sft_one_sequence_over_the_limit_in_error_mode(tmp_path, capsys):
     path = _jsonl(tmp_path, [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+34+56=", "answer": "102"}])
     err = _run(capsys, tmp_path, "sft", f"data.dataset_name={path}", "data.on_long_sequence=error",
-               "policy.max_total_sequence_length=10", "policy.generation.vllm_cfg.max_model_len=10")
+               "policy.max_total_sequence_length=10")
     assert "row 1 of dataset" in err and "14 tokens, over the limit of 10" in err
 
 

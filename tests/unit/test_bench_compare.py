@@ -15,6 +15,17 @@ from benchmarks.grpo_step import PHASES
 from core.cli import main as cli_main
 
 
+def test_a_compiled_layout_turns_dtensor_compile_on_in_every_config_it_builds():
+    """``dtensor-dp2 dtensor-dp2-compiled`` in one bench or parity run: eager vs compiled."""
+    from benchmarks.grpo_step import layout_overrides
+
+    for name, on in (("dtensor-dp2", False), ("dtensor-dp2-compiled", True)):
+        layout = parse_layout(name)
+        cfg = torch_backends.policy_config("m", "t", layout, 4, 16, "float32")
+        assert cfg["dtensor_cfg"]["compile"] is on
+        assert f"policy.dtensor_cfg.compile={str(on).lower()}" in layout_overrides(layout)
+
+
 def test_layout_names():
     assert parse_layout("dtensor-tp2-sp") == parse_layout("dtensor-tp2-sp")
     lay = parse_layout("dtensor-dp2-tp2")
@@ -27,9 +38,12 @@ def test_layout_names():
     jcp = parse_layout("jax-fsdp2-cp2")
     assert (jcp.dp, jcp.cp, jcp.devices, jcp.workers, jcp.sequence_multiple) == (2, 2, 4, 1, 4)
     assert parse_layout("fsdp1-dp2-packed").packed and not parse_layout("fsdp1-dp2").packed
+    compiled = parse_layout("dtensor-dp2-packed-compiled")
+    assert compiled.compiled and compiled.packed and not parse_layout("dtensor-dp2").compiled
     for bad, words in (("bogus", "unknown layout 'bogus'"), ("fsdp1-tp2", "FSDP1"), ("dtensor-dp2-sp", "-sp"),
                        ("jax-", "unknown layout"), ("dtensor-dp0", ">= 1"), ("fsdp1-dp2-cp2", "context parallel"),
-                       ("dtensor-packed", "unknown layout")):
+                       ("dtensor-packed", "unknown layout"), ("fsdp1-dp2-compiled", "torch_dtensor setting"),
+                       ("jax-fsdp2-compiled", "unknown layout"), ("dtensor-dp2-compiled-sp", "unknown layout")):
         with pytest.raises(LayoutError, match=re.escape(words)):
             parse_layout(bad)
     assert "needs 4 devices" in check_fits(parse_layout("dtensor-tp4"), 2, "--max-devices")

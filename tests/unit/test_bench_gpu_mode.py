@@ -18,8 +18,8 @@ from benchmarks import machine
 from benchmarks.gpu.cli import parse
 from benchmarks.gpu.report import failed, report
 from benchmarks.gpu.sections import vllm_skip_reason
-from benchmarks.gpu.workload import (BACKENDS, SIZES, full_batch, loss_measure, mfu, mfu_peak, optimizer_kwargs,
-                                     param_count, timing, tokens_per_s, worst_diff)
+from benchmarks.gpu.workload import (BACKENDS, COMPILED, SIZES, default_backends, full_batch, loss_measure, mfu,
+                                     mfu_peak, optimizer_kwargs, param_count, timing, tokens_per_s, worst_diff)
 from benchmarks.gpu.yardstick import make_steps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,6 +162,19 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[
     return proc, rows
 
 
+EAGER = default_backends("cpu")  # what a CPU run measures by default: every row but the compiled one
+
+
+def test_the_compiled_row_is_torch_dtensor_with_compile_on_and_runs_by_default_on_a_gpu_only():
+    from benchmarks.gpu.policy_rows import policy_config
+
+    assert default_backends("cuda") == list(BACKENDS) and COMPILED not in EAGER and len(EAGER) == 3
+    bench = types.SimpleNamespace(args=types.SimpleNamespace(batch=4, seq=16), model_path="m")
+    for backend, on in (("torch_dtensor", False), (COMPILED, True)):
+        cfg = policy_config(bench, backend, "float32", 2)
+        assert cfg["backend"] == "torch_dtensor" and cfg["dtensor_cfg"]["compile"] is on
+
+
 def _finite(*xs) -> bool:
     return all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
 
@@ -172,7 +185,7 @@ def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(tmp_path):
     m = rows[0]
     assert m["kind"] == "machine" and m["device"] == "cpu" and m["peak_tflops"] is None and m["params"] > 1e5
     tput = {r["backend"]: r for r in rows if r["kind"] == "throughput"}
-    assert set(tput) == {"hf eager", *BACKENDS}
+    assert set(tput) == {"hf eager", *EAGER}
     for name, r in tput.items():
         assert "error" not in r and r["mbs"] == 2, r
         assert _finite(r["logprobs"]["median_s"], r["train"]["median_s"], float(r["peak_bytes"])), r
@@ -180,7 +193,7 @@ def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(tmp_path):
         if name != "hf eager":  # random weights: ~ -ln(vocab) per token
             assert -2 * math.log(64) < r["mean_logprob"] < 0, r
     refit = {r["backend"]: r for r in rows if r["kind"] == "refit"}
-    assert set(refit) == set(BACKENDS)
+    assert set(refit) == set(EAGER)
     for r in refit.values():
         assert "error" not in r and r["transport"] == ["shm"] and _finite(r["first_s"], r["info_s"] + 1e-9), r
         # the whole fp32 model; the torch backends also stream the tied lm_head.weight (an alias)
@@ -191,14 +204,14 @@ def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(tmp_path):
                        "vLLM generation": "vLLM treated as absent (--no-vllm)"}
     out = proc.stdout
     assert "| hf eager | 2 |" in out and "| 1.00 |" in out and "SKIPPED vLLM generation: vLLM treated as absent" in out
-    for name in BACKENDS:
+    for name in EAGER:
         assert f"| {name} | 2 | " in out and f"| {name} | {refit[name]['tensors']} |" in out
     assert "MFU peak: MFU n/a on a CPU" in out and "ERROR" not in out
 
 
-@pytest.mark.slow  # ~40 s on 2 cores: three fresh fp32 Policies and the reference process
+@pytest.mark.slow  # ~80 s on 2 cores: four fresh fp32 Policies (one compiled) and the reference process
 def test_cpu_fp32_loss_curves_match_the_plain_torch_reference(tmp_path):
-    proc, rows = _run(tmp_path, "--sections", "loss")
+    proc, rows = _run(tmp_path, "--sections", "loss", "--backends", *BACKENDS)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     loss = {r["backend"]: r for r in rows if r["kind"] == "loss"}
     assert set(loss) == {"torch reference", *BACKENDS}

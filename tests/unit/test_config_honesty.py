@@ -203,6 +203,25 @@ def test_the_training_commands_refuse_it_at_start_up_naming_the_override(capsys,
            "checkpointing) (from override 'env.num_workers=1')" in capsys.readouterr().err
 
 
+def test_generation_settings_belong_to_grpo_alone(capsys, monkeypatch):
+    """SFT and DPO never generate, yet the workers divide every logit by generation's
+    temperature (so that GRPO trains on the distribution it sampled): a generation section
+    in an SFT/DPO run would silently change the loss.  GRPO cannot run without one."""
+    import core.cli as cli
+
+    monkeypatch.setattr(cli, "_run_function", lambda name: pytest.fail(f"dualrl {name} started with a bad config"))
+    for command in ("sft", "dpo"):
+        assert main([command, "policy.generation.temperature=0.7"]) == 2
+        err = capsys.readouterr().err
+        assert f"policy.generation: not used by dualrl {command}, which never generates" in err
+        assert "missing required key" not in err  # the refused section's own gaps are not listed
+        assert "(from override 'policy.generation.temperature=0.7')" in err
+    assert main(["grpo", "policy.generation=null"]) == 2
+    assert "policy.generation: missing; dualrl grpo samples its rollouts" in capsys.readouterr().err
+    for command in ("sft", "dpo"):  # the embedded configs say so themselves
+        assert load_config(EMBEDDED_CONFIGS[command])["policy"]["generation"] is None
+
+
 # ----------------------------------------------------------------------------- env
 def test_env_settings_a_builtin_environment_does_not_read_are_refused():
     from core.config.run_checks import BUILTIN_ENVIRONMENT_NAMES
@@ -214,11 +233,11 @@ def test_env_settings_a_builtin_environment_does_not_read_are_refused():
     load_config(GRPO, ["env.name=my_pkg.rewards:Env", "env.kwargs={a: 1}", "env.math={rel_tol: 0.1}"])  # a user's
 
 
-def test_compile_with_tensor_parallel_is_refused_before_any_worker_starts():
-    line = the_error("policy.dtensor_cfg.compile", "policy.dtensor_cfg.compile=true",
-                     "policy.dtensor_cfg.tensor_parallel_size=2")
-    assert "tensor_parallel_size=2" in line and "wrong gradients" in line
-    load_config(GRPO, ["policy.dtensor_cfg.compile=true"])  # tp = 1: allowed
-    # Another backend's knobs are accepted, so a switch is one --backend flag.
-    load_config(GRPO, ["policy.dtensor_cfg.compile=true", "policy.dtensor_cfg.tensor_parallel_size=2"],
-                backend="jax_pjit")
+def test_compile_is_accepted_with_every_parallelism():
+    """Compiled tensor-parallel blocks give the eager gradients since the fix in
+    backends/torch_dtensor/compile.py (tests/torch_backends/test_compile.py checks tp=2 with
+    and without sequence parallelism): no layout is refused any more."""
+    for extra in ([], ["policy.dtensor_cfg.tensor_parallel_size=2"],
+                  ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"]):
+        cfg = load_config(GRPO, ["policy.dtensor_cfg.compile=true", *extra])
+        assert cfg["policy"]["dtensor_cfg"]["compile"] is True

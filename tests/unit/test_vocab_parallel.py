@@ -11,24 +11,18 @@ a failing assertion cannot leave a peer waiting in a collective.
 
 from __future__ import annotations
 
-import queue as queue_lib
-import socket
-import time
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from core.kernels.logprobs import logprobs_from_logits, next_token_logprobs
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
+from core.testing.gloo_ranks import init_gloo, run_ranks
 
 B, S = 2, 5
 V = 48  # divisible by 2 and 4
-SPAWN_TIMEOUT_S = 120
-GLOO_TIMEOUT_S = 30  # a desynchronised collective fails the case instead of hanging
 
 TOLERANCES = {  # dtype -> (rtol, atol) for logprobs and gradients
     torch.float64: (1e-12, 1e-14),
@@ -239,14 +233,7 @@ def _worker(rank, world, port, results, case_names):
     """Child process: run the named cases in order and put (rank, {name: error or None})."""
     report = {}
     try:
-        torch.set_num_threads(1)  # the ranks share few cores
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=GLOO_TIMEOUT_S),
-        )
+        init_gloo(rank, world, port)
         cases = CASES_2 if world == 2 else CASES_4
         for name in case_names:
             try:
@@ -262,47 +249,9 @@ def _worker(rank, world, port, results, case_names):
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(world, case_names):
-    """Spawn ``world`` ranks running the cases -> {rank: {case: traceback or None}}.
-
-    Fails (instead of hanging) when a rank dies without reporting or the spawn overruns.
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(rank, world, port, results, list(case_names)), daemon=True)
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
-    reports, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while len(reports) < world and time.monotonic() < deadline:
-            try:
-                rank, report = results.get(timeout=0.5)
-                reports[rank] = report
-            except queue_lib.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    pytest.fail(f"a rank exited with code {dead[0]} without reporting")
-        if len(reports) < world:
-            pytest.fail(f"only ranks {sorted(reports)} of {world} reported within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    assert not bad, f"ranks exited non-zero (rank, code): {bad}"
-    return reports
+    """Spawn ``world`` ranks running the cases -> {rank: {case: traceback or None}}."""
+    return run_ranks(_worker, world, (list(case_names),))
 
 
 def _assert_case(reports, name):
