@@ -119,7 +119,7 @@ def test_exit_code_follows_the_verdict(monkeypatch, tmp_path, capsys):
     measured = _clean()
     measured["a"]["grad_norm"][0] += 1.0
     for results, rc in ((_results(_clean()), 0), (_results(measured), 1)):
-        monkeypatch.setattr(parity, "run_parity", lambda *a, _r=results, **k: _r)
+        monkeypatch.setattr(parity.cli, "run_parity", lambda *a, _r=results, **k: _r)  # what main() calls
         out = tmp_path / f"rc{rc}.json"
         assert cli_main(["parity", "--layouts", "fsdp1-dp2", "--json", str(out)]) == rc
         assert json.loads(out.read_text())["passed"] is (rc == 0)
