@@ -62,6 +62,8 @@ from benchmarks import refit as rf
 from benchmarks import torch_backends as tb
 from benchmarks.grpo_step import GRPOWorkload
 from benchmarks.layouts import Layout, LayoutError, check_batch, check_fits, jax_model_problem, parse_layout
+from benchmarks.machine import mfu
+from benchmarks.markdown import cell, pct, table
 
 SECTIONS = ("throughput", "refit", "generation", "grpo")
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp2", "jax-tp2"]
@@ -438,21 +440,9 @@ def machine_params(config) -> int:
 # ----------------------------------------------------------------------------- report
 
 
-def _f(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def _mib(values) -> str:
     vals = [v for v in (values or []) if v]
     return "/".join(f"{v / 2**20:.0f}" for v in vals) if vals else "-"
-
-
-def mfu(tokens_per_s: float | None, per_token: float, tflops: float | None) -> float | None:
-    return tokens_per_s * per_token / (tflops * 1e12) if tokens_per_s and tflops else None
 
 
 def throughput_summary(r: dict, hf: dict | None, tokens: int) -> dict:
@@ -476,25 +466,21 @@ def throughput_lines(results: dict) -> list[str]:
         if r is None or "logprobs_s" not in r:
             continue
         s = throughput_summary(r, hf, tokens)
-        rows.append([r["case"], str(r.get("workers", 1)), _f(r.get("startup_s"), ".1f"),
-                     _f(s["logprobs_first_s"], ".2f") + " / " + _f(s["train_first_s"], ".2f"),
-                     _f(s["logprobs_tok_s"], ",.0f"), _f(s["logprobs_x_hf"], ".2f"),
-                     _f(s["train_tok_s"], ",.0f"), _f(s["train_x_hf"], ".2f"),
-                     _f(_pct(mfu(s["logprobs_tok_s"], machine.flops_per_token(cfg, seq, False), peak)), ".1f"),
-                     _f(_pct(mfu(s["train_tok_s"], train_flops, peak)), ".1f"),
-                     *([_f(_pct(mfu(s["train_tok_s"], train_flops, sheet)), ".1f")] if sheet else []),
+        rows.append([r["case"], str(r.get("workers", 1)), cell(r.get("startup_s"), ".1f"),
+                     cell(s["logprobs_first_s"], ".2f") + " / " + cell(s["train_first_s"], ".2f"),
+                     cell(s["logprobs_tok_s"], ",.0f"), cell(s["logprobs_x_hf"], ".2f"),
+                     cell(s["train_tok_s"], ",.0f"), cell(s["train_x_hf"], ".2f"),
+                     cell(pct(mfu(s["logprobs_tok_s"], machine.flops_per_token(cfg, seq, False), peak)), ".1f"),
+                     cell(pct(mfu(s["train_tok_s"], train_flops, peak)), ".1f"),
+                     *([cell(pct(mfu(s["train_tok_s"], train_flops, sheet)), ".1f")] if sheet else []),
                      _mib(r.get("peak_memory_bytes"))])
     if not rows:
         return []
     return [f"### Throughput ({tokens} real tokens per call; ×HF against each layout's own paired HF calls; "
             f"MFU vs the measured {peak:.3g} TFLOP/s matmul peak)", "",
-            *_table(["layout", "workers", "start s", "first call s (lp / train)", "logprobs tok/s", "×HF",
+            *table(["layout", "workers", "start s", "first call s (lp / train)", "logprobs tok/s", "×HF",
                      "train tok/s", "×HF", "lp MFU %", "train MFU %",
                      *([f"train MFU % ({sheet:g} datasheet)"] if sheet else []), "peak MiB / worker"], rows), ""]
-
-
-def _pct(x: float | None) -> float | None:
-    return None if x is None else 100 * x
 
 
 def refit_lines(results: dict) -> list[str]:
@@ -510,12 +496,12 @@ def refit_lines(results: dict) -> list[str]:
         for transport, t in refit["transports"].items():
             med = tb.median(t.get("seconds"))
             gb = t.get("bytes", 0) / 1e9
-            rows.append([r["case"], transport, _f(gb, ".3f"), _f(med, ".3f"), _f(gb / med if med else None, ".2f"),
-                         _f(gb / copy if copy else None, ".2f"), t.get("error", "")])
+            rows.append([r["case"], transport, cell(gb, ".3f"), cell(med, ".3f"), cell(gb / med if med else None, ".2f"),
+                         cell(gb / copy if copy else None, ".2f"), t.get("error", "")])
     if not rows:
         return []
     return ["### Refit into the vLLM engine (memcpy: one warm copy of the same bytes, one thread)", "",
-            *_table(["layout", "transport", "GB", "seconds", "GB/s", "memcpy GB/s", "error"], rows), ""]
+            *table(["layout", "transport", "GB", "seconds", "GB/s", "memcpy GB/s", "error"], rows), ""]
 
 
 def grpo_lines(results: dict) -> list[str]:
@@ -530,15 +516,15 @@ def grpo_lines(results: dict) -> list[str]:
             rows.append([r["case"], g["error"]] + [""] * (len(PHASES) + 3))
             continue
         trl = tb.median(g.get("trl_step_s"))
-        rows.append([r["case"], _f(g["step_s"], ".2f"), _f(trl / g["step_s"] if trl else None, ".2f"),
-                     _f(trl, ".2f"), *[_f(g["phases_s"][p], ".2f") for p in PHASES],
-                     _f(g.get("token_mult_prob_error"), ".4f")])
+        rows.append([r["case"], cell(g["step_s"], ".2f"), cell(trl / g["step_s"] if trl else None, ".2f"),
+                     cell(trl, ".2f"), *[cell(g["phases_s"][p], ".2f") for p in PHASES],
+                     cell(g.get("token_mult_prob_error"), ".4f")])
     if not rows:
         return []
     work = results["grpo_workload"]
     return [f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens, "
             f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps)", "",
-            *_table(["layout", "step s", "×TRL", "TRL step s", *[f"{p} s" for p in PHASES],
+            *table(["layout", "step s", "×TRL", "TRL step s", *[f"{p} s" for p in PHASES],
                      "token_mult_prob_error"], rows), ""]
 
 

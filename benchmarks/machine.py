@@ -77,6 +77,11 @@ def flops_per_token(config: Any, seq: int, train: bool) -> float:
     return 3 * forward if train else forward
 
 
+def mfu(tokens_per_s: float | None, flops_per_token: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation (a fraction); None when either rate is unknown."""
+    return tokens_per_s * flops_per_token / (peak_tflops * 1e12) if tokens_per_s and peak_tflops else None
+
+
 def peak_rss_bytes(pid: int) -> int | None:
     """The high-water mark of a process's resident memory (``VmHWM``), or None if unreadable."""
     try:

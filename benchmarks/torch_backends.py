@@ -389,10 +389,6 @@ def ratio(r: dict, hf: dict | None, op: str, stat=statistics.median) -> float | 
     return stat(base) / stat(mine) if mine and base else None
 
 
-def fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _threads(result: dict) -> str:
     threads = result.get("threads")
     if not threads:

@@ -130,6 +130,7 @@ from pathlib import Path
 from benchmarks import jax_backend as jb
 from benchmarks import torch_backends as tb
 from benchmarks.layouts import Layout
+from benchmarks.markdown import cell
 
 ALGORITHMS = ("sft", "dpo")
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "jax-fsdp2", "dtensor-dp1"]
@@ -684,7 +685,7 @@ def report(results: list[dict], args, params: int | None, load: tuple[float, flo
                 word = "skipped" if "skipped" in r else "FAILED"
                 cells += [word, "-", r.get("skipped") or r.get("error") or "no steps"]
             else:
-                cells += [f"{tokens / statistics.median(r['step_s']):.0f}", tb.fmt(ratio(r, trl_row), ".2f"),
+                cells += [f"{tokens / statistics.median(r['step_s']):.0f}", cell(ratio(r, trl_row), ".2f"),
                           tb._spread(r["step_s"])]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Batches (identical ids for both frameworks; TRL's check = its collator's output of the whole "
@@ -715,10 +716,10 @@ def report(results: list[dict], args, params: int | None, load: tuple[float, flo
             loop = r.get("loop_s") if r["case"] == "trl" else r.get("trl_loop_s")
             check = (f"TRL first step: loss {r['first']['loss']:.6g}, grad norm {r['first']['grad_norm']:.6g}"
                      if r["case"] == "trl" and r.get("first") else _check(r.get("first"), (trl_row or {}).get("first")))
-            lines.append(f"{res['algorithm']:9} {r['case']:12} {tb.fmt(r.get('startup_s'), '.1f'):>7} "
-                         f"{tb.fmt(noop, '.1f'):>8} {tb.fmt(tb.median(paired), '.4f'):>12} "
-                         f"{tb.fmt(ratio(r, trl_row, min), '.2f'):>9} {tb.fmt(tb.median(r.get('ref_s')), '.4f'):>6} "
-                         f"{tb.fmt(tb.median(loop), '.4f'):>10}  {check}")
+            lines.append(f"{res['algorithm']:9} {r['case']:12} {cell(r.get('startup_s'), '.1f'):>7} "
+                         f"{cell(noop, '.1f'):>8} {cell(tb.median(paired), '.4f'):>12} "
+                         f"{cell(ratio(r, trl_row, min), '.2f'):>9} {cell(tb.median(r.get('ref_s')), '.4f'):>6} "
+                         f"{cell(tb.median(loop), '.4f'):>10}  {check}")
             if r.get("compile_counts"):
                 lines.append(f"{'':22} JAX get_compile_counts() at the end: {r['compile_counts']}"
                              + (f"; pinned to CPUs {r['pinned']}" if r.get("pinned") else ""))

@@ -3,23 +3,11 @@ table per section, the skip, attention and error notes; and whether the run fail
 
 from __future__ import annotations
 
-import math
-
-from benchmarks.gpu.workload import BACKENDS, mfu, tokens_per_s
+from benchmarks.gpu.workload import BACKENDS, tokens_per_s
+from benchmarks.machine import mfu
+from benchmarks.markdown import cell, pct, table
 
 ROW_ORDER = ("hf eager", "hf compile+fused", *BACKENDS)
-
-
-def _f(x: float | None, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
-
-
-def _pct(x: float | None) -> float | None:
-    return None if x is None else 100 * x
 
 
 def machine_line(m: dict) -> list[str]:
@@ -48,11 +36,11 @@ def throughput_rows(records: list[dict], m: dict) -> list[list[str]]:
         hf_lp = tokens_per_s(m["tokens"], hf["logprobs"]) if hf else None
         hf_tr = tokens_per_s(m["tokens"], hf["train"]) if hf else None
         peak_mib = r["peak_bytes"] / 2**20 if r.get("peak_bytes") else None
-        out.append([r["backend"], str(r["mbs"]), _f(lp, ",.0f"), _f(lp / hf_lp if hf_lp else None, ".2f"),
-                    _f(tr, ",.0f"), _f(tr / hf_tr if hf_tr else None, ".2f"),
-                    _f(_pct(mfu(lp, flops["forward"], peak)), ".1f"), _f(_pct(mfu(tr, flops["train"], peak)), ".1f"),
-                    _f(peak_mib, ",.0f") + (f" ({r['memory']})" if peak_mib else ""),
-                    f"{r['logprobs']['first_s']:.2f} / {r['train']['first_s']:.2f}", _f(r.get("startup_s"), ".1f")])
+        out.append([r["backend"], str(r["mbs"]), cell(lp, ",.0f"), cell(lp / hf_lp if hf_lp else None, ".2f"),
+                    cell(tr, ",.0f"), cell(tr / hf_tr if hf_tr else None, ".2f"),
+                    cell(pct(mfu(lp, flops["forward"], peak)), ".1f"), cell(pct(mfu(tr, flops["train"], peak)), ".1f"),
+                    cell(peak_mib, ",.0f") + (f" ({r['memory']})" if peak_mib else ""),
+                    f"{r['logprobs']['first_s']:.2f} / {r['train']['first_s']:.2f}", cell(r.get("startup_s"), ".1f")])
     return out
 
 
@@ -62,7 +50,7 @@ def throughput_lines(records: list[dict], m: dict) -> list[str]:
         return []
     return ["### Throughput (tokens/s = tokens per call / median seconds; ×HF = / hf eager at the same micro "
             "batch; MFU: forward 2N + 4LSd, train 6N + 12LSd FLOPs per token over the peak above)", "",
-            *_table(["row", "mbs", "logprobs tok/s", "×HF", "train tok/s", "×HF", "lp MFU %", "train MFU %",
+            *table(["row", "mbs", "logprobs tok/s", "×HF", "train tok/s", "×HF", "lp MFU %", "train MFU %",
                      "peak MiB", "first call s (lp / train)", "start s"], rows),
             "", "peak MiB: (device) = peak allocated on the GPU (JAX: process peak so far, XLA has no reset); "
             "(rss) = the process's peak resident memory. Policy rows are timed on the driver (Ray dispatch "
@@ -78,13 +66,13 @@ def refit_lines(records: list[dict]) -> list[str]:
         gb = r["bytes"] / 1e9
         gb_s = gb / r["median_s"] if r["median_s"] else None
         rows.append([r["backend"], str(r["tensors"]), f"{gb:.3f} {r['dtype']}", f"{r['info_s']:.2f}",
-                     f"{r['first_s']:.2f}", f"{r['median_s']:.2f}", _f(gb_s, ".2f"),
+                     f"{r['first_s']:.2f}", f"{r['median_s']:.2f}", cell(gb_s, ".2f"),
                      f"{r['buckets']} x {'/'.join(map(str, r['transport']))}"])
     if not rows:
         return []
     return ["### Refit source side (no engine: prepare_refit_info, then the whole stream of gathered, cast, "
             "exported buckets)", "",
-            *_table(["backend", "tensors", "GB", "prepare_refit_info s", "first stream s", "stream s", "GB/s",
+            *table(["backend", "tensors", "GB", "prepare_refit_info s", "first stream s", "stream s", "GB/s",
                      "buckets"], rows), ""]
 
 
@@ -93,19 +81,19 @@ def loss_lines(records: list[dict], tol: float | None) -> list[str]:
     if not rows:
         return []
     steps = len(rows[0].get("losses") or [])
-    table = []
+    loss_rows = []
     for r in rows:
         if "error" in r:
-            table.append([r["backend"], "FAILED (below)"] + ["-"] * (steps + 2))
+            loss_rows.append([r["backend"], "FAILED (below)"] + ["-"] * (steps + 2))
             continue
         ref = "passed" not in r
-        table.append([r["backend"], *(f"{x:.7f}" for x in r["losses"]),
-                      "-" if ref else f"{r['max_loss_diff']:.2e}", "-" if ref else f"{r['max_grad_norm_diff']:.2e}",
-                      "reference" if ref else ("PASS" if r["passed"] else "FAIL")])
+        loss_rows.append([r["backend"], *(f"{x:.7f}" for x in r["losses"]),
+                          "-" if ref else f"{r['max_loss_diff']:.2e}", "-" if ref else f"{r['max_grad_norm_diff']:.2e}",
+                          "reference" if ref else ("PASS" if r["passed"] else "FAIL")])
     return [f"### fp32 loss curves vs a plain-torch reference (measure |a - b| / max(1, |a|, |b|), max over "
             f"steps; pass if loss <= {tol:g})", "",
-            *_table(["backend", *(f"loss {i + 1}" for i in range(steps)), "max Δloss", "max Δgrad norm", "result"],
-                    table), ""]
+            *table(["backend", *(f"loss {i + 1}" for i in range(steps)), "max Δloss", "max Δgrad norm", "result"],
+                   loss_rows), ""]
 
 
 def report(records: list[dict], loss_tol: float | None = None) -> str:

@@ -115,10 +115,6 @@ def mfu_peak(device: str, device_name: str, precision: str, override: float | No
     return peak, f"datasheet dense bf16 peak of {device_name}"
 
 
-def mfu(tokens_per_s: float | None, flops_per_token: float, peak_tflops: float | None) -> float | None:
-    return tokens_per_s * flops_per_token / (peak_tflops * 1e12) if tokens_per_s and peak_tflops else None
-
-
 # ----------------------------------------------------------------------------- loss differences
 
 

@@ -18,8 +18,9 @@ from benchmarks import machine
 from benchmarks.gpu.cli import parse
 from benchmarks.gpu.report import failed, report
 from benchmarks.gpu.sections import vllm_skip_reason
-from benchmarks.gpu.workload import (BACKENDS, COMPILED, SIZES, default_backends, full_batch, loss_measure, mfu,
-                                     mfu_peak, optimizer_kwargs, param_count, timing, tokens_per_s, worst_diff)
+from benchmarks.gpu.workload import (BACKENDS, COMPILED, SIZES, default_backends, full_batch, loss_measure, mfu_peak,
+                                     optimizer_kwargs, param_count, timing, tokens_per_s, worst_diff)
+from benchmarks.machine import mfu
 from benchmarks.gpu.yardstick import make_steps
 
 REPO = Path(__file__).resolve().parents[2]
