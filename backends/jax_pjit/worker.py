@@ -214,11 +214,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
         """Each step output's rows that belong to this process's input rows (one process: all),
         their transfers started together."""
         if jax.process_count() == 1:
-            return [np.asarray(o) for o in jax.device_get(outs)]
+            return jax.device_get(outs)  # numpy arrays
         from jax.experimental import multihost_utils
 
         local = multihost_utils.global_array_to_host_local_array(outs, self.mesh, [P("fsdp")] * len(outs))
-        return [np.asarray(o) for o in jax.device_get(local)]
+        return jax.device_get(local)
 
     # ------------------------------------------------------------------ data
     def _device_batch(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -333,7 +333,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 pending.append(self._layout_logprob_step(self.params, self._device_batch(rows)))
             for start, next_lp in zip(starts, jax.device_get(pending)):  # read once all are queued
                 count = min(mbs, n - start)
-                out[start:start + count, 1:] = np.asarray(next_lp)[:count, :width - 1]
+                out[start:start + count, 1:] = next_lp[:count, :width - 1]
             return out * (np.arange(width)[None, :] < lengths[:, None])
         fsdp = self.mesh.shape["fsdp"]
         unpack, pending = [], []
@@ -347,7 +347,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 unpack.append((order, group, packs))
         for (order, group, packs), next_lp in zip(unpack, jax.device_get(pending)):  # read once all are queued
             for k, (a, b) in enumerate(group):
-                out[order[a:b], 1:] = packs[k].unpack_next_logprobs(np.asarray(next_lp)[k])
+                out[order[a:b], 1:] = packs[k].unpack_next_logprobs(next_lp[k])
         return out
 
     # ------------------------------------------------------------------ logprobs
