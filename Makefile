@@ -1,7 +1,7 @@
 # dualrl: two commands on a fresh machine.
 #   make run    creates .venv (if needed) and runs the main job (`dualrl grpo`: the embedded default)
 #   make test   creates .venv (if needed) and runs the fast test suite (CPU, no downloads)
-# Both are idempotent: .venv is rebuilt only when setup.py or this Makefile change.
+# Both are idempotent: .venv is rebuilt only when pyproject.toml or this Makefile change.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -16,7 +16,7 @@ VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 
 venv: $(STAMP)
 
-$(STAMP): setup.py Makefile
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and exactly pinned: an unpinned resolve would pull the newest CUDA build (GBs).
 	$(BIN)/pip install --quiet "torch==2.13.0"

@@ -82,21 +82,47 @@ class Size:
     warmup: int = 1
 
 
-def _llama(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, positions: int,
-           tied: bool) -> dict[str, Any]:
-    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=positions, tie_word_embeddings=tied)
+def _llama(
+    hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, positions: int, tied: bool
+) -> dict[str, Any]:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        tie_word_embeddings=tied,
+    )
 
 
 SIZES: dict[str, Size] = {
     # the built-in model's shape (vocab 32 = the character tokenizer rounded up for tp 2 / 4)
-    "tiny": Size(_llama(256, 512, 2, 8, 4, 32, 128, True), batch=8, seq=32, iters=2,
-                 grpo=GRPOWorkload(prompts=4, group=4, new_tokens=6, seq=32, micro_batch=8, steps=1)),
-    "small": Size(_llama(512, 1536, 8, 8, 4, 32, 512, True), batch=8, seq=256, iters=3,
-                  grpo=GRPOWorkload(prompts=16, group=8, new_tokens=16, seq=32, micro_batch=32, steps=2)),
-    "1b": Size(_llama(2048, 8192, 16, 32, 8, 128256, 4096, True), batch=8, seq=2048, precision="bfloat16",
-               micro=4, iters=5, warmup=2,
-               grpo=GRPOWorkload(prompts=32, group=8, new_tokens=256, seq=512, micro_batch=16, steps=3)),
+    "tiny": Size(
+        _llama(256, 512, 2, 8, 4, 32, 128, True),
+        batch=8,
+        seq=32,
+        iters=2,
+        grpo=GRPOWorkload(prompts=4, group=4, new_tokens=6, seq=32, micro_batch=8, steps=1),
+    ),
+    "small": Size(
+        _llama(512, 1536, 8, 8, 4, 32, 512, True),
+        batch=8,
+        seq=256,
+        iters=3,
+        grpo=GRPOWorkload(prompts=16, group=8, new_tokens=16, seq=32, micro_batch=32, steps=2),
+    ),
+    "1b": Size(
+        _llama(2048, 8192, 16, 32, 8, 128256, 4096, True),
+        batch=8,
+        seq=2048,
+        precision="bfloat16",
+        micro=4,
+        iters=5,
+        warmup=2,
+        grpo=GRPOWorkload(prompts=32, group=8, new_tokens=256, seq=512, micro_batch=16, steps=3),
+    ),
 }
 
 
@@ -154,8 +180,9 @@ def resolve_layouts(names: list[str], args) -> tuple[list[Layout], dict[str, str
         except LayoutError as err:
             bad[name] = str(err)
             continue
-        why = (check_fits(layout, args.max_devices, "--max-devices " + ("(GPUs)" if args.device == "cuda" else "(cores)"))
-               or check_batch(layout, args.batch))
+        why = check_fits(
+            layout, args.max_devices, "--max-devices " + ("(GPUs)" if args.device == "cuda" else "(cores)")
+        ) or check_batch(layout, args.batch)
         if why:
             bad[name] = why
         else:
@@ -245,14 +272,21 @@ def refit_rows(bench: Bench, probe) -> dict:
     eng = engine(bench)
     per_transport = rf.measure(probe._runner, eng, rf.TRANSPORTS, bench.args)
     nbytes = next((r["bytes"] for r in per_transport.values() if r.get("bytes")), None)
-    return {"transports": per_transport, "memcpy": rf.memcpy_seconds(nbytes) if nbytes else {},
-            "engine_startup_s": eng.startup_s}
+    return {
+        "transports": per_transport,
+        "memcpy": rf.memcpy_seconds(nbytes) if nbytes else {},
+        "engine_startup_s": eng.startup_s,
+    }
 
 
 def bench_layout(bench: Bench, layout: Layout, progress) -> dict:
     """Throughput and refit on one Policy (closed afterwards), then the GRPO step on a run of its own."""
-    row: dict[str, Any] = {"case": layout.name, "backend": layout.backend, "devices": layout.devices,
-                           "workers": layout.workers}
+    row: dict[str, Any] = {
+        "case": layout.name,
+        "backend": layout.backend,
+        "devices": layout.devices,
+        "workers": layout.workers,
+    }
     unsupported = jax_unsupported(bench, layout)
     if unsupported:
         return {**row, "error": unsupported}
@@ -293,9 +327,16 @@ def grpo_row(bench: Bench, layout: Layout) -> dict:
 
     work = bench.size.grpo
     try:
-        out = measure_grpo(layout, work, bench.model_path, bench.tokenizer_path, bench.args.precision,
-                           str(bench.tmp / f"grpo-{layout.name}"), generation=bench.args.grpo_generation,
-                           jax_cpu_slots=None if bench.args.device == "cuda" else bench.args.threads)
+        out = measure_grpo(
+            layout,
+            work,
+            bench.model_path,
+            bench.tokenizer_path,
+            bench.args.precision,
+            str(bench.tmp / f"grpo-{layout.name}"),
+            generation=bench.args.grpo_generation,
+            jax_cpu_slots=None if bench.args.device == "cuda" else bench.args.threads,
+        )
     except Exception as err:  # noqa: BLE001
         return {"error": _error(err)}
     if bench.trl is not None:
@@ -332,18 +373,32 @@ def start_trl(bench: Bench) -> None:
         bench.notes.append("TRL GRPOTrainer row skipped: benchmarks.trl_grpo runs TRL on the CPU only")
         return
     work = bench.size.grpo
-    cfg = grpo_config(parse_layout("fsdp1-dp1"), work, bench.model_path, bench.tokenizer_path,
-                      bench.args.precision, str(bench.tmp / "trl"), generation=bench.args.grpo_generation)
+    cfg = grpo_config(
+        parse_layout("fsdp1-dp1"),
+        work,
+        bench.model_path,
+        bench.tokenizer_path,
+        bench.args.precision,
+        str(bench.tmp / "trl"),
+        generation=bench.args.grpo_generation,
+    )
     items = training_prompts(cfg, bench.tokenizer, 16 * work.prompts)
-    spec = trl_grpo.spec_from_dualrl(cfg, [p.prompt for p in items], [str(p.metadata["ground_truth"]) for p in items],
-                                     bench.model_path, bench.tokenizer_path)
+    spec = trl_grpo.spec_from_dualrl(
+        cfg,
+        [p.prompt for p in items],
+        [str(p.metadata["ground_truth"]) for p in items],
+        bench.model_path,
+        bench.tokenizer_path,
+    )
     try:
         (bench.tmp / "trl").mkdir(parents=True, exist_ok=True)
         bench.trl = trl_grpo.TRLGRPORunner(spec, bench.tmp / "trl", bench.args.threads)
         for _ in range(work.warmup):
             bench.trl.step()
-        bench.notes.append(f"TRL {trl_grpo.trl_version()} GRPOTrainer: HF generate, {work.prompts} prompts x "
-                           f"{work.group}, {work.new_tokens} new tokens, one optimizer step per generation batch")
+        bench.notes.append(
+            f"TRL {trl_grpo.trl_version()} GRPOTrainer: HF generate, {work.prompts} prompts x "
+            f"{work.group}, {work.new_tokens} new tokens, one optimizer step per generation batch"
+        )
     except Exception as err:  # noqa: BLE001
         bench.notes.append(f"TRL GRPOTrainer row failed: {_error(err)}")
         bench.trl = None
@@ -355,8 +410,14 @@ def generation_row(bench: Bench) -> dict:
     from core.algorithms.rollouts import prompt_batch
 
     work = bench.size.grpo
-    cfg = grpo_config(parse_layout("fsdp1-dp1"), work, bench.model_path, bench.tokenizer_path,
-                      bench.args.precision, str(bench.tmp / "gen"))
+    cfg = grpo_config(
+        parse_layout("fsdp1-dp1"),
+        work,
+        bench.model_path,
+        bench.tokenizer_path,
+        bench.args.precision,
+        str(bench.tmp / "gen"),
+    )
     items = training_prompts(cfg, bench.tokenizer, work.prompts)
     batch = prompt_batch([p.input_ids for p in items], work.group, bench.tokenizer.pad_token_id)
     eng = engine(bench)
@@ -368,8 +429,13 @@ def generation_row(bench: Bench) -> dict:
             times.append(time.perf_counter() - t0)
             tokens = int(out["generation_lengths"].sum())
     seconds = statistics.median(times)
-    return {"sequences": batch.size, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "max_new_tokens": cfg["policy"]["generation"]["max_new_tokens"]}
+    return {
+        "sequences": batch.size,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "max_new_tokens": cfg["policy"]["generation"]["max_new_tokens"],
+    }
 
 
 def machine_facts(bench: Bench) -> dict:
@@ -377,9 +443,13 @@ def machine_facts(bench: Bench) -> dict:
 
     args = bench.args
     device = "cuda" if args.device == "cuda" else "cpu"
-    facts = {"device": torch.cuda.get_device_name(0) if device == "cuda" else machine.cpu_model(),
-             "cores": os.cpu_count(), "threads": args.threads, "precision": args.precision,
-             "matmul_tflops": machine.measured_matmul_tflops(device, args.precision, args.threads)}
+    facts = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else machine.cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": args.threads,
+        "precision": args.precision,
+        "matmul_tflops": machine.measured_matmul_tflops(device, args.precision, args.threads),
+    }
     if device == "cuda":
         facts["datasheet_tflops"] = machine.datasheet_tflops(facts["device"], args.precision)
     return facts
@@ -387,8 +457,14 @@ def machine_facts(bench: Bench) -> dict:
 
 def run(bench: Bench, progress) -> dict:
     args = bench.args
-    results: dict[str, Any] = {"size": args.size, "model": args.model or f"random {args.size} Llama",
-                               "batch": args.batch, "seq": args.seq, "micro": args.micro, "layouts": []}
+    results: dict[str, Any] = {
+        "size": args.size,
+        "model": args.model or f"random {args.size} Llama",
+        "batch": args.batch,
+        "seq": args.seq,
+        "micro": args.micro,
+        "layouts": [],
+    }
     bench.refit_skipped = vllm_missing()
     if bench.refit_skipped and "refit" in args.sections:
         bench.notes.append(f"refit rows skipped: {bench.refit_skipped}")
@@ -415,8 +491,9 @@ def run(bench: Bench, progress) -> dict:
             progress.update(1)
         if bench.hf is not None and "error" not in bench.hf_row:
             gpu_peak = getattr(bench.hf._runner, "last_reply", {}).get("peak_bytes")
-            bench.hf_row.update(bench.hf.summary(0),
-                                peak_memory_bytes=[gpu_peak or machine.peak_rss_bytes(bench.hf.pids[0])])
+            bench.hf_row.update(
+                bench.hf.summary(0), peak_memory_bytes=[gpu_peak or machine.peak_rss_bytes(bench.hf.pids[0])]
+            )
     finally:
         for part in (bench.hf, bench.trl, bench.engine):
             if part is not None:
@@ -466,21 +543,47 @@ def throughput_lines(results: dict) -> list[str]:
         if r is None or "logprobs_s" not in r:
             continue
         s = throughput_summary(r, hf, tokens)
-        rows.append([r["case"], str(r.get("workers", 1)), cell(r.get("startup_s"), ".1f"),
-                     cell(s["logprobs_first_s"], ".2f") + " / " + cell(s["train_first_s"], ".2f"),
-                     cell(s["logprobs_tok_s"], ",.0f"), cell(s["logprobs_x_hf"], ".2f"),
-                     cell(s["train_tok_s"], ",.0f"), cell(s["train_x_hf"], ".2f"),
-                     cell(pct(mfu(s["logprobs_tok_s"], machine.flops_per_token(cfg, seq, False), peak)), ".1f"),
-                     cell(pct(mfu(s["train_tok_s"], train_flops, peak)), ".1f"),
-                     *([cell(pct(mfu(s["train_tok_s"], train_flops, sheet)), ".1f")] if sheet else []),
-                     _mib(r.get("peak_memory_bytes"))])
+        rows.append(
+            [
+                r["case"],
+                str(r.get("workers", 1)),
+                cell(r.get("startup_s"), ".1f"),
+                cell(s["logprobs_first_s"], ".2f") + " / " + cell(s["train_first_s"], ".2f"),
+                cell(s["logprobs_tok_s"], ",.0f"),
+                cell(s["logprobs_x_hf"], ".2f"),
+                cell(s["train_tok_s"], ",.0f"),
+                cell(s["train_x_hf"], ".2f"),
+                cell(pct(mfu(s["logprobs_tok_s"], machine.flops_per_token(cfg, seq, False), peak)), ".1f"),
+                cell(pct(mfu(s["train_tok_s"], train_flops, peak)), ".1f"),
+                *([cell(pct(mfu(s["train_tok_s"], train_flops, sheet)), ".1f")] if sheet else []),
+                _mib(r.get("peak_memory_bytes")),
+            ]
+        )
     if not rows:
         return []
-    return [f"### Throughput ({tokens} real tokens per call; ×HF against each layout's own paired HF calls; "
-            f"MFU vs the measured {peak:.3g} TFLOP/s matmul peak)", "",
-            *table(["layout", "workers", "start s", "first call s (lp / train)", "logprobs tok/s", "×HF",
-                     "train tok/s", "×HF", "lp MFU %", "train MFU %",
-                     *([f"train MFU % ({sheet:g} datasheet)"] if sheet else []), "peak MiB / worker"], rows), ""]
+    return [
+        f"### Throughput ({tokens} real tokens per call; ×HF against each layout's own paired HF calls; "
+        f"MFU vs the measured {peak:.3g} TFLOP/s matmul peak)",
+        "",
+        *table(
+            [
+                "layout",
+                "workers",
+                "start s",
+                "first call s (lp / train)",
+                "logprobs tok/s",
+                "×HF",
+                "train tok/s",
+                "×HF",
+                "lp MFU %",
+                "train MFU %",
+                *([f"train MFU % ({sheet:g} datasheet)"] if sheet else []),
+                "peak MiB / worker",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def refit_lines(results: dict) -> list[str]:
@@ -496,12 +599,25 @@ def refit_lines(results: dict) -> list[str]:
         for transport, t in refit["transports"].items():
             med = tb.median(t.get("seconds"))
             gb = t.get("bytes", 0) / 1e9
-            rows.append([r["case"], transport, cell(gb, ".3f"), cell(med, ".3f"), cell(gb / med if med else None, ".2f"),
-                         cell(gb / copy if copy else None, ".2f"), t.get("error", "")])
+            rows.append(
+                [
+                    r["case"],
+                    transport,
+                    cell(gb, ".3f"),
+                    cell(med, ".3f"),
+                    cell(gb / med if med else None, ".2f"),
+                    cell(gb / copy if copy else None, ".2f"),
+                    t.get("error", ""),
+                ]
+            )
     if not rows:
         return []
-    return ["### Refit into the vLLM engine (memcpy: one warm copy of the same bytes, one thread)", "",
-            *table(["layout", "transport", "GB", "seconds", "GB/s", "memcpy GB/s", "error"], rows), ""]
+    return [
+        "### Refit into the vLLM engine (memcpy: one warm copy of the same bytes, one thread)",
+        "",
+        *table(["layout", "transport", "GB", "seconds", "GB/s", "memcpy GB/s", "error"], rows),
+        "",
+    ]
 
 
 def grpo_lines(results: dict) -> list[str]:
@@ -516,31 +632,48 @@ def grpo_lines(results: dict) -> list[str]:
             rows.append([r["case"], g["error"]] + [""] * (len(PHASES) + 3))
             continue
         trl = tb.median(g.get("trl_step_s"))
-        rows.append([r["case"], cell(g["step_s"], ".2f"), cell(trl / g["step_s"] if trl else None, ".2f"),
-                     cell(trl, ".2f"), *[cell(g["phases_s"][p], ".2f") for p in PHASES],
-                     cell(g.get("token_mult_prob_error"), ".4f")])
+        rows.append(
+            [
+                r["case"],
+                cell(g["step_s"], ".2f"),
+                cell(trl / g["step_s"] if trl else None, ".2f"),
+                cell(trl, ".2f"),
+                *[cell(g["phases_s"][p], ".2f") for p in PHASES],
+                cell(g.get("token_mult_prob_error"), ".4f"),
+            ]
+        )
     if not rows:
         return []
     work = results["grpo_workload"]
-    return [f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens, "
-            f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps)", "",
-            *table(["layout", "step s", "×TRL", "TRL step s", *[f"{p} s" for p in PHASES],
-                     "token_mult_prob_error"], rows), ""]
+    return [
+        f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens, "
+        f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps)",
+        "",
+        *table(["layout", "step s", "×TRL", "TRL step s", *[f"{p} s" for p in PHASES], "token_mult_prob_error"], rows),
+        "",
+    ]
 
 
 def report(results: dict) -> str:
     m = results["machine"]
-    lines = [f"## dualrl bench --size {results['size']}: {results['model']}, {results['params'] or 0:,} parameters",
-             "", f"machine: {m['device']}, {m['cores']} cores; {m['threads']} threads per layout; {m['precision']}; "
-             f"matmul peak measured {m['matmul_tflops']:.3g} TFLOP/s"
-             + (f", datasheet {m['datasheet_tflops']:g}" if m.get("datasheet_tflops") else "")
-             + f"; batch {results['batch']} x {results['seq']}" + (f", micro {results['micro']}" if results["micro"] else ""),
-             ""]
+    lines = [
+        f"## dualrl bench --size {results['size']}: {results['model']}, {results['params'] or 0:,} parameters",
+        "",
+        f"machine: {m['device']}, {m['cores']} cores; {m['threads']} threads per layout; {m['precision']}; "
+        f"matmul peak measured {m['matmul_tflops']:.3g} TFLOP/s"
+        + (f", datasheet {m['datasheet_tflops']:g}" if m.get("datasheet_tflops") else "")
+        + f"; batch {results['batch']} x {results['seq']}"
+        + (f", micro {results['micro']}" if results["micro"] else ""),
+        "",
+    ]
     lines += throughput_lines(results) + refit_lines(results)
     gen = results.get("generation")
     if gen and "tokens_per_s" in gen:
-        lines += [f"### vLLM generation: {gen['tokens_per_s']:,.0f} tokens/s ({gen['sequences']} sequences, "
-                  f"{gen['tokens']} tokens in {gen['seconds']:.2f} s, up to {gen['max_new_tokens']} new tokens each)", ""]
+        lines += [
+            f"### vLLM generation: {gen['tokens_per_s']:,.0f} tokens/s ({gen['sequences']} sequences, "
+            f"{gen['tokens']} tokens in {gen['seconds']:.2f} s, up to {gen['max_new_tokens']} new tokens each)",
+            "",
+        ]
     elif gen:
         lines += [f"vLLM generation: {gen.get('skipped') or gen.get('error')}", ""]
     lines += grpo_lines(results)
@@ -580,12 +713,16 @@ def plot(results: dict, path: Path) -> Path | None:
     for phase in [*PHASES, "trl step"]:
         vals = [g["phases_s"].get(phase, 0.0) for _, g in grpo + trl]
         axes[1].bar(range(len(vals)), vals, bottom=bottom, label=phase)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     axes[1].set(title="GRPO step seconds", xticks=range(len(bottom)))
     axes[1].set_xticklabels([n for n, _ in grpo + trl], rotation=30, ha="right")
     axes[1].legend(fontsize=7)
-    refit = [(r["case"], t, v) for r in results["layouts"] for t, v in ((r.get("refit") or {}).get("transports") or {}).items()
-             if v.get("seconds")]
+    refit = [
+        (r["case"], t, v)
+        for r in results["layouts"]
+        for t, v in ((r.get("refit") or {}).get("transports") or {}).items()
+        if v.get("seconds")
+    ]
     axes[2].bar(range(len(refit)), [v["bytes"] / 1e9 / tb.median(v["seconds"]) for _, _, v in refit])
     axes[2].set(title="refit GB/s", xticks=range(len(refit)))
     axes[2].set_xticklabels([f"{n} {t}" for n, t, _ in refit], rotation=30, ha="right")
@@ -600,13 +737,19 @@ def plot(results: dict, path: Path) -> Path | None:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog or "python -m benchmarks.compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m benchmarks.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--size", default="small", choices=list(SIZES))
-    parser.add_argument("--layouts", nargs="+", help=f"default: {' '.join(DEFAULT_LAYOUTS)} "
-                                                     f"(cuda: {' '.join(GPU_LAYOUTS)})")
-    parser.add_argument("--model", help="any HF causal LM (path or hub id; a core.testing tiny model name) "
-                                        "instead of the size's random Llama")
+    parser.add_argument(
+        "--layouts", nargs="+", help=f"default: {' '.join(DEFAULT_LAYOUTS)} (cuda: {' '.join(GPU_LAYOUTS)})"
+    )
+    parser.add_argument(
+        "--model",
+        help="any HF causal LM (path or hub id; a core.testing tiny model name) instead of the size's random Llama",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--out", default="runs/bench", help="directory of bench.png / bench.json")
@@ -615,7 +758,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         parser.add_argument(f"--{name}", type=kind, help="default: the size's")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], help="default: the size's")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per layout")
-    parser.add_argument("--max-devices", type=int, help="devices a layout may use (default: cores on CPU, GPUs on cuda)")
+    parser.add_argument(
+        "--max-devices", type=int, help="devices a layout may use (default: cores on CPU, GPUs on cuda)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -653,26 +798,32 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.device == "cuda" and not args.max_devices:
         print("bench: --device cuda: no CUDA GPU is visible", file=sys.stderr)
         return 2
-    from tqdm import tqdm
-
     import ray
+    from tqdm import tqdm
 
     wall = time.perf_counter()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    phases = len(args.layout_objs) * (("throughput" in args.sections or "refit" in args.sections)
-                                      + ("grpo" in args.sections)) + ("generation" in args.sections)
-    with tempfile.TemporaryDirectory(prefix="dualrl-bench-") as tmp, \
-            tqdm(total=phases, disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as progress:
+    phases = len(args.layout_objs) * (
+        ("throughput" in args.sections or "refit" in args.sections) + ("grpo" in args.sections)
+    ) + ("generation" in args.sections)
+    with (
+        tempfile.TemporaryDirectory(prefix="dualrl-bench-") as tmp,
+        tqdm(total=phases, disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as progress,
+    ):
         bench = Bench(args=args, size=SIZES[args.size], tmp=Path(tmp))
         try:
             results = run(bench, progress)
         finally:
             if bench.session is not None and bench.session.owned and ray.is_initialized():
                 ray.shutdown()
-    results.update(rejected=args.rejected, seconds=time.perf_counter() - wall,
-                   grpo_workload=vars(bench.size.grpo), grpo_generation=args.grpo_generation,
-                   load=os.getloadavg())
+    results.update(
+        rejected=args.rejected,
+        seconds=time.perf_counter() - wall,
+        grpo_workload=vars(bench.size.grpo),
+        grpo_generation=args.grpo_generation,
+        load=os.getloadavg(),
+    )
     results["_config"] = bench.config
     text = report(results)
     del results["_config"]
@@ -681,8 +832,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     png = plot(results, out_dir / "bench.png")
     print(text)
     print(f"\n{results['seconds']:.0f} s; JSON {json_path}; chart {png}")
-    failed = args.rejected or any("error" in r or "skipped" in r or "error" in (r.get("grpo") or {})
-                                  for r in results["layouts"])
+    failed = args.rejected or any(
+        "error" in r or "skipped" in r or "error" in (r.get("grpo") or {}) for r in results["layouts"]
+    )
     return 1 if failed else 0
 
 

@@ -136,8 +136,10 @@ class RaySession:
 
         if not self.owned:
             if devices is not None and devices != self.devices:
-                raise RuntimeError(f"Ray was started by the caller with {self.devices} XLA host device(s) "
-                                   f"per actor; this case needs {devices}")
+                raise RuntimeError(
+                    f"Ray was started by the caller with {self.devices} XLA host device(s) "
+                    f"per actor; this case needs {devices}"
+                )
             return
         if ray.is_initialized() and devices in (None, self.devices):
             return
@@ -219,8 +221,16 @@ class JaxPolicyRunner(tb.PolicyRunner):
         # torch_backends' policy section for one data-parallel rank: one micro batch of `batch`.
         micro = args.micro * layout.dp if getattr(args, "micro", None) else None  # rows split over fsdp
         host = Layout(name, "jax_pjit", cp=layout.cp, packed=layout.packed)  # the host's rows: all of them
-        cfg = tb.policy_config(model_path, tokenizer_path, host, args.batch, args.seq,
-                               args.precision, micro, getattr(args, "packing", None))
+        cfg = tb.policy_config(
+            model_path,
+            tokenizer_path,
+            host,
+            args.batch,
+            args.seq,
+            args.precision,
+            micro,
+            getattr(args, "packing", None),
+        )
         cfg["jax_cfg"].update(fsdp_size=layout.dp, tensor_parallel_size=layout.tp, context_parallel_size=layout.cp)
         self._start(name, cfg, tokenizer, args, 1, args.threads, cfg["train_micro_batch_size"])
         try:
@@ -230,8 +240,10 @@ class JaxPolicyRunner(tb.PolicyRunner):
             self.mesh, self.pids = info["mesh"], [info["pid"]]
             self.pinned = None
             cpus = sorted(os.sched_getaffinity(info["pid"]))
-            if args.threads < len(cpus) and not tb.on_cuda(args):  # XLA sized its pool to the affinity mask: shrink the mask
-                self.pinned = set(cpus[:args.threads])
+            if args.threads < len(cpus) and not tb.on_cuda(
+                args
+            ):  # XLA sized its pool to the affinity mask: shrink the mask
+                self.pinned = set(cpus[: args.threads])
                 pin_process(info["pid"], self.pinned)
             self.threads = [thread_names(info["pid"])[XLA_POOL_THREAD] or None]
         except BaseException:
@@ -275,12 +287,17 @@ class Probe:
     def close(self) -> None:
         try:
             names = [thread_names(pid) for pid in self.pids]
-            self.facts = {"os_threads": [sum(n.values()) for n in names],
-                          "xla_pool_threads": [n[XLA_POOL_THREAD] for n in names],
-                          "allowed_cpus": [allowed_cpus(pid) for pid in self.pids]}
+            self.facts = {
+                "os_threads": [sum(n.values()) for n in names],
+                "xla_pool_threads": [n[XLA_POOL_THREAD] for n in names],
+                "allowed_cpus": [allowed_cpus(pid) for pid in self.pids],
+            }
             if isinstance(self._runner, JaxPolicyRunner):
-                self.facts.update(compile_counts=self._runner.compile_counts(), mesh=self._runner.mesh,
-                                  pinned=sorted(self._runner.pinned) if self._runner.pinned else None)
+                self.facts.update(
+                    compile_counts=self._runner.compile_counts(),
+                    mesh=self._runner.mesh,
+                    pinned=sorted(self._runner.pinned) if self._runner.pinned else None,
+                )
         finally:
             self._runner.close()
 
@@ -301,8 +318,20 @@ def main(argv=None) -> int:
     """``dualrl bench`` on HF, two torch layouts and the JAX layouts, throughput only."""
     from benchmarks import compare
 
-    return compare.main(["--sections", "throughput", "--layouts", *CASES[1:], "--model", "llama_bench", "--seq", "256",
-                         *(argv if argv is not None else sys.argv[1:])], prog="python -m benchmarks.jax_backend")
+    return compare.main(
+        [
+            "--sections",
+            "throughput",
+            "--layouts",
+            *CASES[1:],
+            "--model",
+            "llama_bench",
+            "--seq",
+            "256",
+            *(argv if argv is not None else sys.argv[1:]),
+        ],
+        prog="python -m benchmarks.jax_backend",
+    )
 
 
 if __name__ == "__main__":

@@ -129,8 +129,19 @@ def run_case(engine: str, impl: str, backward: bool, shape, repeats: int) -> dic
 
 
 def _spawn(engine, impl, backward, shape, repeats) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.kernels", "--child", engine, impl, str(int(backward)),
-           "--shape", *map(str, shape), "--repeats", str(repeats)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.kernels",
+        "--child",
+        engine,
+        impl,
+        str(int(backward)),
+        "--shape",
+        *map(str, shape),
+        "--repeats",
+        str(repeats),
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])

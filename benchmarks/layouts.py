@@ -26,8 +26,10 @@ from dataclasses import dataclass
 _TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-sp)?(-packed)?(-compiled)?")
 _JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-packed)?")
 BACKEND_OF = {"fsdp1": "torch_fsdp", "dtensor": "torch_dtensor", "jax": "jax_pjit"}
-GRAMMAR = ("fsdp1-dp<D>[-packed], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed][-compiled], "
-           "jax-[fsdp<F>][-cp<C>][-tp<T>][-packed]")
+GRAMMAR = (
+    "fsdp1-dp<D>[-packed], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed][-compiled], "
+    "jax-[fsdp<F>][-cp<C>][-tp<T>][-packed]"
+)
 
 
 class LayoutError(ValueError):
@@ -69,14 +71,16 @@ def parse_layout(name: str) -> Layout:
     torch_match, jax_match = _TORCH.fullmatch(name), _JAX.fullmatch(name)
     if torch_match and any(torch_match.group(i) for i in (2, 3, 4)):
         kind, dp, cp, tp, sp, packed, compiled = torch_match.groups()
-        layout = Layout(name, BACKEND_OF[kind], int(dp or 1), int(tp or 1), bool(sp), int(cp or 1), bool(packed),
-                        bool(compiled))
+        layout = Layout(
+            name, BACKEND_OF[kind], int(dp or 1), int(tp or 1), bool(sp), int(cp or 1), bool(packed), bool(compiled)
+        )
         if kind == "fsdp1" and layout.compiled:
-            raise LayoutError(f"layout {name!r}: -compiled is policy.dtensor_cfg.compile, a torch_dtensor "
-                              "setting; use dtensor-...-compiled")
+            raise LayoutError(
+                f"layout {name!r}: -compiled is policy.dtensor_cfg.compile, a torch_dtensor "
+                "setting; use dtensor-...-compiled"
+            )
         if kind == "fsdp1" and (layout.tp > 1 or layout.cp > 1):
-            raise LayoutError(f"layout {name!r}: FSDP1 (torch_fsdp) has no tensor or context parallel; "
-                              "use dtensor-...")
+            raise LayoutError(f"layout {name!r}: FSDP1 (torch_fsdp) has no tensor or context parallel; use dtensor-...")
         if layout.sp and layout.tp < 2:
             raise LayoutError(f"layout {name!r}: sequence parallel (-sp) needs tensor parallel tp >= 2")
     elif jax_match and any(jax_match.group(i) for i in (1, 2, 3)):

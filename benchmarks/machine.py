@@ -33,8 +33,9 @@ def datasheet_tflops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def measured_matmul_tflops(device: str, precision: str, threads: int, size: int | None = None,
-                           repeats: int = 5) -> float:
+def measured_matmul_tflops(
+    device: str, precision: str, threads: int, size: int | None = None, repeats: int = 5
+) -> float:
     """Best-of-``repeats`` TFLOP/s of one ``[n, n] @ [n, n]`` matmul with ``threads`` CPU threads
     (or on the GPU); ``n`` = 1024 on CPU, 8192 on a GPU."""
     import torch
@@ -54,7 +55,7 @@ def measured_matmul_tflops(device: str, precision: str, threads: int, size: int 
             a @ b
             sync()
             best = min(best, time.perf_counter() - t0)
-        return 2 * n ** 3 / best / 1e12
+        return 2 * n**3 / best / 1e12
     finally:
         torch.set_num_threads(previous)
 

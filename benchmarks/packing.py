@@ -53,10 +53,11 @@ def uneven_batch(lengths: list[int], seq: int, vocab: int):
 
     g = torch.Generator().manual_seed(0)
     lens = torch.tensor(lengths)
-    valid = (torch.arange(seq)[None, :] < lens[:, None])
+    valid = torch.arange(seq)[None, :] < lens[:, None]
     ids = torch.randint(1, vocab, (len(lengths), seq), generator=g) * valid
-    return BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=valid.float(),
-                           sample_mask=torch.ones(len(lengths)))
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lens, token_mask=valid.float(), sample_mask=torch.ones(len(lengths))
+    )
 
 
 def start_runner(name: str, model: str, tokenizer, args, packing: dict | None):
@@ -68,8 +69,12 @@ def start_runner(name: str, model: str, tokenizer, args, packing: dict | None):
 
 
 def bench_layout(name: str, model: str, tokenizer, data, args) -> dict:
-    budget = {"enabled": True, "train_mb_tokens": args.budget, "logprob_mb_tokens": args.budget,
-              "algorithm": args.algorithm}
+    budget = {
+        "enabled": True,
+        "train_mb_tokens": args.budget,
+        "logprob_mb_tokens": args.budget,
+        "algorithm": args.algorithm,
+    }
     runners = {}
     try:
         runners["padded"] = start_runner(name, model, tokenizer, args, None)
@@ -91,26 +96,36 @@ def bench_layout(name: str, model: str, tokenizer, data, args) -> dict:
     row = {"layout": name, "max_abs_logprob_diff": float((lp["padded"] - lp["packed"]).abs().max())}
     for op in OPS:
         pad, pack = statistics.median(times["padded"][op]), statistics.median(times["packed"][op])
-        row[op] = {"padded_s": times["padded"][op], "packed_s": times["packed"][op],
-                   "padded_tokens_per_s": tokens / pad, "packed_tokens_per_s": tokens / pack, "speedup": pad / pack}
+        row[op] = {
+            "padded_s": times["padded"][op],
+            "packed_s": times["packed"][op],
+            "padded_tokens_per_s": tokens / pad,
+            "packed_tokens_per_s": tokens / pack,
+            "speedup": pad / pack,
+        }
     return row
 
 
 def report(results: dict) -> str:
-    lines = [f"Sequence packing vs padding -- {results['model']}, batch {results['batch']} x width "
-             f"{results['seq']}, {results['tokens']} real tokens, padded fraction {results['padded_fraction']:.2f} "
-             f"(predicts x{results['predicted_speedup']:.2f}), packing budget {results['budget']} tokens, "
-             f"{results['threads']} threads per case", "",
-             "| layout | logprobs tok/s padded | packed | x | train tok/s padded | packed | x | max |lp diff| |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Sequence packing vs padding -- {results['model']}, batch {results['batch']} x width "
+        f"{results['seq']}, {results['tokens']} real tokens, padded fraction {results['padded_fraction']:.2f} "
+        f"(predicts x{results['predicted_speedup']:.2f}), packing budget {results['budget']} tokens, "
+        f"{results['threads']} threads per case",
+        "",
+        "| layout | logprobs tok/s padded | packed | x | train tok/s padded | packed | x | max |lp diff| |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["layouts"]:
         if "error" in r:
             lines.append(f"| {r['layout']} | ERROR: {r['error']} |")
             continue
         lp, tr = r["logprobs"], r["train"]
-        lines.append(f"| {r['layout']} | {lp['padded_tokens_per_s']:.0f} | {lp['packed_tokens_per_s']:.0f} | "
-                     f"{lp['speedup']:.2f} | {tr['padded_tokens_per_s']:.0f} | {tr['packed_tokens_per_s']:.0f} | "
-                     f"{tr['speedup']:.2f} | {r['max_abs_logprob_diff']:.1e} |")
+        lines.append(
+            f"| {r['layout']} | {lp['padded_tokens_per_s']:.0f} | {lp['packed_tokens_per_s']:.0f} | "
+            f"{lp['speedup']:.2f} | {tr['padded_tokens_per_s']:.0f} | {tr['packed_tokens_per_s']:.0f} | "
+            f"{tr['speedup']:.2f} | {r['max_abs_logprob_diff']:.1e} |"
+        )
     return "\n".join(lines)
 
 
@@ -141,8 +156,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse(argv)
     lengths = uneven_lengths(args.batch, args.seq)
-    results = {"model": f"random {args.size} Llama", "batch": args.batch, "seq": args.seq, "budget": args.budget,
-               "threads": args.threads, "tokens": sum(lengths), "lengths": lengths, "layouts": []}
+    results = {
+        "model": f"random {args.size} Llama",
+        "batch": args.batch,
+        "seq": args.seq,
+        "budget": args.budget,
+        "threads": args.threads,
+        "tokens": sum(lengths),
+        "lengths": lengths,
+        "layouts": [],
+    }
     results["padded_fraction"] = 1 - sum(lengths) / (args.batch * args.seq)
     results["predicted_speedup"] = 1 / (1 - results["padded_fraction"])
     session = jb.RaySession(args)
@@ -157,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 layout = parse_layout(name)
                 session.start(layout.devices if layout.is_jax else None)
-                results["layouts"].append({**bench_layout(name, model, tokenizer, data, args),
-                                           "wall_s": time.perf_counter() - t0})
+                results["layouts"].append(
+                    {**bench_layout(name, model, tokenizer, data, args), "wall_s": time.perf_counter() - t0}
+                )
             except Exception as err:  # noqa: BLE001 - one layout's failure is reported, the rest run
                 failed = True
                 results["layouts"].append({"layout": name, "error": f"{type(err).__name__}: {err}".splitlines()[0]})

@@ -69,21 +69,30 @@ def engine_config(model_path: str, tokenizer_path: str, args) -> dict:
     """The benchmarks' policy section with a vLLM engine long enough for ``--seq``."""
     from transformers import AutoConfig
 
-    cfg = tb.policy_config(model_path, tokenizer_path, Layout("engine", "torch_fsdp"), args.batch, args.seq,
-                           args.precision)
+    cfg = tb.policy_config(
+        model_path, tokenizer_path, Layout("engine", "torch_fsdp"), args.batch, args.seq, args.precision
+    )
     cfg["generation"]["backend"] = "vllm"
     # long enough for --seq, never longer than the model's positions (vLLM refuses that)
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or args.seq
-    cfg["generation"]["vllm_cfg"]["max_model_len"] = min(max(args.seq, cfg["generation"]["vllm_cfg"]["max_model_len"]),
-                                                         max(positions, args.seq))
+    cfg["generation"]["vllm_cfg"]["max_model_len"] = min(
+        max(args.seq, cfg["generation"]["vllm_cfg"]["max_model_len"]), max(positions, args.seq)
+    )
     return cfg
 
 
 class Engine:
     """One vLLM engine (``VllmGeneration``) on a one-bundle cluster of its own."""
 
-    def __init__(self, model_path: str, tokenizer_path: str, tokenizer, args, cfg: dict | None = None,
-                 name: str = "bench-refit-vllm") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str,
+        tokenizer,
+        args,
+        cfg: dict | None = None,
+        name: str = "bench-refit-vllm",
+    ) -> None:
         """``cfg``: the policy section it serves (default: :func:`engine_config`)."""
         from core.distributed import RayVirtualCluster
         from core.generation.vllm_generation import VllmGeneration
@@ -92,8 +101,9 @@ class Engine:
         self.generation = None
         try:
             t0 = time.perf_counter()
-            self.generation = VllmGeneration(self._cluster, cfg or engine_config(model_path, tokenizer_path, args),
-                                             tokenizer, name_prefix=name)
+            self.generation = VllmGeneration(
+                self._cluster, cfg or engine_config(model_path, tokenizer_path, args), tokenizer, name_prefix=name
+            )
             self.startup_s = time.perf_counter() - t0
         except BaseException:
             self.close()
@@ -160,8 +170,8 @@ def _refit(policy, engine: Engine, transport: str, args):
 
 
 def measure(runner, engine: Engine, transports, args) -> dict[str, dict]:
-    """Warm-up refits per transport, then ``args.repeats`` (``dualrl bench``: ``--iters``) alternating rounds; one result per
-    transport (a transport that fails is dropped from the later rounds)."""
+    """Warm-up refits per transport, then ``args.repeats`` (``dualrl bench``: ``--iters``) alternating rounds;
+    one result per transport (a transport that fails is dropped from the later rounds)."""
     policy = runner._policy
     out = {t: {"seconds": [], "first_s": None} for t in transports}
     live = list(transports)
@@ -170,8 +180,9 @@ def measure(runner, engine: Engine, transports, args) -> dict[str, dict]:
             for i in range(args.warmup):
                 stats = _refit(policy, engine, t, args)
                 if i == 0:
-                    out[t].update(first_s=stats.seconds, bytes=stats.bytes, tensors=stats.tensors,
-                                  buckets=stats.buckets)
+                    out[t].update(
+                        first_s=stats.seconds, bytes=stats.bytes, tensors=stats.tensors, buckets=stats.buckets
+                    )
         except Exception as err:  # noqa: BLE001 -- report it, go on with the other transport
             out[t]["error"] = _error(err)
             live.remove(t)
@@ -195,8 +206,18 @@ def main(argv=None) -> int:
     """``dualrl bench`` on one layout per backend, refit only."""
     from benchmarks import compare
 
-    return compare.main(["--sections", "refit", "--layouts", *CASES, "--model", "llama_bench",
-                         *(argv if argv is not None else sys.argv[1:])], prog="python -m benchmarks.refit")
+    return compare.main(
+        [
+            "--sections",
+            "refit",
+            "--layouts",
+            *CASES,
+            "--model",
+            "llama_bench",
+            *(argv if argv is not None else sys.argv[1:]),
+        ],
+        prog="python -m benchmarks.refit",
+    )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 BACKENDS = ("torch_fsdp", "torch_dtensor", "jax_pjit")
 MODEL = "llama_gen"
@@ -118,8 +119,8 @@ class MemoryLog:
                 continue
             row = {}
             for key in ("rss", "hwm"):
-                row[f"{key}_warm_mib"] = warm[name][key] / 2 ** 20
-                row[f"{key}_end_mib"] = end[name][key] / 2 ** 20
+                row[f"{key}_warm_mib"] = warm[name][key] / 2**20
+                row[f"{key}_end_mib"] = end[name][key] / 2**20
                 row[f"{key}_growth_pct"] = 100.0 * (end[name][key] - warm[name][key]) / warm[name][key]
             out[name] = row
         return out
@@ -134,9 +135,15 @@ def policy_config(model_dir: Path, backend: str, bucket_bytes: int) -> dict:
     from core.config.loader import DEFAULT_CONFIG_PATH, load_config
 
     cfg = copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
-    cfg.update(backend=backend, model_name=str(model_dir), train_global_batch_size=BATCH,
-               train_micro_batch_size=BATCH // 2, logprob_batch_size=BATCH // 2, max_total_sequence_length=32,
-               refit_buffer_size_gb=bucket_bytes / 2 ** 30)
+    cfg.update(
+        backend=backend,
+        model_name=str(model_dir),
+        train_global_batch_size=BATCH,
+        train_micro_batch_size=BATCH // 2,
+        logprob_batch_size=BATCH // 2,
+        max_total_sequence_length=32,
+        refit_buffer_size_gb=bucket_bytes / 2**30,
+    )
     cfg["tokenizer"]["name"] = str(model_dir / "tokenizer")
     cfg["optimizer"]["kwargs"].update(lr=1e-3)
     cfg["generation"]["vllm_cfg"].update(max_model_len=64, precision="float32")
@@ -159,9 +166,16 @@ def train_batch(seed: int):
     token_mask = valid.clone()
     token_mask[:, :2] = 0
     old = -torch.rand(BATCH, SEQ, generator=g) * 3 * valid
-    return BatchedDataDict(input_ids=ids, input_lengths=lens, token_mask=token_mask, sample_mask=torch.ones(BATCH),
-                           advantages=torch.randn(BATCH, SEQ, generator=g) * valid, prev_logprobs=old,
-                           generation_logprobs=old, reference_policy_logprobs=old)
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=lens,
+        token_mask=token_mask,
+        sample_mask=torch.ones(BATCH),
+        advantages=torch.randn(BATCH, SEQ, generator=g) * valid,
+        prev_logprobs=old,
+        generation_logprobs=old,
+        reference_policy_logprobs=old,
+    )
 
 
 def probe_prompts():
@@ -196,8 +210,9 @@ def policy_on_own_cluster(cfg: dict, tokenizer, name: str) -> Iterator[Any]:
     from core.policy import Policy
 
     jax = cfg["backend"] == "jax_pjit"
-    cluster = RayVirtualCluster([1] if jax else [2], use_gpus=False, num_cpus_per_bundle=JAX_DEVICES if jax else 1,
-                                name=name)
+    cluster = RayVirtualCluster(
+        [1] if jax else [2], use_gpus=False, num_cpus_per_bundle=JAX_DEVICES if jax else 1, name=name
+    )
     policy = None
     try:
         policy = Policy(cluster, cfg, tokenizer, name_prefix=name)
@@ -241,8 +256,10 @@ def run_cycles(policy, generation, cycles: int, transport: str, seed: int, on_cy
     for cycle in range(1, cycles + 1):
         result = policy.train(train_batch(seed + cycle), loss_fn)
         if result["skipped_steps"] or result["loss"].numel() != 1:
-            raise RuntimeError(f"cycle {cycle}: expected one optimizer step, got {result['loss'].numel()} "
-                               f"(skipped: {result['skip_reasons']})")
+            raise RuntimeError(
+                f"cycle {cycle}: expected one optimizer step, got {result['loss'].numel()} "
+                f"(skipped: {result['skip_reasons']})"
+            )
         if losses is None:
             losses = torch.empty(cycles, dtype=result["loss"].dtype)
         losses[cycle - 1] = result["loss"][0]
@@ -268,9 +285,18 @@ def bitwise_equal(a, b) -> bool:
 # ----------------------------------------------------------------------------- the run
 
 
-def soak(cycles: int = 1000, backend: str = "torch_fsdp", transport: str = "ipc", warmup: int = 50,
-         sample_every: int = 50, check_cycles: int = 30, seed: int = 0, bucket_bytes: int = 48 * 1024,
-         max_growth_pct: float = 5.0, log=print) -> dict[str, Any]:
+def soak(
+    cycles: int = 1000,
+    backend: str = "torch_fsdp",
+    transport: str = "ipc",
+    warmup: int = 50,
+    sample_every: int = 50,
+    check_cycles: int = 30,
+    seed: int = 0,
+    bucket_bytes: int = 48 * 1024,
+    max_growth_pct: float = 5.0,
+    log=print,
+) -> dict[str, Any]:
     """The whole benchmark (Ray must be started, see :func:`start_ray`); returns the report."""
     import torch
 
@@ -306,15 +332,23 @@ def soak(cycles: int = 1000, backend: str = "torch_fsdp", transport: str = "ipc"
     worst = max((row.get("hwm_growth_pct", float("inf")) for row in growth.values()), default=0.0)
     post = times[warmup:]
     report = {
-        "backend": backend, "transport": transport, "cycles": cycles, "warmup": warmup, "seed": seed,
-        "bucket_bytes": bucket_bytes, "pids": memory.pids, "memory": growth,
+        "backend": backend,
+        "transport": transport,
+        "cycles": cycles,
+        "warmup": warmup,
+        "seed": seed,
+        "bucket_bytes": bucket_bytes,
+        "pids": memory.pids,
+        "memory": growth,
         "samples": {c: memory.samples[c] for c in sorted(memory.samples)},
         "seconds_per_cycle": (post[-1] - post[0]) / (len(post) - 1),
         "seconds_per_cycle_warmup": (times[warmup] - times[0]) / warmup,
         "shm_segments_left": memory.shm_left[cycles],
-        "max_hwm_growth_pct": worst, "max_growth_pct": max_growth_pct,
+        "max_hwm_growth_pct": worst,
+        "max_growth_pct": max_growth_pct,
         "memory_ok": worst <= max_growth_pct and not memory.shm_left[cycles],
-        "check_cycles": check_cycles, "losses": losses.tolist(),
+        "check_cycles": check_cycles,
+        "losses": losses.tolist(),
         "losses_bitwise_equal": bitwise_equal(losses[:check_cycles], replay),
         "engine_probe_bitwise_equal": bool(torch.equal(probe["a"], probe_b)),
     }
@@ -322,33 +356,41 @@ def soak(cycles: int = 1000, backend: str = "torch_fsdp", transport: str = "ipc"
 
 
 def _progress(cycle: int, cycles: int, sample: dict, times: list[float]) -> str:
-    recent = times[-min(len(times), 51):]
+    recent = times[-min(len(times), 51) :]
     per = (recent[-1] - recent[0]) / max(1, len(recent) - 1)
-    mem = "  ".join(f"{n} {m['rss'] / 2 ** 20:.0f}/{m['hwm'] / 2 ** 20:.0f}" for n, m in sample.items())
+    mem = "  ".join(f"{n} {m['rss'] / 2**20:.0f}/{m['hwm'] / 2**20:.0f}" for n, m in sample.items())
     return f"[soak] cycle {cycle}/{cycles}  {per:.3f} s/cycle  RSS/peak MiB: {mem}"
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"soak: {report['backend']} / {report['transport']}, {report['cycles']} cycles "
-             f"(warm-up {report['warmup']}), {report['seconds_per_cycle']:.3f} s/cycle after warm-up "
-             f"({report['seconds_per_cycle_warmup']:.3f} during it)",
-             f"{'process':<10} {'pid':>8} {'RSS warm':>10} {'RSS end':>10} {'growth':>8} "
-             f"{'peak warm':>10} {'peak end':>10} {'growth':>8}"]
+    lines = [
+        f"soak: {report['backend']} / {report['transport']}, {report['cycles']} cycles "
+        f"(warm-up {report['warmup']}), {report['seconds_per_cycle']:.3f} s/cycle after warm-up "
+        f"({report['seconds_per_cycle_warmup']:.3f} during it)",
+        f"{'process':<10} {'pid':>8} {'RSS warm':>10} {'RSS end':>10} {'growth':>8} "
+        f"{'peak warm':>10} {'peak end':>10} {'growth':>8}",
+    ]
     for name, row in report["memory"].items():
         pid = report["pids"][name]
         if "error" in row:
             lines.append(f"{name:<10} {pid:>8} {row['error']}")
             continue
-        lines.append(f"{name:<10} {pid:>8} {row['rss_warm_mib']:>8.1f}Mi {row['rss_end_mib']:>8.1f}Mi "
-                     f"{row['rss_growth_pct']:>+7.2f}% {row['hwm_warm_mib']:>8.1f}Mi {row['hwm_end_mib']:>8.1f}Mi "
-                     f"{row['hwm_growth_pct']:>+7.2f}%")
+        lines.append(
+            f"{name:<10} {pid:>8} {row['rss_warm_mib']:>8.1f}Mi {row['rss_end_mib']:>8.1f}Mi "
+            f"{row['rss_growth_pct']:>+7.2f}% {row['hwm_warm_mib']:>8.1f}Mi {row['hwm_end_mib']:>8.1f}Mi "
+            f"{row['hwm_growth_pct']:>+7.2f}%"
+        )
     lines.append(f"refit shared-memory segments left after the last refit: {len(report['shm_segments_left'])}")
     verdict = "PASS" if report["memory_ok"] else "FAIL"
-    lines.append(f"peak RSS growth after warm-up: max {report['max_hwm_growth_pct']:+.2f}% "
-                 f"(limit {report['max_growth_pct']:.0f}%, no segment left): {verdict}")
-    lines.append(f"same seed, fresh policy, {report['check_cycles']} cycles: losses bitwise equal: "
-                 f"{report['losses_bitwise_equal']}; engine greedy logprobs bitwise equal: "
-                 f"{report['engine_probe_bitwise_equal']}")
+    lines.append(
+        f"peak RSS growth after warm-up: max {report['max_hwm_growth_pct']:+.2f}% "
+        f"(limit {report['max_growth_pct']:.0f}%, no segment left): {verdict}"
+    )
+    lines.append(
+        f"same seed, fresh policy, {report['check_cycles']} cycles: losses bitwise equal: "
+        f"{report['losses_bitwise_equal']}; engine greedy logprobs bitwise equal: "
+        f"{report['engine_probe_bitwise_equal']}"
+    )
     return "\n".join(lines)
 
 
@@ -371,8 +413,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check = min(args.check_cycles, args.cycles)
     start_ray(args.backend)
-    report = soak(args.cycles, args.backend, args.transport, min(args.warmup, args.cycles - 1), args.sample_every,
-                  check, args.seed, args.bucket_kb * 1024, args.max_growth_pct)
+    report = soak(
+        args.cycles,
+        args.backend,
+        args.transport,
+        min(args.warmup, args.cycles - 1),
+        args.sample_every,
+        check,
+        args.seed,
+        args.bucket_kb * 1024,
+        args.max_growth_pct,
+    )
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -67,8 +67,10 @@ from benchmarks.layouts import Layout, parse_layout
 SEED = 0
 
 
-LAYOUTS: dict[str, Layout] = {name: parse_layout(name) for name in (
-    "fsdp1-dp1", "dtensor-dp1", "fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp")}
+LAYOUTS: dict[str, Layout] = {
+    name: parse_layout(name)
+    for name in ("fsdp1-dp1", "dtensor-dp1", "fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp")
+}
 CASES = ["hf", *LAYOUTS]
 
 
@@ -116,8 +118,16 @@ def default_policy_section() -> dict:
     return copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
 
 
-def policy_config(model_path: str, tokenizer_path: str, layout: Layout, batch: int, seq: int,
-                  precision: str, micro: int | None = None, packing: dict | None = None) -> dict:
+def policy_config(
+    model_path: str,
+    tokenizer_path: str,
+    layout: Layout,
+    batch: int,
+    seq: int,
+    precision: str,
+    micro: int | None = None,
+    packing: dict | None = None,
+) -> dict:
     """The default policy section on this model, width ``seq``; micro batches of ``micro`` rows
     per rank (default: one micro batch of all the rank's rows); ``packing`` updates
     ``sequence_packing`` (``benchmarks.packing``)."""
@@ -167,8 +177,9 @@ def _hf_steps(model, data, precision: str, micro: int | None = None):
     from backends.torch_common.optim import with_default_kernel
 
     # The workers' kernel choice (fused AdamW on CUDA unless the config says otherwise).
-    optimizer = torch.optim.AdamW(model.parameters(),
-                                  **with_default_kernel(torch.optim.AdamW, cfg["optimizer"]["kwargs"], device.type))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), **with_default_kernel(torch.optim.AdamW, cfg["optimizer"]["kwargs"], device.type)
+    )
     max_norm = cfg["max_grad_norm"]
 
     rows = ids.shape[0]
@@ -212,8 +223,9 @@ def serve_hf(model_path: str, args) -> None:
     apply_matmul_precision({**default_policy_section(), "precision": args.precision})
     device = torch.device("cuda" if on_cuda(args) else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
-    steps = _hf_steps(model, make_batch(args.batch, args.seq, model.config.vocab_size), args.precision,
-                      getattr(args, "micro", None))
+    steps = _hf_steps(
+        model, make_batch(args.batch, args.seq, model.config.vocab_size), args.precision, getattr(args, "micro", None)
+    )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     params = sum(p.numel() for p in model.parameters())
     print("@@" + json.dumps({"threads": torch.get_num_threads(), "params": params}), flush=True)
@@ -237,15 +249,30 @@ class HFRunner:
     name, workers = "hf", 1
 
     def __init__(self, model_path: str, args) -> None:
-        cmd = [sys.executable, "-m", "benchmarks.torch_backends", "--child-hf", model_path,
-               "--batch", str(args.batch), "--seq", str(args.seq), "--precision", args.precision,
-               "--threads", str(args.threads), "--device", getattr(args, "device", "cpu"),
-               *(["--micro", str(args.micro)] if getattr(args, "micro", None) else [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.torch_backends",
+            "--child-hf",
+            model_path,
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--precision",
+            args.precision,
+            "--threads",
+            str(args.threads),
+            "--device",
+            getattr(args, "device", "cpu"),
+            *(["--micro", str(args.micro)] if getattr(args, "micro", None) else []),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
         self._stderr = tempfile.TemporaryFile(mode="w+")
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      text=True, env=env)
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
+        )
         ready = self._reply()
         self.startup_s = time.perf_counter() - t0
         self.threads, self.params = [ready["threads"]], ready["params"]
@@ -287,8 +314,16 @@ class PolicyRunner:
         layout = LAYOUTS.get(name) or parse_layout(name)
         self.name, self.workers = name, layout.workers
         micro = getattr(args, "micro", None)
-        cfg = policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision, micro,
-                            getattr(args, "packing", None))
+        cfg = policy_config(
+            model_path,
+            tokenizer_path,
+            layout,
+            args.batch,
+            args.seq,
+            args.precision,
+            micro,
+            getattr(args, "packing", None),
+        )
         cpus = max(1, args.threads // layout.workers)
         self._start(name, cfg, tokenizer, args, layout.workers, cpus, cfg["train_micro_batch_size"])
         try:
@@ -306,8 +341,9 @@ class PolicyRunner:
         self._data = make_batch(args.batch, args.seq, vocab_size(cfg["model_name"]))
         self._loss, self._gbs, self._mbs = NLLLoss(), args.batch, mbs
         name = f"{name}{getattr(args, 'tag', '')}"  # a tag tells apart two Policies of one layout
-        self._cluster = RayVirtualCluster([workers], use_gpus=on_cuda(args), num_cpus_per_bundle=cpus_per_worker,
-                                          name=f"bench-{name}")
+        self._cluster = RayVirtualCluster(
+            [workers], use_gpus=on_cuda(args), num_cpus_per_bundle=cpus_per_worker, name=f"bench-{name}"
+        )
         self._policy = None
         try:
             t0 = time.perf_counter()
@@ -353,10 +389,16 @@ OPS = ("logprobs", "train")
 
 
 def _new_result(runner) -> dict:
-    return {"case": runner.name, "workers": runner.workers, "threads": runner.threads,
-            "startup_s": runner.startup_s, "noop_s": getattr(runner, "noop_s", None),
-            "params": getattr(runner, "params", None),
-            **{f"{op}_s": [] for op in OPS}, **{f"hf_{op}_s": [] for op in OPS}}
+    return {
+        "case": runner.name,
+        "workers": runner.workers,
+        "threads": runner.threads,
+        "startup_s": runner.startup_s,
+        "noop_s": getattr(runner, "noop_s", None),
+        "params": getattr(runner, "params", None),
+        **{f"{op}_s": [] for op in OPS},
+        **{f"hf_{op}_s": [] for op in OPS},
+    }
 
 
 def measure(runner, hf, result: dict, hf_result: dict | None, args) -> None:
@@ -440,8 +482,10 @@ def main(argv=None) -> int:
         return 0
     from benchmarks import compare
 
-    return compare.main(["--sections", "throughput", "--layouts", *LAYOUTS, "--model", "llama_bench", "--seq", "256",
-                         *rest], prog="python -m benchmarks.torch_backends")
+    return compare.main(
+        ["--sections", "throughput", "--layouts", *LAYOUTS, "--model", "llama_bench", "--seq", "256", *rest],
+        prog="python -m benchmarks.torch_backends",
+    )
 
 
 if __name__ == "__main__":

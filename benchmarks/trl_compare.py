@@ -17,8 +17,8 @@ and as a ratio to TRL measured alongside it (×TRL):
   ``dualrl dpo`` do): prompt ids (``<s>`` + the problem) + answer ids + eos, loss on answer +
   eos only.  The ids are built once in this driver; the TRL process gets exactly these lists
   (a JSON file), the dualrl Policy the right-padded batch the loops build
-  (``core.algorithms.sft.sequence_batch`` / ``core.algorithms.dpo.preference_batch``).  ``--batch`` counts *sequences* per
-  optimizer step for both algorithms: SFT ``batch`` examples, DPO ``batch / 2`` pairs
+  (``core.algorithms.sft.sequence_batch`` / ``core.algorithms.dpo.preference_batch``).  ``--batch`` counts
+  *sequences* per optimizer step for both algorithms: SFT ``batch`` examples, DPO ``batch / 2`` pairs
   (= ``batch`` rows: dualrl lays them out chosen at even / rejected at odd rows, TRL's
   collator chosen half / rejected half).  Every step trains on the same batch.
 * TRL (``trl``): ``SFTTrainer`` / ``DPOTrainer`` in a child process of its own, one per
@@ -32,7 +32,8 @@ and as a ratio to TRL measured alongside it (×TRL):
   ``max_length=None`` (no truncation), the optimizer passed in as ``torch.optim.AdamW(**the
   kwargs of core/configs/default.yaml)`` over all parameters, as dualrl's workers build it
   (TRL's own ``create_optimizer`` would exempt biases and norms from weight decay), with a
-  constant LR (``LambdaLR(1.0)``), the same ``max_grad_norm``; DPO: sigmoid loss, ``beta`` = dualrl's ``reference_policy_kl_penalty``,
+  constant LR (``LambdaLR(1.0)``), the same ``max_grad_norm``; DPO: sigmoid loss, ``beta`` = dualrl's
+  ``reference_policy_kl_penalty``,
   ``precompute_ref_log_probs=False`` (TRL's default: a no-grad forward of a separate frozen
   reference model inside every step).
 * dualrl (``fsdp1-*``, ``dtensor-*``, ``jax-*``): a :class:`core.policy.Policy` on a fresh
@@ -138,8 +139,13 @@ BUILTIN_MODEL = "arithmetic-llama"
 #: Problem stream and model init seed.
 SEED = 0
 #: dualrl's DPO loss = TRL's ``loss_type=["sigmoid"]`` with ``beta = reference_policy_kl_penalty``.
-DPO_LOSS_CFG = {"reference_policy_kl_penalty": 0.1, "preference_loss_weight": 1.0, "sft_loss_weight": 0.0,
-                "preference_average_log_probs": False, "sft_average_log_probs": False}
+DPO_LOSS_CFG = {
+    "reference_policy_kl_penalty": 0.1,
+    "preference_loss_weight": 1.0,
+    "sft_loss_weight": 0.0,
+    "preference_average_log_probs": False,
+    "sft_average_log_probs": False,
+}
 #: Relative tolerance of the step-1 loss / gradient-norm check.
 CHECK_RTOL = 1e-4
 
@@ -219,8 +225,13 @@ def trl_examples(algorithm: str, examples: list) -> list[dict]:
     for pair in examples:
         start = pair.chosen.token_mask.index(1)
         assert pair.rejected.input_ids[:start] == pair.chosen.input_ids[:start], "sides must share the prompt"
-        out.append({"prompt_ids": list(pair.chosen.input_ids[:start]), "chosen_ids": list(pair.chosen.input_ids[start:]),
-                    "rejected_ids": list(pair.rejected.input_ids[start:])})
+        out.append(
+            {
+                "prompt_ids": list(pair.chosen.input_ids[:start]),
+                "chosen_ids": list(pair.chosen.input_ids[start:]),
+                "rejected_ids": list(pair.rejected.input_ids[start:]),
+            }
+        )
     return out
 
 
@@ -233,8 +244,12 @@ def to_batch(algorithm: str, examples: list, pad_id: int):
 
 
 def batch_facts(seqs) -> dict:
-    return {"rows": len(seqs), "width": max(len(ids) for ids, _ in seqs),
-            "real_tokens": sum(len(ids) for ids, _ in seqs), "loss_tokens": sum(sum(m) for _, m in seqs)}
+    return {
+        "rows": len(seqs),
+        "width": max(len(ids) for ids, _ in seqs),
+        "real_tokens": sum(len(ids) for ids, _ in seqs),
+        "loss_tokens": sum(sum(m) for _, m in seqs),
+    }
 
 
 # ----------------------------------------------------------------------------- TRL (child process)
@@ -293,9 +308,13 @@ def _check_collated(trainer, algorithm: str, spec: dict) -> dict:
             raise RuntimeError("TRL's collator produced a non right-padded row")
         theirs.append((ids[i, :n].tolist(), loss_mask[i, :n].tolist()))
     ours = [(list(a), list(b)) for a, b in spec["rows"]]
-    return {"same_rows_and_masks": sorted(theirs) == sorted(ours), "width": int(ids.shape[1]),
-            "real_tokens": int(attention.sum()), "loss_tokens": int(loss_mask.sum()),
-            "padded_tokens": int(torch.numel(ids))}
+    return {
+        "same_rows_and_masks": sorted(theirs) == sorted(ours),
+        "width": int(ids.shape[1]),
+        "real_tokens": int(attention.sum()),
+        "loss_tokens": int(loss_mask.sum()),
+        "padded_tokens": int(torch.numel(ids)),
+    }
 
 
 class _Stop(Exception):
@@ -328,12 +347,28 @@ def serve_trl(spec_path: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), **opt_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
     common = dict(
-        output_dir=spec["output_dir"], use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        max_steps=10**6, gradient_accumulation_steps=batch // micro, max_grad_norm=spec["max_grad_norm"],
-        report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, dataloader_pin_memory=False, seed=SEED, max_length=None,
-        learning_rate=opt_kwargs["lr"], weight_decay=opt_kwargs["weight_decay"],
-        adam_beta1=opt_kwargs["betas"][0], adam_beta2=opt_kwargs["betas"][1], adam_epsilon=opt_kwargs["eps"],
+        output_dir=spec["output_dir"],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        max_steps=10**6,
+        gradient_accumulation_steps=batch // micro,
+        max_grad_norm=spec["max_grad_norm"],
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        seed=SEED,
+        max_length=None,
+        learning_rate=opt_kwargs["lr"],
+        weight_decay=opt_kwargs["weight_decay"],
+        adam_beta1=opt_kwargs["betas"][0],
+        adam_beta2=opt_kwargs["betas"][1],
+        adam_epsilon=opt_kwargs["eps"],
     )
     sft_cls, dpo_cls = _trainer_classes()
     state: dict = {}
@@ -357,28 +392,58 @@ def serve_trl(spec_path: str) -> None:
 
         def on_step_end(self, args, st, control, **kwargs):
             end, trainer = time.perf_counter(), state["trainer"]
-            _emit({"step_s": end - state["begin"], "loop_s": end - state["go"], "loss": trainer._bench_loss,
-                   "grad_norm": trainer._bench_grad_norm})
+            _emit(
+                {
+                    "step_s": end - state["begin"],
+                    "loop_s": end - state["go"],
+                    "loss": trainer._bench_loss,
+                    "grad_norm": trainer._bench_grad_norm,
+                }
+            )
             self._wait()
 
     if algorithm == "sft":
-        config = trl.SFTConfig(**common, per_device_train_batch_size=micro, completion_only_loss=True,
-                               packing=False, padding_free=False)
-        trainer = sft_cls(model=model, args=config, train_dataset=Dataset.from_list(spec["examples"]),
-                          processing_class=tokenizer, optimizers=(optimizer, scheduler), callbacks=[Gate()])
+        config = trl.SFTConfig(
+            **common, per_device_train_batch_size=micro, completion_only_loss=True, packing=False, padding_free=False
+        )
+        trainer = sft_cls(
+            model=model,
+            args=config,
+            train_dataset=Dataset.from_list(spec["examples"]),
+            processing_class=tokenizer,
+            optimizers=(optimizer, scheduler),
+            callbacks=[Gate()],
+        )
     else:
         ref_model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
-        config = trl.DPOConfig(**common, per_device_train_batch_size=micro // 2, beta=spec["beta"],
-                               loss_type=["sigmoid"], precompute_ref_log_probs=False, padding_free=False)
-        trainer = dpo_cls(model=model, ref_model=ref_model, args=config,
-                          train_dataset=Dataset.from_list(spec["examples"]), processing_class=tokenizer,
-                          optimizers=(optimizer, scheduler), callbacks=[Gate()])
+        config = trl.DPOConfig(
+            **common,
+            per_device_train_batch_size=micro // 2,
+            beta=spec["beta"],
+            loss_type=["sigmoid"],
+            precompute_ref_log_probs=False,
+            padding_free=False,
+        )
+        trainer = dpo_cls(
+            model=model,
+            ref_model=ref_model,
+            args=config,
+            train_dataset=Dataset.from_list(spec["examples"]),
+            processing_class=tokenizer,
+            optimizers=(optimizer, scheduler),
+            callbacks=[Gate()],
+        )
     state["trainer"] = trainer
-    state["ready"] = {"threads": torch.get_num_threads(), "params": sum(p.numel() for p in model.parameters()),
-                      "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-                      "attn_implementation": model.config._attn_implementation,
-                      "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
-                      "check": _check_collated(trainer, algorithm, spec)}
+    state["ready"] = {
+        "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "attn_implementation": model.config._attn_implementation,
+        "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "check": _check_collated(trainer, algorithm, spec),
+    }
     try:
         trainer.train()
     except _Stop:
@@ -394,14 +459,26 @@ class TRLRunner(tb.HFRunner):
         spec_path = root / f"trl-{algorithm}.json"
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "benchmarks.trl_compare", "--child-trl", str(spec_path)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-               "TRANSFORMERS_VERBOSITY": "error", "ACCELERATE_DISABLE_RICH": "1"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "ACCELERATE_DISABLE_RICH": "1",
+        }
         import subprocess
 
         self._stderr = tempfile.TemporaryFile(mode="w+")
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      text=True, env=env, cwd=str(Path(__file__).resolve().parent.parent))
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=env,
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )
         self.ready = self._reply()
         self.startup_s = time.perf_counter() - t0
         self.threads = [self.ready["threads"]]
@@ -427,8 +504,9 @@ class DualRLRunner(tb.PolicyRunner):
     """One algorithm on one layout: a Policy on a cluster of its own; steps timed on the driver.
     Its own start-up (per-algorithm loss and reference model); ``close`` is the torch runner's."""
 
-    def __init__(self, name: str, algorithm: str, data, width: int, model_path: str, tokenizer_path: str,
-                 tokenizer, args) -> None:
+    def __init__(
+        self, name: str, algorithm: str, data, width: int, model_path: str, tokenizer_path: str, tokenizer, args
+    ) -> None:
         from core.distributed import RayVirtualCluster
         from core.losses import DPOLossFn, NLLLoss
         from core.policy import Policy
@@ -449,13 +527,19 @@ class DualRLRunner(tb.PolicyRunner):
         self.optimizer_kwargs, self.max_grad_norm = cfg["optimizer"]["kwargs"], cfg["max_grad_norm"]
         self.workers = workers
         self._loss = NLLLoss() if algorithm == "sft" else DPOLossFn(DPO_LOSS_CFG)
-        self._cluster = RayVirtualCluster([workers], use_gpus=False, num_cpus_per_bundle=cpus,
-                                          name=f"trlcmp-{name}-{algorithm}")
+        self._cluster = RayVirtualCluster(
+            [workers], use_gpus=False, num_cpus_per_bundle=cpus, name=f"trlcmp-{name}-{algorithm}"
+        )
         self._policy, self.pinned = None, None
         try:
             t0 = time.perf_counter()
-            self._policy = Policy(self._cluster, cfg, tokenizer, name_prefix=f"trlcmp-{name}-{algorithm}",
-                                  init_reference_model=algorithm == "dpo")
+            self._policy = Policy(
+                self._cluster,
+                cfg,
+                tokenizer,
+                name_prefix=f"trlcmp-{name}-{algorithm}",
+                init_reference_model=algorithm == "dpo",
+            )
             self.startup_s = time.perf_counter() - t0
             self.noop_s = tb.noop_round_trip(self._policy)
             infos = self._policy.get_gpu_info()
@@ -465,7 +549,7 @@ class DualRLRunner(tb.PolicyRunner):
                     raise RuntimeError(f"the actor sees {info['local_devices']} devices, {name} needs {jax.devices}")
                 allowed = sorted(os.sched_getaffinity(info["pid"]))
                 if args.threads < len(allowed):  # XLA sizes its pool to the affinity mask (see jax_backend)
-                    self.pinned = set(allowed[:args.threads])
+                    self.pinned = set(allowed[: args.threads])
                     jb.pin_process(info["pid"], self.pinned)
                 self.threads = [jb.thread_names(info["pid"])[jb.XLA_POOL_THREAD] or None]
             else:
@@ -487,14 +571,19 @@ class DualRLRunner(tb.PolicyRunner):
             data = BatchedDataDict({**data, "reference_policy_logprobs": ref})
         out = self._policy.train(data, self._loss, gbs=data.size, mbs=self.mbs)
         seconds = time.perf_counter() - t0
-        return {"step_s": seconds, "ref_s": ref_s, "loss": float(out["loss"][0]),
-                "grad_norm": float(out["grad_norm"][0])}
+        return {
+            "step_s": seconds,
+            "ref_s": ref_s,
+            "loss": float(out["loss"][0]),
+            "grad_norm": float(out["grad_norm"][0]),
+        }
 
     def compile_counts(self) -> dict | None:
         if not is_jax(self.name):
             return None
         group = self._policy.worker_group
         return group.get_all_worker_results(group.run_all_workers_single_data("get_compile_counts"))[0]
+
 
 # ----------------------------------------------------------------------------- schedule
 
@@ -506,11 +595,20 @@ def _error(err: BaseException) -> str:
 
 
 def _trl_spec(algorithm: str, examples, seqs, model_path, tokenizer_path, root: Path, args, dual_cfg: dict) -> dict:
-    return {"algorithm": algorithm, "examples": examples, "rows": seqs, "model_path": model_path,
-            "tokenizer_path": tokenizer_path, "threads": args.threads, "batch": args.batch,
-            "micro": args.micro or args.batch, "optimizer_kwargs": dual_cfg["optimizer"]["kwargs"],
-            "max_grad_norm": dual_cfg["max_grad_norm"], "beta": DPO_LOSS_CFG["reference_policy_kl_penalty"],
-            "output_dir": str(root / f"trl-{algorithm}-out")}
+    return {
+        "algorithm": algorithm,
+        "examples": examples,
+        "rows": seqs,
+        "model_path": model_path,
+        "tokenizer_path": tokenizer_path,
+        "threads": args.threads,
+        "batch": args.batch,
+        "micro": args.micro or args.batch,
+        "optimizer_kwargs": dual_cfg["optimizer"]["kwargs"],
+        "max_grad_norm": dual_cfg["max_grad_norm"],
+        "beta": DPO_LOSS_CFG["reference_policy_kl_penalty"],
+        "output_dir": str(root / f"trl-{algorithm}-out"),
+    }
 
 
 class _TRLSide:
@@ -550,14 +648,24 @@ class _TRLSide:
                 self.row.setdefault("error", _error(err))
 
 
-def _run_layout(name: str, algorithm: str, session, data, facts: dict, trl: _TRLSide, model_path: str,
-                tokenizer_path: str, tokenizer, args) -> dict:
+def _run_layout(
+    name: str,
+    algorithm: str,
+    session,
+    data,
+    facts: dict,
+    trl: _TRLSide,
+    model_path: str,
+    tokenizer_path: str,
+    tokenizer,
+    args,
+) -> dict:
     """One Policy for one algorithm: warm-up + timed steps, each followed by one TRL step."""
-    row = {"case": name, "workers": layout_workers(name), "step_s": [], "ref_s": [], "trl_step_s": [],
-           "trl_loop_s": []}
+    row = {"case": name, "workers": layout_workers(name), "step_s": [], "ref_s": [], "trl_step_s": [], "trl_loop_s": []}
     if is_jax(name) and not session.fits(jb.jax_layout(name).devices):
-        row["skipped"] = (f"needs {jb.jax_layout(name).devices} XLA host devices per actor; the caller's Ray "
-                          f"gives {session.devices}")
+        row["skipped"] = (
+            f"needs {jb.jax_layout(name).devices} XLA host devices per actor; the caller's Ray gives {session.devices}"
+        )
         return row
     print(f"[trl_compare] starting {name} {algorithm} ...", file=sys.stderr, flush=True)
     try:
@@ -567,8 +675,12 @@ def _run_layout(name: str, algorithm: str, session, data, facts: dict, trl: _TRL
         row["error"] = _error(err)
         return row
     try:
-        row.update(threads=runner.threads, startup_s=runner.startup_s, noop_s=runner.noop_s,
-                   pinned=sorted(runner.pinned) if runner.pinned else None)
+        row.update(
+            threads=runner.threads,
+            startup_s=runner.startup_s,
+            noop_s=runner.noop_s,
+            pinned=sorted(runner.pinned) if runner.pinned else None,
+        )
         for i in range(args.warmup + args.steps):
             timed = i >= args.warmup
             mine = runner.step()
@@ -590,21 +702,35 @@ def _run_layout(name: str, algorithm: str, session, data, facts: dict, trl: _TRL
     return row
 
 
-def run_algorithm(algorithm: str, layouts: list[str], session, model_path: str, tokenizer_path: str, tokenizer,
-                  root: Path, args) -> dict:
+def run_algorithm(
+    algorithm: str, layouts: list[str], session, model_path: str, tokenizer_path: str, tokenizer, root: Path, args
+) -> dict:
     """The TRL child of this algorithm lives throughout; the layouts' Policies one at a time."""
     examples = build_examples(tokenizer, algorithm, args.batch)
     seqs = rows(algorithm, examples)
     facts = batch_facts(seqs)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data = to_batch(algorithm, examples, pad_id)
-    spec = (_trl_spec(algorithm, trl_examples(algorithm, examples), seqs, model_path, tokenizer_path, root, args,
-                      tb.default_policy_section())
-            if args.trl else None)
+    spec = (
+        _trl_spec(
+            algorithm,
+            trl_examples(algorithm, examples),
+            seqs,
+            model_path,
+            tokenizer_path,
+            root,
+            args,
+            tb.default_policy_section(),
+        )
+        if args.trl
+        else None
+    )
     trl = _TRLSide(algorithm, spec, root, args.threads)
     try:
-        cases = [_run_layout(name, algorithm, session, data, facts, trl, model_path, tokenizer_path, tokenizer, args)
-                 for name in layouts]
+        cases = [
+            _run_layout(name, algorithm, session, data, facts, trl, model_path, tokenizer_path, tokenizer, args)
+            for name in layouts
+        ]
         if not any(c.get("trl_step_s") for c in cases):  # no layout ran: time TRL on its own
             for i in range(args.warmup + args.steps):
                 trl.step(i >= args.warmup)
@@ -654,28 +780,39 @@ def report(results: list[dict], args, params: int | None, load: tuple[float, flo
     cores = os.cpu_count() or 1
     size = f"{params / 1e6:.2f}M params, " if params else ""
     micro = f"{args.micro} rows per rank" if args.micro else "whole local batch per rank"
-    trl = (f"TRL {versions.get('trl')} (transformers {versions.get('transformers')}, torch {versions.get('torch')})"
-           if args.trl else f"TRL: not run ({args.no_trl_reason})")
+    trl = (
+        f"TRL {versions.get('trl')} (transformers {versions.get('transformers')}, torch {versions.get('torch')})"
+        if args.trl
+        else f"TRL: not run ({args.no_trl_reason})"
+    )
     lines = [
         f"dualrl vs {trl}; model {args.model} ({size}vocab {args.vocab}), float32, attention "
         f"{versions.get('attn_implementation', 'sdpa')}; {args.batch} sequences per optimizer step (SFT: {args.batch} "
         f"examples, DPO: {args.batch // 2} pairs); micro batch: {micro}; {args.steps} timed steps after "
-        f"{args.warmup} warm-up per (layout, algorithm); AdamW {json.dumps(tb.default_policy_section()['optimizer']['kwargs'])}, "
+        f"{args.warmup} warm-up per (layout, algorithm); "
+        f"AdamW {json.dumps(tb.default_policy_section()['optimizer']['kwargs'])}, "
         f"constant LR, max_grad_norm {tb.default_policy_section()['max_grad_norm']}",
         f"threads: {args.threads} per case on {cores} CPU cores (TRL: one process, torch.set_num_threads; torch "
         f"layouts: Ray bundles of threads/workers CPUs; JAX: one actor, XLA pool)",
         "tokens/s = real (non-pad) tokens of the step's batch / median step seconds. TRL step = on_step_begin -> "
-        "on_step_end (callback); dualrl step = driver wall time of policy.train (DPO: + get_reference_policy_logprobs). "
+        "on_step_end (callback); dualrl step = driver wall time of policy.train "
+        "(DPO: + get_reference_policy_logprobs). "
         "Each dualrl step is followed by one TRL step; ×TRL = median paired TRL s / median dualrl s.",
         f"machine load average (1 min): {load[0]:.2f} at start, {load[1]:.2f} at end"
         + (f"  -- above {cores} cores: trust ×TRL (paired) more than absolute tokens/s" if max(load) > cores else ""),
         "",
     ]
     if session is not None and session.owned and session.restarts:
-        lines.insert(4, "Ray restarts for another XLA device count: "
-                     + ", ".join(f"to {n} in {s:.1f} s" for n, s in session.restarts) + " (not timed)")
-    lines += ["| algorithm | case | processes × threads | tokens/s | ×TRL | step s: median [min, max] |",
-              "|---|---|---|---:|---:|---|"]
+        lines.insert(
+            4,
+            "Ray restarts for another XLA device count: "
+            + ", ".join(f"to {n} in {s:.1f} s" for n, s in session.restarts)
+            + " (not timed)",
+        )
+    lines += [
+        "| algorithm | case | processes × threads | tokens/s | ×TRL | step s: median [min, max] |",
+        "|---|---|---|---:|---:|---|",
+    ]
     for res in results:
         tokens = res["batch"]["real_tokens"]
         trl_row = next((r for r in res["cases"] if r["case"] == "trl"), None)
@@ -685,27 +822,47 @@ def report(results: list[dict], args, params: int | None, load: tuple[float, flo
                 word = "skipped" if "skipped" in r else "FAILED"
                 cells += [word, "-", r.get("skipped") or r.get("error") or "no steps"]
             else:
-                cells += [f"{tokens / statistics.median(r['step_s']):.0f}", cell(ratio(r, trl_row), ".2f"),
-                          tb._spread(r["step_s"])]
+                cells += [
+                    f"{tokens / statistics.median(r['step_s']):.0f}",
+                    cell(ratio(r, trl_row), ".2f"),
+                    tb._spread(r["step_s"]),
+                ]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Batches (identical ids for both frameworks; TRL's check = its collator's output of the whole "
-              "batch holds exactly these rows and loss masks):"]
+    lines += [
+        "",
+        "Batches (identical ids for both frameworks; TRL's check = its collator's output of the whole "
+        "batch holds exactly these rows and loss masks):",
+    ]
     for res in results:
         b = res["batch"]
         trl_row = next((r for r in res["cases"] if r["case"] == "trl"), None)
         check = (trl_row or {}).get("ready", {}).get("check")
-        same = "-" if not check else ("yes" if check["same_rows_and_masks"] and check["real_tokens"] == b["real_tokens"]
-                                      and check["loss_tokens"] == b["loss_tokens"] and check["width"] == b["width"]
-                                      else f"NO: {check}")
-        lines.append(f"  {res['algorithm']}: {b['rows']} rows x width {b['width']} = {b['rows'] * b['width']} padded, "
-                     f"{b['real_tokens']} real tokens, {b['loss_tokens']} loss tokens; TRL same rows/masks: {same}")
-    lines += ["", "Details: start s = Policy construction / TRL child start-up (not timed); no-op ms = a Policy call "
-              "that does nothing on the workers; paired TRL = median of the TRL steps run alongside; ×TRL(min) = "
-              "fastest paired TRL step / fastest step; ref s = the DPO reference pass inside the dualrl step; TRL "
-              "loop s = driver's go -> on_step_end (adds the trainer loop's between-step work and the next batch's "
-              "collation)",
-              f"{'algorithm':9} {'case':12} {'start s':>7} {'no-op ms':>8} {'paired TRL s':>12} {'×TRL(min)':>9} "
-              f"{'ref s':>6} {'TRL loop s':>10}  step-1 check vs TRL's first step (loss; pre-clip grad norm)"]
+        same = (
+            "-"
+            if not check
+            else (
+                "yes"
+                if check["same_rows_and_masks"]
+                and check["real_tokens"] == b["real_tokens"]
+                and check["loss_tokens"] == b["loss_tokens"]
+                and check["width"] == b["width"]
+                else f"NO: {check}"
+            )
+        )
+        lines.append(
+            f"  {res['algorithm']}: {b['rows']} rows x width {b['width']} = {b['rows'] * b['width']} padded, "
+            f"{b['real_tokens']} real tokens, {b['loss_tokens']} loss tokens; TRL same rows/masks: {same}"
+        )
+    lines += [
+        "",
+        "Details: start s = Policy construction / TRL child start-up (not timed); no-op ms = a Policy call "
+        "that does nothing on the workers; paired TRL = median of the TRL steps run alongside; ×TRL(min) = "
+        "fastest paired TRL step / fastest step; ref s = the DPO reference pass inside the dualrl step; TRL "
+        "loop s = driver's go -> on_step_end (adds the trainer loop's between-step work and the next batch's "
+        "collation)",
+        f"{'algorithm':9} {'case':12} {'start s':>7} {'no-op ms':>8} {'paired TRL s':>12} {'×TRL(min)':>9} "
+        f"{'ref s':>6} {'TRL loop s':>10}  step-1 check vs TRL's first step (loss; pre-clip grad norm)",
+    ]
     for res in results:
         trl_row = next((r for r in res["cases"] if r["case"] == "trl"), None)
         for r in res["cases"]:
@@ -714,15 +871,22 @@ def report(results: list[dict], args, params: int | None, load: tuple[float, flo
             noop = r["noop_s"] * 1e3 if r.get("noop_s") is not None else None
             paired = r["step_s"] if r["case"] == "trl" else r.get("trl_step_s")
             loop = r.get("loop_s") if r["case"] == "trl" else r.get("trl_loop_s")
-            check = (f"TRL first step: loss {r['first']['loss']:.6g}, grad norm {r['first']['grad_norm']:.6g}"
-                     if r["case"] == "trl" and r.get("first") else _check(r.get("first"), (trl_row or {}).get("first")))
-            lines.append(f"{res['algorithm']:9} {r['case']:12} {cell(r.get('startup_s'), '.1f'):>7} "
-                         f"{cell(noop, '.1f'):>8} {cell(tb.median(paired), '.4f'):>12} "
-                         f"{cell(ratio(r, trl_row, min), '.2f'):>9} {cell(tb.median(r.get('ref_s')), '.4f'):>6} "
-                         f"{cell(tb.median(loop), '.4f'):>10}  {check}")
+            check = (
+                f"TRL first step: loss {r['first']['loss']:.6g}, grad norm {r['first']['grad_norm']:.6g}"
+                if r["case"] == "trl" and r.get("first")
+                else _check(r.get("first"), (trl_row or {}).get("first"))
+            )
+            lines.append(
+                f"{res['algorithm']:9} {r['case']:12} {cell(r.get('startup_s'), '.1f'):>7} "
+                f"{cell(noop, '.1f'):>8} {cell(tb.median(paired), '.4f'):>12} "
+                f"{cell(ratio(r, trl_row, min), '.2f'):>9} {cell(tb.median(r.get('ref_s')), '.4f'):>6} "
+                f"{cell(tb.median(loop), '.4f'):>10}  {check}"
+            )
             if r.get("compile_counts"):
-                lines.append(f"{'':22} JAX get_compile_counts() at the end: {r['compile_counts']}"
-                             + (f"; pinned to CPUs {r['pinned']}" if r.get("pinned") else ""))
+                lines.append(
+                    f"{'':22} JAX get_compile_counts() at the end: {r['compile_counts']}"
+                    + (f"; pinned to CPUs {r['pinned']}" if r.get("pinned") else "")
+                )
     return "\n".join(lines)
 
 
@@ -738,12 +902,21 @@ def _layout(name: str) -> str:
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    parser.add_argument("--layouts", nargs="*", default=DEFAULT_LAYOUTS, type=_layout,
-                        help=f"dualrl layouts (default {' '.join(DEFAULT_LAYOUTS)}); any of {list(tb.LAYOUTS)}, "
-                             "jax-fsdp<F>[-tp<T>], jax-tp<T>; none = TRL only")
+    parser.add_argument(
+        "--layouts",
+        nargs="*",
+        default=DEFAULT_LAYOUTS,
+        type=_layout,
+        help=f"dualrl layouts (default {' '.join(DEFAULT_LAYOUTS)}); any of {list(tb.LAYOUTS)}, "
+        "jax-fsdp<F>[-tp<T>], jax-tp<T>; none = TRL only",
+    )
     parser.add_argument("--batch", type=int, default=64, help="sequences per optimizer step (DPO: batch/2 pairs)")
-    parser.add_argument("--micro", type=int, default=None,
-                        help="rows per forward/backward per data-parallel rank (default: the whole local batch)")
+    parser.add_argument(
+        "--micro",
+        type=int,
+        default=None,
+        help="rows per forward/backward per data-parallel rank (default: the whole local batch)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per (layout, algorithm)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (JAX compiles in the first)")
     parser.add_argument("--threads", type=int, default=2, help="total threads per case (see the module docstring)")
@@ -762,8 +935,10 @@ def _parse(argv):
         shards = jb.jax_layout(name).dp if is_jax(name) else tb.LAYOUTS[name].dp
         micro = args.micro or args.batch // shards
         if args.batch % (shards * micro) or micro % 2:
-            parser.error(f"{name}: --batch {args.batch} must split into {shards} rank(s) x micro batches of "
-                         f"{micro} rows, an even number (DPO pairs)")
+            parser.error(
+                f"{name}: --batch {args.batch} must split into {shards} rank(s) x micro batches of "
+                f"{micro} rows, an even number (DPO pairs)"
+            )
     if args.micro and (args.batch % args.micro or args.micro % 2):
         parser.error("--micro must be even and divide --batch")
     return args
@@ -795,16 +970,25 @@ def main(argv=None) -> int:
         tokenizer = tb.load_tokenizer(tokenizer_path)
         load0 = os.getloadavg()[0]
         for algorithm in args.algorithms:
-            results.append(run_algorithm(algorithm, args.layouts, session, model_path, tokenizer_path, tokenizer,
-                                         root, args))
+            results.append(
+                run_algorithm(algorithm, args.layouts, session, model_path, tokenizer_path, tokenizer, root, args)
+            )
         load = (load0, os.getloadavg()[0])
     ready = next((r["ready"] for res in results for r in res["cases"] if r["case"] == "trl" and r.get("ready")), {})
     print(report(results, args, args.params, load, session, ready))
     print(f"\nbenchmark wall time {time.perf_counter() - wall0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "child_trl"}, "versions": ready,
-                       "results": results}, f, indent=2, default=str)
+            json.dump(
+                {
+                    "args": {k: v for k, v in vars(args).items() if k != "child_trl"},
+                    "versions": ready,
+                    "results": results,
+                },
+                f,
+                indent=2,
+                default=str,
+            )
     failed = any("error" in r for res in results for r in res["cases"])
     return 1 if failed else 0
 

@@ -151,27 +151,59 @@ from benchmarks.trl_compare import _emit, _Stop, trl_version
 __all__ = ["REQUIRED_KEYS", "TRLGRPORunner", "check_spec", "grpo_config_kwargs", "spec_from_dualrl", "trl_version"]
 
 #: Spec keys the caller must give.
-REQUIRED_KEYS = ("model_path", "tokenizer_path", "prompts", "answers", "prompts_per_step", "group_size",
-                 "max_new_tokens", "temperature", "top_p", "top_k", "learning_rate", "betas", "eps", "weight_decay",
-                 "max_grad_norm", "kl_beta", "epsilon", "seed", "precision")
+REQUIRED_KEYS = (
+    "model_path",
+    "tokenizer_path",
+    "prompts",
+    "answers",
+    "prompts_per_step",
+    "group_size",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "learning_rate",
+    "betas",
+    "eps",
+    "weight_decay",
+    "max_grad_norm",
+    "kl_beta",
+    "epsilon",
+    "seed",
+    "precision",
+)
 #: Optional spec keys and their defaults (``None`` for ``epsilon_high`` / ``micro_batch_size``:
 #: ``epsilon`` / the whole batch).
-OPTIONAL_DEFAULTS = {"epsilon_high": None, "micro_batch_size": None, "loss_type": "dapo", "scale_rewards": "group",
-                     "importance_sampling_level": "token", "env": {"name": "arithmetic"},
-                     "use_chat_template": "auto", "old_logprobs_pass": True, "foreach": None, "fused": None,
-                     "gradient_checkpointing": False}
+OPTIONAL_DEFAULTS = {
+    "epsilon_high": None,
+    "micro_batch_size": None,
+    "loss_type": "dapo",
+    "scale_rewards": "group",
+    "importance_sampling_level": "token",
+    "env": {"name": "arithmetic"},
+    "use_chat_template": "auto",
+    "old_logprobs_pass": True,
+    "foreach": None,
+    "fused": None,
+    "gradient_checkpointing": False,
+}
 PRECISIONS = ("float32", "bfloat16")
 #: TRL's metrics of one step reported by ``step()`` (our name: TRL's ``_metrics["train"]`` key).
-METRICS = {"reward_mean": "reward", "reward_std": "reward_std", "frac_reward_zero_std": "frac_reward_zero_std",
-           "completion_length_mean": "completions/mean_length", "kl": "kl", "entropy": "entropy",
-           "clip_ratio": "clip_ratio/region_mean"}
+METRICS = {
+    "reward_mean": "reward",
+    "reward_std": "reward_std",
+    "frac_reward_zero_std": "frac_reward_zero_std",
+    "completion_length_mean": "completions/mean_length",
+    "kl": "kl",
+    "entropy": "entropy",
+    "clip_ratio": "clip_ratio/region_mean",
+}
 
 
 # ----------------------------------------------------------------------------- spec
 
 
-def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_path: str,
-                     tokenizer_path: str) -> dict:
+def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_path: str, tokenizer_path: str) -> dict:
     """The runner's spec from a resolved dualrl GRPO config (``core.config.load_config``'s dict):
     ``grpo`` (num_prompts_per_step, num_generations_per_prompt, seed, normalize_rewards),
     ``policy`` (generation sampling, optimizer kwargs, max_grad_norm, precision, micro batch),
@@ -185,9 +217,11 @@ def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_pa
     batch = g["num_prompts_per_step"] * g["num_generations_per_prompt"]
     gbs = policy.get("train_global_batch_size", batch)
     if gbs != batch:
-        raise ValueError(f"policy.train_global_batch_size ({gbs}) != grpo.num_prompts_per_step x "
-                         f"num_generations_per_prompt ({batch}): dualrl's step would take {batch // gbs} optimizer "
-                         "steps, the TRL baseline times one optimizer step per generation batch")
+        raise ValueError(
+            f"policy.train_global_batch_size ({gbs}) != grpo.num_prompts_per_step x "
+            f"num_generations_per_prompt ({batch}): dualrl's step would take {batch // gbs} optimizer "
+            "steps, the TRL baseline times one optimizer step per generation batch"
+        )
     micro = policy.get("train_micro_batch_size") or batch
     micro = micro if micro < batch and batch % micro == 0 else batch
     top_k = gen.get("top_k")
@@ -254,16 +288,18 @@ def check_spec(spec: dict) -> dict:
         if not isinstance(out[key], int) or out[key] < 1:
             raise ValueError(f"TRL GRPO spec: {key} must be a positive int, got {out[key]!r}")
     if not isinstance(out["group_size"], int) or out["group_size"] < 2:
-        raise ValueError(f"TRL GRPO spec: group_size must be an int >= 2 (TRL needs 2 samples per group), "
-                         f"got {out['group_size']!r}")
+        raise ValueError(
+            f"TRL GRPO spec: group_size must be an int >= 2 (TRL needs 2 samples per group), got {out['group_size']!r}"
+        )
     if out["precision"] not in PRECISIONS:
         raise ValueError(f"TRL GRPO spec: precision {out['precision']!r} is not one of {PRECISIONS}")
     batch = out["prompts_per_step"] * out["group_size"]
     if out["micro_batch_size"] is None:
         out["micro_batch_size"] = batch
     if not isinstance(out["micro_batch_size"], int) or out["micro_batch_size"] < 1 or batch % out["micro_batch_size"]:
-        raise ValueError(f"TRL GRPO spec: micro_batch_size {out['micro_batch_size']!r} must divide the "
-                         f"{batch} completions of a step")
+        raise ValueError(
+            f"TRL GRPO spec: micro_batch_size {out['micro_batch_size']!r} must divide the {batch} completions of a step"
+        )
     if out["loss_type"] not in ("dapo", "grpo"):
         raise ValueError(f"TRL GRPO spec: loss_type {out['loss_type']!r}: dapo (token-level) or grpo (sequence)")
     if out["scale_rewards"] not in ("group", "none"):
@@ -338,7 +374,7 @@ def cycled_rows(prompts: list[str], answers: list[str], per_step: int) -> list[d
     ``per_step``, so that TRL's sampler (which drops an epoch's incomplete last batch) walks the
     prompts in order, ``per_step`` per step, cycling."""
     repeats = per_step // math.gcd(len(prompts), per_step)
-    return [{"prompt": p, "answer": a} for _ in range(repeats) for p, a in zip(prompts, answers)]
+    return [{"prompt": p, "answer": a} for _ in range(repeats) for p, a in zip(prompts, answers, strict=True)]
 
 
 # ----------------------------------------------------------------------------- TRL (child process)
@@ -352,8 +388,9 @@ def _reward_function(env_cfg: dict):
 
     def dualrl_env(prompts, completions, answer, **_kwargs):
         meta = [{"ground_truth": a} for a in answer]
-        ret = check_environment_return(env.score(list(prompts), list(completions), meta), prompts, completions,
-                                       env.name)
+        ret = check_environment_return(
+            env.score(list(prompts), list(completions), meta), prompts, completions, env.name
+        )
         return ret.rewards
 
     return dualrl_env
@@ -370,8 +407,14 @@ def _trainer_class():
         _bench_old_logprobs_pass = True
 
         def bench_reset(self) -> None:
-            self._bench = {"loss": 0.0, "grad_norm": None, "generation_s": 0.0, "reference_s": 0.0,
-                           "old_logprobs_s": 0.0, "rollout_s": 0.0}
+            self._bench = {
+                "loss": 0.0,
+                "grad_norm": None,
+                "generation_s": 0.0,
+                "reference_s": 0.0,
+                "old_logprobs_s": 0.0,
+                "rollout_s": 0.0,
+            }
 
         def _add(self, key: str, seconds: float) -> None:
             self._bench[key] += seconds
@@ -417,8 +460,12 @@ def _trainer_class():
                 with torch.no_grad():
                     # TRL's own off-policy pass (as in _generate_and_score_completions), text-only inputs
                     old, _, _ = self._get_per_token_logps_and_entropies(
-                        self.model, ids, mask, out["completion_ids"].size(1),
-                        batch_size=self.args.per_device_train_batch_size)
+                        self.model,
+                        ids,
+                        mask,
+                        out["completion_ids"].size(1),
+                        batch_size=self.args.per_device_train_batch_size,
+                    )
                 out["old_per_token_logps"] = old
                 self._add("old_logprobs_s", time.perf_counter() - t1)
             self._add("rollout_s", time.perf_counter() - t0)
@@ -431,7 +478,7 @@ def _step_metrics(metrics: dict, marks: dict) -> dict:
     """Mean of each reported TRL metric over the entries this step appended (``None`` if none)."""
     out = {}
     for name, key in METRICS.items():
-        new = list(metrics.get(key, []))[marks.get(key, 0):]
+        new = list(metrics.get(key, []))[marks.get(key, 0) :]
         out[name] = sum(new) / len(new) if new else None
     return out
 
@@ -457,8 +504,12 @@ def serve_trl_grpo(spec_path: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_path"])
     # fp32 weights whatever the precision (bf16 = autocast, fp32 master weights and AdamW state)
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
-    opt_kwargs = dict(lr=float(spec["learning_rate"]), betas=tuple(spec["betas"]), eps=float(spec["eps"]),
-                      weight_decay=float(spec["weight_decay"]))
+    opt_kwargs = dict(
+        lr=float(spec["learning_rate"]),
+        betas=tuple(spec["betas"]),
+        eps=float(spec["eps"]),
+        weight_decay=float(spec["weight_decay"]),
+    )
     opt_kwargs.update({k: spec[k] for k in ("foreach", "fused") if spec[k] is not None})
     optimizer = torch.optim.AdamW(model.parameters(), **opt_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
@@ -490,38 +541,77 @@ def serve_trl_grpo(spec_path: str) -> None:
         def on_step_end(self, args, st, control, **kwargs):
             end, trainer = time.perf_counter(), state["trainer"]
             seconds, bench = end - state["begin"], trainer._bench
-            _emit({"seconds": seconds, "loop_s": end - state["go"], "loss": bench["loss"],
-                   "grad_norm": bench["grad_norm"], "generation_s": bench["generation_s"],
-                   "reference_s": bench["reference_s"], "old_logprobs_s": bench["old_logprobs_s"],
-                   "rollout_s": bench["rollout_s"], "train_s": seconds - bench["rollout_s"],
-                   **_step_metrics(trainer._metrics["train"], state["marks"])})
+            _emit(
+                {
+                    "seconds": seconds,
+                    "loop_s": end - state["go"],
+                    "loss": bench["loss"],
+                    "grad_norm": bench["grad_norm"],
+                    "generation_s": bench["generation_s"],
+                    "reference_s": bench["reference_s"],
+                    "old_logprobs_s": bench["old_logprobs_s"],
+                    "rollout_s": bench["rollout_s"],
+                    "train_s": seconds - bench["rollout_s"],
+                    **_step_metrics(trainer._metrics["train"], state["marks"]),
+                }
+            )
             self._wait()
 
     trainer_cls = _trainer_class()
-    trainer_cls._bench_add_special_tokens = not chat_template_used({"use_chat_template": spec["use_chat_template"]},
-                                                                   tokenizer)
+    trainer_cls._bench_add_special_tokens = not chat_template_used(
+        {"use_chat_template": spec["use_chat_template"]}, tokenizer
+    )
     trainer_cls._bench_old_logprobs_pass = bool(spec["old_logprobs_pass"])
     rows = cycled_rows(spec["prompts"], spec["answers"], spec["prompts_per_step"])
-    trainer = trainer_cls(model=model, reward_funcs=[_reward_function(spec["env"])], args=config,
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                          optimizers=(optimizer, scheduler), callbacks=[Gate()])
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=[_reward_function(spec["env"])],
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        optimizers=(optimizer, scheduler),
+        callbacks=[Gate()],
+    )
     trainer.bench_reset()
     state["trainer"] = trainer
     args = trainer.args
     state["ready"] = {
-        "threads": torch.get_num_threads(), "params": sum(p.numel() for p in model.parameters()),
-        "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
         "attn_implementation": model.config._attn_implementation,
         "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "reference_model": trainer.ref_model is not None,
         "add_special_tokens": trainer_cls._bench_add_special_tokens,
         "old_logprobs_pass": trainer_cls._bench_old_logprobs_pass,
         "dataset_rows": len(rows),
-        "config": {k: getattr(args, k) for k in (
-            "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-            "generation_batch_size", "num_generations", "num_iterations", "max_completion_length", "temperature",
-            "top_p", "top_k", "beta", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
-            "importance_sampling_level", "max_grad_norm", "bf16", "use_vllm", "seed")},
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "steps_per_generation",
+                "generation_batch_size",
+                "num_generations",
+                "num_iterations",
+                "max_completion_length",
+                "temperature",
+                "top_p",
+                "top_k",
+                "beta",
+                "epsilon",
+                "epsilon_high",
+                "loss_type",
+                "scale_rewards",
+                "importance_sampling_level",
+                "max_grad_norm",
+                "bf16",
+                "use_vllm",
+                "seed",
+            )
+        },
     }
     try:
         trainer.train()
@@ -547,16 +637,31 @@ class TRLGRPORunner(tb.HFRunner):
         fd, spec_file = tempfile.mkstemp(prefix="trl-grpo-", suffix=".json", dir=root)
         os.close(fd)
         spec_path = Path(spec_file)
-        spec_path.write_text(json.dumps({**spec, "threads": int(threads),
-                                         "output_dir": str(spec_path.with_suffix(".out"))}))
+        spec_path.write_text(
+            json.dumps({**spec, "threads": int(threads), "output_dir": str(spec_path.with_suffix(".out"))})
+        )
         cmd = [sys.executable, "-m", "benchmarks.trl_grpo", "--child", str(spec_path)]
         # trl's trainers ping the Hub (telemetry) at construction unless told not to: no network here
-        env = {"HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "1", **os.environ, "OMP_NUM_THREADS": str(threads),
-               "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", "ACCELERATE_DISABLE_RICH": "1"}
+        env = {
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_OFFLINE": "1",
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "ACCELERATE_DISABLE_RICH": "1",
+        }
         self._stderr = tempfile.TemporaryFile(mode="w+")
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      text=True, env=env, cwd=str(Path(__file__).resolve().parent.parent))
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=env,
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )
         try:
             self.ready = self._reply()
         except BaseException:
@@ -580,8 +685,10 @@ class TRLGRPORunner(tb.HFRunner):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="TRL GRPOTrainer child of benchmarks.trl_grpo.TRLGRPORunner "
-                                                 "(dualrl bench runs it; see the module docstring)")
+    parser = argparse.ArgumentParser(
+        description="TRL GRPOTrainer child of benchmarks.trl_grpo.TRLGRPORunner "
+        "(dualrl bench runs it; see the module docstring)"
+    )
     parser.add_argument("--child", metavar="SPEC", required=True, help="spec file written by TRLGRPORunner")
     args = parser.parse_args(argv)
     if trl_version() is None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Mapping, NotRequired, Optional, Protocol, TypedDict, runtime_checkable
-
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 if TYPE_CHECKING:  # heavy imports only for annotations
     import ray
@@ -111,10 +111,10 @@ class GenerationDatumSpec(TypedDict):
     Extra keys are allowed and ignored.
     """
 
-    input_ids: "torch.Tensor"
-    input_lengths: "torch.Tensor"
+    input_ids: torch.Tensor
+    input_lengths: torch.Tensor
     stop_strings: NotRequired[list[list[str] | None]]
-    sample_seeds: NotRequired["torch.Tensor"]
+    sample_seeds: NotRequired[torch.Tensor]
 
 
 class GenerationOutputSpec(TypedDict):
@@ -128,22 +128,22 @@ class GenerationOutputSpec(TypedDict):
         positions, the sampled token's logprob on generated positions.
     """
 
-    output_ids: "torch.Tensor"
-    generation_lengths: "torch.Tensor"
-    unpadded_sequence_lengths: "torch.Tensor"
-    logprobs: "torch.Tensor"
+    output_ids: torch.Tensor
+    generation_lengths: torch.Tensor
+    unpadded_sequence_lengths: torch.Tensor
+    logprobs: torch.Tensor
 
 
 class LogprobOutputSpec(TypedDict):
     """Output of ``get_logprobs``: ``logprobs`` [B, S] float32 in the ``get_logprobs`` layout."""
 
-    logprobs: "torch.Tensor"
+    logprobs: torch.Tensor
 
 
 class ReferenceLogprobOutputSpec(TypedDict):
     """Output of ``get_reference_policy_logprobs``: ``reference_logprobs`` [B, S] float32, same layout."""
 
-    reference_logprobs: "torch.Tensor"
+    reference_logprobs: torch.Tensor
 
 
 # ----------------------------------------------------------------------------- policy
@@ -153,7 +153,7 @@ class PolicyInterface(ABC):
     """A trainable language-model policy (driver side; workers implement the same names)."""
 
     @abstractmethod
-    def get_logprobs(self, data: "BatchedDataDict[GenerationDatumSpec]") -> "BatchedDataDict[LogprobOutputSpec]":
+    def get_logprobs(self, data: BatchedDataDict[GenerationDatumSpec]) -> BatchedDataDict[LogprobOutputSpec]:
         """Log-probabilities of ``data['input_ids']`` under the current policy.
 
         Uses ``logprob_batch_size`` micro batches (or dynamic batching), no gradients.
@@ -163,8 +163,8 @@ class PolicyInterface(ABC):
 
     @abstractmethod
     def get_reference_policy_logprobs(
-        self, data: "BatchedDataDict[GenerationDatumSpec]", micro_batch_size: Optional[int] = None
-    ) -> "BatchedDataDict[ReferenceLogprobOutputSpec]":
+        self, data: BatchedDataDict[GenerationDatumSpec], micro_batch_size: int | None = None
+    ) -> BatchedDataDict[ReferenceLogprobOutputSpec]:
         """Like ``get_logprobs`` but with the frozen reference weights.
 
         ``micro_batch_size`` overrides ``logprob_batch_size``.  Returns
@@ -174,11 +174,11 @@ class PolicyInterface(ABC):
     @abstractmethod
     def train(
         self,
-        data: "BatchedDataDict[Any]",
+        data: BatchedDataDict[Any],
         loss_fn: LossFunction,
         eval_mode: bool = False,
-        gbs: Optional[int] = None,
-        mbs: Optional[int] = None,
+        gbs: int | None = None,
+        mbs: int | None = None,
     ) -> dict[str, Any]:
         """One optimizer step per global batch of ``gbs`` rows (default ``train_global_batch_size``).
 
@@ -229,7 +229,7 @@ class ColocatablePolicyInterface(PolicyInterface):
     """
 
     @abstractmethod
-    def init_collective(self, ip: str, port: int, world_size: int) -> "list[ray.ObjectRef]":
+    def init_collective(self, ip: str, port: int, world_size: int) -> list[ray.ObjectRef]:
         """Join the weight-broadcast group at ``ip:port`` of ``world_size`` ranks (training
         rank 0 plus the engine's ranks).  Returns the futures of the workers' joins so the
         caller can wait on both sides together (joining blocks until all ranks arrive)."""
@@ -243,7 +243,7 @@ class ColocatablePolicyInterface(PolicyInterface):
         """Move weights off the device after the engine has them (colocated generation needs the memory)."""
 
     @abstractmethod
-    def prepare_refit_info(self) -> Optional[dict[str, Any]]:
+    def prepare_refit_info(self) -> dict[str, Any] | None:
         """Names -> (shape, dtype) of every tensor the refit stream will carry, in HF names,
         so the engine can check the stream before loading it.  ``None`` if not applicable."""
 
@@ -263,7 +263,7 @@ class ColocatablePolicyInterface(PolicyInterface):
         a shared-memory segment on CPU, keyed by the device / worker that must open them."""
 
     @abstractmethod
-    def broadcast_weights_for_collective(self) -> "list[ray.ObjectRef]":
+    def broadcast_weights_for_collective(self) -> list[ray.ObjectRef]:
         """Broadcast every weight from training rank 0 over the collective group; returns
         the workers' futures."""
 
@@ -275,13 +275,13 @@ class GenerationInterface(ABC):
     """Something that samples continuations of right-padded prompts."""
 
     @abstractmethod
-    def init_collective(self, ip: str, port: int, world_size: int) -> "list[ray.ObjectRef]":
+    def init_collective(self, ip: str, port: int, world_size: int) -> list[ray.ObjectRef]:
         """Join the weight-broadcast group (the receiving side of ``ColocatablePolicyInterface``)."""
 
     @abstractmethod
     def generate(
-        self, data: "BatchedDataDict[GenerationDatumSpec]", greedy: bool = False
-    ) -> "BatchedDataDict[GenerationOutputSpec]":
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
         """Continue each prompt; ``greedy`` forces argmax decoding.
 
         Sampling parameters (temperature, top-p/top-k, max_new_tokens, stop tokens and
@@ -310,5 +310,5 @@ class RefittableGenerationInterface(GenerationInterface):
         """Load one bucket from IPC handles; returns True when every worker loaded it."""
 
     @abstractmethod
-    def update_weights_from_collective(self) -> "list[ray.ObjectRef]":
+    def update_weights_from_collective(self) -> list[ray.ObjectRef]:
         """Receive the broadcast weights; returns the engine workers' futures."""

@@ -58,15 +58,10 @@ class ParallelDims:
         sizes = {name: getattr(self, name) for name in AXIS_NAMES}
         for name, size in sizes.items():
             if not _is_int(size) or (size < 1 and size != -1):
-                raise ValueError(
-                    f"ParallelDims: {name} must be a positive integer (or -1 to fill in), got {size!r}"
-                )
+                raise ValueError(f"ParallelDims: {name} must be a positive integer (or -1 to fill in), got {size!r}")
         fill = [name for name, size in sizes.items() if size == -1]
         if len(fill) > 1:
-            raise ValueError(
-                f"ParallelDims: at most one dimension may be -1, got {' and '.join(fill)} "
-                f"({_fmt(sizes)})"
-            )
+            raise ValueError(f"ParallelDims: at most one dimension may be -1, got {' and '.join(fill)} ({_fmt(sizes)})")
         if fill:
             name = fill[0]
             others = {n: s for n, s in sizes.items() if n != name}
@@ -80,15 +75,11 @@ class ParallelDims:
             sizes[name] = ws // prod
         prod = math.prod(sizes.values())
         if prod != ws:
-            raise ValueError(
-                f"ParallelDims: {_fmt_product(sizes)} = {prod} does not match world_size {ws}"
-            )
+            raise ValueError(f"ParallelDims: {_fmt_product(sizes)} = {prod} does not match world_size {ws}")
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def build(
-        cls, world_size: int, *, dp_replicate: int = 1, fsdp: int = -1, cp: int = 1, tp: int = 1
-    ) -> ParallelDims:
+    def build(cls, world_size: int, *, dp_replicate: int = 1, fsdp: int = -1, cp: int = 1, tp: int = 1) -> ParallelDims:
         """A resolved instance (``-1`` filled in); ValueError if the sizes do not fit."""
         return cls(world_size=world_size, dp_replicate=dp_replicate, fsdp=fsdp, cp=cp, tp=tp)
 
@@ -106,16 +97,14 @@ class ParallelDims:
             return cls.build(world_size, fsdp=world_size)
         if backend == "torch_dtensor":
             d = policy_cfg["dtensor_cfg"]
-            return cls.build(
-                world_size, fsdp=-1, tp=d["tensor_parallel_size"], cp=d["context_parallel_size"]
-            )
+            return cls.build(world_size, fsdp=-1, tp=d["tensor_parallel_size"], cp=d["context_parallel_size"])
         if backend == "jax_pjit":
             j = policy_cfg["jax_cfg"]
-            return cls.build(world_size, fsdp=j["fsdp_size"], tp=j["tensor_parallel_size"],
-                             cp=j.get("context_parallel_size", 1))
+            return cls.build(
+                world_size, fsdp=j["fsdp_size"], tp=j["tensor_parallel_size"], cp=j.get("context_parallel_size", 1)
+            )
         raise ValueError(
-            f"ParallelDims: unknown backend {backend!r}; choose one of "
-            "'torch_fsdp', 'torch_dtensor', 'jax_pjit'"
+            f"ParallelDims: unknown backend {backend!r}; choose one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit'"
         )
 
     # ------------------------------------------------------------------ derived sizes
@@ -152,11 +141,7 @@ class ParallelDims:
     # ------------------------------------------------------------------ mesh description
     def axes(self, include_trivial: bool = False) -> dict[str, int]:
         """``{axis name: size}`` outermost first; size-1 axes only if ``include_trivial``."""
-        return {
-            name: getattr(self, name)
-            for name in AXIS_NAMES
-            if include_trivial or getattr(self, name) > 1
-        }
+        return {name: getattr(self, name) for name in AXIS_NAMES if include_trivial or getattr(self, name) > 1}
 
     def mesh_shape(self, include_trivial: bool = False) -> tuple[int, ...]:
         """Mesh shape, outermost first.  Without ``include_trivial`` axes of size 1 are

@@ -45,8 +45,9 @@ def _shared_token() -> str:
 
 def _abstract(tree: Any) -> Any:
     """ShapeDtypeStructs carrying each array's sharding: the restore target."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                        if isinstance(x, jax.Array) else x, tree)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, tree
+    )
 
 
 def _key_name(key: Any) -> str:
@@ -80,8 +81,13 @@ def _check_tree(ckptr: Any, path: Path, expected: Any, *, what: str, role: str) 
         raise CheckpointError(problem)
 
 
-def save_orbax(params: Any, opt_state: Any, train_step: int, weights_path: str | os.PathLike,
-               optimizer_path: str | os.PathLike | None) -> None:
+def save_orbax(
+    params: Any,
+    opt_state: Any,
+    train_step: int,
+    weights_path: str | os.PathLike,
+    optimizer_path: str | os.PathLike | None,
+) -> None:
     """Every process: write the params (and optimizer state + step) atomically."""
     import orbax.checkpoint as ocp
 
@@ -106,8 +112,12 @@ def save_orbax(params: Any, opt_state: Any, train_step: int, weights_path: str |
             ckptr.wait_until_finished()
         _sync("dualrl-ckpt-written")  # every process's arrays are on disk
         if primary:
-            pf.finish_save([(tmp, path, kind) for tmp, (path, kind) in zip(temps, targets)],
-                           fmt=FORMAT, token=token, train_step=train_step)
+            pf.finish_save(
+                [(tmp, path, kind) for tmp, (path, kind) in zip(temps, targets, strict=True)],
+                fmt=FORMAT,
+                token=token,
+                train_step=train_step,
+            )
         _sync("dualrl-ckpt-installed")
     except BaseException:
         if primary:
@@ -115,9 +125,15 @@ def save_orbax(params: Any, opt_state: Any, train_step: int, weights_path: str |
         raise
 
 
-def load_orbax(params: Any, opt_state: Any, weights_path: str | os.PathLike,
-               optimizer_path: str | os.PathLike | None, *, checksums: bool = True,
-               what: str = "this model") -> tuple[Any, Any, int | None]:
+def load_orbax(
+    params: Any,
+    opt_state: Any,
+    weights_path: str | os.PathLike,
+    optimizer_path: str | os.PathLike | None,
+    *,
+    checksums: bool = True,
+    what: str = "this model",
+) -> tuple[Any, Any, int | None]:
     """Every process: verified restore; returns ``(params, opt_state, train_step)`` (the
     last two ``opt_state`` as given and None without ``optimizer_path``).
 

@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +59,24 @@ from flax import nnx
 from backends.jax_pjit.model import CausalLM, KVCache, constrain, rope_cos_sin
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import logprobs_from_logits
-from core.policy.generation_args import (checked_sample_seeds, row_stop_strings, stop_window, tail_hits_stop_string,
-                                         top_k_or_off)
+from core.policy.generation_args import (
+    checked_sample_seeds,
+    row_stop_strings,
+    stop_window,
+    tail_hits_stop_string,
+    top_k_or_off,
+)
 
-__all__ = ["DecodeFns", "DecodeState", "make_decode_fns", "generate", "sample_token", "filter_logits",
-           "row_keys", "compile_cache_sizes"]
+__all__ = [
+    "DecodeFns",
+    "DecodeState",
+    "make_decode_fns",
+    "generate",
+    "sample_token",
+    "filter_logits",
+    "row_keys",
+    "compile_cache_sizes",
+]
 
 
 # --------------------------------------------------------------------------- device state
@@ -206,8 +220,9 @@ def _constrain_state(state: DecodeState) -> DecodeState:
     layout or the second step would compile a third program.
     """
     cache = tuple((constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)) for k, v in state.cache)
-    rows = {name: constrain(x, _ROW_AXES[x.ndim]) for name, x in state._asdict().items()
-            if name not in ("cache", "key")}
+    rows = {
+        name: constrain(x, _ROW_AXES[x.ndim]) for name, x in state._asdict().items() if name not in ("cache", "key")
+    }
     return state._replace(cache=cache, **rows)
 
 
@@ -228,7 +243,7 @@ def _prefill_last_hidden(model: CausalLM, input_ids, positions, cache, slot_mask
     cos, sin = rope_cos_sin(model.cfg, positions, model.dtype)
     h = model._embed(input_ids)
     new_cache = []
-    for layer, layer_cache in zip(model.layers, cache):
+    for layer, layer_cache in zip(model.layers, cache, strict=True):
         h, layer_cache = layer(h, cos, sin, allowed, layer_cache, 0)
         new_cache.append(layer_cache)
     h_last = jnp.take_along_axis(h, last_index[:, None, None].astype(jnp.int32), axis=1)  # (B, 1, E)
@@ -236,8 +251,9 @@ def _prefill_last_hidden(model: CausalLM, input_ids, positions, cache, slot_mask
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "max_new_tokens"))
-def _prefill(params, rest, input_ids, input_lengths, stop_mask, knobs, key, *, graphdef, greedy: bool,
-             max_new_tokens: int):
+def _prefill(
+    params, rest, input_ids, input_lengths, stop_mask, knobs, key, *, graphdef, greedy: bool, max_new_tokens: int
+):
     """Prompt [B, S] -> (DecodeState after the first generated token, StepAux)."""
     model = nnx.merge(graphdef, params, rest)
     batch, width = input_ids.shape
@@ -246,16 +262,19 @@ def _prefill(params, rest, input_ids, input_lengths, stop_mask, knobs, key, *, g
     valid = jnp.arange(width)[None, :] < input_lengths[:, None]  # (B, S)
     ids = jnp.where(valid, input_ids, 0).astype(jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch, width))
-    slot_mask = jnp.concatenate(
-        [valid.astype(jnp.int32), jnp.zeros((batch, max_new_tokens - 1), jnp.int32)], axis=1)
+    slot_mask = jnp.concatenate([valid.astype(jnp.int32), jnp.zeros((batch, max_new_tokens - 1), jnp.int32)], axis=1)
     cache = model.init_cache(batch, max_len)
     h_last, cache = _prefill_last_hidden(model, ids, positions, cache, slot_mask, input_lengths - 1)
     logits = model._logits(h_last)[:, 0]  # (B, V)
     key, sub = _draw_keys(key, jnp.zeros((), jnp.int32))
     token, logprob = sample_token(logits, sub, knobs, greedy)
     state = DecodeState(
-        cache=cache, slot_mask=slot_mask, input_lengths=input_lengths,
-        last_token=jnp.zeros((batch,), jnp.int32), count=jnp.zeros((), jnp.int32), key=key,
+        cache=cache,
+        slot_mask=slot_mask,
+        input_lengths=input_lengths,
+        last_token=jnp.zeros((batch,), jnp.int32),
+        count=jnp.zeros((), jnp.int32),
+        key=key,
         done=jnp.zeros((batch,), bool),
         gen_lengths=jnp.full((batch,), max_new_tokens, jnp.int32),
         tokens=jnp.full((batch, max_new_tokens), knobs["pad_token_id"], jnp.int32),
@@ -289,10 +308,19 @@ class DecodeFns:
     params: Any  # the model's own params (used when ``generate`` gets params=None)
     vocab_size: int
 
-    def prefill(self, params, input_ids, input_lengths, stop_mask, knobs, key, *, greedy: bool,
-                max_new_tokens: int):
-        return _prefill(params, self.rest, input_ids, input_lengths, stop_mask, knobs, key,
-                        graphdef=self.graphdef, greedy=greedy, max_new_tokens=max_new_tokens)
+    def prefill(self, params, input_ids, input_lengths, stop_mask, knobs, key, *, greedy: bool, max_new_tokens: int):
+        return _prefill(
+            params,
+            self.rest,
+            input_ids,
+            input_lengths,
+            stop_mask,
+            knobs,
+            key,
+            graphdef=self.graphdef,
+            greedy=greedy,
+            max_new_tokens=max_new_tokens,
+        )
 
     def step(self, params, state: DecodeState, stop_mask, knobs, *, greedy: bool):
         return _step(params, self.rest, state, stop_mask, knobs, graphdef=self.graphdef, greedy=greedy)
@@ -339,8 +367,12 @@ def _knobs(gen_cfg: Mapping[str, Any], greedy: bool, pad_token_id: int) -> dict[
         top_k = top_k_or_off(gen_cfg.get("top_k"))
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    return dict(temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p),
-                pad_token_id=np.int32(pad_token_id))
+    return dict(
+        temperature=np.float32(temperature),
+        top_k=np.int32(top_k),
+        top_p=np.float32(top_p),
+        pad_token_id=np.int32(pad_token_id),
+    )
 
 
 def _stop_mask(stop_token_ids: Sequence[int], vocab: int) -> np.ndarray:
@@ -371,7 +403,7 @@ class _StopStrings:
             if not strings or self.stopped_at[b] or done_before[b]:
                 continue
             self.history[b].append(int(tokens[b]))
-            if tail_hits_stop_string(self.tokenizer, self.history[b][-self.window:], strings):
+            if tail_hits_stop_string(self.tokenizer, self.history[b][-self.window :], strings):
                 self.stopped_at[b] = count
 
 
@@ -431,25 +463,32 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive int, got {new_tokens!r}")
     new_tokens = int(new_tokens)
     knobs = _knobs(gen_cfg, greedy, pad_token_id)
-    stop_ids = list(dict.fromkeys([int(t) for t in (gen_cfg.get("stop_token_ids") or [])]
-                                  + [int(t) for t in eos_token_ids]))
+    stop_ids = list(
+        dict.fromkeys([int(t) for t in (gen_cfg.get("stop_token_ids") or [])] + [int(t) for t in eos_token_ids])
+    )
     row_strings = _row_stop_strings(gen_cfg, stop_strings, batch)
     if any(row_strings) and tokenizer is None:
-        raise ValueError("stop strings are configured but no tokenizer was given: pass tokenizer= so "
-                         "generated tokens can be decoded and matched")
+        raise ValueError(
+            "stop strings are configured but no tokenizer was given: pass tokenizer= so "
+            "generated tokens can be decoded and matched"
+        )
     seeds = None if greedy or sample_seeds is None else checked_sample_seeds(sample_seeds, batch)
     chunks = _row_chunks(batch, batch_size)
     keys = _chunk_keys(rng, len(chunks)) if seeds is None else [None] * len(chunks)
     decode = _Decoder(fns, params, knobs, _stop_mask(stop_ids, fns.vocab_size), greedy, new_tokens, tokenizer)
     width = chunks[0].stop - chunks[0].start
     pieces = []
-    for rows, key in zip(chunks, keys):
+    for rows, key in zip(chunks, keys, strict=True):
         take = _fill_rows(rows, width)  # every chunk has `width` rows: one compiled shape
         chunk_seeds = None if seeds is None else seeds[take]
-        out = decode(input_ids[take], input_lengths[take], [row_strings[i] for i in take],
-                     row_keys(chunk_seeds, width) if chunk_seeds is not None else key)
+        out = decode(
+            input_ids[take],
+            input_lengths[take],
+            [row_strings[i] for i in take],
+            row_keys(chunk_seeds, width) if chunk_seeds is not None else key,
+        )
         pieces.append(tuple(x[: rows.stop - rows.start] for x in out))
-    tokens, token_logprobs, gen_lengths = (np.concatenate(parts) for parts in zip(*pieces))
+    tokens, token_logprobs, gen_lengths = (np.concatenate(parts) for parts in zip(*pieces, strict=True))
     return assemble_padded(input_ids, input_lengths, tokens, token_logprobs, gen_lengths, new_tokens, pad_token_id)
 
 
@@ -495,14 +534,23 @@ class _Decoder:
         fns, params, greedy = self.fns, self.params, self.greedy
         matcher = _StopStrings(self.tokenizer, row_strings) if any(row_strings) else None
         batch = input_ids.shape[0]
-        state, aux = fns.prefill(params, input_ids.astype(np.int32), input_lengths.astype(np.int32),
-                                 self.stop_mask, self.knobs, key, greedy=greedy, max_new_tokens=self.new_tokens)
+        state, aux = fns.prefill(
+            params,
+            input_ids.astype(np.int32),
+            input_lengths.astype(np.int32),
+            self.stop_mask,
+            self.knobs,
+            key,
+            greedy=greedy,
+            max_new_tokens=self.new_tokens,
+        )
         count = 1  # tokens generated by the programs dispatched so far (aux describes token `count`)
         done_before = np.zeros(batch, bool)
         while True:
             # Queue the next step before reading the previous one's flags (keeps the device busy).
-            nxt = (fns.step(params, state, self.stop_mask, self.knobs, greedy=greedy)
-                   if count < self.new_tokens else None)
+            nxt = (
+                fns.step(params, state, self.stop_mask, self.knobs, greedy=greedy) if count < self.new_tokens else None
+            )
             done = np.asarray(aux.done)
             if matcher is not None:
                 matcher.update(np.asarray(aux.token), done_before, count)

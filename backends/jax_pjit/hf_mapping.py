@@ -28,8 +28,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -177,12 +178,12 @@ def expected_entries(cfg: ModelConfig) -> list[Entry]:
             path = _jax_path(row.jax, i)
             jax_shape = shapes[path]
             hf_shape = TRANSFORMS[row.transform].hf_shape(_unpadded_shape(jax_shape, row.vocab_dim, cfg))
-            entries.append(Entry(row.hf.format(i=i), path, row.transform, jax_shape, tuple(hf_shape),
-                                 row.vocab_dim))
+            entries.append(Entry(row.hf.format(i=i), path, row.transform, jax_shape, tuple(hf_shape), row.vocab_dim))
     mapped = {e.jax_path for e in entries}
     if mapped != set(shapes):  # the table and the model must describe the same parameters
-        raise AssertionError(f"HF table / model mismatch: unmapped {set(shapes) - mapped}, "
-                             f"unknown {mapped - set(shapes)}")
+        raise AssertionError(
+            f"HF table / model mismatch: unmapped {set(shapes) - mapped}, unknown {mapped - set(shapes)}"
+        )
     return entries
 
 
@@ -200,26 +201,32 @@ def check_hf_tensors(hf_tensors: Mapping[str, Any], cfg: ModelConfig) -> list[En
     expected = {e.hf_name for e in entries}
     missing = [e.hf_name for e in entries if e.hf_name not in hf_tensors]
     if missing:
-        raise ValueError(f"checkpoint is missing HF parameter(s) {missing} ({cfg.family}, {len(missing)} of "
-                         f"{len(entries)} missing)")
+        raise ValueError(
+            f"checkpoint is missing HF parameter(s) {missing} ({cfg.family}, {len(missing)} of {len(entries)} missing)"
+        )
     unexpected = []
     for name in hf_tensors:
         if name in expected or name.endswith(IGNORED_HF_SUFFIXES):
             continue
         if name == TIED_HF_NAME and cfg.tie_word_embeddings:
             if not np.array_equal(np.asarray(hf_tensors[name]), np.asarray(hf_tensors[EMBED_HF_NAME])):
-                raise ValueError(f"HF parameter {TIED_HF_NAME!r} differs from {EMBED_HF_NAME!r} but the "
-                                 "config ties word embeddings (tie_word_embeddings=True)")
+                raise ValueError(
+                    f"HF parameter {TIED_HF_NAME!r} differs from {EMBED_HF_NAME!r} but the "
+                    "config ties word embeddings (tie_word_embeddings=True)"
+                )
             continue
         unexpected.append(name)
     if unexpected:
-        raise ValueError(f"unexpected HF parameter(s) {sorted(unexpected)} for a {cfg.family} model "
-                         f"(tie_word_embeddings={cfg.tie_word_embeddings})")
+        raise ValueError(
+            f"unexpected HF parameter(s) {sorted(unexpected)} for a {cfg.family} model "
+            f"(tie_word_embeddings={cfg.tie_word_embeddings})"
+        )
     for e in entries:
         got = tuple(hf_tensors[e.hf_name].shape)
         if got != e.hf_shape:
-            raise ValueError(f"HF parameter {e.hf_name!r} has shape {got} in the checkpoint, "
-                             f"expected {e.hf_shape} from the config")
+            raise ValueError(
+                f"HF parameter {e.hf_name!r} has shape {got} in the checkpoint, expected {e.hf_shape} from the config"
+            )
     return entries
 
 
@@ -241,8 +248,10 @@ def hf_to_jax_state(hf_tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> d
 def flat_values(state: Any) -> dict[tuple, Any]:
     """``{path: array}`` from a CausalLM, an ``nnx.State`` or a nested pure dict."""
     if isinstance(state, (nnx.Module, nnx.State)):
-        return {tuple(p): v.get_value() if isinstance(v, nnx.Variable) else v
-                for p, v in nnx.to_flat_state(params_of(state))}
+        return {
+            tuple(p): v.get_value() if isinstance(v, nnx.Variable) else v
+            for p, v in nnx.to_flat_state(params_of(state))
+        }
     flat: dict[tuple, Any] = {}
 
     def walk(node, prefix):
@@ -271,12 +280,13 @@ def iter_hf_tensors(state: Any, cfg: ModelConfig) -> Iterator[tuple[str, np.ndar
     flat = flat_values(state)
     for e in expected_entries(cfg):
         if e.jax_path not in flat:
-            raise ValueError(f"JAX state has no parameter {'/'.join(map(str, e.jax_path))} "
-                             f"(HF {e.hf_name!r})")
+            raise ValueError(f"JAX state has no parameter {'/'.join(map(str, e.jax_path))} (HF {e.hf_name!r})")
         value = np.asarray(flat[e.jax_path])
         if tuple(value.shape) != e.jax_shape:
-            raise ValueError(f"JAX parameter {'/'.join(map(str, e.jax_path))} has shape {value.shape}, "
-                             f"expected {e.jax_shape} (HF {e.hf_name!r})")
+            raise ValueError(
+                f"JAX parameter {'/'.join(map(str, e.jax_path))} has shape {value.shape}, "
+                f"expected {e.jax_shape} (HF {e.hf_name!r})"
+            )
         yield e.hf_name, _to_hf(e, value, cfg)
 
 
@@ -368,8 +378,14 @@ def save_hf_checkpoint(model: CausalLM, hf_config: Any, path: str | os.PathLike)
     return path
 
 
-def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32, *, tp: int = 1,
-                    make_vocab_size_divisible_by: int = 1) -> tuple[CausalLM, ModelConfig, Any]:
+def from_pretrained(
+    path: str | os.PathLike,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    *,
+    tp: int = 1,
+    make_vocab_size_divisible_by: int = 1,
+) -> tuple[CausalLM, ModelConfig, Any]:
     """Load an HF checkpoint directory: ``(CausalLM, ModelConfig, hf_config)``.
 
     The vocabulary is zero-padded to ``padded_vocab_size(vocab_size, tp,
@@ -385,8 +401,22 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
 
 
 __all__ = [
-    "Row", "LLAMA_TABLE", "QWEN2_TABLE", "FAMILY_TABLES", "TRANSFORMS", "Entry", "table_for",
-    "expected_entries", "check_hf_tensors", "hf_to_jax_state", "jax_to_hf_tensors", "iter_hf_tensors",
-    "hf_layout", "flat_values", "read_hf_safetensors",
-    "load_hf_weights", "save_hf_checkpoint", "from_pretrained",
+    "Row",
+    "LLAMA_TABLE",
+    "QWEN2_TABLE",
+    "FAMILY_TABLES",
+    "TRANSFORMS",
+    "Entry",
+    "table_for",
+    "expected_entries",
+    "check_hf_tensors",
+    "hf_to_jax_state",
+    "jax_to_hf_tensors",
+    "iter_hf_tensors",
+    "hf_layout",
+    "flat_values",
+    "read_hf_safetensors",
+    "load_hf_weights",
+    "save_hf_checkpoint",
+    "from_pretrained",
 ]

@@ -41,7 +41,8 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -129,19 +130,19 @@ class ModelConfig:
     def is_vocab_padded(self) -> bool:
         return self.padded_vocab_size != self.vocab_size
 
-    def with_padded_vocab(self, tp: int = 1, make_divisible_by: int = 1) -> "ModelConfig":
+    def with_padded_vocab(self, tp: int = 1, make_divisible_by: int = 1) -> ModelConfig:
         """This config with the vocabulary padded for ``tp``-way sharding (and to a multiple of
         ``make_divisible_by``): ``core.policy.vocab_padding.padded_vocab_size``."""
         from core.policy.vocab_padding import padded_vocab_size
 
         return dataclasses.replace(self, padded_vocab_size=padded_vocab_size(self.vocab_size, tp, make_divisible_by))
 
-    def unpadded(self) -> "ModelConfig":
+    def unpadded(self) -> ModelConfig:
         """This config as the HF checkpoint describes it (``padded_vocab_size = vocab_size``)."""
         return dataclasses.replace(self, padded_vocab_size=self.vocab_size)
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Read a transformers 5.x ``LlamaConfig`` / ``Qwen2Config`` (/ window-free ``MistralConfig``).
 
         Raises ``ValueError`` naming the ``model_type`` for other architectures, and for
@@ -162,7 +163,8 @@ class ModelConfig:
         layer_types = getattr(hf_config, "layer_types", None) or ()
         if any(t != "full_attention" for t in layer_types):
             raise ValueError(
-                f"model_type {model_type!r} with sliding-window layers {set(layer_types)} is not supported")
+                f"model_type {model_type!r} with sliding-window layers {set(layer_types)} is not supported"
+            )
         if model_type == "mistral":
             window = getattr(hf_config, "sliding_window", None)
             if window is not None and window < max_pos:
@@ -196,7 +198,7 @@ class ModelConfig:
 # --------------------------------------------------------------------------- RoPE
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """``inv_freq`` [head_dim // 2] float32, computed like transformers' rope init functions.
 
@@ -323,8 +325,7 @@ class Dense(nnx.Module):
     kernel stores heads as their own axis and sharding never has to split a fused dim.
     """
 
-    def __init__(self, in_shape, out_shape, in_axes, out_axes, *, use_bias: bool, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+    def __init__(self, in_shape, out_shape, in_axes, out_axes, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs):
         self.n_in = len(in_shape)
         self.dtype = dtype
         init = jax.nn.initializers.normal(0.02)
@@ -352,8 +353,9 @@ class RMSNorm(nnx.Module):
         h = x.astype(jnp.float32)
         variance = jnp.mean(h * h, axis=-1, keepdims=True)  # (B, S, 1)
         h = h * jax.lax.rsqrt(variance + self.eps)
-        return per_feature(jnp.multiply, h.astype(input_dtype), self.scale[...],
-                           jnp.result_type(input_dtype, self.dtype))
+        return per_feature(
+            jnp.multiply, h.astype(input_dtype), self.scale[...], jnp.result_type(input_dtype, self.dtype)
+        )
 
 
 class RightPadded(NamedTuple):
@@ -403,8 +405,15 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     micro batch) is given one key: cuDNN is not asked what an empty key range means.
     """
     kv_lengths = jnp.maximum(lengths, 1).astype(jnp.int32)
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, key_value_seq_lengths=kv_lengths,
-                                        implementation=attention_implementation(q))
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=True,
+        key_value_seq_lengths=kv_lengths,
+        implementation=attention_implementation(q),
+    )
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: float) -> jax.Array:
@@ -434,7 +443,7 @@ class Attention(nnx.Module):
         self.k_proj = Dense((e,), (kv, d), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, **kw)
         self.v_proj = Dense((e,), (kv, d), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, **kw)
         self.o_proj = Dense((h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=False, **kw)
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
         self.dtype = dtype
 
     def __call__(self, x, cos, sin, allowed, cache=None, cache_index=None):
@@ -548,8 +557,13 @@ class CausalLM(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         # Tied models have no lm_head: logits = h @ embedding.T.
-        self.lm_head = None if cfg.tie_word_embeddings else Dense(
-            (cfg.hidden_size,), (cfg.padded_vocab_size,), ("embed",), ("vocab",), use_bias=False, rngs=rngs, **kw)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Dense(
+                (cfg.hidden_size,), (cfg.padded_vocab_size,), ("embed",), ("vocab",), use_bias=False, rngs=rngs, **kw
+            )
+        )
 
     # -- pieces shared by the full forward and decoding
 
@@ -568,9 +582,14 @@ class CausalLM(nnx.Module):
             logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
         return constrain(logits, LOGITS_AXES)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None,
-                 positions: jax.Array | None = None, allowed: jax.Array | None = None,
-                 remat: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None,
+        positions: jax.Array | None = None,
+        allowed: jax.Array | None = None,
+        remat: bool = False,
+    ) -> jax.Array:
         """Logits [B, S, V] (compute dtype) of right-padded ``input_ids`` [B, S].
 
         ``attention_mask`` [B, S]: 1 for real tokens, then 0 for padding -- right padding only:
@@ -607,8 +626,9 @@ class CausalLM(nnx.Module):
         dtype = dtype or self.dtype
         return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.cfg.num_layers))
 
-    def decode(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index,
-               attention_mask_full: jax.Array) -> tuple[jax.Array, KVCache]:
+    def decode(
+        self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index, attention_mask_full: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
         """Run T new tokens per row against the cache: prefill (T = prompt width) or a step (T = 1).
 
         Args:
@@ -633,7 +653,7 @@ class CausalLM(nnx.Module):
         cos, sin = rope_cos_sin(self.cfg, positions, self.dtype)
         h = self._embed(input_ids)
         new_cache = []
-        for layer, layer_cache in zip(self.layers, cache):
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
             h, layer_cache = layer(h, cos, sin, allowed, layer_cache, cache_index)
             new_cache.append(layer_cache)
         return self._logits(h), tuple(new_cache)
@@ -718,7 +738,18 @@ def _param_shapes(cfg: ModelConfig) -> tuple:
 
 
 __all__ = [
-    "ModelConfig", "CausalLM", "KVCache", "constrain", "set_activation_constraint", "activation_constraint",
-    "logical_axes_tree", "make_apply_fn", "abstract_model", "param_shapes", "rope_inv_freq", "params_of",
-    "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES",
+    "ModelConfig",
+    "CausalLM",
+    "KVCache",
+    "constrain",
+    "set_activation_constraint",
+    "activation_constraint",
+    "logical_axes_tree",
+    "make_apply_fn",
+    "abstract_model",
+    "param_shapes",
+    "rope_inv_freq",
+    "params_of",
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
 ]

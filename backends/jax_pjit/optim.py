@@ -94,7 +94,12 @@ _TORCH_ONLY_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 _DEFAULTS: dict[str, dict[str, Any]] = {
     _ADAMW: dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False),
     _ADAM: dict(
-        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        maximize=False,
         decoupled_weight_decay=False,
     ),
     _SGD: dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
@@ -331,7 +336,9 @@ def build_schedule(scheduler_cfg: Sequence[Mapping[str, Any]] | None, base_lr: f
             f"policy.scheduler: {len(factors)} schedulers need a {{milestones: [...]}} entry with "
             f"{len(factors) - 1} step(s), got {milestones}"
         )
-    if any(isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in milestones) or milestones != sorted(milestones):
+    if any(isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in milestones) or milestones != sorted(
+        milestones
+    ):
         raise ValueError(f"policy.scheduler milestones must be non-negative increasing integers, got {milestones}")
     starts = [0, *milestones]
 
@@ -428,9 +435,7 @@ def optimizer_state_shardings(opt_state_shapes: Any, param_shardings: Any, mesh:
     def assign(node: Any) -> Any:
         if mirrors_params(node):
             leaves = param_def.flatten_up_to(node)
-            out = [
-                sh if _fits(leaf, sh) else replicated for leaf, sh in zip(leaves, sharding_leaves, strict=True)
-            ]
+            out = [sh if _fits(leaf, sh) else replicated for leaf, sh in zip(leaves, sharding_leaves, strict=True)]
             return jax.tree.unflatten(param_def, out)
         if param_def.num_leaves == 1 and param_def == jax.tree.structure(0):
             sh = sharding_leaves[0]
@@ -447,7 +452,7 @@ def _fits(leaf: Any, sharding: Any) -> bool:
     spec = tuple(sharding.spec)
     if len(spec) > len(shape):
         return False
-    for size, axes in zip(shape, spec):
+    for size, axes in zip(shape, spec, strict=True):
         if axes is None:
             continue
         axes = (axes,) if isinstance(axes, str) else tuple(axes)

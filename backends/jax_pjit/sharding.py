@@ -222,10 +222,13 @@ def check_divisible(shapes_tree: Any, logical_axes_tree: Any, mesh: Mesh, rules:
         if len(shape) != len(axes):
             problems.append(f"{name}: shape {shape} has {len(shape)} dims but logical axes {axes} name {len(axes)}")
             continue
-        for dim, (size, mesh_axes, logical) in enumerate(zip(shape, _spec_entries(axes, rules), axes)):
+        for dim, (size, mesh_axes, logical) in enumerate(zip(shape, _spec_entries(axes, rules), axes, strict=True)):
             for mesh_axis in mesh_axes:
                 if mesh_axis not in mesh.shape:
-                    problems.append(f"{name}: dim {dim} ({logical!r}) maps to mesh axis {mesh_axis!r}, not in mesh {dict(mesh.shape)}")
+                    problems.append(
+                        f"{name}: dim {dim} ({logical!r}) maps to mesh axis {mesh_axis!r}, "
+                        f"not in mesh {dict(mesh.shape)}"
+                    )
             n = math.prod(mesh.shape[a] for a in mesh_axes if a in mesh.shape)
             if n > 1 and size % n != 0:
                 what = " x ".join(f"{a!r}" for a in mesh_axes)
@@ -234,9 +237,7 @@ def check_divisible(shapes_tree: Any, logical_axes_tree: Any, mesh: Mesh, rules:
                     f"of size {n} ({logical}={size} % {'*'.join(mesh_axes)}={n} != 0)"
                 )
     if problems:
-        raise ValueError(
-            "parameter shapes do not fit the mesh " + f"{dict(mesh.shape)}:\n  " + "\n  ".join(problems)
-        )
+        raise ValueError("parameter shapes do not fit the mesh " + f"{dict(mesh.shape)}:\n  " + "\n  ".join(problems))
 
 
 # --------------------------------------------------------------------------- activations
@@ -244,6 +245,7 @@ def _on_mesh(entries: Sequence[tuple[str, ...]], mesh: Mesh) -> list[tuple[str, 
     """Spec entries without the mesh axes ``mesh`` lacks, and without ``cp`` when it has size 1:
     the rules map the activations' ``seq`` to ``cp``, and without context parallelism every
     activation layout is then exactly the one of an ``(fsdp, tp)`` mesh (same programs)."""
+
     def keep(axis: str) -> bool:
         return axis in mesh.shape and (axis != CP or mesh.shape[axis] > 1)
 
@@ -264,9 +266,13 @@ def activation_constraint(
 
     def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
         if len(logical_axes) != x.ndim:
-            raise ValueError(f"constrain: {x.ndim}-d array {x.shape} given {len(logical_axes)} logical axes {logical_axes}")
+            raise ValueError(
+                f"constrain: {x.ndim}-d array {x.shape} given {len(logical_axes)} logical axes {logical_axes}"
+            )
         entries = []
-        for dim, (size, axes) in enumerate(zip(x.shape, _on_mesh(_spec_entries(logical_axes, rules), mesh))):
+        for dim, (size, axes) in enumerate(
+            zip(x.shape, _on_mesh(_spec_entries(logical_axes, rules), mesh), strict=True)
+        ):
             n = math.prod(mesh.shape[a] for a in axes)
             if size % n != 0:
                 if strict:
@@ -352,12 +358,15 @@ def check_process_rows(mesh: Mesh) -> None:
             raise ValueError(
                 f"multi-process JAX: the mesh {dict(mesh.shape)} puts fsdp row {i} on processes {procs}; every "
                 f"process feeds its own batch rows, so policy.jax_cfg.context_parallel_size x "
-                f"policy.jax_cfg.tensor_parallel_size must fit in one process's {jax.local_device_count()} devices")
+                f"policy.jax_cfg.tensor_parallel_size must fit in one process's {jax.local_device_count()} devices"
+            )
         owners.append(procs[0])
     runs = [p for k, p in enumerate(owners) if k == 0 or owners[k - 1] != p]
     if len(runs) != len(set(runs)):
-        raise ValueError(f"multi-process JAX: the mesh's fsdp rows are owned by processes {owners}, not in one "
-                         f"contiguous run per process; a process's batch rows could not be placed in one piece")
+        raise ValueError(
+            f"multi-process JAX: the mesh's fsdp rows are owned by processes {owners}, not in one "
+            f"contiguous run per process; a process's batch rows could not be placed in one piece"
+        )
 
 
 def host_copy(tree: Any) -> Any:
@@ -428,5 +437,6 @@ def to_host_shards(tree: Any) -> Any:
 
 def from_host_shards(tree: Any) -> Any:
     """The inverse of :func:`to_host_shards`: the global arrays, on their shardings again."""
-    return jax.tree.map(lambda x: x.to_device() if isinstance(x, HostShards) else x, tree,
-                        is_leaf=lambda x: isinstance(x, HostShards))
+    return jax.tree.map(
+        lambda x: x.to_device() if isinstance(x, HostShards) else x, tree, is_leaf=lambda x: isinstance(x, HostShards)
+    )

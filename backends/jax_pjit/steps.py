@@ -26,7 +26,8 @@ independent of the micro-batch size.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +60,7 @@ def length_buckets(max_len: int, minimum: int = MIN_BUCKET, multiple: int = 1) -
     return ladder + [top]
 
 
-def bucket_for(length: int, max_len: int, multiple: int = 1,
-               field: str = "policy.max_total_sequence_length") -> int:
+def bucket_for(length: int, max_len: int, multiple: int = 1, field: str = "policy.max_total_sequence_length") -> int:
     """The smallest bucket holding ``length`` tokens (``field`` names ``max_len`` in the error)."""
     if length > max_len:
         raise ValueError(f"sequence length {length} exceeds {field}={max_len}")
@@ -81,7 +81,8 @@ def check_cp_ladder(max_len: int, cp: int, multiple: int, field: str = "policy.m
             raise ValueError(
                 f"{err} (policy.jax_cfg.context_parallel_size={cp}: the JAX backend pads rows to the widths "
                 f"{ladder} for {field}={max_len}, each rounded up to make_sequence_length_divisible_by="
-                f"{multiple})") from None
+                f"{multiple})"
+            ) from None
 
 
 def pad_micro_batch(batch: Mapping[str, np.ndarray], rows: int, width: int) -> dict[str, np.ndarray]:
@@ -166,8 +167,15 @@ ROW_KEYS = ("input_ids", "positions", "segments")
 MASK_AXES = ("batch", "seq", "kv_seq")
 
 
-def layout_next_logprobs(apply_fn: ApplyFn, params: Any, input_ids: jax.Array, positions: jax.Array,
-                         segments: jax.Array, cp: int, temperature: float) -> jax.Array:
+def layout_next_logprobs(
+    apply_fn: ApplyFn,
+    params: Any,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    segments: jax.Array,
+    cp: int,
+    temperature: float,
+) -> jax.Array:
     """Next-token logprobs ``[B, W-1]`` (column order, compute dtype) of rows ``input_ids``
     ``[B, W]`` whose tokens carry ``positions`` (RoPE) and ``segments`` (attention stays
     within a segment, causal in column order).  Column ``t`` scores ``input_ids[:, t+1]``.
@@ -206,15 +214,17 @@ def make_layout_logprob_step(apply_fn: ApplyFn, temperature: float, cp: int) -> 
 
     @jax.jit
     def step(params, rows):
-        lp = layout_next_logprobs(apply_fn, params, rows["input_ids"], rows["positions"], rows["segments"],
-                                  cp, temperature)
+        lp = layout_next_logprobs(
+            apply_fn, params, rows["input_ids"], rows["positions"], rows["segments"], cp, temperature
+        )
         return lp.astype(jnp.float32)
 
     return step
 
 
-def make_layout_grad_step(apply_fn: ApplyFn, loss_fn: Any, temperature: float, cp: int,
-                          grad_shardings: Any = None) -> Callable:
+def make_layout_grad_step(
+    apply_fn: ApplyFn, loss_fn: Any, temperature: float, cp: int, grad_shardings: Any = None
+) -> Callable:
     """``(params, grads_acc, rows, batch, global_valid_seqs, global_valid_toks) ->
     (grads_acc + d loss/d params, metrics)``: ``make_grad_step`` for explicit row layouts.
 
@@ -225,8 +235,9 @@ def make_layout_grad_step(apply_fn: ApplyFn, loss_fn: Any, temperature: float, c
     """
 
     def micro_loss(params, rows, batch, gseq, gtok):
-        next_lp = layout_next_logprobs(apply_fn, params, rows["input_ids"], rows["positions"], rows["segments"],
-                                       cp, temperature)
+        next_lp = layout_next_logprobs(
+            apply_fn, params, rows["input_ids"], rows["positions"], rows["segments"], cp, temperature
+        )
         if "unpack_index" in rows:
             next_lp = unpack_next(next_lp, rows["unpack_index"], rows["unpack_valid"])
         return loss_fn.loss_from_logprobs(next_lp, batch, gseq, gtok)
@@ -251,8 +262,14 @@ def plain_rows(input_ids: np.ndarray, input_lengths: np.ndarray) -> dict[str, np
     }
 
 
-def packed_micro_batch(input_ids: np.ndarray, input_lengths: np.ndarray, bins: list[tuple[int, int]],
-                       rows: int, width: int, unpack_rows: int | None = None) -> tuple[dict, list[PackedRow]]:
+def packed_micro_batch(
+    input_ids: np.ndarray,
+    input_lengths: np.ndarray,
+    bins: list[tuple[int, int]],
+    rows: int,
+    width: int,
+    unpack_rows: int | None = None,
+) -> tuple[dict, list[PackedRow]]:
     """Pack ``bins`` (row ranges of the right-padded ``input_ids`` [N, S]) into ``rows`` packed
     rows of ``width`` tokens each (``PackedRow.build``; rows past ``len(bins)`` are all
     padding).  Returns the host ``ROW_KEYS`` arrays [rows, width] and the ``PackedRow`` of each
@@ -264,8 +281,9 @@ def packed_micro_batch(input_ids: np.ndarray, input_lengths: np.ndarray, bins: l
         raise ValueError(f"packed_micro_batch: {len(bins)} bins do not fit {rows} rows")
     packs = [PackedRow.build(input_lengths[a:b], source_width, multiple=width) for a, b in bins]
     if any(p.width != width for p in packs):
-        raise ValueError(f"packed_micro_batch: a bin of {[int(p.lengths.sum()) for p in packs]} tokens exceeds "
-                         f"the width {width}")
+        raise ValueError(
+            f"packed_micro_batch: a bin of {[int(p.lengths.sum()) for p in packs]} tokens exceeds the width {width}"
+        )
     empty = PackedRow.build(np.zeros(0, np.int64), source_width, multiple=width)
     out = {key: np.zeros((rows, width), np.int32) for key in ROW_KEYS}
     for k in range(rows):
@@ -281,7 +299,7 @@ def packed_micro_batch(input_ids: np.ndarray, input_lengths: np.ndarray, bins: l
         row = 0
         for k, pack in enumerate(packs):
             i, v = pack.unpack_index()
-            index[row:row + len(i)], valid[row:row + len(i)] = i + k * (width - 1), v
+            index[row : row + len(i)], valid[row : row + len(i)] = i + k * (width - 1), v
             row += len(i)
         out["unpack_index"], out["unpack_valid"] = index, valid
     return out, packs
@@ -312,14 +330,19 @@ def make_apply_updates(tx, param_shardings: Any = None, opt_shardings: Any = Non
         def keep(new, old):
             return jnp.where(ok, new, old)
 
-        return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state), norm,
-                jnp.logical_not(ok))
+        return (
+            jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_state, opt_state),
+            norm,
+            jnp.logical_not(ok),
+        )
 
     return apply
 
 
-def global_valid_counts(sample_mask: np.ndarray, token_mask: np.ndarray | None,
-                        input_lengths: np.ndarray) -> tuple[np.float32, np.float32]:
+def global_valid_counts(
+    sample_mask: np.ndarray, token_mask: np.ndarray | None, input_lengths: np.ndarray
+) -> tuple[np.float32, np.float32]:
     """Valid sequences and next-token positions of a whole (global) batch, on the host.
 
     Computed before the micro-batch loop from the step batch's rows on this process, and

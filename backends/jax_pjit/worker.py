@@ -31,23 +31,15 @@ import enum
 import functools
 import os
 import socket
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from core.data import BatchedDataDict
-from core.data.context_parallel import check_cp_width
-from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
-from core.distributed.recoverable import before_collectives
-from core.losses.metrics import MicroBatchMetrics, read_once
-from core.policy.generation_args import resolve_generation_args
-from core.policy.matmul_precision import resolve_matmul_precision
-from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
-from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from backends.jax_pjit import checkpoint as jax_ckpt
 from backends.jax_pjit import steps
@@ -68,6 +60,15 @@ from backends.jax_pjit.sharding import (
     to_host_shards,
     tree_shardings,
 )
+from core.data import BatchedDataDict
+from core.data.context_parallel import check_cp_width
+from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
+from core.distributed.recoverable import before_collectives
+from core.losses.metrics import MicroBatchMetrics, read_once
+from core.policy.generation_args import resolve_generation_args
+from core.policy.matmul_precision import resolve_matmul_precision
+from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
+from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -111,9 +112,12 @@ class JaxPolicyWorker(PolicyWorkerBase):
         # lm_head columns, masked logits); model_cfg.vocab_size and everything leaving the
         # worker (logprobs, refit, HF export) keep the real vocabulary.
         model, self.model_cfg, self.hf_config = from_pretrained(
-            self.cfg["model_name"], dtype=self.compute_dtype, param_dtype=jnp.float32,
+            self.cfg["model_name"],
+            dtype=self.compute_dtype,
+            param_dtype=jnp.float32,
             tp=self.mesh.shape["tp"],
-            make_vocab_size_divisible_by=int(self.cfg.get("make_vocab_size_divisible_by") or 1))
+            make_vocab_size_divisible_by=int(self.cfg.get("make_vocab_size_divisible_by") or 1),
+        )
         check_tokenizer_fits(tokenizer, self.hf_config, self.cfg["model_name"])
         check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.jax_cfg.tensor_parallel_size")
         self.model = model
@@ -127,8 +131,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
         self.tx = self.schedule = self.opt_state = None
         if init_optimizer and self.cfg.get("optimizer"):
-            self.tx, self.schedule = build_optax(self.cfg["optimizer"], self.cfg.get("scheduler"),
-                                                 self.cfg.get("max_grad_norm"))
+            self.tx, self.schedule = build_optax(
+                self.cfg["optimizer"], self.cfg.get("scheduler"), self.cfg.get("max_grad_norm")
+            )
             with self.mesh:
                 self.opt_state = init_optimizer_state(self.tx, self.params, self.shardings)
             opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
@@ -158,8 +163,12 @@ class JaxPolicyWorker(PolicyWorkerBase):
     def get_gpu_info(self) -> dict[str, Any]:
         devs = jax.local_devices()
         info: dict[str, Any] = {
-            "rank": self.rank, "hostname": socket.gethostname(), "pid": os.getpid(),
-            "device_type": devs[0].platform, "local_devices": len(devs), "mesh": dict(self.mesh.shape),
+            "rank": self.rank,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "device_type": devs[0].platform,
+            "local_devices": len(devs),
+            "mesh": dict(self.mesh.shape),
         }
         stats = devs[0].memory_stats() if hasattr(devs[0], "memory_stats") else None
         if stats:
@@ -171,8 +180,10 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
     @property
     def compile_counts(self) -> dict[str, int]:
-        counts = {"logprobs": self._logprob_step._cache_size(),
-                  "logprobs_layout": self._layout_logprob_step._cache_size()}
+        counts = {
+            "logprobs": self._logprob_step._cache_size(),
+            "logprobs_layout": self._layout_logprob_step._cache_size(),
+        }
         counts.update({f"grad[{key[0]}#{i}]": fn._cache_size() for i, (key, fn) in enumerate(self._grad_steps.items())})
         return counts
 
@@ -191,15 +202,18 @@ class JaxPolicyWorker(PolicyWorkerBase):
         check_process_rows(self.mesh)
         unsupported = []
         if int(self.mesh.shape["cp"]) > 1:
-            unsupported.append(f"policy.jax_cfg.context_parallel_size={int(self.mesh.shape['cp'])} "
-                               "(context parallelism)")
+            unsupported.append(
+                f"policy.jax_cfg.context_parallel_size={int(self.mesh.shape['cp'])} (context parallelism)"
+            )
         if self._packing is not None:
             unsupported.append("policy.sequence_packing.enabled=true (sequence packing)")
         if (self.cfg.get("generation") or {}).get("backend") == "hf":
             unsupported.append("policy.generation.backend='hf' (generation on the policy workers)")
         if unsupported:
-            raise ValueError(f"multi-process JAX ({n} processes) does not support {'; '.join(unsupported)} "
-                             "yet: use one JAX process (one node) for it")
+            raise ValueError(
+                f"multi-process JAX ({n} processes) does not support {'; '.join(unsupported)} "
+                "yet: use one JAX process (one node) for it"
+            )
 
     def _check_rows_split(self, rows: int, field: str) -> None:
         """Several processes: a micro batch of ``rows`` rows per process must split over the
@@ -207,8 +221,10 @@ class JaxPolicyWorker(PolicyWorkerBase):
         differ)."""
         n, fsdp = jax.process_count(), int(self.mesh.shape["fsdp"])
         if n > 1 and (rows * n) % fsdp:
-            raise ValueError(f"{field}={rows} rows per process x {n} processes is not divisible by the mesh's "
-                             f"fsdp axis of size {fsdp}: multi-process JAX needs every micro batch split over fsdp")
+            raise ValueError(
+                f"{field}={rows} rows per process x {n} processes is not divisible by the mesh's "
+                f"fsdp axis of size {fsdp}: multi-process JAX needs every micro batch split over fsdp"
+            )
 
     def _host_rows_of(self, outs: list[jax.Array]) -> list[np.ndarray]:
         """Each step output's rows that belong to this process's input rows (one process: all),
@@ -245,10 +261,15 @@ class JaxPolicyWorker(PolicyWorkerBase):
         lowered with ``policy.matmul_precision`` (``highest``: true fp32 on GPU, where JAX's
         default is TF32-class and fp32 training drifted from torch by 0.3 % in one step)."""
         if decode and jax.process_count() > 1:  # generate() would decode this host's rows as the global batch
-            raise RuntimeError(f"generate: multi-process JAX ({jax.process_count()} processes) does not support "
-                               "generation on the policy workers yet; use policy.generation.backend='vllm'")
-        with self.mesh, activation_constraint(make_constraint(self.mesh, DECODE_RULES if decode else RULES)), \
-                jax.default_matmul_precision(self.matmul_precision):
+            raise RuntimeError(
+                f"generate: multi-process JAX ({jax.process_count()} processes) does not support "
+                "generation on the policy workers yet; use policy.generation.backend='vllm'"
+            )
+        with (
+            self.mesh,
+            activation_constraint(make_constraint(self.mesh, DECODE_RULES if decode else RULES)),
+            jax.default_matmul_precision(self.matmul_precision),
+        ):
             yield
 
     # ------------------------------------------------------------------ layouts (CP, packing)
@@ -269,8 +290,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         steps.check_cp_ladder(self.cfg["max_total_sequence_length"], self.cp, self.seq_multiple)
         if self._packing is not None:
             for key in ("train_mb_tokens", "logprob_mb_tokens"):
-                steps.check_cp_ladder(self._packing[key], self.cp, self.seq_multiple,
-                                      f"policy.sequence_packing.{key}")
+                steps.check_cp_ladder(self._packing[key], self.cp, self.seq_multiple, f"policy.sequence_packing.{key}")
 
     def _bucket(self, width: int) -> int:
         """The ladder width a plain batch of ``width`` columns is padded to."""
@@ -281,14 +301,16 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
     def _packed_bucket(self, tokens: int, budget_key: str) -> int:
         """The ladder width (up to the packing budget) of a packed row of ``tokens`` tokens."""
-        bucket = steps.bucket_for(tokens, self._packing[budget_key], self.seq_multiple,
-                                  f"policy.sequence_packing.{budget_key}")
+        bucket = steps.bucket_for(
+            tokens, self._packing[budget_key], self.seq_multiple, f"policy.sequence_packing.{budget_key}"
+        )
         if self.cp > 1:
             check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")
         return bucket
 
-    def _packing_plan(self, data: BatchedDataDict, lengths: np.ndarray, chunk_rows: int,
-                      budget_key: str) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+    def _packing_plan(
+        self, data: BatchedDataDict, lengths: np.ndarray, chunk_rows: int, budget_key: str
+    ) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
         """Per chunk of ``chunk_rows`` rows: ``(row order within the chunk, bins)``, each bin a
         ``(start, end)`` range of the reordered chunk.  The driver's plan
         (``data.micro_batch_indices``: rows already reordered, the same number of bins on
@@ -298,16 +320,20 @@ class JaxPolicyWorker(PolicyWorkerBase):
         if attached is not None:
             counts = [ranges[-1][1] if ranges else 0 for ranges in attached]
             if counts != [chunk_rows] * n_chunks:
-                raise ValueError(f"sequence packing plan covers chunks of {counts} rows, expected "
-                                 f"{n_chunks} chunk(s) of {chunk_rows}")
+                raise ValueError(
+                    f"sequence packing plan covers chunks of {counts} rows, expected "
+                    f"{n_chunks} chunk(s) of {chunk_rows}"
+                )
             return [(np.arange(chunk_rows), [tuple(r) for r in ranges]) for ranges in attached]
         sp = self._packing
         check_packing_budget(lengths.tolist(), sp[budget_key], f"policy.sequence_packing.{budget_key}")
         plans = []
         for g in range(n_chunks):
             ((order, bins),) = plan_packed_micro_batches(
-                [lengths[g * chunk_rows:(g + 1) * chunk_rows].tolist()], sp[budget_key],
-                sp.get("algorithm", "modified_first_fit_decreasing"))
+                [lengths[g * chunk_rows : (g + 1) * chunk_rows].tolist()],
+                sp[budget_key],
+                sp.get("algorithm", "modified_first_fit_decreasing"),
+            )
             plans.append((np.asarray(order, np.int64), bins))
         return plans
 
@@ -315,10 +341,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
         """``fsdp`` consecutive bins per micro batch: one packed row per fsdp shard."""
         fsdp = self.mesh.shape["fsdp"]
         for i in range(0, len(bins), fsdp):
-            yield bins[i:i + fsdp]
+            yield bins[i : i + fsdp]
 
-    def _layout_logprobs(self, ids: np.ndarray, lengths: np.ndarray, data: BatchedDataDict,
-                         mbs: int) -> np.ndarray:
+    def _layout_logprobs(self, ids: np.ndarray, lengths: np.ndarray, data: BatchedDataDict, mbs: int) -> np.ndarray:
         """``get_logprobs`` layout [N, S] through the explicit-layout step (CP and/or packing)."""
         n, width = ids.shape
         out = np.zeros((n, width), np.float32)
@@ -327,13 +352,14 @@ class JaxPolicyWorker(PolicyWorkerBase):
             starts = range(0, n, mbs)
             pending = []
             for start in starts:
-                host = steps.pad_micro_batch({"input_ids": ids[start:start + mbs],
-                                              "input_lengths": lengths[start:start + mbs]}, mbs, bucket)
+                host = steps.pad_micro_batch(
+                    {"input_ids": ids[start : start + mbs], "input_lengths": lengths[start : start + mbs]}, mbs, bucket
+                )
                 rows = steps.plain_rows(host["input_ids"], host["input_lengths"])
                 pending.append(self._layout_logprob_step(self.params, self._device_batch(rows)))
-            for start, next_lp in zip(starts, jax.device_get(pending)):  # read once all are queued
+            for start, next_lp in zip(starts, jax.device_get(pending), strict=True):  # read once all are queued
                 count = min(mbs, n - start)
-                out[start:start + count, 1:] = next_lp[:count, :width - 1]
+                out[start : start + count, 1:] = next_lp[:count, : width - 1]
             return out * (np.arange(width)[None, :] < lengths[:, None])
         fsdp = self.mesh.shape["fsdp"]
         unpack, pending = [], []
@@ -341,11 +367,14 @@ class JaxPolicyWorker(PolicyWorkerBase):
             chunk_ids, chunk_lengths = ids[order], lengths[order]
             for group in self._bin_groups(bins):
                 tokens = max(int(chunk_lengths[a:b].sum()) for a, b in group)
-                rows, packs = steps.packed_micro_batch(chunk_ids, chunk_lengths, group, fsdp,
-                                                       self._packed_bucket(tokens, "logprob_mb_tokens"))
+                rows, packs = steps.packed_micro_batch(
+                    chunk_ids, chunk_lengths, group, fsdp, self._packed_bucket(tokens, "logprob_mb_tokens")
+                )
                 pending.append(self._layout_logprob_step(self.params, self._device_batch(rows)))
                 unpack.append((order, group, packs))
-        for (order, group, packs), next_lp in zip(unpack, jax.device_get(pending)):  # read once all are queued
+        for (order, group, packs), next_lp in zip(
+            unpack, jax.device_get(pending), strict=True
+        ):  # read once all are queued
             for k, (a, b) in enumerate(group):
                 out[order[a:b], 1:] = packs[k].unpack_next_logprobs(next_lp[k])
         return out
@@ -354,8 +383,10 @@ class JaxPolicyWorker(PolicyWorkerBase):
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         with before_collectives():
             self._check_batch(data, self.hf_config.vocab_size)  # XLA would wrap or NaN a bad id silently
-            self._check_rows_split(micro_batch_size or self.cfg["logprob_batch_size"],
-                                   "micro_batch_size" if micro_batch_size else "policy.logprob_batch_size")
+            self._check_rows_split(
+                micro_batch_size or self.cfg["logprob_batch_size"],
+                "micro_batch_size" if micro_batch_size else "policy.logprob_batch_size",
+            )
         self._reload("params")
         mbs = micro_batch_size or self.cfg["logprob_batch_size"]
         ids, lengths = data["input_ids"].numpy(), data["input_lengths"].numpy()
@@ -370,14 +401,17 @@ class JaxPolicyWorker(PolicyWorkerBase):
         pending = []
         with self._on_mesh():
             for start in range(0, len(ids), mbs):
-                host = steps.pad_micro_batch({"input_ids": ids[start:start + mbs],
-                                              "input_lengths": lengths[start:start + mbs]}, mbs, bucket)
+                host = steps.pad_micro_batch(
+                    {"input_ids": ids[start : start + mbs], "input_lengths": lengths[start : start + mbs]}, mbs, bucket
+                )
                 dev = self._device_batch(host)
                 pending.append(self._logprob_step(self.params, dev["input_ids"], dev["input_lengths"]))
         # Read only once every micro batch is queued: a read inside the loop would leave the
         # device idle while the host copies the result and prepares the next micro batch.
-        outs = [lp[: min(mbs, len(ids) - start), :width]
-                for start, lp in zip(range(0, len(ids), mbs), self._host_rows_of(pending))]
+        outs = [
+            lp[: min(mbs, len(ids) - start), :width]
+            for start, lp in zip(range(0, len(ids), mbs), self._host_rows_of(pending), strict=True)
+        ]
         import torch
 
         logprobs = np.concatenate(outs) if outs else np.zeros((0, width), np.float32)
@@ -411,12 +445,14 @@ class JaxPolicyWorker(PolicyWorkerBase):
             if self._plain:
                 self._grad_steps[key] = steps.make_grad_step(apply_fn, loss_fn, self.temperature, self.shardings)
             else:
-                self._grad_steps[key] = steps.make_layout_grad_step(apply_fn, loss_fn, self.temperature,
-                                                                    self.cp, self.shardings)
+                self._grad_steps[key] = steps.make_layout_grad_step(
+                    apply_fn, loss_fn, self.temperature, self.cp, self.shardings
+                )
         return self._grad_steps[key]
 
-    def _micro_batches(self, gb: Mapping[str, np.ndarray], plan: Any, mbs: int,
-                       bucket: int) -> Iterator[tuple[Any, ...]]:
+    def _micro_batches(
+        self, gb: Mapping[str, np.ndarray], plan: Any, mbs: int, bucket: int
+    ) -> Iterator[tuple[Any, ...]]:
         """The grad step's arguments before ``gseq, gtok`` for each micro batch of the
         (local) global batch ``gb``: ``(batch,)`` on plain rows; ``(rows, batch)`` for the
         layout step -- context parallelism on ``mbs`` plain rows, or packing: ``fsdp`` bins of
@@ -425,7 +461,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         rows_total = len(gb["input_ids"])
         if self._packing is None:
             for start in range(0, rows_total, mbs):
-                mb = steps.pad_micro_batch({k: v[start:start + mbs] for k, v in gb.items()}, mbs, bucket)
+                mb = steps.pad_micro_batch({k: v[start : start + mbs] for k, v in gb.items()}, mbs, bucket)
                 if self._plain:
                     yield (self._device_batch(mb),)
                 else:
@@ -437,14 +473,26 @@ class JaxPolicyWorker(PolicyWorkerBase):
         fsdp = self.mesh.shape["fsdp"]
         for group in self._bin_groups(bins):
             tokens = max(int(gb["input_lengths"][a:b].sum()) for a, b in group)
-            rows, _ = steps.packed_micro_batch(gb["input_ids"], gb["input_lengths"], group, fsdp,
-                                               self._packed_bucket(tokens, "train_mb_tokens"), unpack_rows=rows_total)
+            rows, _ = steps.packed_micro_batch(
+                gb["input_ids"],
+                gb["input_lengths"],
+                group,
+                fsdp,
+                self._packed_bucket(tokens, "train_mb_tokens"),
+                unpack_rows=rows_total,
+            )
             start, end = group[0][0], group[-1][1]
             mb = steps.pad_micro_batch({k: v[start:end] for k, v in gb.items()}, rows_total, bucket)
             yield self._device_batch(rows), self._device_batch(mb)
 
-    def train(self, data: BatchedDataDict, loss_fn: Any, eval_mode: bool = False,
-              gbs: int | None = None, mbs: int | None = None) -> dict[str, Any]:
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
         """One optimizer step per global batch in ``data`` (this host's rows of it).
 
         A step with no valid token, or a non-finite global loss or gradient norm, is skipped
@@ -454,22 +502,27 @@ class JaxPolicyWorker(PolicyWorkerBase):
         mbs = mbs or self.cfg["train_micro_batch_size"]
         n_hosts = jax.process_count()
         with before_collectives():
-            local_gbs = self._check_train_call(data, loss_fn, gbs, mbs, n_hosts, self.hf_config.vocab_size,
-                                               eval_mode, self.tx is not None)
-            self._check_rows_split(mbs, "policy.train_micro_batch_size" if mbs == self.cfg["train_micro_batch_size"]
-                                   else "mbs")
+            local_gbs = self._check_train_call(
+                data, loss_fn, gbs, mbs, n_hosts, self.hf_config.vocab_size, eval_mode, self.tx is not None
+            )
+            self._check_rows_split(
+                mbs, "policy.train_micro_batch_size" if mbs == self.cfg["train_micro_batch_size"] else "mbs"
+            )
         self.prepare_for_training()
         host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
         bucket = self._bucket(host["input_ids"].shape[1])
-        plans = (self._packing_plan(data, host["input_lengths"], local_gbs, "train_mb_tokens")
-                 if self._packing is not None else None)
+        plans = (
+            self._packing_plan(data, host["input_lengths"], local_gbs, "train_mb_tokens")
+            if self._packing is not None
+            else None
+        )
         grad_step = self._grad_step(loss_fn)
         losses, norms, step_metrics, all_mb, reasons = [], [], [], {}, []
         with self._on_mesh():
             if not eval_mode:
                 self.opt_state = set_learning_rate(self.opt_state, self.schedule(self.train_step))
             for g in range(len(host["input_ids"]) // local_gbs):
-                gb = {k: v[g * local_gbs:(g + 1) * local_gbs] for k, v in host.items()}
+                gb = {k: v[g * local_gbs : (g + 1) * local_gbs] for k, v in host.items()}
                 gseq, gtok = steps.global_valid_counts(gb["sample_mask"], gb.get("token_mask"), gb["input_lengths"])
                 acc = steps.zero_grads(self.params)
                 collected = MicroBatchMetrics()
@@ -484,17 +537,20 @@ class JaxPolicyWorker(PolicyWorkerBase):
                     loss = device_totals[keys.index("loss")] if "loss" in keys else 0.0
                     valid = bool(gseq > 0 and gtok > 0)
                     self.params, self.opt_state, norm, skipped = self._apply_updates(
-                        self.params, self.opt_state, acc, loss, valid)
+                        self.params, self.opt_state, acc, loss, valid
+                    )
                     parts += [norm, skipped]
                 # The step's one host read: totals, per-micro-batch values, norm and skip flag.
                 values = read_once(*parts)
-                totals = dict(zip(keys, values[0]))
+                totals = dict(zip(keys, values[0], strict=True))
                 norm, reason = 0.0, None
                 if not eval_mode:
                     norm = values[2][0]
                     if values[3][0]:
-                        reason = step_skip_reason(float(gseq), float(gtok), totals.get("loss", 0.0),
-                                                  norm) or "non_finite_grad_norm"
+                        reason = (
+                            step_skip_reason(float(gseq), float(gtok), totals.get("loss", 0.0), norm)
+                            or "non_finite_grad_norm"
+                        )
                 reasons.append(reason)
                 # Several processes: a micro batch spans them all, so every process holds the
                 # same per-micro-batch values; process 0 alone reports them, so that the
@@ -518,8 +574,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
         with before_collectives():
             self._check_batch(data, self.hf_config.vocab_size)
-            args = resolve_generation_args(self.cfg, self.tokenizer, self.hf_config.eos_token_id,
-                                           data["input_ids"].shape[1])
+            args = resolve_generation_args(
+                self.cfg, self.tokenizer, self.hf_config.eos_token_id, data["input_ids"].shape[1]
+            )
         self._reload("params")
         # Without data['sample_seeds'], a fresh sampling key per call: reproducible only for an
         # uninterrupted worker; with them every row samples from its own seed's key.
@@ -527,10 +584,18 @@ class JaxPolicyWorker(PolicyWorkerBase):
         seeds = data.get("sample_seeds")
         with self._on_mesh(decode=True):
             out = jax_generate(
-                self._decode_fns, self.params, data["input_ids"].numpy(), data["input_lengths"].numpy(),
-                args.gen_cfg, greedy=greedy, pad_token_id=args.pad_token_id, eos_token_ids=args.eos_token_ids,
-                tokenizer=self.tokenizer, max_new_tokens=args.max_new_tokens,
-                rng=self._generate_calls, stop_strings=data.get("stop_strings"),
+                self._decode_fns,
+                self.params,
+                data["input_ids"].numpy(),
+                data["input_lengths"].numpy(),
+                args.gen_cfg,
+                greedy=greedy,
+                pad_token_id=args.pad_token_id,
+                eos_token_ids=args.eos_token_ids,
+                tokenizer=self.tokenizer,
+                max_new_tokens=args.max_new_tokens,
+                rng=self._generate_calls,
+                stop_strings=data.get("stop_strings"),
                 sample_seeds=None if seeds is None else np.asarray(seeds),
                 batch_size=self.cfg.get("generation_batch_size"),
             )
@@ -604,8 +669,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
         return {e.hf_name: (tuple(e.hf_shape), dtype) for e in expected_entries(self.model_cfg)}
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,
-                        tokenizer_path: str | None = None) -> None:
+    def save_checkpoint(
+        self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None
+    ) -> None:
         """Orbax: sharded params (and optimizer state + step) for resume; atomic, with a
         manifest (``backends.jax_pjit.checkpoint``)."""
         self.prepare_for_training()  # offloaded state is saved from the mesh, sharded
@@ -616,8 +682,13 @@ class JaxPolicyWorker(PolicyWorkerBase):
         """Verified restore: manifests, kinds, and orbax's metadata against the live trees
         (keys and shapes) are checked before any array is read."""
         params, opt_state, step = jax_ckpt.load_orbax(
-            self.params, self.opt_state, weights_path, optimizer_path, checksums=checksums,
-            what=f"model {self.cfg['model_name']!r}")
+            self.params,
+            self.opt_state,
+            weights_path,
+            optimizer_path,
+            checksums=checksums,
+            what=f"model {self.cfg['model_name']!r}",
+        )
         self.params, self.opt_state = params, opt_state
         if step is not None:
             self.train_step = step
@@ -636,8 +707,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
     # ------------------------------------------------------------------ profiling
     def start_gpu_profiling(self) -> None:
-        self._profile_dir = str(Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles")).resolve()
-                                / f"jax_rank{self.rank}")
+        self._profile_dir = str(
+            Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles")).resolve() / f"jax_rank{self.rank}"
+        )
         jax.profiler.start_trace(self._profile_dir)
 
     def stop_gpu_profiling(self) -> str | None:

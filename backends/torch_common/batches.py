@@ -6,7 +6,7 @@ produced, whether they are vocab-sharded) stays in the workers.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,8 +69,10 @@ def global_valid_counts(
     if "token_mask" in gb:
         tokens = (gb["token_mask"][:, 1:].to(torch.float64) * sample_mask[:, None]).sum()
     else:
-        tokens = ((torch.arange(gb["input_ids"].shape[1] - 1)[None, :] < (gb["input_lengths"][:, None] - 1))
-                  .to(torch.float64) * sample_mask[:, None]).sum()
+        tokens = (
+            (torch.arange(gb["input_ids"].shape[1] - 1)[None, :] < (gb["input_lengths"][:, None] - 1)).to(torch.float64)
+            * sample_mask[:, None]
+        ).sum()
     counts = torch.stack([sample_mask.sum(), tokens]).to(device)
     if dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, group=dp_group)

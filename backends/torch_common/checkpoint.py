@@ -15,8 +15,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,9 +106,15 @@ def save_dcp(
                 torch.save(dict(extra_state or {}), temps[1] / SCHEDULER_FILE)
         if _distributed():
             dist.barrier()  # every rank's shards (and the scheduler file) are written
-        _rank0(lambda: pf.finish_save(
-            [(tmp, path, kind) for tmp, (path, kind) in zip(temps, targets)], fmt=FORMAT, token=token,
-            train_step=train_step, required={pf.KIND_OPTIMIZER: (SCHEDULER_FILE,)}))
+        _rank0(
+            lambda: pf.finish_save(
+                [(tmp, path, kind) for tmp, (path, kind) in zip(temps, targets, strict=True)],
+                fmt=FORMAT,
+                token=token,
+                train_step=train_step,
+                required={pf.KIND_OPTIMIZER: (SCHEDULER_FILE,)},
+            )
+        )
     except BaseException:
         if rank0:
             pf.discard_temps(temps)
@@ -127,11 +134,14 @@ def check_dcp_weights(weights_path: str | os.PathLike, expected: Mapping[str, tu
     except Exception as e:  # noqa: BLE001 - any unreadable metadata is one clear error
         raise CheckpointError(f"weights_path={str(weights_path)!r}: cannot read its DCP .metadata: {e}") from e
     entries = metadata.state_dict_metadata
-    found = {k[len("model."):]: tuple(v.size) for k, v in entries.items()
-             if k.startswith("model.") and hasattr(v, "size")}
+    found = {
+        k[len("model.") :]: tuple(v.size) for k, v in entries.items() if k.startswith("model.") and hasattr(v, "size")
+    }
     if not found and any(k.startswith("optim.") for k in entries):
-        raise CheckpointError(f"weights_path={str(weights_path)!r} holds optimizer state, not model weights "
-                              "(an optimizer checkpoint: pass it as optimizer_path)")
+        raise CheckpointError(
+            f"weights_path={str(weights_path)!r} holds optimizer state, not model weights "
+            "(an optimizer checkpoint: pass it as optimizer_path)"
+        )
     problem = pf.describe_mismatch(weights_path, expected, found, what=what)
     if problem:
         raise CheckpointError(problem)
@@ -158,8 +168,9 @@ def load_dcp(
     expected = model_shapes(state["model"])
 
     def check() -> None:
-        pf.check_load_paths(weights_path, optimizer_path, fmt=FORMAT, checksums=checksums,
-                            optimizer_required=(SCHEDULER_FILE,))
+        pf.check_load_paths(
+            weights_path, optimizer_path, fmt=FORMAT, checksums=checksums, optimizer_required=(SCHEDULER_FILE,)
+        )
         check_dcp_weights(weights_path, expected, what)
 
     _rank0(check)
@@ -173,8 +184,9 @@ def load_dcp(
     return torch.load(Path(optimizer_path) / SCHEDULER_FILE, weights_only=False)
 
 
-def write_hf_checkpoint(hf_module, state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike,
-                        tokenizer=None) -> None:
+def write_hf_checkpoint(
+    hf_module, state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, tokenizer=None
+) -> None:
     """Rank-local: ``save_pretrained`` the gathered ``state_dict`` (safetensors) + config."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -38,16 +38,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from backends.torch_common.seeded_sampling import SeededRowSampler, row_sample_seeds
 from core.data import BatchedDataDict
 from core.generation.sampling import assemble_padded
-from backends.torch_common.seeded_sampling import SeededRowSampler, row_sample_seeds
-from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
 from core.kernels.logprobs import apply_temperature, logprobs_from_logits
+from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
 
 __all__ = [
     "SeededRowSampler",
@@ -62,9 +63,18 @@ __all__ = [
 # GenerationConfig fields that alter decoding but have no neutral value besides ``None``
 # (which means "unset", so HF fills them from the model's generation_config).
 _ONLY_NONE_IS_OFF = (
-    "stop_strings", "max_time", "min_p", "top_h", "bad_words_ids", "sequence_bias", "suppress_tokens",
-    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
-    "exponential_decay_length_penalty", "watermarking_config",
+    "stop_strings",
+    "max_time",
+    "min_p",
+    "top_h",
+    "bad_words_ids",
+    "sequence_bias",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "exponential_decay_length_penalty",
+    "watermarking_config",
 )
 
 
@@ -123,11 +133,23 @@ def hf_generate(
             "stop strings are configured (generation.stop_strings or data['stop_strings']) but no tokenizer "
             "was given: pass tokenizer= so generated tokens can be decoded and matched"
         )
-    config = functools.partial(build_hf_generation_config, gen_cfg, max_new_tokens=new_tokens,
-                               stop_token_ids=stop_token_ids, pad_token_id=pad_token_id)
+    config = functools.partial(
+        build_hf_generation_config,
+        gen_cfg,
+        max_new_tokens=new_tokens,
+        stop_token_ids=stop_token_ids,
+        pad_token_id=pad_token_id,
+    )
     call = _GenerateCall(
-        model=model, config=config, greedy=greedy, stop_token_ids=stop_token_ids, temperature=temperature,
-        tokenizer=tokenizer, synced_gpus=synced_gpus, new_tokens=new_tokens, pad_token_id=pad_token_id,
+        model=model,
+        config=config,
+        greedy=greedy,
+        stop_token_ids=stop_token_ids,
+        temperature=temperature,
+        tokenizer=tokenizer,
+        synced_gpus=synced_gpus,
+        new_tokens=new_tokens,
+        pad_token_id=pad_token_id,
         device=torch.device(device) if device is not None else input_ids.device,
         # Every chunk is left-padded to the whole batch's prompt width, so a row sees the same
         # columns (and the same kernels' shapes along the sequence) whichever chunk it is in.
@@ -139,7 +161,7 @@ def hf_generate(
         call.rows(input_ids[rows], input_lengths[rows], row_strings[rows], None if seeds is None else seeds[rows])
         for rows in row_chunks(batch, batch_size)
     ]
-    generated, token_logprobs, lengths = (torch.cat(parts) for parts in zip(*pieces))
+    generated, token_logprobs, lengths = (torch.cat(parts) for parts in zip(*pieces, strict=True))
     return _assemble_output(input_ids, input_lengths, generated, token_logprobs, lengths, new_tokens, pad_token_id)
 
 
@@ -172,20 +194,21 @@ class _GenerateCall:
         """One ``model.generate`` over these rows: (generated [b, N], token logprobs [b, N],
         generation lengths [b]) on CPU, padded to N = new_tokens columns (HF stops early
         when all of a chunk's rows are done; the columns past a row's length are never read)."""
-        left_ids, attention_mask = right_to_left_padding(input_ids, input_lengths, self.pad_token_id,
-                                                         width=self.prompt_width)
+        left_ids, attention_mask = right_to_left_padding(
+            input_ids, input_lengths, self.pad_token_id, width=self.prompt_width
+        )
         left_ids, attention_mask = left_ids.to(self.device), attention_mask.to(self.device)
         sampler = None if seeds is None else SeededRowSampler(self.config(greedy=False), seeds, self.device)
         # With per-row seeds the sampler draws and HF only takes its argmax (see SeededRowSampler).
         hf_cfg = self.config(greedy=self.greedy or sampler is not None)
-        criterion = (StopStringCriterion(self.tokenizer, row_strings, self.prompt_width)
-                     if any(row_strings) else None)
+        criterion = StopStringCriterion(self.tokenizer, row_strings, self.prompt_width) if any(row_strings) else None
         out = _run_generate(self.model, left_ids, attention_mask, hf_cfg, criterion, self.synced_gpus, sampler)
-        generated = out.sequences[:, self.prompt_width:]  # [b, T], T <= new_tokens
+        generated = out.sequences[:, self.prompt_width :]  # [b, T], T <= new_tokens
         with torch.no_grad():
             token_logprobs = _generated_logprobs(out.logits, generated, self.temperature).cpu()
-        lengths = generation_lengths(generated, self.stop_token_ids,
-                                     None if criterion is None else criterion.stopped_at)
+        lengths = generation_lengths(
+            generated, self.stop_token_ids, None if criterion is None else criterion.stopped_at
+        )
         fill = self.new_tokens - generated.shape[1]
         generated = torch.nn.functional.pad(generated.cpu(), (0, fill), value=self.pad_token_id)
         return generated, torch.nn.functional.pad(token_logprobs, (0, fill)), lengths
@@ -210,9 +233,7 @@ def _check_inputs(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     bad = (input_lengths < 1) | (input_lengths > seq)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"input_lengths must be in [1, S={seq}]; row {row} has length {int(input_lengths[row])}"
-        )
+        raise ValueError(f"input_lengths must be in [1, S={seq}]; row {row} has length {int(input_lengths[row])}")
     return input_ids.long(), input_lengths
 
 
@@ -278,14 +299,28 @@ def build_hf_generation_config(
     """
     fields: dict[str, Any] = dict(
         # min_new_tokens=0 overrides any inherited min_length (HF derives min_length from it).
-        max_new_tokens=max_new_tokens, min_new_tokens=0, num_beams=1,
-        num_return_sequences=1, use_cache=True, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
-        no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0,
-        eta_cutoff=0.0, guidance_scale=1.0, renormalize_logits=False, remove_invalid_values=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        num_beams=1,
+        num_return_sequences=1,
+        use_cache=True,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        guidance_scale=1.0,
+        renormalize_logits=False,
+        remove_invalid_values=False,
         # An empty list (not None) so the model's own eos ids are not inherited.
-        eos_token_id=list(stop_token_ids), pad_token_id=int(pad_token_id),
+        eos_token_id=list(stop_token_ids),
+        pad_token_id=int(pad_token_id),
         # Raw logits (before processors), the ones get_logprobs reproduces.
-        return_dict_in_generate=True, output_logits=True, output_scores=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        output_scores=False,
         do_sample=not greedy,
     )
     if greedy:
@@ -304,7 +339,8 @@ def _warn_inherited_fields(model, hf_cfg) -> None:
     if model_cfg is None:
         return
     inherited = [
-        name for name in _ONLY_NONE_IS_OFF
+        name
+        for name in _ONLY_NONE_IS_OFF
         if getattr(hf_cfg, name, None) is None and getattr(model_cfg, name, None) is not None
     ]
     if inherited:
@@ -327,8 +363,11 @@ def _run_generate(model, left_ids, attention_mask, hf_cfg, criterion, synced_gpu
     try:
         with torch.no_grad():
             return model.generate(
-                input_ids=left_ids, attention_mask=attention_mask, generation_config=hf_cfg,
-                synced_gpus=synced_gpus, **kwargs,
+                input_ids=left_ids,
+                attention_mask=attention_mask,
+                generation_config=hf_cfg,
+                synced_gpus=synced_gpus,
+                **kwargs,
             )
     finally:
         model.train(was_training)
@@ -369,7 +408,7 @@ class StopStringCriterion(StoppingCriteria):
         pending = [b for b, strings in enumerate(self.row_strings) if strings and self.stopped_at[b] == 0]
         if pending and step > 0:
             tails = generated[pending, -self.window :].tolist()  # one device->host copy per step
-            for b, tail in zip(pending, tails):
+            for b, tail in zip(pending, tails, strict=True):
                 if tail_hits_stop_string(self.tokenizer, tail, self.row_strings[b]):
                     self.stopped_at[b] = step
         return (self.stopped_at > 0).to(input_ids.device)
@@ -430,6 +469,13 @@ def _assemble_output(
 ) -> BatchedDataDict:
     """The shared ``GenerationOutputSpec`` layout (``core.generation.sampling.assemble_padded``)
     as torch tensors; HF may stop before ``max_new_tokens`` when every row is done."""
-    out = assemble_padded(input_ids.cpu().numpy(), input_lengths.cpu().numpy(), generated.cpu().numpy(),
-                          token_logprobs.cpu().float().numpy(), gen_lengths.cpu().numpy(), max_new_tokens, pad_token_id)
+    out = assemble_padded(
+        input_ids.cpu().numpy(),
+        input_lengths.cpu().numpy(),
+        generated.cpu().numpy(),
+        token_logprobs.cpu().float().numpy(),
+        gen_lengths.cpu().numpy(),
+        max_new_tokens,
+        pad_token_id,
+    )
     return BatchedDataDict({k: torch.from_numpy(v) for k, v in out.items()})

@@ -13,7 +13,7 @@ parameters are plain local shards; FSDP1 uses its own ``clip_grad_norm_`` instea
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor

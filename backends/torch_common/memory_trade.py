@@ -9,7 +9,7 @@ ask :func:`full_copies_fit` once per call, before the loop.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist

@@ -15,7 +15,7 @@ def torch_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
-def as_torch_dtype(dtype: "torch.dtype | str") -> torch.dtype:
+def as_torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """A torch dtype from itself or a name (``"bfloat16"``: the refit stream's dtype names)."""
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype_name(dtype))
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 

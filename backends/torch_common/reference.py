@@ -9,7 +9,7 @@ host staging buffer and restores the policy weights even if the body raises.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -55,12 +55,12 @@ class ReferenceWeights:
         with torch.no_grad():
             if self._stash is None:
                 self._stash = [torch.empty_like(t) for t in self._host]
-            for local, ref, stash in zip(self._shards(), self._host, self._stash):
+            for local, ref, stash in zip(self._shards(), self._host, self._stash, strict=True):
                 stash.copy_(local)
                 local.copy_(ref, non_blocking=True)
         try:
             yield
         finally:
             with torch.no_grad():
-                for local, stash in zip(self._shards(), self._stash):
+                for local, stash in zip(self._shards(), self._stash, strict=True):
                     local.copy_(stash, non_blocking=True)

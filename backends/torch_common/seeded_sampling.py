@@ -8,7 +8,8 @@ comparisons -- which ``SeededRowSampler`` provides inside HF's own decoding loop
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import (

@@ -24,27 +24,14 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-
-from core.data import BatchedDataDict
-from core.data.context_parallel import attention_allowed, row_segments
-from core.data.sequence_packing import PackedRow
-from core.distributed.recoverable import before_collectives
-from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
-from core.kernels.logprobs import logprobs_from_logits
-from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
-from core.losses.metrics import MicroBatchMetrics, read_once
-from core.parallel_dims import ParallelDims
-from core.policy.generation_args import resolve_generation_args
-from core.policy.preflight import check_tokenizer_fits
-from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
-from core.refit.manifest import tied_aliases
 
 from backends.torch_common import checkpoint as ckpt
 from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns, to_device
@@ -61,6 +48,20 @@ from backends.torch_common.model_loading import hf_param_meta, load_hf_model, to
 from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
 from backends.torch_common.precision import apply_matmul_precision, matmul_precision_state
 from backends.torch_common.reference import ReferenceWeights, local_shards
+from core.data import BatchedDataDict
+from core.data.context_parallel import attention_allowed, row_segments
+from core.data.sequence_packing import PackedRow
+from core.distributed.recoverable import before_collectives
+from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
+from core.kernels.logprobs import logprobs_from_logits
+from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
+from core.losses.metrics import MicroBatchMetrics, read_once
+from core.parallel_dims import ParallelDims
+from core.policy.generation_args import resolve_generation_args
+from core.policy.preflight import check_tokenizer_fits
+from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
+from core.refit.manifest import tied_aliases
+
 
 class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     """One rank of a torch policy; constructed inside a Ray actor by ``core.policy.Policy``.
@@ -142,8 +143,9 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         parameters once and keeps them until the block ends (then every copy is freed)."""
 
     @abc.abstractmethod
-    def iter_full_weights(self, dtype: torch.dtype | None = None,
-                          skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_weights(
+        self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: yield ``(hf_name, full tensor)`` for every weight, on every rank."""
 
     def _local_weight_shards(self) -> list[torch.Tensor]:
@@ -176,7 +178,9 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         require an accelerator), so on CPU the option is accepted and ignored, with a note."""
         if flag and self.device.type == "cpu":
             if self.rank == 0:
-                warnings.warn(f"{field}=true has no effect on CPU workers: parameters are already in host memory")
+                warnings.warn(
+                    f"{field}=true has no effect on CPU workers: parameters are already in host memory", stacklevel=2
+                )
             return False
         return flag
 
@@ -342,8 +346,16 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
         with before_collectives():
-            local_gbs = self._check_train_call(data, loss_fn, gbs, mbs, self.dims.dp, self.model_config.vocab_size,
-                                               eval_mode, self.optimizer is not None)
+            local_gbs = self._check_train_call(
+                data,
+                loss_fn,
+                gbs,
+                mbs,
+                self.dims.dp,
+                self.model_config.vocab_size,
+                eval_mode,
+                self.optimizer is not None,
+            )
         self.model.train(not eval_mode)
         losses, norms, step_metrics, all_mb, reasons = [], [], [], {}, []
         for gb_idx in range(data.size // local_gbs):
@@ -378,11 +390,14 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         totals = self._sum_over_dp(table.sum(0))
         # The norm is measured (and the gradients clipped) before the decision; a skipped
         # step drops the gradients, so a non-finite norm's clipping poisons nothing.
-        norm = (self._clip_grad_norm(self.cfg.get("max_grad_norm")) if not eval_mode
-                else torch.zeros((), device=self.device))
+        norm = (
+            self._clip_grad_norm(self.cfg.get("max_grad_norm"))
+            if not eval_mode
+            else torch.zeros((), device=self.device)
+        )
         head = torch.stack([gseq, gtok, norm.float().to(self.device)])
         (seqs, toks, grad_norm), total_values, mb_values = read_once(head, totals, table)
-        metrics = dict(zip(keys, total_values))
+        metrics = dict(zip(keys, total_values, strict=True))
         loss = metrics.get("loss", 0.0)
         reason = None
         if not eval_mode:
@@ -395,8 +410,9 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             all_mb.setdefault(k, []).extend(values)
         return loss, grad_norm, metrics, reason
 
-    def _run_micro_batches(self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool,
-                           gseq: torch.Tensor, gtok: torch.Tensor) -> MicroBatchMetrics:
+    def _run_micro_batches(
+        self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool, gseq: torch.Tensor, gtok: torch.Tensor
+    ) -> MicroBatchMetrics:
         """Forward (and backward) of each micro batch; the metrics stay on the device.
 
         Gradients are reduced across ranks in the last micro batch's backward only (when
@@ -408,13 +424,16 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         """
         batches = list(micro_batches(gb, mbs))
         # Unreduced gradients are accumulated in fp32 (FSDP's reduce dtype), full size.
-        defer = not eval_mode and full_copies_fit(self.device, len(batches),
-                                                  weight_bytes(self.param_meta, torch.float32), self._offloading)
+        defer = not eval_mode and full_copies_fit(
+            self.device, len(batches), weight_bytes(self.param_meta, torch.float32), self._offloading
+        )
         collected = MicroBatchMetrics()
         for i, mb in enumerate(batches):
             deferred = defer and i < len(batches) - 1
-            with (torch.no_grad() if eval_mode else contextlib.nullcontext()), \
-                    (self._no_gradient_sync() if deferred else contextlib.nullcontext()):
+            with (
+                torch.no_grad() if eval_mode else contextlib.nullcontext(),
+                self._no_gradient_sync() if deferred else contextlib.nullcontext(),
+            ):
                 loss, metrics = self._micro_batch_loss(mb, loss_fn, gseq, gtok)
                 if not eval_mode:
                     # FSDP averages gradients over the ranks it shards over (dp, and cp with
@@ -453,13 +472,21 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         ``GenerationOutputSpec`` on the host."""
         with before_collectives():
             self._check_batch(data, self.model_config.vocab_size)
-            args = resolve_generation_args(self.cfg, self.tokenizer, self.model_config.eos_token_id,
-                                           data["input_ids"].shape[1])
+            args = resolve_generation_args(
+                self.cfg, self.tokenizer, self.model_config.eos_token_id, data["input_ids"].shape[1]
+            )
         module = self._generation_replica()
         out = hf_generate(
-            module, data.to(self.device), args.gen_cfg, greedy=greedy, pad_token_id=args.pad_token_id,
-            eos_token_ids=args.eos_token_ids, tokenizer=self.tokenizer, synced_gpus=False,
-            max_new_tokens=args.max_new_tokens, batch_size=self.cfg.get("generation_batch_size"),
+            module,
+            data.to(self.device),
+            args.gen_cfg,
+            greedy=greedy,
+            pad_token_id=args.pad_token_id,
+            eos_token_ids=args.eos_token_ids,
+            tokenizer=self.tokenizer,
+            synced_gpus=False,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=self.cfg.get("generation_batch_size"),
         )
         return out.to("cpu")
 
@@ -540,8 +567,14 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         """Collective: verified DCP load (manifest, kinds, scheduler file, keys and shapes
         checked on rank 0 before any shard is read; ``CheckpointError`` naming the cause)."""
         self._reshard_all()  # the load writes shards; no stale gathered copy may survive
-        extra = ckpt.load_dcp(self.model, weights_path, self.optimizer, optimizer_path, checksums=checksums,
-                              what=f"model {self.cfg['model_name']!r}")
+        extra = ckpt.load_dcp(
+            self.model,
+            weights_path,
+            self.optimizer,
+            optimizer_path,
+            checksums=checksums,
+            what=f"model {self.cfg['model_name']!r}",
+        )
         if "scheduler" in extra and self.scheduler is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
         self.train_step = extra.get("train_step", self.train_step)

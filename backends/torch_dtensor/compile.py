@@ -43,7 +43,7 @@ and DTensors of plain tensors, and gradients flow back to the embedding as in ea
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -72,8 +72,14 @@ def _waited(x):
     if isinstance(x, AsyncCollectiveTensor):
         return _WaitForCollective.apply(x)
     if isinstance(x, DTensor) and isinstance(x._local_tensor, AsyncCollectiveTensor):
-        return DTensor.from_local(_WaitForCollective.apply(x.to_local()), x.device_mesh, x.placements,
-                                  run_check=False, shape=x.shape, stride=x.stride())
+        return DTensor.from_local(
+            _WaitForCollective.apply(x.to_local()),
+            x.device_mesh,
+            x.placements,
+            run_check=False,
+            shape=x.shape,
+            stride=x.stride(),
+        )
     return x
 
 

@@ -24,15 +24,15 @@ gather's backward keeps only this rank's slice.  FSDP2 shards over the flattened
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from core.data.context_parallel import attention_allowed, load_balanced_columns
-
 from backends.torch_common.batches import to_device
+from core.data.context_parallel import attention_allowed, load_balanced_columns
 
 ATTENTION_NAME = "dualrl_cp_allgather"
 _cp_group: dist.ProcessGroup | None = None

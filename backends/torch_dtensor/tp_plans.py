@@ -15,7 +15,8 @@ full sequence length.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -34,33 +35,34 @@ def llama_style_plan(sequence_parallel: bool) -> Plan:
     """Plan for Llama-layout models (Llama, Qwen2, Mistral: same module names)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: Plan = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
-                                              use_local_output=not sequence_parallel),
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not sequence_parallel
+        ),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": ColwiseParallel(),
         "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=seq,
-                                                           use_local_output=not sequence_parallel),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel),
         "model.layers.*.mlp.gate_proj": ColwiseParallel(),
         "model.layers.*.mlp.up_proj": ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=seq,
-                                                        use_local_output=not sequence_parallel),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel),
     }
     if sequence_parallel:
-        plan.update({
-            "model.norm": SequenceParallel(),
-            "model.layers.*.input_layernorm": SequenceParallel(),
-            "model.layers.*.post_attention_layernorm": SequenceParallel(),
-            # HF calls attention with keyword arguments: gather the sequence for the block.
-            "model.layers.*.self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            ),
-            "model.layers.*.mlp": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-        })
+        plan.update(
+            {
+                "model.norm": SequenceParallel(),
+                "model.layers.*.input_layernorm": SequenceParallel(),
+                "model.layers.*.post_attention_layernorm": SequenceParallel(),
+                # HF calls attention with keyword arguments: gather the sequence for the block.
+                "model.layers.*.self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                "model.layers.*.mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+        )
     return plan
 
 

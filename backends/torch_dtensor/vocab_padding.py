@@ -101,8 +101,9 @@ def mask_padded_logits(logits: Any, vocab_size: int) -> Any:
         masked = _mask_local(local, start, vocab_size)
         if masked is local:
             return logits
-        return DTensor.from_local(masked, logits.device_mesh, logits.placements, run_check=False,
-                                  shape=logits.shape, stride=logits.stride())
+        return DTensor.from_local(
+            masked, logits.device_mesh, logits.placements, run_check=False, shape=logits.shape, stride=logits.stride()
+        )
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"padded vocabulary: lm_head returned {type(logits).__name__}, expected a tensor")
     return _mask_local(logits, 0, vocab_size)

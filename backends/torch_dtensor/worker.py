@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,13 +24,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from core.parallel_dims import ParallelDims
-from core.policy.preflight import check_tensor_parallel_fits
-
 from backends.torch_common.grad_clip import clip_grad_norm_dtensor
 from backends.torch_common.layers import decoder_layers
-from backends.torch_common.optim import import_object
 from backends.torch_common.model_loading import as_torch_dtype
+from backends.torch_common.optim import import_object
 from backends.torch_common.worker import TorchPolicyWorker
 from backends.torch_dtensor.compile import compile_blocks
 from backends.torch_dtensor.context_parallel import (
@@ -41,7 +38,8 @@ from backends.torch_dtensor.context_parallel import (
 )
 from backends.torch_dtensor.tp_plans import plan_for
 from backends.torch_dtensor.vocab_padding import OriginalVocabLoss, pad_vocab_, padded_vocab_size, unpad_rows
-
+from core.parallel_dims import ParallelDims
+from core.policy.preflight import check_tensor_parallel_fits
 
 # The global grad norm of parameters on the 2-D (dp, tp) mesh is reduced over both axes with
 # two all-reduces of one scalar; DTensor logs a performance warning for it on every step.
@@ -74,7 +72,9 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     @property
     def _offloading(self) -> bool:
-        return self._offload_params(bool(self.cfg["dtensor_cfg"].get("cpu_offload", False)), "policy.dtensor_cfg.cpu_offload")
+        return self._offload_params(
+            bool(self.cfg["dtensor_cfg"].get("cpu_offload", False)), "policy.dtensor_cfg.cpu_offload"
+        )
 
     def _activation_checkpointing(self) -> bool:
         return bool(self.cfg["dtensor_cfg"].get("activation_checkpointing", False))
@@ -169,8 +169,9 @@ class DTensorPolicyWorker(TorchPolicyWorker):
     def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         return clip_grad_norm_dtensor(self.model.parameters(), max_norm)
 
-    def iter_full_weights(self, dtype: torch.dtype | None = None,
-                          skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_weights(
+        self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         # One parameter at a time: peak extra memory is one full tensor, not the model.
         # ``skip``: names not gathered at all (every rank passes the same set).
         state = self.model.state_dict()

@@ -13,7 +13,7 @@ before any inner unit is touched), so the refit manifest lists names in that ord
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -35,8 +35,11 @@ class UnitPlan:
         self.units: list[tuple[FSDP, list[tuple[str, str]]]] = []
         for path, module in model.named_modules():
             if isinstance(module, FSDP):
-                own = [(raw, hf_name(path, raw)) for raw, _ in module.module.named_parameters(remove_duplicate=False)
-                       if WRAPPED not in raw.split(".")]  # a nested unit's weights are its own
+                own = [
+                    (raw, hf_name(path, raw))
+                    for raw, _ in module.module.named_parameters(remove_duplicate=False)
+                    if WRAPPED not in raw.split(".")
+                ]  # a nested unit's weights are its own
                 self.units.append((module, own))
         covered = {name for _, own in self.units for _, name in own}
         # Weights FSDP does not shard (persistent buffers) are read where they live.
@@ -46,8 +49,9 @@ class UnitPlan:
             raise RuntimeError(f"FSDP1 full-weight plan: state-dict names {sorted(unknown)} are held by no FSDP unit")
         self.order = [name for _, own in self.units for _, name in own if name in names] + sorted(self.buffers)
 
-    def iter_weights(self, dtype: torch.dtype | None = None,
-                     skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(
+        self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: ``(hf_name, full tensor)`` in ``self.order`` minus ``skip``, each a
         fresh copy (the gathered storage is freed when its unit is left)."""
         for unit, own in self.units:

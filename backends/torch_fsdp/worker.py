@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.distributed.fsdp import (
     CPUOffload,
-    FullyShardedDataParallel as FSDP,
     MixedPrecision,
     ShardingStrategy,
 )
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel as FSDP,
+)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-from core.parallel_dims import ParallelDims
 
 from backends.torch_common.layers import decoder_layer_classes
 from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.worker import TorchPolicyWorker
 from backends.torch_fsdp.full_weights import UnitPlan
+from core.parallel_dims import ParallelDims
 
 
 class FSDP1PolicyWorker(TorchPolicyWorker):
@@ -54,8 +55,9 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         mixed = None
         if self.compute_dtype != torch.float32:
             # fp32 master weights and gradient reduction; compute in the configured dtype.
-            mixed = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
-                                   buffer_dtype=torch.float32)
+            mixed = MixedPrecision(
+                param_dtype=self.compute_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+            )
         return FSDP(
             model,
             auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
@@ -83,8 +85,9 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         aliases left out, as the refit stream leaves them out."""
         return {name: self.param_meta[name] for name in self._unit_plan.order if name not in self._refit_skip}
 
-    def iter_full_weights(self, dtype: torch.dtype | None = None,
-                          skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_weights(
+        self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._unit_plan.iter_weights(None if dtype is None else as_torch_dtype(dtype), skip)
 
     @contextlib.contextmanager
@@ -114,7 +117,7 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         try:
             yield
         finally:
-            for h, strategy in zip(handles, saved):
+            for h, strategy in zip(handles, saved, strict=True):
                 h._sharding_strategy = strategy
             self._reshard_all()
 

@@ -37,8 +37,9 @@ class Bench:
             with open(self.args.json, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
         what = " ".join(str(row[k]) for k in ("kind", "backend", "mbs") if k in row)
-        print(f"[gpu bench] {what}" + (f": ERROR {row['error']}" if "error" in row else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"[gpu bench] {what}" + (f": ERROR {row['error']}" if "error" in row else ""), file=sys.stderr, flush=True
+        )
         return row
 
     @property
@@ -56,8 +57,18 @@ def error_text(err: BaseException) -> str:
 def child_spec(bench: Bench, kind: str, **extra) -> dict:
     """What a :mod:`benchmarks.gpu.yardstick` child process is asked to do."""
     a = bench.args
-    return {"kind": kind, "model": bench.model_path, "batch": a.batch, "seq": a.seq, "precision": a.precision,
-            "device": bench.device, "threads": a.threads, "warmup": a.warmup, "iters": a.iters, **extra}
+    return {
+        "kind": kind,
+        "model": bench.model_path,
+        "batch": a.batch,
+        "seq": a.seq,
+        "precision": a.precision,
+        "device": bench.device,
+        "threads": a.threads,
+        "warmup": a.warmup,
+        "iters": a.iters,
+        **extra,
+    }
 
 
 def prepare_model(bench: Bench) -> None:
@@ -89,15 +100,31 @@ def machine_facts(bench: Bench) -> dict:
     if bench.device == "cuda":
         facts = run_child(child_spec(bench, "machine"), a.threads)[0]
     else:
-        facts = {"device_name": machine.cpu_model(),
-                 "matmul_tflops": machine.measured_matmul_tflops("cpu", a.precision, a.threads)}
+        facts = {
+            "device_name": machine.cpu_model(),
+            "matmul_tflops": machine.measured_matmul_tflops("cpu", a.precision, a.threads),
+        }
     peak, source = mfu_peak(bench.device, facts["device_name"], a.precision, a.peak_tflops)
-    return {"kind": "machine", "device": bench.device, **facts, "cores": os.cpu_count(), "threads": a.threads,
-            "precision": a.precision, "peak_tflops": peak, "peak_source": source,
-            "versions": machine.software_versions(), "size": a.size, "params": param_count(bench.config),
-            "batch": a.batch, "seq": a.seq, "tokens": bench.tokens,
-            "flops_per_token": {"forward": machine.flops_per_token(bench.config, a.seq, False),
-                                "train": machine.flops_per_token(bench.config, a.seq, True)}}
+    return {
+        "kind": "machine",
+        "device": bench.device,
+        **facts,
+        "cores": os.cpu_count(),
+        "threads": a.threads,
+        "precision": a.precision,
+        "peak_tflops": peak,
+        "peak_source": source,
+        "versions": machine.software_versions(),
+        "size": a.size,
+        "params": param_count(bench.config),
+        "batch": a.batch,
+        "seq": a.seq,
+        "tokens": bench.tokens,
+        "flops_per_token": {
+            "forward": machine.flops_per_token(bench.config, a.seq, False),
+            "train": machine.flops_per_token(bench.config, a.seq, True),
+        },
+    }
 
 
 def start_ray(bench: Bench):

@@ -19,11 +19,15 @@ from benchmarks.gpu.yardstick import child_main
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     from benchmarks import gpu  # its docstring is the help text
 
-    p = argparse.ArgumentParser(prog=prog or "python -m benchmarks.gpu", description=gpu.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog or "python -m benchmarks.gpu",
+        description=gpu.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--size", choices=list(SIZES), help="default: 1b on a GPU, tiny on a CPU")
-    p.add_argument("--backends", nargs="+", choices=BACKENDS,
-                   help="default: all on a GPU; on a CPU all but torch_dtensor-compiled")
+    p.add_argument(
+        "--backends", nargs="+", choices=BACKENDS, help="default: all on a GPU; on a CPU all but torch_dtensor-compiled"
+    )
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda when a GPU is visible")
     p.add_argument("--mbs", nargs="+", type=int, help="micro batch sizes (default: the size's)")
@@ -66,8 +70,9 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
     if bad:
         parser.error(f"micro batch sizes {bad} do not divide --batch {a.batch}")
     if a.warmup < 1 or a.iters < 1 or a.refit_repeats < 1 or a.check_steps < 1:
-        parser.error("--warmup, --iters, --refit-repeats and --check-steps must be >= 1 "
-                     "(JAX compiles in the first call)")
+        parser.error(
+            "--warmup, --iters, --refit-repeats and --check-steps must be >= 1 (JAX compiles in the first call)"
+        )
     a.ray_cpus = a.threads + 2  # one Policy bundle of --threads CPUs at a time (benchmarks.jax_backend.RaySession)
     return a
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from benchmarks import machine
 from benchmarks import torch_backends as tb
@@ -34,8 +35,9 @@ class PolicyCase:
         from core.policy import Policy
 
         name = f"gpu-bench-{backend}"
-        self.cluster = RayVirtualCluster([1], use_gpus=bench.device == "cuda", num_cpus_per_bundle=bench.args.threads,
-                                         name=name)
+        self.cluster = RayVirtualCluster(
+            [1], use_gpus=bench.device == "cuda", num_cpus_per_bundle=bench.args.threads, name=name
+        )
         self.policy = None
         try:
             t0 = time.perf_counter()
@@ -87,11 +89,14 @@ def throughput_row(bench: Bench, case: PolicyCase, backend: str, data, mbs: int)
     row: dict[str, Any] = {"kind": "throughput", "backend": backend, "mbs": mbs, "startup_s": case.startup_s}
     try:
         policy.reset_peak_memory_stats()  # JAX: a no-op (XLA keeps one peak per process)
-        row["logprobs"] = timed_calls(lambda: logprobs.append(logprobs_call(policy, data, mbs)["logprobs"]),
-                                      a.warmup, a.iters)
+        row["logprobs"] = timed_calls(
+            lambda: logprobs.append(logprobs_call(policy, data, mbs)["logprobs"]), a.warmup, a.iters
+        )
         row["train"] = timed_calls(
             lambda: losses.append(float(policy.train(data, loss_fn, gbs=a.batch, mbs=mbs)["loss"][0])),
-            a.warmup, a.iters)
+            a.warmup,
+            a.iters,
+        )
         row["losses"], row["mean_logprob"] = losses, float(logprobs[-1][:, 1:].mean())
         row["peak_bytes"], row["memory"] = worker_peak(policy)
         if not all(math.isfinite(x) for x in [*losses, row["mean_logprob"]]):
@@ -113,8 +118,12 @@ def refit_row(bench: Bench, case: PolicyCase, backend: str) -> dict:
     try:
         t0 = time.perf_counter()
         manifest = RefitManifest.from_info(policy.prepare_refit_info())
-        row.update(info_s=time.perf_counter() - t0, tensors=len(manifest), bytes=manifest.nbytes,
-                   dtype=manifest[manifest.names[0]].dtype)
+        row.update(
+            info_s=time.perf_counter() - t0,
+            tensors=len(manifest),
+            bytes=manifest.nbytes,
+            dtype=manifest[manifest.names[0]].dtype,
+        )
         seconds, transports = [], set()
         for _ in range(bench.args.refit_repeats):
             t0 = time.perf_counter()

@@ -17,8 +17,10 @@ def vllm_skip_reason(no_vllm: bool) -> str:
         return "vLLM treated as absent (--no-vllm)"
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed on this machine"
-    return ("vLLM is installed, but this mode holds its one device for the policy and the engine needs "
-            "one of its own: `dualrl bench --device cuda --sections refit generation` on two GPUs")
+    return (
+        "vLLM is installed, but this mode holds its one device for the policy and the engine needs "
+        "one of its own: `dualrl bench --device cuda --sections refit generation` on two GPUs"
+    )
 
 
 def hf_section(bench: Bench) -> None:

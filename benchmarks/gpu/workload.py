@@ -25,6 +25,8 @@ def default_backends(device: str) -> list[str]:
     """Every row on a GPU; on a CPU not the compiled one (inductor's CPU build of the blocks
     takes longer than the rest of a tiny run, and says nothing about a GPU)."""
     return [b for b in BACKENDS if device == "cuda" or b != COMPILED]
+
+
 SECTIONS = ("throughput", "refit", "loss")
 SEED = 0
 
@@ -41,13 +43,41 @@ class Size:
 
 SIZES: dict[str, Size] = {
     # Llama-3.2-1B's shape (random init, default RoPE): 1.24 B parameters, tied embeddings
-    "1b": Size(dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=True),
-               batch=8, seq=2048, mbs=(1, 2, 4), precision="bfloat16", check_mbs=1),
+    "1b": Size(
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        batch=8,
+        seq=2048,
+        mbs=(1, 2, 4),
+        precision="bfloat16",
+        check_mbs=1,
+    ),
     # the CPU smoke: seconds per backend
-    "tiny": Size(dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=128, tie_word_embeddings=True),
-                 batch=4, seq=64, mbs=(2,), precision="float32", check_mbs=2),
+    "tiny": Size(
+        dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+        ),
+        batch=4,
+        seq=64,
+        mbs=(2,),
+        precision="float32",
+        check_mbs=2,
+    ),
 }
 
 
@@ -62,8 +92,12 @@ def full_batch(batch: int, seq: int, vocab: int):
 
     g = torch.Generator().manual_seed(SEED)
     ids = torch.randint(4, vocab, (batch, seq), generator=g)
-    return BatchedDataDict(input_ids=ids, input_lengths=torch.full((batch,), seq),
-                           token_mask=torch.ones(batch, seq), sample_mask=torch.ones(batch))
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=torch.full((batch,), seq),
+        token_mask=torch.ones(batch, seq),
+        sample_mask=torch.ones(batch),
+    )
 
 
 def param_count(config) -> int:
@@ -125,5 +159,5 @@ def loss_measure(a: float, b: float) -> float:
 
 def worst_diff(xs: list[float], ys: list[float]) -> float:
     """The largest :func:`loss_measure` over paired steps; NaN when any step is NaN."""
-    diffs = [loss_measure(x, y) for x, y in zip(xs, ys)]
+    diffs = [loss_measure(x, y) for x, y in zip(xs, ys, strict=True)]
     return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)

@@ -12,7 +12,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from benchmarks import machine
 from benchmarks import torch_backends as tb
@@ -29,7 +30,7 @@ def make_steps(model, ids, mbs: int, bf16: bool, opt_kwargs: dict, max_grad_norm
     import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), **opt_kwargs)
-    chunks = [ids[i:i + mbs] for i in range(0, ids.shape[0], mbs)]
+    chunks = [ids[i : i + mbs] for i in range(0, ids.shape[0], mbs)]
     total = ids.shape[0] * (ids.shape[1] - 1)  # every next-token target is valid (full rows)
 
     def next_token_logprobs(x):
@@ -51,8 +52,11 @@ def make_steps(model, ids, mbs: int, bf16: bool, opt_kwargs: dict, max_grad_norm
             part.backward()
             loss = loss + part.detach()
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = (torch.nn.utils.clip_grad_norm_(params, max_grad_norm) if max_grad_norm is not None
-                else torch.nn.utils.get_total_norm([p.grad for p in params]))
+        norm = (
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            if max_grad_norm is not None
+            else torch.nn.utils.get_total_norm([p.grad for p in params])
+        )
         optimizer.step()
         return loss, norm
 
@@ -85,8 +89,14 @@ def measure_hf(model, ids, mbs: int, spec: dict, device) -> dict:
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    steps = make_steps(model, ids, mbs, spec["precision"] == "bfloat16", optimizer_kwargs(fused=spec["fused"]),
-                       tb.default_policy_section()["max_grad_norm"])
+    steps = make_steps(
+        model,
+        ids,
+        mbs,
+        spec["precision"] == "bfloat16",
+        optimizer_kwargs(fused=spec["fused"]),
+        tb.default_policy_section()["max_grad_norm"],
+    )
     _reset_peak(device)
     row: dict[str, Any] = {"mbs": mbs, "losses": []}
     for op in ("logprobs", "train"):
@@ -106,8 +116,9 @@ def measure_hf(model, ids, mbs: int, spec: dict, device) -> dict:
 
 def reference_curve(model, ids, spec: dict) -> dict:
     """The plain-torch fp32 loss curve the backends are held to."""
-    steps = make_steps(model, ids, spec["mbs"][0], False, optimizer_kwargs(lr=spec["lr"]),
-                       tb.default_policy_section()["max_grad_norm"])
+    steps = make_steps(
+        model, ids, spec["mbs"][0], False, optimizer_kwargs(lr=spec["lr"]), tb.default_policy_section()["max_grad_norm"]
+    )
     out = [steps["train"]() for _ in range(spec["steps"])]
     return {"losses": [float(loss) for loss, _ in out], "grad_norms": [float(norm) for _, norm in out]}
 
@@ -136,8 +147,11 @@ def child_main(spec: dict) -> None:
     if spec["kind"] == "reference":
         print(REPLY + json.dumps(reference_curve(model, ids, spec)), flush=True)
         return
-    print(REPLY + json.dumps({"attn_implementation": model.config._attn_implementation,
-                              "threads": torch.get_num_threads()}), flush=True)
+    print(
+        REPLY
+        + json.dumps({"attn_implementation": model.config._attn_implementation, "threads": torch.get_num_threads()}),
+        flush=True,
+    )
     for mbs in spec["mbs"]:
         try:
             row = measure_hf(model, ids, mbs, spec, device)
@@ -158,10 +172,12 @@ def run_child(spec: dict, threads: int, on_reply: Callable[[dict], None] = lambd
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         for line in proc.stdout:
             if line.startswith(REPLY):
-                replies.append(json.loads(line[len(REPLY):]))
+                replies.append(json.loads(line[len(REPLY) :]))
                 on_reply(replies[-1])
         if proc.wait() != 0:
             err.seek(0)
-            raise RuntimeError(f"{spec['kind']} child exited with rc {proc.returncode} after {len(replies)} "
-                               f"replies:\n{err.read()[-3000:]}")
+            raise RuntimeError(
+                f"{spec['kind']} child exited with rc {proc.returncode} after {len(replies)} "
+                f"replies:\n{err.read()[-3000:]}"
+            )
     return replies

@@ -194,16 +194,36 @@ than a Ray started by the caller provides are listed as skipped (as in
 #   report.py        the text report
 #   settings.py      steps, seeds and the tolerances of every check
 
-from benchmarks.parity.cli import build_parser, main
+from benchmarks.layouts import torch_layout
 from benchmarks.parity.checks import collect, crossload_pairs, evaluate, judge, passed
+from benchmarks.parity.cli import build_parser, main
+from benchmarks.parity.grpo import grpo_summary
 from benchmarks.parity.models import jax_devices, jax_model_problem, layout_problem, prepare_model, save_tiny_gpt2
 from benchmarks.parity.report import format_matrix
 from benchmarks.parity.run import run_parity
 from benchmarks.parity.settings import BF16_TOLERANCES, DEFAULT_LAYOUTS, ENGINE_TRANSPORTS, HF, TOLERANCES, VARIANTS
-from benchmarks.parity.grpo import grpo_summary
-from benchmarks.layouts import torch_layout
 
-__all__ = ["BF16_TOLERANCES", "DEFAULT_LAYOUTS", "ENGINE_TRANSPORTS", "HF", "TOLERANCES", "VARIANTS", "build_parser",
-           "collect", "crossload_pairs", "evaluate", "format_matrix", "grpo_summary", "jax_devices",
-           "jax_model_problem", "judge", "layout_problem", "main", "passed", "prepare_model", "run_parity",
-           "save_tiny_gpt2", "torch_layout"]
+__all__ = [
+    "BF16_TOLERANCES",
+    "DEFAULT_LAYOUTS",
+    "ENGINE_TRANSPORTS",
+    "HF",
+    "TOLERANCES",
+    "VARIANTS",
+    "build_parser",
+    "collect",
+    "crossload_pairs",
+    "evaluate",
+    "format_matrix",
+    "grpo_summary",
+    "jax_devices",
+    "jax_model_problem",
+    "judge",
+    "layout_problem",
+    "main",
+    "passed",
+    "prepare_model",
+    "run_parity",
+    "save_tiny_gpt2",
+    "torch_layout",
+]

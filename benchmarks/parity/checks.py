@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from benchmarks.parity.settings import GRPO_METRICS, PAIRWISE, TOLERANCES
 from benchmarks.parity.measure import max_abs_diff
+from benchmarks.parity.settings import GRPO_METRICS, PAIRWISE, TOLERANCES
 
 
 def scalar_diff(a: float, b: float) -> float:
@@ -22,14 +22,27 @@ def judge(check: str, value: float, tolerances: dict | None = None) -> bool:
 
 def _record(check: str, a: str, b: str | None, value: float, tolerances: dict, **detail) -> dict:
     op, tol = tolerances[check]
-    return {"check": check, "a": a, "b": b, "value": value, "op": op, "tol": tol,
-            "pass": judge(check, value, tolerances), **detail}
+    return {
+        "check": check,
+        "a": a,
+        "b": b,
+        "value": value,
+        "op": op,
+        "tol": tol,
+        "pass": judge(check, value, tolerances),
+        **detail,
+    }
 
 
 def grpo_diffs(x: dict, y: dict) -> dict[str, float]:
     """Per compared quantity of two GRPO step-0 summaries: the largest scalar measure over the steps."""
+
     def worst(p, q):
-        return max((scalar_diff(a, b) for a, b in zip(p, q)), default=0.0) if len(p) == len(q) else float("nan")
+        return (
+            max((scalar_diff(a, b) for a, b in zip(p, q, strict=True)), default=0.0)
+            if len(p) == len(q)
+            else float("nan")
+        )
 
     out = {"grad_norm": worst(x["grad_norm"], y["grad_norm"]), "loss": worst(x["loss"], y["loss"])}
     for key in GRPO_METRICS:
@@ -47,14 +60,18 @@ def pairwise_value(check: str, x: dict, y: dict) -> float:
     if check == "grad_norm_step0":
         return scalar_diff(x["grad_norm"][0], y["grad_norm"][0])
     if check == "loss_curve":
-        return max(scalar_diff(p, q) for p, q in zip(x["loss"], y["loss"]))
+        return max(scalar_diff(p, q) for p, q in zip(x["loss"], y["loss"], strict=True))
     if check == "grpo_step0":
         return max(grpo_diffs(x["grpo"], y["grpo"]).values())
     raise KeyError(check)
 
 
-def evaluate(measured: dict[str, dict], crossloaded: dict[tuple[str, str], Any],
-             tolerances: dict | None = None, dcp: dict[tuple[str, str], dict] | None = None) -> list[dict]:
+def evaluate(
+    measured: dict[str, dict],
+    crossloaded: dict[tuple[str, str], Any],
+    tolerances: dict | None = None,
+    dcp: dict[tuple[str, str], dict] | None = None,
+) -> list[dict]:
     """Every check on raw measurements: ``measured[name]`` as :func:`measure_policy` returns it
     (``hf`` first; with ``grpo`` / ``engine`` / ``resumed`` entries where those ran),
     ``crossloaded[(source, target)]`` the target's logprobs of the source's export,
@@ -73,24 +90,56 @@ def evaluate(measured: dict[str, dict], crossloaded: dict[tuple[str, str], Any],
             checks.append(_record(check, a, b, pairwise_value(check, measured[a], measured[b]), tolerances))
     for name in names:
         inv = measured[name]["invariance"]
-        checks.append(_record("batch_invariance", name, None, max(inv.values()), tolerances,
-                              variants=dict(inv), bitwise={k: v == 0.0 for k, v in inv.items()}))
+        checks.append(
+            _record(
+                "batch_invariance",
+                name,
+                None,
+                max(inv.values()),
+                tolerances,
+                variants=dict(inv),
+                bitwise={k: v == 0.0 for k, v in inv.items()},
+            )
+        )
         moved = max_abs_diff(measured[name]["trained_logprobs"], measured[name]["logprobs"])
         checks.append(_record("weights_moved", name, None, moved, tolerances))
         if "engine" in measured[name]:
             engine = measured[name]["engine"]
-            checks.append(_record("token_mult_prob_error", name, None, engine["token_mult_prob_error"], tolerances,
-                                  transports=engine["transports"]))
+            checks.append(
+                _record(
+                    "token_mult_prob_error",
+                    name,
+                    None,
+                    engine["token_mult_prob_error"],
+                    tolerances,
+                    transports=engine["transports"],
+                )
+            )
     for (src, tgt), logprobs in crossloaded.items():
         value = max_abs_diff(logprobs, measured[src]["trained_logprobs"])
         checks.append(_record("crossload", src, tgt, value, tolerances))
     for (src, tgt), loaded in (dcp or {}).items():
-        checks.append(_record("dcp_crossload", src, tgt, max_abs_diff(loaded["logprobs"],
-                                                                      measured[src]["trained_logprobs"]), tolerances))
+        checks.append(
+            _record(
+                "dcp_crossload",
+                src,
+                tgt,
+                max_abs_diff(loaded["logprobs"], measured[src]["trained_logprobs"]),
+                tolerances,
+            )
+        )
         source = measured[src]["resumed"]
-        checks.append(_record("dcp_resume", src, tgt, max_abs_diff(loaded["resumed"]["logprobs"], source["logprobs"]),
-                              tolerances, loss=[source["loss"], loaded["resumed"]["loss"]],
-                              grad_norm=[source["grad_norm"], loaded["resumed"]["grad_norm"]]))
+        checks.append(
+            _record(
+                "dcp_resume",
+                src,
+                tgt,
+                max_abs_diff(loaded["resumed"]["logprobs"], source["logprobs"]),
+                tolerances,
+                loss=[source["loss"], loaded["resumed"]["loss"]],
+                grad_norm=[source["grad_norm"], loaded["resumed"]["grad_norm"]],
+            )
+        )
     return checks
 
 
@@ -105,9 +154,18 @@ def crossload_pairs(names: list[str], mode: str) -> list[tuple[str, str]]:
     # ring; with two layouts each loads the other's export
     return [(names[i], names[(i + 1) % len(names)]) for i in range(len(names))]
 
-def collect(measured: dict[str, dict], crossloaded: dict[tuple[str, str], Any], *, errors: dict | None = None,
-            skipped: dict | None = None, seconds: dict | None = None, tolerances: dict | None = None,
-            dcp: dict[tuple[str, str], dict] | None = None, **meta) -> dict:
+
+def collect(
+    measured: dict[str, dict],
+    crossloaded: dict[tuple[str, str], Any],
+    *,
+    errors: dict | None = None,
+    skipped: dict | None = None,
+    seconds: dict | None = None,
+    tolerances: dict | None = None,
+    dcp: dict[tuple[str, str], dict] | None = None,
+    **meta,
+) -> dict:
     """The results of a run: ``meta`` (model, batch, ...), every check of :func:`evaluate`, the
     JSON-able numbers of every measurement, errors and skipped layouts, and the verdict."""
     tolerances = tolerances or TOLERANCES
@@ -127,8 +185,12 @@ def collect(measured: dict[str, dict], crossloaded: dict[tuple[str, str], Any], 
 
 def _summary(m: dict) -> dict:
     """The JSON-able numbers of one measurement (the logprob tensors stay out)."""
-    out = {"loss": m["loss"], "grad_norm": m["grad_norm"], "invariance": m["invariance"],
-           **{k: m[k] for k in ("startup_s", "seconds", "grpo", "grpo_s", "engine") if k in m}}
+    out = {
+        "loss": m["loss"],
+        "grad_norm": m["grad_norm"],
+        "invariance": m["invariance"],
+        **{k: m[k] for k in ("startup_s", "seconds", "grpo", "grpo_s", "engine") if k in m},
+    }
     if "resumed" in m:
         out["resumed"] = {k: m["resumed"][k] for k in ("loss", "grad_norm")}
     return out

@@ -5,9 +5,14 @@ from __future__ import annotations
 from benchmarks import refit as rf
 from benchmarks import torch_backends as tb
 from benchmarks.layouts import Layout
-from benchmarks.parity.settings import (ENGINE_NEW_TOKENS, ENGINE_PROMPTS, ENGINE_PROMPT_WIDTH, ENGINE_SEED,
-                                        ENGINE_TRANSPORTS)
 from benchmarks.parity.measure import policy_logprobs
+from benchmarks.parity.settings import (
+    ENGINE_NEW_TOKENS,
+    ENGINE_PROMPT_WIDTH,
+    ENGINE_PROMPTS,
+    ENGINE_SEED,
+    ENGINE_TRANSPORTS,
+)
 
 
 def engine_prompts(vocab: int, bos_id: int | None):
@@ -19,18 +24,19 @@ def engine_prompts(vocab: int, bos_id: int | None):
     ids, lengths = random_batch(ENGINE_PROMPTS, ENGINE_PROMPT_WIDTH, vocab, seed=ENGINE_SEED, min_len=3)
     if bos_id is not None:
         ids[:, 0] = bos_id
-    return BatchedDataDict(input_ids=ids, input_lengths=lengths,
-                           sample_seeds=sample_seeds(ENGINE_SEED, 0, ENGINE_PROMPTS))
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lengths, sample_seeds=sample_seeds(ENGINE_SEED, 0, ENGINE_PROMPTS)
+    )
 
 
 def parity_engine(model_path: str, tokenizer_path: str, tokenizer, args):
     """One vLLM engine (``benchmarks.refit.Engine``: ``VllmGeneration``, tensor parallel 1, a one-bundle
     cluster of ``--threads`` CPUs) with the run's policy section, fp32, ``ENGINE_NEW_TOKENS`` sampled
     tokens at temperature 1."""
-    cfg = tb.policy_config(model_path, tokenizer_path, Layout("engine", "torch_fsdp"), args.batch, args.seq,
-                           args.precision)
-    cfg["generation"].update(backend="vllm", max_new_tokens=ENGINE_NEW_TOKENS, temperature=1.0, top_p=1.0,
-                             top_k=None)
+    cfg = tb.policy_config(
+        model_path, tokenizer_path, Layout("engine", "torch_fsdp"), args.batch, args.seq, args.precision
+    )
+    cfg["generation"].update(backend="vllm", max_new_tokens=ENGINE_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=None)
     cfg["generation"]["vllm_cfg"].update(max_model_len=args.seq, precision=args.precision)
     return rf.Engine(model_path, tokenizer_path, tokenizer, args, cfg=cfg, name="parity-vllm")
 
@@ -55,7 +61,8 @@ def engine_check(policy, generation, prompts, transports=ENGINE_TRANSPORTS) -> d
             "token_mult_prob_error": float(token_mult_prob_error(gen, lp, mask)),
             "max_abs_diff": float(((gen.double() - lp.double()).abs() * mask).max()),
             "gen_kl_error": float(generation_policy_kl(gen, lp, mask)),
-            "tokens": int(mask.sum()), "refit_s": stats.seconds,
+            "tokens": int(mask.sum()),
+            "refit_s": stats.seconds,
         }
     worst = max(per, key=lambda t: per[t]["token_mult_prob_error"])
     return {"token_mult_prob_error": per[worst]["token_mult_prob_error"], "transports": per}

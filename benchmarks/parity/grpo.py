@@ -27,15 +27,23 @@ def grpo_batch(data, generation_logprobs, seed: int = GRPO_SEED):
     cols = torch.arange(ids.shape[1])[None]
     mask = ((cols >= prompt[:, None]) & (cols < lengths[:, None])).float()
     advantages = torch.randn(len(ids), generator=torch.Generator().manual_seed(seed))
-    return BatchedDataDict(input_ids=ids.clone(), input_lengths=lengths.clone(), token_mask=mask,
-                           sample_mask=torch.ones(len(ids)), advantages=advantages[:, None] * mask,
-                           generation_logprobs=generation_logprobs.float() * mask)
+    return BatchedDataDict(
+        input_ids=ids.clone(),
+        input_lengths=lengths.clone(),
+        token_mask=mask,
+        sample_mask=torch.ones(len(ids)),
+        advantages=advantages[:, None] * mask,
+        generation_logprobs=generation_logprobs.float() * mask,
+    )
 
 
 def grpo_summary(losses, norms, metrics: dict[str, list[float]]) -> dict:
     """The JSON-able GRPO step-0 numbers: per optimizer step loss, grad norm and the compared metrics."""
-    return {"loss": [float(x) for x in losses], "grad_norm": [float(x) for x in norms],
-            "metrics": {k: [float(x) for x in metrics[k]] for k in GRPO_METRICS if k in metrics and k != "loss"}}
+    return {
+        "loss": [float(x) for x in losses],
+        "grad_norm": [float(x) for x in norms],
+        "metrics": {k: [float(x) for x in metrics[k]] for k in GRPO_METRICS if k in metrics and k != "loss"},
+    }
 
 
 def grpo_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
@@ -56,5 +64,6 @@ def grpo_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
     policy.prepare_for_training()
     result = policy.train(data, grpo_loss_fn(), gbs=gbs, mbs=gbs // policy.dp)
     policy.finish_training()
-    return grpo_summary(result["loss"].tolist(), result["grad_norm"].tolist(),
-                        {k: v.tolist() for k, v in result["metrics"].items()})
+    return grpo_summary(
+        result["loss"].tolist(), result["grad_norm"].tolist(), {k: v.tolist() for k, v in result["metrics"].items()}
+    )

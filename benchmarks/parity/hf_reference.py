@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from benchmarks.parity.settings import GRPO_STEPS
-from benchmarks.parity.measure import measure
 from benchmarks.parity.grpo import grpo_loss_fn, grpo_summary
+from benchmarks.parity.measure import measure
+from benchmarks.parity.settings import GRPO_STEPS
 
 
 class HFReference:
@@ -61,8 +61,11 @@ class HFReference:
             loss, metrics = loss_fn(logits.float(), batch, None, None)
             loss.backward()
             grads = [p.grad for p in params if p.grad is not None]
-            norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm is not None
-                    else torch.nn.utils.get_total_norm(grads))
+            norm = (
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+                if max_norm is not None
+                else torch.nn.utils.get_total_norm(grads)
+            )
             opt.step()
             return float(loss.detach()), float(norm), {k: float(v) for k, v in metrics.items()}
 
@@ -76,13 +79,14 @@ class HFReference:
     def grpo(self, base, steps: int = GRPO_STEPS) -> dict:
         """:func:`grpo_policy` in this process, at the current weights."""
         data = dict(base)
-        data["prev_logprobs"] = data["reference_policy_logprobs"] = self.logprobs(data["input_ids"],
-                                                                                  data["input_lengths"])
+        data["prev_logprobs"] = data["reference_policy_logprobs"] = self.logprobs(
+            data["input_ids"], data["input_lengths"]
+        )
         step = self.trainer(data, grpo_loss_fn())
         gbs = len(data["input_ids"]) // steps
         losses, norms, metrics = [], [], {}
         for g in range(steps):
-            loss, norm, m = step({k: v[g * gbs:(g + 1) * gbs] for k, v in data.items()})
+            loss, norm, m = step({k: v[g * gbs : (g + 1) * gbs] for k, v in data.items()})
             losses.append(loss)
             norms.append(norm)
             for k, v in m.items():

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from benchmarks.parity.settings import GRPO_STEPS
 from benchmarks.parity.grpo import grpo_policy
+from benchmarks.parity.settings import GRPO_STEPS
 
 
 def _inputs(ids, lengths):
@@ -28,18 +28,18 @@ def batch_invariance(logprobs: Callable, data, other, full) -> dict[str, float]:
     rows = len(ids)
     dev = {}
     # A batch of one at the same width: the longest row and the last one.
-    dev["alone"] = max(max_abs_diff(logprobs(ids[r:r + 1], lengths[r:r + 1])[0], full[r]) for r in {0, rows - 1})
+    dev["alone"] = max(max_abs_diff(logprobs(ids[r : r + 1], lengths[r : r + 1])[0], full[r]) for r in {0, rows - 1})
     # A batch of only the shortest row is only as wide as that row (the width is a batch property).
     r = int(torch.argmin(lengths))
     n = int(lengths[r])
-    dev["alone_trimmed"] = max_abs_diff(logprobs(ids[r:r + 1, :n], lengths[r:r + 1])[0], full[r, :n])
+    dev["alone_trimmed"] = max_abs_diff(logprobs(ids[r : r + 1, :n], lengths[r : r + 1])[0], full[r, :n])
     order = torch.arange(rows).flip(0)
     dev["reversed"] = max_abs_diff(logprobs(ids[order], lengths[order]).flip(0), full)
     # Rows 0..h-1 at the even positions, companions from another batch at the odd ones: on a
     # dp=2 layout this changes both the rank a row lands on and its micro-batch neighbours.
     h = max(1, rows // 2)
-    mixed_ids = torch.stack([t for pair in zip(ids[:h], other["input_ids"][:h]) for t in pair])
-    mixed_len = torch.stack([t for pair in zip(lengths[:h], other["input_lengths"][:h]) for t in pair])
+    mixed_ids = torch.stack([t for pair in zip(ids[:h], other["input_ids"][:h], strict=True) for t in pair])
+    mixed_len = torch.stack([t for pair in zip(lengths[:h], other["input_lengths"][:h], strict=True) for t in pair])
     dev["mixed"] = max_abs_diff(logprobs(mixed_ids, mixed_len)[0::2], full[:h])
     return dev
 
@@ -86,12 +86,21 @@ def measure_policy(runner, data, other, steps: int, grpo_base=None, grpo_steps: 
     per data-parallel rank, one optimizer step per ``train`` call); GRPO on ``grpo_base``."""
     policy = runner._policy  # the runners keep their Policy private; the benchmarks read it too
     grpo = None if grpo_base is None else (lambda: grpo_policy(runner, grpo_base, grpo_steps))
-    return measure(lambda ids, lengths: policy_logprobs(policy, ids, lengths), lambda: nll_step(runner, data),
-                   data, other, steps, grpo)
+    return measure(
+        lambda ids, lengths: policy_logprobs(policy, ids, lengths),
+        lambda: nll_step(runner, data),
+        data,
+        other,
+        steps,
+        grpo,
+    )
 
 
 def after_one_more_step(runner, data) -> dict:
     """``dcp_resume``'s measurement: one more NLL step, then the logprobs of the batch."""
     loss, norm = nll_step(runner, data)
-    return {"loss": loss, "grad_norm": norm,
-            "logprobs": policy_logprobs(runner._policy, data["input_ids"], data["input_lengths"])}
+    return {
+        "loss": loss,
+        "grad_norm": norm,
+        "logprobs": policy_logprobs(runner._policy, data["input_ids"], data["input_lengths"]),
+    }

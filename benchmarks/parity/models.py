@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from benchmarks import jax_backend as jb
 from benchmarks import layouts
@@ -38,13 +39,14 @@ def layout_problem(name: str, batch: int, threads: int, ray_cpus: float | None) 
     jax = jb.jax_layout(name)
     layout = torch_layout(name)
     if jax is None and layout is None:
-        return (f"unknown layout {name!r}: one of {', '.join(tb.LAYOUTS)}, or by the grammar "
-                f"{GRAMMAR}")
+        return f"unknown layout {name!r}: one of {', '.join(tb.LAYOUTS)}, or by the grammar {GRAMMAR}"
     cpus = "" if ray_cpus is None else f" (the Ray cluster has {ray_cpus:g} CPUs)"
     if layout is not None:
         if layout.workers > threads:
-            return (f"does not fit: {name} needs {layout.workers} workers, each with a CPU thread of its own; "
-                    f"the thread budget --threads {threads} gives at most {threads}{cpus}")
+            return (
+                f"does not fit: {name} needs {layout.workers} workers, each with a CPU thread of its own; "
+                f"the thread budget --threads {threads} gives at most {threads}{cpus}"
+            )
         need = layout.workers * (threads // layout.workers)
         if ray_cpus is not None and need > ray_cpus:
             return f"does not fit: {name} needs {layout.workers} x {threads // layout.workers} CPUs{cpus}"
@@ -67,8 +69,8 @@ def resolve_model(model: str) -> str:
     anything else (tiny name, local path, hub id) goes to ``torch_backends.prepare_model`` as is."""
     from core.testing.tiny_models import TINY_MODELS
 
-    if model.startswith("tiny-") and model[len("tiny-"):] in TINY_MODELS and not Path(model).exists():
-        return model[len("tiny-"):]
+    if model.startswith("tiny-") and model[len("tiny-") :] in TINY_MODELS and not Path(model).exists():
+        return model[len("tiny-") :]
     return model
 
 
@@ -82,9 +84,19 @@ def save_tiny_gpt2(path: Path) -> Path:
 
     torch.manual_seed(0)
     # No dropout (GPT-2's default is 0.1): a training step must be a function of the weights.
-    config = GPT2Config(vocab_size=TINY_VOCAB_SIZE, n_positions=MAX_POSITIONS, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    config = GPT2Config(
+        vocab_size=TINY_VOCAB_SIZE,
+        n_positions=MAX_POSITIONS,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path / "tokenizer")
     return path
@@ -111,8 +123,7 @@ def save_tiny_llama_hd32(path: Path) -> Path:
 
 
 #: Tiny models built here (no download): name -> builder of the model dir (tokenizer in ``tokenizer/``).
-LOCAL_MODELS: dict[str, Callable[[Path], Path]] = {"tiny-gpt2": save_tiny_gpt2,
-                                                   "tiny-llama-hd32": save_tiny_llama_hd32}
+LOCAL_MODELS: dict[str, Callable[[Path], Path]] = {"tiny-gpt2": save_tiny_gpt2, "tiny-llama-hd32": save_tiny_llama_hd32}
 
 
 def prepare_model(model: str, root: Path) -> tuple[str, str]:

@@ -14,16 +14,30 @@ from benchmarks import jax_backend as jb
 from benchmarks import refit as rf
 from benchmarks import torch_backends as tb
 from benchmarks.layouts import torch_layout
-from benchmarks.parity.settings import (BF16_TOLERANCES, DEFAULT_LAYOUTS, GRPO_STEPS, HF, LEARNING_RATE, OTHER_SEED,
-                                        STEPS, TOLERANCES)
-from benchmarks.parity.models import (check_arguments, jax_devices, jax_model_problem, layout_problem,
-                                      parity_settings, prepare_model)
-from benchmarks.parity.runners import TorchPolicyStart, new_runner
-from benchmarks.parity.measure import after_one_more_step, measure_policy, policy_logprobs
+from benchmarks.parity.checks import collect, crossload_pairs
+from benchmarks.parity.engine import engine_check, engine_prompts, parity_engine
 from benchmarks.parity.grpo import grpo_batch
 from benchmarks.parity.hf_reference import HFReference, hf_export_logprobs
-from benchmarks.parity.engine import engine_check, engine_prompts, parity_engine
-from benchmarks.parity.checks import collect, crossload_pairs
+from benchmarks.parity.measure import after_one_more_step, measure_policy, policy_logprobs
+from benchmarks.parity.models import (
+    check_arguments,
+    jax_devices,
+    jax_model_problem,
+    layout_problem,
+    parity_settings,
+    prepare_model,
+)
+from benchmarks.parity.runners import TorchPolicyStart, new_runner
+from benchmarks.parity.settings import (
+    BF16_TOLERANCES,
+    DEFAULT_LAYOUTS,
+    GRPO_STEPS,
+    HF,
+    LEARNING_RATE,
+    OTHER_SEED,
+    STEPS,
+    TOLERANCES,
+)
 
 
 def _error(what: str, err: BaseException) -> str:
@@ -54,8 +68,7 @@ class ParityRun:
         """A runner of ``name`` (initial model by default); Ray restarted first if the layout
         needs another XLA device count (the engine is closed first: it would die with Ray)."""
         devices = jax_devices(name)
-        if (self.engine is not None and self.session.owned and devices is not None
-                and devices != self.session.devices):
+        if self.engine is not None and self.session.owned and devices is not None and devices != self.session.devices:
             self.close_engine()
         self.session.start(devices)
         return new_runner(name, model_path or self.paths[0], self.paths[1], self.tokenizer, self.args)
@@ -85,8 +98,9 @@ class ParityRun:
             self.engine = None
 
     # ------------------------------------------------------------------ phases
-    def measure_layout(self, name: str, data, other, grpo_base, grpo_steps: int, engine: bool, prompts,
-                       dcp_source: bool) -> None:
+    def measure_layout(
+        self, name: str, data, other, grpo_base, grpo_steps: int, engine: bool, prompts, dcp_source: bool
+    ) -> None:
         """Start ``name`` on the initial model; measure (GRPO step 0 included); export (HF); the
         engine check; the DCP checkpoint and one more step (a DCP source); shut it down."""
         t0 = time.perf_counter()
@@ -143,8 +157,9 @@ class ParityRun:
             else:
                 runner = self.start(tgt, export)
                 try:
-                    self.crossloaded[(src, tgt)] = policy_logprobs(runner._policy, data["input_ids"],
-                                                                   data["input_lengths"])
+                    self.crossloaded[(src, tgt)] = policy_logprobs(
+                        runner._policy, data["input_ids"], data["input_lengths"]
+                    )
                 finally:
                     runner.close()
             self.timings[f"{src} -> {tgt}"] = time.perf_counter() - t0
@@ -159,8 +174,15 @@ class ParityRun:
         t0 = time.perf_counter()
         try:
             self.session.start(None)
-            runner = TorchPolicyStart(torch_layout(tgt), *self.paths, self.tokenizer, self.args,
-                                      weights_path=ckpt["weights"], optimizer_path=ckpt["optimizer"], tag="parity-dcp")
+            runner = TorchPolicyStart(
+                torch_layout(tgt),
+                *self.paths,
+                self.tokenizer,
+                self.args,
+                weights_path=ckpt["weights"],
+                optimizer_path=ckpt["optimizer"],
+                tag="parity-dcp",
+            )
             try:
                 loaded = {"logprobs": policy_logprobs(runner._policy, data["input_ids"], data["input_lengths"])}
                 loaded["resumed"] = after_one_more_step(runner, data)
@@ -184,9 +206,20 @@ def _ray_cpus() -> float | None:
     return ray.cluster_resources().get("CPU") if ray.is_initialized() else None
 
 
-def run_parity(layouts: list[str] | None = None, model: str = "llama", *, batch: int = 8, seq: int = 24,
-               threads: int = 2, crossload: str = "ring", lr: float = LEARNING_RATE, steps: int = STEPS,
-               engine: bool | list[str] = False, tolerances: dict | None = None, precision: str = "float32") -> dict:
+def run_parity(
+    layouts: list[str] | None = None,
+    model: str = "llama",
+    *,
+    batch: int = 8,
+    seq: int = 24,
+    threads: int = 2,
+    crossload: str = "ring",
+    lr: float = LEARNING_RATE,
+    steps: int = STEPS,
+    engine: bool | list[str] = False,
+    tolerances: dict | None = None,
+    precision: str = "float32",
+) -> dict:
     """Measure ``hf`` and every layout, compare them; the results (plain JSON-able data).
 
     ``engine``: the ``token_mult_prob_error`` check on every layout (``True``) or on the named
@@ -202,14 +235,19 @@ def run_parity(layouts: list[str] | None = None, model: str = "llama", *, batch:
     if precision not in ("float32", "bfloat16"):
         raise ValueError(f"precision must be float32 or bfloat16, got {precision!r}")
     tolerances = tolerances or (BF16_TOLERANCES if precision == "bfloat16" else TOLERANCES)
-    args = argparse.Namespace(batch=batch, seq=seq, precision=precision, threads=threads, cases=layouts,
-                              lr=lr, steps=steps)
+    args = argparse.Namespace(
+        batch=batch, seq=seq, precision=precision, threads=threads, cases=layouts, lr=lr, steps=steps
+    )
     # Ray (when started here) sized for a policy plus, with the engine, its bundle of --threads CPUs.
     ray_threads = threads * (2 if engine_layouts else 1)
-    torch_need = [layout.workers * (threads // layout.workers) for layout in map(torch_layout, layouts)
-                  if layout is not None and layout.workers <= threads]
-    session_args = argparse.Namespace(**{**vars(args), "threads": ray_threads,
-                                         "ray_cpus": max([4, ray_threads, *torch_need])})
+    torch_need = [
+        layout.workers * (threads // layout.workers)
+        for layout in map(torch_layout, layouts)
+        if layout is not None and layout.workers <= threads
+    ]
+    session_args = argparse.Namespace(
+        **{**vars(args), "threads": ray_threads, "ray_cpus": max([4, ray_threads, *torch_need])}
+    )
     wall0 = time.perf_counter()
     cfg = parity_settings(tb.default_policy_section(), lr)
     with tempfile.TemporaryDirectory(prefix="dualrl-parity-") as tmp:
@@ -237,7 +275,8 @@ def run_parity(layouts: list[str] | None = None, model: str = "llama", *, batch:
             if engine_layouts and ray_cpus is not None and 2 * threads > ray_cpus:
                 run.engine_error = run.errors["engine"] = (
                     f"token_mult_prob_error: the vLLM engine does not fit: its bundle of --threads {threads} CPUs "
-                    f"next to a policy's needs {2 * threads}, the Ray cluster has {ray_cpus:g}")
+                    f"next to a policy's needs {2 * threads}, the Ray cluster has {ray_cpus:g}"
+                )
             runnable, jax_model = [], None
             for name in layouts:
                 problem = layout_problem(name, batch, threads, ray_cpus)
@@ -248,16 +287,19 @@ def run_parity(layouts: list[str] | None = None, model: str = "llama", *, batch:
                 if problem is not None:
                     run.errors[name] = f"{name}: {problem}"
                 elif jax_devices(name) is not None and not session.fits(jax_devices(name)):
-                    run.skipped[name] = (f"needs {jax_devices(name)} XLA host devices per actor; the caller's "
-                                         f"Ray gives {session.devices}")
+                    run.skipped[name] = (
+                        f"needs {jax_devices(name)} XLA host devices per actor; the caller's "
+                        f"Ray gives {session.devices}"
+                    )
                 else:
                     runnable.append(name)
             dcp_pairs = dcp_ring(runnable)
             dcp_sources = {src for src, _ in dcp_pairs}
             for name in runnable:
                 try:
-                    run.measure_layout(name, data, other, base, grpo_steps, name in engine_layouts, prompts,
-                                       name in dcp_sources)
+                    run.measure_layout(
+                        name, data, other, base, grpo_steps, name in engine_layouts, prompts, name in dcp_sources
+                    )
                     run.timings[name] = run.measured[name]["seconds"]
                 except Exception as err:  # noqa: BLE001 -- report it, go on with the other layouts
                     run.measured.pop(name, None)
@@ -277,8 +319,24 @@ def run_parity(layouts: list[str] | None = None, model: str = "llama", *, batch:
     run.timings["total"] = time.perf_counter() - wall0
     if run.engine_startup_s:
         run.timings["engine start"] = sum(run.engine_startup_s)
-    return collect(run.measured, run.crossloaded, errors=run.errors, skipped=run.skipped, seconds=run.timings,
-                   tolerances=tolerances, dcp=run.dcp, model=model, layouts=layouts, batch=batch, seq=seq,
-                   precision=precision,
-                   real_tokens=real_tokens, steps=steps, lr=lr, max_grad_norm=cfg["max_grad_norm"],
-                   crossload=crossload, engine_layouts=engine_layouts, grpo_steps=grpo_steps)
+    return collect(
+        run.measured,
+        run.crossloaded,
+        errors=run.errors,
+        skipped=run.skipped,
+        seconds=run.timings,
+        tolerances=tolerances,
+        dcp=run.dcp,
+        model=model,
+        layouts=layouts,
+        batch=batch,
+        seq=seq,
+        precision=precision,
+        real_tokens=real_tokens,
+        steps=steps,
+        lr=lr,
+        max_grad_norm=cfg["max_grad_norm"],
+        crossload=crossload,
+        engine_layouts=engine_layouts,
+        grpo_steps=grpo_steps,
+    )

@@ -33,23 +33,42 @@ class TorchPolicyStart(tb.PolicyRunner):
     what that runner does not do: a layout name it does not list, and a Policy constructed
     from a DCP checkpoint (``weights_path`` / ``optimizer_path``)."""
 
-    def __init__(self, layout: Layout, model_path: str, tokenizer_path: str, tokenizer, args,
-                 weights_path: str | None = None, optimizer_path: str | None = None, tag: str = "parity") -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        model_path: str,
+        tokenizer_path: str,
+        tokenizer,
+        args,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        tag: str = "parity",
+    ) -> None:
         from core.distributed import RayVirtualCluster
         from core.policy import Policy
 
-        cfg = parity_settings(tb.policy_config(model_path, tokenizer_path, layout, args.batch, args.seq,
-                                               args.precision), args.lr)
+        cfg = parity_settings(
+            tb.policy_config(model_path, tokenizer_path, layout, args.batch, args.seq, args.precision), args.lr
+        )
         self.name = layout.name
         self._gbs, self._mbs = args.batch, cfg["train_micro_batch_size"]
-        self._cluster = RayVirtualCluster([layout.workers], use_gpus=False,
-                                          num_cpus_per_bundle=max(1, args.threads // layout.workers),
-                                          name=f"{tag}-{layout.name}")
+        self._cluster = RayVirtualCluster(
+            [layout.workers],
+            use_gpus=False,
+            num_cpus_per_bundle=max(1, args.threads // layout.workers),
+            name=f"{tag}-{layout.name}",
+        )
         self._policy = None
         try:
             t0 = time.perf_counter()
-            self._policy = Policy(self._cluster, cfg, tokenizer, name_prefix=f"{tag}-{layout.name}",
-                                  weights_path=weights_path, optimizer_path=optimizer_path)
+            self._policy = Policy(
+                self._cluster,
+                cfg,
+                tokenizer,
+                name_prefix=f"{tag}-{layout.name}",
+                weights_path=weights_path,
+                optimizer_path=optimizer_path,
+            )
             self.startup_s = time.perf_counter() - t0
         except BaseException:
             self.close()

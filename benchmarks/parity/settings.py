@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 HF = "hf"
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "jax-fsdp2", "jax-tp2"]
 STEPS = 3

@@ -41,7 +41,9 @@ class Advantages:
         }
 
 
-def group_baseline_and_std(rewards: torch.Tensor, group_size: int, leave_one_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def group_baseline_and_std(
+    rewards: torch.Tensor, group_size: int, leave_one_out: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample baseline and std of ``rewards`` [B] over its group (see the module docstring)."""
     groups = _as_groups(rewards, group_size).double()
     if leave_one_out and group_size < 2:
@@ -59,8 +61,7 @@ def group_baseline_and_std(rewards: torch.Tensor, group_size: int, leave_one_out
     return mean.reshape(-1).float(), std.reshape(-1).float()
 
 
-def compute_advantages(rewards: torch.Tensor, group_size: int, *, leave_one_out: bool,
-                       normalize: bool) -> Advantages:
+def compute_advantages(rewards: torch.Tensor, group_size: int, *, leave_one_out: bool, normalize: bool) -> Advantages:
     """GRPO advantages of ``rewards`` [B] (B a multiple of ``group_size``), one per sample."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if not torch.isfinite(rewards).all():

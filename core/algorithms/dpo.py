@@ -17,7 +17,8 @@ computed once.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from core.algorithms.run_setup import load_tokenizer, resolve_model, seed_everything
 from core.algorithms.sft import evaluate, held_out_prompts, sequence_batch, start_workers, step_throughput
@@ -100,8 +101,12 @@ def setup_dpo(cfg: Mapping[str, Any], log: Callable[[str], None] = print) -> Tra
     tokenizer = load_tokenizer(cfg["policy"])
     train_set, val_set = build_preference_datasets(cfg, tokenizer)
     resolved = resolve_model(cfg, held_out_prompts(val_set), log)
-    loader = BatchLoader(train_set, cfg["policy"]["train_global_batch_size"] // 2,
-                         shuffle=cfg["data"].get("shuffle", True), seed=d["seed"])
+    loader = BatchLoader(
+        train_set,
+        cfg["policy"]["train_global_batch_size"] // 2,
+        shuffle=cfg["data"].get("shuffle", True),
+        seed=d["seed"],
+    )
     run = open_run(TrainingRun, "dpo", cfg, resolved, tokenizer, loader, val_set, dpo_loss(cfg))
     start_workers(run, log)
     return run

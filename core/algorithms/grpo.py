@@ -53,8 +53,9 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
     with timer("reward"):
         scored = run.env.score(texts, completions, metadata)
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-    adv = compute_advantages(rewards, group, leave_one_out=g["use_leave_one_out_baseline"],
-                             normalize=g["normalize_rewards"])
+    adv = compute_advantages(
+        rewards, group, leave_one_out=g["use_leave_one_out_baseline"], normalize=g["normalize_rewards"]
+    )
     data = training_batch(out, batch["input_lengths"], adv.advantages)
 
     run.policy.prepare_for_lp_inference()
@@ -82,7 +83,7 @@ def grpo_validate(run: Any, step: int) -> dict[str, float]:
     size = run.cfg["grpo"].get("val_batch_size") or len(items)
     completions, rewards, infos, lengths = [], [], [], []
     for start in range(0, len(items), size):
-        chunk = items[start:start + size]
+        chunk = items[start : start + size]
         batch = prompt_batch([p.input_ids for p in chunk], 1, run.tokenizer.pad_token_id)
         out = run.rollouts.generate(batch, greedy=True)
         texts = decode_completions(run.tokenizer, out, batch["input_lengths"])
@@ -92,8 +93,11 @@ def grpo_validate(run: Any, step: int) -> dict[str, float]:
         infos += scored.infos
         lengths += out["generation_lengths"].tolist()
     _print_samples(run, step, items, completions, rewards)
-    metrics = {"reward_mean": sum(rewards) / len(rewards), "response_length_mean": sum(lengths) / len(lengths),
-               "num_samples": float(len(items))}
+    metrics = {
+        "reward_mean": sum(rewards) / len(rewards),
+        "response_length_mean": sum(lengths) / len(lengths),
+        "num_samples": float(len(items)),
+    }
     metrics.update(_accuracy(infos))
     return metrics
 
@@ -109,6 +113,8 @@ def _print_samples(run: Any, step: int, items: list, completions: list[str], rew
     n = run.cfg["logger"].get("num_val_samples_to_print", 2)
     if n <= 0:
         return
-    samples = [{"prompt": p.prompt, "completion": c, "reward": r, "ground_truth": p.metadata.get("ground_truth")}
-               for p, c, r in zip(items[:n], completions, rewards)]
+    samples = [
+        {"prompt": p.prompt, "completion": c, "reward": r, "ground_truth": p.metadata.get("ground_truth")}
+        for p, c, r in zip(items[:n], completions, rewards, strict=False)
+    ]
     run.progress.write(f"validation at step {step}:\n{format_val_samples(samples, n)}")

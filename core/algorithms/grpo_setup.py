@@ -10,8 +10,9 @@ the policy, the loop, the report) are :mod:`core.algorithms.training_run`'s.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from core.algorithms.grpo import grpo_step, grpo_validate
 from core.algorithms.run_setup import load_tokenizer, resolve_model, seed_everything
@@ -42,8 +43,7 @@ def setup_grpo(cfg: Mapping[str, Any], log: Callable[[str], None] = print) -> GR
     train_set, val_set = build_prompt_datasets(cfg, tokenizer, num_val=g["max_val_samples"], seed=g["seed"])
     held_out = [val_set[i].metadata["raw_prompt"] for i in range(len(val_set))]
     resolved = resolve_model(cfg, held_out, log)
-    loader = BatchLoader(train_set, g["num_prompts_per_step"], shuffle=cfg["data"].get("shuffle", True),
-                         seed=g["seed"])
+    loader = BatchLoader(train_set, g["num_prompts_per_step"], shuffle=cfg["data"].get("shuffle", True), seed=g["seed"])
     from core.losses import ClippedPGLossFn
 
     run = open_run(GRPORun, "grpo", cfg, resolved, tokenizer, loader, val_set, ClippedPGLossFn(cfg["loss_fn"]))
@@ -67,13 +67,16 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     run._exit.callback(run.env.shutdown)
     run.rollouts = RolloutEngine(cfg, run.policy, run.tokenizer, cluster, run.cfg["grpo"]["seed"])
     run._exit.callback(run.rollouts.shutdown)
-    args = resolve_generation_args(cfg["policy"], run.tokenizer, run.policy.model_config.eos_token_id,
-                                   cfg["data"]["max_input_seq_length"])
+    args = resolve_generation_args(
+        cfg["policy"], run.tokenizer, run.policy.model_config.eos_token_id, cfg["data"]["max_input_seq_length"]
+    )
     run.stop_token_ids = list(args.eos_token_ids) + list(cfg["policy"]["generation"].get("stop_token_ids") or [])
     run.max_new_tokens = args.max_new_tokens
-    log(f"workers up in {time.perf_counter() - start:.1f} s: {cfg['policy']['backend']} policy on "
+    log(
+        f"workers up in {time.perf_counter() - start:.1f} s: {cfg['policy']['backend']} policy on "
         f"{cluster.world_size()} slot(s), {run.rollouts.kind} generation"
-        + (f" ({run.rollouts.transport} refit)" if run.rollouts.kind == "vllm" else ""))
+        + (f" ({run.rollouts.transport} refit)" if run.rollouts.kind == "vllm" else "")
+    )
 
 
 def grpo_train(run: GRPORun) -> int:
@@ -83,5 +86,6 @@ def grpo_train(run: GRPORun) -> int:
 
 def run_grpo(cfg: Mapping[str, Any], log: Callable[[str], None] = print) -> GRPORun:
     """Set up, train, report, shut down: what ``dualrl grpo`` does.  Returns the (closed) run."""
-    return execute(setup_grpo, grpo_train, lambda run: {"generation": run.rollouts.kind if run.rollouts else "-"},
-                   cfg, log)
+    return execute(
+        setup_grpo, grpo_train, lambda run: {"generation": run.rollouts.kind if run.rollouts else "-"}, cfg, log
+    )

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from core.checkpointing import CheckpointManager, capture_rng_state
-from core.logging import MetricsLogger, StepProgress
 from core.interfaces import NonFiniteStepError
+from core.logging import MetricsLogger, StepProgress
 
 
 class NonFiniteLossError(RuntimeError):
@@ -86,8 +87,14 @@ class TrainingLoop:
     def _save(self, step: int, metrics: Mapping[str, float]) -> None:
         start = time.perf_counter()
         summary = {**metrics, **{f"val/{k}": v for k, v in self.last_val.items()}}
-        path = self.checkpoints.save(step, self.write_policy, train_state=self.train_state_fn(), config=self.config,
-                                     metrics=summary, rng_state=capture_rng_state())
+        path = self.checkpoints.save(
+            step,
+            self.write_policy,
+            train_state=self.train_state_fn(),
+            config=self.config,
+            metrics=summary,
+            rng_state=capture_rng_state(),
+        )
         self.progress.write(f"step {step}: checkpoint {path} ({time.perf_counter() - start:.1f} s)")
 
 
@@ -101,4 +108,5 @@ def _check_finite(step: int, metrics: Mapping[str, float]) -> None:
         if value is not None and not math.isfinite(value):
             raise NonFiniteLossError(
                 f"step {step}: {key} is {value}; stopping before this step is checkpointed (the last saved "
-                "checkpoint is intact). Lower policy.optimizer.kwargs.lr or check the rewards / advantages.")
+                "checkpoint is intact). Lower policy.optimizer.kwargs.lr or check the rewards / advantages."
+            )

@@ -11,13 +11,18 @@ move by ``collective`` broadcast) -- the transport follows the placement.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.distributed import RayVirtualCluster, init_ray
 
 XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 XLA_EIGEN_FLAG = "--xla_cpu_multi_thread_eigen"
-QUIET_WORKER_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
+QUIET_WORKER_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def uses_vllm(cfg: Mapping[str, Any]) -> bool:
@@ -94,8 +99,9 @@ def policy_cluster(cfg: Mapping[str, Any], name: str = "policy") -> RayVirtualCl
     per_node, nodes = cluster["gpus_per_node"], cluster["num_nodes"]
     share = 2 if uses_vllm(cfg) and is_colocated(cfg) else 1
     if cfg["policy"]["backend"] == "jax_pjit":
-        return RayVirtualCluster([1] * nodes, num_cpus_per_bundle=per_node, max_colocated_worker_groups=share,
-                                 name=name)
+        return RayVirtualCluster(
+            [1] * nodes, num_cpus_per_bundle=per_node, max_colocated_worker_groups=share, name=name
+        )
     return RayVirtualCluster([per_node] * nodes, max_colocated_worker_groups=share, name=name)
 
 

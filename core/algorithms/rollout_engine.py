@@ -12,7 +12,8 @@ validation; both report what they cost.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.algorithms.placement import generation_cluster, is_colocated, refit_transport, uses_vllm
 from core.data import BatchedDataDict

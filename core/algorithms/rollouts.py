@@ -8,7 +8,8 @@ stop), so the loss never trains on the prompt or the padding.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,10 +25,11 @@ def prompt_batch(input_ids: Sequence[Sequence[int]], repeats: int, pad_token_id:
     width = max(len(ids) for ids in input_ids)
     ids = torch.full((len(input_ids), width), pad_token_id, dtype=torch.long)
     for i, row in enumerate(input_ids):
-        ids[i, :len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+        ids[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
     lengths = torch.tensor([len(row) for row in input_ids], dtype=torch.long)
-    return BatchedDataDict(input_ids=ids.repeat_interleave(repeats, 0),
-                           input_lengths=lengths.repeat_interleave(repeats, 0))
+    return BatchedDataDict(
+        input_ids=ids.repeat_interleave(repeats, 0), input_lengths=lengths.repeat_interleave(repeats, 0)
+    )
 
 
 def sample_seeds(seed: int, step: int, count: int, stream: int = 0) -> torch.Tensor:
@@ -42,7 +44,7 @@ def generated_tokens(out: BatchedDataDict, prompt_lengths: torch.Tensor) -> list
     rows = []
     for b, start in enumerate(prompt_lengths.tolist()):
         n = int(out["generation_lengths"][b])
-        rows.append(out["output_ids"][b, start:start + n].tolist())
+        rows.append(out["output_ids"][b, start : start + n].tolist())
     return rows
 
 
@@ -75,8 +77,9 @@ def training_batch(out: BatchedDataDict, prompt_lengths: torch.Tensor, advantage
     )
 
 
-def rollout_metrics(out: BatchedDataDict, mask: torch.Tensor, rewards: torch.Tensor, stop_ids: Sequence[int],
-                    max_new_tokens: int) -> dict[str, float]:
+def rollout_metrics(
+    out: BatchedDataDict, mask: torch.Tensor, rewards: torch.Tensor, stop_ids: Sequence[int], max_new_tokens: int
+) -> dict[str, float]:
     """What a researcher watches about the rollouts themselves."""
     lengths = out["generation_lengths"].float()
     last = out["output_ids"].gather(1, (out["unpadded_sequence_lengths"] - 1).clamp_min(0)[:, None])[:, 0]

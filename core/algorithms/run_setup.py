@@ -8,8 +8,9 @@ import copy
 import hashlib
 import json
 import random
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from core.models.builtin import builtin_tokenizer, is_builtin, resolve_builtin_model
 
@@ -47,8 +48,9 @@ def load_tokenizer(policy_cfg: Mapping[str, Any]) -> Any:
     return tokenizer
 
 
-def resolve_model(cfg: Mapping[str, Any], exclude_prompts: Iterable[str],
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
+def resolve_model(
+    cfg: Mapping[str, Any], exclude_prompts: Iterable[str], log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """A copy of ``cfg`` whose ``policy.model_name`` is loadable: a built-in model is built (or
     found in the cache) for the run's task without the held-out ``exclude_prompts``."""
     cfg = copy.deepcopy(dict(cfg))

@@ -14,7 +14,8 @@ checkpoints, resume, logging and the report are :mod:`core.algorithms.training_r
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -41,10 +42,14 @@ def sequence_batch(items: Sequence[Any], pad_id: int) -> BatchedDataDict:
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     token_mask = torch.zeros(len(items), width)
     for i, item in enumerate(items):
-        ids[i, :len(item.input_ids)] = torch.tensor(item.input_ids)
-        token_mask[i, :len(item.token_mask)] = torch.tensor(item.token_mask, dtype=torch.float32)
-    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(item.input_ids) for item in items]),
-                           token_mask=token_mask, sample_mask=torch.ones(len(items)))
+        ids[i, : len(item.input_ids)] = torch.tensor(item.input_ids)
+        token_mask[i, : len(item.token_mask)] = torch.tensor(item.token_mask, dtype=torch.float32)
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=torch.tensor([len(item.input_ids) for item in items]),
+        token_mask=token_mask,
+        sample_mask=torch.ones(len(items)),
+    )
 
 
 def padded_to_multiple(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
@@ -84,8 +89,11 @@ def evaluate(run: TrainingRun, data: BatchedDataDict, weight_key: str) -> dict[s
 def step_throughput(data: BatchedDataDict, train_s: float) -> dict[str, float]:
     """Tokens of the step (padding excluded) and tokens per second of its train call."""
     tokens = float(data["input_lengths"].sum())
-    return {"tokens": tokens, "response_tokens": float(data["token_mask"].sum()),
-            "tokens_per_s": tokens / train_s if train_s > 0 else float("nan")}
+    return {
+        "tokens": tokens,
+        "response_tokens": float(data["token_mask"].sum()),
+        "tokens_per_s": tokens / train_s if train_s > 0 else float("nan"),
+    }
 
 
 def sft_step(run: TrainingRun, step: int) -> dict[str, float]:
@@ -114,12 +122,15 @@ def check_val_batches(run: TrainingRun) -> None:
     section, dp = run.section, run.policy.dp
     gbs, mbs = section["val_global_batch_size"], section["val_micro_batch_size"]
     if section["val_batches"] and gbs % (dp * mbs):
-        raise ValueError(f"{run.algorithm}.val_global_batch_size: {gbs} is not divisible by data-parallel size "
-                         f"{dp} x {run.algorithm}.val_micro_batch_size {mbs}")
+        raise ValueError(
+            f"{run.algorithm}.val_global_batch_size: {gbs} is not divisible by data-parallel size "
+            f"{dp} x {run.algorithm}.val_micro_batch_size {mbs}"
+        )
 
 
-def setup_sft(cfg: Mapping[str, Any], log: Callable[[str], None] = print, *,
-              exclude: frozenset[str] = frozenset()) -> TrainingRun:
+def setup_sft(
+    cfg: Mapping[str, Any], log: Callable[[str], None] = print, *, exclude: frozenset[str] = frozenset()
+) -> TrainingRun:
     """Everything an SFT run needs, driver-side checks first, then the workers.  A built-in
     train stream never shows ``exclude`` (prompts a later stage holds out)."""
     from core.datasets.supervised import build_sft_datasets
@@ -131,8 +142,9 @@ def setup_sft(cfg: Mapping[str, Any], log: Callable[[str], None] = print, *,
     tokenizer = load_tokenizer(cfg["policy"])
     train_set, val_set = build_sft_datasets(cfg, tokenizer, exclude=exclude)
     resolved = resolve_model(cfg, held_out_prompts(val_set) | exclude, log)
-    loader = BatchLoader(train_set, cfg["policy"]["train_global_batch_size"],
-                         shuffle=cfg["data"].get("shuffle", True), seed=s["seed"])
+    loader = BatchLoader(
+        train_set, cfg["policy"]["train_global_batch_size"], shuffle=cfg["data"].get("shuffle", True), seed=s["seed"]
+    )
     run = open_run(TrainingRun, "sft", cfg, resolved, tokenizer, loader, val_set, NLLLoss())
     start_workers(run, log)
     return run
@@ -149,8 +161,10 @@ def start_workers(run: TrainingRun, log: Callable[[str], None]) -> None:
         start = time.perf_counter()
         cluster = start_policy(run, log)
         check_val_batches(run)
-        log(f"workers up in {time.perf_counter() - start:.1f} s: {run.cfg['policy']['backend']} policy on "
-            f"{cluster.world_size()} slot(s)")
+        log(
+            f"workers up in {time.perf_counter() - start:.1f} s: {run.cfg['policy']['backend']} policy on "
+            f"{cluster.world_size()} slot(s)"
+        )
     except BaseException:
         run.close()
         raise
@@ -161,7 +175,8 @@ def sft_train(run: TrainingRun) -> int:
     return train_loop(run, lambda step: sft_step(run, step), validate)
 
 
-def run_sft(cfg: Mapping[str, Any], log: Callable[[str], None] = print, *,
-            exclude: frozenset[str] = frozenset()) -> TrainingRun:
+def run_sft(
+    cfg: Mapping[str, Any], log: Callable[[str], None] = print, *, exclude: frozenset[str] = frozenset()
+) -> TrainingRun:
     """What ``dualrl sft`` does: set up, train, report, shut down.  Returns the (closed) run."""
     return execute(setup_sft, sft_train, lambda run: {}, cfg, log, exclude=exclude)

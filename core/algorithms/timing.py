@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 
 class StepTimer:

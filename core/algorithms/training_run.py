@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -25,7 +26,15 @@ from core.algorithms.run_setup import run_identity
 from core.checkpointing import CheckpointManager, LoadedCheckpoint, restore_rng_state
 from core.config import ConfigError, validate_master_config
 from core.datasets import BatchLoader
-from core.logging import METRICS_FILENAME, PLOT_FILENAME, MetricsLogger, StepProgress, format_summary, plot_run, read_metrics
+from core.logging import (
+    METRICS_FILENAME,
+    PLOT_FILENAME,
+    MetricsLogger,
+    StepProgress,
+    format_summary,
+    plot_run,
+    read_metrics,
+)
 
 
 @dataclass
@@ -70,8 +79,17 @@ def check_run_config(cfg: Mapping[str, Any], algorithm: str) -> dict[str, Any]:
     return cfg
 
 
-def open_run(run_cls: type, algorithm: str, cfg: dict[str, Any], resolved: dict[str, Any], tokenizer: Any,
-             loader: BatchLoader, val_dataset: Any, loss_fn: Any, **extra: Any) -> Any:
+def open_run(
+    run_cls: type,
+    algorithm: str,
+    cfg: dict[str, Any],
+    resolved: dict[str, Any],
+    tokenizer: Any,
+    loader: BatchLoader,
+    val_dataset: Any,
+    loss_fn: Any,
+    **extra: Any,
+) -> Any:
     """A ``run_cls`` (``TrainingRun`` or a subclass; ``extra`` are its own fields) with its
     checkpoints, sinks and progress bar; a resumed run continues its data and RNG state."""
     checkpoints = CheckpointManager(cfg["checkpointing"], identity=run_identity(algorithm, cfg, resolved))
@@ -82,11 +100,26 @@ def open_run(run_cls: type, algorithm: str, cfg: dict[str, Any], resolved: dict[
     logger = MetricsLogger(cfg["logger"], resume=resumed is not None)
     if resumed is not None:
         logger.truncate_after(resumed.step)
-    progress = StepProgress(cfg[algorithm]["max_num_steps"], initial=resumed.step if resumed else 0,
-                            enabled=cfg["logger"].get("progress_bar", True),
-                            desc=f"{algorithm} {cfg['policy']['backend']}")
-    run = run_cls(algorithm, cfg, resolved, tokenizer, loader, val_dataset, loss_fn, checkpoints, resumed, logger,
-                  progress, **extra)
+    progress = StepProgress(
+        cfg[algorithm]["max_num_steps"],
+        initial=resumed.step if resumed else 0,
+        enabled=cfg["logger"].get("progress_bar", True),
+        desc=f"{algorithm} {cfg['policy']['backend']}",
+    )
+    run = run_cls(
+        algorithm,
+        cfg,
+        resolved,
+        tokenizer,
+        loader,
+        val_dataset,
+        loss_fn,
+        checkpoints,
+        resumed,
+        logger,
+        progress,
+        **extra,
+    )
     run._exit.callback(logger.close)
     run._exit.callback(progress.close)
     return run
@@ -102,10 +135,14 @@ def start_policy(run: TrainingRun, log: Callable[[str], None], *, colocated_shar
     start_ray(cfg)
     cluster = policy_cluster(cfg)
     run._exit.callback(cluster.shutdown)
-    run.policy = Policy(cluster, cfg["policy"], run.tokenizer,
-                        weights_path=None if ckpt is None else ckpt.policy_dir / "weights",
-                        optimizer_path=None if ckpt is None else ckpt.policy_dir / "optimizer",
-                        init_reference_model=needs_reference(run))
+    run.policy = Policy(
+        cluster,
+        cfg["policy"],
+        run.tokenizer,
+        weights_path=None if ckpt is None else ckpt.policy_dir / "weights",
+        optimizer_path=None if ckpt is None else ckpt.policy_dir / "optimizer",
+        init_reference_model=needs_reference(run),
+    )
     run._exit.callback(run.policy.shutdown)
     return cluster
 
@@ -116,8 +153,9 @@ def needs_reference(run: TrainingRun) -> bool:
     return run.algorithm != "sft"
 
 
-def train_loop(run: TrainingRun, step_fn: Callable[[int], dict[str, float]],
-               validate_fn: Callable[[int], dict[str, float]] | None) -> int:
+def train_loop(
+    run: TrainingRun, step_fn: Callable[[int], dict[str, float]], validate_fn: Callable[[int], dict[str, float]] | None
+) -> int:
     """Run the steps left (from a resumed step if any) on ``TrainingLoop``; the last step."""
     section = run.section
 
@@ -130,10 +168,21 @@ def train_loop(run: TrainingRun, step_fn: Callable[[int], dict[str, float]],
         return f"{limit} epoch(s) over the data" if limit and run.loader.epoch >= limit else None
 
     loop = TrainingLoop(
-        algorithm=run.algorithm, max_steps=section["max_num_steps"], step_fn=step_fn, validate_fn=validate_fn,
-        write_policy=write_policy, train_state_fn=lambda: {"loader": run.loader.state_dict()}, logger=run.logger,
-        progress=run.progress, checkpoints=run.checkpoints, config=run.cfg, val_period=section["val_period"],
-        val_at_start=section["val_at_start"], val_at_end=section.get("val_at_end", True), should_stop=epochs_done)
+        algorithm=run.algorithm,
+        max_steps=section["max_num_steps"],
+        step_fn=step_fn,
+        validate_fn=validate_fn,
+        write_policy=write_policy,
+        train_state_fn=lambda: {"loader": run.loader.state_dict()},
+        logger=run.logger,
+        progress=run.progress,
+        checkpoints=run.checkpoints,
+        config=run.cfg,
+        val_period=section["val_period"],
+        val_at_start=section["val_at_start"],
+        val_at_end=section.get("val_at_end", True),
+        should_stop=epochs_done,
+    )
     return loop.run(run.start_step)
 
 
@@ -141,8 +190,11 @@ def train_metrics(result: dict[str, Any]) -> dict[str, float]:
     """``Policy.train``'s result as floats (mean over the step's optimizer steps), with
     ``skipped_steps``: how many of its optimizer steps were skipped (non-finite loss / grad
     norm, or no valid token; their loss / grad norm stay in the means as they were)."""
-    out = {"loss": float(result["loss"].mean()), "grad_norm": float(result["grad_norm"].mean()),
-           "skipped_steps": float(result.get("skipped_steps", 0))}
+    out = {
+        "loss": float(result["loss"].mean()),
+        "grad_norm": float(result["grad_norm"].mean()),
+        "skipped_steps": float(result.get("skipped_steps", 0)),
+    }
     if result.get("lr") is not None:
         out["lr"] = float(result["lr"])
     for key, values in result["metrics"].items():
@@ -157,8 +209,9 @@ def report_skipped_steps(run: Any, step: int, result: Mapping[str, Any]) -> None
     from core.policy.policy import describe_skipped_steps
 
     for phrase in describe_skipped_steps(result):
-        run.progress.write(f"WARNING step {step}: {phrase}; weights and optimizer state unchanged "
-                           "(policy.non_finite_step: skip)")
+        run.progress.write(
+            f"WARNING step {step}: {phrase}; weights and optimizer state unchanged (policy.non_finite_step: skip)"
+        )
 
 
 def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | None = None) -> str:
@@ -172,17 +225,26 @@ def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | 
     metrics_path = run.logger.log_dir / METRICS_FILENAME
     history = read_metrics(metrics_path) if metrics_path.is_file() else list(run.logger.history)
     if run.cfg["logger"].get("plot_enabled", True) and history:
-        plot_run(history, run.logger.log_dir / PLOT_FILENAME, algorithm=run.algorithm,
-                 title=f"{run.algorithm.upper()} {run.cfg['policy']['backend']} - {run.cfg['policy']['model_name']}")
+        plot_run(
+            history,
+            run.logger.log_dir / PLOT_FILENAME,
+            algorithm=run.algorithm,
+            title=f"{run.algorithm.upper()} {run.cfg['policy']['backend']} - {run.cfg['policy']['model_name']}",
+        )
     info = {"backend": run.cfg["policy"]["backend"], "model": run.cfg["policy"]["model_name"], **(extra or {})}
     if export:
         info["hf export"] = export
     return format_summary(history, wall_time_s=wall_time_s, run_dir=run.logger.log_dir, extra=info)
 
 
-def execute(setup: Callable[..., TrainingRun], train: Callable[[TrainingRun], Any],
-            report_extra: Callable[[TrainingRun], Mapping[str, Any]], cfg: Mapping[str, Any],
-            log: Callable[[str], None], **setup_kwargs: Any) -> TrainingRun:
+def execute(
+    setup: Callable[..., TrainingRun],
+    train: Callable[[TrainingRun], Any],
+    report_extra: Callable[[TrainingRun], Mapping[str, Any]],
+    cfg: Mapping[str, Any],
+    log: Callable[[str], None],
+    **setup_kwargs: Any,
+) -> TrainingRun:
     """Set up, train, report, shut down: what ``dualrl <algorithm>`` does.  Returns the (closed) run."""
     start = time.perf_counter()
     run = setup(cfg, log, **setup_kwargs)

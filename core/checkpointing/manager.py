@@ -16,9 +16,10 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from core.checkpointing import manifest as mf
 from core.checkpointing.manifest import CheckpointError

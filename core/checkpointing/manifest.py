@@ -17,9 +17,10 @@ import json
 import math
 import os
 import re
-from datetime import datetime, timezone
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import yaml
 
@@ -135,7 +136,7 @@ def write_manifest(step_dir: Path, step: int, identity: Mapping[str, Any]) -> di
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "step": int(step),
-        "created": datetime.now(timezone.utc).isoformat(),
+        "created": datetime.now(UTC).isoformat(),
         "identity": dict(identity),
         "files": files,
     }
@@ -155,9 +156,7 @@ def _read_manifest(step_dir: Path) -> dict:
     if not step_dir.is_dir():
         raise CheckpointError(f"checkpoint {step_dir} is not a directory")
     if not path.is_file():
-        raise CheckpointError(
-            f"partial checkpoint: {step_dir} has no {MANIFEST_NAME} (the save did not finish)"
-        )
+        raise CheckpointError(f"partial checkpoint: {step_dir} has no {MANIFEST_NAME} (the save did not finish)")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -29,8 +29,8 @@ import shutil
 import tempfile
 import uuid
 import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from core.checkpointing import manifest as mf
 from core.checkpointing.manifest import CheckpointError
@@ -112,8 +112,9 @@ def check_writable(path: str | os.PathLike, role: str) -> None:
     try:  # a real attempt: os.access says yes to root even on /proc or a read-only mount
         os.rmdir(tempfile.mkdtemp(prefix=".dualrl-write-probe-", dir=anchor))
     except OSError as exc:
-        raise CheckpointError(f"{role}={str(path)!r}: cannot create directories in {str(anchor)!r} "
-                              f"({exc.strerror or exc})") from None
+        raise CheckpointError(
+            f"{role}={str(path)!r}: cannot create directories in {str(anchor)!r} ({exc.strerror or exc})"
+        ) from None
 
 
 def prepare_save(finals: Iterable[str | os.PathLike], token: str) -> list[Path]:
@@ -271,22 +272,34 @@ def check_load_paths(
 
 
 def describe_mismatch(
-    path: str | os.PathLike, expected: Mapping[str, tuple], found: Mapping[str, tuple], *, what: str,
-    role: str = "weights_path", limit: int = 8,
+    path: str | os.PathLike,
+    expected: Mapping[str, tuple],
+    found: Mapping[str, tuple],
+    *,
+    what: str,
+    role: str = "weights_path",
+    limit: int = 8,
 ) -> str | None:
     """A message naming the keys / shapes where a checkpoint's tensors differ from the
     model's, or None when they agree."""
     lines = []
     for key in sorted(expected.keys() & found.keys()):
         if tuple(expected[key]) != tuple(found[key]):
-            lines.append(f"key {key!r}: the model has shape {tuple(expected[key])}, "
-                         f"the checkpoint has shape {tuple(found[key])}")
-    lines += [f"key {k!r} (shape {tuple(expected[k])}) is in the model but not in the checkpoint"
-              for k in sorted(expected.keys() - found.keys())]
-    lines += [f"key {k!r} (shape {tuple(found[k])}) is in the checkpoint but not in the model"
-              for k in sorted(found.keys() - expected.keys())]
+            lines.append(
+                f"key {key!r}: the model has shape {tuple(expected[key])}, the checkpoint has shape {tuple(found[key])}"
+            )
+    lines += [
+        f"key {k!r} (shape {tuple(expected[k])}) is in the model but not in the checkpoint"
+        for k in sorted(expected.keys() - found.keys())
+    ]
+    lines += [
+        f"key {k!r} (shape {tuple(found[k])}) is in the checkpoint but not in the model"
+        for k in sorted(found.keys() - expected.keys())
+    ]
     if not lines:
         return None
     more = f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else ""
-    return (f"{role}={str(path)!r} does not fit {what} (another architecture or size?): "
-            f"{len(lines)} difference(s):\n  " + "\n  ".join(lines[:limit]) + more)
+    return (
+        f"{role}={str(path)!r} does not fit {what} (another architecture or size?): "
+        f"{len(lines)} difference(s):\n  " + "\n  ".join(lines[:limit]) + more
+    )

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import pickle
 import random
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from core.checkpointing.manifest import CheckpointError
 
@@ -55,8 +56,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     unknown = sorted(set(state) - set(RNG_KEYS))
     if missing or unknown:
         raise CheckpointError(
-            f"rng state has keys {sorted(state)}; expected {list(RNG_KEYS)} "
-            f"(missing {missing}, unknown {unknown})"
+            f"rng state has keys {sorted(state)}; expected {list(RNG_KEYS)} (missing {missing}, unknown {unknown})"
         )
     import numpy as np
     import torch

@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["JAX_OPTIMIZERS", "JAX_SCHEDULERS", "external_errors", "model_vocab_size", "import_error"]
 
@@ -43,7 +44,7 @@ def model_vocab_size(name: Any) -> int | None:
     if not isinstance(name, str):
         return None
     if name.startswith(PREFIX):
-        spec = BUILTIN_MODELS.get(name[len(PREFIX):])
+        spec = BUILTIN_MODELS.get(name[len(PREFIX) :])
         return None if spec is None else int(spec[0]["vocab_size"])
     config_file = os.path.join(os.path.expanduser(name), "config.json")
     if not os.path.isfile(config_file):
@@ -74,8 +75,11 @@ def _token_id_errors(policy: Mapping[str, Any]) -> list[str]:
     stop_ids = stop_ids if isinstance(stop_ids, list) else []  # a wrong type is the type walk's to report
     ids = [(f"policy.generation.stop_token_ids[{i}]", t) for i, t in enumerate(stop_ids)]
     ids.append(("policy.generation.pad_token_id", gen.get("pad_token_id")))
-    return [f"{path}: {token} is outside the vocabulary of {name} (vocab_size {vocab}, ids 0..{vocab - 1})"
-            for path, token in ids if isinstance(token, int) and not isinstance(token, bool) and token >= vocab]
+    return [
+        f"{path}: {token} is outside the vocabulary of {name} (vocab_size {vocab}, ids 0..{vocab - 1})"
+        for path, token in ids
+        if isinstance(token, int) and not isinstance(token, bool) and token >= vocab
+    ]
 
 
 # ----------------------------------------------------------------------------- classes
@@ -93,8 +97,11 @@ def _class_errors(policy: Mapping[str, Any]) -> list[str]:
     errors = []
     for path, name, jax_names in named:
         if policy.get("backend") == "jax_pjit":
-            problem = None if name in jax_names else (
-                f"{name!r} is not supported by the jax_pjit backend; choose among {list(jax_names)}")
+            problem = (
+                None
+                if name in jax_names
+                else (f"{name!r} is not supported by the jax_pjit backend; choose among {list(jax_names)}")
+            )
         else:
             problem = import_error(name)
         if problem is not None:

@@ -113,9 +113,7 @@ def _load(path: Path, stack: tuple[Path, ...], provenance: Provenance) -> dict[s
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(
-            f"<config>: the top level of {path} must be a mapping, got {type(data).__name__}"
-        )
+        raise ConfigError(f"<config>: the top level of {path} must be a mapping, got {type(data).__name__}")
     defaults = data.pop("defaults", None)
     if defaults is None:
         provenance.record_file(data, path)
@@ -123,9 +121,7 @@ def _load(path: Path, stack: tuple[Path, ...], provenance: Provenance) -> dict[s
     if isinstance(defaults, str):
         defaults = [defaults]
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
-        raise ConfigError(
-            f"defaults: expected a file name or a list of file names in {path}, got {defaults!r}"
-        )
+        raise ConfigError(f"defaults: expected a file name or a list of file names in {path}, got {defaults!r}")
     merged: dict[str, Any] = {}
     for name in defaults:
         parent = (path.parent / name).resolve()
@@ -143,9 +139,7 @@ def parse_override(override: str) -> tuple[tuple[str, ...], Any]:
     The value is read as YAML (see the module docstring); an empty value is ``None``.
     """
     if not isinstance(override, str) or "=" not in override:
-        raise ConfigError(
-            f"override {override!r}: expected KEY=VALUE, e.g. policy.train_micro_batch_size=2"
-        )
+        raise ConfigError(f"override {override!r}: expected KEY=VALUE, e.g. policy.train_micro_batch_size=2")
     key, raw = override.split("=", 1)
     key = key.strip()
     if not key:
@@ -336,5 +330,4 @@ def _below_none_of(errors: list[str], refused: list[str]) -> list[str]:
     """``errors`` less the lines about fields inside a section ``refused`` names: once the
     whole section is refused, what it lacks is noise."""
     sections = {line.partition(": ")[0] for line in refused}
-    return [line for line in errors
-            if not any(line.startswith((s + ".", s + "[")) for s in sections)]
+    return [line for line in errors if not any(line.startswith((s + ".", s + "[")) for s in sections)]

@@ -11,7 +11,8 @@ validator, so ``dualrl config`` and ``dualrl grpo`` reject a bad run before any 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.config.schema import (
     CheckpointingConfig,
@@ -46,9 +47,11 @@ def _grpo_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
     _at_least(c, cfg, "val_period", 0)
     n = c.int_of(cfg, "num_generations_per_prompt")
     if n is not None and n < 2:
-        c.err(c.p("num_generations_per_prompt"),
-              f"must be >= 2, got {n}: GRPO's baseline is the mean reward of a prompt's group, so a group "
-              "of one sample has advantage 0 everywhere and nothing is learned")
+        c.err(
+            c.p("num_generations_per_prompt"),
+            f"must be >= 2, got {n}: GRPO's baseline is the mean reward of a prompt's group, so a group "
+            "of one sample has advantage 0 everywhere and nothing is learned",
+        )
 
 
 def _sft_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
@@ -88,11 +91,16 @@ def _env_semantics(c: _Checker, cfg: Mapping[str, Any]) -> None:
     name = cfg.get("name")
     # A user's class gets the whole section and may read anything; a built-in reads its own keys.
     if name in BUILTIN_ENVIRONMENT_NAMES and cfg.get("kwargs"):
-        c.err(c.p("kwargs"), f"{cfg['kwargs']!r}: not read by the built-in environment {name!r} (it is for a "
-                             "user's own class, env.name: package.module:ClassName); remove it")
+        c.err(
+            c.p("kwargs"),
+            f"{cfg['kwargs']!r}: not read by the built-in environment {name!r} (it is for a "
+            "user's own class, env.name: package.module:ClassName); remove it",
+        )
     if name == "arithmetic" and cfg.get("math") is not None:
-        c.err(c.p("math"), f"{cfg['math']!r}: not read by env.name 'arithmetic' (these are the math verifier's "
-                           "settings); remove it")
+        c.err(
+            c.p("math"),
+            f"{cfg['math']!r}: not read by env.name 'arithmetic' (these are the math verifier's settings); remove it",
+        )
     c.positive(cfg, "timeout_s")
     arith = c.sub("arithmetic")
     lo, hi = c.int_of(arith, "min_value"), c.int_of(arith, "max_value")
@@ -138,13 +146,15 @@ def cross_section_errors(cfg: Mapping[str, Any]) -> list[str]:
         if all(isinstance(v, int) and v > 0 for v in (n_p, n_g, gbs)) and (n_p * n_g) % gbs:
             errors.append(
                 f"grpo.num_prompts_per_step: {n_p} prompts x {n_g} generations = {n_p * n_g} samples per step "
-                f"is not divisible by policy.train_global_batch_size ({gbs}); each step trains on whole global batches")
+                f"is not divisible by policy.train_global_batch_size ({gbs}); each step trains on whole global batches"
+            )
     if isinstance(data, Mapping):
         limit, total = data.get("max_input_seq_length"), policy.get("max_total_sequence_length")
         if isinstance(limit, int) and isinstance(total, int) and limit >= total:
             errors.append(
                 f"data.max_input_seq_length: {limit} leaves no room for a response within "
-                f"policy.max_total_sequence_length ({total})")
+                f"policy.max_total_sequence_length ({total})"
+            )
     return errors
 
 
@@ -154,8 +164,17 @@ ALGORITHM_SECTIONS = {
     "sft": ("policy", "cluster", "sft", "data", "logger", "checkpointing"),
     "dpo": ("policy", "cluster", "dpo", "data", "logger", "checkpointing"),
 }
-_COMMON_DATA_KEYS = ("dataset_name", "dataset_config", "split", "val_dataset_name", "val_split", "prompt_template",
-                     "system_prompt", "use_chat_template", "shuffle")
+_COMMON_DATA_KEYS = (
+    "dataset_name",
+    "dataset_config",
+    "split",
+    "val_dataset_name",
+    "val_split",
+    "prompt_template",
+    "system_prompt",
+    "use_chat_template",
+    "shuffle",
+)
 ALGORITHM_DATA_KEYS = {
     "grpo": _COMMON_DATA_KEYS + ("prompt_key", "answer_key", "max_input_seq_length", "on_long_prompt"),
     "sft": _COMMON_DATA_KEYS + ("prompt_key", "response_key", "messages_key", "on_long_sequence", "arithmetic"),
@@ -167,10 +186,14 @@ def algorithm_errors(cfg: Mapping[str, Any], algorithm: str) -> list[str]:
     """What ``dualrl <algorithm>`` cannot run with: missing sections, and sections or data
     keys it would not read (a GRPO key in an SFT run is a mistake, not a no-op)."""
     sections = ALGORITHM_SECTIONS[algorithm]
-    errors = [f"{s}: missing section (dualrl {algorithm} needs {', '.join(sections)})"
-              for s in sections if s not in cfg]
-    errors += [f"{s}: not used by dualrl {algorithm}; remove the section (it reads {', '.join(sections)})"
-               for s in cfg if s not in sections]
+    errors = [
+        f"{s}: missing section (dualrl {algorithm} needs {', '.join(sections)})" for s in sections if s not in cfg
+    ]
+    errors += [
+        f"{s}: not used by dualrl {algorithm}; remove the section (it reads {', '.join(sections)})"
+        for s in cfg
+        if s not in sections
+    ]
     data = cfg.get("data")
     if isinstance(data, Mapping):
         allowed = ALGORITHM_DATA_KEYS[algorithm]
@@ -179,14 +202,18 @@ def algorithm_errors(cfg: Mapping[str, Any], algorithm: str) -> list[str]:
                 users = [a for a, keys in ALGORITHM_DATA_KEYS.items() if key in keys]
                 errors.append(f"data.{key}: not used by dualrl {algorithm} (a key of {'/'.join(users)}); remove it")
         if data.get("arithmetic") is not None and not _uses_builtin_task(cfg):
-            errors.append("data.arithmetic: not used: data.dataset_name is not a built-in task and "
-                          "policy.model_name is not a warm-started built-in model; set it to null")
+            errors.append(
+                "data.arithmetic: not used: data.dataset_name is not a built-in task and "
+                "policy.model_name is not a warm-started built-in model; set it to null"
+            )
         if algorithm == "grpo" and "max_input_seq_length" not in data:
             errors.append("data.max_input_seq_length: missing (dualrl grpo needs the longest prompt in tokens)")
     logger = cfg.get("logger")
     if algorithm != "grpo" and isinstance(logger, Mapping) and "num_val_samples_to_print" in logger:
-        errors.append(f"logger.num_val_samples_to_print: not used by dualrl {algorithm} (it prints GRPO's "
-                      "validation completions); remove it")
+        errors.append(
+            f"logger.num_val_samples_to_print: not used by dualrl {algorithm} (it prints GRPO's "
+            "validation completions); remove it"
+        )
     errors += _algorithm_policy_errors(cfg, algorithm)
     return errors
 
@@ -212,13 +239,16 @@ def _algorithm_policy_errors(cfg: Mapping[str, Any], algorithm: str) -> list[str
     for key in ("train_global_batch_size", "train_micro_batch_size"):
         value = policy.get(key)
         if isinstance(value, int) and value % 2:
-            errors.append(f"policy.{key}: must be even for DPO, got {value}: every batch holds whole "
-                          "(chosen, rejected) pairs")
+            errors.append(
+                f"policy.{key}: must be even for DPO, got {value}: every batch holds whole (chosen, rejected) pairs"
+            )
     for key in ("dynamic_batching", "sequence_packing"):
         section = policy.get(key)
         if isinstance(section, Mapping) and section.get("enabled"):
-            errors.append(f"policy.{key}.enabled: not supported by DPO, which needs (chosen, rejected) rows "
-                          "adjacent in every micro batch; set it to false")
+            errors.append(
+                f"policy.{key}.enabled: not supported by DPO, which needs (chosen, rejected) rows "
+                "adjacent in every micro batch; set it to false"
+            )
     return errors
 
 
@@ -228,9 +258,13 @@ def _generation_section_errors(policy: Mapping[str, Any], algorithm: str) -> lis
     generation's temperature to every logprob, so that GRPO's training matches its sampling)."""
     gen = policy.get("generation")
     if algorithm == "grpo" and gen is None:
-        return ["policy.generation: missing; dualrl grpo samples its rollouts with these settings "
-                "(see core/configs/policy.yaml)"]
+        return [
+            "policy.generation: missing; dualrl grpo samples its rollouts with these settings "
+            "(see core/configs/policy.yaml)"
+        ]
     if algorithm != "grpo" and gen is not None:
-        return [f"policy.generation: not used by dualrl {algorithm}, which never generates (and its "
-                "temperature would scale the logits the loss trains on); set policy.generation: null"]
+        return [
+            f"policy.generation: not used by dualrl {algorithm}, which never generates (and its "
+            "temperature would scale the logits the loss trains on); set policy.generation: null"
+        ]
     return []

@@ -9,13 +9,7 @@ present (``null`` is only allowed where the type says ``| None``).
 Nothing here imports torch, jax or ray.
 """
 
-import sys
-from typing import Any, Literal
-
-if sys.version_info >= (3, 11):
-    from typing import NotRequired, TypedDict
-else:  # pragma: no cover - Python 3.10: typing.TypedDict ignores NotRequired
-    from typing_extensions import NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 __all__ = [
     "BACKENDS",
@@ -105,7 +99,9 @@ class DynamicBatchingConfig(TypedDict):
     enabled: bool
     train_mb_tokens: NotRequired[int]  # token budget of a training micro-batch; required when enabled
     logprob_mb_tokens: NotRequired[int]  # token budget of a logprob micro-batch; required when enabled
-    sequence_length_round: NotRequired[int]  # pad each micro-batch's length to a multiple of this; required when enabled
+    sequence_length_round: NotRequired[
+        int
+    ]  # pad each micro-batch's length to a multiple of this; required when enabled
 
 
 class SequencePackingConfig(TypedDict):
@@ -319,7 +315,9 @@ class DataConfig(TypedDict):
     prompt_key: NotRequired[str | None]  # column with the prompt text (null with SFT's messages_key)
     answer_key: NotRequired[str | None]  # GRPO: column with the reference answer (-> the environment's ground truth)
     response_key: NotRequired[str | None]  # SFT: column with the response text (trained on); null with messages_key
-    messages_key: NotRequired[str | None]  # SFT: column with a chat conversation (list of {role, content}); loss on assistant turns
+    messages_key: NotRequired[
+        str | None
+    ]  # SFT: column with a chat conversation (list of {role, content}); loss on assistant turns
     chosen_key: NotRequired[str]  # DPO: the preferred response (text or messages)
     rejected_key: NotRequired[str]  # DPO: the dispreferred response
     prompt_template: NotRequired[str]  # str.format template around the prompt, e.g. "{prompt}"
@@ -327,9 +325,13 @@ class DataConfig(TypedDict):
     use_chat_template: NotRequired[bool | Literal["auto"]]  # auto = when the tokenizer has one
     max_input_seq_length: NotRequired[int]  # GRPO: longest prompt in tokens (required there)
     on_long_prompt: NotRequired[Literal["error", "filter"]]  # GRPO: what a longer prompt does
-    on_long_sequence: NotRequired[Literal["truncate", "filter", "error"]]  # SFT/DPO: a sequence over policy.max_total_sequence_length
+    on_long_sequence: NotRequired[
+        Literal["truncate", "filter", "error"]
+    ]  # SFT/DPO: a sequence over policy.max_total_sequence_length
     shuffle: NotRequired[bool]
-    arithmetic: NotRequired[ArithmeticTaskConfig | None]  # SFT/DPO: knobs of the built-in task (GRPO: env.arithmetic); null = none
+    arithmetic: NotRequired[
+        ArithmeticTaskConfig | None
+    ]  # SFT/DPO: knobs of the built-in task (GRPO: env.arithmetic); null = none
 
 
 class MathEnvConfig(TypedDict):
@@ -370,7 +372,9 @@ class CheckpointingConfig(TypedDict):
     metric_name: NotRequired[str | None]  # keep the best by this metric (e.g. "val/accuracy"); null = the newest
     higher_is_better: NotRequired[bool]
     resume: NotRequired[bool]  # continue from the latest complete checkpoint (CLI: --resume)
-    export_hf_dir: NotRequired[str | None]  # at the end, the final policy as an HF model (+ tokenizer) here: the next stage's policy.model_name
+    export_hf_dir: NotRequired[
+        str | None
+    ]  # at the end, the final policy as an HF model (+ tokenizer) here: the next stage's policy.model_name
 
 
 class MasterConfig(TypedDict):

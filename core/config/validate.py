@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import itertools
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -105,9 +106,7 @@ def _walk(value: Any, tp: Any, path: str, errors: list[str], handlers: Mapping[A
     if origin is Literal:
         choices = get_args(tp)
         if not any(_literal_eq(value, c) for c in choices):
-            errors.append(
-                f"{_label(path)}: expected one of {', '.join(repr(c) for c in choices)}, got {value!r}"
-            )
+            errors.append(f"{_label(path)}: expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
         return
     if origin is Union or origin is types.UnionType:
         _walk_union(value, tp, path, errors, handlers)
@@ -119,11 +118,9 @@ def _walk(value: Any, tp: Any, path: str, errors: list[str], handlers: Mapping[A
         args = get_args(tp)
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(args) != len(value):
-                errors.append(
-                    f"{_label(path)}: expected {len(args)} items, got {len(value)} ({_short(value)})"
-                )
+                errors.append(f"{_label(path)}: expected {len(args)} items, got {len(value)} ({_short(value)})")
                 return
-            for i, (item, item_tp) in enumerate(zip(value, args)):
+            for i, (item, item_tp) in enumerate(zip(value, args, strict=True)):
                 _walk(item, item_tp, f"{path}[{i}]", errors, handlers)
             return
         item_tp = args[0] if args else Any
@@ -212,7 +209,7 @@ def _is_typeddict(tp: Any) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(td: type) -> dict[str, Any]:
     return typing.get_type_hints(td, include_extras=True)
 
@@ -388,9 +385,11 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
         c.positive(cfg, key)
     vocab_multiple = c.int_of(cfg, "make_vocab_size_divisible_by")
     if cfg.get("backend") == "torch_fsdp" and vocab_multiple is not None and vocab_multiple > 1:
-        c.err(c.p("make_vocab_size_divisible_by"),
-              f"{vocab_multiple}: the torch_fsdp (FSDP1) backend has no tensor parallelism and does not "
-              "pad the vocabulary; set it to 1 (torch_dtensor and jax_pjit pad)")
+        c.err(
+            c.p("make_vocab_size_divisible_by"),
+            f"{vocab_multiple}: the torch_fsdp (FSDP1) backend has no tensor parallelism and does not "
+            "pad the vocabulary; set it to 1 (torch_dtensor and jax_pjit pad)",
+        )
     mgn = c.num_of(cfg, "max_grad_norm")
     if mgn is not None and mgn <= 0:
         c.err(c.p("max_grad_norm"), f"must be > 0 (or null for no clipping), got {mgn!r}")
@@ -438,9 +437,11 @@ def _policy_semantics(cfg: Mapping[str, Any], world_size: int | None, path: str)
         for key in ("train_mb_tokens", "logprob_mb_tokens"):
             budget = c.int_of(sp, key)
             if budget is not None and limit is not None and 0 < budget < limit:
-                c.err(c.p("sequence_packing", key),
-                      f"{budget} is smaller than max_total_sequence_length ({limit}): a sequence of the "
-                      "allowed length would fit no packed row")
+                c.err(
+                    c.p("sequence_packing", key),
+                    f"{budget} is smaller than max_total_sequence_length ({limit}): a sequence of the "
+                    "allowed length would fit no packed row",
+                )
     _check_sequence_multiple(c, cfg)
 
     # ---- scheduler chain
@@ -459,9 +460,11 @@ def _check_missing_features(c: _Checker, cfg: Mapping[str, Any]) -> None:
     dualrl does not have: on, they would be silently ignored, so they are refused by name."""
     vllm = c.sub("generation").get("vllm_cfg")
     if isinstance(vllm, Mapping) and vllm.get("async_engine") is True:
-        c.err(c.p("generation", "vllm_cfg", "async_engine"),
-              "True: dualrl has no async vLLM engine (every engine is a synchronous vllm.LLM); "
-              "set it to false or remove it")
+        c.err(
+            c.p("generation", "vllm_cfg", "async_engine"),
+            "True: dualrl has no async vLLM engine (every engine is a synchronous vllm.LLM); "
+            "set it to false or remove it",
+        )
 
 
 def _check_sampling(c: _Checker, gen: Mapping[str, Any]) -> None:
@@ -470,19 +473,26 @@ def _check_sampling(c: _Checker, gen: Mapping[str, Any]) -> None:
     temperature = c.num_of(gen, "temperature")
     if temperature is not None and temperature <= 0:
         # Logprobs divide the logits by it; greedy decoding is a per-call switch (greedy=True).
-        c.err(c.p("generation", "temperature"),
-              f"must be > 0, got {temperature!r}: logprobs are computed at this temperature; greedy "
-              "decoding is asked for per call (greedy=True, e.g. validation), not with temperature 0")
+        c.err(
+            c.p("generation", "temperature"),
+            f"must be > 0, got {temperature!r}: logprobs are computed at this temperature; greedy "
+            "decoding is asked for per call (greedy=True, e.g. validation), not with temperature 0",
+        )
     top_p = c.num_of(gen, "top_p")
     if top_p is not None and not 0 < top_p <= 1:
         c.err(c.p("generation", "top_p"), f"must be in (0, 1], got {top_p!r}")
     top_k = c.int_of(gen, "top_k")
     if top_k == 0:
-        c.err(c.p("generation", "top_k"), "0: use -1 or null for no top-k filtering (-1 means off; "
-                                          "0 is probably a typo), or a positive number of tokens")
+        c.err(
+            c.p("generation", "top_k"),
+            "0: use -1 or null for no top-k filtering (-1 means off; "
+            "0 is probably a typo), or a positive number of tokens",
+        )
     elif top_k is not None and top_k < -1:
-        c.err(c.p("generation", "top_k"), f"{top_k}: must be a positive number of tokens, or -1 / null "
-                                          "for no top-k filtering")
+        c.err(
+            c.p("generation", "top_k"),
+            f"{top_k}: must be a positive number of tokens, or -1 / null for no top-k filtering",
+        )
     for key in ("stop_token_ids", "pad_token_id"):
         ids = gen.get(key)
         for i, token in enumerate(ids if isinstance(ids, list) else [ids]):
@@ -490,9 +500,11 @@ def _check_sampling(c: _Checker, gen: Mapping[str, Any]) -> None:
                 where = c.p("generation", key) + (f"[{i}]" if isinstance(ids, list) else "")
                 c.err(where, f"{token}: token ids are >= 0")
     if gen.get("backend") == "hf" and gen.get("model_name") is not None:
-        c.err(c.p("generation", "model_name"),
-              f"{gen['model_name']!r}: not used by generation.backend 'hf' (the policy's workers generate "
-              "with their own weights); remove it")
+        c.err(
+            c.p("generation", "model_name"),
+            f"{gen['model_name']!r}: not used by generation.backend 'hf' (the policy's workers generate "
+            "with their own weights); remove it",
+        )
 
 
 def _check_vllm(c: _Checker, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> None:
@@ -509,9 +521,11 @@ def _check_vllm(c: _Checker, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> 
     max_len, total = c.int_of(vllm, "max_model_len"), c.int_of(cfg, "max_total_sequence_length")
     if gen.get("backend") == "vllm" and max_len is not None and total is not None and 0 < max_len < total:
         # The engine refuses (VllmGeneration) or truncates what the policy would train on.
-        c.err(c.p("generation", "vllm_cfg", "max_model_len"),
-              f"{max_len} is below policy.max_total_sequence_length ({total}): a rollout of the allowed "
-              "length would not fit the engine; set it to at least that")
+        c.err(
+            c.p("generation", "vllm_cfg", "max_model_len"),
+            f"{max_len} is below policy.max_total_sequence_length ({total}): a rollout of the allowed "
+            "length would not fit the engine; set it to at least that",
+        )
 
 
 def _check_sequence_multiple(c: _Checker, cfg: Mapping[str, Any]) -> None:
@@ -527,11 +541,14 @@ def _check_sequence_multiple(c: _Checker, cfg: Mapping[str, Any]) -> None:
     need = 2 * cp * (tp if dt.get("sequence_parallel") is True and tp > 1 else 1)
     have = 1 if multiple is None else multiple
     if have % need:
-        how = f"2 x context_parallel_size ({cp})" + (f" x tensor_parallel_size ({tp}) with sequence_parallel"
-                                                      if need != 2 * cp else "")
-        c.err(c.p("make_sequence_length_divisible_by"),
-              f"{have} is not a multiple of {how} = {need}: context parallelism splits every row into "
-              f"2 x cp load-balanced chunks; set it to {need} (or a multiple)")
+        how = f"2 x context_parallel_size ({cp})" + (
+            f" x tensor_parallel_size ({tp}) with sequence_parallel" if need != 2 * cp else ""
+        )
+        c.err(
+            c.p("make_sequence_length_divisible_by"),
+            f"{have} is not a multiple of {how} = {need}: context parallelism splits every row into "
+            f"2 x cp load-balanced chunks; set it to {need} (or a multiple)",
+        )
 
 
 def _check_parallel(c: _Checker, cfg: Mapping[str, Any], world_size: int | None) -> int | None:
@@ -587,12 +604,16 @@ def _check_parallel(c: _Checker, cfg: Mapping[str, Any], world_size: int | None)
 def _tp_cp_divide(c: _Checker, section: str, tp: int, cp: int, ws: int) -> bool:
     """tp, then tp x cp, must divide the world size; the error names the field at fault."""
     if ws % tp != 0:
-        c.err(c.p(section, "tensor_parallel_size"), f"tensor_parallel_size ({tp}) does not divide the world size ({ws})")
+        c.err(
+            c.p(section, "tensor_parallel_size"), f"tensor_parallel_size ({tp}) does not divide the world size ({ws})"
+        )
         return False
     if ws % (tp * cp) != 0:
-        c.err(c.p(section, "context_parallel_size"),
-              f"tensor_parallel_size ({tp}) x context_parallel_size ({cp}) = {tp * cp} "
-              f"does not divide the world size ({ws})")
+        c.err(
+            c.p(section, "context_parallel_size"),
+            f"tensor_parallel_size ({tp}) x context_parallel_size ({cp}) = {tp * cp} "
+            f"does not divide the world size ({ws})",
+        )
         return False
     return True
 
@@ -606,14 +627,16 @@ def _check_scheduler(c: _Checker, sched: Any) -> None:
         # [] reads like "no schedule" but is easily a list whose entries were lost in a merge
         # (lists replace); null is the one spelling of a constant learning rate.
         what = "[]" if not sched else "only a milestones entry"
-        c.err(c.p("scheduler"), f"{what}: no scheduler to run; use null for a constant learning rate, "
-                                "or list the schedulers (e.g. torch.optim.lr_scheduler.LinearLR)")
+        c.err(
+            c.p("scheduler"),
+            f"{what}: no scheduler to run; use null for a constant learning rate, "
+            "or list the schedulers (e.g. torch.optim.lr_scheduler.LinearLR)",
+        )
         return
     if len(ms_idx) > 1:
         c.err(
             c.p("scheduler"),
-            f"at most one milestones entry allowed, found {len(ms_idx)} "
-            f"(at indices {', '.join(map(str, ms_idx))})",
+            f"at most one milestones entry allowed, found {len(ms_idx)} (at indices {', '.join(map(str, ms_idx))})",
         )
         return
     if n_sched <= 1:
@@ -632,7 +655,7 @@ def _check_scheduler(c: _Checker, sched: Any) -> None:
     mpath = f"{c.p('scheduler')}[{i}].milestones"
     if len(ms) != n_sched - 1:
         c.err(mpath, f"expected {n_sched - 1} milestone(s) for {n_sched} schedulers, got {len(ms)} ({list(ms)})")
-    if any(b <= a for a, b in zip(ms, ms[1:])):
+    if any(b <= a for a, b in itertools.pairwise(ms)):
         c.err(mpath, f"must be strictly increasing, got {list(ms)}")
     if ms and ms[0] < 0:
         c.err(mpath, f"must be >= 0, got {list(ms)}")
@@ -676,8 +699,7 @@ def _clipped_pg_semantics(cfg: Mapping[str, Any], path: str) -> list[str]:
     if cfg.get("sequence_level_importance_ratios") is True and cfg.get("token_level_loss") is True:
         c.err(
             c.p("sequence_level_importance_ratios"),
-            "requires token_level_loss: false (GSPO's sequence-level ratios need a "
-            "sequence-level loss)",
+            "requires token_level_loss: false (GSPO's sequence-level ratios need a sequence-level loss)",
         )
     return c.errors
 
@@ -718,9 +740,7 @@ def _cluster_errors(cfg: Any, path: str) -> list[str]:
 # =============================================================================
 # public entry points
 # =============================================================================
-def validate_policy_config(
-    cfg: Any, world_size: int | None = None, *, path: str = "policy"
-) -> PolicyConfig:
+def validate_policy_config(cfg: Any, world_size: int | None = None, *, path: str = "policy") -> PolicyConfig:
     """Type-check and semantically check a policy section; returns it unchanged.
 
     With ``world_size`` the parallel sizes of the chosen backend must fit it and

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import operator
 from collections import UserDict
+from collections.abc import Iterator, Mapping, Sequence
 from copy import deepcopy
-from typing import Any, Generic, Iterator, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, Generic, Self, TypeVar
 
 import torch
 import torch.nn.functional as F
-from typing_extensions import Self
 
 from core.data.dynamic_batching import (
     DynamicBatchingArgs,
@@ -36,8 +36,8 @@ __all__ = ["BatchedDataDict", "SlicedDataDict"]
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 
-Value = Union[torch.Tensor, list]
-Indices = Union[Sequence[int], torch.Tensor]
+Value = torch.Tensor | list
+Indices = Sequence[int] | torch.Tensor
 
 
 class BatchedDataDict(UserDict, Generic[DictT]):
@@ -59,8 +59,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.micro_batch_indices: Optional[list[list[tuple[int, int]]]] = None
-        self.micro_batch_lengths: Optional[list[list[int]]] = None
+        self.micro_batch_indices: list[list[tuple[int, int]]] | None = None
+        self.micro_batch_lengths: list[list[int]] | None = None
 
     # ------------------------------------------------------------------ basics
 
@@ -79,17 +79,14 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             if first_key is None:
                 first_key, first_rows = key, rows
             elif rows != first_rows:
-                raise ValueError(
-                    f"batch size mismatch: {first_key!r} has {first_rows} rows, "
-                    f"{key!r} has {rows}"
-                )
+                raise ValueError(f"batch size mismatch: {first_key!r} has {first_rows} rows, {key!r} has {rows}")
         return first_rows
 
     def get_dict(self) -> dict[str, Any]:
         """A plain ``dict`` with the same keys and the same value objects (shallow copy)."""
         return dict(self.data)
 
-    def to(self, device: Union[str, torch.device]) -> Self:
+    def to(self, device: str | torch.device) -> Self:
         """Move every tensor to ``device`` **in place** and return ``self`` (NeMo semantics).
 
         Lists are left untouched; the micro-batch plan is kept.
@@ -105,7 +102,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def from_batches(
         cls,
         batches: Sequence[Mapping[str, Any]],
-        pad_value_dict: Optional[Mapping[str, Union[int, float]]] = None,
+        pad_value_dict: Mapping[str, int | float] | None = None,
     ) -> Self:
         """Concatenate ``batches`` along the batch dimension into one new dict.
 
@@ -138,7 +135,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             merged[key] = _concat_values(key, values, pad_values.get(key, 0))
         return merged
 
-    def all_gather(self, group: Optional[torch.distributed.ProcessGroup] = None) -> Self:
+    def all_gather(self, group: torch.distributed.ProcessGroup | None = None) -> Self:
         """Gather every rank's dict of ``group`` and merge them in rank order.
 
         Collective: every rank of ``group`` must call it.  Ranks may hold different
@@ -153,10 +150,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         Returns:
             A new dict of the same class with the rows of rank 0, then rank 1, ...
         """
-        payload = {
-            key: value.cpu() if torch.is_tensor(value) else value
-            for key, value in self.data.items()
-        }
+        payload = {key: value.cpu() if torch.is_tensor(value) else value for key, value in self.data.items()}
         gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(gathered, payload, group=group)
         merged = type(self).from_batches(gathered)
@@ -167,7 +161,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     # ------------------------------------------------------- row selection
 
-    def slice(self, start: int, end: int) -> "SlicedDataDict":
+    def slice(self, start: int, end: int) -> SlicedDataDict:
         """Rows ``[start, end)`` as a new ``SlicedDataDict`` without a plan.
 
         Tensors are views of this dict's tensors (no copy); lists are new lists.
@@ -177,9 +171,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         """
         size = self.size
         if not 0 <= start <= end <= size:
-            raise IndexError(
-                f"slice [{start}, {end}) is out of range for a batch of {size} rows"
-            )
+            raise IndexError(f"slice [{start}, {end}) is out of range for a batch of {size} rows")
         return SlicedDataDict({key: value[start:end] for key, value in self.data.items()})
 
     def select_indices(self, indices: Indices) -> Self:
@@ -196,9 +188,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             TypeError: ``indices`` is not integer-valued (e.g. a boolean mask).
         """
         rows = _normalize_indices(indices, self.size)
-        return type(self)(
-            {key: _gather_rows(value, rows) for key, value in self.data.items()}
-        )
+        return type(self)({key: _gather_rows(value, rows) for key, value in self.data.items()})
 
     def reorder_data(self, indices: Indices) -> Self:
         """New dict (same class, no plan) with row ``i`` moved to position ``indices[i]``.
@@ -216,15 +206,14 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         targets = _normalize_indices(indices, size)
         if sorted(targets) != list(range(size)):
             raise ValueError(
-                f"reorder_data needs a permutation of range({size}), got {len(targets)} "
-                "indices that are not one"
+                f"reorder_data needs a permutation of range({size}), got {len(targets)} indices that are not one"
             )
         sources = [0] * size
         for source, target in enumerate(targets):
             sources[target] = source
         return self.select_indices(sources)
 
-    def chunk(self, rank: int, chunks: int) -> "SlicedDataDict":
+    def chunk(self, rank: int, chunks: int) -> SlicedDataDict:
         """The ``rank``-th of ``chunks`` equal contiguous parts, e.g. rows
         ``[A A B B C C]``, ``rank=1``, ``chunks=3`` -> ``[B B]``.
 
@@ -242,7 +231,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         part = size // chunks
         return self.slice(rank * part, (rank + 1) * part)
 
-    def get_batch(self, batch_idx: int, batch_size: Optional[int] = None) -> "SlicedDataDict":
+    def get_batch(self, batch_idx: int, batch_size: int | None = None) -> SlicedDataDict:
         """Rows ``[batch_idx * batch_size, (batch_idx + 1) * batch_size)``.
 
         If this dict carries a dynamic-batching plan, chunk ``batch_idx`` of that plan is
@@ -304,9 +293,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             ValueError: ``dim < 0`` or ``truncated_len < 0``.
         """
         if dim < 0 or truncated_len < 0:
-            raise ValueError(
-                f"dim and truncated_len must be non-negative, got {dim} and {truncated_len}"
-            )
+            raise ValueError(f"dim and truncated_len must be non-negative, got {dim} and {truncated_len}")
         for key, value in self.data.items():
             if torch.is_tensor(value) and value.ndim > dim:
                 length = min(truncated_len, value.shape[dim])
@@ -318,11 +305,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def shard_by_batch_size(
         self,
         shards: int,
-        batch_size: Optional[int] = None,
+        batch_size: int | None = None,
         allow_uneven_shards: bool = False,
-        dynamic_batching_args: Optional[DynamicBatchingArgs] = None,
-        sequence_packing_args: Optional[SequencePackingArgs] = None,
-    ) -> Union[list["SlicedDataDict"], tuple[list["SlicedDataDict"], list[int]]]:
+        dynamic_batching_args: DynamicBatchingArgs | None = None,
+        sequence_packing_args: SequencePackingArgs | None = None,
+    ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
         """Split the batch over ``shards`` data-parallel ranks (NeMo RL semantics).
 
         The rows are cut into consecutive chunks of ``batch_size`` rows (``None``: one
@@ -381,7 +368,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def _shard_dynamic(
         self, shards: int, batch_size: int, args: DynamicBatchingArgs
-    ) -> tuple[list["SlicedDataDict"], list[int]]:
+    ) -> tuple[list[SlicedDataDict], list[int]]:
         """Dynamic-batching branch of ``shard_by_batch_size`` (arguments already checked
         except ``args``)."""
         validate_dynamic_batching_args(args)
@@ -399,7 +386,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                     args["max_tokens_per_microbatch"],
                 )
             )
-            for rows, part in zip(shard_rows, dealt):
+            for rows, part in zip(shard_rows, dealt, strict=True):
                 rows.extend(chunk_start + i for i in part)
         sliced = [self._sliced_rows(rows) for rows in shard_rows]
         for shard in sliced:
@@ -411,7 +398,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def _shard_packed(
         self, shards: int, batch_size: int, args: SequencePackingArgs
-    ) -> tuple[list["SlicedDataDict"], list[int]]:
+    ) -> tuple[list[SlicedDataDict], list[int]]:
         """Sequence-packing branch of ``shard_by_batch_size``."""
         lengths = read_sequence_lengths(self.data, {**args, "sequence_length_round": 1})
         shard_rows: list[list[int]] = [[] for _ in range(shards)]
@@ -422,26 +409,27 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             dealt = sort_and_deal(chunk_lengths, shards)
             plans = plan_packed_micro_batches(
                 [[chunk_lengths[i] for i in part] for part in dealt],
-                args["max_tokens_per_microbatch"], args["algorithm"],
+                args["max_tokens_per_microbatch"],
+                args["algorithm"],
             )
-            for k, (part, (order, bins)) in enumerate(zip(dealt, plans)):
+            for k, (part, (order, bins)) in enumerate(zip(dealt, plans, strict=True)):
                 rows = [part[i] for i in order]
                 shard_rows[k].extend(chunk_start + i for i in rows)
                 ranges[k].append(bins)
                 # A bin's tensors keep the width of its longest row (the worker packs them).
                 widths[k].append([max(chunk_lengths[rows[i]] for i in range(a, b)) for a, b in bins])
         sliced = [self._sliced_rows(rows) for rows in shard_rows]
-        for shard, r, w in zip(sliced, ranges, widths):
+        for shard, r, w in zip(sliced, ranges, widths, strict=True):
             shard.micro_batch_indices, shard.micro_batch_lengths = r, w
         return sliced, [row for rows in shard_rows for row in rows]
 
-    def _sliced_rows(self, rows: list[int]) -> "SlicedDataDict":
+    def _sliced_rows(self, rows: list[int]) -> SlicedDataDict:
         """The rows ``rows`` (validated, in order) as a ``SlicedDataDict``."""
         return SlicedDataDict({key: _gather_rows(value, rows) for key, value in self.data.items()})
 
     # --------------------------------------------------------- micro batches
 
-    def make_microbatch_iterator(self, microbatch_size: int) -> Iterator["SlicedDataDict"]:
+    def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[SlicedDataDict]:
         """Yield consecutive slices of ``microbatch_size`` rows, in order.
 
         The last micro batch is shorter when the batch size is not a multiple of
@@ -455,14 +443,12 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             raise ValueError(f"microbatch_size must be positive, got {microbatch_size}")
         return self._microbatches(microbatch_size, self.size)
 
-    def _microbatches(self, microbatch_size: int, size: int) -> Iterator["SlicedDataDict"]:
+    def _microbatches(self, microbatch_size: int, size: int) -> Iterator[SlicedDataDict]:
         """Generator body of ``make_microbatch_iterator``."""
         for start in range(0, size, microbatch_size):
             yield self.slice(start, min(start + microbatch_size, size))
 
-    def make_microbatch_iterator_with_dynamic_shapes(
-        self, batch_idx: Optional[int] = None
-    ) -> Iterator["SlicedDataDict"]:
+    def make_microbatch_iterator_with_dynamic_shapes(self, batch_idx: int | None = None) -> Iterator[SlicedDataDict]:
         """Yield the micro batches of the attached dynamic-batching plan, in plan order.
 
         Each micro batch is a slice of this dict in which every tensor with at least 2
@@ -482,16 +468,16 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         chunk_ids = self._plan_chunk_ids(batch_idx)
         return self._dynamic_microbatches(chunk_ids)
 
-    def _dynamic_microbatches(self, chunk_ids: list[int]) -> Iterator["SlicedDataDict"]:
+    def _dynamic_microbatches(self, chunk_ids: list[int]) -> Iterator[SlicedDataDict]:
         """Generator body of ``make_microbatch_iterator_with_dynamic_shapes``."""
         for chunk in chunk_ids:
             offset, _ = self._plan_chunk_rows(chunk)
             ranges = self.micro_batch_indices[chunk]
-            for (start, end), length in zip(ranges, self.micro_batch_lengths[chunk]):
+            for (start, end), length in zip(ranges, self.micro_batch_lengths[chunk], strict=True):
                 micro = self.slice(offset + start, offset + end)
                 yield micro.truncate_tensors(dim=1, truncated_len=length)
 
-    def get_microbatch_iterator_dynamic_shapes_len(self, batch_idx: Optional[int] = None) -> int:
+    def get_microbatch_iterator_dynamic_shapes_len(self, batch_idx: int | None = None) -> int:
         """Number of micro batches ``make_microbatch_iterator_with_dynamic_shapes(batch_idx)``
         yields (all chunks for ``None``).
 
@@ -509,15 +495,13 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 "shard_by_batch_size(..., dynamic_batching_args=...) (and get_batch)"
             )
 
-    def _plan_chunk_ids(self, batch_idx: Optional[int]) -> list[int]:
+    def _plan_chunk_ids(self, batch_idx: int | None) -> list[int]:
         """Plan chunks selected by ``batch_idx`` (``None``: all)."""
         num_chunks = len(self.micro_batch_indices)
         if batch_idx is None:
             return list(range(num_chunks))
         if not 0 <= batch_idx < num_chunks:
-            raise IndexError(
-                f"batch_idx {batch_idx} out of range for a plan of {num_chunks} chunks"
-            )
+            raise IndexError(f"batch_idx {batch_idx} out of range for a plan of {num_chunks} chunks")
         return [batch_idx]
 
     def _plan_chunk_rows(self, chunk: int) -> tuple[int, int]:
@@ -549,10 +533,7 @@ def _row_count(key: str, value: Any) -> int:
         return value.shape[0]
     if isinstance(value, list):
         return len(value)
-    raise TypeError(
-        f"key {key!r} holds a {type(value).__name__}; BatchedDataDict values must be "
-        "torch.Tensor or list"
-    )
+    raise TypeError(f"key {key!r} holds a {type(value).__name__}; BatchedDataDict values must be torch.Tensor or list")
 
 
 def _normalize_indices(indices: Indices, size: int) -> list[int]:
@@ -560,8 +541,7 @@ def _normalize_indices(indices: Indices, size: int) -> list[int]:
     if torch.is_tensor(indices):
         if indices.dtype == torch.bool or indices.is_floating_point() or indices.ndim != 1:
             raise TypeError(
-                f"indices must be a 1-D integer tensor, got dtype {indices.dtype} "
-                f"and shape {tuple(indices.shape)}"
+                f"indices must be a 1-D integer tensor, got dtype {indices.dtype} and shape {tuple(indices.shape)}"
             )
         rows = [int(i) for i in indices.tolist()]
     else:
@@ -598,20 +578,17 @@ def _check_same_keys(batches: Sequence[Mapping[str, Any]]) -> None:
         missing = [key for key in all_keys if key not in batch]
         if missing:
             raise MissingKeyError(
-                f"key {sorted(missing)[0]!r} is missing from batch {position} "
-                f"(it has keys {sorted(batch)})"
+                f"key {sorted(missing)[0]!r} is missing from batch {position} (it has keys {sorted(batch)})"
             )
 
 
-def _concat_values(key: str, values: list[Any], pad_value: Union[int, float]) -> Value:
+def _concat_values(key: str, values: list[Any], pad_value: int | float) -> Value:
     """Concatenate one key's values from several batches (see ``from_batches``)."""
     if all(isinstance(v, list) for v in values):
         return [item for value in values for item in value]
     if not all(torch.is_tensor(v) for v in values):
         kinds = sorted({type(v).__name__ for v in values})
-        raise ValueError(
-            f"key {key!r} mixes value types {kinds}; expected all tensors or all lists"
-        )
+        raise ValueError(f"key {key!r} mixes value types {kinds}; expected all tensors or all lists")
     _check_tensor_compat(key, values)
     if values[0].ndim >= 2:
         width = max(v.shape[1] for v in values)
@@ -631,12 +608,10 @@ def _check_tensor_compat(key: str, tensors: list[torch.Tensor]) -> None:
                 f"and {tuple(tensor.shape)} (only dims 0 and 1 may differ)"
             )
         if tensor.dtype != first.dtype:
-            raise ValueError(
-                f"key {key!r}: cannot concatenate dtypes {first.dtype} and {tensor.dtype}"
-            )
+            raise ValueError(f"key {key!r}: cannot concatenate dtypes {first.dtype} and {tensor.dtype}")
 
 
-def _pad_dim1(tensor: torch.Tensor, width: int, pad_value: Union[int, float]) -> torch.Tensor:
+def _pad_dim1(tensor: torch.Tensor, width: int, pad_value: int | float) -> torch.Tensor:
     """Right-pad dim 1 of ``tensor`` to ``width`` with ``pad_value``."""
     missing = width - tensor.shape[1]
     if missing == 0:
@@ -646,9 +621,7 @@ def _pad_dim1(tensor: torch.Tensor, width: int, pad_value: Union[int, float]) ->
     return F.pad(tensor, pad, mode="constant", value=pad_value)
 
 
-def _resolve_chunk_size(
-    total: int, shards: int, batch_size: Optional[int], allow_uneven: bool, dynamic: bool
-) -> int:
+def _resolve_chunk_size(total: int, shards: int, batch_size: int | None, allow_uneven: bool, dynamic: bool) -> int:
     """Validate ``shard_by_batch_size`` arguments and return the chunk size."""
     if shards <= 0:
         raise ValueError(f"shards must be positive, got {shards}")
@@ -663,9 +636,7 @@ def _resolve_chunk_size(
     elif batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     elif total % batch_size:
-        raise ValueError(
-            f"total batch size {total} is not divisible by batch_size {batch_size}"
-        )
+        raise ValueError(f"total batch size {total} is not divisible by batch_size {batch_size}")
     if not allow_uneven and batch_size % shards:
         raise ValueError(
             f"batch size {batch_size} is not divisible by shards={shards}; pass "
@@ -674,9 +645,7 @@ def _resolve_chunk_size(
     return batch_size
 
 
-def _contiguous_shard_rows(
-    total: int, shards: int, batch_size: int, allow_uneven: bool
-) -> list[list[int]]:
+def _contiguous_shard_rows(total: int, shards: int, batch_size: int, allow_uneven: bool) -> list[list[int]]:
     """Rows of each shard: part ``k`` of every chunk of ``batch_size`` rows, in order."""
     part = -(-batch_size // shards) if allow_uneven else batch_size // shards
     rows: list[list[int]] = [[] for _ in range(shards)]

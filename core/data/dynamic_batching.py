@@ -20,7 +20,8 @@ touching the sharding code.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence, TypedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 
@@ -98,21 +99,15 @@ def validate_dynamic_batching_args(args: Mapping[str, Any]) -> None:
             raise ValueError(f"dynamic_batching_args is missing the field {field!r}")
     for field in _KEY_FIELDS:
         if not isinstance(args[field], str):
-            raise ValueError(
-                f"dynamic_batching_args[{field!r}] must be a str, got {args[field]!r}"
-            )
+            raise ValueError(f"dynamic_batching_args[{field!r}] must be a str, got {args[field]!r}")
     for field in _INT_FIELDS:
         value = args[field]
         # bool is an int subclass; True as a budget is certainly a bug.
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(
-                f"dynamic_batching_args[{field!r}] must be a positive int, got {value!r}"
-            )
+            raise ValueError(f"dynamic_batching_args[{field!r}] must be a positive int, got {value!r}")
 
 
-def read_sequence_lengths(
-    data: Mapping[str, Any], args: DynamicBatchingArgs
-) -> list[int]:
+def read_sequence_lengths(data: Mapping[str, Any], args: DynamicBatchingArgs) -> list[int]:
     """Return the per-row sequence lengths named by ``args`` as Python ints.
 
     Checks that ``args["input_key"]`` is a tensor with at least 2 dims and that every
@@ -128,8 +123,7 @@ def read_sequence_lengths(
         key = args[field]
         if key not in data:
             raise MissingKeyError(
-                f"dynamic batching {field} {key!r} is not in the batch; "
-                f"available keys: {sorted(data)}"
+                f"dynamic batching {field} {key!r} is not in the batch; available keys: {sorted(data)}"
             )
     inputs = data[args["input_key"]]
     if not torch.is_tensor(inputs) or inputs.ndim < 2:
@@ -152,19 +146,11 @@ def _as_int_list(key: str, value: Any) -> list[int]:
     """Convert a 1-D integer tensor or a list of ints to ``list[int]``."""
     if torch.is_tensor(value):
         if value.ndim != 1 or value.is_floating_point() or value.is_complex():
-            raise ValueError(
-                f"sequence lengths {key!r} must be a 1-D integer tensor, "
-                f"got {_describe(value)}"
-            )
+            raise ValueError(f"sequence lengths {key!r} must be a 1-D integer tensor, got {_describe(value)}")
         return [int(n) for n in value.tolist()]
-    if isinstance(value, list) and all(
-        isinstance(n, int) and not isinstance(n, bool) for n in value
-    ):
+    if isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in value):
         return list(value)
-    raise ValueError(
-        f"sequence lengths {key!r} must be a 1-D integer tensor or a list of ints, "
-        f"got {_describe(value)}"
-    )
+    raise ValueError(f"sequence lengths {key!r} must be a 1-D integer tensor or a list of ints, got {_describe(value)}")
 
 
 def _describe(value: Any) -> str:
@@ -245,9 +231,7 @@ def plan_lockstep_micro_batches(
     return MicroBatchPlan(indices, lengths)
 
 
-def _lockstep_position_lengths(
-    lengths_by_shard: Sequence[Sequence[int]], sequence_length_round: int
-) -> list[int]:
+def _lockstep_position_lengths(lengths_by_shard: Sequence[Sequence[int]], sequence_length_round: int) -> list[int]:
     """Per position, the rounded length of the longest row at that position on any shard."""
     counts = {len(lengths) for lengths in lengths_by_shard}
     if len(counts) > 1:
@@ -255,7 +239,4 @@ def _lockstep_position_lengths(
             "lockstep planning needs the same number of rows on every shard, "
             f"got {[len(lengths) for lengths in lengths_by_shard]}"
         )
-    return [
-        round_up(max(position), sequence_length_round)
-        for position in zip(*lengths_by_shard)
-    ]
+    return [round_up(max(position), sequence_length_round) for position in zip(*lengths_by_shard, strict=True)]

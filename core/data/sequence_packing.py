@@ -16,8 +16,9 @@ Two halves, both backend-free (numpy index arithmetic the torch and JAX workers 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, TypedDict, get_args
+from typing import Any, TypedDict, get_args
 
 import numpy as np
 
@@ -152,7 +153,7 @@ def _split_to(bins: list[list[int]], lengths: Sequence[int], count: int) -> list
     while len(bins) < count:
         k = max((k for k, b in enumerate(bins) if len(b) > 1), key=lambda k: (sum(lengths[i] for i in bins[k]), -k))
         half = len(bins[k]) // 2
-        bins[k:k + 1] = [bins[k][:half], bins[k][half:]]
+        bins[k : k + 1] = [bins[k][:half], bins[k][half:]]
     return bins
 
 
@@ -164,11 +165,11 @@ def plan_packed_micro_batches(
     binned = [pack_bins(lengths, capacity, algorithm) for lengths in lengths_by_shard]
     count = max((len(b) for b in binned), default=0)
     plans = []
-    for lengths, bins in zip(lengths_by_shard, binned):
+    for lengths, bins in zip(lengths_by_shard, binned, strict=True):
         bins = _split_to(bins, lengths, count)
         order = [i for b in bins for i in b]
         ends = np.cumsum([len(b) for b in bins]).tolist()
-        plans.append((order, list(zip([0] + ends[:-1], ends))))
+        plans.append((order, list(zip([0] + ends[:-1], ends, strict=True))))
     return plans
 
 
@@ -197,7 +198,7 @@ class PackedRow:
     segments: np.ndarray
 
     @classmethod
-    def build(cls, lengths: Sequence[int], source_width: int, multiple: int = 1) -> "PackedRow":
+    def build(cls, lengths: Sequence[int], source_width: int, multiple: int = 1) -> PackedRow:
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths < 0).any() or (lengths > source_width).any():
             raise ValueError(f"PackedRow: lengths {lengths.tolist()} must lie in [0, {source_width}]")
@@ -209,7 +210,10 @@ class PackedRow:
         source = segments * source_width + positions
         tail = width - total
         return cls(
-            lengths=lengths, starts=starts, source_width=source_width, width=width,
+            lengths=lengths,
+            starts=starts,
+            source_width=source_width,
+            width=width,
             source=np.concatenate([source, np.zeros(tail, np.int64)]),
             valid=np.concatenate([np.ones(total, bool), np.zeros(tail, bool)]),
             positions=np.concatenate([positions, np.arange(tail)]).astype(np.int64),

@@ -102,10 +102,15 @@ class GeneratedDataset(EncodedDataset):
                 return datum
             self.num_filtered += 1
             if self.num_filtered == 1:
-                warnings.warn(f"{self._encoder.drop_note}: skipping examples of {source} that do not fit "
-                              f"{self._encoder.limit} tokens", stacklevel=2)
-        raise ValueError(f"{self._encoder.limit_key}: {_MAX_REJECTS} candidate examples for train "
-                         f"item {i} of {source} were all held out or too long")
+                warnings.warn(
+                    f"{self._encoder.drop_note}: skipping examples of {source} that do not fit "
+                    f"{self._encoder.limit} tokens",
+                    stacklevel=2,
+                )
+        raise ValueError(
+            f"{self._encoder.limit_key}: {_MAX_REJECTS} candidate examples for train "
+            f"item {i} of {source} were all held out or too long"
+        )
 
 
 def encode_rows(encoder, rows: list[Mapping], source: str) -> ListDataset:
@@ -116,17 +121,30 @@ def encode_rows(encoder, rows: list[Mapping], source: str) -> ListDataset:
     items = [d for i, r in enumerate(rows) if (d := encoder.encode(r, i, source)) is not None]
     dropped = len(rows) - len(items)
     if dropped:
-        warnings.warn(f"{encoder.drop_note}: dropped {dropped} of {len(rows)} rows of {source} that do "
-                      f"not fit {encoder.limit} tokens", stacklevel=3)
+        warnings.warn(
+            f"{encoder.drop_note}: dropped {dropped} of {len(rows)} rows of {source} that do "
+            f"not fit {encoder.limit} tokens",
+            stacklevel=3,
+        )
     if not items:
-        raise ValueError(f"{encoder.limit_key}: all {len(rows)} rows of {source} are longer than "
-                         f"{encoder.limit} tokens and were dropped ({encoder.drop_note})")
+        raise ValueError(
+            f"{encoder.limit_key}: all {len(rows)} rows of {source} are longer than "
+            f"{encoder.limit} tokens and were dropped ({encoder.drop_note})"
+        )
     return ListDataset(items, num_filtered=dropped)
 
 
-def build_datasets(data_cfg: Mapping, task_cfg: Mapping | None, encoder, *, num_val: int, seed: int,
-                   num_val_key: str, exclude: frozenset[str] = frozenset(),
-                   task_path: str = "env.arithmetic") -> tuple[EncodedDataset, EncodedDataset]:
+def build_datasets(
+    data_cfg: Mapping,
+    task_cfg: Mapping | None,
+    encoder,
+    *,
+    num_val: int,
+    seed: int,
+    num_val_key: str,
+    exclude: frozenset[str] = frozenset(),
+    task_path: str = "env.arithmetic",
+) -> tuple[EncodedDataset, EncodedDataset]:
     """The (train, validation) datasets of a run from its ``data`` section and an encoder.
 
     Built-in task: validation = ``num_val`` distinct problems of seed ``seed + 1``; train =
@@ -140,8 +158,10 @@ def build_datasets(data_cfg: Mapping, task_cfg: Mapping | None, encoder, *, num_
     task = functools.partial(builtin_task, task_cfg=task_cfg, path=task_path)
     name, val_name = data_cfg["dataset_name"], data_cfg.get("val_dataset_name")
     if is_builtin(name) and data_cfg.get("val_split") is not None:
-        raise ValueError(f"data.val_split: the built-in task {name!r} has no splits; set it "
-                         f"to null (validation is drawn with seed + 1)")
+        raise ValueError(
+            f"data.val_split: the built-in task {name!r} has no splits; set it "
+            f"to null (validation is drawn with seed + 1)"
+        )
     if is_builtin(name) and val_name in (None, name):
         return _builtin_datasets(task(name), name, encoder, num_val, seed, num_val_key, exclude)
     if is_builtin(name):
@@ -163,7 +183,8 @@ def _builtin_datasets(task, name, encoder, num_val, seed, num_val_key, exclude):
         raise ValueError(
             f"{num_val_key}: {num_val} held-out validation prompts need a problem space of "
             f"at least {2 * num_val} distinct prompts to leave as many for training, but "
-            f"the built-in task {name!r} has {space}; lower {num_val_key} or widen the task")
+            f"the built-in task {name!r} has {space}; lower {num_val_key} or widen the task"
+        )
     val, held_out = _builtin_val(task, name, encoder, num_val, seed + 1)
     train = GeneratedDataset(task, seed, encoder, held_out | exclude, name)
     train[0]  # surface a too-long example (error mode) before training starts
@@ -177,8 +198,10 @@ def _builtin_val(task, name, encoder, num_val, seed):
     encoder.check_columns(problem_row(task.problem(seed, 0)), source)
     while len(items) < num_val:
         if index - len(items) > _MAX_REJECTS:
-            raise ValueError(f"{encoder.limit_key}: could not draw {num_val} distinct "
-                             f"examples that fit from {source}: {index} tried, {len(items)} kept")
+            raise ValueError(
+                f"{encoder.limit_key}: could not draw {num_val} distinct "
+                f"examples that fit from {source}: {index} tried, {len(items)} kept"
+            )
         row = problem_row(task.problem(seed, index))
         if row[encoder.prompt_key] not in seen:
             seen.add(row[encoder.prompt_key])
@@ -187,8 +210,10 @@ def _builtin_val(task, name, encoder, num_val, seed):
             items += [datum] if datum is not None else []
         index += 1
     if filtered:
-        warnings.warn(f"{encoder.drop_note}: dropped {filtered} examples of {source} that do not fit "
-                      f"{encoder.limit} tokens", stacklevel=3)
+        warnings.warn(
+            f"{encoder.drop_note}: dropped {filtered} examples of {source} that do not fit {encoder.limit} tokens",
+            stacklevel=3,
+        )
     return ListDataset(items, num_filtered=filtered), frozenset(seen)
 
 
@@ -196,9 +221,11 @@ def _hold_out(train: ListDataset, num_val: int, seed: int, name: str, num_val_ke
     """Split ``num_val`` examples off ``train`` by a seeded permutation (sorted source order)."""
     n = train.size
     if n < num_val + 1:
-        raise ValueError(f"{num_val_key}: dataset {name!r} has {n} usable rows, fewer "
-                         f"than the {num_val} held out for validation + 1 for training; lower "
-                         f"{num_val_key} or set data.val_dataset_name / data.val_split")
+        raise ValueError(
+            f"{num_val_key}: dataset {name!r} has {n} usable rows, fewer "
+            f"than the {num_val} held out for validation + 1 for training; lower "
+            f"{num_val_key} or set data.val_dataset_name / data.val_split"
+        )
     val_pos = set(np.random.default_rng(seed).permutation(n)[:num_val].tolist())
     val = [train._get(i) for i in sorted(val_pos)]
     rest = [train._get(i) for i in range(n) if i not in val_pos]

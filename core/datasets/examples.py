@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.datasets.prompts import (
-    tokenizer_name,
     chat_template_used,
     format_prompt,
     tokenize_prompt,
+    tokenizer_name,
 )
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -55,8 +55,9 @@ def _chat_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
     return [int(t) for t in out]
 
 
-def render_conversation(tokenizer, messages: list[dict], train_turns: list[int],
-                        where: str) -> tuple[list[int], list[int]]:
+def render_conversation(
+    tokenizer, messages: list[dict], train_turns: list[int], where: str
+) -> tuple[list[int], list[int]]:
     """Ids of ``messages`` and a mask that is 1 on the assistant turns ``train_turns``.
 
     Few templates support ``return_assistant_tokens_mask``, so a turn's tokens are located by
@@ -67,34 +68,41 @@ def render_conversation(tokenizer, messages: list[dict], train_turns: list[int],
     mask = [0] * len(full)
     for k in train_turns:
         if k == 0:  # transformers refuses to render the empty conversation before it
-            raise ValueError(f"{where}: the conversation starts with an assistant turn; put a "
-                             f"user (or system) turn before it")
+            raise ValueError(
+                f"{where}: the conversation starts with an assistant turn; put a user (or system) turn before it"
+            )
         before = _chat_ids(tokenizer, messages[:k], add_generation_prompt=True)
-        upto = _chat_ids(tokenizer, messages[:k + 1])
-        if upto[:len(before)] != before or full[:len(upto)] != upto:
+        upto = _chat_ids(tokenizer, messages[: k + 1])
+        if upto[: len(before)] != before or full[: len(upto)] != upto:
             raise ValueError(
                 f"{where}: the chat template of tokenizer {tokenizer_name(tokenizer)} does not "
                 f"render conversation prefixes as prefixes of the conversation (turn {k}), so "
-                f"the assistant tokens to train on cannot be located")
+                f"the assistant tokens to train on cannot be located"
+            )
         if len(upto) == len(before):  # nothing to train on would silently waste the row
-            raise ValueError(f"{where}: the chat template renders no tokens for assistant "
-                             f"turn {k}")
-        mask[len(before):len(upto)] = [1] * (len(upto) - len(before))
+            raise ValueError(f"{where}: the chat template renders no tokens for assistant turn {k}")
+        mask[len(before) : len(upto)] = [1] * (len(upto) - len(before))
     return full, mask
 
 
 def _messages(value: Any, key: str, column: str, where: str) -> list[dict]:
     """Validate a column holding a conversation: a non-empty list of role/content dicts."""
     if not isinstance(value, list) or not value:
-        raise ValueError(f"data.{key}: {where} has {type(value).__name__} in column {column!r}, "
-                         f"not a non-empty list of {{'role', 'content'}} messages")
+        raise ValueError(
+            f"data.{key}: {where} has {type(value).__name__} in column {column!r}, "
+            f"not a non-empty list of {{'role', 'content'}} messages"
+        )
     for j, m in enumerate(value):
         if not isinstance(m, Mapping) or "role" not in m or not isinstance(m.get("content"), str):
-            raise ValueError(f"data.{key}: {where}, column {column!r}, message {j} is not a "
-                             f"dict with a 'role' and a str 'content': {m!r}")
+            raise ValueError(
+                f"data.{key}: {where}, column {column!r}, message {j} is not a "
+                f"dict with a 'role' and a str 'content': {m!r}"
+            )
         if m["role"] not in _ROLES:
-            raise ValueError(f"data.{key}: {where}, column {column!r}, message {j} has unknown "
-                             f"role {m['role']!r}; known: {', '.join(_ROLES)}")
+            raise ValueError(
+                f"data.{key}: {where}, column {column!r}, message {j} has unknown "
+                f"role {m['role']!r}; known: {', '.join(_ROLES)}"
+            )
     return [dict(m) for m in value]  # copies: other keys (tool_calls, ...) reach the template
 
 
@@ -104,11 +112,14 @@ def _require_chat(data_cfg: Mapping, tokenizer, key: str, column: str) -> None:
         raise ValueError(
             f"data.{key}: column {column!r} holds conversations, which need a chat template, "
             f"but none is applied (tokenizer {tokenizer_name(tokenizer)}, "
-            f"data.use_chat_template: {data_cfg.get('use_chat_template', 'auto')})")
+            f"data.use_chat_template: {data_cfg.get('use_chat_template', 'auto')})"
+        )
     template = data_cfg.get("prompt_template") or "{prompt}"
     if template != "{prompt}":  # ignoring it silently would train on other prompts
-        raise ValueError(f"data.prompt_template: {template!r} applies to text prompts only, "
-                         f"not to conversations in column {column!r}; unset it")
+        raise ValueError(
+            f"data.prompt_template: {template!r} applies to text prompts only, "
+            f"not to conversations in column {column!r}; unset it"
+        )
 
 
 def _assistant_turns(messages: list[dict], start: int = 0) -> list[int]:
@@ -121,13 +132,15 @@ class _Encoder:
     def __init__(self, data_cfg: Mapping, tokenizer, max_length: int):
         self.on_long = data_cfg.get("on_long_sequence") or "truncate"
         if self.on_long not in _ON_LONG:
-            raise ValueError(f"data.on_long_sequence: {self.on_long!r} is not one of "
-                             f"{', '.join(_ON_LONG)}")
+            raise ValueError(f"data.on_long_sequence: {self.on_long!r} is not one of {', '.join(_ON_LONG)}")
         self.limit = int(max_length)
         # Named by core.datasets.base in its warnings / errors about dropped rows.
         self.limit_key = "policy.max_total_sequence_length"
-        self.drop_note = (f"data.on_long_sequence={self.on_long}" if self.on_long == "filter" else
-                          "data.on_long_sequence=truncate (nothing left to train on)")
+        self.drop_note = (
+            f"data.on_long_sequence={self.on_long}"
+            if self.on_long == "filter"
+            else "data.on_long_sequence=truncate (nothing left to train on)"
+        )
         if self.limit < 1:
             raise ValueError(f"policy.max_total_sequence_length: {self.limit} must be positive")
         format_prompt("", data_cfg, tokenizer)  # surfaces template / chat-template errors now
@@ -136,9 +149,11 @@ class _Encoder:
         self._template = data_cfg.get("prompt_template") or "{prompt}"
         if not self._chat and tokenizer.eos_token_id is None:
             # Without a template the eos is what teaches the model to stop.
-            raise ValueError(f"data.use_chat_template: without a chat template responses end "
-                             f"with the eos token, but tokenizer {tokenizer_name(tokenizer)} "
-                             f"has none")
+            raise ValueError(
+                f"data.use_chat_template: without a chat template responses end "
+                f"with the eos token, but tokenizer {tokenizer_name(tokenizer)} "
+                f"has none"
+            )
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
         system = self._cfg.get("system_prompt")
@@ -165,24 +180,23 @@ class _Encoder:
             raise ValueError(
                 f"policy.max_total_sequence_length: {where} is {len(ids)} tokens, over the "
                 f"limit of {self.limit}; raise policy.max_total_sequence_length or set "
-                f"data.on_long_sequence: truncate or filter")
+                f"data.on_long_sequence: truncate or filter"
+            )
         if self.on_long == "filter":
             return None
-        ids, mask = ids[:self.limit], mask[:self.limit]
+        ids, mask = ids[: self.limit], mask[: self.limit]
         return (ids, mask, True) if any(mask) else None  # nothing left to train on
 
     def _check(self, row: Mapping, source: str, keys: list[tuple[str, str]]) -> None:
         for key, column in keys:
             if column not in row:
-                raise ValueError(f"data.{key}: column {column!r} is not in {source}; "
-                                 f"available columns: {sorted(row)}")
+                raise ValueError(f"data.{key}: column {column!r} is not in {source}; available columns: {sorted(row)}")
 
 
 def _text(row: Mapping, key: str, column: str, where: str) -> str:
     value = row.get(column)
     if not isinstance(value, str):
-        raise ValueError(f"data.{key}: {where} has {type(value).__name__} in column "
-                         f"{column!r}, not text")
+        raise ValueError(f"data.{key}: {where} has {type(value).__name__} in column {column!r}, not text")
     return value
 
 
@@ -196,15 +210,20 @@ class SFTEncoder(_Encoder):
         if self.messages_key:  # before the base class, whose system_prompt error is less apt
             for key in ("prompt_key", "response_key"):
                 if data_cfg.get(key) is not None:  # a column that would be silently ignored
-                    raise ValueError(f"data.{key}: {data_cfg[key]!r} is not used when data.messages_key is "
-                                     f"set (conversations carry their own turns); set it to null")
+                    raise ValueError(
+                        f"data.{key}: {data_cfg[key]!r} is not used when data.messages_key is "
+                        f"set (conversations carry their own turns); set it to null"
+                    )
             _require_chat(data_cfg, tokenizer, "messages_key", self.messages_key)
         super().__init__(data_cfg, tokenizer, max_length)
 
     def check_columns(self, row: Mapping, source: str) -> None:
         """The configured columns must exist (checked on the first row)."""
-        keys = ([("messages_key", self.messages_key)] if self.messages_key else
-                [("prompt_key", self.prompt_key), ("response_key", self.response_key)])
+        keys = (
+            [("messages_key", self.messages_key)]
+            if self.messages_key
+            else [("prompt_key", self.prompt_key), ("response_key", self.response_key)]
+        )
         self._check(row, source, keys)
 
     def encode(self, row: Mapping, index: int, source: str) -> SequenceDatum | None:
@@ -213,8 +232,7 @@ class SFTEncoder(_Encoder):
         if self.messages_key:
             msgs = _messages(row.get(self.messages_key), "messages_key", self.messages_key, where)
             if not _assistant_turns(msgs):
-                raise ValueError(f"data.messages_key: {where} has no assistant turn in column "
-                                 f"{self.messages_key!r}")
+                raise ValueError(f"data.messages_key: {where} has no assistant turn in column {self.messages_key!r}")
             msgs = self._with_system(msgs)
             ids, mask = render_conversation(self._tok, msgs, _assistant_turns(msgs), where)
             used = {self.messages_key}
@@ -230,8 +248,7 @@ class SFTEncoder(_Encoder):
         extra = {k: v for k, v in row.items() if k not in used}
         if not self.messages_key:  # the text that identifies the example (held-out checks)
             extra["raw_prompt"] = row[self.prompt_key]
-        return SequenceDatum(tuple(ids), tuple(mask), {**extra, "index": index,
-                                                       "truncated": truncated})
+        return SequenceDatum(tuple(ids), tuple(mask), {**extra, "index": index, "truncated": truncated})
 
 
 class PreferenceEncoder(_Encoder):
@@ -250,62 +267,72 @@ class PreferenceEncoder(_Encoder):
 
     def check_columns(self, row: Mapping, source: str) -> None:
         """Chosen/rejected always; the prompt unless the first row holds full conversations."""
-        self._check(row, source, [("chosen_key", self.chosen_key),
-                                  ("rejected_key", self.rejected_key)])
+        self._check(row, source, [("chosen_key", self.chosen_key), ("rejected_key", self.rejected_key)])
         if self.prompt_key not in row and not isinstance(row[self.chosen_key], list):
             raise ValueError(
                 f"data.prompt_key: column {self.prompt_key!r} is not in {source}; available "
                 f"columns: {sorted(row)}.  It is needed because the first row's column "
                 f"{self.chosen_key!r} holds text: only full conversations (lists of messages) "
-                f"in chosen / rejected may go without a prompt")
+                f"in chosen / rejected may go without a prompt"
+            )
 
     def encode(self, row: Mapping, index: int, source: str) -> PreferenceDatum | None:
         """The pair, or None when ``on_long_sequence`` drops either side."""
         where = f"row {index} of {source}"
         sides = self._sides(row, where)
         if sides[0][0] == sides[1][0]:
-            raise ValueError(f"data.chosen_key / data.rejected_key: {where} has the same "
-                             f"sequence in columns {self.chosen_key!r} and {self.rejected_key!r}: "
-                             f"no preference to learn")
-        fitted = [self._fit(ids, mask, f"{where} ({side} side)")
-                  for (ids, mask), side in zip(sides, ("chosen", "rejected"))]
+            raise ValueError(
+                f"data.chosen_key / data.rejected_key: {where} has the same "
+                f"sequence in columns {self.chosen_key!r} and {self.rejected_key!r}: "
+                f"no preference to learn"
+            )
+        fitted = [
+            self._fit(ids, mask, f"{where} ({side} side)")
+            for (ids, mask), side in zip(sides, ("chosen", "rejected"), strict=True)
+        ]
         # Truncation may also cut away everything that told the two sides apart.
         if None in fitted or fitted[0][0] == fitted[1][0]:
             return None
-        extra = {k: v for k, v in row.items()
-                 if k not in (self.prompt_key, self.chosen_key, self.rejected_key)}
+        extra = {k: v for k, v in row.items() if k not in (self.prompt_key, self.chosen_key, self.rejected_key)}
         if isinstance(row.get(self.prompt_key), str):  # the text that identifies the example
             extra["raw_prompt"] = row[self.prompt_key]
-        chosen, rejected = (SequenceDatum(tuple(ids), tuple(mask),
-                                          {**extra, "index": index, "truncated": cut})
-                            for ids, mask, cut in fitted)
-        return PreferenceDatum(chosen, rejected, {**extra, "index": index,
-                                                  "truncated": fitted[0][2] or fitted[1][2]})
+        chosen, rejected = (
+            SequenceDatum(tuple(ids), tuple(mask), {**extra, "index": index, "truncated": cut})
+            for ids, mask, cut in fitted
+        )
+        return PreferenceDatum(chosen, rejected, {**extra, "index": index, "truncated": fitted[0][2] or fitted[1][2]})
 
     def _sides(self, row: Mapping, where: str) -> list[tuple[list[int], list[int]]]:
         """(ids, mask) of the chosen and the rejected side, untruncated."""
         prompt = row.get(self.prompt_key)
         if isinstance(prompt, str):  # (a)
-            return [self._text_example(prompt, _text(row, key, column, where), where)
-                    for key, column in (("chosen_key", self.chosen_key),
-                                         ("rejected_key", self.rejected_key))]
+            return [
+                self._text_example(prompt, _text(row, key, column, where), where)
+                for key, column in (("chosen_key", self.chosen_key), ("rejected_key", self.rejected_key))
+            ]
         if prompt is not None and not isinstance(prompt, list):
-            raise ValueError(f"data.prompt_key: {where} has {type(prompt).__name__} in column "
-                             f"{self.prompt_key!r}, not text or a list of messages")
+            raise ValueError(
+                f"data.prompt_key: {where} has {type(prompt).__name__} in column "
+                f"{self.prompt_key!r}, not text or a list of messages"
+            )
         head = _messages(prompt, "prompt_key", self.prompt_key, where) if prompt else []
-        return [self._conversation_side(head, row, key, column, where)
-                for key, column in (("chosen_key", self.chosen_key),
-                                    ("rejected_key", self.rejected_key))]
+        return [
+            self._conversation_side(head, row, key, column, where)
+            for key, column in (("chosen_key", self.chosen_key), ("rejected_key", self.rejected_key))
+        ]
 
-    def _conversation_side(self, head: list[dict], row: Mapping, key: str, column: str,
-                           where: str) -> tuple[list[int], list[int]]:
+    def _conversation_side(
+        self, head: list[dict], row: Mapping, key: str, column: str, where: str
+    ) -> tuple[list[int], list[int]]:
         """(b) with a prompt conversation ``head``, else (c) an implicit-prompt conversation."""
         value = row.get(column)
         if not isinstance(value, list):
             form = "a list of messages" if head else "no prompt"
-            raise ValueError(f"data.{key}: {where} has {form} in column {self.prompt_key!r} "
-                             f"but {type(value).__name__} in column {column!r}; it must hold a "
-                             f"list of {'assistant' if head else 'conversation'} messages")
+            raise ValueError(
+                f"data.{key}: {where} has {form} in column {self.prompt_key!r} "
+                f"but {type(value).__name__} in column {column!r}; it must hold a "
+                f"list of {'assistant' if head else 'conversation'} messages"
+            )
         _require_chat(self._cfg, self._tok, key, column)
         tail = _messages(value, key, column, where)
         turns = _assistant_turns(head + tail, len(head))

@@ -8,10 +8,9 @@ uninterrupted run would have drawn.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
-
-from typing import Any
 
 from core.datasets.base import EncodedDataset
 
@@ -31,8 +30,10 @@ class BatchLoader:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if dataset.size is not None and batch_size > dataset.size:
-            raise ValueError(f"batch_size {batch_size} is larger than the dataset "
-                             f"({dataset.size} examples): no full batch can be drawn")
+            raise ValueError(
+                f"batch_size {batch_size} is larger than the dataset "
+                f"({dataset.size} examples): no full batch can be drawn"
+            )
         self.dataset, self.batch_size = dataset, int(batch_size)
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.epoch = 0
@@ -47,7 +48,7 @@ class BatchLoader:
         else:
             if start + self.batch_size > self.dataset.size:  # incomplete tail: next epoch
                 self.epoch, start = self.epoch + 1, 0
-            indices = self._epoch_order()[start:start + self.batch_size].tolist()
+            indices = self._epoch_order()[start : start + self.batch_size].tolist()
         self.position = start + self.batch_size
         return [self.dataset[i] for i in indices]
 
@@ -55,16 +56,20 @@ class BatchLoader:
         """The permutation of the current epoch (cached: computed once per epoch)."""
         if self._order_epoch != self.epoch:
             n = self.dataset.size
-            self._order = (np.random.default_rng(self.seed + self.epoch).permutation(n)
-                           if self.shuffle else np.arange(n))
+            self._order = np.random.default_rng(self.seed + self.epoch).permutation(n) if self.shuffle else np.arange(n)
             self._order_epoch = self.epoch
         return self._order
 
     def state_dict(self) -> dict[str, int]:
         """Everything needed to continue from here (goes into a checkpoint)."""
         size = self.dataset.size
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "dataset_size": -1 if size is None else size, "batch_size": self.batch_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "dataset_size": -1 if size is None else size,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from a saved state; refuse one taken on a different loader setup.
@@ -78,11 +83,14 @@ class BatchLoader:
             raise ValueError(f"loader state is missing keys {missing}; got {sorted(state)}")
         for key in _IDENTITY_KEYS:
             if int(state[key]) != own[key]:
-                raise ValueError(f"loader state {key}={state[key]} does not match this "
-                                 f"loader's {key}={own[key]}: resuming would draw other examples")
+                raise ValueError(
+                    f"loader state {key}={state[key]} does not match this "
+                    f"loader's {key}={own[key]}: resuming would draw other examples"
+                )
         epoch, position = int(state["epoch"]), int(state["position"])
         limit = self.dataset.size
         if epoch < 0 or position < 0 or (limit is not None and position > limit):
-            raise ValueError(f"loader state epoch={epoch} position={position} is out of range "
-                             f"for a dataset of {limit} examples")
+            raise ValueError(
+                f"loader state epoch={epoch} position={position} is out of range for a dataset of {limit} examples"
+            )
         self.epoch, self.position = epoch, position

@@ -57,7 +57,7 @@ def format_prompt(text: str, data_cfg: Mapping, tokenizer) -> str:
                 f"data.prompt_template instead"
             )
         return content
-    messages = ([{"role": "system", "content": system}] if system else [])
+    messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": content})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -77,12 +77,16 @@ def _check_template(template: str) -> None:
     try:
         fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
     except ValueError as e:
-        raise ValueError(f"data.prompt_template: {template!r} is not a valid str.format "
-                         f"template ({e}); write literal braces as {{{{ and }}}}") from None
+        raise ValueError(
+            f"data.prompt_template: {template!r} is not a valid str.format "
+            f"template ({e}); write literal braces as {{{{ and }}}}"
+        ) from None
     if fields != {"prompt"}:
-        raise ValueError(f"data.prompt_template: {template!r} must use the field {{prompt}} "
-                         f"and no other (found {sorted(fields)}); write literal braces as "
-                         f"{{{{ and }}}}")
+        raise ValueError(
+            f"data.prompt_template: {template!r} must use the field {{prompt}} "
+            f"and no other (found {sorted(fields)}); write literal braces as "
+            f"{{{{ and }}}}"
+        )
 
 
 def tokenizer_name(tokenizer) -> str:
@@ -100,8 +104,7 @@ class PromptEncoder:
         self.limit_key, self.drop_note = "data.max_input_seq_length", "data.on_long_prompt=filter"
         self.filter = data_cfg.get("on_long_prompt", "error") == "filter"
         if data_cfg.get("on_long_prompt", "error") not in ("error", "filter"):
-            raise ValueError(f"data.on_long_prompt: {data_cfg['on_long_prompt']!r} is not "
-                             f"one of error, filter")
+            raise ValueError(f"data.on_long_prompt: {data_cfg['on_long_prompt']!r} is not one of error, filter")
         if self.limit < 1:
             raise ValueError(f"data.max_input_seq_length: {self.limit} must be positive")
         format_prompt("", data_cfg, tokenizer)  # surfaces template / chat-template errors now
@@ -112,15 +115,16 @@ class PromptEncoder:
         """The configured prompt / answer columns must exist (checked on the first row)."""
         for key, column in (("prompt_key", self.prompt_key), ("answer_key", self.answer_key)):
             if column is not None and column not in row:
-                raise ValueError(f"data.{key}: column {column!r} is not in {source}; "
-                                 f"available columns: {sorted(row)}")
+                raise ValueError(f"data.{key}: column {column!r} is not in {source}; available columns: {sorted(row)}")
 
     def encode(self, row: Mapping, index: int, source: str) -> PromptDatum | None:
         """The row as a datum, or None when it is too long and ``on_long_prompt`` is filter."""
         text = row.get(self.prompt_key)
         if not isinstance(text, str):
-            raise ValueError(f"data.prompt_key: row {index} of {source} has {type(text).__name__}"
-                             f" in column {self.prompt_key!r}, not text")
+            raise ValueError(
+                f"data.prompt_key: row {index} of {source} has {type(text).__name__}"
+                f" in column {self.prompt_key!r}, not text"
+            )
         prompt = format_prompt(text, self._cfg, self._tokenizer)
         ids = tokenize_prompt(prompt, self._tokenizer, self._chat)
         if len(ids) > self.limit:
@@ -129,18 +133,17 @@ class PromptEncoder:
             raise ValueError(
                 f"data.max_input_seq_length: row {index} of {source} is {len(ids)} tokens, over "
                 f"the limit of {self.limit}; raise data.max_input_seq_length or set "
-                f"data.on_long_prompt: filter to drop such rows")
+                f"data.on_long_prompt: filter to drop such rows"
+            )
         metadata = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key)}
-        metadata.update(ground_truth=self._answer(row, index, source), index=index,
-                        raw_prompt=text)
+        metadata.update(ground_truth=self._answer(row, index, source), index=index, raw_prompt=text)
         return PromptDatum(prompt=prompt, input_ids=tuple(ids), metadata=metadata)
 
     def _answer(self, row: Mapping, index: int, source: str) -> str | None:
         if self.answer_key is None:
             return None
         if row.get(self.answer_key) is None:  # a reward against "None" would be silently wrong
-            raise ValueError(f"data.answer_key: row {index} of {source} has no value in "
-                             f"column {self.answer_key!r}")
+            raise ValueError(f"data.answer_key: row {index} of {source} has no value in column {self.answer_key!r}")
         return str(row[self.answer_key])
 
 
@@ -150,5 +153,11 @@ def build_prompt_datasets(
     """The (train, validation) prompt datasets of a GRPO run, from ``master_cfg["data"]``
     (the task of a built-in source is ``env.arithmetic``); see ``build_datasets``."""
     task_cfg = (master_cfg.get("env") or {}).get("arithmetic")
-    return build_datasets(master_cfg["data"], task_cfg, PromptEncoder(master_cfg["data"], tokenizer),
-                          num_val=num_val, seed=seed, num_val_key="grpo.max_val_samples")
+    return build_datasets(
+        master_cfg["data"],
+        task_cfg,
+        PromptEncoder(master_cfg["data"], tokenizer),
+        num_val=num_val,
+        seed=seed,
+        num_val_key="grpo.max_val_samples",
+    )

@@ -93,9 +93,7 @@ def _load(args: tuple, kwargs: dict, what: str, key_path: str) -> list[dict[str,
     except Exception as e:  # noqa: BLE001 -- datasets raises many types; all mean "cannot load"
         # DatasetGenerationError's own text is generic; the useful part is its cause.
         cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
-        raise DatasetLoadError(
-            f"{key_path}: could not load {what}: {type(e).__name__}: {e}{cause}"
-        ) from e
+        raise DatasetLoadError(f"{key_path}: could not load {what}: {type(e).__name__}: {e}{cause}") from e
     if isinstance(ds, Mapping):  # a DatasetDict: split=None or a script ignoring split
         raise DatasetLoadError(f"{key_path}: {what} has splits {sorted(ds)}; name one")
     return ds.to_list()
@@ -153,9 +151,7 @@ class PreferenceTask:
         return self.task.num_distinct_problems()
 
 
-def builtin_rows(
-    name: str, env_arithmetic_cfg: Mapping | None, seed: int, start: int, count: int
-) -> list[dict]:
+def builtin_rows(name: str, env_arithmetic_cfg: Mapping | None, seed: int, start: int, count: int) -> list[dict]:
     """Problems ``start .. start+count-1`` of a built-in task for ``seed``, as rows."""
     task = builtin_task(name, env_arithmetic_cfg)
     return [problem_row(p) for p in task.problems(seed, start, count)]

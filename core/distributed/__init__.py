@@ -10,13 +10,13 @@
 """
 
 from core.distributed.ray_init import init_ray
-from core.distributed.virtual_cluster import RayVirtualCluster, ResourcesUnavailableError
 from core.distributed.recoverable import (
     RecoverableWorkerError,
     RefitPeerLostError,
     before_collectives,
     raised_before_collectives,
 )
+from core.distributed.virtual_cluster import RayVirtualCluster, ResourcesUnavailableError
 from core.distributed.worker_group import (
     RayWorkerGroup,
     RecoverableCallError,

@@ -101,14 +101,22 @@ def _start_reaper() -> None:
         session_dir = node.get_session_dir_path()
         raylet_pid = node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
     except (AttributeError, KeyError, IndexError) as exc:
-        logging.getLogger(__name__).warning("no Ray watchdog (Ray's node layout changed: %r); after a hard kill "
-                                            "see README 'Troubleshooting: leftovers of a killed run'", exc)
+        logging.getLogger(__name__).warning(
+            "no Ray watchdog (Ray's node layout changed: %r); after a hard kill "
+            "see README 'Troubleshooting: leftovers of a killed run'",
+            exc,
+        )
         return
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_reaper.py")
     # A session of its own: the signal that kills the driver's process group spares it.
     # Run by path: imports nothing but the standard library.
-    proc = subprocess.Popen([sys.executable, script, "--watch", str(os.getpid()), str(raylet_pid), session_dir],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, script, "--watch", str(os.getpid()), str(raylet_pid), session_dir],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
     # Reap it when it exits after a ray.shutdown() (else a zombie until this process ends).
     threading.Thread(target=proc.wait, name="ray-reaper-wait", daemon=True).start()

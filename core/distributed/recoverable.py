@@ -21,7 +21,7 @@ error the driver sees says which of the two happened.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = [
     "RecoverableWorkerError",

@@ -60,26 +60,20 @@ class RayVirtualCluster:
     ) -> None:
         _check_bundle_counts(bundle_ct_per_node_list)
         if not num_cpus_per_bundle > 0:
-            raise ValueError(
-                f"RayVirtualCluster: num_cpus_per_bundle must be > 0, got {num_cpus_per_bundle!r}"
-            )
+            raise ValueError(f"RayVirtualCluster: num_cpus_per_bundle must be > 0, got {num_cpus_per_bundle!r}")
         if not (isinstance(max_colocated_worker_groups, int) and max_colocated_worker_groups >= 1):
             raise ValueError(
                 "RayVirtualCluster: max_colocated_worker_groups must be an integer >= 1, "
                 f"got {max_colocated_worker_groups!r}"
             )
         if not ray.is_initialized():
-            raise RuntimeError(
-                "RayVirtualCluster: Ray is not initialised; call core.distributed.init_ray() first"
-            )
+            raise RuntimeError("RayVirtualCluster: Ray is not initialised; call core.distributed.init_ray() first")
         self._bundle_ct_per_node_list = [int(n) for n in bundle_ct_per_node_list]
         self._use_gpus = bool(use_gpus) if use_gpus is not None else _cluster_has_gpus()
         self._num_cpus_per_bundle = num_cpus_per_bundle
         self._max_colocated_worker_groups = max_colocated_worker_groups
         self._name = name
-        self._placement_groups: list[PlacementGroup] = self._create_placement_groups(
-            placement_group_timeout_s
-        )
+        self._placement_groups: list[PlacementGroup] = self._create_placement_groups(placement_group_timeout_s)
 
     # ------------------------------------------------------------------ description
     @property
@@ -184,9 +178,7 @@ class RayVirtualCluster:
             )
             for node, count in enumerate(self._bundle_ct_per_node_list)
         ]
-        ready, _ = ray.wait(
-            [pg.ready() for pg in groups], num_returns=len(groups), timeout=timeout_s
-        )
+        ready, _ = ray.wait([pg.ready() for pg in groups], num_returns=len(groups), timeout=timeout_s)
         if len(ready) < len(groups):
             for pg in groups:
                 _remove_quietly(pg)
@@ -220,8 +212,7 @@ def _check_bundle_counts(counts: Sequence[int]) -> None:
     bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, int) or c < 1]
     if bad:
         raise ValueError(
-            f"RayVirtualCluster: every entry of bundle_ct_per_node_list must be an integer >= 1, "
-            f"got {list(counts)!r}"
+            f"RayVirtualCluster: every entry of bundle_ct_per_node_list must be an integer >= 1, got {list(counts)!r}"
         )
 
 

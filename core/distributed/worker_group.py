@@ -108,8 +108,9 @@ class WorkerStartupError(WorkerGroupError):
     for the ranks whose constructor raised.
     """
 
-    def __init__(self, message: str, *args: Any, failures: Mapping[int, StartupFailure] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, message: str, *args: Any, failures: Mapping[int, StartupFailure] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(message, *args, **kwargs)
         self.failures = dict(failures or {})
 
@@ -131,24 +132,19 @@ class WorkerLayout:
 
     def __init__(self, sizes: Mapping[str, int], world_size: int | None = None) -> None:
         if not isinstance(sizes, Mapping) or not sizes:
-            raise ValueError(
-                f"WorkerLayout: need a non-empty {{axis: size}} mapping, got {sizes!r}"
-            )
+            raise ValueError(f"WorkerLayout: need a non-empty {{axis: size}} mapping, got {sizes!r}")
         for name, size in sizes.items():
             if not isinstance(name, str) or not name.isidentifier():
                 raise ValueError(f"WorkerLayout: axis names must be identifiers, got {name!r}")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(
-                    f"WorkerLayout: axis {name!r} must have an integer size >= 1, got {size!r}"
-                )
+                raise ValueError(f"WorkerLayout: axis {name!r} must have an integer size >= 1, got {size!r}")
         self._names = tuple(sizes)
         self._sizes = tuple(int(s) for s in sizes.values())
         # stride of axis i = product of the sizes of the axes inside it (row-major)
         self._strides = tuple(math.prod(self._sizes[i + 1 :]) for i in range(len(self._sizes)))
         if world_size is not None and world_size != self.world_size:
             raise ValueError(
-                f"WorkerLayout: {self._product_str()} = {self.world_size} does not match "
-                f"world size {world_size}"
+                f"WorkerLayout: {self._product_str()} = {self.world_size} does not match world size {world_size}"
             )
 
     @classmethod
@@ -173,7 +169,7 @@ class WorkerLayout:
     @property
     def sizes(self) -> dict[str, int]:
         """``{axis: size}``, outermost first (a copy)."""
-        return dict(zip(self._names, self._sizes))
+        return dict(zip(self._names, self._sizes, strict=True))
 
     def has_axis(self, name: str) -> bool:
         return name in self._names
@@ -188,7 +184,7 @@ class WorkerLayout:
             raise ValueError(f"WorkerLayout: rank {rank!r} is out of range [0, {self.world_size})")
         return {
             name: (rank // stride) % size
-            for name, size, stride in zip(self._names, self._sizes, self._strides)
+            for name, size, stride in zip(self._names, self._sizes, self._strides, strict=True)
         }
 
     def rank_of(self, **coords: int) -> int:
@@ -197,7 +193,7 @@ class WorkerLayout:
         if missing:
             raise ValueError(f"WorkerLayout.rank_of: missing coordinate(s) for {missing} in {self}")
         self._check_coords(coords)
-        return sum(coords[n] * s for n, s in zip(self._names, self._strides))
+        return sum(coords[n] * s for n, s in zip(self._names, self._strides, strict=True))
 
     def ranks_where(self, **fixed: int) -> list[int]:
         """Ascending ranks whose coordinates equal ``fixed`` (axes not named are free).
@@ -206,23 +202,17 @@ class WorkerLayout:
         """
         self._check_coords(fixed)
         return [
-            r
-            for r in range(self.world_size)
-            if all(self.coords(r)[name] == value for name, value in fixed.items())
+            r for r in range(self.world_size) if all(self.coords(r)[name] == value for name, value in fixed.items())
         ]
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, WorkerLayout)
-            and self._names == other._names
-            and self._sizes == other._sizes
-        )
+        return isinstance(other, WorkerLayout) and self._names == other._names and self._sizes == other._sizes
 
     def __hash__(self) -> int:
         return hash((self._names, self._sizes))
 
     def __repr__(self) -> str:
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes))
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes, strict=True))
         return f"WorkerLayout({axes})"
 
     # ------------------------------------------------------------------ internals
@@ -230,20 +220,16 @@ class WorkerLayout:
         try:
             return self._names.index(name)
         except ValueError:
-            raise ValueError(
-                f"WorkerLayout: unknown axis {name!r}; axes are {list(self._names)}"
-            ) from None
+            raise ValueError(f"WorkerLayout: unknown axis {name!r}; axes are {list(self._names)}") from None
 
     def _check_coords(self, coords: Mapping[str, int]) -> None:
         for name, value in coords.items():
             size = self.axis_size(name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
-                raise ValueError(
-                    f"WorkerLayout: coordinate {name}={value!r} is out of range [0, {size})"
-                )
+                raise ValueError(f"WorkerLayout: coordinate {name}={value!r} is out of range [0, {size})")
 
     def _product_str(self) -> str:
-        return " x ".join(f"{n} ({s})" for n, s in zip(self._names, self._sizes))
+        return " x ".join(f"{n} ({s})" for n, s in zip(self._names, self._sizes, strict=True))
 
 
 # ====================================================================== futures
@@ -322,9 +308,7 @@ class RayWorkerGroup:
         env_vars = dict(env_vars or {})
         clash = sorted(set(env_vars) & set(RESERVED_ENV_VARS))
         if clash:
-            raise ValueError(
-                f"RayWorkerGroup: env_vars may not set {clash}; the group sets them per rank"
-            )
+            raise ValueError(f"RayWorkerGroup: env_vars may not set {clash}; the group sets them per rank")
         self._cluster = cluster
         self._name_prefix = name_prefix
         self._counts = _workers_per_node(cluster.bundle_ct_per_node_list, workers_per_node)
@@ -363,9 +347,7 @@ class RayWorkerGroup:
         return list(self._counts)
 
     # ------------------------------------------------------------------ calls
-    def run_all_workers_single_data(
-        self, method_name: str, *args: Any, **kwargs: Any
-    ) -> list[ray.ObjectRef]:
+    def run_all_workers_single_data(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Call ``method_name(*args, **kwargs)`` on every worker; one future per rank."""
         self._check_alive(method_name)
         return [self._call(rank, method_name, args, kwargs) for rank in range(self.world_size)]
@@ -476,15 +458,10 @@ class RayWorkerGroup:
         self.shutdown()
 
     def __repr__(self) -> str:
-        return (
-            f"RayWorkerGroup({self._name_prefix!r}, {self._layout}, "
-            f"workers per node {self._counts})"
-        )
+        return f"RayWorkerGroup({self._name_prefix!r}, {self._layout}, workers per node {self._counts})"
 
     # ------------------------------------------------------------------ internals: creation
-    def _create_workers(
-        self, worker_cls: type, args: tuple, kwargs: dict, env_vars: dict[str, str]
-    ) -> None:
+    def _create_workers(self, worker_cls: type, args: tuple, kwargs: dict, env_vars: dict[str, str]) -> None:
         """One actor per used bundle, node by node, pinned to its bundle."""
         if isinstance(worker_cls, ray.actor.ActorClass):
             actor_cls = worker_cls
@@ -498,7 +475,7 @@ class RayWorkerGroup:
         placement_groups = self._cluster.get_placement_groups()
         world_size = sum(self._counts)
         rank = 0
-        for node_rank, (pg, count) in enumerate(zip(placement_groups, self._counts)):
+        for node_rank, (pg, count) in enumerate(zip(placement_groups, self._counts, strict=True)):
             for local_rank in range(count):
                 env = dict(env_vars)
                 if not self._cluster.use_gpus:
@@ -534,9 +511,7 @@ class RayWorkerGroup:
                 rank += 1
 
     # ------------------------------------------------------------------ internals: calls
-    def _call(
-        self, rank: int, method_name: str, args: tuple, kwargs: Mapping[str, Any]
-    ) -> ray.ObjectRef:
+    def _call(self, rank: int, method_name: str, args: tuple, kwargs: Mapping[str, Any]) -> ray.ObjectRef:
         try:
             method = getattr(self._workers[rank], method_name)
         except AttributeError:
@@ -561,9 +536,7 @@ class RayWorkerGroup:
         """Validate the axis roles against the layout; return the sharded axes."""
         where = f"run_all_workers_sharded_data({method_name!r})"
         if isinstance(in_sharded_axes, str) or isinstance(replicate_on_axes, str):
-            raise TypeError(
-                f"{where}: axis arguments are sequences of names, e.g. ('dp',), not a string"
-            )
+            raise TypeError(f"{where}: axis arguments are sequences of names, e.g. ('dp',), not a string")
         sharded = list(in_sharded_axes)
         if not sharded:
             raise ValueError(f"{where}: in_sharded_axes is empty; use run_all_workers_single_data")
@@ -657,8 +630,9 @@ class RayWorkerGroup:
             self._raise_recoverable(method, recovered)
         return results
 
-    def _error(self, cls: type, method: str, failures: Mapping[int | None, BaseException], text: str,
-               describe: Any = None) -> WorkerGroupError:
+    def _error(
+        self, cls: type, method: str, failures: Mapping[int | None, BaseException], text: str, describe: Any = None
+    ) -> WorkerGroupError:
         """``cls`` with ``text`` (after the group's name), then one line per failed rank."""
         failed = sorted(failures, key=_rank_key)
         describe = describe or _describe
@@ -673,22 +647,29 @@ class RayWorkerGroup:
     def _raise_recoverable(self, method: str, failures: Mapping[int | None, BaseException]) -> None:
         failed = sorted(failures, key=_rank_key)
         raise self._error(
-            RecoverableCallError, method, failures,
+            RecoverableCallError,
+            method,
+            failures,
             f"{method!r} failed on rank(s) {_fmt_ranks(failed)}: {_recoverable_text(failures[failed[0]])}\n"
             f"Recoverable: every failed rank raised before any collective (or kept its peers in step) and "
             f"every other rank finished; the group's {len(self._workers)} actors are alive and usable.",
             _recoverable_text,
         ) from failures[failed[0]]
 
-    def _fail_stranded(self, method: str, failures: Mapping[int | None, BaseException],
-                       stranded: Sequence[int | None]) -> None:
+    def _fail_stranded(
+        self, method: str, failures: Mapping[int | None, BaseException], stranded: Sequence[int | None]
+    ) -> None:
         """Recoverable failures on some ranks, but others never finished: those are blocked in
         a collective the failed ranks will not join, so the group cannot go on."""
         failed = sorted(failures, key=_rank_key)
-        self._kill_all(f"{method!r} failed on rank(s) {_fmt_ranks(failed)} while rank(s) "
-                       f"{_fmt_ranks(stranded)} were in a collective")
+        self._kill_all(
+            f"{method!r} failed on rank(s) {_fmt_ranks(failed)} while rank(s) "
+            f"{_fmt_ranks(stranded)} were in a collective"
+        )
         raise self._error(
-            WorkerGroupError, method, failures,
+            WorkerGroupError,
+            method,
+            failures,
             f"{method!r} failed on rank(s) {_fmt_ranks(failed)} before any collective, but rank(s) "
             f"{_fmt_ranks(stranded)} had not finished {self.recover_grace_s:g} s later (blocked in a collective "
             f"waiting for the failed ranks). Fatal: all {len(self._workers)} actors of the group were killed.",
@@ -704,10 +685,15 @@ class RayWorkerGroup:
             self._fail_startup(method, failures, startup)
         self._kill_all(f"{method!r} failed on rank(s) {_fmt_ranks(failed)}")
         died = any(isinstance(failures[r], RayActorError) for r in failed)
-        why = ("a worker process died" if died else
-               "an exception inside or after a collective (its peers may be blocked in it)")
+        why = (
+            "a worker process died"
+            if died
+            else "an exception inside or after a collective (its peers may be blocked in it)"
+        )
         raise self._error(
-            WorkerGroupError, method, failures,
+            WorkerGroupError,
+            method,
+            failures,
             f"{method!r} failed on rank(s) {_fmt_ranks(failed)}. Fatal ({why}): all {len(self._workers)} actors "
             "of the group were killed.",
         ) from failures[failed[0]]
@@ -737,8 +723,7 @@ class RayWorkerGroup:
         raise WorkerStartupError(
             f"RayWorkerGroup({self._name_prefix!r}): rank {_fmt_rank(first_rank)}{self._bundle(first_rank)}{more} "
             f"failed to start: "
-            f"{first.summary()}; all {len(self._workers)} actors of the group were killed.\n"
-            + "\n".join(details),
+            f"{first.summary()}; all {len(self._workers)} actors of the group were killed.\n" + "\n".join(details),
             method=method,
             ranks=[r for r in failed if r is not None],
             errors={r: e for r, e in failures.items() if r is not None},
@@ -790,23 +775,16 @@ def _workers_per_node(bundles: list[int], requested: int | list[int] | None) -> 
                 f"{len(bundles)} nodes ({bundles} bundles per node)"
             )
     else:
-        raise TypeError(
-            f"RayWorkerGroup: workers_per_node must be None, an int or a list, got {requested!r}"
-        )
-    for node, (want, have) in enumerate(zip(counts, bundles)):
+        raise TypeError(f"RayWorkerGroup: workers_per_node must be None, an int or a list, got {requested!r}")
+    for node, (want, have) in enumerate(zip(counts, bundles, strict=True)):
         if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= have:
-            raise ValueError(
-                f"RayWorkerGroup: node {node} has {have} bundles; "
-                f"cannot place {want!r} workers there"
-            )
+            raise ValueError(f"RayWorkerGroup: node {node} has {have} bundles; cannot place {want!r} workers there")
     if sum(counts) == 0:
         raise ValueError("RayWorkerGroup: workers_per_node places no worker at all")
     return counts
 
 
-def _check_nested_lengths(
-    method: str, data: Any, axes: list[tuple[str, int]], path: str = "data"
-) -> None:
+def _check_nested_lengths(method: str, data: Any, axes: list[tuple[str, int]], path: str = "data") -> None:
     """``data`` must be a list (or tuple) of ``axes[0]`` size, each item one of ``axes[1]``...."""
     if not axes:
         return
@@ -981,13 +959,13 @@ def _project_location(block: str) -> str:
         return any(p in _THIRD_PARTY for p in parts) or path.startswith(("python/ray", "<"))
 
     root = _PROJECT_ROOT + os.sep
-    mine = [f for f in frames if f["file"].startswith(root) and not third_party(f["file"][len(root):])]
+    mine = [f for f in frames if f["file"].startswith(root) and not third_party(f["file"][len(root) :])]
     if not mine:
         mine = [f for f in frames if not third_party(f["file"]) and "/lib/python" not in f["file"]]
     if not mine:
         return ""
     f = mine[-1]
-    path = f["file"][len(root):] if f["file"].startswith(root) else f["file"]
+    path = f["file"][len(root) :] if f["file"].startswith(root) else f["file"]
     return f"{path}:{f['line']} in {f['func'].strip()}"
 
 
@@ -1026,4 +1004,3 @@ def _fmt_rank(rank: int | None) -> str:
 
 def _fmt_ranks(ranks: Iterable[int | None]) -> str:
     return "[" + ", ".join(_fmt_rank(r) for r in ranks) + "]"
-

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.environments.interfaces import AnswerCheckingEnvironment, env_subsection
 
@@ -108,7 +109,7 @@ class ArithmeticTask:
         if len(ops) != len(operands) - 1:
             raise ValueError(f"{len(operands)} operands need {len(operands) - 1} operators, got {len(ops)}")
         parts = [_format_operand(operands[0])]
-        for op, value in zip(ops, operands[1:]):
+        for op, value in zip(ops, operands[1:], strict=True):
             if op not in SUPPORTED_OPERATIONS:
                 raise ValueError(f"unknown operation {op!r}; supported: {list(SUPPORTED_OPERATIONS)}")
             parts.append(op + _format_operand(value))
@@ -239,16 +240,12 @@ def _validated_settings(cfg: Mapping[str, Any] | None, path: str) -> dict[str, A
     _check_operations(settings["operations"], f"{path}.operations")
     if settings["min_value"] > settings["max_value"]:
         raise ValueError(
-            f"{path}.min_value ({settings['min_value']}) is greater than "
-            f"{path}.max_value ({settings['max_value']})"
+            f"{path}.min_value ({settings['min_value']}) is greater than {path}.max_value ({settings['max_value']})"
         )
     if settings["num_operands"] < 2:
         raise ValueError(f"{path}.num_operands must be >= 2, got {settings['num_operands']}")
     if settings["min_value"] < 0 and not settings["allow_negative"]:
-        raise ValueError(
-            f"{path}.min_value ({settings['min_value']}) is negative while "
-            f"{path}.allow_negative is false"
-        )
+        raise ValueError(f"{path}.min_value ({settings['min_value']}) is negative while {path}.allow_negative is false")
     return settings
 
 

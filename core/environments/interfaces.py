@@ -14,8 +14,9 @@ from __future__ import annotations
 import abc
 import math
 import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "AnswerCheckingEnvironment",
@@ -77,7 +78,7 @@ class AnswerCheckingEnvironment(abc.ABC):
         check_batch_lengths(prompts, completions, metadata)
         rewards: list[float] = []
         infos: list[dict[str, Any]] = []
-        for i, (prompt, completion, meta) in enumerate(zip(prompts, completions, metadata)):
+        for i, (prompt, completion, meta) in enumerate(zip(prompts, completions, metadata, strict=True)):
             correct, extracted = self.judge(completion, ground_truth_of(meta, i, prompt, completion, self.name))
             rewards.append(1.0 if correct else 0.0)
             infos.append({"correct": correct, "extracted": extracted})
@@ -124,27 +125,19 @@ def check_environment_return(
     """
     where = f"environment {env_name!r}"
     if not isinstance(ret, EnvironmentReturn):
-        raise RewardError(
-            f"{where}: score() must return an EnvironmentReturn, got {type(ret).__name__}"
-        )
+        raise RewardError(f"{where}: score() must return an EnvironmentReturn, got {type(ret).__name__}")
     expected = len(prompts)
     for field_name in ("rewards", "infos"):
         values = getattr(ret, field_name)
         if not isinstance(values, (list, tuple)):
-            raise RewardError(
-                f"{where}: EnvironmentReturn.{field_name} must be a list, "
-                f"got {type(values).__name__}"
-            )
+            raise RewardError(f"{where}: EnvironmentReturn.{field_name} must be a list, got {type(values).__name__}")
         if len(values) != expected:
             last = offset + expected - 1
             raise RewardError(
                 f"{where}: expected {expected} {field_name} (one per sample, samples "
                 f"{offset}..{last}), got {len(values)}"
             )
-    rewards = [
-        _checked_reward(r, offset + i, prompts[i], completions[i], where)
-        for i, r in enumerate(ret.rewards)
-    ]
+    rewards = [_checked_reward(r, offset + i, prompts[i], completions[i], where) for i, r in enumerate(ret.rewards)]
     for i, info in enumerate(ret.infos):
         if not isinstance(info, dict):
             sample = describe_sample(offset + i, prompts[i], completions[i])

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.environments.interfaces import AnswerCheckingEnvironment, env_subsection
 
@@ -31,9 +32,7 @@ MATH_DEFAULTS: dict[str, Any] = {"rel_tol": 1e-6}
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A number as written in prose: optional sign (not glued to a preceding word or digit,
 # so the "-" of "3-4" is not a sign), optional "$", thousands commas, decimals, "%".
-_NUMBER = re.compile(
-    r"(?:(?<![\w)])[-+])?\$?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)%?"
-)
+_NUMBER = re.compile(r"(?:(?<![\w)])[-+])?\$?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)%?")
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _LATEX_FRACTION = re.compile(r"([-+]?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
 _SLASH_FRACTION = re.compile(r"([-+]?[\d.]+)/([-+]?[\d.]+)")

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import traceback
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from core.environments.interfaces import (
     EnvironmentReturn,
@@ -94,7 +95,7 @@ class EnvironmentWorker:
     ) -> str:
         """Re-score sample by sample to name the one that raises (chunks are small)."""
         name = getattr(self._env, "name", "?")
-        for i, (prompt, completion, meta) in enumerate(zip(prompts, completions, metadata)):
+        for i, (prompt, completion, meta) in enumerate(zip(prompts, completions, metadata, strict=True)):
             try:
                 self._env.score([prompt], [completion], [meta])
             except Exception as err:
@@ -146,12 +147,12 @@ class EnvironmentPool:
         chunks = _split(len(prompts), self.num_workers)
         refs = [
             actor.score.remote(list(prompts[a:b]), list(completions[a:b]), list(metadata[a:b]), a)
-            for actor, (a, b) in zip(self._actors, chunks)
+            for actor, (a, b) in zip(self._actors, chunks, strict=True)
         ]
         self._wait_or_time_out(refs, chunks)
         rewards: list[float] = []
         infos: list[dict[str, Any]] = []
-        for worker, (ref, (a, b)) in enumerate(zip(refs, chunks)):
+        for worker, (ref, (a, b)) in enumerate(zip(refs, chunks, strict=True)):
             result = self._fetch(ref, worker, a, b)
             checked = check_environment_return(result, prompts[a:b], completions[a:b], self.name, offset=a)
             rewards.extend(checked.rewards)
@@ -190,7 +191,7 @@ class EnvironmentPool:
 
         workers = list(range(len(self._actors))) if workers is None else workers
         refs = [self._actors[worker].startup_error.remote() for worker in workers]
-        for worker, ref in zip(workers, refs):
+        for worker, ref in zip(workers, refs, strict=True):
             where = f"environment {self.name!r}: worker {worker} of {self.num_workers}"
             try:
                 error = ray.get(ref, timeout=STARTUP_TIMEOUT_S)
@@ -214,9 +215,7 @@ class EnvironmentPool:
             return
         hung = [worker for worker, ref in enumerate(refs) if ref in pending]
         self._replace_workers(hung)
-        described = ", ".join(
-            f"chunk {w} (samples {chunks[w][0]}..{chunks[w][1] - 1}) on worker {w}" for w in hung
-        )
+        described = ", ".join(f"chunk {w} (samples {chunks[w][0]}..{chunks[w][1] - 1}) on worker {w}" for w in hung)
         raise RewardError(
             f"environment {self.name!r}: {described} did not finish within {self.timeout_s:g} s "
             f"(env.timeout_s); the worker was restarted, the batch was not scored"
@@ -258,8 +257,7 @@ class EnvironmentPool:
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise EnvironmentPoolError(
-                f"environment {self.name!r}: the pool is unusable ({self._broken}); "
-                f"build a new EnvironmentPool"
+                f"environment {self.name!r}: the pool is unusable ({self._broken}); build a new EnvironmentPool"
             )
 
 

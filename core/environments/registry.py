@@ -10,7 +10,8 @@ The class must be importable where the environment runs (the Ray workers of an
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.environments.arithmetic import ArithmeticEnvironment
 from core.environments.interfaces import Environment
@@ -45,9 +46,7 @@ def resolve_environment_class(name: Any) -> type:
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
         found = "nothing" if cls is None else type(cls).__name__
-        raise ValueError(
-            f"env.name: {name!r}: module {module_name!r} has no class {class_name!r} (found {found})"
-        )
+        raise ValueError(f"env.name: {name!r}: module {module_name!r} has no class {class_name!r} (found {found})")
     return cls
 
 

@@ -18,7 +18,8 @@ its own short deadline):
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -29,8 +30,10 @@ from core.refit.manifest import RefitError
 #: Seconds a health probe (one token of one prompt) may take before the engine is declared dead.
 PROBE_TIMEOUT_S = 60.0
 
-RECOVERY = ("create a new VllmGeneration and refit it from the policy "
-            "(core.refit.refit_policy_generation); the policy is not affected")
+RECOVERY = (
+    "create a new VllmGeneration and refit it from the policy "
+    "(core.refit.refit_policy_generation); the policy is not affected"
+)
 
 
 class EngineDeadError(RuntimeError):
@@ -59,8 +62,9 @@ class EngineHealth:
         """Refuse a call on a set of engines with a dead member, before anything is sent."""
         if self.dead:
             i, reason = next(iter(sorted(self.dead.items())))
-            raise EngineDeadError(f"vLLM generation engine {i} is dead ({reason}); cannot {what}: {RECOVERY}",
-                                  engine=i, what=what)
+            raise EngineDeadError(
+                f"vLLM generation engine {i} is dead ({reason}); cannot {what}: {RECOVERY}", engine=i, what=what
+            )
 
     def get(self, refs: Sequence[ray.ObjectRef], owners: Sequence[int], what: str, timeout_s: float) -> list[Any]:
         """Results of ``refs`` (``owners[k]`` = engine index of ``refs[k]``) within ``timeout_s``."""
@@ -107,12 +111,15 @@ class EngineHealth:
             pass
 
     def _dead_error(self, i: int, what: str) -> EngineDeadError:
-        return EngineDeadError(f"vLLM generation engine {i} is dead ({self.dead[i]}); it was killed. "
-                               f"To go on: {RECOVERY}", engine=i, what=what)
+        return EngineDeadError(
+            f"vLLM generation engine {i} is dead ({self.dead[i]}); it was killed. To go on: {RECOVERY}",
+            engine=i,
+            what=what,
+        )
 
     @staticmethod
     def _failed_owner(refs: Sequence[ray.ObjectRef], owners: Sequence[int]) -> int:
-        for ref, owner in zip(refs, owners):
+        for ref, owner in zip(refs, owners, strict=True):
             if ray.wait([ref], timeout=0)[0]:
                 try:
                     ray.get(ref, timeout=0)

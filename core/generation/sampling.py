@@ -8,7 +8,8 @@ the other engines and unit-tested without an engine.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,16 +28,25 @@ def stop_token_ids(gen_cfg: Mapping[str, Any], eos_token_ids: Sequence[int]) -> 
     return list(dict.fromkeys(ids))
 
 
-def sampling_kwargs(gen_cfg: Mapping[str, Any], *, greedy: bool, max_new_tokens: int,
-                    eos_token_ids: Sequence[int], seed: int | None = None) -> dict[str, Any]:
+def sampling_kwargs(
+    gen_cfg: Mapping[str, Any],
+    *,
+    greedy: bool,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    seed: int | None = None,
+) -> dict[str, Any]:
     """Arguments of ``vllm.SamplingParams`` for one request."""
     temperature = float(gen_cfg.get("temperature", 1.0))
     if temperature <= 0:
         raise ValueError(f"generation.temperature must be > 0 (ask for argmax with greedy=True), got {temperature}")
     if greedy and temperature != 1.0:
-        warnings.warn(f"greedy vLLM generation reports logprobs at temperature 1.0, not generation.temperature="
-                      f"{temperature}: vLLM's greedy path skips temperature; token_mult_prob_error against "
-                      "get_logprobs is only meaningful for sampled rollouts here", stacklevel=3)
+        warnings.warn(
+            f"greedy vLLM generation reports logprobs at temperature 1.0, not generation.temperature="
+            f"{temperature}: vLLM's greedy path skips temperature; token_mult_prob_error against "
+            "get_logprobs is only meaningful for sampled rollouts here",
+            stacklevel=3,
+        )
     # vLLM spells "no top-k" -1; the shared rule also refuses 0 and values below -1.
     top_k = -1 if greedy else (top_k_or_off(gen_cfg.get("top_k")) or -1)
     kwargs = dict(
@@ -62,14 +72,19 @@ def first_stop_string_hit(tokenizer: Any, tokens: Sequence[int], strings: Sequen
         return None
     window = stop_window([strings])
     for count in range(1, len(tokens) + 1):
-        if tail_hits_stop_string(tokenizer, tokens[max(0, count - window):count], strings):
+        if tail_hits_stop_string(tokenizer, tokens[max(0, count - window) : count], strings):
             return count
     return None
 
 
-def assemble_output(input_ids: np.ndarray, input_lengths: np.ndarray, rows_tokens: Sequence[Sequence[int]],
-                    rows_logprobs: Sequence[Sequence[float]], max_new_tokens: int,
-                    pad_token_id: int) -> dict[str, np.ndarray]:
+def assemble_output(
+    input_ids: np.ndarray,
+    input_lengths: np.ndarray,
+    rows_tokens: Sequence[Sequence[int]],
+    rows_logprobs: Sequence[Sequence[float]],
+    max_new_tokens: int,
+    pad_token_id: int,
+) -> dict[str, np.ndarray]:
     """``GenerationOutputSpec`` arrays from ragged per-row generations (vLLM's form);
     tokens beyond ``max_new_tokens`` are dropped.  See ``assemble_padded``."""
     batch = len(rows_tokens)
@@ -77,13 +92,20 @@ def assemble_output(input_ids: np.ndarray, input_lengths: np.ndarray, rows_token
     tokens = np.zeros((batch, max_new_tokens), np.int64)
     logprobs = np.zeros((batch, max_new_tokens), np.float32)
     for b in range(batch):
-        tokens[b, :lengths[b]] = list(rows_tokens[b])[:lengths[b]]
-        logprobs[b, :lengths[b]] = list(rows_logprobs[b])[:lengths[b]]
+        tokens[b, : lengths[b]] = list(rows_tokens[b])[: lengths[b]]
+        logprobs[b, : lengths[b]] = list(rows_logprobs[b])[: lengths[b]]
     return assemble_padded(input_ids, input_lengths, tokens, logprobs, lengths, max_new_tokens, pad_token_id)
 
 
-def assemble_padded(input_ids: np.ndarray, input_lengths: np.ndarray, tokens: np.ndarray, token_logprobs: np.ndarray,
-                    gen_lengths: np.ndarray, max_new_tokens: int, pad_token_id: int) -> dict[str, np.ndarray]:
+def assemble_padded(
+    input_ids: np.ndarray,
+    input_lengths: np.ndarray,
+    tokens: np.ndarray,
+    token_logprobs: np.ndarray,
+    gen_lengths: np.ndarray,
+    max_new_tokens: int,
+    pad_token_id: int,
+) -> dict[str, np.ndarray]:
     """The one ``GenerationOutputSpec`` layout every engine (HF, JAX, vLLM) returns.
 
     ``tokens`` / ``token_logprobs`` [B, T] with T <= ``max_new_tokens``; row b's first
@@ -106,8 +128,12 @@ def assemble_padded(input_ids: np.ndarray, input_lengths: np.ndarray, tokens: np
     dest = (input_lengths[:, None] + step)[keep]
     output_ids[rows, dest] = np.asarray(tokens)[keep]
     logprobs[rows, dest] = np.asarray(token_logprobs)[keep]
-    return dict(output_ids=output_ids, logprobs=logprobs, generation_lengths=gen_lengths,
-                unpadded_sequence_lengths=input_lengths + gen_lengths)
+    return dict(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        generation_lengths=gen_lengths,
+        unpadded_sequence_lengths=input_lengths + gen_lengths,
+    )
 
 
 def rows_stop_strings(gen_cfg: Mapping[str, Any], data_stop_strings: Any, batch: int) -> list[tuple[str, ...]]:

@@ -71,8 +71,9 @@ class VllmRefitExtension:
         return {"tensors": count, "bytes": rx.bytes_received}
 
     # ------------------------------------------------------------------ collective
-    def dualrl_init_collective(self, host: str, port: int, world_size: int, rank_offset: int,
-                               timeout_s: float = collective.DEFAULT_TIMEOUT_S) -> int:
+    def dualrl_init_collective(
+        self, host: str, port: int, world_size: int, rank_offset: int, timeout_s: float = collective.DEFAULT_TIMEOUT_S
+    ) -> int:
         """Join the broadcast group as rank ``rank_offset + self.rank``."""
         import torch
 

@@ -17,7 +17,8 @@ engine that died, hung past ``call_timeout_s`` or failed the probe is killed and
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import ray
@@ -59,12 +60,20 @@ class VllmGeneration(RefittableGenerationInterface):
         self.workers_per_engine = workers_per_engine(vcfg)
         per_node = [n // self.workers_per_engine for n in cluster.bundle_ct_per_node_list]
         if sum(per_node) == 0:
-            raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size={self.workers_per_engine} needs that many "
-                             f"bundles on one node; the cluster has {cluster.bundle_ct_per_node_list}")
+            raise ValueError(
+                f"policy.generation.vllm_cfg.tensor_parallel_size={self.workers_per_engine} needs that many "
+                f"bundles on one node; the cluster has {cluster.bundle_ct_per_node_list}"
+            )
         self.call_timeout_s = call_timeout_s
         self.worker_group = RayWorkerGroup(
-            cluster, VllmGenerationWorker, self.cfg, tokenizer, seed,
-            name_prefix=name_prefix, workers_per_node=per_node, env_vars=default_env(cluster.use_gpus),
+            cluster,
+            VllmGenerationWorker,
+            self.cfg,
+            tokenizer,
+            seed,
+            name_prefix=name_prefix,
+            workers_per_node=per_node,
+            env_vars=default_env(cluster.use_gpus),
         )
         self.engines = self.worker_group.workers
         self.health = EngineHealth(self.engines, probe_timeout_s)
@@ -72,8 +81,7 @@ class VllmGeneration(RefittableGenerationInterface):
         # its rank and the exception (WorkerStartupError, a RuntimeError), not as "dead".
         group = self.worker_group
         try:
-            limits = group.get_all_worker_results(group.run_all_workers_single_data("limits"),
-                                                  timeout=call_timeout_s)
+            limits = group.get_all_worker_results(group.run_all_workers_single_data("limits"), timeout=call_timeout_s)
         except BaseException:
             group.shutdown()  # the caller gets no handle to shut down: leave no engine behind
             raise
@@ -90,7 +98,7 @@ class VllmGeneration(RefittableGenerationInterface):
         rows = data.size
         bounds = np.linspace(0, rows, self.num_engines + 1).astype(int)
         calls, owners = [], []
-        for i, (engine, start, end) in enumerate(zip(self.engines, bounds[:-1], bounds[1:])):
+        for i, (engine, start, end) in enumerate(zip(self.engines, bounds[:-1], bounds[1:], strict=True)):
             if end > start:
                 calls.append(engine.generate.remote(_rows(data, start, end), greedy))
                 owners.append(i)
@@ -109,7 +117,7 @@ class VllmGeneration(RefittableGenerationInterface):
         if data.get("sample_seeds") is not None:
             checked_sample_seeds(data["sample_seeds"], data.size)
 
-    def prepare_for_generation(self, *args: Any, tags: Optional[list[str]] = None, **kwargs: Any) -> bool:
+    def prepare_for_generation(self, *args: Any, tags: list[str] | None = None, **kwargs: Any) -> bool:
         """Wake the engines (GPU sleep mode; a no-op returning False on CPU)."""
         return all(self._get([e.wake_up.remote(tags) for e in self.engines], "prepare_for_generation"))
 
@@ -123,24 +131,33 @@ class VllmGeneration(RefittableGenerationInterface):
         self._get([e.prepare_refit_info.remote(dict(state_dict_info)) for e in self.engines], "prepare_refit_info")
 
     def update_weights_from_ipc_handles(self, ipc_handles: Mapping[str, Any]) -> bool:
-        self._get([e.update_weights_from_ipc_handles.remote(dict(ipc_handles)) for e in self.engines],
-                  "update_weights_from_ipc_handles")
+        self._get(
+            [e.update_weights_from_ipc_handles.remote(dict(ipc_handles)) for e in self.engines],
+            "update_weights_from_ipc_handles",
+        )
         return True
 
     def finish_refit(self) -> list[dict[str, Any]]:
         """End an ``ipc`` refit: every engine checks it received every tensor."""
-        return [r for per_engine in self._get([e.finish_refit.remote() for e in self.engines], "finish_refit")
-                for r in per_engine]
+        return [
+            r
+            for per_engine in self._get([e.finish_refit.remote() for e in self.engines], "finish_refit")
+            for r in per_engine
+        ]
 
     def init_collective(self, ip: str, port: int, world_size: int) -> list[ray.ObjectRef]:
         """Engine workers join as ranks 1.. (rank 0 is the policy's)."""
         self.health.require_alive("init_collective")
         expected = 1 + self.num_engines * self.workers_per_engine
         if world_size != expected:
-            raise ValueError(f"init_collective: world_size {world_size} but the group is policy rank 0 + "
-                             f"{self.num_engines} engine(s) x {self.workers_per_engine} worker(s) = {expected}")
-        return [e.init_collective.remote(ip, port, world_size, 1 + i * self.workers_per_engine)
-                for i, e in enumerate(self.engines)]
+            raise ValueError(
+                f"init_collective: world_size {world_size} but the group is policy rank 0 + "
+                f"{self.num_engines} engine(s) x {self.workers_per_engine} worker(s) = {expected}"
+            )
+        return [
+            e.init_collective.remote(ip, port, world_size, 1 + i * self.workers_per_engine)
+            for i, e in enumerate(self.engines)
+        ]
 
     def update_weights_from_collective(self) -> list[ray.ObjectRef]:
         self.health.require_alive("update_weights_from_collective")
@@ -169,8 +186,9 @@ class VllmGeneration(RefittableGenerationInterface):
         return self.worker_group.shutdown()
 
     # ------------------------------------------------------------------ internals
-    def _get(self, refs: list[ray.ObjectRef], what: str, timeout_s: float | None = None,
-             owners: list[int] | None = None) -> list[Any]:
+    def _get(
+        self, refs: list[ray.ObjectRef], what: str, timeout_s: float | None = None, owners: list[int] | None = None
+    ) -> list[Any]:
         """Results of one call per engine (``owners``: engine index per ref, default all in
         order) within the deadline; failures classified by :class:`EngineHealth`."""
         self.health.require_alive(what)
@@ -193,6 +211,8 @@ def _check_engine_config(cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> Mapp
         raise ValueError(f"VllmGeneration needs policy.generation.backend == 'vllm', got {gen.get('backend')!r}")
     vcfg = gen.get("vllm_cfg") or {}
     if int(vcfg.get("max_model_len", 0)) < int(cfg["max_total_sequence_length"]):
-        raise ValueError(f"policy.generation.vllm_cfg.max_model_len={vcfg.get('max_model_len')} is shorter than "
-                         f"policy.max_total_sequence_length={cfg['max_total_sequence_length']}: rollouts would not fit")
+        raise ValueError(
+            f"policy.generation.vllm_cfg.max_model_len={vcfg.get('max_model_len')} is shorter than "
+            f"policy.max_total_sequence_length={cfg['max_total_sequence_length']}: rollouts would not fit"
+        )
     return vcfg

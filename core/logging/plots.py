@@ -67,16 +67,25 @@ def _no_data(ax: Any, what: str) -> None:
 Panel = tuple[str, tuple[tuple[str, str, str], ...]]
 
 RUN_PANELS: dict[str, tuple[Panel, ...]] = {
-    "grpo": (("reward / validation accuracy", (("train", "reward_mean", "train reward mean"),
-                                               ("val", "accuracy", "val accuracy"))),
-             ("train loss", (("train", "loss", "loss"),))),
-    "sft": (("loss (token-mean NLL)", (("train", "loss", "train loss"), ("val", "loss", "val loss"))),
-            ("gradient norm", (("train", "grad_norm", "grad norm"),))),
-    "dpo": (("preference accuracy (chosen reward > rejected)", (("train", "accuracy", "train"),
-                                                                 ("val", "accuracy", "val"))),
-            ("loss", (("train", "loss", "train"), ("val", "loss", "val"))),
-            ("reward margin (chosen - rejected)", (("train", "reward_margin", "train"),
-                                                   ("val", "reward_margin", "val")))),
+    "grpo": (
+        (
+            "reward / validation accuracy",
+            (("train", "reward_mean", "train reward mean"), ("val", "accuracy", "val accuracy")),
+        ),
+        ("train loss", (("train", "loss", "loss"),)),
+    ),
+    "sft": (
+        ("loss (token-mean NLL)", (("train", "loss", "train loss"), ("val", "loss", "val loss"))),
+        ("gradient norm", (("train", "grad_norm", "grad norm"),)),
+    ),
+    "dpo": (
+        (
+            "preference accuracy (chosen reward > rejected)",
+            (("train", "accuracy", "train"), ("val", "accuracy", "val")),
+        ),
+        ("loss", (("train", "loss", "train"), ("val", "loss", "val"))),
+        ("reward margin (chosen - rejected)", (("train", "reward_margin", "train"), ("val", "reward_margin", "val"))),
+    ),
 }
 
 
@@ -96,8 +105,13 @@ def _plot_panel(ax: Any, history: Sequence[Mapping[str, Any]], panel: Panel) -> 
         ax.plot(steps, values, color=_TRAIN_COLOR, alpha=0.35, marker=".", lw=1, label=label)
         window = _smoothing_window(len(values))
         if len(values) > window:
-            ax.plot(steps, moving_average(values, window), color=_TRAIN_COLOR, lw=2,
-                    label=f"{label} ({window}-step moving avg)")
+            ax.plot(
+                steps,
+                moving_average(values, window),
+                color=_TRAIN_COLOR,
+                lw=2,
+                label=f"{label} ({window}-step moving avg)",
+            )
     if not drawn:
         _no_data(ax, ", ".join(f"{split} {key}" for split, key, _ in curves))
         return
@@ -120,8 +134,9 @@ def _plot_timing_panel(ax: Any, history: Sequence[Mapping[str, Any]], keys: list
     ax.legend(loc="upper left", fontsize=8, ncol=min(len(keys), 6))
 
 
-def plot_run(history: Sequence[Mapping[str, Any]], out_path: Path | str, *, title: str = "",
-             algorithm: str = "grpo") -> Path:
+def plot_run(
+    history: Sequence[Mapping[str, Any]], out_path: Path | str, *, title: str = "", algorithm: str = "grpo"
+) -> Path:
     """Write the run's curves to ``out_path`` (a .png) and return the path.
 
     Panels: ``RUN_PANELS[algorithm]``, then, only when the history has ``timing/*_s`` keys,
@@ -141,7 +156,7 @@ def plot_run(history: Sequence[Mapping[str, Any]], out_path: Path | str, *, titl
     timing_keys = timing_keys_in(row for row in history if row.get("split") == "train")
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     axes = fig.subplots(len(panels) + bool(timing_keys), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, panel in zip(axes, panels):
+    for ax, panel in zip(axes, panels, strict=False):
         _plot_panel(ax, history, panel)
     if timing_keys:
         _plot_timing_panel(axes[-1], history, timing_keys)

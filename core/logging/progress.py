@@ -31,8 +31,8 @@ PROGRESS_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Keys that hold the wall time of a whole step (the "s/step" candidates above).
 STEP_TIME_KEYS: tuple[str, ...] = dict(PROGRESS_FIELDS)["s/step"]
 
-# Per-phase timings of a step (GRPO's all; SFT train; DPO reference + train), in pipeline order; plots stack them and the summary
-# reports each as a share of their sum, so they must not overlap one another.
+# Per-phase timings of a step (GRPO's all; SFT train; DPO reference + train), in pipeline order; plots stack them
+# and the summary reports each as a share of their sum, so they must not overlap one another.
 TIMING_KEYS: tuple[str, ...] = (
     "timing/generation_s",
     "timing/reward_s",
@@ -83,8 +83,15 @@ class StepProgress:
         self.enabled = enabled
         self.values: dict[str, float] = {}
         # file=sys.stderr read now (not at import) so a redirected stderr is honoured.
-        self._bar = tqdm(total=total_steps, initial=initial, desc=desc, file=sys.stderr,
-                         disable=not enabled, dynamic_ncols=True, unit="step")
+        self._bar = tqdm(
+            total=total_steps,
+            initial=initial,
+            desc=desc,
+            file=sys.stderr,
+            disable=not enabled,
+            dynamic_ncols=True,
+            unit="step",
+        )
         self._n = initial
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -79,8 +79,7 @@ def _encode(value: float) -> float | str:
 def _decode_row(row: dict[str, Any]) -> dict[str, Any]:
     """Turn the ``"nan"``/``"inf"``/``"-inf"`` strings of a JSONL row back into floats."""
     return {
-        k: (_NON_FINITE[v] if k != "split" and isinstance(v, str) and v in _NON_FINITE else v)
-        for k, v in row.items()
+        k: (_NON_FINITE[v] if k != "split" and isinstance(v, str) and v in _NON_FINITE else v) for k, v in row.items()
     }
 
 

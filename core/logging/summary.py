@@ -91,14 +91,22 @@ def _last_values_line(train: Sequence[Mapping[str, Any]]) -> str | None:
 def _path_lines(run_dir: Path) -> list[str]:
     """The run's output files, each marked when it was not written."""
     lines = []
-    for label, path in (("metrics", run_dir / METRICS_FILENAME), ("tensorboard", run_dir / TENSORBOARD_DIRNAME),
-                        ("plot", run_dir / PLOT_FILENAME)):
+    for label, path in (
+        ("metrics", run_dir / METRICS_FILENAME),
+        ("tensorboard", run_dir / TENSORBOARD_DIRNAME),
+        ("plot", run_dir / PLOT_FILENAME),
+    ):
         lines.append(f"  {label + ':':<13}{path}" + ("" if path.exists() else "  (not written)"))
     return lines
 
 
-def format_summary(history: Sequence[Mapping[str, Any]], *, wall_time_s: float, run_dir: Path | str,
-                   extra: Mapping[str, Any] | None = None) -> str:
+def format_summary(
+    history: Sequence[Mapping[str, Any]],
+    *,
+    wall_time_s: float,
+    run_dir: Path | str,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
     """One screen of plain text describing a finished run.
 
     ``history`` is the rows of the run (``MetricsLogger.history``, or ``read_metrics`` of
@@ -121,8 +129,11 @@ def format_summary(history: Sequence[Mapping[str, Any]], *, wall_time_s: float, 
     if not val:
         lines.append("validation: none run")
     # RL runs are judged by their reward (their loss is a surrogate); SFT / DPO by loss and accuracy.
-    trends = ((("reward_mean", "train reward mean"),) if _values(train, "reward_mean") else
-              (("accuracy", "train accuracy"), ("loss", "train loss")))
+    trends = (
+        (("reward_mean", "train reward mean"),)
+        if _values(train, "reward_mean")
+        else (("accuracy", "train accuracy"), ("loss", "train loss"))
+    )
     lines += [line for key, name in trends if (line := _train_trend_line(train, key, name))]
     lines += [line for line in (_last_values_line(train),) if line]
     lines += _timing_lines(train, wall_time_s, len(train_steps))
@@ -155,6 +166,13 @@ def format_val_samples(samples: Sequence[Mapping[str, Any]], n: int) -> str:
             header.append(f"reward {reward:.3g}")
         if sample.get("ground_truth") is not None:
             header.append(f"ground truth {_clip(str(sample['ground_truth']))!r}")
-        blocks.append("\n".join([" | ".join(header) + " ---", f"prompt:     {_clip(str(sample['prompt']))}",
-                                 f"completion: {_clip(str(sample['completion']))}"]))
+        blocks.append(
+            "\n".join(
+                [
+                    " | ".join(header) + " ---",
+                    f"prompt:     {_clip(str(sample['prompt']))}",
+                    f"completion: {_clip(str(sample['completion']))}",
+                ]
+            )
+        )
     return "\n".join(blocks)

@@ -8,7 +8,8 @@ tensors and on jax arrays outside ``jit``; a jitted caller runs them at its boun
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from core.kernels.ops import ops_for
 
@@ -54,7 +55,9 @@ class LossInputChecker:
         if batch == 0:
             self.fail("empty batch: data['input_ids'] has 0 rows")
         if seq < 2:
-            self.fail(f"sequences need at least 2 tokens to score a next token, data['input_ids'] has shape {ids_shape}")
+            self.fail(
+                f"sequences need at least 2 tokens to score a next token, data['input_ids'] has shape {ids_shape}"
+            )
         for key in self.per_token_keys:
             if _shape(data[key]) != ids_shape:
                 self.fail(f"data[{key!r}] has shape {_shape(data[key])} but data['input_ids'] has shape {ids_shape}")

@@ -14,7 +14,8 @@ averages per sequence first, then over the valid sequences of the global batch.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.config.schema import ClippedPGLossConfig
 from core.config.validate import validate_loss_config
@@ -63,9 +64,7 @@ class ClippedPGLossFn:
         self.truncated_is_type = cfg.get("truncated_importance_sampling_type", "tis")
         self.sequence_level_importance_ratios = cfg.get("sequence_level_importance_ratios", False)
         self.loss_type = LossType.TOKEN_LEVEL if cfg["token_level_loss"] else LossType.SEQUENCE_LEVEL
-        self.check = LossInputChecker(
-            "ClippedPGLossFn", _PER_TOKEN_KEYS, finite_keys=_PER_TOKEN_KEYS[:4]
-        )
+        self.check = LossInputChecker("ClippedPGLossFn", _PER_TOKEN_KEYS, finite_keys=_PER_TOKEN_KEYS[:4])
 
     def __call__(self, next_token_logits, data: Mapping[str, Any], global_valid_seqs, global_valid_toks):
         self.check(next_token_logits, data)
@@ -83,6 +82,7 @@ class ClippedPGLossFn:
         token_mask = ops.astype(data["token_mask"][:, 1:], dtype)
         sample_mask = ops.astype(data["sample_mask"], dtype)
         mask = token_mask * ops.expand_dims(sample_mask, -1)
+
         # Zero the inputs outside the mask so padding garbage (inf/NaN) cannot leak into the
         # loss or, through 0 * inf in a backward pass, into the gradients.
         def masked_input(key):
@@ -111,13 +111,42 @@ class ClippedPGLossFn:
         actor_loss = reduce(is_weights * clip_loss)
         loss = actor_loss + kl
 
-        metrics = self._metrics(ops, loss, actor_loss, kl, ratios, ratios_clamped, curr_lp, prev_lp, gen_lp, raw_is,
-                                is_oob, mask, sample_mask, global_valid_toks)
+        metrics = self._metrics(
+            ops,
+            loss,
+            actor_loss,
+            kl,
+            ratios,
+            ratios_clamped,
+            curr_lp,
+            prev_lp,
+            gen_lp,
+            raw_is,
+            is_oob,
+            mask,
+            sample_mask,
+            global_valid_toks,
+        )
         return loss, metrics
 
     # ------------------------------------------------------------------ pieces
-    def _metrics(self, ops, loss, actor_loss, kl, ratios, ratios_clamped, curr_lp, prev_lp, gen_lp, raw_is, is_oob,
-                 mask, sample_mask, global_valid_toks):
+    def _metrics(
+        self,
+        ops,
+        loss,
+        actor_loss,
+        kl,
+        ratios,
+        ratios_clamped,
+        curr_lp,
+        prev_lp,
+        gen_lp,
+        raw_is,
+        is_oob,
+        mask,
+        sample_mask,
+        global_valid_toks,
+    ):
         """Detached metrics, each normalised like the loss (they sum over micro batches)."""
         sg = ops.stop_gradient
 

@@ -14,7 +14,8 @@ other per-token key (sliced ``[:, 1:]``): no roll by one is needed.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.config.schema import DPOLossConfig
 from core.config.validate import validate_loss_config
@@ -44,8 +45,7 @@ class DPOLossFn:
         batch, _ = self.check(next_token_logits, data)
         if batch % 2:
             self.check.fail(
-                f"needs (chosen, rejected) row pairs but the batch has {batch} rows; "
-                "micro batch sizes must be even"
+                f"needs (chosen, rejected) row pairs but the batch has {batch} rows; micro batch sizes must be even"
             )
         curr_logprobs = next_token_logprobs(next_token_logits, data["input_ids"])
         return self.loss_from_logprobs(curr_logprobs, data, global_valid_seqs, global_valid_toks)

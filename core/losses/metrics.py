@@ -11,7 +11,8 @@ one :func:`read_once`.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from core.kernels.ops import ops_for
 
@@ -38,8 +39,10 @@ class MicroBatchMetrics:
         """One micro batch's metrics: 0-d arrays (a loss's metrics are scalars)."""
         for key, value in metrics.items():
             if tuple(getattr(value, "shape", (None,))) != ():
-                raise ValueError(f"metric {key!r}: expected a 0-d array, got {type(value).__name__} "
-                                 f"of shape {tuple(getattr(value, 'shape', ()))}")
+                raise ValueError(
+                    f"metric {key!r}: expected a 0-d array, got {type(value).__name__} "
+                    f"of shape {tuple(getattr(value, 'shape', ()))}"
+                )
         self._rows.append({k: ops_for(v).stop_gradient(v) for k, v in metrics.items()})
 
     def __len__(self) -> int:
@@ -58,8 +61,10 @@ class MicroBatchMetrics:
         zero = ops.to_compute(ops.zeros((), like))  # float32 (float64 if like is), on like's device
         if not keys:
             return ops.zeros((len(self._rows), 0), zero)
-        rows = [ops.concat([ops.expand_dims(ops.astype(row.get(k, zero), zero.dtype), 0) for k in keys], 0)
-                for row in self._rows]
+        rows = [
+            ops.concat([ops.expand_dims(ops.astype(row.get(k, zero), zero.dtype), 0) for k in keys], 0)
+            for row in self._rows
+        ]
         return ops.concat([ops.expand_dims(r, 0) for r in rows], 0)
 
     def per_micro_batch(self, values: Sequence[float]) -> dict[str, list[float]]:

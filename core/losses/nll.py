@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.interfaces import LossType
 from core.kernels import masked_mean, masked_sum, next_token_logprobs, ops_for

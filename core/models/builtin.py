@@ -28,8 +28,9 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from core.models.char_tokenizer import char_tokenizer
 
@@ -39,8 +40,16 @@ FORMAT_VERSION = 2
 #: The tiny Llama (HF Llama config fields).  head_dim 32: vLLM's CPU attention has no kernel
 #: for 16.  vocab 32 = the character tokenizer's 21 ids rounded up so tensor parallel sizes 2
 #: and 4 divide it.
-ARITHMETIC_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                        num_key_value_heads=4, vocab_size=32, tie_word_embeddings=True, max_position_embeddings=128)
+ARITHMETIC_LLAMA = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=32,
+    tie_word_embeddings=True,
+    max_position_embeddings=128,
+)
 INIT_SEED = 1234
 
 #: name -> (shape, warm started by the SFT run?)
@@ -54,8 +63,13 @@ BUILTIN_MODELS: dict[str, tuple[dict[str, Any], bool]] = {
 #: (the build logs a line before and after; its metrics and curves stay in the model's
 #: directory, under warm_start/).
 WARM_START_OVERRIDES = (
-    "sft.val_batches=0", "sft.val_period=0", "sft.val_at_start=false", "sft.val_at_end=false",
-    "checkpointing.enabled=false", "logger.tensorboard_enabled=false", "logger.progress_bar=false",
+    "sft.val_batches=0",
+    "sft.val_period=0",
+    "sft.val_at_start=false",
+    "sft.val_at_end=false",
+    "checkpointing.enabled=false",
+    "logger.tensorboard_enabled=false",
+    "logger.progress_bar=false",
 )
 
 
@@ -65,14 +79,15 @@ def is_builtin(name: Any) -> bool:
 
 def is_warm_started(name: Any) -> bool:
     """A built-in model trained on the arithmetic task (so the task's knobs shape its weights)."""
-    return is_builtin(name) and BUILTIN_MODELS.get(name[len(PREFIX):], (None, False))[1]
+    return is_builtin(name) and BUILTIN_MODELS.get(name[len(PREFIX) :], (None, False))[1]
 
 
 def _spec_name(name: str, key: str) -> str:
-    short = name[len(PREFIX):]
+    short = name[len(PREFIX) :]
     if short not in BUILTIN_MODELS:
-        raise ValueError(f"{key}: unknown built-in model {name!r}; built-in: "
-                         + ", ".join(PREFIX + n for n in BUILTIN_MODELS))
+        raise ValueError(
+            f"{key}: unknown built-in model {name!r}; built-in: " + ", ".join(PREFIX + n for n in BUILTIN_MODELS)
+        )
     return short
 
 
@@ -97,9 +112,15 @@ def warm_start_config(task_cfg: Mapping[str, Any], out_dir: Path | None = None) 
     from core.config import EMBEDDED_CONFIGS, load_config
 
     out = Path(out_dir) if out_dir is not None else Path("<build>")
-    cfg = load_config(EMBEDDED_CONFIGS["sft"], list(WARM_START_OVERRIDES) + [
-        f"logger.log_dir={out / 'warm_start'}", f"checkpointing.checkpoint_dir={out / 'checkpoints'}",
-        f"checkpointing.export_hf_dir={out}"])
+    cfg = load_config(
+        EMBEDDED_CONFIGS["sft"],
+        list(WARM_START_OVERRIDES)
+        + [
+            f"logger.log_dir={out / 'warm_start'}",
+            f"checkpointing.checkpoint_dir={out / 'checkpoints'}",
+            f"checkpointing.export_hf_dir={out}",
+        ],
+    )
     cfg["data"]["arithmetic"] = dict(task_cfg)
     return cfg
 
@@ -113,9 +134,14 @@ def cache_key(short: str, task_cfg: Mapping[str, Any], exclude: Iterable[str]) -
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def resolve_builtin_model(name: str, task_cfg: Mapping[str, Any] | None, exclude: Iterable[str],
-                          log: Callable[[str], None] = print, key: str = "policy.model_name",
-                          run_cfg: Mapping[str, Any] | None = None) -> Path:
+def resolve_builtin_model(
+    name: str,
+    task_cfg: Mapping[str, Any] | None,
+    exclude: Iterable[str],
+    log: Callable[[str], None] = print,
+    key: str = "policy.model_name",
+    run_cfg: Mapping[str, Any] | None = None,
+) -> Path:
     """The local directory of built-in model ``name`` for this task, building it on first use
     (``run_cfg``: the run that needs it, whose Ray set-up the warm start shares)."""
     from core.environments.arithmetic import ArithmeticTask
@@ -139,8 +165,14 @@ def resolve_builtin_model(name: str, task_cfg: Mapping[str, Any] | None, exclude
     return target
 
 
-def _build(short: str, settings: Mapping[str, Any], exclude: frozenset[str], out: Path,
-           log: Callable[[str], None], run_cfg: Mapping[str, Any] | None) -> None:
+def _build(
+    short: str,
+    settings: Mapping[str, Any],
+    exclude: frozenset[str],
+    out: Path,
+    log: Callable[[str], None],
+    run_cfg: Mapping[str, Any] | None,
+) -> None:
     shape, warm = BUILTIN_MODELS[short]
     if not warm:
         write_random_init(shape, out)
@@ -150,17 +182,29 @@ def _build(short: str, settings: Mapping[str, Any], exclude: frozenset[str], out
 
     cfg = warm_start_config(settings, out)
     cfg["policy"]["model_name"] = str(resolve_builtin_model(cfg["policy"]["model_name"], settings, (), log))
-    log(f"building the built-in model {PREFIX}{short} (once; cached in {out.parent}): a `dualrl sft` run of "
-        f"{cfg['sft']['max_num_steps']} steps on the arithmetic task")
+    log(
+        f"building the built-in model {PREFIX}{short} (once; cached in {out.parent}): a `dualrl sft` run of "
+        f"{cfg['sft']['max_num_steps']} steps on the arithmetic task"
+    )
     start = time.perf_counter()
     start_ray(run_cfg or cfg)  # the run's Ray (with its JAX device flags), not one the SFT picks
     run = run_sft(cfg, log=lambda _line: None, exclude=exclude)
     rows = [r for r in run.logger.history if r["split"] == "train"]
-    (out / "warm_start.json").write_text(json.dumps(
-        {"steps": len(rows), "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
-         "seconds": time.perf_counter() - start, "backend": cfg["policy"]["backend"]}))
-    log(f"built {PREFIX}{short} in {time.perf_counter() - start:.0f} s "
-        f"(SFT loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f})")
+    (out / "warm_start.json").write_text(
+        json.dumps(
+            {
+                "steps": len(rows),
+                "first_loss": rows[0]["loss"],
+                "final_loss": rows[-1]["loss"],
+                "seconds": time.perf_counter() - start,
+                "backend": cfg["policy"]["backend"],
+            }
+        )
+    )
+    log(
+        f"built {PREFIX}{short} in {time.perf_counter() - start:.0f} s "
+        f"(SFT loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f})"
+    )
 
 
 def write_random_init(shape: Mapping[str, Any], out: Path, seed: int = INIT_SEED) -> Path:
@@ -171,8 +215,13 @@ def write_random_init(shape: Mapping[str, Any], out: Path, seed: int = INIT_SEED
 
     tokenizer = char_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-6, **shape)
+    config = LlamaConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-6,
+        **shape,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -6,7 +6,8 @@ naming the key, the shape and the config field, instead of hanging a process gro
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -26,8 +27,10 @@ def check_model_inputs(data: Mapping[str, Any], vocab_size: int | None, what: st
     masks finite and in [0, 1].  Torch tensors or numpy arrays."""
     ids = _as_tensor(data["input_ids"])
     if ids.ndim != 2 or ids.shape[0] == 0:
-        raise BatchError(f"{what}['input_ids'] must be a non-empty [B, S] batch, got shape {tuple(ids.shape)}"
-                         + (" (an empty batch)" if ids.ndim == 2 else ""))
+        raise BatchError(
+            f"{what}['input_ids'] must be a non-empty [B, S] batch, got shape {tuple(ids.shape)}"
+            + (" (an empty batch)" if ids.ndim == 2 else "")
+        )
     for key in ("input_ids", "input_lengths"):
         dtype = _as_tensor(data[key]).dtype
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
@@ -43,8 +46,10 @@ def check_prompt_room(data: Mapping[str, Any], limit: int, field: str = "policy.
     """Prompts as wide as the sequence limit leave no room for a single new token."""
     width = int(data["input_ids"].shape[1])
     if width >= limit:
-        raise BatchError(f"prompts are {width} tokens wide but {field}={limit}: no room to generate a token "
-                         f"(generate needs prompt width < {limit})")
+        raise BatchError(
+            f"prompts are {width} tokens wide but {field}={limit}: no room to generate a token "
+            f"(generate needs prompt width < {limit})"
+        )
 
 
 def check_loss_fn(loss_fn: Any) -> None:
@@ -67,8 +72,10 @@ def _check_id_range(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     bad = (ids < 0) | (ids >= vocab_size)
     if bool(bad.any()):
         row, col = (int(i) for i in bad.nonzero()[0])
-        raise BatchError(f"{what}['input_ids'][{row}, {col}] = {int(ids[row, col])} is outside the vocabulary "
-                         f"[0, {vocab_size}) ({int(bad.sum())} such ids; padding must be a valid id too)")
+        raise BatchError(
+            f"{what}['input_ids'][{row}, {col}] = {int(ids[row, col])} is outside the vocabulary "
+            f"[0, {vocab_size}) ({int(bad.sum())} such ids; padding must be a valid id too)"
+        )
 
 
 def _check_mask(mask: torch.Tensor, where: str) -> None:
@@ -79,8 +86,10 @@ def _check_mask(mask: torch.Tensor, where: str) -> None:
     bad = ~torch.isfinite(mask) | (mask < 0) | (mask > 1)
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])
-        raise BatchError(f"{where}{list(index)} = {float(mask[index])}: masks must be finite and in [0, 1] "
-                         f"({int(bad.sum())} bad entries)")
+        raise BatchError(
+            f"{where}{list(index)} = {float(mask[index])}: masks must be finite and in [0, 1] "
+            f"({int(bad.sum())} bad entries)"
+        )
 
 
 def check_sequence_lengths(data: Mapping[str, Any], max_total_sequence_length: int) -> None:
@@ -101,8 +110,7 @@ def check_sequence_lengths(data: Mapping[str, Any], max_total_sequence_length: i
     longest = int(lengths.max())
     if longest > max_total_sequence_length:
         raise BatchError(
-            f"a sequence has {longest} tokens but policy.max_total_sequence_length is "
-            f"{max_total_sequence_length}"
+            f"a sequence has {longest} tokens but policy.max_total_sequence_length is {max_total_sequence_length}"
         )
     if longest > ids.shape[1] or int(lengths.min()) < 1:
         raise BatchError(
@@ -133,8 +141,10 @@ def check_train_batch(
     size = data["input_ids"].shape[0]
     if size == 0 or size % rows:
         where = "this rank's shard" if local else "the batch"
-        raise BatchError(f"{where} has {size} rows, not a positive multiple of the global batch size {rows}"
-                         + (f" / dp {dp}" if local else ""))
+        raise BatchError(
+            f"{where} has {size} rows, not a positive multiple of the global batch size {rows}"
+            + (f" / dp {dp}" if local else "")
+        )
     return rows
 
 

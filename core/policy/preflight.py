@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 def absolute_model_paths(policy_cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -67,7 +68,6 @@ def check_model_path(name: Any, field: str) -> None:
         raise NotADirectoryError(f"{field}: not a directory: {name}")
 
 
-
 def check_tokenizer_fits(tokenizer: Any, model_config: Any, model_name: str) -> None:
     """A tokenizer that can emit ids >= the model's vocab_size would index out of the
     embedding (a device assert on GPU, garbage or a crash on CPU): refuse it up front."""
@@ -96,14 +96,11 @@ def check_tensor_parallel_fits(model_config: Any, tp: int, field: str) -> None:
     }
     bad = {k: v for k, v in dims.items() if v is not None and v % tp}
     if bad:
-        raise ValueError(
-            f"{field}={tp} does not divide the model's " + ", ".join(f"{k}={v}" for k, v in bad.items())
-        )
+        raise ValueError(f"{field}={tp} does not divide the model's " + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
 
 #: backend -> (config section, field) of its tensor-parallel size.
-TP_FIELDS = {"torch_dtensor": ("dtensor_cfg", "tensor_parallel_size"),
-             "jax_pjit": ("jax_cfg", "tensor_parallel_size")}
+TP_FIELDS = {"torch_dtensor": ("dtensor_cfg", "tensor_parallel_size"), "jax_pjit": ("jax_cfg", "tensor_parallel_size")}
 
 
 def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any) -> Any:

@@ -7,8 +7,9 @@ driver process never needs to import a backend at all until it starts one.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from core.config.schema import BACKENDS
 from core.distributed import WorkerLayout
@@ -47,8 +48,13 @@ def host_layout(policy_cfg: Mapping[str, Any], n_workers: int) -> WorkerLayout:
 _REGISTRY: dict[str, BackendSpec] = {
     "torch_fsdp": BackendSpec("backends.torch_fsdp.worker:FSDP1PolicyWorker", torch_layout),
     "torch_dtensor": BackendSpec("backends.torch_dtensor.worker:DTensorPolicyWorker", torch_layout),
-    "jax_pjit": BackendSpec("backends.jax_pjit.worker:JaxPolicyWorker", host_layout, one_worker_per_device=False,
-                            checkpoint_format="orbax", optimizer_files=()),
+    "jax_pjit": BackendSpec(
+        "backends.jax_pjit.worker:JaxPolicyWorker",
+        host_layout,
+        one_worker_per_device=False,
+        checkpoint_format="orbax",
+        optimizer_files=(),
+    ),
 }
 
 

@@ -7,7 +7,8 @@ Construction arguments (the seeds' worker signature), the sampling temperature b
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.refit.sender import RefitSender
@@ -38,8 +39,17 @@ class PolicyWorkerBase(RefitSender):
         check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
         check_model_inputs(data, vocab_size)
 
-    def _check_train_call(self, data: Mapping[str, Any], loss_fn: Any, gbs: int, mbs: int, dp: int,
-                          vocab_size: int, eval_mode: bool, has_optimizer: bool) -> int:
+    def _check_train_call(
+        self,
+        data: Mapping[str, Any],
+        loss_fn: Any,
+        gbs: int,
+        mbs: int,
+        dp: int,
+        vocab_size: int,
+        eval_mode: bool,
+        has_optimizer: bool,
+    ) -> int:
         """``train`` input; returns this rank's rows per global batch."""
         local_gbs = check_train_batch(data, gbs, mbs, dp, self.cfg["max_total_sequence_length"])
         check_model_inputs(data, vocab_size)
@@ -54,9 +64,14 @@ class PolicyWorkerBase(RefitSender):
             self.tokenizer.save_pretrained(tokenizer_path)
 
     @staticmethod
-    def _train_result(losses: Sequence[float], norms: Sequence[float], step_metrics: Sequence[Mapping[str, float]],
-                      all_mb: Mapping[str, list[float]], lr: float | None,
-                      skip_reasons: Sequence[str | None] | None = None) -> dict[str, Any]:
+    def _train_result(
+        losses: Sequence[float],
+        norms: Sequence[float],
+        step_metrics: Sequence[Mapping[str, float]],
+        all_mb: Mapping[str, list[float]],
+        lr: float | None,
+        skip_reasons: Sequence[str | None] | None = None,
+    ) -> dict[str, Any]:
         """``train``'s return value: per optimizer step ``global_loss``/``grad_norm`` [n] and
         ``metrics`` (whole-batch values), plus this rank's per-micro-batch metrics, and per
         step whether the optimizer step was skipped (``skipped`` [n] bool) and why

@@ -7,11 +7,12 @@ order the policy yields them, which keeps each decoder layer's parts close toget
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from core.refit.manifest import RefitError, RefitManifest
 
-GB = 1024 ** 3
+GB = 1024**3
 
 
 def buffer_bytes(refit_buffer_size_gb: float | None, default_gb: float = 1.0) -> int:
@@ -55,10 +56,14 @@ def take_bucket(stream: Iterator[tuple[str, object]], keys: Sequence[str]) -> li
         try:
             name, tensor = next(stream)
         except StopIteration:
-            raise RefitError(f"refit stream ended before {want!r}: buckets asked for more than the policy has") from None
+            raise RefitError(
+                f"refit stream ended before {want!r}: buckets asked for more than the policy has"
+            ) from None
         if name != want:
-            raise RefitError(f"refit bucket asked for {want!r} but the stream is at {name!r}: "
-                             "buckets must be requested in the order prepare_weights_for_ipc returned")
+            raise RefitError(
+                f"refit bucket asked for {want!r} but the stream is at {name!r}: "
+                "buckets must be requested in the order prepare_weights_for_ipc returned"
+            )
         items.append((name, tensor))
     return items
 

@@ -10,9 +10,9 @@ receiver can check every bucket against the manifest and notice an incomplete st
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,9 @@ class RefitGroup:
     rank: int
 
 
-def init_group(host: str, port: int, rank: int, world_size: int, device: torch.device,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> RefitGroup:
+def init_group(
+    host: str, port: int, rank: int, world_size: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> RefitGroup:
     """Join the weight-broadcast group; blocks until all ``world_size`` ranks have joined."""
     if not 0 <= rank < world_size:
         raise ValueError(f"refit group rank {rank} outside world_size {world_size}")

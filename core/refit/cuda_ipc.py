@@ -7,7 +7,8 @@ engine worker opens the handle of the GPU it runs on, so bytes never leave the d
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,8 +37,7 @@ class CudaIpcBucketWriter:
         torch.cuda.current_stream(device).synchronize()  # the importer reads on another stream
         self._buffer = buffer
         _, args = reduce_tensor(buffer)
-        return {"kind": KIND, "handles": {device_uuid(device): list(args)},
-                "slots": [s.to_list() for s in slots]}
+        return {"kind": KIND, "handles": {device_uuid(device): list(args)}, "slots": [s.to_list() for s in slots]}
 
     def release(self) -> None:
         self._buffer = None
@@ -56,9 +56,11 @@ def open_bucket(handle: dict[str, Any], device: torch.device) -> list[tuple[str,
 
     uuid = device_uuid(device)
     if uuid not in handle["handles"]:
-        raise RuntimeError(f"no CUDA IPC handle for this engine's GPU {uuid}; handles exist for "
-                           f"{sorted(handle['handles'])}: the ipc transport needs colocated placement "
-                           "(use transport='collective' otherwise)")
+        raise RuntimeError(
+            f"no CUDA IPC handle for this engine's GPU {uuid}; handles exist for "
+            f"{sorted(handle['handles'])}: the ipc transport needs colocated placement "
+            "(use transport='collective' otherwise)"
+        )
     args = list(handle["handles"][uuid])
     args[6] = device.index  # reduce_tensor records the sender's device index; ours may differ
     buffer = rebuild_cuda_tensor(*args)

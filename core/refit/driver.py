@@ -43,13 +43,22 @@ class RefitStats:
         return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
     def as_metrics(self, prefix: str = "refit/") -> dict[str, float]:
-        return {f"{prefix}seconds": self.seconds, f"{prefix}bytes": float(self.bytes),
-                f"{prefix}gb_per_s": self.gb_per_s, f"{prefix}buckets": float(self.buckets)}
+        return {
+            f"{prefix}seconds": self.seconds,
+            f"{prefix}bytes": float(self.bytes),
+            f"{prefix}gb_per_s": self.gb_per_s,
+            f"{prefix}buckets": float(self.buckets),
+        }
 
 
-def refit_policy_generation(policy: Any, generation: Any, transport: Transport = "ipc",
-                            refit_buffer_size_gb: float | None = None, offload: bool = False,
-                            timeout_s: float = 600.0) -> RefitStats:
+def refit_policy_generation(
+    policy: Any,
+    generation: Any,
+    transport: Transport = "ipc",
+    refit_buffer_size_gb: float | None = None,
+    offload: bool = False,
+    timeout_s: float = 600.0,
+) -> RefitStats:
     """Make ``generation`` serve ``policy``'s current weights; returns timing and volume.
 
     ``offload=True`` (colocated placement) frees the policy's optimizer state before and its
@@ -129,8 +138,9 @@ def _wait_both(policy: Any, generation: Any, policy_refs: list, engine_refs: lis
             late = [engine_index[r.hex()] for r in pending if r.hex() in engine_index]
             if late:
                 generation.engines_timed_out(late, f"refit (collective) within {timeout_s:.0f} s")
-            raise RuntimeError(f"refit collective did not finish within {timeout_s:.0f} s (the policy side "
-                               "had not answered)")
+            raise RuntimeError(
+                f"refit collective did not finish within {timeout_s:.0f} s (the policy side had not answered)"
+            )
         ref = ready[0]
         if ref.hex() not in engine_index:
             try:

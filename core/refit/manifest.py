@@ -8,8 +8,9 @@ RPC unchanged and means the same thing to torch and JAX senders.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 # Bytes per element of every dtype a refit stream may carry.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -29,8 +30,14 @@ def dtype_name(dtype: Any) -> str:
         except TypeError:
             pass
     text = str(getattr(dtype, "name", dtype)).replace("torch.", "")
-    text = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16",
-            "float": "float32", "double": "float64"}.get(text, text)
+    text = {
+        "bf16": "bfloat16",
+        "fp32": "float32",
+        "fp16": "float16",
+        "half": "float16",
+        "float": "float32",
+        "double": "float64",
+    }.get(text, text)
     if text not in DTYPE_BYTES:
         raise RefitError(f"dtype {dtype!r} cannot be refit; supported: {sorted(DTYPE_BYTES)}")
     return text
@@ -64,20 +71,23 @@ class RefitManifest:
     aliases such as a tied ``lm_head.weight``, which some exporters write and others do not.
     """
 
-    def __init__(self, specs: Mapping[str, TensorSpec], optional: Iterable[str] = (),
-                 aliases: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, specs: Mapping[str, TensorSpec], optional: Iterable[str] = (), aliases: Mapping[str, str] | None = None
+    ) -> None:
         self.specs = dict(specs)
         self.optional = frozenset(optional)
         #: optional name -> the tensor it is tied to (``lm_head.weight`` -> ``model.embed_tokens.weight``)
         self.aliases = dict(aliases or {})
 
     @classmethod
-    def from_info(cls, info: Mapping[str, Any]) -> "RefitManifest":
+    def from_info(cls, info: Mapping[str, Any]) -> RefitManifest:
         """From ``{name: (shape, dtype)}`` (``prepare_refit_info``'s form) or a manifest."""
         if isinstance(info, RefitManifest):
             return info
         if not isinstance(info, Mapping) or not info:
-            raise RefitError(f"refit info must be a non-empty mapping name -> (shape, dtype), got {type(info).__name__}")
+            raise RefitError(
+                f"refit info must be a non-empty mapping name -> (shape, dtype), got {type(info).__name__}"
+            )
         specs = {}
         for name, value in info.items():
             try:
@@ -92,7 +102,7 @@ class RefitManifest:
     def to_info(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {n: (s.shape, s.dtype) for n, s in self.specs.items()}
 
-    def cast(self, dtype: Any) -> "RefitManifest":
+    def cast(self, dtype: Any) -> RefitManifest:
         """The same tensors in another dtype (training dtype -> generation dtype)."""
         name = dtype_name(dtype)
         return RefitManifest({n: TensorSpec(s.shape, name) for n, s in self.specs.items()})
@@ -114,20 +124,30 @@ class RefitManifest:
     def __getitem__(self, name: str) -> TensorSpec:
         return self.specs[name]
 
-    def check_against(self, expected: "RefitManifest", what: str = "engine") -> None:
+    def check_against(self, expected: RefitManifest, what: str = "engine") -> None:
         """Refuse a manifest that does not describe exactly the tensors ``expected`` holds.
 
         Runs before any weight is touched, so a wrong model, a wrong dtype or a renamed
         parameter fails the refit while the engine still has its previous weights.
         """
-        problems = _first(f"unknown tensor {n!r}: the {what} has no such weight"
-                          for n in self.specs if n not in expected)
-        problems += _first(f"{n!r}: stream shape {list(s.shape)} but the {what} expects {list(expected[n].shape)}"
-                           for n, s in self.specs.items() if n in expected and s.shape != expected[n].shape)
-        problems += _first(f"{n!r}: stream dtype {s.dtype} but the {what} serves {expected[n].dtype}"
-                           for n, s in self.specs.items() if n in expected and s.dtype != expected[n].dtype)
-        problems += _first(f"missing tensor {n!r}: the stream would leave it stale"
-                           for n in expected.specs if n not in self.specs and n not in expected.optional)
+        problems = _first(
+            f"unknown tensor {n!r}: the {what} has no such weight" for n in self.specs if n not in expected
+        )
+        problems += _first(
+            f"{n!r}: stream shape {list(s.shape)} but the {what} expects {list(expected[n].shape)}"
+            for n, s in self.specs.items()
+            if n in expected and s.shape != expected[n].shape
+        )
+        problems += _first(
+            f"{n!r}: stream dtype {s.dtype} but the {what} serves {expected[n].dtype}"
+            for n, s in self.specs.items()
+            if n in expected and s.dtype != expected[n].dtype
+        )
+        problems += _first(
+            f"missing tensor {n!r}: the stream would leave it stale"
+            for n in expected.specs
+            if n not in self.specs and n not in expected.optional
+        )
         if problems:
             raise RefitError("refit manifest does not match the " + what + ": " + "; ".join(problems))
 

@@ -8,8 +8,9 @@ viewed in place on the receiving side, without a copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class Slot:
         return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
 
     @classmethod
-    def from_list(cls, item: Sequence[Any]) -> "Slot":
+    def from_list(cls, item: Sequence[Any]) -> Slot:
         name, dtype, shape, offset, nbytes = item
         return cls(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes))
 
@@ -50,7 +51,7 @@ def plan_layout(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[Slot], 
 
 def pack_into(buffer: torch.Tensor, slots: Sequence[Slot], items: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Copy each tensor into its slot of ``buffer`` (a uint8 tensor of the planned size)."""
-    for slot, (_, tensor) in zip(slots, items):
+    for slot, (_, tensor) in zip(slots, items, strict=True):
         view_of(buffer, slot).copy_(tensor, non_blocking=True)
 
 
@@ -63,7 +64,7 @@ def view_of(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     end = slot.offset + slot.nbytes
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < end:
         raise RefitError(f"bucket buffer too small for {slot.name!r}: needs {end} bytes, has {buffer.numel()}")
-    return buffer[slot.offset:end].view(getattr(torch, slot.dtype)).view(slot.shape)
+    return buffer[slot.offset : end].view(getattr(torch, slot.dtype)).view(slot.shape)
 
 
 def as_torch(array: Any) -> torch.Tensor:

@@ -16,7 +16,8 @@ The rules:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from core.refit.manifest import RefitError, RefitManifest, dtype_name
 
@@ -26,8 +27,9 @@ class RefitReceiver:
         self.expected = expected
         self.engine = engine
         self.weights_valid = weights_valid
-        self.stale_reason: str | None = None if weights_valid else (
-            "it was started with dummy weights and has not been refit yet")
+        self.stale_reason: str | None = (
+            None if weights_valid else ("it was started with dummy weights and has not been refit yet")
+        )
         self.manifest: RefitManifest | None = None
         self.received: set[str] = set()
         self.loaded_any = False
@@ -46,8 +48,9 @@ class RefitReceiver:
     def check_bucket(self, items: Sequence[tuple[str, Any]]) -> None:
         """Raise before loading if any tensor of the bucket does not belong to the stream."""
         if self.manifest is None:
-            raise RefitError("refit bucket received before prepare_refit_info: the engine does not "
-                             "know which tensors to expect")
+            raise RefitError(
+                "refit bucket received before prepare_refit_info: the engine does not know which tensors to expect"
+            )
         in_bucket: set[str] = set()
         for name, tensor in items:
             if name not in self.manifest:
@@ -71,8 +74,13 @@ class RefitReceiver:
         the same tensor: an engine reloading layer by layer must see every layer's weights,
         and a tied ``lm_head`` left unloaded would keep its dummy values."""
         sent = set(self.manifest.names) if self.manifest is not None else set()
-        extra = [(alias, tensor) for alias, source in self.expected.aliases.items() if alias not in sent
-                 for name, tensor in items if name == source]
+        extra = [
+            (alias, tensor)
+            for alias, source in self.expected.aliases.items()
+            if alias not in sent
+            for name, tensor in items
+            if name == source
+        ]
         return list(items) + extra
 
     def mark_loaded(self, items: Sequence[tuple[str, Any]]) -> None:
@@ -90,8 +98,10 @@ class RefitReceiver:
         missing = [n for n in self.manifest.names if n not in self.received]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise self._fail(f"incomplete refit stream: {len(missing)} of {len(self.manifest)} tensors never "
-                             f"arrived ({', '.join(map(repr, missing[:3]))}{more})")
+            raise self._fail(
+                f"incomplete refit stream: {len(missing)} of {len(self.manifest)} tensors never "
+                f"arrived ({', '.join(map(repr, missing[:3]))}{more})"
+            )
         self.manifest, self.loaded_any = None, False
         self.weights_valid, self.stale_reason = True, None
         self.refits_completed += 1
@@ -100,8 +110,10 @@ class RefitReceiver:
     def require_valid(self) -> None:
         """Called before generating: stale or dummy weights must not produce rollouts silently."""
         if not self.weights_valid:
-            raise RefitError(f"the {self.engine} refuses to generate: {self.stale_reason}; run a complete "
-                             "refit (refit_policy_generation) first")
+            raise RefitError(
+                f"the {self.engine} refuses to generate: {self.stale_reason}; run a complete "
+                "refit (refit_policy_generation) first"
+            )
 
     def abandon(self, reason: str) -> None:
         """The stream broke off (its sender is gone): stale if anything was loaded."""

@@ -13,7 +13,8 @@ because each colocated engine worker must read the copy on the device it runs on
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -81,7 +82,9 @@ class RefitSender(abc.ABC):
         if devices[0].type == "cuda":
             writers = getattr(self, "_ipc_writers", None) or [CudaIpcBucketWriter() for _ in devices]
             self._ipc_writers = writers
-            return merge_handles([w.write([(n, t.to(d)) for n, t in items], d) for w, d in zip(writers, devices)])
+            return merge_handles(
+                [w.write([(n, t.to(d)) for n, t in items], d) for w, d in zip(writers, devices, strict=True)]
+            )
         if self.rank != 0:
             return None
         writer = getattr(self, "_shm_writer", None) or ShmBucketWriter()
@@ -96,8 +99,9 @@ class RefitSender(abc.ABC):
                 writer.release()
 
     # -- collective ----------------------------------------------------------------------------
-    def init_collective(self, ip: str, port: int, world_size: int,
-                        timeout_s: float = collective.DEFAULT_TIMEOUT_S) -> int | None:
+    def init_collective(
+        self, ip: str, port: int, world_size: int, timeout_s: float = collective.DEFAULT_TIMEOUT_S
+    ) -> int | None:
         """Training rank 0 joins the broadcast group as its rank 0; other ranks do not."""
         if self.rank != 0:
             return None
@@ -124,7 +128,8 @@ class RefitSender(abc.ABC):
             # with the engine is gone (a new engine forms a new one through init_collective).
             collective.destroy(self._refit_group)
             self._refit_group = None
-            raise RefitPeerLostError(f"{exc}; the training ranks finished the stream and are in step",
-                                     "ReceiverLost") from exc
+            raise RefitPeerLostError(
+                f"{exc}; the training ranks finished the stream and are in step", "ReceiverLost"
+            ) from exc
         finally:
             self._close_stream()

@@ -24,7 +24,8 @@ import os
 import re
 import tempfile
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import queue as queue_lib
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 SPAWN_TIMEOUT_S = 120
 GLOO_TIMEOUT_S = 30
@@ -30,8 +31,9 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = GLOO_TIMEOUT_
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def run_ranks(target: Callable, world: int, args: tuple = (), timeout_s: float = SPAWN_TIMEOUT_S) -> dict[int, Any]:
@@ -55,7 +57,7 @@ def run_ranks(target: Callable, world: int, args: tuple = (), timeout_s: float =
             except queue_lib.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise AssertionError(f"a rank exited with code {dead[0]} without reporting")
+                    raise AssertionError(f"a rank exited with code {dead[0]} without reporting") from None
         if len(reports) < world:
             raise AssertionError(f"only ranks {sorted(reports)} of {world} reported within {timeout_s} s")
     finally:

@@ -19,27 +19,69 @@ from typing import Any
 #: Named model shapes: ``family`` picks the HF config class, the rest are config fields.
 TINY_MODELS: dict[str, dict[str, Any]] = {
     # Llama with grouped-query attention (4 query heads share 2 kv heads).
-    "llama": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "llama": dict(
+        family="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
     # Qwen2: q/k/v projections carry a bias; GQA as above.
-    "qwen2": dict(family="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen2": dict(
+        family="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
     # Llama with the output projection tied to the input embedding.
-    "llama_tied": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "llama_tied": dict(
+        family="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     # Shapes vLLM's CPU attention accepts (head_dim 32; it has no kernel for 16): the
     # generation/refit tests run these through a real engine.  GQA as above; a wider init
     # so that greedy continuations vary instead of repeating one near-uniform argmax.
-    "llama_gen": dict(family="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                      initializer_range=0.2),
-    "qwen2_gen": dict(family="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                      initializer_range=0.2),
+    "llama_gen": dict(
+        family="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
+    "qwen2_gen": dict(
+        family="qwen2",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
     # Benchmark size (~20M parameters): big enough that compute, not Python, dominates.
-    "llama_bench": dict(family="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
-                        vocab_size=8192),
+    "llama_bench": dict(
+        family="llama",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        vocab_size=8192,
+    ),
 }
 
 TINY_VOCAB_SIZE = 256

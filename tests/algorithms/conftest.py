@@ -12,15 +12,24 @@ from pathlib import Path
 
 import pytest
 
-from core.cli import GRPO_DEFAULT_CONFIG_PATH
 from core.config import load_config
+from dualrl.cli import GRPO_DEFAULT_CONFIG_PATH
 
 SMALL_RUN = [
-    "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=2",
-    "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=true", "grpo.max_val_samples=8",
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "grpo.max_num_steps=2",
+    "grpo.val_period=0",
+    "grpo.val_at_start=false",
+    "grpo.val_at_end=true",
+    "grpo.max_val_samples=8",
     "grpo.val_batch_size=8",
-    "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
-    "logger.progress_bar=false", "logger.plot_enabled=false", "logger.tensorboard_enabled=false",
+    "policy.train_global_batch_size=16",
+    "policy.train_micro_batch_size=4",
+    "policy.logprob_batch_size=8",
+    "logger.progress_bar=false",
+    "logger.plot_enabled=false",
+    "logger.tensorboard_enabled=false",
     "checkpointing.enabled=false",
 ]
 LAYOUTS = {
@@ -29,8 +38,11 @@ LAYOUTS = {
     # The test session's JAX actors see 8 XLA host devices (tests/conftest.py): fsdp 4 x tp 2.
     "jax_pjit": ["policy.jax_cfg.tensor_parallel_size=2"],
 }
-SEPARATE_ENGINE = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1",
-                   "policy.generation.colocated.resources.num_nodes=1"]
+SEPARATE_ENGINE = [
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.resources.gpus_per_node=1",
+    "policy.generation.colocated.resources.num_nodes=1",
+]
 
 
 @pytest.fixture(scope="session")
@@ -51,5 +63,6 @@ def builtin_cache(ray_session, tmp_path_factory):
 def grpo_config(run_dir: Path, backend: str, *overrides: str) -> dict:
     """The embedded default on ``backend``, small, logging under ``run_dir``."""
     paths = [f"logger.log_dir={run_dir / 'logs'}", f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}"]
-    return load_config(GRPO_DEFAULT_CONFIG_PATH, SMALL_RUN + LAYOUTS[backend] + paths + list(overrides),
-                       backend=backend)
+    return load_config(
+        GRPO_DEFAULT_CONFIG_PATH, SMALL_RUN + LAYOUTS[backend] + paths + list(overrides), backend=backend
+    )

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from core.cli import main
 from core.environments import EnvironmentReturn
+from dualrl.cli import main
 from tests.algorithms.conftest import SMALL_RUN
 
 
@@ -28,8 +28,13 @@ class RaisingEnv:
 
 
 def _grpo(tmp_path, capsys, *overrides):
-    args = ["grpo", *SMALL_RUN, f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}",
-            *overrides]
+    args = [
+        "grpo",
+        *SMALL_RUN,
+        f"logger.log_dir={tmp_path / 'logs'}",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ck'}",
+        *overrides,
+    ]
     rc = main(args)
     return rc, capsys.readouterr().err
 
@@ -39,12 +44,18 @@ def _jsonl(path, rows):
     return path
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("grpo.num_generations_per_prompt=1", "grpo.num_generations_per_prompt: must be >= 2"),
-    ("policy.train_global_batch_size=6", "policy.train_global_batch_size: 6 is not divisible by "
-                                         "train_micro_batch_size (4) x data parallel size (2) = 8"),
-    ("data.dataset_name=/no/such/prompts.jsonl", "/no/such/prompts.jsonl"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("grpo.num_generations_per_prompt=1", "grpo.num_generations_per_prompt: must be >= 2"),
+        (
+            "policy.train_global_batch_size=6",
+            "policy.train_global_batch_size: 6 is not divisible by "
+            "train_micro_batch_size (4) x data parallel size (2) = 8",
+        ),
+        ("data.dataset_name=/no/such/prompts.jsonl", "/no/such/prompts.jsonl"),
+    ],
+)
 def test_config_and_missing_file_errors(tmp_path, capsys, override, expected):
     rc, err = _grpo(tmp_path, capsys, override)
     assert rc == 2 and expected in err
@@ -78,21 +89,28 @@ def test_resume_from_another_backend(builtin_cache, tmp_path, capsys):
     from core.algorithms.run_setup import resolve_model, run_identity
     from core.checkpointing import CheckpointManager
     from core.config import load_config
-    from core.cli import GRPO_DEFAULT_CONFIG_PATH
     from core.datasets import build_prompt_datasets
     from core.models.char_tokenizer import char_tokenizer
+    from dualrl.cli import GRPO_DEFAULT_CONFIG_PATH
 
     cfg = load_config(GRPO_DEFAULT_CONFIG_PATH, SMALL_RUN, backend="jax_pjit")
     _, val = build_prompt_datasets(cfg, char_tokenizer(), num_val=8, seed=cfg["grpo"]["seed"])
     resolved = resolve_model(cfg, [val[i].metadata["raw_prompt"] for i in range(len(val))], log=lambda _m: None)
-    manager = CheckpointManager({"enabled": True, "checkpoint_dir": str(tmp_path / "ck"), "save_period": 1,
-                                 "keep_top_k": None}, identity=run_identity("grpo", cfg, resolved))
+    manager = CheckpointManager(
+        {"enabled": True, "checkpoint_dir": str(tmp_path / "ck"), "save_period": 1, "keep_top_k": None},
+        identity=run_identity("grpo", cfg, resolved),
+    )
     manager.save(1, lambda p: (p.mkdir(), (p / "weights").write_bytes(b"x")), train_state={}, config=cfg, metrics={})
     rc, err = _grpo(tmp_path, capsys, "checkpointing.enabled=true", "--resume", "--backend", "torch_fsdp")
     assert rc == 2 and "backend" in err and "'jax_pjit'" in err and "'torch_fsdp'" in err
 
 
 def test_a_reward_function_that_raises_names_the_sample(ray_session, builtin_cache, tmp_path, capsys):
-    rc, err = _grpo(tmp_path, capsys, "env.name=tests.algorithms.test_grpo_bad_input:RaisingEnv",
-                    "policy.generation.backend=hf", "cluster.gpus_per_node=1")
+    rc, err = _grpo(
+        tmp_path,
+        capsys,
+        "env.name=tests.algorithms.test_grpo_bad_input:RaisingEnv",
+        "policy.generation.backend=hf",
+        "cluster.gpus_per_node=1",
+    )
     assert rc == 1 and "sample 0" in err and "ZeroDivisionError" in err and "cannot score" in err

@@ -59,8 +59,15 @@ def test_step_one_is_the_same_on_every_backend(colocated_runs):
     first = {b: _train_rows(run)[0] for b, run in colocated_runs.items()}
     ref = first["torch_fsdp"]
     for backend, row in first.items():
-        for key in ("reward_mean", "reward_std", "accuracy", "generated_tokens", "response_length_mean",
-                    "advantage_abs_mean", "zero_variance_group_fraction"):
+        for key in (
+            "reward_mean",
+            "reward_std",
+            "accuracy",
+            "generated_tokens",
+            "response_length_mean",
+            "advantage_abs_mean",
+            "zero_variance_group_fraction",
+        ):
             assert row[key] == ref[key], f"{backend}: {key} {row[key]} != torch_fsdp {ref[key]} (rollouts differ)"
         for key in ("loss", "grad_norm", "actor_loss"):
             assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), f"{backend}: {key}"

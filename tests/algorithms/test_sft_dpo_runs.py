@@ -24,22 +24,46 @@ from tests.algorithms.conftest import LAYOUTS
 BACKENDS = tuple(LAYOUTS)
 BASE_MODEL = ["policy.model_name=builtin:arithmetic-llama-base", "policy.tokenizer.name=builtin:arithmetic-llama-base"]
 SMALL = {
-    "sft": ["sft.max_num_steps=3", "sft.val_period=2", "sft.val_at_start=false", "sft.val_batches=1",
-            "sft.val_global_batch_size=8", "sft.val_micro_batch_size=2"],
-    "dpo": ["dpo.max_num_steps=3", "dpo.val_period=2", "dpo.val_at_start=false", "dpo.val_batches=1",
-            "dpo.val_global_batch_size=8", "dpo.val_micro_batch_size=2"],
+    "sft": [
+        "sft.max_num_steps=3",
+        "sft.val_period=2",
+        "sft.val_at_start=false",
+        "sft.val_batches=1",
+        "sft.val_global_batch_size=8",
+        "sft.val_micro_batch_size=2",
+    ],
+    "dpo": [
+        "dpo.max_num_steps=3",
+        "dpo.val_period=2",
+        "dpo.val_at_start=false",
+        "dpo.val_batches=1",
+        "dpo.val_global_batch_size=8",
+        "dpo.val_micro_batch_size=2",
+    ],
 }
-COMMON = ["policy.train_global_batch_size=8", "policy.train_micro_batch_size=2", "policy.logprob_batch_size=4",
-          "logger.progress_bar=false", "logger.tensorboard_enabled=false", "checkpointing.save_period=2",
-          "checkpointing.keep_top_k=null"]
+COMMON = [
+    "policy.train_global_batch_size=8",
+    "policy.train_micro_batch_size=2",
+    "policy.logprob_batch_size=4",
+    "logger.progress_bar=false",
+    "logger.tensorboard_enabled=false",
+    "checkpointing.save_period=2",
+    "checkpointing.keep_top_k=null",
+]
 RESUME_FAST = {("sft", "torch_fsdp"), ("dpo", "jax_pjit")}  # the other four pairs run with -m slow
 
 
 def config(algorithm: str, run_dir: Path, backend: str, *overrides: str) -> dict:
-    paths = [f"logger.log_dir={run_dir / 'logs'}", f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}",
-             f"checkpointing.export_hf_dir={run_dir / 'hf'}"]
-    return load_config(EMBEDDED_CONFIGS[algorithm], SMALL[algorithm] + COMMON + BASE_MODEL + LAYOUTS[backend]
-                       + paths + list(overrides), backend=backend)
+    paths = [
+        f"logger.log_dir={run_dir / 'logs'}",
+        f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}",
+        f"checkpointing.export_hf_dir={run_dir / 'hf'}",
+    ]
+    return load_config(
+        EMBEDDED_CONFIGS[algorithm],
+        SMALL[algorithm] + COMMON + BASE_MODEL + LAYOUTS[backend] + paths + list(overrides),
+        backend=backend,
+    )
 
 
 def run_algorithm(algorithm: str, cfg: dict):
@@ -98,14 +122,16 @@ def test_step_one_is_the_same_on_every_backend(runs, algorithm):
             assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), f"{algorithm} {backend}: {key}"
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=() if ("sft", b) in RESUME_FAST else pytest.mark.slow)
-                                     for b in BACKENDS])
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=() if ("sft", b) in RESUME_FAST else pytest.mark.slow) for b in BACKENDS]
+)
 def test_sft_resume_repeats_the_next_step(runs, backend):
     _check_resume(runs, "sft", backend)
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=() if ("dpo", b) in RESUME_FAST else pytest.mark.slow)
-                                     for b in BACKENDS])
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=() if ("dpo", b) in RESUME_FAST else pytest.mark.slow) for b in BACKENDS]
+)
 def test_dpo_resume_repeats_the_next_step(runs, backend):
     _check_resume(runs, "dpo", backend)
 

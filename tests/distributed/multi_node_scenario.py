@@ -74,7 +74,6 @@ def _set_process_env(backend: str, ray_tmp: str) -> None:
 
 def start_cluster():
     """Head + one worker raylet, NODE_CPUS CPUs each; the driver connected to it."""
-    import ray
     from ray.cluster_utils import Cluster
 
     from core.distributed import init_ray
@@ -122,8 +121,7 @@ def policy_config(model_dir: Path, backend: str) -> dict:
     return cfg
 
 
-def measure(bundles: list[int], num_cpus_per_bundle: int, backend: str, model_dir: Path,
-            tokenizer, name: str) -> dict:
+def measure(bundles: list[int], num_cpus_per_bundle: int, backend: str, model_dir: Path, tokenizer, name: str) -> dict:
     """Start a Policy on ``bundles``, run logprobs / one train step / logprobs, shut it down."""
     import torch
 
@@ -134,8 +132,13 @@ def measure(bundles: list[int], num_cpus_per_bundle: int, backend: str, model_di
     from tests.unit.test_losses import BASE_CFG
 
     start = time.monotonic()
-    cluster = RayVirtualCluster(bundles, use_gpus=False, num_cpus_per_bundle=num_cpus_per_bundle,
-                                name=name, placement_group_timeout_s=PLACEMENT_TIMEOUT_S)
+    cluster = RayVirtualCluster(
+        bundles,
+        use_gpus=False,
+        num_cpus_per_bundle=num_cpus_per_bundle,
+        name=name,
+        placement_group_timeout_s=PLACEMENT_TIMEOUT_S,
+    )
     try:
         policy = Policy(cluster, policy_config(model_dir, backend), tokenizer, name_prefix=name)
         try:
@@ -197,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("backend", choices=BACKENDS)
     parser.add_argument("--out", required=True, help="where to write the JSON result")
-    parser.add_argument("--ray-tmp", help="Ray's temp dir (RAY_TMPDIR), left to the caller to "
-                        "remove; default: a fresh one under /tmp, removed at exit")
+    parser.add_argument(
+        "--ray-tmp",
+        help="Ray's temp dir (RAY_TMPDIR), left to the caller to "
+        "remove; default: a fresh one under /tmp, removed at exit",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ray_tmp = args.ray_tmp or make_ray_tmp()

@@ -74,14 +74,17 @@ def run_scenario(backend: str, tmp_path: Path) -> dict:
         with open(log, "wb") as fh:
             proc = subprocess.Popen(
                 [sys.executable, "-m", SCENARIO, backend, "--out", str(out), "--ray-tmp", ray_tmp],
-                cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             try:
                 rc = proc.wait(timeout=DEADLINE_S)
             except subprocess.TimeoutExpired:
                 _stop(proc)
-                pytest.fail(f"{SCENARIO} {backend} did not finish within {DEADLINE_S} s; log tail:\n"
-                            f"{_log_tail(log)}")
+                pytest.fail(f"{SCENARIO} {backend} did not finish within {DEADLINE_S} s; log tail:\n{_log_tail(log)}")
             except BaseException:  # Ctrl-C / pytest-timeout: leave no cluster behind
                 _stop(proc)
                 raise
@@ -121,9 +124,11 @@ def check_same_numbers(result: dict, atol: float = ATOL) -> dict[str, float]:
         "grad_norm": abs(multi["grad_norm"] - single["grad_norm"]),
         "logprobs_after_step": _max_diff(multi["logprobs_after_step"], single["logprobs_after_step"]),
     }
-    print(f"{result['backend']}: max |multi-node - one-node| {diffs}; seconds: cluster start "
-          f"{result['cluster_start_seconds']:.1f}, multi {multi['seconds']:.1f}, "
-          f"single {single['seconds']:.1f}, total {result['total_seconds']:.1f}")
+    print(
+        f"{result['backend']}: max |multi-node - one-node| {diffs}; seconds: cluster start "
+        f"{result['cluster_start_seconds']:.1f}, multi {multi['seconds']:.1f}, "
+        f"single {single['seconds']:.1f}, total {result['total_seconds']:.1f}"
+    )
     too_far = {k: v for k, v in diffs.items() if not v <= atol}
     assert not too_far, f"multi-node differs from one-node by more than {atol}: {too_far}"
     return diffs
@@ -175,11 +180,14 @@ def test_init_ray_starts_its_own_ray_beside_another_cluster():
     (ray_tmp / "ray" / "ray_current_cluster").write_text(stale)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="disabled")
-    code = ("import ray; from core.distributed import init_ray; init_ray(num_cpus=1); "
-            "print('GCS', ray.get_runtime_context().gcs_address); ray.shutdown()")
+    code = (
+        "import ray; from core.distributed import init_ray; init_ray(num_cpus=1); "
+        "print('GCS', ray.get_runtime_context().gcs_address); ray.shutdown()"
+    )
     try:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True,
-                              text=True, timeout=DEADLINE_S)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S
+        )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

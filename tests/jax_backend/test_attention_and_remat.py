@@ -27,7 +27,6 @@ from backends.jax_pjit import steps
 from backends.jax_pjit.model import ModelConfig, abstract_model, attend, causal_attention, make_apply_fn
 from core.config.validate import validate_policy_config
 from core.losses import ClippedPGLossFn
-
 from tests.torch_backends.conftest import pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
 
@@ -38,20 +37,23 @@ REMAT = re.compile(r"\b(?:remat2|checkpoint)\[")
 
 def _qkv(dtype=jnp.float32):
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(kq, (B, T, H, D), dtype), jax.random.normal(kk, (B, T, KV, D), dtype),
-            jax.random.normal(kv, (B, T, KV, D), dtype))
+    return (
+        jax.random.normal(kq, (B, T, H, D), dtype),
+        jax.random.normal(kk, (B, T, KV, D), dtype),
+        jax.random.normal(kv, (B, T, KV, D), dtype),
+    )
 
 
 def _old_attend(q, k, v, lengths):
     """The explicit-mask path as the plain path used to build it (causal & padding keys)."""
     allowed = jnp.tril(jnp.ones((T, T), bool))[None] & (jnp.arange(T)[None, :] < lengths[:, None])[:, None, :]
-    return attend(q, k, v, allowed, D ** -0.5)
+    return attend(q, k, v, allowed, D**-0.5)
 
 
 def test_causal_attention_equals_attend_in_fp32_forward_and_gradients():
     q, k, v = _qkv()
     lengths = jnp.asarray(LENGTHS)
-    new = jax.jit(causal_attention, static_argnums=4)(q, k, v, lengths, D ** -0.5)
+    new = jax.jit(causal_attention, static_argnums=4)(q, k, v, lengths, D**-0.5)
     old = jax.jit(_old_attend)(q, k, v, lengths)
     assert new.shape == (B, T, H, D) and new.dtype == jnp.float32
     np.testing.assert_allclose(new, old, atol=1e-6, rtol=0)  # padding queries included
@@ -63,9 +65,9 @@ def test_causal_attention_equals_attend_in_fp32_forward_and_gradients():
     def grads(fn):
         return jax.jit(jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2)))(q, k, v)
 
-    grads_new = grads(lambda *a: causal_attention(*a, D ** -0.5))
+    grads_new = grads(lambda *a: causal_attention(*a, D**-0.5))
     grads_old = grads(_old_attend)
-    for g_new, g_old in zip(grads_new, grads_old):
+    for g_new, g_old in zip(grads_new, grads_old, strict=True):
         assert float(jnp.abs(g_old).max()) > 0.1  # real gradients, not zeros
         np.testing.assert_allclose(g_new, g_old, atol=1e-6, rtol=0)
 
@@ -73,14 +75,22 @@ def test_causal_attention_equals_attend_in_fp32_forward_and_gradients():
 def test_empty_row_stays_finite():
     """A padding row of a micro batch (length 0) reads one key instead of none: finite."""
     q, k, v = _qkv()
-    out = jax.jit(causal_attention, static_argnums=4)(q, k, v, jnp.zeros(B, jnp.int32), D ** -0.5)
+    out = jax.jit(causal_attention, static_argnums=4)(q, k, v, jnp.zeros(B, jnp.int32), D**-0.5)
     assert np.isfinite(np.asarray(out)).all()
 
 
 def _tiny(dtype):
     """A 2-layer GQA Llama with abstract params (shapes only: these tests trace, never run)."""
-    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     return make_apply_fn(abstract_model(cfg, dtype=dtype))
 
 
@@ -117,8 +127,7 @@ def test_plain_path_asks_for_flash_attention_that_cudnn_accepts(monkeypatch):
         # cuDNN's own admission checks (what dot_product_attention(implementation="cudnn") runs
         # first; the query lengths it fills in when only key lengths are given are [B] int32 too).
         q_lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-        cudnn.check_layout(q, k, v, None, q_lengths, kv_lengths, None, None, None, None,
-                           cudnn.AttentionLayout.BTNH)
+        cudnn.check_layout(q, k, v, None, q_lengths, kv_lengths, None, None, None, None, cudnn.AttentionLayout.BTNH)
         cudnn.check_is_flash_attention(q, k, v, cudnn.AttentionLayout.BTNH.value, 90000, False, True)
 
 
@@ -181,7 +190,7 @@ def test_activation_checkpointing_remats_every_layer_with_equal_gradients(model_
     assert (plain.remat, remat.remat) == (False, True)
     _, _, g_plain = _grads(plain, loss_fn, data)
     step, args, g_remat = _grads(remat, loss_fn, data)
-    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_plain)) > 1e-3
     acc = steps.zero_grads(remat.params)
@@ -190,5 +199,6 @@ def test_activation_checkpointing_remats_every_layer_with_equal_gradients(model_
     # jax.checkpoint's primitive (remat2; "checkpoint" in other jax versions), once per layer
     assert len(REMAT.findall(jaxpr)) == remat.model_cfg.num_layers
     with plain._on_mesh():
-        assert not REMAT.findall(str(jax.make_jaxpr(plain._grad_step(loss_fn))(plain.params, acc, *args,
-                                                                                np.float32(4), np.float32(30))))
+        assert not REMAT.findall(
+            str(jax.make_jaxpr(plain._grad_step(loss_fn))(plain.params, acc, *args, np.float32(4), np.float32(30)))
+        )

@@ -32,8 +32,12 @@ BF16_REDUCE = re.compile(r"stablehlo\.reduce\([^\n]*\(tensor<[\dx]*bf16>, tensor
 
 def _batch():
     rng = np.random.default_rng(0)
-    return dict(input_ids=rng.integers(4, 256, (B, S)).astype(np.int32), input_lengths=np.full(B, S, np.int32),
-                token_mask=np.ones((B, S), np.float32), sample_mask=np.ones(B, np.float32))
+    return dict(
+        input_ids=rng.integers(4, 256, (B, S)).astype(np.int32),
+        input_lengths=np.full(B, S, np.int32),
+        token_mask=np.ones((B, S), np.float32),
+        sample_mask=np.ones(B, np.float32),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def _grads(step_params, mbs):
     gseq, gtok = steps.global_valid_counts(batch["sample_mask"], batch["token_mask"], batch["input_lengths"])
     acc = steps.zero_grads(params)
     for start in range(0, B, mbs):
-        acc, _ = step(params, acc, {k: jnp.asarray(v[start:start + mbs]) for k, v in batch.items()}, gseq, gtok)
+        acc, _ = step(params, acc, {k: jnp.asarray(v[start : start + mbs]) for k, v in batch.items()}, gseq, gtok)
     return jax.tree.leaves(acc)
 
 
@@ -74,7 +78,7 @@ def test_micro_batch_size_changes_bf16_gradients_only_by_rounding(qwen2):
     fix); the error against fp32 does not grow with the micro batch (1.2e-2 at both)."""
     ref = _grads(qwen2[jnp.float32], B)
     one, eight = _grads(qwen2[jnp.bfloat16], 1), _grads(qwen2[jnp.bfloat16], B)
-    assert max(_rel(a, b) for a, b in zip(one, eight)) < 6e-3
-    err_one = max(_rel(a, r) for a, r in zip(one, ref))
-    err_eight = max(_rel(a, r) for a, r in zip(eight, ref))
+    assert max(_rel(a, b) for a, b in zip(one, eight, strict=True)) < 6e-3
+    err_one = max(_rel(a, r) for a, r in zip(one, ref, strict=True))
+    err_eight = max(_rel(a, r) for a, r in zip(eight, ref, strict=True))
     assert 1e-3 < err_eight < 1.25 * err_one  # bf16 (not fp32) compute, and no growth with tokens

@@ -27,8 +27,9 @@ def _state(model_dir: Path, seed: int = 0):
     from backends.jax_pjit.hf_mapping import from_pretrained
     from backends.jax_pjit.model import make_apply_fn
 
-    model, _, _ = from_pretrained(str(model_dir), dtype=jnp.float32, param_dtype=jnp.float32, tp=1,
-                                  make_vocab_size_divisible_by=1)
+    model, _, _ = from_pretrained(
+        str(model_dir), dtype=jnp.float32, param_dtype=jnp.float32, tp=1, make_vocab_size_divisible_by=1
+    )
     _, params = make_apply_fn(model)
     key = jax.random.PRNGKey(seed)
     params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(key, x.shape, x.dtype), params)
@@ -41,7 +42,7 @@ def _leaves(tree):
 
 
 def _same(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
+    return all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b), strict=True))
 
 
 @pytest.fixture(scope="module")

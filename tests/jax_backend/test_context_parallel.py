@@ -30,7 +30,6 @@ from core.data.context_parallel import load_balanced_columns
 from core.losses import ClippedPGLossFn
 from core.parallel_dims import ParallelDims
 from core.testing.tiny_models import random_batch
-
 from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
 
@@ -49,25 +48,30 @@ def jax_worker(model_dir, tokenizer, fsdp, cp, tp, **overrides):
 
 
 def _ragged(batch, seed):
-    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(batch, SEQ, VOCAB, seed=seed)))
+    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(batch, SEQ, VOCAB, seed=seed), strict=True))
 
 
 # ------------------------------------------------------------------------- config / mesh
 def test_mesh_has_cp_axis_between_fsdp_and_tp():
-    mesh = make_mesh({"backend": "jax_pjit", "jax_cfg": {"fsdp_size": -1, "context_parallel_size": 2,
-                                                         "tensor_parallel_size": 2}})
+    mesh = make_mesh(
+        {"backend": "jax_pjit", "jax_cfg": {"fsdp_size": -1, "context_parallel_size": 2, "tensor_parallel_size": 2}}
+    )
     assert mesh.axis_names == ("fsdp", "cp", "tp") and dict(mesh.shape) == {"fsdp": 2, "cp": 2, "tp": 2}
     assert logical_to_mesh_spec(("batch", "seq", "act_embed"), RULES) == P("fsdp", "cp", None)
     assert logical_to_mesh_spec(("batch", "kv_seq", "act_heads", "head_dim"), RULES) == P("fsdp", None, "tp", None)
     assert logical_to_mesh_spec(("batch", "seq", "act_vocab"), DECODE_RULES) == P("fsdp", None, "tp")
     dims = ParallelDims.from_policy_config(
-        {"backend": "jax_pjit", "jax_cfg": {"fsdp_size": -1, "tensor_parallel_size": 2, "context_parallel_size": 2}}, 8)
+        {"backend": "jax_pjit", "jax_cfg": {"fsdp_size": -1, "tensor_parallel_size": 2, "context_parallel_size": 2}}, 8
+    )
     assert (dims.fsdp, dims.cp, dims.tp, dims.dp) == (2, 2, 2, 2)
 
 
 @pytest.mark.parametrize("fsdp, cp, tp", [(-1, 3, 1), (2, 2, 1), (4, 4, 1)])
 def test_cp_that_does_not_fit_the_devices_is_named(fsdp, cp, tp):
-    cfg = {"backend": "jax_pjit", "jax_cfg": {"fsdp_size": fsdp, "context_parallel_size": cp, "tensor_parallel_size": tp}}
+    cfg = {
+        "backend": "jax_pjit",
+        "jax_cfg": {"fsdp_size": fsdp, "context_parallel_size": cp, "tensor_parallel_size": tp},
+    }
     with pytest.raises(ValueError, match=re.escape(f"policy.jax_cfg.context_parallel_size={cp}")):
         make_mesh(cfg)
 
@@ -75,13 +79,21 @@ def test_cp_that_does_not_fit_the_devices_is_named(fsdp, cp, tp):
 def test_config_validation_names_context_parallel_size(model_dirs):
     cfg = policy_config(model_dirs["llama"], "jax_pjit")
     cfg["jax_cfg"].update(fsdp_size=-1, context_parallel_size=3, tensor_parallel_size=1)
-    with pytest.raises(ConfigError, match=re.escape(
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
             "policy.jax_cfg.context_parallel_size: tensor_parallel_size (1) x context_parallel_size (3) = 3 "
-            "does not divide the world size (8)")):
+            "does not divide the world size (8)"
+        ),
+    ):
         validate_policy_config(cfg, world_size=8)
     cfg["jax_cfg"].update(fsdp_size=4, context_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match=re.escape(
-            "policy.jax_cfg.fsdp_size: fsdp_size (4) x context_parallel_size (2) x tensor_parallel_size (2) = 16")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "policy.jax_cfg.fsdp_size: fsdp_size (4) x context_parallel_size (2) x tensor_parallel_size (2) = 16"
+        ),
+    ):
         validate_policy_config(cfg, world_size=8)
     cfg["jax_cfg"]["context_parallel_size"] = 0
     with pytest.raises(ConfigError, match=r"policy\.jax_cfg\.context_parallel_size: must be >= 1"):
@@ -92,8 +104,11 @@ def test_config_validation_names_context_parallel_size(model_dirs):
 
 def test_width_ladder_must_split_into_2cp_chunks():
     steps.check_cp_ladder(32, 2, 1)  # 16, 32: multiples of 4
-    with pytest.raises(ValueError, match=r"sequence width 30 is not divisible by 4 .*set "
-                                         r"policy\.make_sequence_length_divisible_by to a multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence width 30 is not divisible by 4 .*set "
+        r"policy\.make_sequence_length_divisible_by to a multiple of 4",
+    ):
         steps.check_cp_ladder(30, 2, 1)
     with pytest.raises(ValueError, match=r"width 16 is not divisible by 6 .*make_sequence_length_divisible_by"):
         steps.check_cp_ladder(64, 3, 1)
@@ -127,8 +142,9 @@ def test_cp_logprobs_match_hf(model_dirs, tokenizer, model, mesh):
     worker = jax_worker(model_dirs[model], tokenizer, *mesh)
     data = _ragged(8, seed=1)
     out = worker.get_logprobs(data)["logprobs"]
-    ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dirs[model]).eval(),
-                      data["input_ids"], data["input_lengths"])
+    ref = hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(model_dirs[model]).eval(), data["input_ids"], data["input_lengths"]
+    )
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     worker.get_logprobs(_ragged(5, seed=2))  # same bucket (16): no new program
     assert worker.compile_counts["logprobs_layout"] == 1 and worker.compile_counts["logprobs"] == 0
@@ -145,7 +161,7 @@ def test_cp_loss_grad_norm_and_adamw_steps_equal_cp1(model_dirs, tokenizer, cp1_
     first, ref_first = ours[0], ref_results[0]
     assert math.isclose(float(first["global_loss"][0]), float(ref_first["global_loss"][0]), rel_tol=1e-5, abs_tol=1e-7)
     assert math.isclose(float(first["grad_norm"][0]), float(ref_first["grad_norm"][0]), rel_tol=1e-5)
-    for r, ref in zip(ours, ref_results):
+    for r, ref in zip(ours, ref_results, strict=True):
         assert math.isclose(float(r["global_loss"][0]), float(ref["global_loss"][0]), rel_tol=1e-4, abs_tol=1e-5)
     torch.testing.assert_close(worker.get_logprobs(_ragged(4, seed=20))["logprobs"], ref_probe, rtol=0, atol=1e-4)
     grads = [v for k, v in worker.compile_counts.items() if k.startswith("grad")]
@@ -167,26 +183,34 @@ def test_cp_gradients_equal_cp1_step_level(model_dirs):
     gseq, gtok = steps.global_valid_counts(host["sample_mask"], host["token_mask"], host["input_lengths"])
     grads, losses = [], []
     for fsdp, cp, tp in ((8, 1, 1), (2, 2, 2)):
-        mesh = make_mesh({"backend": "jax_pjit", "jax_cfg": {"fsdp_size": fsdp, "context_parallel_size": cp,
-                                                             "tensor_parallel_size": tp}})
+        mesh = make_mesh(
+            {
+                "backend": "jax_pjit",
+                "jax_cfg": {"fsdp_size": fsdp, "context_parallel_size": cp, "tensor_parallel_size": tp},
+            }
+        )
         shardings = tree_shardings(logical_axes_tree(params), mesh)
         placed = jax.device_put(params, shardings)
         with mesh, activation_constraint(make_constraint(mesh)):
             acc, loss = steps.zero_grads(placed), 0.0
-            step = (steps.make_grad_step(apply_fn, loss_fn, 1.0, shardings) if cp == 1
-                    else steps.make_layout_grad_step(apply_fn, loss_fn, 1.0, cp, shardings))
+            step = (
+                steps.make_grad_step(apply_fn, loss_fn, 1.0, shardings)
+                if cp == 1
+                else steps.make_layout_grad_step(apply_fn, loss_fn, 1.0, cp, shardings)
+            )
             for start in (0, 2):
-                mb = steps.pad_micro_batch({k: v[start:start + 2] for k, v in host.items()}, 2, 16)
+                mb = steps.pad_micro_batch({k: v[start : start + 2] for k, v in host.items()}, 2, 16)
                 if cp == 1:
                     acc, metrics = step(placed, acc, mb, gseq, gtok)
                 else:
-                    acc, metrics = step(placed, acc, steps.plain_rows(mb["input_ids"], mb["input_lengths"]), mb,
-                                        gseq, gtok)
+                    acc, metrics = step(
+                        placed, acc, steps.plain_rows(mb["input_ids"], mb["input_lengths"]), mb, gseq, gtok
+                    )
                 loss += float(metrics["loss"])
         grads.append(jax.device_get(acc))
         losses.append(loss)
     assert math.isclose(losses[1], losses[0], rel_tol=1e-5)
-    for ref, ours in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+    for ref, ours in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
         assert np.linalg.norm(ours - ref) <= 1e-5 * max(np.linalg.norm(ref), 1e-6) + 1e-7
 
 
@@ -196,7 +220,7 @@ def test_cp_greedy_decode_matches_hf_generate(model_dirs, tokenizer):
     from backends.torch_common.generation import hf_generate
 
     worker = jax_worker(model_dirs["llama"], tokenizer, 2, 2, 2)
-    prompts = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, 6, VOCAB, seed=5)))
+    prompts = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, 6, VOCAB, seed=5), strict=True))
     out = worker.generate(prompts, greedy=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
     ref = hf_generate(hf, prompts, worker.cfg["generation"], greedy=True, pad_token_id=0, eos_token_ids=[2])
@@ -219,8 +243,9 @@ def test_layout_step_permutes_columns_for_load_balance():
 
     ids = ((np.arange(width) * 7 + 3) % vocab)[None].astype(np.int32)
     rows = {k: jnp.asarray(v) for k, v in steps.plain_rows(ids, np.array([length])).items()}
-    lp = np.asarray(steps.layout_next_logprobs(fake_apply, None, rows["input_ids"], rows["positions"],
-                                               rows["segments"], 2, 1.0))
+    lp = np.asarray(
+        steps.layout_next_logprobs(fake_apply, None, rows["input_ids"], rows["positions"], rows["segments"], 2, 1.0)
+    )
     order = load_balanced_columns(width, 2).reshape(-1)
     np.testing.assert_array_equal(order, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
     np.testing.assert_array_equal(seen["positions"][0], order)
@@ -246,8 +271,9 @@ def check_jax_policy_against_hf_and_torch(cfg, name, model_dir, tokenizer, data,
     try:
         if mesh is not None:
             assert policy.get_gpu_info()[0]["mesh"] == mesh
-        ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir).eval(),
-                          data["input_ids"], data["input_lengths"])
+        ref = hf_logprobs(
+            AutoModelForCausalLM.from_pretrained(model_dir).eval(), data["input_ids"], data["input_lengths"]
+        )
         torch.testing.assert_close(policy.get_logprobs(data)["logprobs"], ref, rtol=0, atol=1e-5)
         loss_fn = ClippedPGLossFn(BASE_CFG)
         out = policy.train(batch, loss_fn)
@@ -262,5 +288,12 @@ def check_jax_policy_against_hf_and_torch(cfg, name, model_dir, tokenizer, data,
 def test_policy_with_cp_matches_hf_and_torch_step(ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit")
     cfg["jax_cfg"].update(fsdp_size=-1, context_parallel_size=2, tensor_parallel_size=2)
-    check_jax_policy_against_hf_and_torch(cfg, "jax_cp", model_dirs["qwen2"], tokenizer, _ragged(5, seed=3),
-                                          pg_batch(4, seed=10), mesh={"fsdp": 2, "cp": 2, "tp": 2})
+    check_jax_policy_against_hf_and_torch(
+        cfg,
+        "jax_cp",
+        model_dirs["qwen2"],
+        tokenizer,
+        _ragged(5, seed=3),
+        pg_batch(4, seed=10),
+        mesh={"fsdp": 2, "cp": 2, "tp": 2},
+    )

@@ -27,8 +27,9 @@ TEMPERATURE = 0.7
 
 
 def gen_cfg(**overrides):
-    cfg = dict(max_new_tokens=N_NEW, temperature=TEMPERATURE, top_p=1.0, top_k=None,
-               stop_token_ids=None, stop_strings=None)
+    cfg = dict(
+        max_new_tokens=N_NEW, temperature=TEMPERATURE, top_p=1.0, top_k=None, stop_token_ids=None, stop_strings=None
+    )
     cfg.update(overrides)
     return cfg
 
@@ -72,8 +73,9 @@ def run_hf(hf_model, batch, cfg, **kw):
 
 def generated_rows(out, batch) -> list[list[int]]:
     lengths = batch[1]
-    return [out["output_ids"][b, lengths[b]: out["unpadded_sequence_lengths"][b]].tolist()
-            for b in range(len(lengths))]
+    return [
+        out["output_ids"][b, lengths[b] : out["unpadded_sequence_lengths"][b]].tolist() for b in range(len(lengths))
+    ]
 
 
 def full_forward(hf_model, out, temperature):
@@ -136,7 +138,7 @@ def test_greedy_is_argmax_of_full_forward(models, batch):
     _, logits = full_forward(hf, out, 1.0)
     for b, row in enumerate(generated_rows(out, batch)):
         start = batch[1][b]
-        assert row == logits[b, start - 1: start - 1 + N_NEW].argmax(-1).tolist()
+        assert row == logits[b, start - 1 : start - 1 + N_NEW].argmax(-1).tolist()
 
 
 # ----------------------------------------------------------------------------- stopping
@@ -157,7 +159,7 @@ def test_stop_token(models, batch, baseline):
     cfg = gen_cfg(stop_token_ids=[stop])
     out = run_jax(fns, batch, cfg)
     check_spec(out, batch, expected)
-    assert generated_rows(out, batch) == [row[:n] for row, n in zip(baseline, expected)]
+    assert generated_rows(out, batch) == [row[:n] for row, n in zip(baseline, expected, strict=True)]
     assert out["output_ids"][0, batch[1][0] + expected[0] - 1] == stop
     ref = run_hf(hf, batch, cfg)
     np.testing.assert_array_equal(out["output_ids"], ref["output_ids"])
@@ -183,13 +185,12 @@ def test_stop_strings(models, batch, baseline, tokenizer):
         run_jax(fns, batch, cfg)
     out = run_jax(fns, batch, cfg, tokenizer=tokenizer)
     check_spec(out, batch, expected)
-    assert generated_rows(out, batch) == [row[:n] for row, n in zip(baseline, expected)]
+    assert generated_rows(out, batch) == [row[:n] for row, n in zip(baseline, expected, strict=True)]
     ref = run_hf(hf, batch, cfg, tokenizer=tokenizer)
     np.testing.assert_array_equal(out["output_ids"], ref["output_ids"])
     # per-row strings (data['stop_strings']): only row 1 gets it
     per_row = run_jax(fns, batch, gen_cfg(), tokenizer=tokenizer, stop_strings=[None, [word], None, None])
-    np.testing.assert_array_equal(per_row["generation_lengths"],
-                                  [N_NEW, expected[1]] + [N_NEW] * (len(expected) - 2))
+    np.testing.assert_array_equal(per_row["generation_lengths"], [N_NEW, expected[1]] + [N_NEW] * (len(expected) - 2))
 
 
 def test_loop_stops_once_every_row_is_done(models, batch, monkeypatch):
@@ -246,7 +247,7 @@ def test_sampling(models, batch, name):
     assert compile_cache_sizes() == before
 
 
-SEEDS = np.array([11, 2 ** 32 - 1, 0, 7], np.int64)
+SEEDS = np.array([11, 2**32 - 1, 0, 7], np.int64)
 
 
 def rows_of(batch, rows):
@@ -271,24 +272,30 @@ def test_sample_seeds_make_each_row_a_function_of_its_seed(models, batch):
     for b in range(len(SEEDS)):  # a row alone
         alone = run_jax(fns, rows_of(batch, [b]), cfg, greedy=False, sample_seeds=SEEDS[[b]])
         assert_same_outputs(alone, {k: v[[b]] for k, v in first.items()})
-    other = run_jax(fns, batch, cfg, greedy=False, sample_seeds=(SEEDS + 1) % 2 ** 32)
+    other = run_jax(fns, batch, cfg, greedy=False, sample_seeds=(SEEDS + 1) % 2**32)
     assert (other["output_ids"] != first["output_ids"]).any(axis=1).sum() >= 2
     # Sampled (not argmax) from the top-k, with get_logprobs logprobs.
     check_logprobs(first, batch, hf, TEMPERATURE)
     _, logits = full_forward(hf, first, TEMPERATURE)
-    ranks = [int((logits[b, batch[1][b] - 1 + t] > logits[b, batch[1][b] - 1 + t][token]).sum())
-             for b, row in enumerate(generated_rows(first, batch)) for t, token in enumerate(row)]
+    ranks = [
+        int((logits[b, batch[1][b] - 1 + t] > logits[b, batch[1][b] - 1 + t][token]).sum())
+        for b, row in enumerate(generated_rows(first, batch))
+        for t, token in enumerate(row)
+    ]
     assert 0 < max(ranks) < top_k
     # Greedy ignores them.
     assert_same_outputs(run_jax(fns, batch, cfg, sample_seeds=SEEDS), run_jax(fns, batch, cfg))
 
 
-@pytest.mark.parametrize("seeds, match", [
-    (SEEDS[:3], r"\[B\] = \(4,\) integer"),
-    (SEEDS.astype(np.float32), "integer"),
-    (np.array([1, -1, 2, 3]), r"row 1 has -1"),
-    (np.array([1, 2, 2 ** 32, 3]), r"\[0, 2\*\*32\); row 2 has 4294967296"),
-])
+@pytest.mark.parametrize(
+    "seeds, match",
+    [
+        (SEEDS[:3], r"\[B\] = \(4,\) integer"),
+        (SEEDS.astype(np.float32), "integer"),
+        (np.array([1, -1, 2, 3]), r"row 1 has -1"),
+        (np.array([1, 2, 2**32, 3]), r"\[0, 2\*\*32\); row 2 has 4294967296"),
+    ],
+)
 def test_bad_sample_seeds(models, batch, seeds, match):
     _, fns, _ = models("llama")
     with pytest.raises(ValueError, match=match):
@@ -343,8 +350,16 @@ def test_second_call_compiles_nothing(models):
     assert first == {k: v + 1 for k, v in start.items()}
     assert sorted(c for c in compiled if c in PROGRAMS) == PROGRAMS  # (others: eager helpers such as the seed)
     with backend_compiles() as compiled:
-        generate(fns, None, *small, dict(cfg, temperature=1.1, top_k=5, top_p=0.8, stop_token_ids=[3]),
-                 greedy=False, pad_token_id=1, eos_token_ids=[2], rng=5)
+        generate(
+            fns,
+            None,
+            *small,
+            dict(cfg, temperature=1.1, top_k=5, top_p=0.8, stop_token_ids=[3]),
+            greedy=False,
+            pad_token_id=1,
+            eos_token_ids=[2],
+            rng=5,
+        )
         # a CausalLM (re-split on every call) reuses the programs too
         generate(model, None, *small, cfg, greedy=False, pad_token_id=PAD_ID, rng=jax.random.key(1))
     assert compile_cache_sizes() == first
@@ -403,8 +418,7 @@ def test_sample_seeds_on_a_sharded_mesh(models):
     for call, row_seeds in enumerate((seeds, seeds + 1)):
         expected = run_jax(fns, batch, gen_cfg(), greedy=False, sample_seeds=row_seeds)
         with backend_compiles() as compiled, jax.set_mesh(mesh), activation_constraint(make_constraint(mesh)):
-            out = generate(fns, params, *batch, gen_cfg(), greedy=False, pad_token_id=PAD_ID,
-                           sample_seeds=row_seeds)
+            out = generate(fns, params, *batch, gen_cfg(), greedy=False, pad_token_id=PAD_ID, sample_seeds=row_seeds)
         assert_same_outputs(out, expected)
         if call == 1:
             assert compiled == []

@@ -129,8 +129,16 @@ def test_the_policy_worker_generates_in_chunks(ray_session, model_dirs, tokenize
         out = policy.generate(data, greedy=True)
         assert ray.get(actor.__ray_call__.remote(lambda w: w.decoded_rows)) == [2, 2, 2]
         model, _, _ = from_pretrained(model_dirs["llama"])
-        expected = generate(model, None, ids.numpy(), lengths.numpy(), cfg["generation"], greedy=True,
-                            pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
+        expected = generate(
+            model,
+            None,
+            ids.numpy(),
+            lengths.numpy(),
+            cfg["generation"],
+            greedy=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=[tokenizer.eos_token_id],
+        )
         assert torch.equal(out["output_ids"], torch.from_numpy(expected["output_ids"]))
         torch.testing.assert_close(out["logprobs"], torch.from_numpy(expected["logprobs"]), rtol=0, atol=1e-5)
     finally:

@@ -16,7 +16,6 @@ from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict
 from core.losses import ClippedPGLossFn
 from core.testing.tiny_models import random_batch
-
 from tests.torch_backends.conftest import SEQ, VOCAB, pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
 
@@ -44,7 +43,7 @@ def test_get_logprobs_queues_every_micro_batch_before_reading(worker, monkeypatc
     events: list[str] = []
     monkeypatch.setattr(worker, "_logprob_step", _recording(events, "step", worker._logprob_step))
     monkeypatch.setattr(worker_module.jax, "device_get", _recording(events, "read", jax.device_get))
-    data = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=3)))
+    data = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=3), strict=True))
     out = worker.get_logprobs(data)
     assert events == ["step"] * 4 + ["read"]
     assert tuple(out["logprobs"].shape) == (4, SEQ)

@@ -18,7 +18,6 @@ from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.testing.tiny_models import random_batch
-
 from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
 from tests.torch_backends.test_torch_policy import _reference_adamw
 from tests.unit.test_losses import BASE_CFG
@@ -40,7 +39,7 @@ def qwen_policy(ray_session, model_dirs, tokenizer):
 
 
 def _ragged(batch, seed):
-    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(batch, SEQ, VOCAB, seed=seed)))
+    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(batch, SEQ, VOCAB, seed=seed), strict=True))
 
 
 def _compile_counts(policy):
@@ -52,8 +51,9 @@ def test_logprobs_match_hf_and_compile_once(qwen_policy):
     policy = qwen_policy["policy"]
     data = _ragged(5, seed=1)
     out = policy.get_logprobs(data)["logprobs"]
-    ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(qwen_policy["model_dir"]).eval(),
-                      data["input_ids"], data["input_lengths"])
+    ref = hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(qwen_policy["model_dir"]).eval(), data["input_ids"], data["input_lengths"]
+    )
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     policy.get_logprobs(_ragged(3, seed=2))  # same length bucket: no new program
     assert _compile_counts(policy)["logprobs"] == 1
@@ -65,7 +65,7 @@ def test_greedy_generate_matches_torch_hf_generate(qwen_policy):
     from backends.torch_common.generation import hf_generate
 
     policy, cfg = qwen_policy["policy"], qwen_policy["cfg"]
-    prompts = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(3, 6, VOCAB, seed=5)))
+    prompts = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(3, 6, VOCAB, seed=5), strict=True))
     out = policy.generate(prompts, greedy=True)
     hf = AutoModelForCausalLM.from_pretrained(qwen_policy["model_dir"]).eval()
     ref = hf_generate(hf, prompts, cfg["generation"], greedy=True, pad_token_id=0, eos_token_ids=[2])
@@ -82,11 +82,15 @@ def test_three_adamw_steps_track_torch(qwen_policy):
     ref_losses, ref_norm, ref_model = _reference_adamw(qwen_policy["model_dir"], cfg, batches, loss_fn)
     assert math.isclose(float(ours[0]["loss"][0]), ref_losses[0], rel_tol=1e-5)
     assert math.isclose(float(ours[0]["grad_norm"][0]), ref_norm, rel_tol=1e-5)
-    for r, ref in zip(ours, ref_losses):
+    for r, ref in zip(ours, ref_losses, strict=True):
         assert math.isclose(float(r["loss"][0]), ref, rel_tol=1e-4, abs_tol=1e-5)
     probe = _ragged(4, seed=20)
-    torch.testing.assert_close(policy.get_logprobs(probe)["logprobs"],
-                               hf_logprobs(ref_model, probe["input_ids"], probe["input_lengths"]), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        policy.get_logprobs(probe)["logprobs"],
+        hf_logprobs(ref_model, probe["input_ids"], probe["input_lengths"]),
+        rtol=0,
+        atol=1e-4,
+    )
     grad_programs = [v for k, v in _compile_counts(policy).items() if k.startswith("grad")]
     assert grad_programs == [1]  # three steps, one bucket, one program
 
@@ -94,8 +98,9 @@ def test_three_adamw_steps_track_torch(qwen_policy):
 def test_reference_logprobs_unchanged(qwen_policy):
     data = _ragged(4, seed=30)
     ref = qwen_policy["policy"].get_reference_policy_logprobs(data)["reference_logprobs"]
-    initial = hf_logprobs(AutoModelForCausalLM.from_pretrained(qwen_policy["model_dir"]).eval(),
-                          data["input_ids"], data["input_lengths"])
+    initial = hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(qwen_policy["model_dir"]).eval(), data["input_ids"], data["input_lengths"]
+    )
     torch.testing.assert_close(ref, initial, rtol=0, atol=1e-5)
 
 
@@ -120,8 +125,15 @@ def test_orbax_resume_and_hf_export_to_torch(qwen_policy, ray_session, tokenizer
         cluster.shutdown()
 
     # Orbax resume: the next step equals the uninterrupted one.
-    _, cluster, resumed = _jax_policy(qwen_policy["model_dir"], tokenizer, 4, 2, name_prefix="resumed",
-                                      weights_path=tmp_path / "w", optimizer_path=tmp_path / "o")
+    _, cluster, resumed = _jax_policy(
+        qwen_policy["model_dir"],
+        tokenizer,
+        4,
+        2,
+        name_prefix="resumed",
+        weights_path=tmp_path / "w",
+        optimizer_path=tmp_path / "o",
+    )
     try:
         step = resumed.train(pg_batch(4, seed=41), loss_fn)
         assert math.isclose(float(step["loss"][0]), float(expected["loss"][0]), rel_tol=1e-6)
@@ -171,7 +183,9 @@ def test_tp_that_does_not_divide_kv_heads_is_refused_on_the_driver(ray_session, 
     cfg["jax_cfg"].update(fsdp_size=2, tensor_parallel_size=4)
     cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2)
     try:
-        with pytest.raises(ValueError, match="policy.jax_cfg.tensor_parallel_size=4 does not divide .*num_key_value_heads=2"):
+        with pytest.raises(
+            ValueError, match="policy.jax_cfg.tensor_parallel_size=4 does not divide .*num_key_value_heads=2"
+        ):
             Policy(cluster, cfg, tokenizer)
     finally:
         cluster.shutdown()

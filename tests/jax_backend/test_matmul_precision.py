@@ -22,7 +22,6 @@ from core.data import BatchedDataDict
 from core.losses import ClippedPGLossFn
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.testing.tiny_models import random_batch
-
 from tests.jax_backend.test_sequence_packing import packing
 from tests.torch_backends.conftest import SEQ, VOCAB, pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
@@ -64,12 +63,14 @@ def _worker(model_dir, tokenizer, precision, **overrides):
 
 
 def _prompts():
-    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(2, 6, VOCAB, seed=5)))
+    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(2, 6, VOCAB, seed=5), strict=True))
 
 
 def _run_everything(worker) -> None:
     worker.train(pg_batch(4, seed=1), ClippedPGLossFn(BASE_CFG))
-    worker.get_logprobs(BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(2, SEQ, VOCAB, seed=2))))
+    worker.get_logprobs(
+        BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(2, SEQ, VOCAB, seed=2), strict=True))
+    )
 
 
 def test_fp32_resolves_to_highest():
@@ -102,8 +103,7 @@ def _same_program_only_under_the_same_precision(worker) -> None:
     from backends.jax_pjit import steps
 
     ids, lengths = random_batch(2, SEQ, VOCAB, seed=2)
-    host = steps.pad_micro_batch({"input_ids": ids.numpy(), "input_lengths": lengths.numpy()}, 2,
-                                 worker._bucket(SEQ))
+    host = steps.pad_micro_batch({"input_ids": ids.numpy(), "input_lengths": lengths.numpy()}, 2, worker._bucket(SEQ))
     dev = worker._device_batch(host)
     assert worker.get_compile_counts()["logprobs"] == 1
     for precision, programs in (("highest", 1), ("default", 2)):

@@ -29,8 +29,14 @@ from backends.jax_pjit.model import (
 )
 from core.testing.tiny_models import random_batch, save_tiny_model, tiny_config
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
 ALL_MODELS = ["llama", "qwen2", "llama_tied", "llama3_rope", "mistral"]
 BATCH, SEQ = 3, 12
 
@@ -44,9 +50,18 @@ def _save_variant(name: str, path) -> None:
         cfg.rope_parameters = dict(LLAMA3_ROPE)
     else:
         base = tiny_config("llama")
-        cfg = MistralConfig(vocab_size=base.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                            rms_norm_eps=1e-6, sliding_window=None, pad_token_id=0)
+        cfg = MistralConfig(
+            vocab_size=base.vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            sliding_window=None,
+            pad_token_id=0,
+        )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
 
@@ -171,8 +186,9 @@ def test_kv_cache_decode_matches_full_forward(checkpoint, name):
         slot_mask[:, prompt_width + n] = 1
         token = full_ids[rows, lengths + n][:, None]  # (B, 1)
         pos = (lengths + n)[:, None]  # (B, 1)
-        logits, cache = decode(state, jnp.asarray(token), jnp.asarray(pos), cache, prompt_width + n,
-                               jnp.asarray(slot_mask))
+        logits, cache = decode(
+            state, jnp.asarray(token), jnp.asarray(pos), cache, prompt_width + n, jnp.asarray(slot_mask)
+        )
         np.testing.assert_allclose(np.asarray(logits)[:, 0], full_logits[rows, lengths + n], atol=1e-5, rtol=0)
     assert decode._cache_size() == 2  # one program for the prefill, one for every single-token step
 
@@ -212,8 +228,11 @@ def test_hf_jax_conversion_is_exact_inverse(checkpoint, name):
     # the pure state has exactly the model's params, in the model's layout
     pure = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
     assert jax.tree.structure(pure) == jax.tree.structure(hf_mapping.hf_to_jax_state(hf, cfg))
-    jax.tree.map(lambda a, b: (a.shape == b.shape) or pytest.fail(f"{a.shape} != {b.shape}"),
-                 pure, hf_mapping.hf_to_jax_state(hf, cfg))
+    jax.tree.map(
+        lambda a, b: (a.shape == b.shape) or pytest.fail(f"{a.shape} != {b.shape}"),
+        pure,
+        hf_mapping.hf_to_jax_state(hf, cfg),
+    )
     streamed = list(hf_mapping.iter_hf_tensors(hf_mapping.hf_to_jax_state(hf, cfg), cfg))
     assert [name for name, _ in streamed] == [e.hf_name for e in hf_mapping.expected_entries(cfg)]
 
@@ -251,8 +270,13 @@ def test_unsupported_model_type_is_named():
 def test_unsupported_rope_type_is_named():
     from transformers import LlamaConfig
 
-    hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                     rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    hf = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    )
     with pytest.raises(ValueError, match="'linear'"):
         ModelConfig.from_hf(hf)
 
@@ -366,8 +390,12 @@ def test_sharded_forward_matches_unsharded(checkpoint):
 
     with activation_constraint(constraint):
         logits = jax.jit(apply_fn)(params, jnp.asarray(ids.numpy()), jnp.asarray(mask.numpy()), None)
-    assert {("batch", "seq", "act_embed"), ("batch", "seq", "act_heads", "head_dim"), ("batch", "seq", "act_mlp"),
-            ("batch", "seq", "act_vocab")} <= set(constrained)
+    assert {
+        ("batch", "seq", "act_embed"),
+        ("batch", "seq", "act_heads", "head_dim"),
+        ("batch", "seq", "act_mlp"),
+        ("batch", "seq", "act_vocab"),
+    } <= set(constrained)
     assert logits.sharding.spec == PartitionSpec("fsdp", None, "tp")
     valid = mask.numpy().astype(bool)
     np.testing.assert_allclose(np.asarray(logits)[valid], ref[valid], atol=1e-5, rtol=0)

@@ -20,7 +20,6 @@ from backends.jax_pjit.optim import build_optax, set_learning_rate
 from core.config.loader import DEFAULT_CONFIG_PATH, load_config
 from core.distributed import RayVirtualCluster
 from core.policy import Policy
-
 from tests.torch_backends.conftest import policy_config
 from tests.torch_backends.test_non_finite_steps import run_non_finite_scenario
 
@@ -47,7 +46,7 @@ def _host(tree):
 
 
 def _assert_same(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -78,8 +77,9 @@ def test_apply_updates_skips_non_finite_and_masked_steps():
 
     fresh_params = _params()
     fresh_state = _on_device(set_learning_rate(tx.init(fresh_params), schedule(0)))
-    fresh_params, fresh_state, fresh_norm, fresh_skipped = apply(fresh_params, fresh_state, grads,
-                                                                 jnp.float32(1.0), True)
+    fresh_params, fresh_state, fresh_norm, fresh_skipped = apply(
+        fresh_params, fresh_state, grads, jnp.float32(1.0), True
+    )
     assert not bool(fresh_skipped) and float(fresh_norm) == float(norm)
     _assert_same(params, fresh_params)  # moments, step count and weight decay untouched by the skips
     _assert_same(opt_state, fresh_state)

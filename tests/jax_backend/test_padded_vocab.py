@@ -25,7 +25,6 @@ from backends.jax_pjit.model import abstract_model
 from core.data import BatchedDataDict
 from core.losses import ClippedPGLossFn
 from core.testing.tiny_models import random_batch, tiny_config, tiny_tokenizer
-
 from tests.torch_backends.conftest import SEQ, hf_logprobs, pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
 
@@ -80,7 +79,7 @@ def workers(model_dirs301):
 
 
 def _ragged(batch, seed):
-    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(batch, SEQ, VOCAB, seed=seed)))
+    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(batch, SEQ, VOCAB, seed=seed), strict=True))
 
 
 def _train_batch(seed):
@@ -130,8 +129,9 @@ def test_padded_model_logits_and_mapping_round_trip(model_dirs301):
     exported = hf_mapping.jax_to_hf_tensors(padded, cfg)
     assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in original.items()}
     assert all(np.array_equal(exported[k], original[k]) for k in exported)
-    assert [e.hf_shape for e in hf_mapping.expected_entries(cfg)] == \
-        [e.hf_shape for e in hf_mapping.expected_entries(base_cfg)]
+    assert [e.hf_shape for e in hf_mapping.expected_entries(cfg)] == [
+        e.hf_shape for e in hf_mapping.expected_entries(base_cfg)
+    ]
 
 
 # --------------------------------------------------------------------------- workers
@@ -145,12 +145,12 @@ def test_logprobs_match_hf_on_fsdp4_tp2(workers, model_dirs301, name):
         assert rows.shape == (PADDED, 64) and not rows[VOCAB:].any()
     data = _ragged(5, seed=1)
     out = worker.get_logprobs(data)["logprobs"]
-    ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dirs301[name]).eval(),
-                      data["input_ids"], data["input_lengths"])
+    ref = hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(model_dirs301[name]).eval(), data["input_ids"], data["input_lengths"]
+    )
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     # The reference policy (padded params in host memory) gives the same, over real tokens only.
-    torch.testing.assert_close(worker.get_reference_policy_logprobs(data)["reference_logprobs"], ref,
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(worker.get_reference_policy_logprobs(data)["reference_logprobs"], ref, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -171,8 +171,9 @@ def test_train_matches_tp1_and_padding_stays_zero(workers, name):
         # Adam divides by sqrt(v): 1e-7 gradient differences become ~1e-5 parameter ones.
         np.testing.assert_allclose(rows[:VOCAB], _vocab_params(plain)[key], rtol=0, atol=1e-4)
     probe = _ragged(4, seed=12)
-    torch.testing.assert_close(padded.get_logprobs(probe)["logprobs"], plain.get_logprobs(probe)["logprobs"],
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        padded.get_logprobs(probe)["logprobs"], plain.get_logprobs(probe)["logprobs"], rtol=0, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -189,8 +190,12 @@ def test_hf_export_and_refit_have_the_original_vocab(workers, name, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert hf.config.vocab_size == VOCAB and hf.config.tie_word_embeddings == worker.model_cfg.tie_word_embeddings
     probe = _ragged(5, seed=3)
-    torch.testing.assert_close(worker.get_logprobs(probe)["logprobs"],
-                               hf_logprobs(hf, probe["input_ids"], probe["input_lengths"]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        worker.get_logprobs(probe)["logprobs"],
+        hf_logprobs(hf, probe["input_ids"], probe["input_lengths"]),
+        rtol=0,
+        atol=1e-5,
+    )
 
     streamed = dict(worker.iter_full_weights())
     assert streamed.keys() == exported.keys()

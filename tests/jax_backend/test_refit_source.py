@@ -16,7 +16,6 @@ import pytest
 from backends.jax_pjit.hf_mapping import jax_to_hf_tensors
 from backends.jax_pjit.sharding import host_copy
 from core.config.validate import validate_policy_config
-
 from tests.torch_backends.conftest import policy_config
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) jax devices")

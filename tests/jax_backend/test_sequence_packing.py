@@ -22,7 +22,6 @@ from transformers import AutoModelForCausalLM
 from backends.jax_pjit import steps
 from core.data.sequence_packing import SequencePackingArgs
 from core.losses import ClippedPGLossFn, NLLLoss
-
 from tests.jax_backend.test_context_parallel import check_jax_policy_against_hf_and_torch, jax_worker
 from tests.torch_backends.conftest import hf_logprobs, policy_config, uneven_pg_batch
 from tests.unit.test_losses import BASE_CFG
@@ -40,8 +39,12 @@ def uneven_batch(lengths, seed, width=WIDTH):
 
 
 def packing(enabled=True, budget=BUDGET):
-    return {"enabled": enabled, "train_mb_tokens": budget, "logprob_mb_tokens": budget,
-            "algorithm": "modified_first_fit_decreasing"}
+    return {
+        "enabled": enabled,
+        "train_mb_tokens": budget,
+        "logprob_mb_tokens": budget,
+        "algorithm": "modified_first_fit_decreasing",
+    }
 
 
 # ------------------------------------------------------------------------- layout (no model)
@@ -50,13 +53,15 @@ def test_packed_micro_batch_layout():
     lengths = np.array([3, 2, 4])
     rows, packs = steps.packed_micro_batch(ids, lengths, [(0, 2), (2, 3)], rows=3, width=8, unpack_rows=4)
     np.testing.assert_array_equal(rows["input_ids"], [[5, 6, 7, 8, 9, 0, 0, 0], [1, 2, 3, 4, 0, 0, 0, 0], [0] * 8])
-    np.testing.assert_array_equal(rows["positions"], [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3],
-                                                      list(range(8))])
+    np.testing.assert_array_equal(
+        rows["positions"], [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3], list(range(8))]
+    )
     np.testing.assert_array_equal(rows["segments"], [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 1, 1, 1, 1], [0] * 8])
     # unpack: row i, column t <- flat packed next-token logprob (row k of the micro batch: + k * 7)
     np.testing.assert_array_equal(rows["unpack_valid"], [[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
-    np.testing.assert_array_equal(np.where(rows["unpack_valid"], rows["unpack_index"], -1),
-                                  [[0, 1, -1], [3, -1, -1], [7, 8, 9], [-1, -1, -1]])
+    np.testing.assert_array_equal(
+        np.where(rows["unpack_valid"], rows["unpack_index"], -1), [[0, 1, -1], [3, -1, -1], [7, 8, 9], [-1, -1, -1]]
+    )
     assert [p.width for p in packs] == [8, 8]
     with pytest.raises(ValueError, match="exceeds the width"):
         steps.packed_micro_batch(ids, lengths, [(0, 3)], rows=1, width=8)
@@ -80,13 +85,20 @@ def test_packing_on_equals_off(model_dirs, tokenizer, unpacked, mesh):
     worker = jax_worker(model_dirs["qwen2"], tokenizer, *mesh, sequence_packing=packing())
     before = worker.get_logprobs(data)["logprobs"]
     torch.testing.assert_close(before, ref_before, rtol=0, atol=1e-5)
-    hf = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dirs["qwen2"]).eval(),
-                     data["input_ids"], data["input_lengths"])
+    hf = hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(model_dirs["qwen2"]).eval(), data["input_ids"], data["input_lengths"]
+    )
     torch.testing.assert_close(before, hf, rtol=0, atol=1e-5)
     # A shard planned by the driver (rows reordered, bins attached) gives the same rows back.
-    (shard,), order = data.shard_by_batch_size(1, sequence_packing_args=SequencePackingArgs(
-        input_key="input_ids", input_lengths_key="input_lengths", max_tokens_per_microbatch=BUDGET,
-        algorithm="modified_first_fit_decreasing"))
+    (shard,), order = data.shard_by_batch_size(
+        1,
+        sequence_packing_args=SequencePackingArgs(
+            input_key="input_ids",
+            input_lengths_key="input_lengths",
+            max_tokens_per_microbatch=BUDGET,
+            algorithm="modified_first_fit_decreasing",
+        ),
+    )
     assert shard.micro_batch_indices is not None and order != list(range(len(LENGTHS)))
     torch.testing.assert_close(worker.get_logprobs(shard).reorder_data(order)["logprobs"], before, rtol=0, atol=1e-5)
     result = worker.train(data, ClippedPGLossFn(BASE_CFG))
@@ -112,14 +124,19 @@ def test_packed_nll_matches_unpacked(model_dirs, tokenizer):
         worker = jax_worker(model_dirs["llama"], tokenizer, 8, 1, 1, sequence_packing=packing(enabled))
         results.append(worker.train(data, NLLLoss(), eval_mode=True))
     torch.testing.assert_close(results[1]["global_loss"], results[0]["global_loss"], rtol=1e-5, atol=0)
-    torch.testing.assert_close(results[1]["metrics"]["num_unmasked_tokens"], results[0]["metrics"]["num_unmasked_tokens"])
+    torch.testing.assert_close(
+        results[1]["metrics"]["num_unmasked_tokens"], results[0]["metrics"]["num_unmasked_tokens"]
+    )
 
 
 def test_packing_with_cp_needs_budget_widths_that_split(model_dirs, tokenizer):
     """Packed widths come from the budget's ladder (16, 32, 34 for a budget of 34): with
     cp = 2 each must be a multiple of 4, else the worker refuses, naming the field to set."""
-    with pytest.raises(ValueError, match=r"sequence width 34 is not divisible by 4 .*"
-                                         r"policy\.make_sequence_length_divisible_by.*sequence_packing\.train_mb_tokens=34"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence width 34 is not divisible by 4 .*"
+        r"policy\.make_sequence_length_divisible_by.*sequence_packing\.train_mb_tokens=34",
+    ):
         jax_worker(model_dirs["llama"], tokenizer, 2, 2, 2, sequence_packing=packing(budget=34))
     steps.check_cp_ladder(34, 2, 4, "policy.sequence_packing.train_mb_tokens")  # the fix: divisible_by 4
 
@@ -129,5 +146,11 @@ def test_policy_with_packing_matches_hf_and_torch_step(ray_session, model_dirs, 
     """The driver plans the bins (rows reordered by length, restored afterwards)."""
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit", sequence_packing=packing())
     cfg["jax_cfg"].update(fsdp_size=-1, tensor_parallel_size=2)
-    check_jax_policy_against_hf_and_torch(cfg, "jax_packed", model_dirs["qwen2"], tokenizer,
-                                          uneven_batch(LENGTHS, seed=7), uneven_batch([29, 1, 12, 4], seed=8))
+    check_jax_policy_against_hf_and_torch(
+        cfg,
+        "jax_packed",
+        model_dirs["qwen2"],
+        tokenizer,
+        uneven_batch(LENGTHS, seed=7),
+        uneven_batch([29, 1, 12, 4], seed=8),
+    )

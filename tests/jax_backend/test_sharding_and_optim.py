@@ -278,7 +278,10 @@ def _make_params(seed=0):
 
 def _grads(params, n_steps, scale, seed=1):
     rng = np.random.default_rng(seed)
-    return [{k: (scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in params.items()} for _ in range(n_steps)]
+    return [
+        {k: (scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in params.items()}
+        for _ in range(n_steps)
+    ]
 
 
 def _run_torch(opt_cfg, sched_cfg, max_grad_norm, params, grads_seq):
@@ -328,19 +331,37 @@ def _run_jax(opt_cfg, sched_cfg, max_grad_norm, params, grads_seq, shardings=Non
 WARMUP = [_lin(0.5, 1.0, 2), _const(1.0, 10**10), {"milestones": [2]}]
 
 OPT_CASES = {
-    "adamw_wd_clip": ({"name": "torch.optim.AdamW", "kwargs": {
-        "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.999], "eps": 1e-8, "foreach": False, "fused": False}}, 1.0),
+    "adamw_wd_clip": (
+        {
+            "name": "torch.optim.AdamW",
+            "kwargs": {
+                "lr": 1e-2,
+                "weight_decay": 0.1,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "foreach": False,
+                "fused": False,
+            },
+        },
+        1.0,
+    ),
     "adamw_no_clip": ({"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-3, "betas": [0.8, 0.95], "eps": 1e-6}}, None),
     "adamw_clip_inactive": ({"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.01}}, 1e6),
     "adamw_amsgrad": ({"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "amsgrad": True}}, 1.0),
     "adam_l2": ({"name": "torch.optim.Adam", "kwargs": {"lr": 1e-2, "weight_decay": 0.05}}, 2.0),
-    "adam_decoupled": ({"name": "torch.optim.Adam", "kwargs": {
-        "lr": 1e-2, "weight_decay": 0.05, "decoupled_weight_decay": True}}, 2.0),
+    "adam_decoupled": (
+        {"name": "torch.optim.Adam", "kwargs": {"lr": 1e-2, "weight_decay": 0.05, "decoupled_weight_decay": True}},
+        2.0,
+    ),
     "sgd_plain": ({"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}}, None),
-    "sgd_momentum_wd_clip": ({"name": "torch.optim.SGD", "kwargs": {
-        "lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}}, 1.0),
-    "sgd_nesterov_maximize": ({"name": "torch.optim.SGD", "kwargs": {
-        "lr": 0.05, "momentum": 0.9, "nesterov": True, "maximize": True}}, 1.0),
+    "sgd_momentum_wd_clip": (
+        {"name": "torch.optim.SGD", "kwargs": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}},
+        1.0,
+    ),
+    "sgd_nesterov_maximize": (
+        {"name": "torch.optim.SGD", "kwargs": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "maximize": True}},
+        1.0,
+    ),
 }
 
 

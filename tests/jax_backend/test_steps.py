@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from transformers import AutoModelForCausalLM
 
 from backends.jax_pjit import steps
@@ -26,7 +27,6 @@ from backends.jax_pjit.sharding import make_mesh, tree_shardings
 from core.config.loader import DEFAULT_CONFIG_PATH, load_config
 from core.losses import ClippedPGLossFn
 from core.testing.tiny_models import save_tiny_model
-
 from tests.torch_backends.conftest import SEQ, hf_logprobs, pg_batch
 from tests.unit.test_losses import BASE_CFG
 
@@ -38,8 +38,12 @@ def _policy_cfg(fsdp: int, tp: int) -> dict:
     cfg["backend"] = "jax_pjit"
     cfg["jax_cfg"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
     cfg["optimizer"]["kwargs"].update(lr=1e-2, weight_decay=0.01)
-    cfg["scheduler"] = [{"name": "torch.optim.lr_scheduler.LinearLR",
-                         "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2}}]
+    cfg["scheduler"] = [
+        {
+            "name": "torch.optim.lr_scheduler.LinearLR",
+            "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2},
+        }
+    ]
     cfg["max_grad_norm"] = 1.0
     return cfg
 
@@ -73,8 +77,9 @@ def test_logprob_step_matches_hf(model_dir, mesh_shape):
     cfg, mesh, _, apply_fn, params, _ = _setup(model_dir, *mesh_shape)
     data = pg_batch(8, seed=1)
     width = steps.bucket_for(SEQ, 32)
-    host = steps.pad_micro_batch({"input_ids": data["input_ids"].numpy(),
-                                  "input_lengths": data["input_lengths"].numpy()}, 8, width)
+    host = steps.pad_micro_batch(
+        {"input_ids": data["input_ids"].numpy(), "input_lengths": data["input_lengths"].numpy()}, 8, width
+    )
     step = steps.make_logprob_step(apply_fn, temperature=1.0)
     with mesh, activation_constraint(make_constraint(mesh)):
         dev = _on_mesh(host, mesh)
@@ -105,7 +110,7 @@ def _accumulate(apply_fn, params, loss_fn, data, mbs, width, mesh):
     acc = steps.zero_grads(params)
     loss = 0.0
     for start in range(0, len(host["input_ids"]), mbs):
-        mb = steps.pad_micro_batch({k: v[start:start + mbs] for k, v in host.items()}, mbs, width)
+        mb = steps.pad_micro_batch({k: v[start : start + mbs] for k, v in host.items()}, mbs, width)
         acc, metrics = grad_step(params, acc, _on_mesh(mb, mesh), gseq, gtok)
         loss += float(metrics["loss"])
     return loss, acc, grad_step
@@ -149,8 +154,9 @@ def test_three_adamw_steps_track_torch(model_dir):
             assert not bool(skipped)
             losses.append(loss)
         probe = pg_batch(4, seed=20)
-        host = steps.pad_micro_batch({"input_ids": probe["input_ids"].numpy(),
-                                      "input_lengths": probe["input_lengths"].numpy()}, 4, width)
+        host = steps.pad_micro_batch(
+            {"input_ids": probe["input_ids"].numpy(), "input_lengths": probe["input_lengths"].numpy()}, 4, width
+        )
         dev = _on_mesh(host, mesh)
         after = np.asarray(steps.make_logprob_step(apply_fn, 1.0)(params, dev["input_ids"], dev["input_lengths"]))
     ref_losses, _, ref_model = _reference_adamw(model_dir, cfg, batches, loss_fn)

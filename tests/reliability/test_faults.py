@@ -28,8 +28,7 @@ from core.generation import EngineDeadError, VllmGeneration
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.refit import refit_policy_generation
-
-from tests.generation.conftest import gen_model_dirs, prompts, refit_config  # noqa: F401 (fixture)
+from tests.generation.conftest import prompts, refit_config
 from tests.torch_backends.conftest import pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
 
@@ -52,6 +51,7 @@ def _report(what: str, seconds: float) -> None:
 
 def _die_on_rank(policy: Policy, rank: int, method: str, after_calls: int = 0) -> None:
     """Rank ``rank``'s worker exits hard on its ``after_calls + 1``-th call of ``method``."""
+
     def patch(worker, rank=rank, method=method, after_calls=after_calls):
         if worker.rank != rank:
             return
@@ -79,7 +79,9 @@ def test_rank_killed_mid_train_fails_fast_and_a_new_policy_trains(ray_session, m
         # on into the backward's reduce-scatter, waiting for a rank that will never come
         _die_on_rank(policy, 1, "_micro_batch_loss")
         start = time.monotonic()
-        with pytest.raises(WorkerGroupError, match=r"(?s)'train' failed on rank\(s\) \[1\].*Fatal \(a worker process died\)"):
+        with pytest.raises(
+            WorkerGroupError, match=r"(?s)'train' failed on rank\(s\) \[1\].*Fatal \(a worker process died\)"
+        ):
             policy.train(pg_batch(4, seed=2), ClippedPGLossFn(BASE_CFG))
         took = time.monotonic() - start
         _report("rank 1 killed mid-train -> WorkerGroupError", took)
@@ -100,6 +102,7 @@ def test_rank_killed_mid_train_fails_fast_and_a_new_policy_trains(ray_session, m
 
 def _engine_dies_in(engine: VllmGeneration, transport: str) -> None:
     """The engine's process exits hard after loading its first bucket of the next refit."""
+
     def patch(actor, transport=transport):
         if transport == "ipc":  # Ray dispatches by class: patch what the method calls
             original = actor.llm.collective_rpc
@@ -168,6 +171,7 @@ def test_engine_killed_mid_refit_leaves_the_policy_intact(transport, ray_session
 
 def _kill_sender_mid_broadcast(policy: Policy) -> None:
     """Training rank 0 exits hard while broadcasting the second bucket of the next refit."""
+
     def patch(worker):
         from core.refit import collective
 

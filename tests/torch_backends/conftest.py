@@ -39,7 +39,10 @@ def policy_config(model_dir: Path, backend: str, tp: int = 1, sp: bool = False, 
     cfg["dtensor_cfg"].update(tensor_parallel_size=tp, sequence_parallel=sp)
     cfg["optimizer"]["kwargs"].update(lr=1e-2, weight_decay=0.01)
     cfg["scheduler"] = [
-        {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2}},
+        {
+            "name": "torch.optim.lr_scheduler.LinearLR",
+            "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2},
+        },
     ]
     cfg["max_grad_norm"] = 1.0
     cfg["generation"].update(max_new_tokens=6, temperature=1.0)
@@ -93,9 +96,14 @@ def uneven_pg_batch(lengths, width: int, seed: int):
     token_mask[:, :2] = 0
     old = -torch.rand(len(lengths), width, generator=g) * 3 * valid
     return BatchedDataDict(
-        input_ids=ids, input_lengths=lens, token_mask=token_mask, sample_mask=torch.ones(len(lengths)),
+        input_ids=ids,
+        input_lengths=lens,
+        token_mask=token_mask,
+        sample_mask=torch.ones(len(lengths)),
         advantages=torch.randn(len(lengths), width, generator=g) * valid,
-        prev_logprobs=old, generation_logprobs=old, reference_policy_logprobs=old,
+        prev_logprobs=old,
+        generation_logprobs=old,
+        reference_policy_logprobs=old,
     )
 
 
@@ -116,5 +124,4 @@ def count_collectives(policy, call) -> dict[str, int]:
         names = collections.Counter(e.get("name") for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op")
     for path in paths:
         os.remove(path)
-    return {"all_gather": sum(names[n] for n in ALL_GATHERS),
-            "reduce_scatter": sum(names[n] for n in REDUCE_SCATTERS)}
+    return {"all_gather": sum(names[n] for n in ALL_GATHERS), "reduce_scatter": sum(names[n] for n in REDUCE_SCATTERS)}

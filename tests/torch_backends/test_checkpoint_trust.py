@@ -21,7 +21,6 @@ from backends.torch_common import checkpoint as ckpt
 from core.checkpointing import policy_files as pf
 from core.checkpointing.manifest import MANIFEST_NAME, CheckpointError
 from core.testing.tiny_models import random_batch, save_tiny_model
-
 from tests.torch_backends.conftest import SEQ, VOCAB
 
 
@@ -169,6 +168,7 @@ def test_failed_save_cleans_up_and_keeps_the_previous(model_dirs, tmp_path, monk
     model, optimizer = _model(model_dirs["llama"], seed=1)
     weights, optim = _save(model, optimizer, tmp_path)
     saved_lp = _logprobs(model)
+
     def disk_full(*args, **kwargs):
         raise OSError("disk full")
 
@@ -214,7 +214,9 @@ def test_checkpoint_of_another_architecture_names_key_and_shapes(model_dirs, tmp
 def test_weights_and_optimizer_dirs_swapped_are_named(model_dirs, tmp_path):
     model, optimizer = _model(model_dirs["llama"])
     weights, optim = _save(model, optimizer, tmp_path)
-    with pytest.raises(CheckpointError, match=r"weights_path=.*optim'? is an optimizer checkpoint.*pass it as optimizer_path"):
+    with pytest.raises(
+        CheckpointError, match=r"weights_path=.*optim'? is an optimizer checkpoint.*pass it as optimizer_path"
+    ):
         _fresh_load(model_dirs["llama"], optim)
     with pytest.raises(CheckpointError, match=r"optimizer_path=.*is a weights checkpoint.*pass it as weights_path"):
         _fresh_load(model_dirs["llama"], weights, weights)
@@ -269,12 +271,11 @@ def test_policy_save_killed_on_rank0_keeps_the_previous_checkpoint(ray_session, 
     from core.distributed import RayVirtualCluster
     from core.losses import ClippedPGLossFn
     from core.policy import Policy
-
     from tests.torch_backends.conftest import pg_batch, policy_config
     from tests.torch_backends.test_torch_policy import PG_CFG
 
     cfg = policy_config(model_dirs["llama"], "torch_fsdp")
-    probe = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=42)))
+    probe = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=42), strict=True))
     weights, optim = tmp_path / "weights", tmp_path / "optim"
     cluster = RayVirtualCluster([2], use_gpus=False)
     try:
@@ -321,7 +322,6 @@ def test_policy_refuses_another_architecture_in_the_workers(ray_session, model_d
     the model before reading a shard and name the key."""
     from core.distributed import RayVirtualCluster
     from core.policy import Policy
-
     from tests.torch_backends.conftest import policy_config
 
     qwen, _ = _model(model_dirs["qwen2"])
@@ -329,7 +329,8 @@ def test_policy_refuses_another_architecture_in_the_workers(ray_session, model_d
     cluster = RayVirtualCluster([2], use_gpus=False)
     try:
         with pytest.raises(Exception, match=r"q_proj\.bias.*in the checkpoint but not in the model"):
-            Policy(cluster, policy_config(model_dirs["llama"], "torch_fsdp"), tokenizer,
-                   weights_path=tmp_path / "qwen2")
+            Policy(
+                cluster, policy_config(model_dirs["llama"], "torch_fsdp"), tokenizer, weights_path=tmp_path / "qwen2"
+            )
     finally:
         cluster.shutdown()

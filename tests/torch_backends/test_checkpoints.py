@@ -13,7 +13,6 @@ from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.testing.tiny_models import random_batch
-
 from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
 from tests.torch_backends.test_torch_policy import PG_CFG
 
@@ -34,7 +33,7 @@ def test_dcp_resume_gives_the_uninterrupted_next_step(layout, ray_session, model
     cfg = policy_config(model_dirs["llama"], backend, tp=tp, sp=sp)
     loss_fn = ClippedPGLossFn(PG_CFG)
     b1, b2 = pg_batch(4, seed=40), pg_batch(4, seed=41)
-    probe = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=42)))
+    probe = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=42), strict=True))
 
     cluster, policy = _policy(cfg, tokenizer)
     try:
@@ -48,11 +47,13 @@ def test_dcp_resume_gives_the_uninterrupted_next_step(layout, ray_session, model
 
     # Same layout; and for the FSDP1 checkpoint also the other backend (DCP reshards
     # by HF parameter name, so a run can move between backends).
-    resume_cfgs = [cfg] + ([policy_config(model_dirs["llama"], "torch_dtensor", tp=2, sp=True)]
-                           if backend == "torch_fsdp" else [])
+    resume_cfgs = [cfg] + (
+        [policy_config(model_dirs["llama"], "torch_dtensor", tp=2, sp=True)] if backend == "torch_fsdp" else []
+    )
     for resume_cfg in resume_cfgs:
-        cluster, resumed = _policy(resume_cfg, tokenizer, weights_path=tmp_path / "weights",
-                                   optimizer_path=tmp_path / "optim")
+        cluster, resumed = _policy(
+            resume_cfg, tokenizer, weights_path=tmp_path / "weights", optimizer_path=tmp_path / "optim"
+        )
         try:
             step = resumed.train(b2, loss_fn)
             assert math.isclose(float(step["loss"][0]), float(uninterrupted["loss"][0]), rel_tol=1e-6, abs_tol=1e-7)
@@ -78,12 +79,15 @@ def test_hf_export_and_generate(layout, ray_session, model_dirs, tokenizer, tmp_
         policy.save_hf_checkpoint(tmp_path / "hf")
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
 
-        probe = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(5, SEQ, VOCAB, seed=51)))
+        probe = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(5, SEQ, VOCAB, seed=51), strict=True))
         torch.testing.assert_close(
             policy.get_logprobs(probe)["logprobs"],
-            hf_logprobs(exported, probe["input_ids"], probe["input_lengths"]), rtol=0, atol=1e-5)
+            hf_logprobs(exported, probe["input_ids"], probe["input_lengths"]),
+            rtol=0,
+            atol=1e-5,
+        )
 
-        prompts = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(3, 6, VOCAB, seed=52)))
+        prompts = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(3, 6, VOCAB, seed=52), strict=True))
         out = policy.generate(prompts, greedy=True)
         n_new = cfg["generation"]["max_new_tokens"]
         for row in range(3):
@@ -92,8 +96,9 @@ def test_hf_export_and_generate(layout, ray_session, model_dirs, tokenizer, tmp_
             got = out["output_ids"][row, : int(out["unpadded_sequence_lengths"][row])]
             assert got.tolist() == expected.tolist(), row
         # Generation logprobs are the policy's own logprobs of the generated tokens.
-        lp = policy.get_logprobs(BatchedDataDict(input_ids=out["output_ids"],
-                                                 input_lengths=out["unpadded_sequence_lengths"]))["logprobs"]
+        lp = policy.get_logprobs(
+            BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+        )["logprobs"]
         gen = torch.arange(out["output_ids"].shape[1])[None] >= prompts["input_lengths"][:, None]
         torch.testing.assert_close(out["logprobs"], torch.where(gen, lp, 0.0), rtol=0, atol=1e-5)
     finally:

@@ -22,15 +22,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from backends.torch_common.layers import decoder_layers
+from backends.torch_dtensor.compile import compile_blocks
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.testing.gloo_ranks import init_gloo, run_ranks
 from core.testing.tiny_models import build_tiny_model, random_batch
-
-from backends.torch_common.layers import decoder_layers
-from backends.torch_dtensor.compile import compile_blocks
 from tests.torch_backends.conftest import SEQ, VOCAB, pg_batch, policy_config
 from tests.torch_backends.test_torch_policy import PG_CFG
 
@@ -66,11 +65,12 @@ def test_compiled_blocks_trace_to_the_eager_gradients():
     assert counters["aot_autograd"]["ok"] >= 1 and counters["stats"]["unique_graphs"] == 1
     (eager_logits, eager_grads), (comp_logits, comp_grads) = grads
     torch.testing.assert_close(comp_logits, eager_logits, rtol=0, atol=1e-5)
-    for g_eager, g_comp in zip(eager_grads, comp_grads):
+    for g_eager, g_comp in zip(eager_grads, comp_grads, strict=True):
         torch.testing.assert_close(g_comp, g_eager, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ tensor parallel, 2 ranks
+
 
 def _tp_forward_backward(mesh, sp, ac, backend, seen_pending):
     """Tiny Llama under our TP plan: an eval forward without grad (as ``get_logprobs``), then
@@ -100,8 +100,7 @@ def _tp_forward_backward(mesh, sp, ac, backend, seen_pending):
         eval_logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.full_tensor()
     logits = model.train()(input_ids=ids, attention_mask=mask, use_cache=False).logits.full_tensor()
     (logits.logsumexp(-1) * mask).sum().backward()
-    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-             for n, p in model.named_parameters()}
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
     return eval_logits, logits.detach(), grads
 
 
@@ -136,9 +135,16 @@ def _tp_compile_rank(rank, world, port, results, sp, ac):
 
 
 # CI runs the two cases that hit the two torch bugs; the other two combinations are slow.
-@pytest.mark.parametrize("sp, ac", [(False, False), pytest.param(False, True, marks=pytest.mark.slow),
-                                    pytest.param(True, False, marks=pytest.mark.slow), (True, True)],
-                         ids=["tp2-no_ac", "tp2-ac", "tp2_sp-no_ac", "tp2_sp-ac"])
+@pytest.mark.parametrize(
+    "sp, ac",
+    [
+        (False, False),
+        pytest.param(False, True, marks=pytest.mark.slow),
+        pytest.param(True, False, marks=pytest.mark.slow),
+        (True, True),
+    ],
+    ids=["tp2-no_ac", "tp2-ac", "tp2_sp-no_ac", "tp2_sp-ac"],
+)
 def test_compiled_tensor_parallel_blocks_give_the_eager_gradients(sp, ac):
     """tp=2 (gloo, 2 spawned ranks), compiled blocks against the same TP model eager: eval
     and train logits, and every parameter's gradient (fp32, atol 1e-6).  Before the fix in

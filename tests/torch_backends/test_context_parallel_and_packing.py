@@ -22,7 +22,6 @@ from core.data.sequence_packing import PackedRow, check_packing_budget, pack_bin
 from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
-
 from tests.torch_backends.conftest import hf_logprobs, policy_config, uneven_pg_batch
 from tests.unit.test_losses import BASE_CFG
 
@@ -37,8 +36,14 @@ def uneven_batch(seed: int = 0):
 
 
 def _layout_cfg(model_dir, backend, workers, cp=1, tp=1, sp=False, packing=None, multiple=1):
-    cfg = policy_config(model_dir, backend, tp=tp, sp=sp, train_global_batch_size=8,
-                        train_micro_batch_size=8 // workers * tp * cp if workers > 1 else 4)
+    cfg = policy_config(
+        model_dir,
+        backend,
+        tp=tp,
+        sp=sp,
+        train_global_batch_size=8,
+        train_micro_batch_size=8 // workers * tp * cp if workers > 1 else 4,
+    )
     cfg["dtensor_cfg"]["context_parallel_size"] = cp
     cfg["make_sequence_length_divisible_by"] = multiple
     if packing:
@@ -82,18 +87,30 @@ LAYOUTS = [
     pytest.param(("torch_dtensor", "llama", 2, dict(cp=2, multiple=4)), id="dtensor-cp2-llama"),
     pytest.param(("torch_dtensor", "llama", 2, dict(tp=2, packing=PACKING)), id="dtensor-tp2-packed-llama"),
     pytest.param(("torch_dtensor", "qwen2", 2, dict(cp=2, multiple=4)), id="dtensor-cp2-qwen2", marks=pytest.mark.slow),
-    pytest.param(("torch_fsdp", "llama", 2, dict(packing=PACKING)), id="fsdp1-dp2-packed-llama",
-                 marks=pytest.mark.slow),
-    pytest.param(("torch_dtensor", "qwen2", 2, dict(tp=2, packing=PACKING)), id="dtensor-tp2-packed-qwen2",
-                 marks=pytest.mark.slow),
-    pytest.param(("torch_dtensor", "llama", 4, dict(cp=2, multiple=4)), id="dtensor-dp2-cp2-llama",
-                 marks=pytest.mark.slow),
-    pytest.param(("torch_dtensor", "llama", 4, dict(cp=2, tp=2, multiple=4)), id="dtensor-cp2-tp2-llama",
-                 marks=pytest.mark.slow),
-    pytest.param(("torch_dtensor", "qwen2", 4, dict(cp=2, tp=2, sp=True, multiple=8)), id="dtensor-cp2-tp2-sp-qwen2",
-                 marks=pytest.mark.slow),
-    pytest.param(("torch_dtensor", "llama", 2, dict(cp=2, multiple=4, packing=PACKING)), id="dtensor-cp2-packed-llama",
-                 marks=pytest.mark.slow),
+    pytest.param(
+        ("torch_fsdp", "llama", 2, dict(packing=PACKING)), id="fsdp1-dp2-packed-llama", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        ("torch_dtensor", "qwen2", 2, dict(tp=2, packing=PACKING)),
+        id="dtensor-tp2-packed-qwen2",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        ("torch_dtensor", "llama", 4, dict(cp=2, multiple=4)), id="dtensor-dp2-cp2-llama", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        ("torch_dtensor", "llama", 4, dict(cp=2, tp=2, multiple=4)), id="dtensor-cp2-tp2-llama", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        ("torch_dtensor", "qwen2", 4, dict(cp=2, tp=2, sp=True, multiple=8)),
+        id="dtensor-cp2-tp2-sp-qwen2",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        ("torch_dtensor", "llama", 2, dict(cp=2, multiple=4, packing=PACKING)),
+        id="dtensor-cp2-packed-llama",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -109,7 +126,7 @@ def test_layout_matches_plain_path(layout, plain_runs, model_dirs, tokenizer):
     assert (before - ref_before).abs().max() < 1e-5
     (loss, norm), (ref_loss, ref_norm) = trace[0], ref_trace[0]
     assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, (trace[0], ref_trace[0])
-    for (loss, _), (ref_loss, _) in zip(trace, ref_trace):
+    for (loss, _), (ref_loss, _) in zip(trace, ref_trace, strict=True):
         assert abs(loss - ref_loss) < 1e-4, (trace, ref_trace)
     assert (after - ref_after).abs().max() < 1e-4
     assert not torch.equal(after, before)  # the steps did train
@@ -122,9 +139,9 @@ def test_packed_row_round_trip():
     assert PackedRow.build(LENGTHS, WIDTH, multiple=64).width == 128
     packed = row.pack(data["input_ids"])
     assert packed.shape == (1, 88) and row.width == 88 and int(row.valid.sum()) == sum(LENGTHS)
-    for i, (start, n) in enumerate(zip(row.starts, LENGTHS)):
-        assert torch.equal(packed[0, start:start + n], data["input_ids"][i, :n])
-        assert row.positions[start:start + n].tolist() == list(range(n))
+    for i, (start, n) in enumerate(zip(row.starts, LENGTHS, strict=True)):
+        assert torch.equal(packed[0, start : start + n], data["input_ids"][i, :n])
+        assert row.positions[start : start + n].tolist() == list(range(n))
     # Unpacking puts packed column start_i + t at (i, t) for t < len_i - 1, zero elsewhere.
     unpacked = row.unpack_next_logprobs(torch.arange(87.0)[None])
     assert unpacked[0, :31].tolist() == list(range(31)) and unpacked[1, :2].tolist() == [32.0, 33.0]
@@ -165,6 +182,9 @@ def test_bad_cp_and_packing_settings_name_the_field(model_dirs):
     algo["sequence_packing"].update(train_mb_tokens=48, algorithm="best_fit")
     with pytest.raises(ConfigError, match=r"sequence_packing.algorithm: expected one of"):
         validate_policy_config(algo, world_size=2)
-    with pytest.raises(ValueError, match=r"policy.sequence_packing.train_mb_tokens=16 is smaller than sequence 0 "
-                                         r"\(length 32\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy.sequence_packing.train_mb_tokens=16 is smaller than sequence 0 "
+        r"\(length 32\)",
+    ):
         check_packing_budget(LENGTHS, 16, "policy.sequence_packing.train_mb_tokens")

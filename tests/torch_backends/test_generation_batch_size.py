@@ -89,12 +89,14 @@ def test_a_bad_batch_size_is_refused(model, prompts, bad):
 
 
 def test_top_k_minus_one_means_off_and_zero_is_refused():
-    config = build_hf_generation_config(gen_cfg(top_k=-1), greedy=False, max_new_tokens=2, stop_token_ids=[],
-                                        pad_token_id=PAD_ID)
+    config = build_hf_generation_config(
+        gen_cfg(top_k=-1), greedy=False, max_new_tokens=2, stop_token_ids=[], pad_token_id=PAD_ID
+    )
     assert config.top_k == 0  # HF's "off"
     with pytest.raises(ValueError, match="top_k must be None or -1"):
-        build_hf_generation_config(gen_cfg(top_k=0), greedy=False, max_new_tokens=2, stop_token_ids=[],
-                                   pad_token_id=PAD_ID)
+        build_hf_generation_config(
+            gen_cfg(top_k=0), greedy=False, max_new_tokens=2, stop_token_ids=[], pad_token_id=PAD_ID
+        )
 
 
 @pytest.mark.slow
@@ -131,9 +133,14 @@ def test_the_policy_workers_generate_in_chunks(ray_session, model_dirs, tokenize
         from transformers import AutoModelForCausalLM
 
         reference = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
-        expected = hf_generate(reference, BatchedDataDict(input_ids=ids, input_lengths=lengths), cfg["generation"],
-                               greedy=True, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_ids=[tokenizer.eos_token_id])
+        expected = hf_generate(
+            reference,
+            BatchedDataDict(input_ids=ids, input_lengths=lengths),
+            cfg["generation"],
+            greedy=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=[tokenizer.eos_token_id],
+        )
         assert torch.equal(out["output_ids"], expected["output_ids"])
         torch.testing.assert_close(out["logprobs"], expected["logprobs"], rtol=0, atol=1e-5)
     finally:

@@ -23,7 +23,6 @@ from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.testing.tiny_models import random_batch
-
 from tests.torch_backends.conftest import SEQ, VOCAB, count_collectives, pg_batch, policy_config
 from tests.torch_backends.test_torch_policy import PG_CFG, _reference_loss_and_norm
 
@@ -31,14 +30,23 @@ UNITS = 3  # 2 blocks + root
 MICRO = 4  # micro batches per rank: 8 rows, dp 2, 1 row each
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(("torch_dtensor", None, "highest"), id="dtensor-dp2"),
-    pytest.param(("torch_fsdp", "high", "high"), id="fsdp1-dp2-tf32-allowed"),
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("torch_dtensor", None, "highest"), id="dtensor-dp2"),
+        pytest.param(("torch_fsdp", "high", "high"), id="fsdp1-dp2-tf32-allowed"),
+    ],
+)
 def case(request, ray_session, model_dirs, tokenizer):
     backend, matmul, applied = request.param
-    cfg = policy_config(model_dirs["llama"], backend, train_global_batch_size=8, train_micro_batch_size=1,
-                        logprob_batch_size=1, matmul_precision=matmul)
+    cfg = policy_config(
+        model_dirs["llama"],
+        backend,
+        train_global_batch_size=8,
+        train_micro_batch_size=1,
+        logprob_batch_size=1,
+        matmul_precision=matmul,
+    )
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, cfg, tokenizer)
     yield {"policy": policy, "backend": backend, "applied": applied, "model_dir": model_dirs["llama"]}

@@ -24,7 +24,6 @@ from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import NonFiniteStepError, Policy
 from core.testing.tiny_models import random_batch
-
 from tests.torch_backends.conftest import SEQ, VOCAB, pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
 
@@ -46,7 +45,7 @@ def all_masked_batches(seed: int = 41) -> BatchedDataDict:
 
 
 def _probe() -> BatchedDataDict:
-    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=20)))
+    return BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=20), strict=True))
 
 
 def run_non_finite_scenario(make_policy) -> None:
@@ -97,8 +96,9 @@ def run_non_finite_scenario(make_policy) -> None:
 
 # Two policies on 2 CPU ranks each: ~45-70 s per layout on the shared 2-core machine.
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,tp", [pytest.param("torch_fsdp", 1, id="fsdp1-dp2"),
-                                        pytest.param("torch_dtensor", 2, id="dtensor-tp2")])
+@pytest.mark.parametrize(
+    "backend,tp", [pytest.param("torch_fsdp", 1, id="fsdp1-dp2"), pytest.param("torch_dtensor", 2, id="dtensor-tp2")]
+)
 def test_non_finite_and_masked_steps_are_skipped(backend, tp, ray_session, model_dirs, tokenizer):
     def make_policy(name, mode):
         cfg = policy_config(model_dirs["llama"], backend, tp=tp, non_finite_step=mode)

@@ -27,7 +27,6 @@ from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.policy.preflight import check_tensor_parallel_fits
 from core.testing.tiny_models import PAD_ID, random_batch, tiny_config, tiny_tokenizer
-
 from tests.torch_backends.conftest import SEQ, hf_logprobs, pg_batch, policy_config
 from tests.torch_backends.test_torch_policy import PG_CFG
 
@@ -60,8 +59,10 @@ def save_v301_model(base: str, path, tie: bool = False, seed: int = 0):
 @pytest.fixture(scope="module")
 def v301_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("v301")
-    return {"llama": save_v301_model("llama", root / "llama"),
-            "qwen2_tied": save_v301_model("qwen2", root / "qwen2_tied", tie=True)}
+    return {
+        "llama": save_v301_model("llama", root / "llama"),
+        "qwen2_tied": save_v301_model("qwen2", root / "qwen2_tied", tie=True),
+    }
 
 
 def _ids_301(ids: torch.Tensor) -> torch.Tensor:
@@ -101,12 +102,24 @@ class FullLogitsPG:
 @pytest.fixture(scope="module", params=LAYOUTS)
 def layout(request, ray_session, v301_dirs, tokenizer):
     model, tp, sp, multiple, padded, mbs = request.param
-    cfg = policy_config(v301_dirs[model], "torch_dtensor", tp=tp, sp=sp, train_micro_batch_size=mbs,
-                        make_vocab_size_divisible_by=multiple)
+    cfg = policy_config(
+        v301_dirs[model],
+        "torch_dtensor",
+        tp=tp,
+        sp=sp,
+        train_micro_batch_size=mbs,
+        make_vocab_size_divisible_by=multiple,
+    )
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, cfg, tokenizer)
-    yield {"policy": policy, "cfg": cfg, "model_dir": v301_dirs[model], "padded": padded,
-           "tied": model == "qwen2_tied", "state": {}}
+    yield {
+        "policy": policy,
+        "cfg": cfg,
+        "model_dir": v301_dirs[model],
+        "padded": padded,
+        "tied": model == "qwen2_tied",
+        "state": {},
+    }
     policy.shutdown()
     cluster.shutdown()
 
@@ -147,7 +160,7 @@ def test_two_adamw_steps_match_single_process(layout):
     ours = [policy.train(batches[0], ClippedPGLossFn(PG_CFG)), policy.train(batches[1], FullLogitsPG(PG_CFG))]
     ref_losses, ref_norms, ref_model = _reference_adamw(layout["model_dir"], cfg, batches)
     errs = []
-    for step, (r, loss, norm) in enumerate(zip(ours, ref_losses, ref_norms)):
+    for step, (r, loss, norm) in enumerate(zip(ours, ref_losses, ref_norms, strict=True)):
         tol = 1e-5 if step == 0 else 1e-4
         assert math.isclose(float(r["loss"][0]), loss, rel_tol=tol, abs_tol=tol / 10), (step, r["loss"], loss)
         assert math.isclose(float(r["grad_norm"][0]), norm, rel_tol=tol), (step, r["grad_norm"], norm)
@@ -203,8 +216,9 @@ def test_reference_swap_and_generate(layout):
 
     prompts = _ragged(3, seed=31)
     out = policy.generate(prompts, greedy=True)
-    assert generated_rows(out, prompts) == hf_greedy(_hf(layout["state"]["export"]), prompts,
-                                                     layout["cfg"]["generation"]["max_new_tokens"])
+    assert generated_rows(out, prompts) == hf_greedy(
+        _hf(layout["state"]["export"]), prompts, layout["cfg"]["generation"]["max_new_tokens"]
+    )
 
 
 def test_padded_rows_stay_zero_and_dcp_roundtrip(layout, tmp_path):
@@ -234,8 +248,11 @@ def test_padded_rows_stay_zero_and_dcp_roundtrip(layout, tmp_path):
 
 def test_make_vocab_size_divisible_by_is_checked(v301_dirs):
     cfg = policy_config(v301_dirs["llama"], "torch_fsdp", make_vocab_size_divisible_by=64)
-    with pytest.raises(ConfigError, match=r"policy.make_vocab_size_divisible_by: 64: the torch_fsdp \(FSDP1\) "
-                                          "backend has no tensor parallelism"):
+    with pytest.raises(
+        ConfigError,
+        match=r"policy.make_vocab_size_divisible_by: 64: the torch_fsdp \(FSDP1\) "
+        "backend has no tensor parallelism",
+    ):
         validate_policy_config(cfg)
     for bad in (0, -8):
         with pytest.raises(ConfigError, match=r"make_vocab_size_divisible_by: must be > 0"):
@@ -300,8 +317,9 @@ def _reference_adamw(model_dir, cfg, batches, steps: bool = True):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     loss_fn = ClippedPGLossFn(PG_CFG)
     kw = cfg["optimizer"]["kwargs"]
-    opt = torch.optim.AdamW(model.parameters(), lr=kw["lr"], weight_decay=kw["weight_decay"],
-                            betas=tuple(kw["betas"]), eps=kw["eps"])
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=kw["lr"], weight_decay=kw["weight_decay"], betas=tuple(kw["betas"]), eps=kw["eps"]
+    )
     sched = torch.optim.lr_scheduler.LinearLR(opt, **cfg["scheduler"][0]["kwargs"])
     losses, norms = [], []
     for data in batches:

@@ -13,16 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from core.config.validate import ConfigError
-from core.policy.checks import BatchError
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, WorkerGroupError
 from core.losses import ClippedPGLossFn, LossInputError, NLLLoss
 from core.policy import BatchError, Policy
 from core.testing.tiny_models import random_batch, tiny_tokenizer
-
 from tests.torch_backends.conftest import SEQ, VOCAB, count_collectives, hf_logprobs, pg_batch, policy_config
 from tests.torch_backends.test_torch_policy import PG_CFG
-
 
 TEMPERATURE = 0.7
 
@@ -34,8 +31,12 @@ def dynamic_policy(ray_session, model_dirs, tokenizer):
     of 0.7, which get_logprobs and train must both apply."""
     cfg = policy_config(model_dirs["llama"], "torch_fsdp")
     cfg["generation"]["temperature"] = TEMPERATURE
-    cfg["dynamic_batching"] = {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 24,
-                               "sequence_length_round": 4}
+    cfg["dynamic_batching"] = {
+        "enabled": True,
+        "train_mb_tokens": 24,
+        "logprob_mb_tokens": 24,
+        "sequence_length_round": 4,
+    }
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, cfg, tokenizer)
     yield {"policy": policy, "cfg": cfg, "model_dir": model_dirs["llama"]}
@@ -46,8 +47,9 @@ def dynamic_policy(ray_session, model_dirs, tokenizer):
 def test_dynamic_batching_keeps_caller_order(dynamic_policy):
     ids, lens = random_batch(7, SEQ, VOCAB, seed=60)
     out = dynamic_policy["policy"].get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
-    ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(dynamic_policy["model_dir"]).eval(), ids, lens,
-                      temperature=TEMPERATURE)
+    ref = hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(dynamic_policy["model_dir"]).eval(), ids, lens, temperature=TEMPERATURE
+    )
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
@@ -100,7 +102,9 @@ def test_diagnostics(dynamic_policy):
     assert all(i["rss_bytes"] > 0 and i["torch_num_threads"] >= 1 for i in info)
     policy.reset_peak_memory_stats()
     policy.start_gpu_profiling()
-    policy.get_logprobs(BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(2, SEQ, VOCAB, seed=65))))
+    policy.get_logprobs(
+        BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(2, SEQ, VOCAB, seed=65), strict=True))
+    )
     traces = policy.stop_gpu_profiling()
     assert len(traces) == 2
     for path in traces:
@@ -118,7 +122,9 @@ def test_dead_worker_is_reported_within_seconds(dynamic_policy):
     ray.kill(policy.worker_group.workers[1])
     start = time.monotonic()
     with pytest.raises(WorkerGroupError, match="rank"):
-        policy.get_logprobs(BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB))))
+        policy.get_logprobs(
+            BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB), strict=True))
+        )
     assert time.monotonic() - start < 15
 
 
@@ -136,8 +142,14 @@ def test_tokenizer_larger_than_vocab_is_refused(ray_session, model_dirs):
 
 
 def test_tp_must_divide_heads(ray_session, tmp_path, tokenizer):
-    LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
-                num_attention_heads=3, num_key_value_heads=1).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=256,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+    ).save_pretrained(tmp_path)
     cfg = policy_config(tmp_path, "torch_dtensor", tp=2)
     cluster = RayVirtualCluster([2], use_gpus=False)
     try:
@@ -152,8 +164,11 @@ def test_context_parallel_needs_a_sequence_multiple_before_any_worker_starts(ray
     cfg["dtensor_cfg"]["context_parallel_size"] = 2
     cluster = RayVirtualCluster([2], use_gpus=False)
     try:
-        with pytest.raises(ConfigError, match=r"make_sequence_length_divisible_by: 1 is not a multiple of 2 x "
-                                              r"context_parallel_size \(2\) = 4"):
+        with pytest.raises(
+            ConfigError,
+            match=r"make_sequence_length_divisible_by: 1 is not a multiple of 2 x "
+            r"context_parallel_size \(2\) = 4",
+        ):
             Policy(cluster, cfg, tokenizer)
     finally:
         cluster.shutdown()
@@ -167,8 +182,13 @@ def test_bf16_with_activation_checkpointing_and_offload(backend, ray_session, mo
     """bf16 compute over fp32 master weights with activation checkpointing: logprobs near the
     fp32 HF reference, training lowers the loss.  The offload flags are accepted; on CPU
     workers they are no-ops (parameters already live in host memory)."""
-    cfg = policy_config(model_dirs["llama"], backend, precision="bfloat16",
-                        activation_checkpointing_enabled=True, fsdp_offload_enabled=True)
+    cfg = policy_config(
+        model_dirs["llama"],
+        backend,
+        precision="bfloat16",
+        activation_checkpointing_enabled=True,
+        fsdp_offload_enabled=True,
+    )
     cfg["dtensor_cfg"].update(activation_checkpointing=True, cpu_offload=True)
     cfg["optimizer"]["kwargs"]["lr"] = 3e-3
     cluster = RayVirtualCluster([2], use_gpus=False)

@@ -11,7 +11,6 @@ FSDP/TP shard the parameters (a norm that counted TP-replicated weights twice wo
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -20,12 +19,11 @@ from transformers import AutoModelForCausalLM
 
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster
-from core.losses import ClippedPGLossFn, NLLLoss
+from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.testing.tiny_models import random_batch
-
-from tests.unit.test_losses import BASE_CFG
 from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
+from tests.unit.test_losses import BASE_CFG
 
 # (backend, tp, sequence_parallel, model): every torch layout the issue names, on Llama;
 # Qwen2 (q/k/v bias) and a tied-embedding model through the TP paths.
@@ -65,8 +63,9 @@ def test_get_logprobs_matches_hf(layout):
     5 rows on dp=2 also exercises the padding of the batch to a multiple of dp."""
     data = _ragged(5, seed=1)
     out = layout["policy"].get_logprobs(data)["logprobs"]
-    ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(layout["model_dir"]).eval(),
-                      data["input_ids"], data["input_lengths"])
+    ref = hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(layout["model_dir"]).eval(), data["input_ids"], data["input_lengths"]
+    )
     assert out.shape == (5, SEQ) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert (out[:, 0] == 0).all()
@@ -95,20 +94,22 @@ def test_three_adamw_steps_track_single_process(layout):
     # Step 1 runs on the initial weights: loss and gradient norm must match tightly.
     assert math.isclose(float(ours[0]["loss"][0]), ref_losses[0], rel_tol=1e-5, abs_tol=1e-6)
     assert math.isclose(float(ours[0]["grad_norm"][0]), ref_first_norm, rel_tol=1e-5)
-    for step, (r, ref) in enumerate(zip(ours, ref_losses)):
+    for step, (r, ref) in enumerate(zip(ours, ref_losses, strict=True)):
         assert math.isclose(float(r["loss"][0]), ref, rel_tol=1e-4, abs_tol=1e-5), (step, r["loss"], ref)
     probe = _ragged(4, seed=20)
     after = policy.get_logprobs(probe)["logprobs"]
-    torch.testing.assert_close(after, hf_logprobs(ref_model, probe["input_ids"], probe["input_lengths"]),
-                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        after, hf_logprobs(ref_model, probe["input_ids"], probe["input_lengths"]), rtol=0, atol=1e-4
+    )
     assert ours[-1]["lr"] == pytest.approx(cfg["optimizer"]["kwargs"]["lr"])  # LinearLR warm-up done
 
 
 def test_reference_logprobs_unchanged_by_training(layout):
     data = _ragged(4, seed=30)
     ref = layout["policy"].get_reference_policy_logprobs(data)["reference_logprobs"]
-    initial = hf_logprobs(AutoModelForCausalLM.from_pretrained(layout["model_dir"]).eval(),
-                          data["input_ids"], data["input_lengths"])
+    initial = hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(layout["model_dir"]).eval(), data["input_ids"], data["input_lengths"]
+    )
     torch.testing.assert_close(ref, initial, rtol=0, atol=1e-5)
     trained = layout["policy"].get_logprobs(data)["logprobs"]
     assert (trained - ref).abs().max() > 1e-3  # the policy itself did move
@@ -135,8 +136,9 @@ def _reference_adamw(model_dir, cfg, batches, loss_fn):
     """Plain single-process torch: AdamW + LinearLR + global-norm clipping, one step per batch."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     kw = cfg["optimizer"]["kwargs"]
-    opt = torch.optim.AdamW(model.parameters(), lr=kw["lr"], weight_decay=kw["weight_decay"],
-                            betas=tuple(kw["betas"]), eps=kw["eps"])
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=kw["lr"], weight_decay=kw["weight_decay"], betas=tuple(kw["betas"]), eps=kw["eps"]
+    )
     sched = torch.optim.lr_scheduler.LinearLR(opt, **cfg["scheduler"][0]["kwargs"])
     losses, norms = [], []
     for data in batches:

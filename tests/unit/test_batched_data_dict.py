@@ -392,19 +392,17 @@ def random_lengths(n, seed, width=64):
 def test_dynamic_plan_respects_budget_and_lockstep(shards, batch_size):
     lengths = random_lengths(48, seed=shards)
     args = dyn_args(round_to=8, budget=160)
-    result, _ = make_seq_batch(lengths).shard_by_batch_size(
-        shards, batch_size=batch_size, dynamic_batching_args=args
-    )
+    result, _ = make_seq_batch(lengths).shard_by_batch_size(shards, batch_size=batch_size, dynamic_batching_args=args)
     counts = {s.get_microbatch_iterator_dynamic_shapes_len() for s in result}
     assert len(counts) == 1, "every shard must run the same number of micro batches"
     plan = result[0].micro_batch_indices
     assert len(plan) == 48 // (batch_size or 48)
     for shard in result:
         assert shard.micro_batch_indices == plan
-        chunks = zip(shard.micro_batch_indices, shard.micro_batch_lengths)
+        chunks = zip(shard.micro_batch_indices, shard.micro_batch_lengths, strict=True)
         for chunk, (ranges, lens) in enumerate(chunks):
             offset = chunk * ranges[-1][1]
-            for (start, end), padded in zip(ranges, lens):
+            for (start, end), padded in zip(ranges, lens, strict=True):
                 assert (end - start) * padded <= 160 or end - start == 1
                 assert padded % 8 == 0
                 rows = [lengths[r] for s in result for r in s["row"][offset + start : offset + end]]
@@ -413,9 +411,7 @@ def test_dynamic_plan_respects_budget_and_lockstep(shards, batch_size):
 
 def test_dynamic_sorted_indices_round_trip_multiple_chunks():
     batch = make_seq_batch(random_lengths(24, seed=7, width=20))
-    shards, sorted_indices = batch.shard_by_batch_size(
-        3, batch_size=12, dynamic_batching_args=dyn_args()
-    )
+    shards, sorted_indices = batch.shard_by_batch_size(3, batch_size=12, dynamic_batching_args=dyn_args())
     merged = BatchedDataDict.from_batches(shards)
     assert merged["row"] == sorted_indices
     assert_same(merged.reorder_data(sorted_indices), batch)
@@ -461,9 +457,7 @@ def test_dynamic_iterator_keeps_width_when_padded_length_is_wider():
 
 def test_get_batch_carries_plan_and_survives_pickle():
     batch = make_seq_batch(random_lengths(16, seed=3, width=30))
-    shards, _ = batch.shard_by_batch_size(
-        2, batch_size=8, dynamic_batching_args=dyn_args(budget=40)
-    )
+    shards, _ = batch.shard_by_batch_size(2, batch_size=8, dynamic_batching_args=dyn_args(budget=40))
     shard = pickle.loads(pickle.dumps(shards[1]))
     second = shard.get_batch(1)  # batch_size taken from the plan: 8 // 2 = 4 rows
     assert second["row"] == shard["row"][4:]
@@ -514,6 +508,4 @@ def test_dynamic_rejects_missing_field_bad_lengths_and_uneven():
     with pytest.raises(ValueError, match=r"must lie in \[0, 2\]"):
         too_long.shard_by_batch_size(2, dynamic_batching_args=dyn_args())
     with pytest.raises(ValueError, match="cannot be combined with dynamic_batching_args"):
-        make_seq_batch([1, 2, 3]).shard_by_batch_size(
-            2, allow_uneven_shards=True, dynamic_batching_args=dyn_args()
-        )
+        make_seq_batch([1, 2, 3]).shard_by_batch_size(2, allow_uneven_shards=True, dynamic_batching_args=dyn_args())

@@ -10,9 +10,9 @@ import types
 import pytest
 
 from benchmarks import jax_backend, machine, refit, torch_backends
-from benchmarks.layouts import LayoutError, check_fits, parse_layout
 from benchmarks.grpo_step import PHASES
-from core.cli import main as cli_main
+from benchmarks.layouts import LayoutError, check_fits, parse_layout
+from dualrl.cli import main as cli_main
 
 
 def test_a_compiled_layout_turns_dtensor_compile_on_in_every_config_it_builds():
@@ -40,10 +40,18 @@ def test_layout_names():
     assert parse_layout("fsdp1-dp2-packed").packed and not parse_layout("fsdp1-dp2").packed
     compiled = parse_layout("dtensor-dp2-packed-compiled")
     assert compiled.compiled and compiled.packed and not parse_layout("dtensor-dp2").compiled
-    for bad, words in (("bogus", "unknown layout 'bogus'"), ("fsdp1-tp2", "FSDP1"), ("dtensor-dp2-sp", "-sp"),
-                       ("jax-", "unknown layout"), ("dtensor-dp0", ">= 1"), ("fsdp1-dp2-cp2", "context parallel"),
-                       ("dtensor-packed", "unknown layout"), ("fsdp1-dp2-compiled", "torch_dtensor setting"),
-                       ("jax-fsdp2-compiled", "unknown layout"), ("dtensor-dp2-compiled-sp", "unknown layout")):
+    for bad, words in (
+        ("bogus", "unknown layout 'bogus'"),
+        ("fsdp1-tp2", "FSDP1"),
+        ("dtensor-dp2-sp", "-sp"),
+        ("jax-", "unknown layout"),
+        ("dtensor-dp0", ">= 1"),
+        ("fsdp1-dp2-cp2", "context parallel"),
+        ("dtensor-packed", "unknown layout"),
+        ("fsdp1-dp2-compiled", "torch_dtensor setting"),
+        ("jax-fsdp2-compiled", "unknown layout"),
+        ("dtensor-dp2-compiled-sp", "unknown layout"),
+    ):
         with pytest.raises(LayoutError, match=re.escape(words)):
             parse_layout(bad)
     assert "needs 4 devices" in check_fits(parse_layout("dtensor-tp4"), 2, "--max-devices")
@@ -54,8 +62,14 @@ def test_layout_names():
 
 
 def test_flops_per_token_by_hand():
-    cfg = types.SimpleNamespace(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                intermediate_size=16, vocab_size=10)
+    cfg = types.SimpleNamespace(
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=16,
+        vocab_size=10,
+    )
     # per layer: q,o 8x8 each + k,v 8x4 each = 192; mlp 3*8*16 = 384; head 8*10 = 80
     assert machine.matmul_params(cfg) == 2 * (192 + 384) + 80
     assert machine.flops_per_token(cfg, seq=4, train=False) == 2 * 1232 + 4 * 2 * 4 * 8
@@ -79,8 +93,26 @@ def _bench(tmp_path, capsys, monkeypatch, layouts: list[str]) -> tuple[int, str,
     from benchmarks import trl_grpo
 
     monkeypatch.setattr(trl_grpo, "trl_version", lambda: None)
-    rc = cli_main(["bench", "--size", "tiny", "--layouts", *layouts, "bogus", "dtensor-tp16", "--max-devices", "8",
-                   "--iters", "1", "--warmup", "1", "--out", str(tmp_path), "--no-progress"])
+    rc = cli_main(
+        [
+            "bench",
+            "--size",
+            "tiny",
+            "--layouts",
+            *layouts,
+            "bogus",
+            "dtensor-tp16",
+            "--max-devices",
+            "8",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 1, out  # the two bad layouts
     assert "ERROR bogus: unknown layout 'bogus'" in out
@@ -127,8 +159,11 @@ def test_a_model_the_jax_backend_cannot_run_is_named_before_any_worker_starts():
 
     from benchmarks import compare
 
-    bench = compare.Bench(args=argparse.Namespace(model="tiny-gpt2"), size=compare.SIZES["tiny"],
-                          config=GPT2Config(n_layer=1, n_embd=16, n_head=2))
+    bench = compare.Bench(
+        args=argparse.Namespace(model="tiny-gpt2"),
+        size=compare.SIZES["tiny"],
+        config=GPT2Config(n_layer=1, n_embd=16, n_head=2),
+    )
     why = compare.jax_unsupported(bench, parse_layout("jax-fsdp2"))
     assert "model 'tiny-gpt2' is not supported by the JAX backend" in why and "'gpt2'" in why
     assert compare.jax_unsupported(bench, parse_layout("dtensor-dp2")) is None  # torch runs any HF model

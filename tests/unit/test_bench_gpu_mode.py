@@ -18,10 +18,22 @@ from benchmarks import machine
 from benchmarks.gpu.cli import parse
 from benchmarks.gpu.report import failed, report
 from benchmarks.gpu.sections import vllm_skip_reason
-from benchmarks.gpu.workload import (BACKENDS, COMPILED, SIZES, default_backends, full_batch, loss_measure, mfu_peak,
-                                     optimizer_kwargs, param_count, timing, tokens_per_s, worst_diff)
-from benchmarks.machine import mfu
+from benchmarks.gpu.workload import (
+    BACKENDS,
+    COMPILED,
+    SIZES,
+    default_backends,
+    full_batch,
+    loss_measure,
+    mfu_peak,
+    optimizer_kwargs,
+    param_count,
+    timing,
+    tokens_per_s,
+    worst_diff,
+)
 from benchmarks.gpu.yardstick import make_steps
+from benchmarks.machine import mfu
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_1B = types.SimpleNamespace(**SIZES["1b"].shape)
@@ -89,22 +101,72 @@ def test_parse_defaults_and_bad_micro_batches(capsys):
 
 def _records(device="cuda", peak=989.0) -> list[dict]:
     flops = {"forward": 1e9, "train": 3e9}
-    m = {"kind": "machine", "device": device, "device_name": "NVIDIA H100 80GB HBM3", "matmul_tflops": 700.0,
-         "cores": 16, "threads": 8, "precision": "bfloat16", "peak_tflops": peak, "peak_source": "datasheet",
-         "versions": {"torch": "2.11", "vllm": None}, "size": "1b", "params": 1000, "batch": 8, "seq": 2048,
-         "tokens": 16384, "flops_per_token": flops}
+    m = {
+        "kind": "machine",
+        "device": device,
+        "device_name": "NVIDIA H100 80GB HBM3",
+        "matmul_tflops": 700.0,
+        "cores": 16,
+        "threads": 8,
+        "precision": "bfloat16",
+        "peak_tflops": peak,
+        "peak_source": "datasheet",
+        "versions": {"torch": "2.11", "vllm": None},
+        "size": "1b",
+        "params": 1000,
+        "batch": 8,
+        "seq": 2048,
+        "tokens": 16384,
+        "flops_per_token": flops,
+    }
     t = lambda s: {"first_s": 5 * s, "times_s": [s], "median_s": s}  # noqa: E731
-    return [m, {"kind": "skipped", "row": "vLLM generation", "reason": "vLLM is not installed on this machine"},
-            {"kind": "throughput", "backend": "jax_pjit", "mbs": 1, "logprobs": t(0.5), "train": t(2.0),
-             "peak_bytes": 3 * 2**30, "memory": "device", "startup_s": 9.0},
-            {"kind": "throughput", "backend": "hf eager", "mbs": 1, "logprobs": t(0.25), "train": t(1.0),
-             "peak_bytes": 2**30, "memory": "device"},
-            {"kind": "throughput", "backend": "jax_pjit", "mbs": 4, "error": "XlaRuntimeError: RESOURCE_EXHAUSTED"},
-            {"kind": "refit", "backend": "torch_fsdp", "info_s": 0.1, "tensors": 3, "bytes": 2e9, "dtype": "bfloat16",
-             "first_s": 6.0, "times_s": [4.0], "median_s": 4.0, "buckets": 1, "transport": ["cuda_ipc"]},
-            {"kind": "loss", "backend": "torch reference", "losses": [2.0, 1.5], "grad_norms": [1.0, 1.0]},
-            {"kind": "loss", "backend": "jax_pjit", "losses": [2.0, 1.5 + 4e-5], "grad_norms": [1.0, 1.0],
-             "max_loss_diff": 4e-5 / 1.5, "max_grad_norm_diff": 0.0, "passed": False}]
+    return [
+        m,
+        {"kind": "skipped", "row": "vLLM generation", "reason": "vLLM is not installed on this machine"},
+        {
+            "kind": "throughput",
+            "backend": "jax_pjit",
+            "mbs": 1,
+            "logprobs": t(0.5),
+            "train": t(2.0),
+            "peak_bytes": 3 * 2**30,
+            "memory": "device",
+            "startup_s": 9.0,
+        },
+        {
+            "kind": "throughput",
+            "backend": "hf eager",
+            "mbs": 1,
+            "logprobs": t(0.25),
+            "train": t(1.0),
+            "peak_bytes": 2**30,
+            "memory": "device",
+        },
+        {"kind": "throughput", "backend": "jax_pjit", "mbs": 4, "error": "XlaRuntimeError: RESOURCE_EXHAUSTED"},
+        {
+            "kind": "refit",
+            "backend": "torch_fsdp",
+            "info_s": 0.1,
+            "tensors": 3,
+            "bytes": 2e9,
+            "dtype": "bfloat16",
+            "first_s": 6.0,
+            "times_s": [4.0],
+            "median_s": 4.0,
+            "buckets": 1,
+            "transport": ["cuda_ipc"],
+        },
+        {"kind": "loss", "backend": "torch reference", "losses": [2.0, 1.5], "grad_norms": [1.0, 1.0]},
+        {
+            "kind": "loss",
+            "backend": "jax_pjit",
+            "losses": [2.0, 1.5 + 4e-5],
+            "grad_norms": [1.0, 1.0],
+            "max_loss_diff": 4e-5 / 1.5,
+            "max_grad_norm_diff": 0.0,
+            "passed": False,
+        },
+    ]
 
 
 def test_report_ratios_mfu_memory_skips_and_errors():
@@ -113,7 +175,9 @@ def test_report_ratios_mfu_memory_skips_and_errors():
     # hf eager first at its micro batch, = 1.00; JAX at half its speed; MFU = tok/s x FLOPs / peak
     lp_mfu, train_mfu = 100 * 65536 * 1e9 / 989e12, 100 * 16384 * 3e9 / 989e12
     assert f"| hf eager | 1 | 65,536 | 1.00 | 16,384 | 1.00 | {lp_mfu:.1f} | {train_mfu:.1f} | 1,024 (device)" in text
-    assert "| jax_pjit | 1 | 32,768 | 0.50 | 8,192 | 0.50 | " in text and "3,072 (device) | 2.50 / 10.00 | 9.0 |" in text
+    assert (
+        "| jax_pjit | 1 | 32,768 | 0.50 | 8,192 | 0.50 | " in text and "3,072 (device) | 2.50 / 10.00 | 9.0 |" in text
+    )
     assert text.index("| hf eager | 1") < text.index("| jax_pjit | 1") < text.index("| jax_pjit | 4 | FAILED")
     assert "ERROR jax_pjit mbs 4 (throughput): XlaRuntimeError: RESOURCE_EXHAUSTED" in text
     assert "| torch_fsdp | 3 | 2.000 bfloat16 | 0.10 | 6.00 | 4.00 | 0.50 | 1 x cuda_ipc |" in text
@@ -146,7 +210,7 @@ def test_reference_steps_do_not_depend_on_the_micro_batch(tmp_path):
     nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).mean()
     assert out[1][0][0] == pytest.approx(float(nll), abs=1e-6)
     for mbs in (2, 4):
-        for (l1, n1), (l2, n2) in zip(out[1], out[mbs]):
+        for (l1, n1), (l2, n2) in zip(out[1], out[mbs], strict=True):
             assert l1 == pytest.approx(l2, abs=1e-6) and n1 == pytest.approx(n2, rel=1e-5)
     assert out[1][1][0] < out[1][0][0]  # the step moved the weights
 
@@ -156,8 +220,21 @@ def test_reference_steps_do_not_depend_on_the_micro_batch(tmp_path):
 
 def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     path = tmp_path / "rows.jsonl"
-    cmd = [sys.executable, "-m", "core.cli", "bench", "--gpu", "--size", "tiny", "--device", "cpu", "--no-vllm",
-           "--json", str(path), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dualrl",
+        "bench",
+        "--gpu",
+        "--size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--no-vllm",
+        "--json",
+        str(path),
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return proc, rows
@@ -201,8 +278,10 @@ def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(tmp_path):
         tied = SIZES["tiny"].shape["vocab_size"] * SIZES["tiny"].shape["hidden_size"]
         assert r["bytes"] in (4 * m["params"], 4 * (m["params"] + tied)) and r["dtype"] == "float32", r
     skipped = {r["row"]: r["reason"] for r in rows if r["kind"] == "skipped"}
-    assert skipped == {"refit into the vLLM engine": "vLLM treated as absent (--no-vllm)",
-                       "vLLM generation": "vLLM treated as absent (--no-vllm)"}
+    assert skipped == {
+        "refit into the vLLM engine": "vLLM treated as absent (--no-vllm)",
+        "vLLM generation": "vLLM treated as absent (--no-vllm)",
+    }
     out = proc.stdout
     assert "| hf eager | 2 |" in out and "| 1.00 |" in out and "SKIPPED vLLM generation: vLLM treated as absent" in out
     for name in EAGER:

@@ -38,8 +38,9 @@ def test_trl_gets_the_ids_the_loops_train_on():
 def test_benchmark_runs_trl_and_a_layout(ray_session, capsys):
     if bench.trl_version() is None:
         pytest.skip("trl is not installed (pip install trl)")
-    rc = bench.main(["--algorithms", "dpo", "--layouts", "dtensor-dp1", "--batch", "4", "--steps", "1",
-                     "--warmup", "1"])
+    rc = bench.main(
+        ["--algorithms", "dpo", "--layouts", "dtensor-dp1", "--batch", "4", "--steps", "1", "--warmup", "1"]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "FAILED" not in out

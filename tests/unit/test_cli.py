@@ -2,7 +2,7 @@
 
 import yaml
 
-from core.cli import main
+from dualrl.cli import main
 
 
 def test_no_command_prints_help(capsys):

@@ -2,7 +2,7 @@
 
 import copy
 import re
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import pytest
 
@@ -140,9 +140,7 @@ def test_int_not_accepted_for_bool(cfg):
 def test_unknown_backend(cfg):
     cfg["policy"]["backend"] = "jax"
     errs = errors_of(cfg)
-    assert errs == [
-        "policy.backend: unknown backend 'jax'; choose one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit'"
-    ]
+    assert errs == ["policy.backend: unknown backend 'jax'; choose one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit'"]
 
 
 def test_literal(cfg):
@@ -156,7 +154,9 @@ def test_literal(cfg):
 
 def test_literal_in_optional_field_of_loss(cfg):
     cfg["loss_fn"]["reference_policy_kl_type"] = "k4"
-    with pytest.raises(ConfigError, match=r"loss_fn\.reference_policy_kl_type: expected one of 'k1', 'k2', 'k3', got 'k4'"):
+    with pytest.raises(
+        ConfigError, match=r"loss_fn\.reference_policy_kl_type: expected one of 'k1', 'k2', 'k3', got 'k4'"
+    ):
         validate_master_config(cfg)
 
 
@@ -252,7 +252,7 @@ def test_not_a_mapping_at_all():
 # =============================================================================
 class _Inner(TypedDict):
     a: int
-    b: NotRequired[Optional[str]]
+    b: NotRequired[str | None]
 
 
 class _Outer(TypedDict):
@@ -265,11 +265,23 @@ class _Outer(TypedDict):
 
 
 def test_walker_nested_typeddict_in_list_and_containers():
-    good = {"items": [{"a": 1}, {"a": 2, "b": None}], "mode": "x", "anything": object(),
-            "table": {"k": 1, "l": 2.5}, "maybe": None, "either": "s"}
+    good = {
+        "items": [{"a": 1}, {"a": 2, "b": None}],
+        "mode": "x",
+        "anything": object(),
+        "table": {"k": 1, "l": 2.5},
+        "maybe": None,
+        "either": "s",
+    }
     assert validate_typed(good, _Outer, "o") == []
-    bad = {"items": [{"a": 1}, {"a": "1", "c": 0}, 3], "mode": "z", "anything": None,
-           "table": {"k": "v", 3: 1.0}, "maybe": 1.5, "either": 1.5}
+    bad = {
+        "items": [{"a": 1}, {"a": "1", "c": 0}, 3],
+        "mode": "z",
+        "anything": None,
+        "table": {"k": "v", 3: 1.0},
+        "maybe": 1.5,
+        "either": 1.5,
+    }
     assert validate_typed(bad, _Outer, "o") == [
         "o.items[1].c: unknown key (known keys: a, b)",
         "o.items[1].a: expected int, got str ('1')",
@@ -305,10 +317,14 @@ def test_scheduler_milestones_consistency(cfg):
     with pytest.raises(ConfigError, match=r"policy\.scheduler: 2 schedulers .* need a 'milestones' entry with 1 step"):
         validate_master_config(cfg)
     cfg["policy"]["scheduler"] = sched[:2] + [{"milestones": [5, 10]}]
-    with pytest.raises(ConfigError, match=r"policy\.scheduler\[2\]\.milestones: expected 1 milestone\(s\) for 2 schedulers, got 2"):
+    with pytest.raises(
+        ConfigError, match=r"policy\.scheduler\[2\]\.milestones: expected 1 milestone\(s\) for 2 schedulers, got 2"
+    ):
         validate_master_config(cfg)
     cfg["policy"]["scheduler"] = sched[:2] + [sched[0], {"milestones": [10, 5]}]
-    with pytest.raises(ConfigError, match=r"policy\.scheduler\[3\]\.milestones: must be strictly increasing, got \[10, 5\]"):
+    with pytest.raises(
+        ConfigError, match=r"policy\.scheduler\[3\]\.milestones: must be strictly increasing, got \[10, 5\]"
+    ):
         validate_master_config(cfg)
     cfg["policy"]["scheduler"] = [sched[0]]  # a single scheduler needs no milestones
     validate_master_config(cfg)
@@ -351,7 +367,9 @@ def test_dtensor_dp_comes_from_tp(cfg):
     validate_master_config(cfg)  # dp = 4 / 2 = 2, 4 % (2 * 2) == 0
     validate_policy_config(p, world_size=4)
     p["train_global_batch_size"] = 6
-    with pytest.raises(ConfigError, match=re.escape("6 is not divisible by train_micro_batch_size (2) x data parallel size (2) = 4")):
+    with pytest.raises(
+        ConfigError, match=re.escape("6 is not divisible by train_micro_batch_size (2) x data parallel size (2) = 4")
+    ):
         validate_policy_config(p, world_size=4)
     # FSDP1 uses every rank for data: dp = 4, so 8 % (2 * 4) == 0 but 4 % 8 != 0
     p["backend"] = "torch_fsdp"
@@ -370,11 +388,22 @@ def test_world_size_argument_must_be_positive_int(cfg):
 def test_dtensor_tp_cp_must_fit_world(cfg):
     p = cfg["policy"]
     p["dtensor_cfg"]["tensor_parallel_size"] = 3
-    with pytest.raises(ConfigError, match=re.escape("policy.dtensor_cfg.tensor_parallel_size: tensor_parallel_size (3) does not divide the world size (4)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "policy.dtensor_cfg.tensor_parallel_size: tensor_parallel_size (3) does not divide the world size (4)"
+        ),
+    ):
         validate_policy_config(p, world_size=4)
     p["dtensor_cfg"]["tensor_parallel_size"] = 2
     p["dtensor_cfg"]["context_parallel_size"] = 4
-    with pytest.raises(ConfigError, match=re.escape("policy.dtensor_cfg.context_parallel_size: tensor_parallel_size (2) x context_parallel_size (4) = 8 does not divide the world size (4)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "policy.dtensor_cfg.context_parallel_size: tensor_parallel_size (2) x context_parallel_size (4) = 8 "
+            "does not divide the world size (4)"
+        ),
+    ):
         validate_policy_config(p, world_size=4)
     p["dtensor_cfg"]["context_parallel_size"] = 0
     with pytest.raises(ConfigError, match=re.escape("policy.dtensor_cfg.context_parallel_size: must be >= 1, got 0")):
@@ -395,14 +424,30 @@ def test_jax_mesh_gives_dp(cfg):
     p["train_global_batch_size"], p["train_micro_batch_size"] = 8, 2
     validate_policy_config(p, world_size=8)  # dp = 4, 8 % 8 == 0
     p["train_global_batch_size"] = 12
-    with pytest.raises(ConfigError, match=re.escape("policy.train_global_batch_size: 12 is not divisible by train_micro_batch_size (2) x data parallel size (4) = 8")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "policy.train_global_batch_size: 12 is not divisible by train_micro_batch_size (2) x "
+            "data parallel size (4) = 8"
+        ),
+    ):
         validate_policy_config(p, world_size=8)
     p["jax_cfg"]["fsdp_size"] = 3  # dp = 3 (explicit), 12 % 6 == 0
     validate_policy_config(p, world_size=6)
-    with pytest.raises(ConfigError, match=re.escape("policy.jax_cfg.fsdp_size: fsdp_size (3) x tensor_parallel_size (2) = 6 does not equal the world size (8)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "policy.jax_cfg.fsdp_size: fsdp_size (3) x tensor_parallel_size (2) = 6 does not equal the world size (8)"
+        ),
+    ):
         validate_policy_config(p, world_size=8)
     p["jax_cfg"]["tensor_parallel_size"] = 3
-    with pytest.raises(ConfigError, match=re.escape("policy.jax_cfg.tensor_parallel_size: tensor_parallel_size (3) does not divide the world size (8)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "policy.jax_cfg.tensor_parallel_size: tensor_parallel_size (3) does not divide the world size (8)"
+        ),
+    ):
         validate_policy_config(p, world_size=8)
     p["jax_cfg"]["fsdp_size"] = 0
     with pytest.raises(ConfigError, match=r"policy\.jax_cfg\.fsdp_size: must be >= 1, or -1"):
@@ -412,7 +457,9 @@ def test_jax_mesh_gives_dp(cfg):
 def test_without_world_size_gbs_must_still_divide_by_mbs(cfg):
     p = cfg["policy"]
     p["train_global_batch_size"], p["train_micro_batch_size"] = 7, 2
-    with pytest.raises(ConfigError, match=re.escape("policy.train_global_batch_size: 7 is not divisible by train_micro_batch_size (2)")):
+    with pytest.raises(
+        ConfigError, match=re.escape("policy.train_global_batch_size: 7 is not divisible by train_micro_batch_size (2)")
+    ):
         validate_policy_config(p)
 
 
@@ -437,20 +484,39 @@ def test_clipped_pg_ok(pg):
         ({"ratio_clip_min": -0.1}, "loss_fn.ratio_clip_min: must be >= 0, got -0.1"),
         ({"ratio_clip_max": -1}, "loss_fn.ratio_clip_max: must be >= 0, got -1"),
         ({"ratio_clip_c": 1.0}, "loss_fn.ratio_clip_c: must be > 1"),
-        ({"truncated_importance_sampling_ratio": 2.0},
-         "loss_fn.truncated_importance_sampling_ratio: is set (2.0) but use_importance_sampling_correction is false"),
-        ({"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0,
-          "truncated_importance_sampling_type": "icepop"},
-         "loss_fn.truncated_importance_sampling_ratio_min: required when truncated_importance_sampling_type is 'icepop'"),
-        ({"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0,
-          "truncated_importance_sampling_ratio_min": 3.0, "truncated_importance_sampling_type": "seq-mask-tis"},
-         "loss_fn.truncated_importance_sampling_ratio_min: 3.0 is greater than truncated_importance_sampling_ratio (2.0)"),
-        ({"sequence_level_importance_ratios": True},
-         "loss_fn.sequence_level_importance_ratios: requires token_level_loss: false"),
+        (
+            {"truncated_importance_sampling_ratio": 2.0},
+            "loss_fn.truncated_importance_sampling_ratio: is set (2.0) but use_importance_sampling_correction is false",
+        ),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_type": "icepop",
+            },
+            "loss_fn.truncated_importance_sampling_ratio_min: required when "
+            "truncated_importance_sampling_type is 'icepop'",
+        ),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_ratio_min": 3.0,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+            },
+            "loss_fn.truncated_importance_sampling_ratio_min: 3.0 is greater than "
+            "truncated_importance_sampling_ratio (2.0)",
+        ),
+        (
+            {"sequence_level_importance_ratios": True},
+            "loss_fn.sequence_level_importance_ratios: requires token_level_loss: false",
+        ),
         ({"kl_input_clamp_value": 0.0}, "loss_fn.kl_input_clamp_value: must be > 0, got 0.0"),
         ({"kl_output_clamp_value": -1.0}, "loss_fn.kl_output_clamp_value: must be > 0, got -1.0"),
-        ({"truncated_importance_sampling_type": "foo"},
-         "loss_fn.truncated_importance_sampling_type: expected one of 'tis', 'icepop', 'seq-mask-tis', got 'foo'"),
+        (
+            {"truncated_importance_sampling_type": "foo"},
+            "loss_fn.truncated_importance_sampling_type: expected one of 'tis', 'icepop', 'seq-mask-tis', got 'foo'",
+        ),
     ],
 )
 def test_clipped_pg_semantics(pg, changes, message):
@@ -460,9 +526,15 @@ def test_clipped_pg_semantics(pg, changes, message):
 
 
 def test_clipped_pg_valid_variants(pg):
-    pg.update(ratio_clip_c=3.0, kl_input_clamp_value=None, kl_output_clamp_value=None,
-              use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0,
-              truncated_importance_sampling_ratio_min=0.5, truncated_importance_sampling_type="icepop")
+    pg.update(
+        ratio_clip_c=3.0,
+        kl_input_clamp_value=None,
+        kl_output_clamp_value=None,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_ratio=2.0,
+        truncated_importance_sampling_ratio_min=0.5,
+        truncated_importance_sampling_type="icepop",
+    )
     validate_loss_config(pg, ClippedPGLossConfig)
     pg.update(sequence_level_importance_ratios=True, token_level_loss=False)  # GSPO
     validate_loss_config(pg, ClippedPGLossConfig)
@@ -480,8 +552,13 @@ def test_loss_custom_path(pg):
 
 
 def test_dpo():
-    dpo = {"reference_policy_kl_penalty": 0.05, "preference_loss_weight": 1, "sft_loss_weight": 0.0,
-           "preference_average_log_probs": False, "sft_average_log_probs": False}
+    dpo = {
+        "reference_policy_kl_penalty": 0.05,
+        "preference_loss_weight": 1,
+        "sft_loss_weight": 0.0,
+        "preference_average_log_probs": False,
+        "sft_average_log_probs": False,
+    }
     validate_loss_config(dpo, DPOLossConfig, "dpo")
     dpo["sft_loss_weight"] = -1.0
     with pytest.raises(ConfigError, match=re.escape("dpo.sft_loss_weight: must be >= 0, got -1.0")):
@@ -538,9 +615,13 @@ def test_apply_override_into_non_mapping():
 def test_overrides_through_load_config():
     cfg = load_config(
         DEFAULT_CONFIG_PATH,
-        ["policy.train_micro_batch_size=4", "policy.optimizer.kwargs.lr=1e-6",
-         "policy.max_grad_norm=null", "policy.generation.stop_token_ids=[151643]",
-         "policy.dtensor_cfg.sequence_parallel=true"],
+        [
+            "policy.train_micro_batch_size=4",
+            "policy.optimizer.kwargs.lr=1e-6",
+            "policy.max_grad_norm=null",
+            "policy.generation.stop_token_ids=[151643]",
+            "policy.dtensor_cfg.sequence_parallel=true",
+        ],
     )
     p = cfg["policy"]
     assert p["train_micro_batch_size"] == 4
@@ -551,7 +632,10 @@ def test_overrides_through_load_config():
 
 
 def test_unknown_key_via_override():
-    with pytest.raises(ConfigError, match=re.escape("policy.train_micro_batchsize: unknown key (did you mean 'train_micro_batch_size'?)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("policy.train_micro_batchsize: unknown key (did you mean 'train_micro_batch_size'?)"),
+    ):
         load_config(DEFAULT_CONFIG_PATH, ["policy.train_micro_batchsize=2"])
 
 
@@ -566,14 +650,22 @@ def test_backend_flag():
     # --backend wins over an override of the same key
     cfg = load_config(DEFAULT_CONFIG_PATH, ["policy.backend=torch_fsdp"], backend="torch_dtensor")
     assert cfg["policy"]["backend"] == "torch_dtensor"
-    with pytest.raises(ConfigError, match=re.escape("policy.backend: unknown backend 'jax'; choose one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit'")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "policy.backend: unknown backend 'jax'; choose one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit'"
+        ),
+    ):
         load_config(DEFAULT_CONFIG_PATH, backend="jax")
 
 
 def test_backend_flag_changes_dp_checks():
     # world 2; dtensor tp=2 -> dp 1 so gbs 2 / mbs 2 is fine; torch_fsdp -> dp 2 and it is not.
-    ov = ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.train_global_batch_size=2",
-          "policy.train_micro_batch_size=2"]
+    ov = [
+        "policy.dtensor_cfg.tensor_parallel_size=2",
+        "policy.train_global_batch_size=2",
+        "policy.train_micro_batch_size=2",
+    ]
     load_config(DEFAULT_CONFIG_PATH, ov, backend="torch_dtensor")
     with pytest.raises(ConfigError, match=r"2 is not divisible by .* data parallel size \(2\) = 4"):
         load_config(DEFAULT_CONFIG_PATH, ov, backend="torch_fsdp")
@@ -604,12 +696,17 @@ def test_defaults_list(tmp_path):
 
 def test_defaults_on_the_shipped_config(tmp_path):
     (tmp_path / "exp.yaml").write_text(
-        f"defaults: {DEFAULT_CONFIG_PATH}\npolicy:\n  train_micro_batch_size: 4\n  jax_cfg: {{tensor_parallel_size: 2}}\n"
+        f"defaults: {DEFAULT_CONFIG_PATH}\npolicy:\n  train_micro_batch_size: 4\n"
+        "  jax_cfg: {tensor_parallel_size: 2}\n"
     )
     cfg = load_config(tmp_path / "exp.yaml", backend="jax_pjit")
     assert cfg["policy"]["train_micro_batch_size"] == 4
-    assert cfg["policy"]["jax_cfg"] == {"fsdp_size": -1, "tensor_parallel_size": 2, "context_parallel_size": 1,
-                                        "activation_checkpointing": False}
+    assert cfg["policy"]["jax_cfg"] == {
+        "fsdp_size": -1,
+        "tensor_parallel_size": 2,
+        "context_parallel_size": 1,
+        "activation_checkpointing": False,
+    }
     assert cfg["policy"]["model_name"] == "Qwen/Qwen2.5-0.5B"
 
 

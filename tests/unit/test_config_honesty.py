@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from core.cli import main
 from core.config import EMBEDDED_CONFIGS, ConfigError, load_config, schema
 from core.config.external_checks import JAX_OPTIMIZERS, JAX_SCHEDULERS, import_error, model_vocab_size
 from core.config.validate import _hints, _is_typeddict
+from dualrl.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO = EMBEDDED_CONFIGS["grpo"]
@@ -38,8 +38,12 @@ REFUSED_SWITCHES = {("VllmConfig", "async_engine"): "policy.generation.vllm_cfg.
 
 
 def _source_text() -> str:
-    files = [p for root in ("core", "backends") for p in (REPO / root).rglob("*.py")
-             if "config" not in p.relative_to(REPO).parts[:2]]
+    files = [
+        p
+        for root in ("core", "backends")
+        for p in (REPO / root).rglob("*.py")
+        if "config" not in p.relative_to(REPO).parts[:2]
+    ]
     return "\n".join(p.read_text() for p in files)
 
 
@@ -47,8 +51,12 @@ def test_every_schema_field_is_read_outside_the_config_package():
     """A field nobody reads is a setting that silently does nothing (generation_batch_size was one)."""
     source = _source_text()
     tds = {getattr(schema, n) for n in dir(schema) if _is_typeddict(getattr(schema, n))}
-    unread = sorted(f"{td.__name__}.{key}" for td in tds for key in _hints(td)
-                    if (td.__name__, key) not in REFUSED_SWITCHES and not re.search(rf"\b{key}\b", source))
+    unread = sorted(
+        f"{td.__name__}.{key}"
+        for td in tds
+        for key in _hints(td)
+        if (td.__name__, key) not in REFUSED_SWITCHES and not re.search(rf"\b{key}\b", source)
+    )
     assert unread == []
 
 
@@ -79,8 +87,9 @@ def test_token_ids_outside_the_builtin_vocabulary_are_refused():
     line = the_error("policy.generation.stop_token_ids[1]", "policy.generation.stop_token_ids=[2, 32]")
     assert "32 is outside the vocabulary of builtin:arithmetic-llama (vocab_size 32" in line
     assert "99 is outside" in the_error("policy.generation.pad_token_id", "policy.generation.pad_token_id=99")
-    assert "-1: token ids are >= 0" in the_error("policy.generation.stop_token_ids[0]",
-                                                  "policy.generation.stop_token_ids=[-1]")
+    assert "-1: token ids are >= 0" in the_error(
+        "policy.generation.stop_token_ids[0]", "policy.generation.stop_token_ids=[-1]"
+    )
     load_config(GRPO, ["policy.generation.stop_token_ids=[2, 31]"])
 
 
@@ -93,8 +102,9 @@ def test_vocabulary_comes_from_a_local_model_directory_and_is_unknown_for_a_hub_
     assert model_vocab_size("builtin:arithmetic-llama-base") == 32
     assert model_vocab_size("Qwen/Qwen2.5-0.5B") is None  # not looked up: validation stays offline
     assert model_vocab_size(str(tmp_path / "missing")) is None
-    line = the_error("policy.generation.stop_token_ids[0]", f"policy.model_name={tmp_path}",
-                     "policy.generation.stop_token_ids=[300]")
+    line = the_error(
+        "policy.generation.stop_token_ids[0]", f"policy.model_name={tmp_path}", "policy.generation.stop_token_ids=[300]"
+    )
     assert f"300 is outside the vocabulary of {tmp_path} (vocab_size 300" in line
     load_config(GRPO, ["policy.model_name=Qwen/Qwen2.5-0.5B", "policy.generation.stop_token_ids=[151643]"])
 
@@ -107,8 +117,9 @@ def test_vllm_max_model_len_must_hold_a_whole_sequence():
 
 
 def test_generation_model_name_is_refused_where_nothing_reads_it():
-    line = the_error("policy.generation.model_name", "policy.generation.backend=hf",
-                     "policy.generation.model_name=other/model")
+    line = the_error(
+        "policy.generation.model_name", "policy.generation.backend=hf", "policy.generation.model_name=other/model"
+    )
     assert "not used by generation.backend 'hf'" in line
     load_config(GRPO, ["policy.generation.model_name=other/model"])  # vllm: the engine's architecture
 
@@ -125,8 +136,9 @@ def test_empty_scheduler_list_and_milestones_alone_are_refused():
 def test_torch_backends_need_importable_classes(backend):
     line = the_error("policy.optimizer.name", "policy.optimizer.name=torch.optim.AdamWW", backend=backend)
     assert "cannot import 'torch.optim.AdamWW': module 'torch.optim' has no attribute 'AdamWW'" in line
-    line = the_error("policy.scheduler[0].name", "policy.scheduler=[{name: no_such_pkg.Sched, kwargs: {}}]",
-                     backend=backend)
+    line = the_error(
+        "policy.scheduler[0].name", "policy.scheduler=[{name: no_such_pkg.Sched, kwargs: {}}]", backend=backend
+    )
     assert "cannot import 'no_such_pkg.Sched'" in line
     # Any importable class is the torch backends' to use (they import it the same way).
     load_config(GRPO, ["policy.optimizer.name=torch.optim.RMSprop"], backend=backend)
@@ -135,8 +147,11 @@ def test_torch_backends_need_importable_classes(backend):
 def test_jax_accepts_only_the_classes_optax_reproduces():
     line = the_error("policy.optimizer.name", "policy.optimizer.name=torch.optim.RMSprop", backend="jax_pjit")
     assert "'torch.optim.RMSprop' is not supported by the jax_pjit backend" in line
-    line = the_error("policy.scheduler[0].name",
-                     "policy.scheduler=[{name: torch.optim.lr_scheduler.StepLR, kwargs: {}}]", backend="jax_pjit")
+    line = the_error(
+        "policy.scheduler[0].name",
+        "policy.scheduler=[{name: torch.optim.lr_scheduler.StepLR, kwargs: {}}]",
+        backend="jax_pjit",
+    )
     assert "'torch.optim.lr_scheduler.StepLR' is not supported by the jax_pjit backend" in line
 
 
@@ -191,7 +206,7 @@ def test_dualrl_config_names_the_override(capsys):
 
 def test_the_training_commands_refuse_it_at_start_up_naming_the_override(capsys, monkeypatch):
     """Before anything heavy: the training entry point is never reached."""
-    import core.cli as cli
+    import dualrl.cli as cli
 
     monkeypatch.setattr(cli, "_run_function", lambda name: pytest.fail(f"dualrl {name} started with a bad config"))
     for command in ("grpo", "sft", "dpo"):
@@ -199,15 +214,17 @@ def test_the_training_commands_refuse_it_at_start_up_naming_the_override(capsys,
         assert "(from override 'policy.generation.top_k=0')" in capsys.readouterr().err
     # The command's own rules (sections it does not read) name their source too.
     assert main(["sft", "env.name=arithmetic", "env.num_workers=1"]) == 2
-    assert "env: not used by dualrl sft; remove the section (it reads policy, cluster, sft, data, logger, " \
-           "checkpointing) (from override 'env.num_workers=1')" in capsys.readouterr().err
+    assert (
+        "env: not used by dualrl sft; remove the section (it reads policy, cluster, sft, data, logger, "
+        "checkpointing) (from override 'env.num_workers=1')" in capsys.readouterr().err
+    )
 
 
 def test_generation_settings_belong_to_grpo_alone(capsys, monkeypatch):
     """SFT and DPO never generate, yet the workers divide every logit by generation's
     temperature (so that GRPO trains on the distribution it sampled): a generation section
     in an SFT/DPO run would silently change the loss.  GRPO cannot run without one."""
-    import core.cli as cli
+    import dualrl.cli as cli
 
     monkeypatch.setattr(cli, "_run_function", lambda name: pytest.fail(f"dualrl {name} started with a bad config"))
     for command in ("sft", "dpo"):
@@ -237,7 +254,10 @@ def test_compile_is_accepted_with_every_parallelism():
     """Compiled tensor-parallel blocks give the eager gradients since the fix in
     backends/torch_dtensor/compile.py (tests/torch_backends/test_compile.py checks tp=2 with
     and without sequence parallelism): no layout is refused any more."""
-    for extra in ([], ["policy.dtensor_cfg.tensor_parallel_size=2"],
-                  ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"]):
+    for extra in (
+        [],
+        ["policy.dtensor_cfg.tensor_parallel_size=2"],
+        ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"],
+    ):
         cfg = load_config(GRPO, ["policy.dtensor_cfg.compile=true", *extra])
         assert cfg["policy"]["dtensor_cfg"]["compile"] is True

@@ -196,7 +196,9 @@ def test_arithmetic_reward_is_exact_after_strip():
 
 def test_arithmetic_environment_errors_name_the_sample_or_the_key():
     env = ArithmeticEnvironment()
-    with pytest.raises(RewardError, match=r"sample 1 \(prompt '2\+2=', completion '4'\): metadata has no 'ground_truth'"):
+    with pytest.raises(
+        RewardError, match=r"sample 1 \(prompt '2\+2=', completion '4'\): metadata has no 'ground_truth'"
+    ):
         env.score(["1+1=", "2+2="], ["2", "4"], [{"ground_truth": "2"}, {"answer": "4"}])
     with pytest.raises(ValueError, match="prompts=2, completions=1, metadata=2"):
         env.score(["1+1=", "2+2="], ["2"], [{}, {}])
@@ -371,7 +373,10 @@ def test_make_environment_builds_a_user_class_by_import_path():
             r"env\.name: cannot import module 'no_such_pkg\.rewards' .*ModuleNotFoundError",
         ),
         ({"name": "tests.unit.test_environments:Missing"}, r"has no class 'Missing' \(found nothing\)"),
-        ({"name": "tests.unit.test_environments:NotAnEnvironment"}, r"built a NotAnEnvironment, which is not an Environment"),
+        (
+            {"name": "tests.unit.test_environments:NotAnEnvironment"},
+            r"built a NotAnEnvironment, which is not an Environment",
+        ),
         ({"name": "arithmetic", "arithmetic": {"max_value": -1}}, r"env\.arithmetic\.min_value \(0\) is greater than"),
     ],
 )

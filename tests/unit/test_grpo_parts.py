@@ -22,7 +22,7 @@ def _reference(rewards: list[float], n: int, loo: bool, normalize: bool) -> list
     out = []
     for i, r in enumerate(rewards):
         g = i // n
-        group = rewards[g * n:(g + 1) * n]
+        group = rewards[g * n : (g + 1) * n]
         others = [x for j, x in enumerate(group) if j != i % n] if loo else group
         mean = sum(others) / len(others)
         std = math.sqrt(max(sum(x * x for x in others) / len(others) - mean * mean, 0.0))
@@ -106,24 +106,37 @@ def test_sample_seeds_are_a_pure_function_of_seed_step_and_stream():
 def test_embedded_default_config_is_valid():
     cfg = load_config(GRPO_CONFIG)
     assert cfg["policy"]["model_name"] == "builtin:arithmetic-llama"
-    assert cfg["grpo"]["num_prompts_per_step"] * cfg["grpo"]["num_generations_per_prompt"] % \
-        cfg["policy"]["train_global_batch_size"] == 0
+    assert (
+        cfg["grpo"]["num_prompts_per_step"]
+        * cfg["grpo"]["num_generations_per_prompt"]
+        % cfg["policy"]["train_global_batch_size"]
+        == 0
+    )
 
 
-@pytest.mark.parametrize("override, message", [
-    ("grpo.num_generations_per_prompt=1", "grpo.num_generations_per_prompt: must be >= 2"),
-    ("grpo.num_prompts_per_step=3", "grpo.num_prompts_per_step: 3 prompts x 8 generations = 24 samples per step "
-                                    "is not divisible by policy.train_global_batch_size (256)"),
-    ("policy.train_global_batch_size=100", "policy.train_global_batch_size: 100 is not divisible by "
-                                           "train_micro_batch_size (32) x data parallel size (2)"),
-    ("data.max_input_seq_length=32", "data.max_input_seq_length: 32 leaves no room for a response"),
-    ("data.prompt_template=plain", "data.prompt_template: must contain '{prompt}'"),
-    ("env.arithmetic.max_valu=3", "env.arithmetic.max_valu: unknown key (did you mean 'max_value'?)"),
-    ("grpo.val_perod=3", "grpo.val_perod: unknown key (did you mean 'val_period'?)"),
-    ("checkpointing.save_period=0", "checkpointing.save_period: must be >= 1"),
-    ("env.arithmetic.min_value=60", "env.arithmetic.min_value: 60 is greater than max_value (49)"),
-    ("data.on_long_prompt=truncate", "data.on_long_prompt: expected one of 'error', 'filter'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("grpo.num_generations_per_prompt=1", "grpo.num_generations_per_prompt: must be >= 2"),
+        (
+            "grpo.num_prompts_per_step=3",
+            "grpo.num_prompts_per_step: 3 prompts x 8 generations = 24 samples per step "
+            "is not divisible by policy.train_global_batch_size (256)",
+        ),
+        (
+            "policy.train_global_batch_size=100",
+            "policy.train_global_batch_size: 100 is not divisible by "
+            "train_micro_batch_size (32) x data parallel size (2)",
+        ),
+        ("data.max_input_seq_length=32", "data.max_input_seq_length: 32 leaves no room for a response"),
+        ("data.prompt_template=plain", "data.prompt_template: must contain '{prompt}'"),
+        ("env.arithmetic.max_valu=3", "env.arithmetic.max_valu: unknown key (did you mean 'max_value'?)"),
+        ("grpo.val_perod=3", "grpo.val_perod: unknown key (did you mean 'val_period'?)"),
+        ("checkpointing.save_period=0", "checkpointing.save_period: must be >= 1"),
+        ("env.arithmetic.min_value=60", "env.arithmetic.min_value: 60 is greater than max_value (49)"),
+        ("data.on_long_prompt=truncate", "data.on_long_prompt: expected one of 'error', 'filter'"),
+    ],
+)
 def test_bad_run_configs_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(GRPO_CONFIG, [override])
@@ -183,9 +196,15 @@ def test_clip_fraction_counts_tokens_outside_the_trust_region():
     loss_fn = ClippedPGLossFn({**cfg, "reference_policy_kl_penalty": 0.0})
     logprobs = torch.tensor([[0.0, -1.0, -1.0, -1.0]])
     prev = torch.tensor([[0.0, -1.0, -1.5, -0.5]])  # ratios 1, e^0.5 (clipped), e^-0.5 (clipped)
-    data = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "token_mask": torch.ones(1, 4), "sample_mask": torch.ones(1),
-            "advantages": torch.ones(1, 4), "prev_logprobs": prev, "generation_logprobs": prev,
-            "reference_policy_logprobs": prev}
+    data = {
+        "input_ids": torch.zeros(1, 4, dtype=torch.long),
+        "token_mask": torch.ones(1, 4),
+        "sample_mask": torch.ones(1),
+        "advantages": torch.ones(1, 4),
+        "prev_logprobs": prev,
+        "generation_logprobs": prev,
+        "reference_policy_logprobs": prev,
+    }
     _, metrics = loss_fn.loss_from_logprobs(logprobs[:, 1:], data, None, None)
     assert float(metrics["clip_fraction"]) == pytest.approx(2 / 3)
 
@@ -197,8 +216,10 @@ def _loop(tmp_path, step_fn, **kwargs):
     from core.logging import MetricsLogger, StepProgress
 
     logger = MetricsLogger({"log_dir": str(tmp_path / "logs"), "tensorboard_enabled": False})
-    ckpt = CheckpointManager({"enabled": True, "checkpoint_dir": str(tmp_path / "ckpt"), "save_period": 2,
-                              "keep_top_k": None}, identity={"algorithm": "test"})
+    ckpt = CheckpointManager(
+        {"enabled": True, "checkpoint_dir": str(tmp_path / "ckpt"), "save_period": 2, "keep_top_k": None},
+        identity={"algorithm": "test"},
+    )
     saved = []
 
     def write_policy(path):
@@ -206,15 +227,26 @@ def _loop(tmp_path, step_fn, **kwargs):
         (path / "weights.bin").write_bytes(b"w" * 8)
         saved.append(path)
 
-    loop = TrainingLoop(algorithm="test", max_steps=5, step_fn=step_fn, validate_fn=lambda s: {"accuracy": s / 10},
-                        write_policy=write_policy, train_state_fn=lambda: {"position": 7}, logger=logger,
-                        progress=StepProgress(5, enabled=False), checkpoints=ckpt, config={"x": 1}, **kwargs)
+    loop = TrainingLoop(
+        algorithm="test",
+        max_steps=5,
+        step_fn=step_fn,
+        validate_fn=lambda s: {"accuracy": s / 10},
+        write_policy=write_policy,
+        train_state_fn=lambda: {"position": 7},
+        logger=logger,
+        progress=StepProgress(5, enabled=False),
+        checkpoints=ckpt,
+        config={"x": 1},
+        **kwargs,
+    )
     return loop, logger, ckpt
 
 
 def test_loop_schedules_validation_and_checkpoints(tmp_path):
-    loop, logger, ckpt = _loop(tmp_path, lambda s: {"loss": 1.0 / s, "reward_mean": s}, val_period=2,
-                               val_at_start=True, val_at_end=True)
+    loop, logger, ckpt = _loop(
+        tmp_path, lambda s: {"loss": 1.0 / s, "reward_mean": s}, val_period=2, val_at_start=True, val_at_end=True
+    )
     assert loop.run() == 5
     val_steps = [r["step"] for r in logger.history if r["split"] == "val"]
     assert val_steps == [0, 2, 4, 5]
@@ -235,8 +267,9 @@ def test_loop_stops_on_a_non_finite_loss_before_checkpointing_it(tmp_path):
 
 def test_loop_resumes_after_the_start_step_and_honours_should_stop(tmp_path):
     steps = []
-    loop, _, _ = _loop(tmp_path, lambda s: steps.append(s) or {"loss": 0.0},
-                       should_stop=lambda: "done" if len(steps) == 2 else None)
+    loop, _, _ = _loop(
+        tmp_path, lambda s: steps.append(s) or {"loss": 0.0}, should_stop=lambda: "done" if len(steps) == 2 else None
+    )
     assert loop.run(start_step=2) == 4 and steps == [3, 4]
 
 

@@ -26,8 +26,9 @@ TEMPERATURE = 0.7
 
 
 def gen_cfg(**overrides):
-    cfg = dict(max_new_tokens=N_NEW, temperature=TEMPERATURE, top_p=1.0, top_k=None,
-               stop_token_ids=None, stop_strings=None)
+    cfg = dict(
+        max_new_tokens=N_NEW, temperature=TEMPERATURE, top_p=1.0, top_k=None, stop_token_ids=None, stop_strings=None
+    )
     cfg.update(overrides)
     return cfg
 
@@ -102,7 +103,7 @@ def check_layout(out, batch, model, temperature: float) -> None:
     assert out["output_ids"].dtype == torch.long and out["logprobs"].dtype == torch.float32
     assert torch.equal(out["unpadded_sequence_lengths"], lengths + out["generation_lengths"])
     ref = reference_logprobs(model, out, temperature)
-    for b, (start, total) in enumerate(zip(lengths.tolist(), out["unpadded_sequence_lengths"].tolist())):
+    for b, (start, total) in enumerate(zip(lengths.tolist(), out["unpadded_sequence_lengths"].tolist(), strict=True)):
         assert torch.equal(out["output_ids"][b, :start], ids[b, :start])
         assert (out["output_ids"][b, total:] == PAD_ID).all()
         assert (out["logprobs"][b, :start] == 0).all() and (out["logprobs"][b, total:] == 0).all()
@@ -170,7 +171,7 @@ def test_stop_token_ends_its_row_only(model, batch, baseline, via):
     expected = [first_stop(r, {tok}) for r in rows]
     assert out["generation_lengths"].tolist() == expected
     assert min(expected) < N_NEW and max(expected) == N_NEW  # one row stopped, another ran on
-    assert generated_rows(out, batch) == [r[:n] for r, n in zip(rows, expected)]
+    assert generated_rows(out, batch) == [r[:n] for r, n in zip(rows, expected, strict=True)]
     check_layout(out, batch, model, TEMPERATURE)
 
 
@@ -182,7 +183,7 @@ def test_pad_token_equal_to_real_tokens_does_not_shorten_rows(model, batch, base
     out = hf_generate(model, batch, gen_cfg(stop_token_ids=[tok]), greedy=True, pad_token_id=tok)
     expected = [first_stop(r, {tok}) for r in rows]
     assert out["generation_lengths"].tolist() == expected
-    for b, (start, n) in enumerate(zip(batch["input_lengths"].tolist(), expected)):
+    for b, (start, n) in enumerate(zip(batch["input_lengths"].tolist(), expected, strict=True)):
         assert out["output_ids"][b, start : start + n].tolist() == rows[b][:n]
         assert (out["output_ids"][b, start + n :] == tok).all()  # right padding with the given pad id
 
@@ -234,12 +235,11 @@ def pick_word(tokenizer, rows, min_step=1):
 def test_stop_string_single_word(model, batch, baseline, tokenizer):
     _, rows = baseline
     _, _, word = pick_word(tokenizer, rows)
-    out = hf_generate(model, batch, gen_cfg(stop_strings=[word]), greedy=True, pad_token_id=PAD_ID,
-                      tokenizer=tokenizer)
+    out = hf_generate(model, batch, gen_cfg(stop_strings=[word]), greedy=True, pad_token_id=PAD_ID, tokenizer=tokenizer)
     expected = [expected_string_stop(tokenizer, r, [word]) for r in rows]
     assert min(expected) < N_NEW
     assert out["generation_lengths"].tolist() == expected
-    assert generated_rows(out, batch) == [r[:n] for r, n in zip(rows, expected)]
+    assert generated_rows(out, batch) == [r[:n] for r, n in zip(rows, expected, strict=True)]
     check_layout(out, batch, model, TEMPERATURE)
 
 
@@ -247,8 +247,9 @@ def test_stop_string_spanning_two_tokens(model, batch, baseline, tokenizer):
     _, rows = baseline
     b, k, _ = pick_word(tokenizer, rows, min_step=2)
     phrase = tokenizer.decode(rows[b][k - 1 : k + 1])  # "wA wB": matched only once wB is generated
-    out = hf_generate(model, batch, gen_cfg(stop_strings=[phrase]), greedy=True, pad_token_id=PAD_ID,
-                      tokenizer=tokenizer)
+    out = hf_generate(
+        model, batch, gen_cfg(stop_strings=[phrase]), greedy=True, pad_token_id=PAD_ID, tokenizer=tokenizer
+    )
     expected = [expected_string_stop(tokenizer, r, [phrase]) for r in rows]
     assert expected[b] == k + 1
     assert out["generation_lengths"].tolist() == expected
@@ -270,8 +271,7 @@ def test_stop_string_in_prompt_does_not_stop(model, batch, baseline, tokenizer):
     _, rows = baseline
     b = 0
     word = tokenizer.decode([int(batch["input_ids"][b, int(batch["input_lengths"][b]) - 1])])
-    out = hf_generate(model, batch, gen_cfg(stop_strings=[word]), greedy=True, pad_token_id=PAD_ID,
-                      tokenizer=tokenizer)
+    out = hf_generate(model, batch, gen_cfg(stop_strings=[word]), greedy=True, pad_token_id=PAD_ID, tokenizer=tokenizer)
     assert out["generation_lengths"][b] == expected_string_stop(tokenizer, rows[b], [word])
 
 
@@ -321,7 +321,7 @@ def test_sampling_without_top_k_is_unfiltered(model, batch):
 
 # ----------------------------------------------------------------------------- per-row seeds
 
-SEEDS = torch.tensor([11, 2 ** 32 - 1, 0, 7])
+SEEDS = torch.tensor([11, 2**32 - 1, 0, 7])
 
 
 def seeded(batch, rows=None, seeds=SEEDS):
@@ -344,7 +344,7 @@ def test_sample_seeds_make_each_row_a_function_of_its_seed(model, batch):
     for b in range(batch.size):  # a row alone (other left-padding width, no neighbours)
         alone = hf_generate(model, seeded(batch, [b]), cfg, greedy=False, pad_token_id=PAD_ID)
         assert_equal_outputs(alone, first.select_indices([b]))
-    other = hf_generate(model, seeded(batch, seeds=(SEEDS + 1) % 2 ** 32), cfg, greedy=False, pad_token_id=PAD_ID)
+    other = hf_generate(model, seeded(batch, seeds=(SEEDS + 1) % 2**32), cfg, greedy=False, pad_token_id=PAD_ID)
     assert (other["output_ids"] != first["output_ids"]).any(dim=1).sum() >= 2
     # Still sampling (not argmax) from the filtered distribution, with get_logprobs logprobs.
     ranks = token_ranks(model, first, batch)
@@ -363,9 +363,11 @@ def test_sample_seeds_sample_the_warped_distribution(batch):
     temperature + top-k distribution HF itself would sample from."""
     model = build_tiny_model("llama")
     rows = 256
-    data = BatchedDataDict(input_ids=batch["input_ids"][:1].repeat(rows, 1),
-                           input_lengths=batch["input_lengths"][:1].repeat(rows),
-                           sample_seeds=torch.arange(rows))
+    data = BatchedDataDict(
+        input_ids=batch["input_ids"][:1].repeat(rows, 1),
+        input_lengths=batch["input_lengths"][:1].repeat(rows),
+        sample_seeds=torch.arange(rows),
+    )
     out = hf_generate(model, data, gen_cfg(top_k=5), greedy=False, pad_token_id=PAD_ID, max_new_tokens=1)
     start = int(batch["input_lengths"][0])
     with torch.no_grad():
@@ -381,9 +383,12 @@ def test_sample_seeds_sample_the_warped_distribution(batch):
 def test_sample_seeds_are_ignored_by_greedy_and_checked(model, batch, baseline):
     out = hf_generate(model, seeded(batch), gen_cfg(), greedy=True, pad_token_id=PAD_ID)
     assert torch.equal(out["output_ids"], baseline[0]["output_ids"])
-    for seeds, match in [(SEEDS[:3], r"\[B\] = \(4,\) integer"), (SEEDS.float(), "integer array"),
-                         (torch.tensor([1, 2, -1, 3]), r"row 2 has -1"),
-                         (torch.tensor([1, 2 ** 32, 2, 3]), r"\[0, 2\*\*32\); row 1 has 4294967296")]:
+    for seeds, match in [
+        (SEEDS[:3], r"\[B\] = \(4,\) integer"),
+        (SEEDS.float(), "integer array"),
+        (torch.tensor([1, 2, -1, 3]), r"row 2 has -1"),
+        (torch.tensor([1, 2**32, 2, 3]), r"\[0, 2\*\*32\); row 1 has 4294967296"),
+    ]:
         data = BatchedDataDict(batch.get_dict())
         data["sample_seeds"] = seeds
         with pytest.raises(ValueError, match=match):
@@ -391,11 +396,13 @@ def test_sample_seeds_are_ignored_by_greedy_and_checked(model, batch, baseline):
 
 
 def test_hf_config_fields():
-    greedy = build_hf_generation_config(gen_cfg(top_k=5, top_p=0.5), greedy=True, max_new_tokens=4,
-                                        stop_token_ids=[], pad_token_id=0)
+    greedy = build_hf_generation_config(
+        gen_cfg(top_k=5, top_p=0.5), greedy=True, max_new_tokens=4, stop_token_ids=[], pad_token_id=0
+    )
     assert greedy.do_sample is False and greedy.eos_token_id == [] and greedy.output_logits
-    sample = build_hf_generation_config(gen_cfg(), greedy=False, max_new_tokens=4, stop_token_ids=[2, 9],
-                                        pad_token_id=0)
+    sample = build_hf_generation_config(
+        gen_cfg(), greedy=False, max_new_tokens=4, stop_token_ids=[2, 9], pad_token_id=0
+    )
     assert (sample.do_sample, sample.top_k, sample.top_p, sample.temperature) == (True, 0, 1.0, TEMPERATURE)
     assert sample.eos_token_id == [2, 9] and sample.repetition_penalty == 1.0
 

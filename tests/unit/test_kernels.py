@@ -184,7 +184,9 @@ def test_masked_mean_and_sum(engine, axis, global_norm):
     v = RNG.normal(size=(4, 6))
     m = (RNG.random((4, 6)) > 0.4).astype(np.float64)
     with x64(engine):
-        out = K.masked_mean(to_engine(engine, v), to_engine(engine, m), axis=axis, global_normalization_factor=global_norm)
+        out = K.masked_mean(
+            to_engine(engine, v), to_engine(engine, m), axis=axis, global_normalization_factor=global_norm
+        )
         np.testing.assert_allclose(to_numpy(out), np_masked_mean(v, m, axis, global_norm), rtol=1e-12)
         s = K.masked_sum(to_engine(engine, v), to_engine(engine, m.astype(bool)), axis=axis)
         np.testing.assert_allclose(to_numpy(s), (v * m).sum(axis), rtol=1e-12, atol=1e-14)

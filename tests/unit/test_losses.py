@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from core.losses import ClippedPGLossFn, DPOLossFn, LossInputError, NLLLoss, metrics_to_floats
-from tests.unit.engines import ENGINES, to_engine, to_numpy, value_and_grad, x64
+from tests.unit.engines import ENGINES, to_engine, value_and_grad, x64
 from tests.unit.test_kernels import np_clipped, np_kl, np_logprobs, np_truncated_is
 
 EPS = 1e-8
@@ -46,7 +46,11 @@ PG_VARIANTS = {
         "truncated_importance_sampling_ratio": 1.1,
         "truncated_importance_sampling_ratio_min": 0.95,
     },
-    "gspo": {"sequence_level_importance_ratios": True, "token_level_loss": False, "use_importance_sampling_correction": True},
+    "gspo": {
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "use_importance_sampling_correction": True,
+    },
     "no_kl": {"reference_policy_kl_penalty": 0.0},
 }
 
@@ -87,8 +91,10 @@ def counts(data):
 def np_clipped_pg(logits, d, cfg, gseq=None, gtok=None):
     tm, sm = d["token_mask"][:, 1:], d["sample_mask"]
     m = tm * sm[:, None]
-    A, prev, gen, ref = (np.where(m > 0, d[k][:, 1:], 0.0) for k in
-                         ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs"))
+    A, prev, gen, ref = (
+        np.where(m > 0, d[k][:, 1:], 0.0)
+        for k in ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+    )
     curr = np.where(m > 0, np_logprobs(logits[:, :-1], d["input_ids"][:, 1:]), 0.0)
     gseq = sm.sum() if gseq is None else gseq
     gtok = m.sum() if gtok is None else gtok
@@ -104,8 +110,13 @@ def np_clipped_pg(logits, d, cfg, gseq=None, gtok=None):
 
     kl = 0.0
     if cfg["reference_policy_kl_penalty"]:
-        k = np_kl(curr, ref, cfg.get("reference_policy_kl_type", "k3"),
-                  cfg.get("kl_input_clamp_value", 20.0), cfg.get("kl_output_clamp_value", 10.0))
+        k = np_kl(
+            curr,
+            ref,
+            cfg.get("reference_policy_kl_type", "k3"),
+            cfg.get("kl_input_clamp_value", 20.0),
+            cfg.get("kl_output_clamp_value", 10.0),
+        )
         if cfg["use_on_policy_kl_approximation"]:
             k = np.exp(curr - gen) * k
         kl = cfg["reference_policy_kl_penalty"] * reduce(k)
@@ -118,9 +129,13 @@ def np_clipped_pg(logits, d, cfg, gseq=None, gtok=None):
     if cfg["use_importance_sampling_correction"]:
         logw = prev - gen
         if cfg.get("truncated_importance_sampling_ratio") is not None:
-            w = np_truncated_is(logw, tm, cfg.get("truncated_importance_sampling_type", "tis"),
-                                cfg["truncated_importance_sampling_ratio"],
-                                cfg.get("truncated_importance_sampling_ratio_min"))
+            w = np_truncated_is(
+                logw,
+                tm,
+                cfg.get("truncated_importance_sampling_type", "tis"),
+                cfg["truncated_importance_sampling_ratio"],
+                cfg.get("truncated_importance_sampling_ratio_min"),
+            )
         elif cfg.get("sequence_level_importance_ratios"):
             w = seq_ratio(logw)
         else:
@@ -164,6 +179,7 @@ DPO_CFG = {
 
 def loss_on(engine, loss_fn, data, gseq, gtok):
     """fn(logits) -> loss, with ``data`` already on the engine."""
+
     def fn(logits):
         return loss_fn(logits, data, gseq, gtok)[0]
 
@@ -184,7 +200,9 @@ def test_clipped_pg_matches_numpy_and_torch_grad_equals_jax_grad(variant):
     grads = {}
     for engine in ENGINES:
         with x64(engine):
-            val, grads[engine] = value_and_grad(engine, loss_on(engine, loss_fn, to_engine(engine, data), gseq, gtok), logits)
+            val, grads[engine] = value_and_grad(
+                engine, loss_on(engine, loss_fn, to_engine(engine, data), gseq, gtok), logits
+            )
         assert val == pytest.approx(expected, rel=1e-10, abs=1e-12), engine
     scale = np.abs(grads["torch"]).max()
     assert scale > 0
@@ -197,7 +215,9 @@ def test_clipped_pg_gradient_matches_finite_differences(variant):
     data = make_batch(3)
     logits = np.random.default_rng(4).normal(size=(B, S, V))
     with x64("torch"):
-        _, grad = value_and_grad("torch", loss_on("torch", ClippedPGLossFn(cfg), to_engine("torch", data), None, None), logits)
+        _, grad = value_and_grad(
+            "torch", loss_on("torch", ClippedPGLossFn(cfg), to_engine("torch", data), None, None), logits
+        )
     fd = np.zeros_like(logits)
     eps = 1e-6
     for idx in np.ndindex(logits.shape):
@@ -230,7 +250,9 @@ def test_dpo_matches_numpy_and_grads_agree(avg):
     grads = {}
     for engine in ENGINES:
         with x64(engine):
-            val, grads[engine] = value_and_grad(engine, loss_on(engine, loss_fn, to_engine(engine, data), B, None), logits)
+            val, grads[engine] = value_and_grad(
+                engine, loss_on(engine, loss_fn, to_engine(engine, data), B, None), logits
+            )
         assert val == pytest.approx(np_dpo(logits, data, cfg), rel=1e-10)
     np.testing.assert_allclose(grads["jax"], grads["torch"], rtol=1e-6, atol=1e-12)
 
@@ -280,9 +302,7 @@ def _split_sum(engine, loss_fn, logits, data, mbs):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize(
-    "loss_name", ["ppo_token", "ppo_sequence", "gspo", "seq_mask_tis", "nll", "dpo"]
-)
+@pytest.mark.parametrize("loss_name", ["ppo_token", "ppo_sequence", "gspo", "seq_mask_tis", "nll", "dpo"])
 def test_micro_batch_invariance(engine, loss_name):
     if loss_name == "nll":
         loss_fn = NLLLoss()
@@ -294,7 +314,7 @@ def test_micro_batch_invariance(engine, loss_name):
     logits = np.random.default_rng(12).normal(size=(B, S, V))
     with x64(engine):
         whole, whole_grad, whole_metrics = _split_sum(engine, loss_fn, logits, data, B)
-        for mbs in ([2] if loss_name == "dpo" else [1, 2]):
+        for mbs in [2] if loss_name == "dpo" else [1, 2]:
             total, grad, metrics = _split_sum(engine, loss_fn, logits, data, mbs)
             assert total == pytest.approx(whole, rel=1e-6, abs=1e-12), mbs
             np.testing.assert_allclose(grad, whole_grad, rtol=1e-6, atol=1e-12)
@@ -391,7 +411,9 @@ def test_loss_under_jax_jit_matches_eager():
 
     cfg = {**BASE_CFG, **PG_VARIANTS["on_policy_kl_and_is"]}
     loss_fn = ClippedPGLossFn(cfg)
-    data = to_engine("jax", {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in make_batch(13).items()})
+    data = to_engine(
+        "jax", {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in make_batch(13).items()}
+    )
     logits = to_engine("jax", np.random.default_rng(14).normal(size=(B, S, V)).astype(np.float32))
 
     def f(lg, d):
@@ -447,7 +469,9 @@ def test_non_finite_values_outside_the_mask_are_ignored(engine):
     data["advantages"][data["token_mask"] == 0] = np.inf  # padding / prompt positions
     logits = np.random.default_rng(17).normal(size=(B, S, V))
     with x64(engine):
-        val, grad = value_and_grad(engine, loss_on(engine, ClippedPGLossFn(BASE_CFG), to_engine(engine, data), None, None), logits)
+        val, grad = value_and_grad(
+            engine, loss_on(engine, ClippedPGLossFn(BASE_CFG), to_engine(engine, data), None, None), logits
+        )
     assert np.isfinite(val) and np.isfinite(grad).all()
     clean = make_batch(16)
     assert val == pytest.approx(np_clipped_pg(logits, clean, BASE_CFG), rel=1e-10)

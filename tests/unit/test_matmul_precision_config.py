@@ -8,13 +8,16 @@ from core.config import EMBEDDED_CONFIGS, ConfigError, load_config
 from core.policy.matmul_precision import resolve_matmul_precision, torch_float32_matmul
 
 
-@pytest.mark.parametrize("precision, given, jax_value, torch_value", [
-    ("float32", None, "highest", "highest"),      # fp32 means fp32: no TF32 on either engine
-    ("bfloat16", None, "default", "high"),        # bf16 compute: the device's fast path
-    ("float32", "high", "high", "high"),
-    ("float32", "default", "default", "high"),
-    ("bfloat16", "highest", "highest", "highest"),
-])
+@pytest.mark.parametrize(
+    "precision, given, jax_value, torch_value",
+    [
+        ("float32", None, "highest", "highest"),  # fp32 means fp32: no TF32 on either engine
+        ("bfloat16", None, "default", "high"),  # bf16 compute: the device's fast path
+        ("float32", "high", "high", "high"),
+        ("float32", "default", "default", "high"),
+        ("bfloat16", "highest", "highest", "highest"),
+    ],
+)
 def test_defaults_follow_the_training_precision(precision, given, jax_value, torch_value):
     cfg = {"precision": precision, "matmul_precision": given}
     assert resolve_matmul_precision(cfg) == jax_value

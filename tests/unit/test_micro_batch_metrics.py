@@ -52,11 +52,14 @@ def test_one_read_gives_totals_and_per_micro_batch_values(engine):
     table = collected.table(to_engine(engine, np.zeros((), np.float32)))
     norm = _scalar(engine, 2.5)
     totals, per_mb, (norm_value,) = read_once(table.sum(0), table, norm)
-    assert dict(zip(collected.keys, totals)) == {"clip_frac": 0.5625, "kl": 0.25, "loss": 1.75}
+    assert dict(zip(collected.keys, totals, strict=True)) == {"clip_frac": 0.5625, "kl": 0.25, "loss": 1.75}
     assert norm_value == 2.5 and all(isinstance(v, float) for v in per_mb)
     # A micro batch that did not report a metric is left out of that metric's list.
     assert collected.per_micro_batch(per_mb) == {
-        "clip_frac": [0.125, 0.0625, 0.375], "kl": [0.5, -0.25], "loss": [0.25, 0.5, 1.0]}
+        "clip_frac": [0.125, 0.0625, 0.375],
+        "kl": [0.5, -0.25],
+        "loss": [0.25, 0.5, 1.0],
+    }
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -13,7 +13,6 @@ import math
 import pytest
 
 from core.policy.worker_base import PolicyWorkerBase, step_skip_reason
-
 from tests.unit.test_grpo_parts import _loop
 
 
@@ -30,9 +29,16 @@ def test_step_skip_reason():
 def _result(reasons, losses, norms):
     """A Policy.train result as the driver assembles it from a worker's _train_result."""
     worker = PolicyWorkerBase._train_result(losses, norms, [{"loss": v} for v in losses], {}, 1e-3, reasons)
-    return {"loss": worker["global_loss"], "grad_norm": worker["grad_norm"], "metrics": worker["metrics"],
-            "lr": worker["lr"], "all_mb_metrics": {}, "skipped": worker["skipped"],
-            "skip_reasons": worker["skip_reasons"], "skipped_steps": int(worker["skipped"].sum())}
+    return {
+        "loss": worker["global_loss"],
+        "grad_norm": worker["grad_norm"],
+        "metrics": worker["metrics"],
+        "lr": worker["lr"],
+        "all_mb_metrics": {},
+        "skipped": worker["skipped"],
+        "skip_reasons": worker["skip_reasons"],
+        "skipped_steps": int(worker["skipped"].sum()),
+    }
 
 
 def test_train_result_metrics_and_messages():
@@ -44,7 +50,10 @@ def test_train_result_metrics_and_messages():
     assert train_metrics(result)["skipped_steps"] == 1.0
     assert PolicyWorkerBase._train_result([0.1], [0.2], [{}], {}, None)["skipped"].tolist() == [False]
     (phrase,) = describe_skipped_steps(result)
-    assert phrase == "optimizer step 2 of 2 of this train() call skipped: non-finite grad norm (loss=-1e+30, grad_norm=inf)"
+    assert (
+        phrase
+        == "optimizer step 2 of 2 of this train() call skipped: non-finite grad norm (loss=-1e+30, grad_norm=inf)"
+    )
     message = _skip_message(result)
     assert "policy.non_finite_step" in message and "unchanged" in message
 
@@ -58,8 +67,10 @@ def test_train_result_metrics_and_messages():
     report_skipped_steps(Run, 8, _result([None], [0.5], [1.0]))
     assert lines == [f"WARNING step 7: {phrase}; weights and optimizer state unchanged (policy.non_finite_step: skip)"]
     masked = describe_skipped_steps(_result(["no_valid_tokens"], [0.0], [0.0]))
-    assert masked == ["optimizer step 1 of 1 of this train() call skipped: the global batch has no valid token / "
-                      "sequence (all masked out) (loss=0, grad_norm=0)"]
+    assert masked == [
+        "optimizer step 1 of 1 of this train() call skipped: the global batch has no valid token / "
+        "sequence (all masked out) (loss=0, grad_norm=0)"
+    ]
 
 
 def test_config_field_default_and_validation():
@@ -77,6 +88,7 @@ def test_config_field_default_and_validation():
 def test_loop_goes_on_after_a_skipped_step(tmp_path):
     """A skipped step's non-finite loss / grad norm is logged (the weights never saw it) and
     the run continues; the metric is in metrics.jsonl."""
+
     def step(s):
         if s == 3:
             return {"loss": -1e30, "grad_norm": math.inf, "skipped_steps": 1.0}

@@ -133,6 +133,7 @@ def test_module_does_not_import_torch_or_jax():
     import sys
 
     code = "import sys, core.parallel_dims, core.config; print('torch' in sys.modules, 'jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=__file__.rsplit("/tests/", 1)[0])
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=__file__.rsplit("/tests/", 1)[0]
+    )
     assert out.stdout.split() == ["False", "False"]

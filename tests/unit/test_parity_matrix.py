@@ -10,28 +10,44 @@ import pytest
 import torch
 
 from benchmarks import jax_backend, parity
-from core.cli import main as cli_main
+from dualrl.cli import main as cli_main
 
 # ----------------------------------------------------------------------------- fabricated results
 
 
 def _grpo() -> dict:
     """A GRPO step-0 summary as ``parity.grpo_summary`` makes one (two optimizer steps)."""
-    return parity.grpo_summary([0.17, -0.58], [1.72, 1.47], {
-        "loss": [0.17, -0.58], "actor_loss": [0.17, -0.58], "kl_penalty": [0.0, 4.6e-4],
-        "clip_fraction": [0.0, 0.0], "probs_ratio": [1.0, 0.998]})
+    return parity.grpo_summary(
+        [0.17, -0.58],
+        [1.72, 1.47],
+        {
+            "loss": [0.17, -0.58],
+            "actor_loss": [0.17, -0.58],
+            "kl_penalty": [0.0, 4.6e-4],
+            "clip_fraction": [0.0, 0.0],
+            "probs_ratio": [1.0, 0.998],
+        },
+    )
 
 
 def _measurement(logprobs: torch.Tensor, losses=(5.5, 5.25, 5.0), norms=(2.0, 1.9, 1.8), moved=0.01) -> dict:
     trained = logprobs - moved
-    return {"logprobs": logprobs, "invariance": {v: 0.0 for v in parity.VARIANTS}, "loss": list(losses),
-            "grad_norm": list(norms), "trained_logprobs": trained, "grpo": _grpo(),
-            "resumed": {"loss": 4.8, "grad_norm": 1.7, "logprobs": trained - moved}}
+    return {
+        "logprobs": logprobs,
+        "invariance": {v: 0.0 for v in parity.VARIANTS},
+        "loss": list(losses),
+        "grad_norm": list(norms),
+        "trained_logprobs": trained,
+        "grpo": _grpo(),
+        "resumed": {"loss": 4.8, "grad_norm": 1.7, "logprobs": trained - moved},
+    }
 
 
 def _engine(value: float) -> dict:
-    per = {t: {"token_mult_prob_error": value, "max_abs_diff": 2e-5, "gen_kl_error": 1e-9, "tokens": 30,
-               "refit_s": 0.1} for t in parity.ENGINE_TRANSPORTS}
+    per = {
+        t: {"token_mult_prob_error": value, "max_abs_diff": 2e-5, "gen_kl_error": 1e-9, "tokens": 30, "refit_s": 0.1}
+        for t in parity.ENGINE_TRANSPORTS
+    }
     return {"token_mult_prob_error": value, "transports": per}
 
 
@@ -39,15 +55,34 @@ def _results(measured: dict, errors: dict | None = None, dcp: dict | None = None
     """``collect`` on fabricated measurements; every layout's export loaded by the next one, and
     (unless ``dcp`` is given) its DCP checkpoint too, exactly."""
     names = [n for n in measured if n != parity.HF]
-    crossloaded = {(src, tgt): measured[src]["trained_logprobs"].clone()
-                   for src, tgt in [(n, parity.HF) for n in names] + parity.crossload_pairs(names, "ring")}
+    crossloaded = {
+        (src, tgt): measured[src]["trained_logprobs"].clone()
+        for src, tgt in [(n, parity.HF) for n in names] + parity.crossload_pairs(names, "ring")
+    }
     if dcp is None:
-        dcp = {(src, tgt): {"logprobs": measured[src]["trained_logprobs"].clone(),
-                            "resumed": dict(measured[src]["resumed"])}
-               for src, tgt in parity.crossload_pairs(names, "ring")}
-    return parity.collect(measured, crossloaded, errors=errors, seconds={"total": 1.0}, model="fabricated",
-                          layouts=names, batch=4, seq=6, real_tokens=20, steps=3, lr=1e-3, max_grad_norm=1.0,
-                          crossload="ring", dcp=dcp)
+        dcp = {
+            (src, tgt): {
+                "logprobs": measured[src]["trained_logprobs"].clone(),
+                "resumed": dict(measured[src]["resumed"]),
+            }
+            for src, tgt in parity.crossload_pairs(names, "ring")
+        }
+    return parity.collect(
+        measured,
+        crossloaded,
+        errors=errors,
+        seconds={"total": 1.0},
+        model="fabricated",
+        layouts=names,
+        batch=4,
+        seq=6,
+        real_tokens=20,
+        steps=3,
+        lr=1e-3,
+        max_grad_norm=1.0,
+        crossload="ring",
+        dcp=dcp,
+    )
 
 
 def _clean() -> dict:
@@ -69,10 +104,16 @@ def test_fabricated_results_within_tolerance_pass():
     json.dumps(results)  # every number is JSON-able
     assert sum(c["check"] == "logprobs" for c in results["checks"]) == 3
     assert {(c["a"], c["b"]) for c in results["checks"] if c["check"] == "crossload"} == {
-        ("a", "hf"), ("b", "hf"), ("a", "b"), ("b", "a")}
+        ("a", "hf"),
+        ("b", "hf"),
+        ("a", "b"),
+        ("b", "a"),
+    }
     assert sum(c["check"] == "grpo_step0" for c in results["checks"]) == 3  # hf, a, b: every pair
     assert {(c["a"], c["b"]) for c in results["checks"] if c["check"] in ("dcp_crossload", "dcp_resume")} == {
-        ("a", "b"), ("b", "a")}
+        ("a", "b"),
+        ("b", "a"),
+    }
     assert "GRPO step 0 (ClippedPGLossFn" in report and "DCP cross-load (torch)" in report
     assert "vLLM engine" not in report  # no engine measurement, no engine table
 
@@ -145,9 +186,13 @@ def test_a_dcp_load_or_resume_out_of_tolerance_fails():
     measured = _clean()
     bad_load = {"logprobs": measured["b"]["trained_logprobs"] + 2e-5, "resumed": dict(measured["b"]["resumed"])}
     resumed = dict(measured["a"]["resumed"], logprobs=measured["a"]["resumed"]["logprobs"] + 2e-4)
-    results = _results(measured, dcp={("a", "b"): {"logprobs": measured["a"]["trained_logprobs"].clone(),
-                                                   "resumed": resumed},
-                                      ("b", "a"): bad_load})
+    results = _results(
+        measured,
+        dcp={
+            ("a", "b"): {"logprobs": measured["a"]["trained_logprobs"].clone(), "resumed": resumed},
+            ("b", "a"): bad_load,
+        },
+    )
     assert _failed(results) == {("dcp_crossload", "b", "a"), ("dcp_resume", "a", "b")}
     report = parity.format_matrix(results)
     assert re.search(r"FAIL dcp_crossload: b vs a: 2\.00\de-05 \(needs <= 1e-05\)", report)
@@ -231,8 +276,9 @@ def test_tiny_matrix_one_layout_per_backend_passes(ray_session):
     # the others still run and are checked.
     n = jax_backend.actor_device_count()
     layouts = ["fsdp1-dp2", "dtensor-tp2", f"jax-fsdp{n}"]
-    results = parity.run_parity([*layouts, "bogus-layout", "dtensor-tp4"], "tiny-llama-hd32",
-                                engine=["fsdp1-dp2", f"jax-fsdp{n}"])
+    results = parity.run_parity(
+        [*layouts, "bogus-layout", "dtensor-tp4"], "tiny-llama-hd32", engine=["fsdp1-dp2", f"jax-fsdp{n}"]
+    )
     report = parity.format_matrix(results)
     print(report)
     assert all(c["pass"] for c in results["checks"]), report
@@ -248,7 +294,9 @@ def test_tiny_matrix_one_layout_per_backend_passes(ray_session):
     assert crossed == {*((name, "hf") for name in layouts), *parity.crossload_pairs(layouts, "ring")}
     for check in ("dcp_crossload", "dcp_resume"):
         assert {(c["a"], c["b"]) for c in checks if c["check"] == check} == {
-            ("fsdp1-dp2", "dtensor-tp2"), ("dtensor-tp2", "fsdp1-dp2")}
+            ("fsdp1-dp2", "dtensor-tp2"),
+            ("dtensor-tp2", "fsdp1-dp2"),
+        }
     engine = {c["a"]: c for c in checks if c["check"] == "token_mult_prob_error"}
     assert set(engine) == {"fsdp1-dp2", f"jax-fsdp{n}"}
     assert all(set(c["transports"]) == {"ipc", "collective"} and 1.0 <= c["value"] for c in engine.values())

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from core.datasets import (
-    DatasetLoadError,
     BatchLoader,
+    DatasetLoadError,
     build_prompt_datasets,
     builtin_rows,
     format_prompt,
@@ -42,9 +42,7 @@ def bos_tok():
     from tokenizers.processors import TemplateProcessing
 
     t = tiny_tokenizer()
-    t.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", t.bos_token_id)]
-    )
+    t.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", t.bos_token_id)])
     return t
 
 
@@ -55,16 +53,28 @@ def write_jsonl(path, rows):
 
 def make_rows(n, words=2):
     """n distinct prompts of ``words`` words each, answers "0".."n-1", plus an extra column."""
-    return [{"prompt": " ".join(WORDS[(i + j) % 26] for j in range(words)) + f" w{30 + i}",
-             "answer": i, "level": i % 3} for i in range(n)]
+    return [
+        {"prompt": " ".join(WORDS[(i + j) % 26] for j in range(words)) + f" w{30 + i}", "answer": i, "level": i % 3}
+        for i in range(n)
+    ]
 
 
 def cfg(name, **data):
-    base = {"dataset_name": name, "dataset_config": None, "split": "train",
-            "val_dataset_name": None, "val_split": None, "prompt_key": "prompt",
-            "answer_key": "answer", "prompt_template": "{prompt}", "system_prompt": None,
-            "use_chat_template": "auto", "max_input_seq_length": 64, "on_long_prompt": "error",
-            "shuffle": True}
+    base = {
+        "dataset_name": name,
+        "dataset_config": None,
+        "split": "train",
+        "val_dataset_name": None,
+        "val_split": None,
+        "prompt_key": "prompt",
+        "answer_key": "answer",
+        "prompt_template": "{prompt}",
+        "system_prompt": None,
+        "use_chat_template": "auto",
+        "max_input_seq_length": 64,
+        "on_long_prompt": "error",
+        "shuffle": True,
+    }
     return {"data": {**base, **data}}
 
 
@@ -84,8 +94,12 @@ def test_jsonl_rows_become_tokenized_prompts_with_metadata(tmp_path, tok):
             src = rows[d.metadata["index"]]
             assert d.prompt == src["prompt"]
             assert list(d.input_ids) == tok(src["prompt"])["input_ids"]
-            assert d.metadata == {"ground_truth": str(src["answer"]), "index": src["answer"],
-                                  "raw_prompt": src["prompt"], "level": src["level"]}
+            assert d.metadata == {
+                "ground_truth": str(src["answer"]),
+                "index": src["answer"],
+                "raw_prompt": src["prompt"],
+                "level": src["level"],
+            }
 
 
 def test_json_array_and_parquet_load_with_other_column_names(tmp_path, tok):
@@ -96,12 +110,14 @@ def test_json_array_and_parquet_load_with_other_column_names(tmp_path, tok):
     assert load_rows(str(tmp_path / "q.parquet"), None, "train") == rows
     c = cfg(str(tmp_path / "q.parquet"), prompt_key="question", answer_key="solution")
     train, val = build_prompt_datasets(c, tok, num_val=1, seed=3)
-    got = sorted((d.metadata["raw_prompt"], d.metadata["ground_truth"])
-                 for ds in (train, val) for d in (ds[i] for i in range(ds.size)))
+    got = sorted(
+        (d.metadata["raw_prompt"], d.metadata["ground_truth"])
+        for ds in (train, val)
+        for d in (ds[i] for i in range(ds.size))
+    )
     assert got == sorted((r["question"], r["solution"]) for r in rows)
     c["data"]["answer_key"] = None
-    assert train.size == 4 and build_prompt_datasets(c, tok, num_val=1, seed=3)[0][0].metadata[
-        "ground_truth"] is None
+    assert train.size == 4 and build_prompt_datasets(c, tok, num_val=1, seed=3)[0][0].metadata["ground_truth"] is None
 
 
 def test_missing_file_names_path_and_config_key(tmp_path, tok):
@@ -110,8 +126,7 @@ def test_missing_file_names_path_and_config_key(tmp_path, tok):
         build_prompt_datasets(cfg(missing), tok, num_val=1, seed=0)
     good = write_jsonl(tmp_path / "p.jsonl", make_rows(4))
     with pytest.raises(FileNotFoundError, match=r"data\.val_dataset_name.*val\.parquet"):
-        build_prompt_datasets(cfg(good, val_dataset_name=str(tmp_path / "val.parquet")), tok,
-                              num_val=1, seed=0)
+        build_prompt_datasets(cfg(good, val_dataset_name=str(tmp_path / "val.parquet")), tok, num_val=1, seed=0)
     with pytest.raises(FileNotFoundError, match=r"\./rel/dir"):
         load_rows("./rel/dir", None, "train")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": ')
@@ -121,8 +136,11 @@ def test_missing_file_names_path_and_config_key(tmp_path, tok):
 
 def test_missing_columns_list_the_available_ones(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", make_rows(4))
-    with pytest.raises(ValueError, match=r"data\.prompt_key.*'question'.*\['answer', 'level', "
-                                         r"'prompt'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.prompt_key.*'question'.*\['answer', 'level', "
+        r"'prompt'\]",
+    ):
         build_prompt_datasets(cfg(path, prompt_key="question"), tok, num_val=1, seed=0)
     with pytest.raises(ValueError, match=r"data\.answer_key.*'solution'.*available columns"):
         build_prompt_datasets(cfg(path, answer_key="solution"), tok, num_val=1, seed=0)
@@ -141,13 +159,11 @@ def test_empty_sources_are_rejected(tmp_path, tok):
 def test_directory_source_serves_its_splits(tmp_path, tok):
     write_jsonl(tmp_path / "train.jsonl", make_rows(5))
     write_jsonl(tmp_path / "test.jsonl", [{"prompt": "x y", "answer": 7}])
-    train, val = build_prompt_datasets(cfg(str(tmp_path), val_split="test"), tok, num_val=3,
-                                       seed=0)
+    train, val = build_prompt_datasets(cfg(str(tmp_path), val_split="test"), tok, num_val=3, seed=0)
     assert train.size == 5 and prompts(val) == ["x y"]
     # A single file has no "test" split: asking for one must not re-read the train rows.
     with pytest.raises(ValueError, match=r"data\.val_split.*single file"):
-        build_prompt_datasets(cfg(str(tmp_path / "train.jsonl"), val_split="test"), tok,
-                              num_val=1, seed=0)
+        build_prompt_datasets(cfg(str(tmp_path / "train.jsonl"), val_split="test"), tok, num_val=1, seed=0)
 
 
 def test_unknown_hub_dataset_names_dataset_and_key(monkeypatch):
@@ -165,8 +181,7 @@ def test_unknown_hub_dataset_names_dataset_and_key(monkeypatch):
 # ---------------------------------------------------------------- formatting
 def test_prompt_template_and_bad_templates(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", make_rows(3))
-    train, _ = build_prompt_datasets(cfg(path, prompt_template="q : {prompt} ="), tok,
-                                     num_val=0, seed=0)
+    train, _ = build_prompt_datasets(cfg(path, prompt_template="q : {prompt} ="), tok, num_val=0, seed=0)
     d = train[0]
     assert d.prompt == f"q : {d.metadata['raw_prompt']} ="
     assert list(d.input_ids) == tok(d.prompt)["input_ids"]
@@ -207,18 +222,21 @@ def test_long_prompt_error_names_row_length_and_limit(tmp_path, tok):
     rows = make_rows(6)
     rows[4]["prompt"] = "a b c d e f g"  # 7 tokens; the others have 3
     path = write_jsonl(tmp_path / "p.jsonl", rows)
-    with pytest.raises(ValueError, match=r"data\.max_input_seq_length: row 4 .* 7 tokens.* "
-                                         r"limit of 5.*on_long_prompt: filter"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.max_input_seq_length: row 4 .* 7 tokens.* "
+        r"limit of 5.*on_long_prompt: filter",
+    ):
         build_prompt_datasets(cfg(path, max_input_seq_length=5), tok, num_val=1, seed=0)
     with pytest.warns(UserWarning, match="dropped 1 of 6"):
         train, val = build_prompt_datasets(
-            cfg(path, max_input_seq_length=5, on_long_prompt="filter"), tok, num_val=1, seed=0)
+            cfg(path, max_input_seq_length=5, on_long_prompt="filter"), tok, num_val=1, seed=0
+        )
     assert train.num_filtered == 1 and train.size + val.size == 5
     assert "a b c d e f g" not in prompts(train) + prompts(val)
     with pytest.raises(ValueError, match=r"all 6 rows .* dropped"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_prompt_datasets(cfg(path, max_input_seq_length=2, on_long_prompt="filter"), tok,
-                              num_val=1, seed=0)
+        build_prompt_datasets(cfg(path, max_input_seq_length=2, on_long_prompt="filter"), tok, num_val=1, seed=0)
 
 
 # ---------------------------------------------------------------- validation splits
@@ -263,8 +281,7 @@ def test_loader_order_is_seeded_and_epochs_reshuffle(tmp_path, tok):
     # 10 prompts, batches of 3: each epoch gives 3 batches of distinct prompts, tail dropped.
     epoch0, epoch1 = sum(a[:3], []), sum(a[3:], [])
     assert len(set(epoch0)) == len(set(epoch1)) == 9 and epoch0 != epoch1
-    assert order(BatchLoader(ds, 4, shuffle=False, seed=5), 3) == [[0, 1, 2, 3], [4, 5, 6, 7],
-                                                                    [0, 1, 2, 3]]
+    assert order(BatchLoader(ds, 4, shuffle=False, seed=5), 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
     with pytest.raises(ValueError, match=r"batch_size 11 .*\(10 examples"):
         BatchLoader(ds, 11, shuffle=True, seed=0)
 
@@ -304,8 +321,7 @@ def test_builtin_validation_is_held_out_of_an_infinite_train_stream(tok):
         assert train2[i] == stream[i]
     task = ArithmeticTask({"max_value": 9})
     assert val[0].metadata["raw_prompt"] == task.problem(8, 0)["prompt"]  # seed + 1
-    assert stream[0].metadata["ground_truth"] == task.problem(
-        7, stream[0].metadata["index"])["answer"]
+    assert stream[0].metadata["ground_truth"] == task.problem(7, stream[0].metadata["index"])["answer"]
 
 
 def test_builtin_space_too_small(tok):
@@ -318,8 +334,9 @@ def test_builtin_space_too_small(tok):
 
 def test_builtin_long_prompts_error_or_are_skipped(tok):
     # Prompts with a "+" render to 4 tokens, the others to 1: a limit of 2 splits them.
-    tok.chat_template = ("{% for m in messages %}{% if '+' in m['content'] %}a b c {% endif %}"
-                         "{{ m['content'] }}{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if '+' in m['content'] %}a b c {% endif %}{{ m['content'] }}{% endfor %}"
+    )
     c = {**cfg("arithmetic", max_input_seq_length=2), "env": {"arithmetic": {"max_value": 9}}}
     with pytest.raises(ValueError, match=r"data\.max_input_seq_length.* 4 tokens.*limit of 2"):
         build_prompt_datasets(c, tok, num_val=8, seed=0)
@@ -345,7 +362,6 @@ def test_infinite_loader_state_round_trip(tok):
 
 
 def test_import_is_backend_free():
-    code = ("import sys, core.datasets; "
-            "print([m for m in ('torch', 'jax', 'ray', 'datasets') if m in sys.modules])")
+    code = "import sys, core.datasets; print([m for m in ('torch', 'jax', 'ray', 'datasets') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

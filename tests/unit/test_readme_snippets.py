@@ -46,8 +46,15 @@ def read_snippets(text: str) -> list[Snippet]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         above = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         marked = _MARKER.match(above)
-        out.append(Snippet(fence.group(1), "\n".join(lines[i + 1:end]) + "\n", i + 1,
-                           marked.group(1) if marked else None, marked.group(2) if marked else None))
+        out.append(
+            Snippet(
+                fence.group(1),
+                "\n".join(lines[i + 1 : end]) + "\n",
+                i + 1,
+                marked.group(1) if marked else None,
+                marked.group(2) if marked else None,
+            )
+        )
         i = end + 1
     return out
 
@@ -72,8 +79,9 @@ def test_a_marker_is_read_from_the_line_above_its_block():
     assert (second.lang, second.marker) == ("bash", None)
 
 
-@pytest.mark.parametrize("snippet", [
-    pytest.param(s, id=s.id, marks=[pytest.mark.slow] if s.marker == "slow" else []) for s in PYTHON])
+@pytest.mark.parametrize(
+    "snippet", [pytest.param(s, id=s.id, marks=[pytest.mark.slow] if s.marker == "slow" else []) for s in PYTHON]
+)
 def test_python_snippet_runs_as_written(snippet, tmp_path, monkeypatch, request):
     if snippet.marker == "skip":
         pytest.skip(snippet.reason)
@@ -103,13 +111,21 @@ def dualrl_argv(command: str, make_args_default: str) -> list[str] | None:
 
 def bash_commands() -> list[tuple[Snippet, str]]:
     """(block, command line) of every non-comment line of the bash blocks."""
-    return [(s, line.split(" #")[0].strip()) for s in BASH for line in s.code.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        (s, line.split(" #")[0].strip())
+        for s in BASH
+        for line in s.code.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def test_bash_command_lines_are_recognised():
     assert dualrl_argv('make run ARGS="config --backend jax_pjit a.b=1"  ', "grpo") == [
-        "config", "--backend", "jax_pjit", "a.b=1"]
+        "config",
+        "--backend",
+        "jax_pjit",
+        "a.b=1",
+    ]
     assert dualrl_argv("make run", "grpo") == ["grpo"]
     assert dualrl_argv(".venv/bin/dualrl sft --resume", "grpo") == ["sft", "--resume"]
     assert dualrl_argv("make test", "grpo") is None
@@ -117,7 +133,7 @@ def test_bash_command_lines_are_recognised():
 
 
 def test_every_bash_command_parses_and_its_config_is_accepted(monkeypatch):
-    from core.cli import build_parser, load_command_config
+    from dualrl.cli import build_parser, load_command_config
 
     monkeypatch.chdir(REPO)  # the commands use paths relative to the checkout
     makefile = (REPO / "Makefile").read_text()

@@ -35,8 +35,12 @@ from core.refit.shm import ShmBucketWriter, open_bucket
 from core.testing.tiny_models import tiny_config
 
 # Integer views with the same bits, for bit-exact comparisons (NaN != NaN, -0.0 == 0.0).
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-         torch.float64: torch.int64}
+_BITS = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float64: torch.int64,
+}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -63,31 +67,42 @@ def special_values(shape, dtype, seed=0) -> torch.Tensor:
 # ============================================================================ manifest
 
 
-@pytest.mark.parametrize("dtype, expected", [
-    (torch.bfloat16, "bfloat16"),
-    (torch.float32, "float32"),
-    (torch.float16, "float16"),
-    (torch.half, "float16"),
-    (torch.float64, "float64"),
-    (np.dtype("float32"), "float32"),
-    (np.float32, "float32"),
-    (np.dtype(ml_dtypes.bfloat16), "bfloat16"),
-    (ml_dtypes.bfloat16, "bfloat16"),
-    ("bf16", "bfloat16"),
-    ("fp32", "float32"),
-    ("fp16", "float16"),
-    ("half", "float16"),
-    ("float", "float32"),
-    ("double", "float64"),
-    ("bfloat16", "bfloat16"),
-    ("torch.bfloat16", "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "dtype, expected",
+    [
+        (torch.bfloat16, "bfloat16"),
+        (torch.float32, "float32"),
+        (torch.float16, "float16"),
+        (torch.half, "float16"),
+        (torch.float64, "float64"),
+        (np.dtype("float32"), "float32"),
+        (np.float32, "float32"),
+        (np.dtype(ml_dtypes.bfloat16), "bfloat16"),
+        (ml_dtypes.bfloat16, "bfloat16"),
+        ("bf16", "bfloat16"),
+        ("fp32", "float32"),
+        ("fp16", "float16"),
+        ("half", "float16"),
+        ("float", "float32"),
+        ("double", "float64"),
+        ("bfloat16", "bfloat16"),
+        ("torch.bfloat16", "bfloat16"),
+    ],
+)
 def test_dtype_name_normalises(dtype, expected):
     assert dtype_name(dtype) == expected
 
 
-@pytest.mark.parametrize("dtype, shown", [(torch.int8, "torch.int8"), (np.dtype("int8"), "int8"),
-                                          ("int8", "int8"), ("fp8", "fp8"), (torch.bool, "torch.bool")])
+@pytest.mark.parametrize(
+    "dtype, shown",
+    [
+        (torch.int8, "torch.int8"),
+        (np.dtype("int8"), "int8"),
+        ("int8", "int8"),
+        ("fp8", "fp8"),
+        (torch.bool, "torch.bool"),
+    ],
+)
 def test_dtype_name_rejects_unsupported(dtype, shown):
     with pytest.raises(RefitError, match="cannot be refit") as err:
         dtype_name(dtype)
@@ -135,20 +150,27 @@ def test_cast_and_nbytes():
     assert m["a"].dtype == "float32"  # cast returns a new manifest
 
 
-EXPECTED = RefitManifest.from_info({"embed": ((16, 8), "bfloat16"), "w": ((8, 8), "bfloat16"),
-                                    "norm": ((8,), "bfloat16")})
+EXPECTED = RefitManifest.from_info(
+    {"embed": ((16, 8), "bfloat16"), "w": ((8, 8), "bfloat16"), "norm": ((8,), "bfloat16")}
+)
 
 
 def test_check_against_accepts_exact_match():
     RefitManifest.from_info(EXPECTED.to_info()).check_against(EXPECTED)
 
 
-@pytest.mark.parametrize("info, needle", [
-    ({**EXPECTED.to_info(), "extra": ((1,), "bfloat16")}, "unknown tensor 'extra'"),
-    ({**EXPECTED.to_info(), "w": ((8, 4), "bfloat16")}, "'w': stream shape [8, 4] but the engine expects [8, 8]"),
-    ({**EXPECTED.to_info(), "norm": ((8,), "float32")}, "'norm': stream dtype float32 but the engine serves bfloat16"),
-    ({k: v for k, v in EXPECTED.to_info().items() if k != "embed"}, "missing tensor 'embed'"),
-])
+@pytest.mark.parametrize(
+    "info, needle",
+    [
+        ({**EXPECTED.to_info(), "extra": ((1,), "bfloat16")}, "unknown tensor 'extra'"),
+        ({**EXPECTED.to_info(), "w": ((8, 4), "bfloat16")}, "'w': stream shape [8, 4] but the engine expects [8, 8]"),
+        (
+            {**EXPECTED.to_info(), "norm": ((8,), "float32")},
+            "'norm': stream dtype float32 but the engine serves bfloat16",
+        ),
+        ({k: v for k, v in EXPECTED.to_info().items() if k != "embed"}, "missing tensor 'embed'"),
+    ],
+)
 def test_check_against_names_the_tensor(info, needle):
     with pytest.raises(RefitError) as err:
         RefitManifest.from_info(info).check_against(EXPECTED)
@@ -162,8 +184,9 @@ def test_check_against_uses_what_in_message():
 
 
 def test_check_against_optional_may_be_missing_but_not_wrong():
-    expected = RefitManifest(EXPECTED.specs | {"lm_head.weight": TensorSpec((16, 8), "bfloat16")},
-                             optional=["lm_head.weight"])
+    expected = RefitManifest(
+        EXPECTED.specs | {"lm_head.weight": TensorSpec((16, 8), "bfloat16")}, optional=["lm_head.weight"]
+    )
     RefitManifest.from_info(EXPECTED.to_info()).check_against(expected)  # left out: fine
     RefitManifest.from_info(expected.to_info()).check_against(expected)  # sent: fine
     with pytest.raises(RefitError, match="'lm_head.weight': stream shape"):  # sent wrong: refused
@@ -244,7 +267,7 @@ def test_plan_buckets_exact_plan_with_oversize_tensor():
     assert bucket_sizes(plan, m) == [80, 400, 80, 40, 100]
 
 
-@pytest.mark.parametrize("max_bytes", [1, 4, 37, 100, 128, 1000, 10 ** 9])
+@pytest.mark.parametrize("max_bytes", [1, 4, 37, 100, 128, 1000, 10**9])
 def test_plan_buckets_properties(max_bytes):
     rng = np.random.default_rng(max_bytes)
     sizes = {f"t{i}": int(s) * 4 for i, s in enumerate(rng.integers(0, 60, size=40))}
@@ -252,10 +275,10 @@ def test_plan_buckets_properties(max_bytes):
     plan = plan_buckets(m, max_bytes)
     assert [n for bucket in plan for n in bucket] == m.names
     assert all(bucket for bucket in plan)
-    for bucket, size in zip(plan, bucket_sizes(plan, m)):
+    for bucket, size in zip(plan, bucket_sizes(plan, m), strict=True):
         assert size <= max_bytes or len(bucket) == 1
     # greedy: the next bucket's first tensor would not have fitted in the previous bucket
-    for prev, nxt in zip(plan, plan[1:]):
+    for prev, nxt in zip(plan, plan[1:], strict=True):
         assert sum(sizes[n] for n in prev) + sizes[nxt[0]] > max_bytes
     if max_bytes >= m.nbytes:
         assert plan == [m.names]
@@ -283,8 +306,13 @@ def test_take_bucket_out_of_order():
 
 
 def test_plan_layout_offsets_are_aligned_and_disjoint():
-    items = [("a", torch.zeros(2, 3)), ("b", torch.zeros(3, dtype=torch.bfloat16)),
-             ("c", torch.zeros(64)), ("d", torch.zeros(65, dtype=torch.float16)), ("e", torch.zeros(()))]
+    items = [
+        ("a", torch.zeros(2, 3)),
+        ("b", torch.zeros(3, dtype=torch.bfloat16)),
+        ("c", torch.zeros(64)),
+        ("d", torch.zeros(65, dtype=torch.float16)),
+        ("e", torch.zeros(())),
+    ]
     slots, total = plan_layout(items)
     assert [s.offset for s in slots] == [0, 256, 512, 768, 1024]
     assert [s.nbytes for s in slots] == [24, 6, 256, 130, 4]
@@ -292,7 +320,7 @@ def test_plan_layout_offsets_are_aligned_and_disjoint():
     assert [s.shape for s in slots] == [(2, 3), (3,), (64,), (65,), ()]
     assert total == 1280
     assert all(s.offset % ALIGN == 0 for s in slots) and total % ALIGN == 0
-    for s, nxt in zip(slots, slots[1:]):
+    for s, nxt in zip(slots, slots[1:], strict=True):
         assert s.offset + s.nbytes <= nxt.offset
     assert plan_layout([]) == ([], ALIGN)
 
@@ -318,22 +346,26 @@ def test_pack_unpack_round_trip_bit_exact(dtype):
     pack_into(buffer, slots, items)
     out = unpack(buffer, slots)
     assert [n for n, _ in out] == [n for n, _ in items]
-    for (_, got), (_, want) in zip(out, items):
+    for (_, got), (_, want) in zip(out, items, strict=True):
         assert_bit_equal(got, want.contiguous())
     # unpack returns views into the buffer, not copies
     got = out[0][1]
     assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-    buffer[slots[0].offset:slots[0].offset + slots[0].nbytes] = 0
+    buffer[slots[0].offset : slots[0].offset + slots[0].nbytes] = 0
     assert torch.count_nonzero(bits(got)).item() == 0
 
 
 def test_mixed_dtypes_in_one_bucket():
-    items = [("a", special_values((3,), torch.bfloat16)), ("b", special_values((5, 2), torch.float32, 1)),
-             ("c", special_values((1,), torch.float16, 2)), ("d", special_values((), torch.float64, 3))]
+    items = [
+        ("a", special_values((3,), torch.bfloat16)),
+        ("b", special_values((5, 2), torch.float32, 1)),
+        ("c", special_values((1,), torch.float16, 2)),
+        ("d", special_values((), torch.float64, 3)),
+    ]
     slots, total = plan_layout(items)
     buffer = torch.empty(total, dtype=torch.uint8)
     pack_into(buffer, slots, items)
-    for (_, got), (_, want) in zip(unpack(buffer, slots), items):
+    for (_, got), (_, want) in zip(unpack(buffer, slots), items, strict=True):
         assert_bit_equal(got, want)
 
 
@@ -395,8 +427,11 @@ def writer():
 
 
 def test_shm_write_open_round_trip(writer):
-    items = [("a", special_values((3, 4), torch.float32)), ("b", special_values((5,), torch.bfloat16, 1)),
-             ("c", special_values((), torch.float16, 2))]
+    items = [
+        ("a", special_values((3, 4), torch.float32)),
+        ("b", special_values((5,), torch.bfloat16, 1)),
+        ("c", special_values((), torch.float16, 2)),
+    ]
     handle = writer.write(items)
     assert handle["kind"] == "shm"
     assert os.path.exists(handle["path"])
@@ -404,7 +439,7 @@ def test_shm_write_open_round_trip(writer):
     assert [s[0] for s in handle["slots"]] == ["a", "b", "c"]
     opened = open_bucket(handle)
     assert [n for n, _ in opened] == ["a", "b", "c"]
-    for (_, got), (_, want) in zip(opened, items):
+    for (_, got), (_, want) in zip(opened, items, strict=True):
         assert_bit_equal(got, want)
 
 
@@ -430,7 +465,7 @@ def test_shm_open_released_bucket_is_a_clear_error(writer):
 def test_shm_views_survive_unlink(writer):
     want = special_values((64, 3), torch.bfloat16)
     handle = writer.write([("w", want)])
-    (_, got), = open_bucket(handle)
+    ((_, got),) = open_bucket(handle)
     writer.release()
     assert not os.path.exists(handle["path"])
     assert_bit_equal(got, want)
@@ -477,8 +512,11 @@ def receive_all(group):
 
 BUCKETS = [
     [("embed", special_values((16, 8), torch.bfloat16, 0)), ("scale", special_values((), torch.float32, 1))],
-    [("w", special_values((8, 5), torch.float32, 2)), ("b", special_values((5,), torch.float16, 3)),
-     ("d", special_values((3, 1), torch.float64, 4))],
+    [
+        ("w", special_values((8, 5), torch.float32, 2)),
+        ("b", special_values((5,), torch.float16, 3)),
+        ("d", special_values((3, 1), torch.float64, 4)),
+    ],
     [("head", special_values((16, 8), torch.bfloat16, 5))],
 ]
 
@@ -489,8 +527,8 @@ def test_collective_send_receive_bit_exact():
     received = results[1]
     assert not isinstance(received, BaseException), received
     assert [[n for n, _ in b] for b in received] == [[n for n, _ in b] for b in BUCKETS]
-    for got_bucket, want_bucket in zip(received, BUCKETS):
-        for (_, got), (_, want) in zip(got_bucket, want_bucket):
+    for got_bucket, want_bucket in zip(received, BUCKETS, strict=True):
+        for (_, got), (_, want) in zip(got_bucket, want_bucket, strict=True):
             assert_bit_equal(got, want)
 
 
@@ -510,8 +548,8 @@ def test_collective_sender_failure_still_ends_receiver():
     received = results[1]
     assert not isinstance(received, BaseException), received
     assert [[n for n, _ in b] for b in received] == [["embed", "scale"], ["w", "b", "d"]]
-    for got_bucket, want_bucket in zip(received, BUCKETS[:2]):
-        for (_, got), (_, want) in zip(got_bucket, want_bucket):
+    for got_bucket, want_bucket in zip(received, BUCKETS[:2], strict=True):
+        for (_, got), (_, want) in zip(got_bucket, want_bucket, strict=True):
             assert_bit_equal(got, want)
 
 
@@ -578,8 +616,14 @@ def _bad_buckets():
     return {
         "unknown": ([("zz", t["a"])], "unknown tensor 'zz'"),
         "dup_in_bucket": ([("a", t["a"]), ("a", t["a"])], "tensor 'a' sent twice"),
-        "shape": ([("b", torch.zeros(5, dtype=torch.bfloat16))], r"'b': bucket shape \[5\] but the manifest says \[4\]"),
-        "dtype": ([("b", torch.zeros(4, dtype=torch.float32))], "'b': bucket dtype float32 but the manifest says bfloat16"),
+        "shape": (
+            [("b", torch.zeros(5, dtype=torch.bfloat16))],
+            r"'b': bucket shape \[5\] but the manifest says \[4\]",
+        ),
+        "dtype": (
+            [("b", torch.zeros(4, dtype=torch.float32))],
+            "'b': bucket dtype float32 but the manifest says bfloat16",
+        ),
         "int_dtype": ([("b", torch.zeros(4, dtype=torch.int8))], "'b'.*cannot be refit"),
     }
 
@@ -694,8 +738,11 @@ class TinySender(RefitSender):
     """A policy worker reduced to what ``RefitSender`` needs: cfg, rank, device, two hooks."""
 
     def __init__(self, rank: int = 0, numpy_weights: bool = False) -> None:
-        self.cfg = {"precision": "float32", "generation": {"vllm_cfg": {"precision": "bfloat16"}},
-                    "refit_buffer_size_gb": BUFFER_BYTES / GB}
+        self.cfg = {
+            "precision": "float32",
+            "generation": {"vllm_cfg": {"precision": "bfloat16"}},
+            "refit_buffer_size_gb": BUFFER_BYTES / GB,
+        }
         self.rank = rank
         self.device = torch.device("cpu")
         self.numpy_weights = numpy_weights

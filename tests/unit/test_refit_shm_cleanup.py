@@ -97,21 +97,27 @@ def test_writer_releases_its_segment_when_packing_raises(tmp_path):
 
 
 def test_a_process_that_exits_without_releasing_leaves_no_segment(tmp_path):
-    code = ("import sys, torch; from core.refit.shm import ShmBucketWriter; "
-            "w = ShmBucketWriter(directory=sys.argv[1]); w.write([('w', torch.ones(4))]); "
-            "import os; assert len(os.listdir(sys.argv[1])) == 1; sys.exit(3)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, torch; from core.refit.shm import ShmBucketWriter; "
+        "w = ShmBucketWriter(directory=sys.argv[1]); w.write([('w', torch.ones(4))]); "
+        "import os; assert len(os.listdir(sys.argv[1])) == 1; sys.exit(3)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 3, done.stderr
     assert os.listdir(tmp_path) == []
 
 
 def test_a_killed_writer_is_cleaned_up_by_the_next_writer(tmp_path):
-    code = ("import sys, os, signal, torch; from core.refit.shm import ShmBucketWriter; "
-            "w = ShmBucketWriter(directory=sys.argv[1]); w.write([('w', torch.ones(4))]); "
-            "os.kill(os.getpid(), signal.SIGKILL)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, os, signal, torch; from core.refit.shm import ShmBucketWriter; "
+        "w = ShmBucketWriter(directory=sys.argv[1]); w.write([('w', torch.ones(4))]); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == -9, done.stderr
     assert len(os.listdir(tmp_path)) == 1  # SIGKILL: no atexit, the segment is left behind
     ShmBucketWriter(directory=str(tmp_path))

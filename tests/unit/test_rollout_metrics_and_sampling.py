@@ -31,7 +31,7 @@ def np_mult_prob_error(gen, pol, mask):
 def np_kl(gen, pol, mask, kind="k3"):
     valid = mask.astype(bool)
     logr = pol[valid] - gen[valid]
-    kl = {"k1": -logr, "k2": logr ** 2 / 2, "k3": np.exp(logr) - 1 - logr}[kind]
+    kl = {"k1": -logr, "k2": logr**2 / 2, "k3": np.exp(logr) - 1 - logr}[kind]
     return kl.sum() / (valid.sum() + 1e-8)
 
 
@@ -101,8 +101,9 @@ def test_masked_positions_do_not_matter(engine, garbage):
         err = float(to_numpy(token_mult_prob_error(to_engine(engine, wild_gen), to_engine(engine, wild_pol), m)))
         kl = float(to_numpy(generation_policy_kl(to_engine(engine, wild_gen), to_engine(engine, wild_pol), m)))
         assert np.isfinite(err) and np.isfinite(kl)
-        np.testing.assert_allclose(err, np_mult_prob_error(gen32.astype(np.float64), pol32.astype(np.float64), mask),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            err, np_mult_prob_error(gen32.astype(np.float64), pol32.astype(np.float64), mask), rtol=1e-6
+        )
         np.testing.assert_allclose(kl, np_kl(gen32.astype(np.float64), pol32.astype(np.float64), mask), rtol=1e-5)
         # and swapped: the garbage on the generation side
         err2 = float(to_numpy(token_mult_prob_error(to_engine(engine, wild_pol), to_engine(engine, wild_gen), m)))
@@ -125,8 +126,17 @@ def test_all_masked_is_zero(engine):
 def test_sampling_kwargs_greedy():
     cfg = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "stop_token_ids": [7]}
     kw = sampling_kwargs(cfg, greedy=True, max_new_tokens=12, eos_token_ids=[2], seed=5)
-    assert kw == dict(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=12, logprobs=0,
-                      stop_token_ids=[7, 2], detokenize=False, skip_special_tokens=False)  # no seed
+    assert kw == dict(
+        n=1,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=12,
+        logprobs=0,
+        stop_token_ids=[7, 2],
+        detokenize=False,
+        skip_special_tokens=False,
+    )  # no seed
 
 
 def test_sampling_kwargs_sampling():
@@ -207,8 +217,9 @@ def test_assemble_output_layout():
     rows_logprobs = [[-0.5, -1.0], [-0.1, -0.2, -0.3, -0.4]]
     out = assemble_output(input_ids, input_lengths, rows_tokens, rows_logprobs, max_new_tokens=3, pad_token_id=99)
     np.testing.assert_array_equal(out["output_ids"], [[5, 6, 7, 10, 11, 99], [8, 9, 12, 13, 14, 99]])
-    np.testing.assert_array_equal(out["logprobs"], np.array([[0, 0, 0, -0.5, -1.0, 0], [0, 0, -0.1, -0.2, -0.3, 0]],
-                                                            dtype=np.float32))
+    np.testing.assert_array_equal(
+        out["logprobs"], np.array([[0, 0, 0, -0.5, -1.0, 0], [0, 0, -0.1, -0.2, -0.3, 0]], dtype=np.float32)
+    )
     np.testing.assert_array_equal(out["generation_lengths"], [2, 3])
     np.testing.assert_array_equal(out["unpadded_sequence_lengths"], [5, 5])
     assert out["output_ids"].dtype == np.int64 and out["logprobs"].dtype == np.float32
@@ -217,8 +228,9 @@ def test_assemble_output_layout():
 
 def test_assemble_output_empty_generation_and_padding():
     input_ids = np.array([[4, 0, 0, 0], [4, 5, 6, 7]], dtype=np.int64)
-    out = assemble_output(input_ids, np.array([1, 4], dtype=np.int32), [[], [9]], [[], [-2.0]],
-                          max_new_tokens=2, pad_token_id=0)
+    out = assemble_output(
+        input_ids, np.array([1, 4], dtype=np.int32), [[], [9]], [[], [-2.0]], max_new_tokens=2, pad_token_id=0
+    )
     np.testing.assert_array_equal(out["output_ids"], [[4, 0, 0, 0, 0, 0], [4, 5, 6, 7, 9, 0]])
     np.testing.assert_array_equal(out["logprobs"], [[0, 0, 0, 0, 0, 0], [0, 0, 0, 0, -2.0, 0]])
     np.testing.assert_array_equal(out["generation_lengths"], [0, 1])

@@ -85,7 +85,7 @@ def test_save_load_round_trip(tmp_path):
     assert ck.metrics["lr"] == pytest.approx(1e-3)
     json.loads((path / "metrics.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
     assert ck.rng_state["python"] == rng_state["python"] and ck.rng_state["torch"] == rng_state["torch"]
-    for saved, loaded in zip(rng_state["numpy"], ck.rng_state["numpy"]):
+    for saved, loaded in zip(rng_state["numpy"], ck.rng_state["numpy"], strict=True):
         np.testing.assert_array_equal(saved, loaded)
     expected = np.random.default_rng(0).standard_normal((16, 8), dtype=np.float32)  # write_policy seed=0
     np.testing.assert_array_equal(np.load(ck.policy_dir / "model" / "layer0.npy"), expected)

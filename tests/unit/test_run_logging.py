@@ -38,8 +38,9 @@ def _history(n_steps=20, val_period=5, timing=True):
             continue
         row = {"step": step, "split": "train", "reward_mean": step / n_steps, "loss": 1.0 / step, "step_time_s": 4.0}
         if timing:
-            row.update({"timing/generation_s": 2.0, "timing/logprobs_s": 0.5,
-                        "timing/train_s": 1.0, "timing/refit_s": 0.5})
+            row.update(
+                {"timing/generation_s": 2.0, "timing/logprobs_s": 0.5, "timing/train_s": 1.0, "timing/refit_s": 0.5}
+            )
         rows.append(row)
     return rows
 
@@ -128,8 +129,19 @@ def test_append_keeps_rows_and_repairs_partial_line_truncate_does_not_keep(tmp_p
 
 def test_metrics_logger_converts_drops_and_keeps_history(tmp_path):
     with MetricsLogger(_cfg(tmp_path)) as logger:
-        logger.log("train", 1, {"loss": torch.tensor(0.5), "reward_mean": np.float32(0.25), "n": 3,
-                                "texts": ["a"], "name": "x", "none": None, "timing": {"train_s": 1.5}})
+        logger.log(
+            "train",
+            1,
+            {
+                "loss": torch.tensor(0.5),
+                "reward_mean": np.float32(0.25),
+                "n": 3,
+                "texts": ["a"],
+                "name": "x",
+                "none": None,
+                "timing": {"train_s": 1.5},
+            },
+        )
         logger.log("val", 1, {"accuracy": 1.0})
     rows = read_metrics(logger.metrics_path)
     assert [{k: v for k, v in r.items() if k != "time"} for r in rows] == [
@@ -317,7 +329,9 @@ def test_format_val_samples():
 
 
 def test_import_pulls_no_heavy_frameworks():
-    code = ("import sys, core.logging; "
-            "print([m for m in ('torch', 'jax', 'ray', 'matplotlib', 'tensorboard') if m in sys.modules])")
+    code = (
+        "import sys, core.logging; "
+        "print([m for m in ('torch', 'jax', 'ray', 'matplotlib', 'tensorboard') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

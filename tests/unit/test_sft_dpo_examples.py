@@ -19,13 +19,17 @@ from core.models.char_tokenizer import char_tokenizer
 from core.testing.tiny_models import tiny_tokenizer
 
 # Roles are written by their first letter (s, u, a, t): single letters are words of the vocab.
-CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'][0] }} {{ m['content'] }} </s> "
-                 "{% endfor %}{% if add_generation_prompt %}<s> a {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'][0] }} {{ m['content'] }} </s> "
+    "{% endfor %}{% if add_generation_prompt %}<s> a {% endif %}"
+)
 # Like templates that strip the content of earlier assistant turns (reasoning models): a
 # conversation prefix ending in an assistant turn renders that turn differently.
-STRIPPING_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'][0] }} "
-                      "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }} {% endif %}"
-                      "</s> {% endfor %}{% if add_generation_prompt %}<s> a {% endif %}")
+STRIPPING_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'][0] }} "
+    "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }} {% endif %}"
+    "</s> {% endfor %}{% if add_generation_prompt %}<s> a {% endif %}"
+)
 SRC = "dataset 'x.jsonl'"
 
 
@@ -70,11 +74,9 @@ def test_char_tokenizer_prompt_response_ids_and_mask(chars):
     assert d.metadata == {"level": 2, "raw_prompt": "12+7=", "index": 5, "truncated": False}
     assert (enc.prompt_key, enc.limit, enc.on_long) == ("prompt", 32, "truncate")
     assert enc.limit_key == "policy.max_total_sequence_length"
-    assert "data.on_long_sequence=filter" == SFTEncoder(
-        {"on_long_sequence": "filter"}, chars, 32).drop_note
+    assert "data.on_long_sequence=filter" == SFTEncoder({"on_long_sequence": "filter"}, chars, 32).drop_note
     # prompt_template applies to the prompt part only.
-    d = SFTEncoder({"prompt_template": "({prompt})"}, chars, 32).encode(
-        {"prompt": "1+1=", "response": "2"}, 0, SRC)
+    d = SFTEncoder({"prompt_template": "({prompt})"}, chars, 32).encode({"prompt": "1+1=", "response": "2"}, 0, SRC)
     assert list(d.input_ids) == [1, *ids(chars, "(1+1=)"), *ids(chars, "2"), 2]
     assert d.token_mask == (0,) * 7 + (1, 1)
 
@@ -82,11 +84,11 @@ def test_char_tokenizer_prompt_response_ids_and_mask(chars):
 def test_chat_template_prompt_response_masks_the_assistant_turn(tok):
     cfg = {"system_prompt": "z", "prompt_template": "q {prompt}"}
     d = SFTEncoder(cfg, tok, 64).encode({"prompt": "a b", "response": "c d"}, 0, SRC)
-    assert (d.input_ids, d.token_mask) == masked(
-        tok, ("<s> s z </s> <s> u q a b </s> <s> a", 0), ("c d </s>", 1))
+    assert (d.input_ids, d.token_mask) == masked(tok, ("<s> s z </s> <s> u q a b </s> <s> a", 0), ("c d </s>", 1))
     # use_chat_template: false takes the plain path even though the tokenizer has a template.
     d = SFTEncoder({"use_chat_template": False, "prompt_template": "q {prompt}"}, tok, 64).encode(
-        {"prompt": "a b", "response": "c d"}, 0, SRC)
+        {"prompt": "a b", "response": "c d"}, 0, SRC
+    )
     assert (d.input_ids, d.token_mask) == masked(tok, ("q a b", 0), ("c d </s>", 1))
 
 
@@ -94,7 +96,8 @@ def test_rendered_template_gets_no_second_bos(tok):
     from tokenizers.processors import TemplateProcessing
 
     tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+        single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)]
+    )
     d = SFTEncoder({}, tok, 64).encode({"prompt": "a", "response": "b"}, 0, SRC)
     # One BOS per turn, as rendered; the tokenizer's own BOS is not added in front.
     assert list(d.input_ids) == ids(tok, "<s> u a </s> <s> a b </s>")
@@ -105,29 +108,40 @@ def test_rendered_template_gets_no_second_bos(tok):
 def test_multi_turn_conversation_masks_every_assistant_turn(tok):
     enc = SFTEncoder({"messages_key": "messages"}, tok, 64)
     assert enc.prompt_key == "messages"
-    msgs = [turn("system", "x"), turn("user", "b"), turn("assistant", "c d"),
-            turn("user", "e"), turn("tool", "g"), turn("assistant", "f")]
+    msgs = [
+        turn("system", "x"),
+        turn("user", "b"),
+        turn("assistant", "c d"),
+        turn("user", "e"),
+        turn("tool", "g"),
+        turn("assistant", "f"),
+    ]
     d = enc.encode({"messages": msgs, "id": 7}, 3, SRC)
     assert (d.input_ids, d.token_mask) == masked(
-        tok, ("<s> s x </s> <s> u b </s> <s> a", 0), ("c d </s>", 1),
-        ("<s> u e </s> <s> t g </s> <s> a", 0), ("f </s>", 1))
+        tok,
+        ("<s> s x </s> <s> u b </s> <s> a", 0),
+        ("c d </s>", 1),
+        ("<s> u e </s> <s> t g </s> <s> a", 0),
+        ("f </s>", 1),
+    )
     assert d.metadata == {"id": 7, "index": 3, "truncated": False}
 
 
 def test_system_prompt_is_prepended_only_without_a_system_turn(tok):
     enc = SFTEncoder({"messages_key": "m", "system_prompt": "z"}, tok, 64)
     d = enc.encode({"m": [turn("user", "b"), turn("assistant", "c")]}, 0, SRC)
-    assert (d.input_ids, d.token_mask) == masked(tok, ("<s> s z </s> <s> u b </s> <s> a", 0),
-                                                 ("c </s>", 1))
-    d = enc.encode({"m": [turn("system", "y"), turn("user", "b"), turn("assistant", "c")]}, 0,
-                   SRC)
+    assert (d.input_ids, d.token_mask) == masked(tok, ("<s> s z </s> <s> u b </s> <s> a", 0), ("c </s>", 1))
+    d = enc.encode({"m": [turn("system", "y"), turn("user", "b"), turn("assistant", "c")]}, 0, SRC)
     assert ids(tok, "z")[0] not in d.input_ids
 
 
 def test_conversations_need_a_chat_template(tok):
     plain = tiny_tokenizer()
-    with pytest.raises(ValueError, match=r"data\.messages_key: column 'messages' .*chat "
-                                         r"template.*tokenizer \w+\('<unnamed>'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.messages_key: column 'messages' .*chat "
+        r"template.*tokenizer \w+\('<unnamed>'\)",
+    ):
         SFTEncoder({"messages_key": "messages"}, plain, 64)
     with pytest.raises(ValueError, match=r"data\.messages_key.*use_chat_template: False"):
         SFTEncoder({"messages_key": "messages", "use_chat_template": False}, tok, 64)
@@ -138,25 +152,32 @@ def test_conversations_need_a_chat_template(tok):
 
 def test_no_assistant_turn_names_row_source_and_column(tok):
     enc = SFTEncoder({"messages_key": "messages"}, tok, 64)
-    with pytest.raises(ValueError, match=r"row 3 of dataset 'x\.jsonl' has no assistant turn in "
-                                         r"column 'messages'"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 3 of dataset 'x\.jsonl' has no assistant turn in "
+        r"column 'messages'",
+    ):
         enc.encode({"messages": [turn("user", "a")]}, 3, SRC)
     with pytest.raises(ValueError, match=r"row 3 of .* starts with an assistant turn"):
         enc.encode({"messages": [turn("assistant", "a")]}, 3, SRC)
     # With data.system_prompt the conversation no longer starts with the assistant.
     d = SFTEncoder({"messages_key": "messages", "system_prompt": "z"}, tok, 64).encode(
-        {"messages": [turn("assistant", "a")]}, 3, SRC)
+        {"messages": [turn("assistant", "a")]}, 3, SRC
+    )
     assert (d.input_ids, d.token_mask) == masked(tok, ("<s> s z </s> <s> a", 0), ("a </s>", 1))
 
 
-@pytest.mark.parametrize("value, match", [
-    ("a b", r"row 1 of .* has str in column 'm', not a non-empty list"),
-    ([], r"row 1 of .* has list in column 'm', not a non-empty list"),
-    ([turn("bot", "a")], r"row 1 of .*column 'm', message 0 has unknown role 'bot'"),
-    ([turn("user", "a"), {"role": "assistant"}], r"row 1 of .*'m', message 1 is not a dict"),
-    ([turn("user", "a"), turn("assistant", 3)], r"row 1 .*message 1 is not a dict.*'content'"),
-    (["a"], r"row 1 .*message 0 is not a dict"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("a b", r"row 1 of .* has str in column 'm', not a non-empty list"),
+        ([], r"row 1 of .* has list in column 'm', not a non-empty list"),
+        ([turn("bot", "a")], r"row 1 of .*column 'm', message 0 has unknown role 'bot'"),
+        ([turn("user", "a"), {"role": "assistant"}], r"row 1 of .*'m', message 1 is not a dict"),
+        ([turn("user", "a"), turn("assistant", 3)], r"row 1 .*message 1 is not a dict.*'content'"),
+        (["a"], r"row 1 .*message 0 is not a dict"),
+    ],
+)
 def test_bad_messages_name_row_and_column(tok, value, match):
     enc = SFTEncoder({"messages_key": "m"}, tok, 64)
     with pytest.raises(ValueError, match=r"data\.messages_key: " + match):
@@ -167,24 +188,33 @@ def test_bad_prompt_or_response_values(chars):
     enc = SFTEncoder({}, chars, 64)
     with pytest.raises(ValueError, match=r"data\.prompt_key: row 2 of .* int in column 'prompt'"):
         enc.encode({"prompt": 12, "response": "1"}, 2, SRC)
-    with pytest.raises(ValueError, match=r"data\.response_key: row 2 .* NoneType in column "
-                                         r"'response', not text"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.response_key: row 2 .* NoneType in column "
+        r"'response', not text",
+    ):
         enc.encode({"prompt": "1", "response": None}, 2, SRC)
 
 
 def test_missing_columns_name_key_and_available_columns(chars, tok):
     enc = SFTEncoder({"response_key": "answer"}, chars, 64)
     enc.check_columns({"prompt": "1", "answer": "2"}, SRC)
-    with pytest.raises(ValueError, match=r"data\.response_key: column 'answer' is not in dataset "
-                                         r"'x\.jsonl'; available columns: \['prompt', 'response']"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.response_key: column 'answer' is not in dataset "
+        r"'x\.jsonl'; available columns: \['prompt', 'response']",
+    ):
         enc.check_columns({"prompt": "1", "response": "2"}, SRC)
     with pytest.raises(ValueError, match=r"data\.messages_key: column 'chat' .*\['messages'\]"):
         SFTEncoder({"messages_key": "chat"}, tok, 64).check_columns({"messages": []}, SRC)
 
 
 def test_config_is_validated_up_front(chars, tok):
-    with pytest.raises(ValueError, match=r"^data\.on_long_sequence: 'cut' is not one of "
-                                         r"truncate, filter, error$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^data\.on_long_sequence: 'cut' is not one of "
+        r"truncate, filter, error$",
+    ):
         SFTEncoder({"on_long_sequence": "cut"}, chars, 64)
     with pytest.raises(ValueError, match=r"data\.prompt_template"):
         PreferenceEncoder({"prompt_template": "{question}"}, chars, 64)
@@ -199,9 +229,12 @@ def test_config_is_validated_up_front(chars, tok):
 # ---------------------------------------------------------------- length limits
 def test_long_sequence_error_filter_truncate(chars):
     row = {"prompt": "12+7=", "response": "19"}  # 6 prompt + 3 response tokens
-    with pytest.raises(ValueError, match=r"policy\.max_total_sequence_length: row 4 of dataset "
-                                         r"'x\.jsonl' is 9 tokens, over the limit of 8.*"
-                                         r"data\.on_long_sequence"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy\.max_total_sequence_length: row 4 of dataset "
+        r"'x\.jsonl' is 9 tokens, over the limit of 8.*"
+        r"data\.on_long_sequence",
+    ):
         SFTEncoder({"on_long_sequence": "error"}, chars, 8).encode(row, 4, SRC)
     assert SFTEncoder({"on_long_sequence": "filter"}, chars, 8).encode(row, 4, SRC) is None
     full = SFTEncoder({}, chars, 9).encode(row, 4, SRC)
@@ -230,18 +263,18 @@ def test_dpo_text_rows_share_the_prompt(chars):
 
 def test_dpo_text_rows_with_a_chat_template(tok):
     d = PreferenceEncoder({"prompt_template": "q {prompt}"}, tok, 64).encode(
-        {"prompt": "a", "chosen": "b", "rejected": "c d"}, 0, SRC)
-    assert (d.chosen.input_ids, d.chosen.token_mask) == masked(
-        tok, ("<s> u q a </s> <s> a", 0), ("b </s>", 1))
-    assert (d.rejected.input_ids, d.rejected.token_mask) == masked(
-        tok, ("<s> u q a </s> <s> a", 0), ("c d </s>", 1))
+        {"prompt": "a", "chosen": "b", "rejected": "c d"}, 0, SRC
+    )
+    assert (d.chosen.input_ids, d.chosen.token_mask) == masked(tok, ("<s> u q a </s> <s> a", 0), ("b </s>", 1))
+    assert (d.rejected.input_ids, d.rejected.token_mask) == masked(tok, ("<s> u q a </s> <s> a", 0), ("c d </s>", 1))
 
 
 def test_dpo_conversation_prompt_masks_only_chosen_and_rejected_turns(tok):
     enc = PreferenceEncoder({"system_prompt": "z"}, tok, 64)
     prompt = [turn("user", "a"), turn("assistant", "b"), turn("user", "c")]
-    d = enc.encode({"prompt": prompt, "chosen": [turn("assistant", "d")],
-                    "rejected": [turn("assistant", "e f")]}, 0, SRC)
+    d = enc.encode(
+        {"prompt": prompt, "chosen": [turn("assistant", "d")], "rejected": [turn("assistant", "e f")]}, 0, SRC
+    )
     head = ("<s> s z </s> <s> u a </s> <s> a b </s> <s> u c </s> <s> a", 0)
     assert (d.chosen.input_ids, d.chosen.token_mask) == masked(tok, head, ("d </s>", 1))
     assert (d.rejected.input_ids, d.rejected.token_mask) == masked(tok, head, ("e f </s>", 1))
@@ -250,8 +283,7 @@ def test_dpo_conversation_prompt_masks_only_chosen_and_rejected_turns(tok):
 def test_dpo_implicit_prompt_masks_only_the_final_assistant_turn(tok):
     enc = PreferenceEncoder({}, tok, 64)
     shared = [turn("user", "a"), turn("assistant", "b"), turn("user", "c")]
-    row = {"chosen": shared + [turn("assistant", "d")],
-           "rejected": shared + [turn("assistant", "e")]}
+    row = {"chosen": shared + [turn("assistant", "d")], "rejected": shared + [turn("assistant", "e")]}
     enc.check_columns(row, SRC)  # no prompt column: fine for full conversations
     d = enc.encode(row, 0, SRC)
     head = ("<s> u a </s> <s> a b </s> <s> u c </s> <s> a", 0)
@@ -262,39 +294,62 @@ def test_dpo_implicit_prompt_masks_only_the_final_assistant_turn(tok):
 
 def test_dpo_column_and_format_errors(chars, tok):
     enc = PreferenceEncoder({}, tok, 64)
-    with pytest.raises(ValueError, match=r"data\.rejected_key: column 'rejected' .*"
-                                         r"\['chosen', 'prompt'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.rejected_key: column 'rejected' .*"
+        r"\['chosen', 'prompt'\]",
+    ):
         enc.check_columns({"prompt": "a", "chosen": "b"}, SRC)
-    with pytest.raises(ValueError, match=r"data\.prompt_key: column 'prompt' is not in .*"
-                                         r"available columns: \['chosen', 'rejected'\].*"
-                                         r"first row's column 'chosen' holds text"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.prompt_key: column 'prompt' is not in .*"
+        r"available columns: \['chosen', 'rejected'\].*"
+        r"first row's column 'chosen' holds text",
+    ):
         enc.check_columns({"chosen": "b", "rejected": "c"}, SRC)
-    with pytest.raises(ValueError, match=r"data\.chosen_key: row 2 of .* list of messages in "
-                                         r"column 'prompt' but str in column 'chosen'"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.chosen_key: row 2 of .* list of messages in "
+        r"column 'prompt' but str in column 'chosen'",
+    ):
         enc.encode({"prompt": [turn("user", "a")], "chosen": "b", "rejected": "c"}, 2, SRC)
-    with pytest.raises(ValueError, match=r"data\.chosen_key: row 2 of .* no prompt in column "
-                                         r"'prompt' but str in column 'chosen'"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.chosen_key: row 2 of .* no prompt in column "
+        r"'prompt' but str in column 'chosen'",
+    ):
         enc.encode({"chosen": "b", "rejected": "c"}, 2, SRC)
-    with pytest.raises(ValueError, match=r"data\.rejected_key: row 2 .* list in column "
-                                         r"'rejected', not text"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\.rejected_key: row 2 .* list in column "
+        r"'rejected', not text",
+    ):
         enc.encode({"prompt": "a", "chosen": "b", "rejected": [turn("assistant", "c")]}, 2, SRC)
     with pytest.raises(ValueError, match=r"data\.prompt_key: row 2 .* int in column 'prompt'"):
         enc.encode({"prompt": 3, "chosen": "b", "rejected": "c"}, 2, SRC)
     with pytest.raises(ValueError, match=r"data\.rejected_key: row 2 .* no assistant turn"):
-        enc.encode({"prompt": [turn("user", "a")], "chosen": [turn("assistant", "b")],
-                    "rejected": [turn("user", "c")]}, 2, SRC)
-    conv = {"chosen": [turn("user", "a"), turn("assistant", "b")],
-            "rejected": [turn("user", "a"), turn("assistant", "c")]}
-    with pytest.raises(ValueError, match=r"data\.chosen_key: column 'chosen' holds "
-                                         r"conversations.*chat template"):
+        enc.encode(
+            {"prompt": [turn("user", "a")], "chosen": [turn("assistant", "b")], "rejected": [turn("user", "c")]}, 2, SRC
+        )
+    conv = {
+        "chosen": [turn("user", "a"), turn("assistant", "b")],
+        "rejected": [turn("user", "a"), turn("assistant", "c")],
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"data\.chosen_key: column 'chosen' holds "
+        r"conversations.*chat template",
+    ):
         PreferenceEncoder({}, chars, 64).encode(conv, 2, SRC)
 
 
 def test_dpo_identical_sides_have_no_preference(chars, tok):
-    with pytest.raises(ValueError, match=r"row 4 of dataset 'x\.jsonl' .*'chosen' and "
-                                         r"'rejected': no preference to learn"):
-        PreferenceEncoder({}, chars, 64).encode({"prompt": "1", "chosen": "2", "rejected": "2"},
-                                                4, SRC)
+    with pytest.raises(
+        ValueError,
+        match=r"row 4 of dataset 'x\.jsonl' .*'chosen' and "
+        r"'rejected': no preference to learn",
+    ):
+        PreferenceEncoder({}, chars, 64).encode({"prompt": "1", "chosen": "2", "rejected": "2"}, 4, SRC)
     same = [turn("user", "a"), turn("assistant", "b")]
     with pytest.raises(ValueError, match=r"row 4 .*no preference"):
         PreferenceEncoder({}, tok, 64).encode({"chosen": same, "rejected": list(same)}, 4, SRC)
@@ -302,8 +357,11 @@ def test_dpo_identical_sides_have_no_preference(chars, tok):
 
 def test_dpo_long_sequences(chars):
     row = {"prompt": "1+1=", "chosen": "2", "rejected": "11"}  # 7 and 8 tokens
-    with pytest.raises(ValueError, match=r"row 0 of .* \(rejected side\) is 8 tokens, over the "
-                                         r"limit of 7"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 0 of .* \(rejected side\) is 8 tokens, over the "
+        r"limit of 7",
+    ):
         PreferenceEncoder({"on_long_sequence": "error"}, chars, 7).encode(row, 0, SRC)
     assert PreferenceEncoder({"on_long_sequence": "filter"}, chars, 7).encode(row, 0, SRC) is None
     d = PreferenceEncoder({}, chars, 7).encode(row, 0, SRC)
@@ -323,9 +381,12 @@ def test_template_that_rewrites_earlier_turns_is_refused(tok):
     one = [turn("user", "a"), turn("assistant", "b")]
     assert enc.encode({"m": one}, 0, SRC).num_response_tokens == 2  # single turn: fine
     two = one + [turn("user", "c"), turn("assistant", "d")]
-    with pytest.raises(ValueError, match=r"row 6 of dataset 'x\.jsonl': the chat template of "
-                                         r"tokenizer .* does not render conversation prefixes "
-                                         r"as prefixes.*cannot be located"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 6 of dataset 'x\.jsonl': the chat template of "
+        r"tokenizer .* does not render conversation prefixes "
+        r"as prefixes.*cannot be located",
+    ):
         enc.encode({"m": two}, 6, SRC)
 
 
@@ -344,5 +405,4 @@ def test_render_accepts_a_dict_result():
             return {"input_ids": out + [3] * add_generation_prompt}
 
     msgs = [turn("user", "a"), turn("assistant", "b")]
-    assert render_conversation(DictTokenizer(), msgs, [1], "row 0") == ([1, 20, 3, 20],
-                                                                         [0, 0, 0, 1])
+    assert render_conversation(DictTokenizer(), msgs, [1], "row 0") == ([1, 20, 3, 20], [0, 0, 0, 1])

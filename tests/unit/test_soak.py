@@ -6,8 +6,8 @@ of what leaking one refit's payload per cycle would add (the tiny Llama's stream
 x 40 cycles = 58 MB), so a leaked bucket, a leaked mapping of a segment or a leaked copy of
 the gathered weights per cycle fails it; while the noise measured on the 2-core CPU (two
 1000-cycle runs of the full benchmark: at most +3.7 MiB between samples 50 cycles apart, at
-most +9.3 MiB over all 950 cycles after warm-up) stays well below it.  The benchmark's own criterion, peak RSS growth <= 5 %, is
-checked too; at ~570 MiB per policy worker and 1.8 GiB for the engine, 5 % alone would let
+most +9.3 MiB over all 950 cycles after warm-up) stays well below it.  The benchmark's own criterion, peak RSS
+growth <= 5 %, is checked too; at ~570 MiB per policy worker and 1.8 GiB for the engine, 5 % alone would let
 such leaks through in 40 cycles.
 """
 
@@ -24,8 +24,16 @@ MAX_GROWTH_MIB = 16.0
 @pytest.mark.slow
 def test_soak_memory_is_flat_and_the_same_seed_gives_the_same_losses(ray_session):
     # CHECK <= WARMUP: the engine probe (one generate call) runs inside the warm-up.
-    report = soak.soak(cycles=CYCLES, backend="torch_fsdp", transport="ipc", warmup=WARMUP, sample_every=10,
-                       check_cycles=CHECK, seed=3, log=lambda _: None)
+    report = soak.soak(
+        cycles=CYCLES,
+        backend="torch_fsdp",
+        transport="ipc",
+        warmup=WARMUP,
+        sample_every=10,
+        check_cycles=CHECK,
+        seed=3,
+        log=lambda _: None,
+    )
     print(soak.format_report(report))
 
     assert report["losses_bitwise_equal"], "a fresh policy with the same seed trained to different losses"

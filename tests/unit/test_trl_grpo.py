@@ -19,12 +19,18 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert set(trl_grpo.REQUIRED_KEYS) <= set(spec)
     assert (spec["model_path"], spec["tokenizer_path"]) == ("/m", "/t")
     assert spec["prompts"] == ["1+2=", "3+4=", "5-1="] and spec["answers"] == ["3", "7", "4"]
-    assert (spec["prompts_per_step"], spec["group_size"], spec["seed"]) == (32, 8, 42) == (
-        g["num_prompts_per_step"], g["num_generations_per_prompt"], g["seed"])
+    assert (
+        (spec["prompts_per_step"], spec["group_size"], spec["seed"])
+        == (32, 8, 42)
+        == (g["num_prompts_per_step"], g["num_generations_per_prompt"], g["seed"])
+    )
     assert spec["max_new_tokens"] == policy["generation"]["max_new_tokens"] == 6
     assert (spec["temperature"], spec["top_p"], spec["top_k"]) == (1.0, 1.0, None)
-    assert (spec["learning_rate"], spec["betas"], spec["eps"], spec["weight_decay"]) == (
-        opt["lr"], list(opt["betas"]), opt["eps"], opt["weight_decay"]) == (1e-4, [0.9, 0.999], 1e-8, 0.0)
+    assert (
+        (spec["learning_rate"], spec["betas"], spec["eps"], spec["weight_decay"])
+        == (opt["lr"], list(opt["betas"]), opt["eps"], opt["weight_decay"])
+        == (1e-4, [0.9, 0.999], 1e-8, 0.0)
+    )
     assert (spec["foreach"], spec["fused"]) == (None, None)  # unset: torch's own kernel choice on both sides
     assert spec["max_grad_norm"] == policy["max_grad_norm"] == 1.0
     assert spec["kl_beta"] == loss["reference_policy_kl_penalty"] == 0.01
@@ -43,26 +49,44 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert kw["num_generations"] == 8 and kw["max_completion_length"] == 6 and kw["use_vllm"] is False
     assert (kw["temperature"], kw["top_p"], kw["top_k"]) == (1.0, 1.0, 0)
     assert (kw["beta"], kw["epsilon"], kw["epsilon_high"], kw["loss_type"], kw["scale_rewards"]) == (
-        0.01, 0.2, 0.2, "dapo", "group")
+        0.01,
+        0.2,
+        0.2,
+        "dapo",
+        "group",
+    )
     assert (kw["learning_rate"], kw["adam_beta1"], kw["adam_beta2"], kw["adam_epsilon"], kw["weight_decay"]) == (
-        1e-4, 0.9, 0.999, 1e-8, 0.0)
+        1e-4,
+        0.9,
+        0.999,
+        1e-8,
+        0.0,
+    )
     assert kw["max_grad_norm"] == 1.0 and kw["lr_scheduler_type"] == "constant" and kw["warmup_steps"] == 0
     assert kw["use_cpu"] is True and kw["bf16"] is False and kw["gradient_checkpointing"] is False
     assert kw["report_to"] == [] and kw["logging_strategy"] == kw["save_strategy"] == kw["eval_strategy"] == "no"
     assert kw["shuffle_dataset"] is False and kw["seed"] == 42
 
     # asymmetric clip, sequence-level loss, no normalisation, bf16, top-k, no clipping
-    cfg2 = {**cfg, "loss_fn": {**loss, "ratio_clip_max": 0.28, "token_level_loss": False},
-            "grpo": {**g, "normalize_rewards": False},
-            "policy": {**policy, "precision": "bfloat16", "max_grad_norm": None,
-                       "generation": {**policy["generation"], "top_k": 5}}}
+    cfg2 = {
+        **cfg,
+        "loss_fn": {**loss, "ratio_clip_max": 0.28, "token_level_loss": False},
+        "grpo": {**g, "normalize_rewards": False},
+        "policy": {
+            **policy,
+            "precision": "bfloat16",
+            "max_grad_norm": None,
+            "generation": {**policy["generation"], "top_k": 5},
+        },
+    }
     kw2 = trl_grpo.grpo_config_kwargs(trl_grpo.spec_from_dualrl(cfg2, ["1+1="], ["2"], "/m", "/t"), "/out")
     assert (kw2["epsilon"], kw2["epsilon_high"], kw2["loss_type"], kw2["scale_rewards"]) == (0.2, 0.28, "grpo", "none")
     assert kw2["bf16"] is True and kw2["max_grad_norm"] == 0.0 and kw2["top_k"] == 5
     # several optimizer steps per dualrl step: refused
     with pytest.raises(ValueError, match="train_global_batch_size"):
-        trl_grpo.spec_from_dualrl({**cfg, "policy": {**policy, "train_global_batch_size": 128}}, ["1+1="], ["2"],
-                                  "/m", "/t")
+        trl_grpo.spec_from_dualrl(
+            {**cfg, "policy": {**policy, "train_global_batch_size": 128}}, ["1+1="], ["2"], "/m", "/t"
+        )
     # the prompts are walked in order, prompts_per_step per step, cycling
     rows = trl_grpo.cycled_rows(["a", "b", "c"], ["1", "2", "3"], 2)
     assert [r["prompt"] for r in rows] == ["a", "b", "c", "a", "b", "c"] and rows[4]["answer"] == "2"
@@ -75,11 +99,25 @@ def test_two_trl_grpo_steps_on_a_tiny_llama(tmp_path):
 
     model = save_tiny_model("llama_gen", tmp_path / "llama_gen")
     spec = {
-        "model_path": str(model), "tokenizer_path": str(model / "tokenizer"),
-        "prompts": ["a b c", "d e f", "g h"], "answers": ["w40", "w41", "w42"],
-        "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
-        "top_k": None, "learning_rate": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
-        "max_grad_norm": 1.0, "kl_beta": 0.01, "epsilon": 0.2, "seed": 0, "precision": "float32",
+        "model_path": str(model),
+        "tokenizer_path": str(model / "tokenizer"),
+        "prompts": ["a b c", "d e f", "g h"],
+        "answers": ["w40", "w41", "w42"],
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_new_tokens": 8,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "learning_rate": 1e-3,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+        "max_grad_norm": 1.0,
+        "kl_beta": 0.01,
+        "epsilon": 0.2,
+        "seed": 0,
+        "precision": "float32",
     }
     runner = trl_grpo.TRLGRPORunner(spec, tmp_path, threads=1)
     try:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-
 from pathlib import Path
 
 from core.config import BACKENDS, DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config
@@ -142,30 +141,42 @@ def _add_config_args(cmd: argparse.ArgumentParser, default_config: Path) -> None
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dualrl",
-        description="RL post-training of language models with a switchable training backend "
-        f"({', '.join(BACKENDS)}).",
+        description=f"RL post-training of language models with a switchable training backend ({', '.join(BACKENDS)}).",
     )
     sub = parser.add_subparsers(dest="command")
-    helps = {"grpo": "GRPO training (no arguments: the embedded arithmetic default)",
-             "sft": "supervised fine-tuning (no arguments: the built-in arithmetic answers, from random weights)",
-             "dpo": "DPO (no arguments: built-in right-vs-wrong answer pairs, from builtin:arithmetic-llama)"}
+    helps = {
+        "grpo": "GRPO training (no arguments: the embedded arithmetic default)",
+        "sft": "supervised fine-tuning (no arguments: the built-in arithmetic answers, from random weights)",
+        "dpo": "DPO (no arguments: built-in right-vs-wrong answer pairs, from builtin:arithmetic-llama)",
+    }
     for algorithm, path in EMBEDDED_CONFIGS.items():
         cmd = sub.add_parser(algorithm, help=helps[algorithm])
         _add_config_args(cmd, path)
-        cmd.add_argument("--resume", action="store_true",
-                         help="continue from the latest complete checkpoint in checkpointing.checkpoint_dir")
+        cmd.add_argument(
+            "--resume",
+            action="store_true",
+            help="continue from the latest complete checkpoint in checkpointing.checkpoint_dir",
+        )
         cmd.set_defaults(func=_train_command)
     cfg = sub.add_parser("config", help="validate a config (YAML + overrides) and print the resolved result")
     _add_config_args(cfg, DEFAULT_CONFIG_PATH)
     cfg.set_defaults(func=_config_command)
-    par = sub.add_parser("parity", add_help=False, help="backend-layout parity matrix: logprobs, loss, grad norm, "
-                         "GRPO step, batch invariance, checkpoint cross-load, vLLM refit (benchmarks.parity; "
-                         "dualrl parity --help)")
+    par = sub.add_parser(
+        "parity",
+        add_help=False,
+        help="backend-layout parity matrix: logprobs, loss, grad norm, "
+        "GRPO step, batch invariance, checkpoint cross-load, vLLM refit (benchmarks.parity; "
+        "dualrl parity --help)",
+    )
     par.set_defaults(func=_parity_command)
-    bench = sub.add_parser("bench", add_help=False, help="every backend layout on one workload, one table "
-                                                          "(benchmarks.compare; dualrl bench --help); --gpu: "
-                                                          "every backend on one device vs HF eager "
-                                                          "(benchmarks.gpu; dualrl bench --gpu --help)")
+    bench = sub.add_parser(
+        "bench",
+        add_help=False,
+        help="every backend layout on one workload, one table "
+        "(benchmarks.compare; dualrl bench --help); --gpu: "
+        "every backend on one device vs HF eager "
+        "(benchmarks.gpu; dualrl bench --gpu --help)",
+    )
     bench.set_defaults(func=_bench_command)
     return parser
 
