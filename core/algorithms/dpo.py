@@ -20,21 +20,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from core.algorithms.run_setup import load_tokenizer, resolve_model, seed_everything
+from core.algorithms.config import DPORunConfig
+from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
 from core.algorithms.sft import evaluate, held_out_prompts, sequence_batch, start_workers, step_throughput
 from core.algorithms.timing import StepTimer
 from core.algorithms.training_run import (
     TrainingRun,
     check_run_config,
-    execute,
     open_run,
     report_skipped_steps,
     train_loop,
     train_metrics,
 )
-from core.config.schema import DPOLossConfig
 from core.data import BatchedDataDict
 from core.datasets import BatchLoader
+from core.losses.config import DPOLossConfig
 
 
 def preference_batch(pairs: Sequence[Any], pad_id: int) -> BatchedDataDict:
@@ -84,28 +84,31 @@ class _Validation:
         return with_margin(evaluate(self.run, self.data, "num_valid_samples"))
 
 
-def dpo_loss(cfg: Mapping[str, Any]):
+def dpo_loss(cfg: DPORunConfig):
     """``DPOLossFn`` from the loss keys of the ``dpo`` section (NeMo RL keeps them there)."""
     from core.losses import DPOLossFn
 
-    return DPOLossFn({key: cfg["dpo"][key] for key in DPOLossConfig.__annotations__})
+    return DPOLossFn(DPOLossConfig.coerce(cfg.dpo.model_dump(include=set(DPOLossConfig.model_fields))))
 
 
-def setup_dpo(cfg: Mapping[str, Any], log: Callable[[str], None] = print) -> TrainingRun:
+def setup_dpo(
+    cfg: DPORunConfig | Mapping[str, Any], log: Callable[[str], None] = print, *, resolve: ModelResolver
+) -> TrainingRun:
     """Everything a DPO run needs, driver-side checks first, then the workers."""
     from core.datasets.supervised import build_preference_datasets
 
     cfg = check_run_config(cfg, "dpo")
-    d = cfg["dpo"]
-    seed_everything(d["seed"])
-    tokenizer = load_tokenizer(cfg["policy"])
-    train_set, val_set = build_preference_datasets(cfg, tokenizer)
-    resolved = resolve_model(cfg, held_out_prompts(val_set), log)
+    d = cfg.dpo
+    seed_everything(d.seed)
+    tokenizer = load_tokenizer(cfg.policy)
+    max_length = cfg.policy.max_total_sequence_length
+    train_set, val_set = build_preference_datasets(cfg.data, d, tokenizer, max_length=max_length)
+    resolved = resolve(cfg, held_out_prompts(val_set), log)
     loader = BatchLoader(
         train_set,
-        cfg["policy"]["train_global_batch_size"] // 2,
-        shuffle=cfg["data"].get("shuffle", True),
-        seed=d["seed"],
+        cfg.policy.train_global_batch_size // 2,
+        shuffle=cfg.data.shuffle,
+        seed=d.seed,
     )
     run = open_run(TrainingRun, "dpo", cfg, resolved, tokenizer, loader, val_set, dpo_loss(cfg))
     start_workers(run, log)
@@ -115,8 +118,3 @@ def setup_dpo(cfg: Mapping[str, Any], log: Callable[[str], None] = print) -> Tra
 def dpo_train(run: TrainingRun) -> int:
     validate = _Validation(run) if len(run.val_dataset) else None
     return train_loop(run, lambda step: dpo_step(run, step), validate)
-
-
-def run_dpo(cfg: Mapping[str, Any], log: Callable[[str], None] = print) -> TrainingRun:
-    """What ``dualrl dpo`` does: set up, train, report, shut down.  Returns the (closed) run."""
-    return execute(setup_dpo, dpo_train, lambda run: {}, cfg, log)

@@ -37,11 +37,11 @@ from core.logging import format_val_samples
 
 def grpo_step(run: Any, step: int) -> dict[str, float]:
     """One GRPO step on ``run`` (a :class:`core.algorithms.grpo_setup.GRPORun`); its metrics."""
-    g, timer = run.cfg["grpo"], StepTimer()
-    group = g["num_generations_per_prompt"]
+    g, timer = run.cfg.grpo, StepTimer()
+    group = g.num_generations_per_prompt
     prompts = run.loader.next_batch()
     batch = prompt_batch([p.input_ids for p in prompts], group, run.tokenizer.pad_token_id)
-    batch["sample_seeds"] = sample_seeds(g["seed"], step, batch.size)
+    batch["sample_seeds"] = sample_seeds(g.seed, step, batch.size)
     texts = [p.prompt for p in prompts for _ in range(group)]
     metadata = [p.metadata for p in prompts for _ in range(group)]
 
@@ -53,9 +53,7 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
     with timer("reward"):
         scored = run.env.score(texts, completions, metadata)
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-    adv = compute_advantages(
-        rewards, group, leave_one_out=g["use_leave_one_out_baseline"], normalize=g["normalize_rewards"]
-    )
+    adv = compute_advantages(rewards, group, leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
     data = training_batch(out, batch["input_lengths"], adv.advantages)
 
     run.policy.prepare_for_lp_inference()
@@ -80,7 +78,7 @@ def grpo_validate(run: Any, step: int) -> dict[str, float]:
     """Greedy rollouts of every held-out prompt, scored; accuracy and mean reward."""
     run.rollouts.sync_weights()
     items = [run.val_dataset[i] for i in range(len(run.val_dataset))]
-    size = run.cfg["grpo"].get("val_batch_size") or len(items)
+    size = run.cfg.grpo.val_batch_size or len(items)
     completions, rewards, infos, lengths = [], [], [], []
     for start in range(0, len(items), size):
         chunk = items[start : start + size]
@@ -110,7 +108,7 @@ def _accuracy(infos: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _print_samples(run: Any, step: int, items: list, completions: list[str], rewards: list[float]) -> None:
-    n = run.cfg["logger"].get("num_val_samples_to_print", 2)
+    n = run.cfg.logger.num_val_samples_to_print
     if n <= 0:
         return
     samples = [

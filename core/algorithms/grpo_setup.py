@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.algorithms.config import GRPORunConfig
 from core.algorithms.grpo import grpo_step, grpo_validate
-from core.algorithms.run_setup import load_tokenizer, resolve_model, seed_everything
-from core.algorithms.training_run import TrainingRun, check_run_config, execute, open_run, start_policy, train_loop
+from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
+from core.algorithms.training_run import TrainingRun, check_run_config, open_run, start_policy, train_loop
 from core.datasets import BatchLoader, build_prompt_datasets
 
 
@@ -30,23 +31,26 @@ class GRPORun(TrainingRun):
     max_new_tokens: int = 0
 
 
-def check_grpo_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def check_grpo_config(cfg: GRPORunConfig | Mapping[str, Any]) -> GRPORunConfig:
     return check_run_config(cfg, "grpo")
 
 
-def setup_grpo(cfg: Mapping[str, Any], log: Callable[[str], None] = print) -> GRPORun:
+def setup_grpo(
+    cfg: GRPORunConfig | Mapping[str, Any], log: Callable[[str], None] = print, *, resolve: ModelResolver
+) -> GRPORun:
     """Everything a GRPO run needs, driver-side checks first, then the workers."""
     cfg = check_grpo_config(cfg)
-    g = cfg["grpo"]
-    seed_everything(g["seed"])
-    tokenizer = load_tokenizer(cfg["policy"])
-    train_set, val_set = build_prompt_datasets(cfg, tokenizer, num_val=g["max_val_samples"], seed=g["seed"])
+    g = cfg.grpo
+    seed_everything(g.seed)
+    tokenizer = load_tokenizer(cfg.policy)
+    task = cfg.env.arithmetic
+    train_set, val_set = build_prompt_datasets(cfg.data, task, tokenizer, num_val=g.max_val_samples, seed=g.seed)
     held_out = [val_set[i].metadata["raw_prompt"] for i in range(len(val_set))]
-    resolved = resolve_model(cfg, held_out, log)
-    loader = BatchLoader(train_set, g["num_prompts_per_step"], shuffle=cfg["data"].get("shuffle", True), seed=g["seed"])
+    resolved = resolve(cfg, held_out, log)
+    loader = BatchLoader(train_set, g.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=g.seed)
     from core.losses import ClippedPGLossFn
 
-    run = open_run(GRPORun, "grpo", cfg, resolved, tokenizer, loader, val_set, ClippedPGLossFn(cfg["loss_fn"]))
+    run = open_run(GRPORun, "grpo", cfg, resolved, tokenizer, loader, val_set, ClippedPGLossFn(cfg.loss_fn))
     try:
         _start_workers(run, log)
     except BaseException:
@@ -63,17 +67,17 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     cfg = run.resolved_cfg
     start = time.perf_counter()
     cluster = start_policy(run, log)
-    run.env = EnvironmentPool(run.cfg["env"])
+    run.env = EnvironmentPool(run.cfg.env)
     run._exit.callback(run.env.shutdown)
-    run.rollouts = RolloutEngine(cfg, run.policy, run.tokenizer, cluster, run.cfg["grpo"]["seed"])
+    run.rollouts = RolloutEngine(cfg, run.policy, run.tokenizer, cluster, run.cfg.grpo.seed)
     run._exit.callback(run.rollouts.shutdown)
     args = resolve_generation_args(
-        cfg["policy"], run.tokenizer, run.policy.model_config.eos_token_id, cfg["data"]["max_input_seq_length"]
+        cfg.policy, run.tokenizer, run.policy.model_config.eos_token_id, cfg.data.max_input_seq_length
     )
-    run.stop_token_ids = list(args.eos_token_ids) + list(cfg["policy"]["generation"].get("stop_token_ids") or [])
+    run.stop_token_ids = list(args.eos_token_ids) + list(cfg.policy.generation.stop_token_ids or [])
     run.max_new_tokens = args.max_new_tokens
     log(
-        f"workers up in {time.perf_counter() - start:.1f} s: {cfg['policy']['backend']} policy on "
+        f"workers up in {time.perf_counter() - start:.1f} s: {cfg.policy.backend} policy on "
         f"{cluster.world_size()} slot(s), {run.rollouts.kind} generation"
         + (f" ({run.rollouts.transport} refit)" if run.rollouts.kind == "vllm" else "")
     )
@@ -82,10 +86,3 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
 def grpo_train(run: GRPORun) -> int:
     """Run the steps left (from a resumed step if any); returns the last step."""
     return train_loop(run, lambda step: grpo_step(run, step), lambda step: grpo_validate(run, step))
-
-
-def run_grpo(cfg: Mapping[str, Any], log: Callable[[str], None] = print) -> GRPORun:
-    """Set up, train, report, shut down: what ``dualrl grpo`` does.  Returns the (closed) run."""
-    return execute(
-        setup_grpo, grpo_train, lambda run: {"generation": run.rollouts.kind if run.rollouts else "-"}, cfg, log
-    )

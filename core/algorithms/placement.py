@@ -11,10 +11,10 @@ move by ``collective`` broadcast) -- the transport follows the placement.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
 
+from core.algorithms.config import MasterConfig
 from core.distributed import RayVirtualCluster, init_ray
+from core.policy.generation_config import ColocationResources
 
 XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 XLA_EIGEN_FLAG = "--xla_cpu_multi_thread_eigen"
@@ -25,20 +25,20 @@ QUIET_WORKER_ENV = {
 }
 
 
-def uses_vllm(cfg: Mapping[str, Any]) -> bool:
-    return (cfg["policy"].get("generation") or {}).get("backend") == "vllm"
+def uses_vllm(cfg: MasterConfig) -> bool:
+    return cfg.policy.generation is not None and cfg.policy.generation.backend == "vllm"
 
 
-def is_colocated(cfg: Mapping[str, Any]) -> bool:
-    gen = cfg["policy"].get("generation") or {}
-    return bool((gen.get("colocated") or {}).get("enabled", True))
+def is_colocated(cfg: MasterConfig) -> bool:
+    gen = cfg.policy.generation
+    return gen is None or gen.colocated.enabled
 
 
-def refit_transport(cfg: Mapping[str, Any]) -> str:
+def refit_transport(cfg: MasterConfig) -> str:
     return "ipc" if is_colocated(cfg) else "collective"
 
 
-def start_ray(cfg: Mapping[str, Any]) -> None:
+def start_ray(cfg: MasterConfig) -> None:
     """Start Ray for this run (joining ``RAY_ADDRESS`` if set).
 
     A JAX worker on a CPU machine sees as many XLA devices as ``XLA_FLAGS`` asks for when it
@@ -55,8 +55,8 @@ def start_ray(cfg: Mapping[str, Any]) -> None:
     for key, value in QUIET_WORKER_ENV.items():
         os.environ.setdefault(key, value)
     on_gpu = _has_gpu()
-    if cfg["policy"]["backend"] == "jax_pjit" and not on_gpu:
-        os.environ["XLA_FLAGS"] = jax_cpu_flags(os.environ.get("XLA_FLAGS", ""), cfg["cluster"]["gpus_per_node"])
+    if cfg.policy.backend == "jax_pjit" and not on_gpu:
+        os.environ["XLA_FLAGS"] = jax_cpu_flags(os.environ.get("XLA_FLAGS", ""), cfg.cluster.gpus_per_node)
     init_ray(num_cpus=None if on_gpu else max(os.cpu_count() or 1, cpu_slots_needed(cfg)))
 
 
@@ -72,15 +72,14 @@ def jax_cpu_flags(flags: str, devices: int) -> str:
     return flags
 
 
-def cpu_slots_needed(cfg: Mapping[str, Any]) -> int:
+def cpu_slots_needed(cfg: MasterConfig) -> int:
     """Logical CPUs a CPU-only run asks Ray for: the training slots, plus the engines' own
     slots when generation is not colocated.  May exceed the cores: on a CPU machine a slot
     is a process, and the OS shares the cores between them."""
-    cluster = cfg["cluster"]
-    slots = cluster["gpus_per_node"] * cluster["num_nodes"]
+    slots = cfg.cluster.world_size
     if uses_vllm(cfg) and not is_colocated(cfg):
-        resources = (cfg["policy"]["generation"].get("colocated") or {}).get("resources") or {}
-        slots += (resources.get("gpus_per_node") or 1) * (resources.get("num_nodes") or 1)
+        resources = cfg.policy.generation.colocated.resources
+        slots += (resources.gpus_per_node or 1) * (resources.num_nodes or 1)
     return slots
 
 
@@ -93,21 +92,21 @@ def _has_gpu() -> bool:
     return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
-def policy_cluster(cfg: Mapping[str, Any], name: str = "policy") -> RayVirtualCluster:
+def policy_cluster(cfg: MasterConfig, name: str = "policy") -> RayVirtualCluster:
     """The training cluster (shared with the engines when generation is colocated)."""
-    cluster = cfg["cluster"]
-    per_node, nodes = cluster["gpus_per_node"], cluster["num_nodes"]
+    cluster = cfg.cluster
+    per_node, nodes = cluster.gpus_per_node, cluster.num_nodes
     share = 2 if uses_vllm(cfg) and is_colocated(cfg) else 1
-    if cfg["policy"]["backend"] == "jax_pjit":
+    if cfg.policy.backend == "jax_pjit":
         return RayVirtualCluster(
             [1] * nodes, num_cpus_per_bundle=per_node, max_colocated_worker_groups=share, name=name
         )
     return RayVirtualCluster([per_node] * nodes, max_colocated_worker_groups=share, name=name)
 
 
-def generation_cluster(cfg: Mapping[str, Any], name: str = "generation") -> RayVirtualCluster:
+def generation_cluster(cfg: MasterConfig, name: str = "generation") -> RayVirtualCluster:
     """The engines' own cluster when generation is not colocated."""
-    resources = ((cfg["policy"].get("generation") or {}).get("colocated") or {}).get("resources") or {}
-    per_node = resources.get("gpus_per_node") or 1
-    nodes = resources.get("num_nodes") or 1
+    resources = cfg.policy.generation.colocated.resources if cfg.policy.generation else ColocationResources()
+    per_node = resources.gpus_per_node or 1
+    nodes = resources.num_nodes or 1
     return RayVirtualCluster([per_node] * nodes, name=name)

@@ -32,7 +32,7 @@ class RolloutEngine:
 
             if not self.colocated:
                 self._own_cluster = generation_cluster(cfg)
-            self.generation = VllmGeneration(self._own_cluster or cluster, cfg["policy"], tokenizer, seed=seed)
+            self.generation = VllmGeneration(self._own_cluster or cluster, cfg.policy, tokenizer, seed=seed)
 
     @property
     def kind(self) -> str:

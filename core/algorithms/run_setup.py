@@ -4,15 +4,18 @@ algorithm through ``core.policy.Policy``)."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from core.models.builtin import builtin_tokenizer, is_builtin, resolve_builtin_model
+from core.algorithms.config import MasterConfig
+from core.models.builtin import builtin_tokenizer, is_builtin
+from core.policy.config import PolicyConfig
+
+M = TypeVar("M", bound=MasterConfig)
 
 
 def seed_everything(seed: int) -> None:
@@ -25,11 +28,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_tokenizer(policy_cfg: Mapping[str, Any]) -> Any:
+def load_tokenizer(policy_cfg: PolicyConfig) -> Any:
     """``policy.tokenizer.name`` (a built-in, a local path or a hub id), with the config's
     chat template if given and a pad token (the eos) if the tokenizer has none."""
-    tok_cfg = policy_cfg["tokenizer"]
-    name = tok_cfg["name"]
+    tok_cfg = policy_cfg.tokenizer
+    name = tok_cfg.name
     if is_builtin(name):
         tokenizer = builtin_tokenizer(name)
     else:
@@ -39,8 +42,8 @@ def load_tokenizer(policy_cfg: Mapping[str, Any]) -> Any:
 
         check_model_path(name, "policy.tokenizer.name")
         tokenizer = AutoTokenizer.from_pretrained(name)
-    if tok_cfg.get("chat_template"):
-        tokenizer.chat_template = tok_cfg["chat_template"]
+    if tok_cfg.chat_template:
+        tokenizer.chat_template = tok_cfg.chat_template
     if tokenizer.pad_token_id is None:
         # Generation pads finished rows; any id works since padding is masked, and the eos
         # is what HF models without a pad token use.
@@ -48,21 +51,13 @@ def load_tokenizer(policy_cfg: Mapping[str, Any]) -> Any:
     return tokenizer
 
 
-def resolve_model(
-    cfg: Mapping[str, Any], exclude_prompts: Iterable[str], log: Callable[[str], None] = print
-) -> dict[str, Any]:
-    """A copy of ``cfg`` whose ``policy.model_name`` is loadable: a built-in model is built (or
-    found in the cache) for the run's task without the held-out ``exclude_prompts``."""
-    cfg = copy.deepcopy(dict(cfg))
-    name = cfg["policy"]["model_name"]
-    if is_builtin(name):
-        task_cfg = (cfg.get("env") or {}).get("arithmetic")
-        cfg["policy"]["model_name"] = str(resolve_builtin_model(name, task_cfg, exclude_prompts, log=log))
-    else:
-        from core.policy.preflight import check_model_path
+class ModelResolver(Protocol):
+    """How a run gets a loadable ``policy.model_name``: ``(cfg, held-out prompts, log) -> a copy
+    of cfg`` (:func:`core.algorithms.warm_start.resolve_model` builds built-in models, running
+    a warm-start SFT where one is needed; the set-up functions take it as an argument so that
+    the warm start, itself an SFT run, sits above them instead of in a cycle with them)."""
 
-        check_model_path(name, "policy.model_name")
-    return cfg
+    def __call__(self, cfg: M, exclude_prompts: Iterable[str], log: Callable[[str], None]) -> M: ...
 
 
 def model_fingerprint(model_name: str) -> str:
@@ -78,14 +73,14 @@ def model_fingerprint(model_name: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def run_identity(algorithm: str, configured_cfg: Mapping[str, Any], resolved_cfg: Mapping[str, Any]) -> dict[str, str]:
+def run_identity(algorithm: str, configured_cfg: MasterConfig, resolved_cfg: MasterConfig) -> dict[str, str]:
     """What a checkpoint of this run must match to be resumed by it."""
-    name = configured_cfg["policy"]["model_name"]
+    name = configured_cfg.policy.model_name
     if is_builtin(name):  # the cache directory's name carries the hash of the task and warm start
-        name = f"{name}@{Path(resolved_cfg['policy']['model_name']).name}"
+        name = f"{name}@{Path(resolved_cfg.policy.model_name).name}"
     return {
         "algorithm": algorithm,
-        "backend": resolved_cfg["policy"]["backend"],
+        "backend": resolved_cfg.policy.backend,
         "model_name": name,
-        "model_fingerprint": model_fingerprint(resolved_cfg["policy"]["model_name"]),
+        "model_fingerprint": model_fingerprint(resolved_cfg.policy.model_name),
     }

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from core.algorithms.run_setup import load_tokenizer, resolve_model, seed_everything
+from core.algorithms.config import SFTRunConfig
+from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
 from core.algorithms.timing import StepTimer
 from core.algorithms.training_run import (
     TrainingRun,
     check_run_config,
-    execute,
     open_run,
     report_skipped_steps,
     start_policy,
@@ -80,7 +80,7 @@ def weighted_metrics(result: Mapping[str, Any], weight_key: str) -> dict[str, fl
 def evaluate(run: TrainingRun, data: BatchedDataDict, weight_key: str) -> dict[str, float]:
     """The run's loss over ``data`` in eval mode (no optimizer step), batch-weighted."""
     section = run.section
-    gbs, mbs = section["val_global_batch_size"], section["val_micro_batch_size"]
+    gbs, mbs = section.val_global_batch_size, section.val_micro_batch_size
     run.policy.prepare_for_lp_inference()
     result = run.policy.train(padded_to_multiple(data, gbs), run.loss_fn, eval_mode=True, gbs=gbs, mbs=mbs)
     return weighted_metrics(result, weight_key)
@@ -120,8 +120,8 @@ def sft_validate(run: TrainingRun, step: int) -> dict[str, float]:
 def check_val_batches(run: TrainingRun) -> None:
     """Validation batches must split over the data-parallel ranks like training batches."""
     section, dp = run.section, run.policy.dp
-    gbs, mbs = section["val_global_batch_size"], section["val_micro_batch_size"]
-    if section["val_batches"] and gbs % (dp * mbs):
+    gbs, mbs = section.val_global_batch_size, section.val_micro_batch_size
+    if section.val_batches and gbs % (dp * mbs):
         raise ValueError(
             f"{run.algorithm}.val_global_batch_size: {gbs} is not divisible by data-parallel size "
             f"{dp} x {run.algorithm}.val_micro_batch_size {mbs}"
@@ -129,22 +129,26 @@ def check_val_batches(run: TrainingRun) -> None:
 
 
 def setup_sft(
-    cfg: Mapping[str, Any], log: Callable[[str], None] = print, *, exclude: frozenset[str] = frozenset()
+    cfg: SFTRunConfig | Mapping[str, Any],
+    log: Callable[[str], None] = print,
+    *,
+    resolve: ModelResolver,
+    exclude: frozenset[str] = frozenset(),
 ) -> TrainingRun:
     """Everything an SFT run needs, driver-side checks first, then the workers.  A built-in
-    train stream never shows ``exclude`` (prompts a later stage holds out)."""
+    train stream never shows ``exclude`` (prompts a later stage holds out); ``resolve`` makes
+    ``policy.model_name`` loadable."""
     from core.datasets.supervised import build_sft_datasets
     from core.losses import NLLLoss
 
     cfg = check_run_config(cfg, "sft")
-    s = cfg["sft"]
-    seed_everything(s["seed"])
-    tokenizer = load_tokenizer(cfg["policy"])
-    train_set, val_set = build_sft_datasets(cfg, tokenizer, exclude=exclude)
-    resolved = resolve_model(cfg, held_out_prompts(val_set) | exclude, log)
-    loader = BatchLoader(
-        train_set, cfg["policy"]["train_global_batch_size"], shuffle=cfg["data"].get("shuffle", True), seed=s["seed"]
-    )
+    s = cfg.sft
+    seed_everything(s.seed)
+    tokenizer = load_tokenizer(cfg.policy)
+    max_length = cfg.policy.max_total_sequence_length
+    train_set, val_set = build_sft_datasets(cfg.data, s, tokenizer, max_length=max_length, exclude=exclude)
+    resolved = resolve(cfg, held_out_prompts(val_set) | exclude, log)
+    loader = BatchLoader(train_set, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
     run = open_run(TrainingRun, "sft", cfg, resolved, tokenizer, loader, val_set, NLLLoss())
     start_workers(run, log)
     return run
@@ -162,7 +166,7 @@ def start_workers(run: TrainingRun, log: Callable[[str], None]) -> None:
         cluster = start_policy(run, log)
         check_val_batches(run)
         log(
-            f"workers up in {time.perf_counter() - start:.1f} s: {run.cfg['policy']['backend']} policy on "
+            f"workers up in {time.perf_counter() - start:.1f} s: {run.cfg.policy.backend} policy on "
             f"{cluster.world_size()} slot(s)"
         )
     except BaseException:
@@ -173,10 +177,3 @@ def start_workers(run: TrainingRun, log: Callable[[str], None]) -> None:
 def sft_train(run: TrainingRun) -> int:
     validate = (lambda step: sft_validate(run, step)) if len(run.val_dataset) else None
     return train_loop(run, lambda step: sft_step(run, step), validate)
-
-
-def run_sft(
-    cfg: Mapping[str, Any], log: Callable[[str], None] = print, *, exclude: frozenset[str] = frozenset()
-) -> TrainingRun:
-    """What ``dualrl sft`` does: set up, train, report, shut down.  Returns the (closed) run."""
-    return execute(setup_sft, sft_train, lambda run: {}, cfg, log, exclude=exclude)

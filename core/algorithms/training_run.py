@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from core.algorithms.config import RUN_CONFIGS, MasterConfig
 from core.algorithms.loop import TrainingLoop
 from core.algorithms.run_setup import run_identity
 from core.checkpointing import CheckpointManager, LoadedCheckpoint, restore_rng_state
-from core.config import ConfigError, validate_master_config
+from core.config import ConfigError
 from core.datasets import BatchLoader
 from core.logging import (
     METRICS_FILENAME,
@@ -35,6 +36,7 @@ from core.logging import (
     plot_run,
     read_metrics,
 )
+from core.policy.preflight import preflight_errors
 
 
 @dataclass
@@ -42,8 +44,8 @@ class TrainingRun:
     """The live parts of a run (``close()`` stops the workers and closes the sinks)."""
 
     algorithm: str  # "grpo" | "sft" | "dpo": also the name of the config section of its loop
-    cfg: dict[str, Any]  # as configured (built-in model names kept)
-    resolved_cfg: dict[str, Any]  # policy.model_name resolved to a loadable path
+    cfg: MasterConfig  # the command's run config, as configured (built-in model names kept)
+    resolved_cfg: MasterConfig  # policy.model_name resolved to a loadable path
     tokenizer: Any
     loader: BatchLoader
     val_dataset: Any
@@ -56,9 +58,9 @@ class TrainingRun:
     _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
-    def section(self) -> dict[str, Any]:
+    def section(self) -> Any:
         """The algorithm's own config section (``grpo`` / ``sft`` / ``dpo``)."""
-        return self.cfg[self.algorithm]
+        return getattr(self.cfg, self.algorithm)
 
     @property
     def start_step(self) -> int:
@@ -68,22 +70,25 @@ class TrainingRun:
         self._exit.close()
 
 
-def check_run_config(cfg: Mapping[str, Any], algorithm: str) -> dict[str, Any]:
-    """The whole config checked, then what ``dualrl <algorithm>`` accepts (sections, data keys)."""
-    from core.config.run_checks import algorithm_errors
-
-    cfg = dict(validate_master_config(cfg))
-    errors = algorithm_errors(cfg, algorithm)
+def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: str) -> Any:
+    """``cfg`` as ``dualrl <algorithm>``'s run config (what the command accepts, every rule
+    between its sections), then the preflight against the model's files and the classes it
+    names; :class:`ConfigError` listing every problem otherwise."""
+    schema = RUN_CONFIGS[algorithm]
+    if isinstance(cfg, MasterConfig) and not isinstance(cfg, schema):
+        cfg = cfg.to_dict()
+    run_cfg = schema.coerce(cfg)
+    errors = preflight_errors(run_cfg.policy)
     if errors:
         raise ConfigError(errors)
-    return cfg
+    return run_cfg
 
 
 def open_run(
     run_cls: type,
     algorithm: str,
-    cfg: dict[str, Any],
-    resolved: dict[str, Any],
+    cfg: MasterConfig,
+    resolved: MasterConfig,
     tokenizer: Any,
     loader: BatchLoader,
     val_dataset: Any,
@@ -92,19 +97,19 @@ def open_run(
 ) -> Any:
     """A ``run_cls`` (``TrainingRun`` or a subclass; ``extra`` are its own fields) with its
     checkpoints, sinks and progress bar; a resumed run continues its data and RNG state."""
-    checkpoints = CheckpointManager(cfg["checkpointing"], identity=run_identity(algorithm, cfg, resolved))
+    checkpoints = CheckpointManager(cfg.checkpointing, identity=run_identity(algorithm, cfg, resolved))
     resumed = checkpoints.resume_point()
     if resumed is not None:
         loader.load_state_dict(resumed.train_state["loader"])
         restore_rng_state(resumed.rng_state)
-    logger = MetricsLogger(cfg["logger"], resume=resumed is not None)
+    logger = MetricsLogger(cfg.logger, resume=resumed is not None)
     if resumed is not None:
         logger.truncate_after(resumed.step)
     progress = StepProgress(
-        cfg[algorithm]["max_num_steps"],
+        getattr(cfg, algorithm).max_num_steps,
         initial=resumed.step if resumed else 0,
-        enabled=cfg["logger"].get("progress_bar", True),
-        desc=f"{algorithm} {cfg['policy']['backend']}",
+        enabled=cfg.logger.progress_bar,
+        desc=f"{algorithm} {cfg.policy.backend}",
     )
     run = run_cls(
         algorithm,
@@ -137,7 +142,7 @@ def start_policy(run: TrainingRun, log: Callable[[str], None], *, colocated_shar
     run._exit.callback(cluster.shutdown)
     run.policy = Policy(
         cluster,
-        cfg["policy"],
+        cfg.policy,
         run.tokenizer,
         weights_path=None if ckpt is None else ckpt.policy_dir / "weights",
         optimizer_path=None if ckpt is None else ckpt.policy_dir / "optimizer",
@@ -164,12 +169,12 @@ def train_loop(
         run.policy.save_checkpoint(path / "weights", path / "optimizer", path / "tokenizer")
 
     def epochs_done() -> str | None:
-        limit = section.get("max_num_epochs")
+        limit = section.max_num_epochs
         return f"{limit} epoch(s) over the data" if limit and run.loader.epoch >= limit else None
 
     loop = TrainingLoop(
         algorithm=run.algorithm,
-        max_steps=section["max_num_steps"],
+        max_steps=section.max_num_steps,
         step_fn=step_fn,
         validate_fn=validate_fn,
         write_policy=write_policy,
@@ -177,10 +182,10 @@ def train_loop(
         logger=run.logger,
         progress=run.progress,
         checkpoints=run.checkpoints,
-        config=run.cfg,
-        val_period=section["val_period"],
-        val_at_start=section["val_at_start"],
-        val_at_end=section.get("val_at_end", True),
+        config=run.cfg.to_dict(),
+        val_period=section.val_period,
+        val_at_start=section.val_at_start,
+        val_at_end=section.val_at_end,
         should_stop=epochs_done,
     )
     return loop.run(run.start_step)
@@ -217,21 +222,21 @@ def report_skipped_steps(run: Any, step: int, result: Mapping[str, Any]) -> None
 def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | None = None) -> str:
     """The HF export (``checkpointing.export_hf_dir``), the end-of-run plot (if enabled),
     and one screen of summary."""
-    export = run.cfg["checkpointing"].get("export_hf_dir")
+    export = run.cfg.checkpointing.export_hf_dir
     if export:
         start = time.perf_counter()
         run.policy.save_hf_checkpoint(str(export), save_tokenizer=True)
         run.progress.write(f"final policy exported as an HF model to {export} ({time.perf_counter() - start:.1f} s)")
     metrics_path = run.logger.log_dir / METRICS_FILENAME
     history = read_metrics(metrics_path) if metrics_path.is_file() else list(run.logger.history)
-    if run.cfg["logger"].get("plot_enabled", True) and history:
+    if run.cfg.logger.plot_enabled and history:
         plot_run(
             history,
             run.logger.log_dir / PLOT_FILENAME,
             algorithm=run.algorithm,
-            title=f"{run.algorithm.upper()} {run.cfg['policy']['backend']} - {run.cfg['policy']['model_name']}",
+            title=f"{run.algorithm.upper()} {run.cfg.policy.backend} - {run.cfg.policy.model_name}",
         )
-    info = {"backend": run.cfg["policy"]["backend"], "model": run.cfg["policy"]["model_name"], **(extra or {})}
+    info = {"backend": run.cfg.policy.backend, "model": run.cfg.policy.model_name, **(extra or {})}
     if export:
         info["hf export"] = export
     return format_summary(history, wall_time_s=wall_time_s, run_dir=run.logger.log_dir, extra=info)
@@ -241,7 +246,7 @@ def execute(
     setup: Callable[..., TrainingRun],
     train: Callable[[TrainingRun], Any],
     report_extra: Callable[[TrainingRun], Mapping[str, Any]],
-    cfg: Mapping[str, Any],
+    cfg: MasterConfig | Mapping[str, Any],
     log: Callable[[str], None],
     **setup_kwargs: Any,
 ) -> TrainingRun:

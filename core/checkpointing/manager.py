@@ -21,18 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.checkpointing import manifest as mf
+import core.checkpointing.manifest as mf
+from core.checkpointing.config import CheckpointingConfig
 from core.checkpointing.manifest import CheckpointError
 from core.checkpointing.rng import load_rng_state, save_rng_state
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint"]
 
-SECTION = "checkpointing"
-_DEFAULTS: dict[str, Any] = {
-    "enabled": True, "checkpoint_dir": None, "save_period": 10, "keep_top_k": None,
-    "metric_name": None, "higher_is_better": True, "resume": False,
-    "export_hf_dir": None,  # read by core.algorithms.training_run.finish_run (the final HF export)
-}  # fmt: skip
 _TMP_RE = re.compile(r"\.(tmp|trash)-step_[0-9]+-[0-9a-f]{8}")
 _OLD_RE = re.compile(r"\.old-step_([0-9]+)-[0-9a-f]{8}")
 _MISSING = object()
@@ -56,41 +51,6 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _parse_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Defaults filled in and every problem reported at once, each with its dotted key."""
-    if not isinstance(cfg, Mapping):
-        raise CheckpointError(f"{SECTION}: expected a mapping, got {type(cfg).__name__}")
-    errors = [f"{SECTION}.{k}: unknown key (known: {', '.join(_DEFAULTS)})" for k in cfg if k not in _DEFAULTS]
-    c = {**_DEFAULTS, **{k: v for k, v in cfg.items() if k in _DEFAULTS}}
-    for key in ("enabled", "higher_is_better", "resume"):
-        if not isinstance(c[key], bool):
-            errors.append(f"{SECTION}.{key}: {c[key]!r} is not a boolean")
-    if not _is_int(c["save_period"]) or c["save_period"] < 1:
-        errors.append(f"{SECTION}.save_period: {c['save_period']!r} must be an integer >= 1")
-    k = c["keep_top_k"]
-    if k is not None and (not _is_int(k) or k < 1):
-        errors.append(f"{SECTION}.keep_top_k: {k!r} must be an integer >= 1, or null to keep all")
-    if c["metric_name"] is not None and not (isinstance(c["metric_name"], str) and c["metric_name"]):
-        errors.append(f"{SECTION}.metric_name: {c['metric_name']!r} must be a metric name or null")
-    export = c["export_hf_dir"]
-    if export is not None and not (isinstance(export, (str, os.PathLike)) and str(export)):
-        errors.append(f"{SECTION}.export_hf_dir: {export!r} is not a path (or null for no export)")
-    d = c["checkpoint_dir"]
-    if d is None or d == "":
-        if c["enabled"] or c["resume"]:
-            errors.append(f"{SECTION}.checkpoint_dir: required when enabled or resume is true")
-        c["checkpoint_dir"] = None
-    elif not isinstance(d, (str, os.PathLike)):
-        errors.append(f"{SECTION}.checkpoint_dir: {d!r} is not a path")
-    else:
-        c["checkpoint_dir"] = Path(d).expanduser().absolute()
-        if c["checkpoint_dir"].exists() and not c["checkpoint_dir"].is_dir():
-            errors.append(f"{SECTION}.checkpoint_dir: {c['checkpoint_dir']} exists and is not a directory")
-    if errors:
-        raise CheckpointError("invalid checkpointing config:\n  " + "\n  ".join(errors))
-    return c
-
-
 def _show(value: Any) -> str:
     return "(not recorded)" if value is _MISSING else repr(value)
 
@@ -107,15 +67,17 @@ class CheckpointManager:
     fingerprint); it is stored in every manifest and compared key by key on load.
     """
 
-    def __init__(self, cfg: Mapping[str, Any], *, identity: Mapping[str, Any]):
-        c = _parse_config(cfg)
-        self.enabled: bool = c["enabled"]
-        self.checkpoint_dir: Path | None = c["checkpoint_dir"]
-        self.save_period: int = c["save_period"]
-        self.keep_top_k: int | None = c["keep_top_k"]
-        self.metric_name: str | None = c["metric_name"]
-        self.higher_is_better: bool = c["higher_is_better"]
-        self.resume: bool = c["resume"]
+    def __init__(self, cfg: CheckpointingConfig | Mapping[str, Any], *, identity: Mapping[str, Any]):
+        c = CheckpointingConfig.coerce(cfg, "checkpointing")
+        self.enabled = c.enabled
+        self.checkpoint_dir = c.directory
+        if self.checkpoint_dir is not None:
+            self._root()  # a checkpoint_dir that is a file fails here, before any worker starts
+        self.save_period = c.save_period
+        self.keep_top_k = c.keep_top_k
+        self.metric_name = c.metric_name
+        self.higher_is_better = c.higher_is_better
+        self.resume = c.resume
         try:  # normalized through JSON so that it compares equal to what a manifest holds
             self.identity: dict[str, Any] = json.loads(json.dumps(dict(identity), allow_nan=False))
         except (TypeError, ValueError) as e:
@@ -124,9 +86,9 @@ class CheckpointManager:
     def _root(self) -> Path:
         """``checkpoint_dir``, re-checked: it may have become a file since __init__."""
         if self.checkpoint_dir is None:
-            raise CheckpointError(f"{SECTION}.checkpoint_dir is not set")
+            raise CheckpointError("checkpointing.checkpoint_dir is not set")
         if self.checkpoint_dir.exists() and not self.checkpoint_dir.is_dir():
-            raise CheckpointError(f"{SECTION}.checkpoint_dir: {self.checkpoint_dir} exists and is not a directory")
+            raise CheckpointError(f"checkpointing.checkpoint_dir: {self.checkpoint_dir} exists and is not a directory")
         return self.checkpoint_dir
 
     def should_save(self, step: int, *, last_step: bool = False) -> bool:
@@ -151,7 +113,7 @@ class CheckpointManager:
         removed and the previous checkpoints are untouched.
         """
         if not self.enabled:
-            raise CheckpointError(f"save(step {step}): {SECTION}.enabled is false")
+            raise CheckpointError(f"save(step {step}): checkpointing.enabled is false")
         if not _is_int(step) or step < 0:
             raise CheckpointError(f"save: step {step!r} is not an integer >= 0")
         root = self._root()
@@ -288,13 +250,15 @@ class CheckpointManager:
             return None
         root = self._root()
         if not root.is_dir():
-            raise CheckpointError(f"{SECTION}.resume is true but {root} has no complete checkpoint (it does not exist)")
+            raise CheckpointError(
+                f"checkpointing.resume is true but {root} has no complete checkpoint (it does not exist)"
+            )
         self.cleanup_stale_temp_dirs()
         latest = self.latest_complete()
         if latest is None:
             partial = [f"\n  {p.name}: {problem}" for _, p, problem in self._verified() if problem is not None]
             found = "; partial checkpoints found:" + "".join(partial) if partial else ""
-            raise CheckpointError(f"{SECTION}.resume is true but {root} has no complete checkpoint{found}")
+            raise CheckpointError(f"checkpointing.resume is true but {root} has no complete checkpoint{found}")
         return self.load(latest)
 
     def cleanup_stale_temp_dirs(self) -> list[Path]:

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from core.checkpointing import manifest as mf
+import core.checkpointing.manifest as mf
 from core.checkpointing.manifest import CheckpointError
 
 __all__ = [

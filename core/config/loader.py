@@ -27,21 +27,24 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from core.config.schema import MasterConfig
-from core.config.validate import ConfigError, validate_master_config
+from core.config.base import ConfigError, ConfigModel, validate
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "EMBEDDED_CONFIGS",
     "load_yaml",
     "deep_merge",
     "parse_override",
     "apply_overrides",
     "load_config",
+    "load_raw_config",
     "load_with_provenance",
     "Provenance",
 ]
+
+M = TypeVar("M", bound=ConfigModel)
 
 #: The shipped example config (``core/configs/default.yaml``).
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -296,38 +299,31 @@ def load_with_provenance(
     return cfg, provenance
 
 
+def load_raw_config(path: str | Path, overrides: Iterable[str] = (), backend: str | None = None) -> dict[str, Any]:
+    """``path`` with its ``defaults`` chain, ``overrides`` then ``backend`` applied: the plain
+    data, not validated (to edit before validating, as the benchmarks and tests do)."""
+    return load_with_provenance(path, overrides, backend)[0]
+
+
 def load_config(
     path: str | Path,
     overrides: Iterable[str] = (),
     backend: str | None = None,
     *,
-    checks: Iterable[Callable[[dict[str, Any]], list[str]]] = (),
-) -> MasterConfig:
-    """Load ``path``, apply ``overrides`` then ``backend`` (sets ``policy.backend``, what
-    the CLI's ``--backend`` does), validate the whole config and return it.
+    schema: type[M],
+    checks: Iterable[Callable[[M], list[str]]] = (),
+) -> M:
+    """Load ``path``, apply ``overrides`` then ``backend`` (sets ``policy.backend``, what the
+    CLI's ``--backend`` does) and validate the result as a ``schema``.
 
-    ``checks`` are further ``cfg -> error lines`` rules (e.g. what one ``dualrl`` command
-    accepts).  They run even when the schema refuses the config, so that a section the
-    command does not use is named as such, not only by the keys it is missing; a check must
-    therefore read only values of the right type.  Every line of the :class:`ConfigError`
-    raised names where the value at fault came from (see :class:`Provenance`).
+    ``checks`` are further ``config -> error lines`` rules run on the valid config (the
+    preflight that reads model files and imports classes).  Every line of the
+    :class:`ConfigError` raised names where the value at fault came from (see :class:`Provenance`).
     """
-    cfg, provenance = load_with_provenance(path, overrides, backend)
+    raw, provenance = load_with_provenance(path, overrides, backend)
     with provenance.explaining():
-        try:
-            validate_master_config(cfg)
-            errors = []
-        except ConfigError as err:
-            errors = list(err.errors)
-        refused = [line for check in checks for line in check(cfg)]
-        errors = _below_none_of(errors, refused) + refused
+        cfg = validate(schema, raw)
+        errors = [line for check in checks for line in check(cfg)]
         if errors:
             raise ConfigError(errors)
     return cfg
-
-
-def _below_none_of(errors: list[str], refused: list[str]) -> list[str]:
-    """``errors`` less the lines about fields inside a section ``refused`` names: once the
-    whole section is refused, what it lacks is noise."""
-    sections = {line.partition(": ")[0] for line in refused}
-    return [line for line in errors if not any(line.startswith((s + ".", s + "[")) for s in sections)]

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict, get_args
+from typing import Any, Literal, TypedDict, get_args
 
 import numpy as np
 
-from core.config.schema import PackingAlgorithm
+#: How sequences are binned into packed rows (NeMo RL's names; ``policy.sequence_packing.algorithm``).
+PackingAlgorithm = Literal["modified_first_fit_decreasing", "first_fit_decreasing", "concatenative"]
 
 __all__ = [
     "PACKING_ALGORITHMS",

@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from core.datasets.config import DataConfig
 from core.datasets.sources import builtin_candidates, builtin_task, is_builtin, load_rows, problem_row
+from core.environments.config import ArithmeticTaskConfig
 
 # How many candidate problems a built-in item / the validation draw may reject (held out,
 # duplicate, too long) before we conclude the configuration cannot produce examples.
@@ -135,8 +137,8 @@ def encode_rows(encoder, rows: list[Mapping], source: str) -> ListDataset:
 
 
 def build_datasets(
-    data_cfg: Mapping,
-    task_cfg: Mapping | None,
+    data_cfg: DataConfig,
+    task_cfg: ArithmeticTaskConfig | None,
     encoder,
     *,
     num_val: int,
@@ -156,8 +158,8 @@ def build_datasets(
     the one holding the built-in task's knobs ``task_cfg`` (both named in errors).
     """
     task = functools.partial(builtin_task, task_cfg=task_cfg, path=task_path)
-    name, val_name = data_cfg["dataset_name"], data_cfg.get("val_dataset_name")
-    if is_builtin(name) and data_cfg.get("val_split") is not None:
+    name, val_name = data_cfg.dataset_name, data_cfg.val_dataset_name
+    if is_builtin(name) and data_cfg.val_split is not None:
         raise ValueError(
             f"data.val_split: the built-in task {name!r} has no splits; set it "
             f"to null (validation is drawn with seed + 1)"
@@ -167,9 +169,9 @@ def build_datasets(
     if is_builtin(name):
         train = GeneratedDataset(task(name), seed, encoder, exclude, name)
     else:
-        rows = load_rows(name, data_cfg.get("dataset_config"), data_cfg.get("split", "train"))
+        rows = load_rows(name, data_cfg.dataset_config, data_cfg.split)
         train = encode_rows(encoder, rows, f"dataset {name!r}")
-    if val_name is None and data_cfg.get("val_split") is None:
+    if val_name is None and data_cfg.val_split is None:
         return _hold_out(train, num_val, seed, name, num_val_key)
     train[0]  # a built-in train stream: surface a too-long example now, not at step 1
     return train, _separate_val(data_cfg, task, encoder, num_val, seed)
@@ -234,12 +236,12 @@ def _hold_out(train: ListDataset, num_val: int, seed: int, name: str, num_val_ke
 
 def _separate_val(data_cfg, task, encoder, num_val, seed) -> EncodedDataset:
     """Validation from its own source (``task``: name -> built-in task): its first ``num_val`` examples."""
-    val_name = data_cfg.get("val_dataset_name") or data_cfg["dataset_name"]
+    val_name = data_cfg.val_dataset_name or data_cfg.dataset_name
     if is_builtin(val_name):
         return _builtin_val(task(val_name), val_name, encoder, num_val, seed + 1)[0]
-    key = "data.val_dataset_name" if data_cfg.get("val_dataset_name") else "data.val_split"
-    split = data_cfg.get("val_split") or data_cfg.get("split", "train")
+    key = "data.val_dataset_name" if data_cfg.val_dataset_name else "data.val_split"
+    split = data_cfg.val_split or data_cfg.split
     # dataset_config applies to both: the config has no separate key for the val source.
-    rows = load_rows(val_name, data_cfg.get("dataset_config"), split, key_path=key)
+    rows = load_rows(val_name, data_cfg.dataset_config, split, key_path=key)
     val = encode_rows(encoder, rows, f"validation dataset {val_name!r} (split {split!r})")
     return ListDataset([val._get(i) for i in range(min(num_val, val.size))], num_filtered=val.num_filtered)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from core.datasets.config import DataConfig
 from core.datasets.prompts import (
     chat_template_used,
     format_prompt,
@@ -106,15 +107,15 @@ def _messages(value: Any, key: str, column: str, where: str) -> list[dict]:
     return [dict(m) for m in value]  # copies: other keys (tool_calls, ...) reach the template
 
 
-def _require_chat(data_cfg: Mapping, tokenizer, key: str, column: str) -> None:
+def _require_chat(data_cfg: DataConfig, tokenizer, key: str, column: str) -> None:
     """Conversations need a chat template, and ``prompt_template`` cannot apply to them."""
     if not chat_template_used(data_cfg, tokenizer):
         raise ValueError(
             f"data.{key}: column {column!r} holds conversations, which need a chat template, "
             f"but none is applied (tokenizer {tokenizer_name(tokenizer)}, "
-            f"data.use_chat_template: {data_cfg.get('use_chat_template', 'auto')})"
+            f"data.use_chat_template: {data_cfg.use_chat_template})"
         )
-    template = data_cfg.get("prompt_template") or "{prompt}"
+    template = data_cfg.prompt_template
     if template != "{prompt}":  # ignoring it silently would train on other prompts
         raise ValueError(
             f"data.prompt_template: {template!r} applies to text prompts only, "
@@ -129,8 +130,8 @@ def _assistant_turns(messages: list[dict], start: int = 0) -> list[int]:
 class _Encoder:
     """Config checks, prompt/response rendering and length handling shared by SFT and DPO."""
 
-    def __init__(self, data_cfg: Mapping, tokenizer, max_length: int):
-        self.on_long = data_cfg.get("on_long_sequence") or "truncate"
+    def __init__(self, data_cfg: DataConfig, tokenizer, max_length: int):
+        self.on_long = data_cfg.on_long_sequence
         if self.on_long not in _ON_LONG:
             raise ValueError(f"data.on_long_sequence: {self.on_long!r} is not one of {', '.join(_ON_LONG)}")
         self.limit = int(max_length)
@@ -146,7 +147,7 @@ class _Encoder:
         format_prompt("", data_cfg, tokenizer)  # surfaces template / chat-template errors now
         self._cfg, self._tok = data_cfg, tokenizer
         self._chat = chat_template_used(data_cfg, tokenizer)
-        self._template = data_cfg.get("prompt_template") or "{prompt}"
+        self._template = data_cfg.prompt_template
         if not self._chat and tokenizer.eos_token_id is None:
             # Without a template the eos is what teaches the model to stop.
             raise ValueError(
@@ -203,15 +204,15 @@ def _text(row: Mapping, key: str, column: str, where: str) -> str:
 class SFTEncoder(_Encoder):
     """A prompt/response row or a conversation (``data.messages_key``) -> ``SequenceDatum``."""
 
-    def __init__(self, data_cfg: Mapping, tokenizer, max_length: int):
-        self.messages_key = data_cfg.get("messages_key")
-        self.response_key = data_cfg.get("response_key") or "response"
-        self.prompt_key = self.messages_key or data_cfg.get("prompt_key") or "prompt"
+    def __init__(self, data_cfg: DataConfig, tokenizer, max_length: int):
+        self.messages_key = data_cfg.messages_key
+        self.response_key = data_cfg.response_column
+        self.prompt_key = data_cfg.prompt_column if self.messages_key is None else self.messages_key
         if self.messages_key:  # before the base class, whose system_prompt error is less apt
             for key in ("prompt_key", "response_key"):
-                if data_cfg.get(key) is not None:  # a column that would be silently ignored
+                if getattr(data_cfg, key) is not None:  # a column that would be silently ignored
                     raise ValueError(
-                        f"data.{key}: {data_cfg[key]!r} is not used when data.messages_key is "
+                        f"data.{key}: {getattr(data_cfg, key)!r} is not used when data.messages_key is "
                         f"set (conversations carry their own turns); set it to null"
                     )
             _require_chat(data_cfg, tokenizer, "messages_key", self.messages_key)
@@ -259,11 +260,11 @@ class PreferenceEncoder(_Encoder):
     conversations sharing an implicit prompt (TRL's format): loss on the final assistant turn.
     """
 
-    def __init__(self, data_cfg: Mapping, tokenizer, max_length: int):
+    def __init__(self, data_cfg: DataConfig, tokenizer, max_length: int):
         super().__init__(data_cfg, tokenizer, max_length)
-        self.prompt_key = data_cfg.get("prompt_key") or "prompt"
-        self.chosen_key = data_cfg.get("chosen_key") or "chosen"
-        self.rejected_key = data_cfg.get("rejected_key") or "rejected"
+        self.prompt_key = data_cfg.prompt_column
+        self.chosen_key = data_cfg.chosen_key
+        self.rejected_key = data_cfg.rejected_key
 
     def check_columns(self, row: Mapping, source: str) -> None:
         """Chosen/rejected always; the prompt unless the first row holds full conversations."""

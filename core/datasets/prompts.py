@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.datasets.base import EncodedDataset, build_datasets
+from core.datasets.config import DataConfig
+from core.environments.config import ArithmeticTaskConfig
 
 
 @dataclass(frozen=True)
@@ -25,9 +27,9 @@ class PromptDatum:
     metadata: dict[str, Any]  # ground_truth, index, raw_prompt + the row's other columns
 
 
-def chat_template_used(data_cfg: Mapping, tokenizer) -> bool:
+def chat_template_used(data_cfg: DataConfig, tokenizer) -> bool:
     """Whether ``data.use_chat_template`` (auto | true | false) applies the chat template."""
-    mode = data_cfg.get("use_chat_template", "auto")
+    mode = data_cfg.use_chat_template
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if mode == "auto":
         return has_template
@@ -36,24 +38,22 @@ def chat_template_used(data_cfg: Mapping, tokenizer) -> bool:
             f"data.use_chat_template: true, but the tokenizer {tokenizer_name(tokenizer)} has "
             f"no chat_template; use a chat model's tokenizer or set data.use_chat_template: auto"
         )
-    if mode not in (True, False):
-        raise ValueError(f"data.use_chat_template: {mode!r} is not one of auto, true, false")
-    return mode
+    return bool(mode)
 
 
-def format_prompt(text: str, data_cfg: Mapping, tokenizer) -> str:
+def format_prompt(text: str, data_cfg: DataConfig, tokenizer) -> str:
     """Apply ``data.prompt_template`` and, when used, the tokenizer's chat template."""
-    template = data_cfg.get("prompt_template") or "{prompt}"
+    template = data_cfg.prompt_template
     _check_template(template)
     content = template.format(prompt=text)
-    system = data_cfg.get("system_prompt")
+    system = data_cfg.system_prompt
     if not chat_template_used(data_cfg, tokenizer):
         if system:
             # Dropping it silently would train on prompts the user did not ask for.
             raise ValueError(
                 f"data.system_prompt is set but no chat template is applied (tokenizer "
                 f"{tokenizer_name(tokenizer)}, data.use_chat_template: "
-                f"{data_cfg.get('use_chat_template', 'auto')}); put the text in "
+                f"{data_cfg.use_chat_template}); put the text in "
                 f"data.prompt_template instead"
             )
         return content
@@ -97,16 +97,14 @@ def tokenizer_name(tokenizer) -> str:
 class PromptEncoder:
     """Turns one text row into a ``PromptDatum`` under the ``data`` config (or drops it)."""
 
-    def __init__(self, data_cfg: Mapping, tokenizer):
-        self.prompt_key = data_cfg.get("prompt_key") or "prompt"
-        self.answer_key = data_cfg.get("answer_key")
-        self.limit = int(data_cfg["max_input_seq_length"])
+    def __init__(self, data_cfg: DataConfig, tokenizer):
+        if data_cfg.max_input_seq_length is None:
+            raise ValueError("data.max_input_seq_length: required for prompts (the longest prompt in tokens)")
+        self.prompt_key = data_cfg.prompt_column
+        self.answer_key = data_cfg.answer_key
+        self.limit = data_cfg.max_input_seq_length
         self.limit_key, self.drop_note = "data.max_input_seq_length", "data.on_long_prompt=filter"
-        self.filter = data_cfg.get("on_long_prompt", "error") == "filter"
-        if data_cfg.get("on_long_prompt", "error") not in ("error", "filter"):
-            raise ValueError(f"data.on_long_prompt: {data_cfg['on_long_prompt']!r} is not one of error, filter")
-        if self.limit < 1:
-            raise ValueError(f"data.max_input_seq_length: {self.limit} must be positive")
+        self.filter = data_cfg.on_long_prompt == "filter"
         format_prompt("", data_cfg, tokenizer)  # surfaces template / chat-template errors now
         self._cfg, self._tokenizer = data_cfg, tokenizer
         self._chat = chat_template_used(data_cfg, tokenizer)
@@ -148,15 +146,14 @@ class PromptEncoder:
 
 
 def build_prompt_datasets(
-    master_cfg: Mapping, tokenizer, *, num_val: int, seed: int
+    data: DataConfig, task: ArithmeticTaskConfig | None, tokenizer, *, num_val: int, seed: int
 ) -> tuple[EncodedDataset, EncodedDataset]:
-    """The (train, validation) prompt datasets of a GRPO run, from ``master_cfg["data"]``
-    (the task of a built-in source is ``env.arithmetic``); see ``build_datasets``."""
-    task_cfg = (master_cfg.get("env") or {}).get("arithmetic")
+    """The (train, validation) prompt datasets of a GRPO run (``task``: the knobs of a built-in
+    source, ``env.arithmetic``); see ``build_datasets``."""
     return build_datasets(
-        master_cfg["data"],
-        task_cfg,
-        PromptEncoder(master_cfg["data"], tokenizer),
+        data,
+        task,
+        PromptEncoder(data, tokenizer),
         num_val=num_val,
         seed=seed,
         num_val_key="grpo.max_val_samples",

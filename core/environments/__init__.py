@@ -14,7 +14,7 @@
 Importing this package imports neither torch, jax nor ray (the pool imports ray lazily).
 """
 
-from core.environments.arithmetic import ARITHMETIC_DEFAULTS, ArithmeticEnvironment, ArithmeticTask
+from core.environments.arithmetic import ArithmeticEnvironment, ArithmeticTask
 from core.environments.interfaces import (
     AnswerCheckingEnvironment,
     Environment,
@@ -29,7 +29,7 @@ from core.environments.math_verifier import (
     ground_truth_answer,
     normalize_number,
 )
-from core.environments.pool import DEFAULT_TIMEOUT_S, EnvironmentPool, EnvironmentPoolError
+from core.environments.pool import EnvironmentPool, EnvironmentPoolError
 from core.environments.registry import BUILTIN_ENVIRONMENTS, make_environment
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "EnvironmentReturn",
     "RewardError",
     "check_environment_return",
-    "ARITHMETIC_DEFAULTS",
     "ArithmeticTask",
     "ArithmeticEnvironment",
     "MathEnvironment",
@@ -50,5 +49,4 @@ __all__ = [
     "make_environment",
     "EnvironmentPool",
     "EnvironmentPoolError",
-    "DEFAULT_TIMEOUT_S",
 ]

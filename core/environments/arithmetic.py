@@ -5,17 +5,7 @@ settings, a seed and an index, so training and validation sets need no files, ev
 process (driver, Ray workers, a resumed run) sees the same problem ``i``, and a run is
 reproducible from its config alone.
 
-Settings (``env.arithmetic`` in YAML; every key optional):
-
-==================  =============  ====================================================
-key                 default        meaning
-==================  =============  ====================================================
-``min_value``       ``0``          smallest operand
-``max_value``       ``20``         largest operand
-``num_operands``    ``2``          operands per problem (>= 2)
-``operations``      ``["+","-"]``  operators drawn from (a subset of ``+ - *``)
-``allow_negative``  ``false``      when false no running total or answer is negative
-==================  =============  ====================================================
+Settings: ``env.arithmetic`` (``core.environments.config.ArithmeticTaskConfig``: every key optional).
 
 Expressions follow Python's precedence (``*`` before ``+``/``-``), so ``eval`` of the
 prompt without its ``=`` gives the answer.
@@ -28,18 +18,10 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from core.environments.config import SUPPORTED_OPERATIONS, ArithmeticTaskConfig, EnvConfig
 from core.environments.interfaces import AnswerCheckingEnvironment, env_subsection
 
-__all__ = ["ARITHMETIC_DEFAULTS", "SUPPORTED_OPERATIONS", "ArithmeticTask", "ArithmeticEnvironment"]
-
-ARITHMETIC_DEFAULTS: dict[str, Any] = {
-    "min_value": 0,
-    "max_value": 20,
-    "num_operands": 2,
-    "operations": ["+", "-"],
-    "allow_negative": False,
-}
-SUPPORTED_OPERATIONS = ("+", "-", "*")
+__all__ = ["ArithmeticTask", "ArithmeticEnvironment"]
 
 # With allow_negative false a draw can paint itself into a corner (min_value > 0 and the
 # running total already below it); such a draw is discarded and the next one tried.
@@ -51,14 +33,16 @@ _PROBE_PROBLEMS = 8
 class ArithmeticTask:
     """Generates problems from validated settings (see the module docstring)."""
 
-    def __init__(self, cfg: Mapping[str, Any] | None = None, path: str = "env.arithmetic") -> None:
-        settings = _validated_settings(cfg, path)
+    def __init__(
+        self, cfg: ArithmeticTaskConfig | Mapping[str, Any] | None = None, path: str = "env.arithmetic"
+    ) -> None:
+        self.settings = ArithmeticTaskConfig.coerce({} if cfg is None else cfg, path)
         self.path = path
-        self.min_value: int = settings["min_value"]
-        self.max_value: int = settings["max_value"]
-        self.num_operands: int = settings["num_operands"]
-        self.operations: list[str] = list(settings["operations"])
-        self.allow_negative: bool = settings["allow_negative"]
+        self.min_value: int = self.settings.min_value
+        self.max_value: int = self.settings.max_value
+        self.num_operands: int = self.settings.num_operands
+        self.operations: list[str] = list(self.settings.operations)
+        self.allow_negative: bool = self.settings.allow_negative
         self._num_distinct: int | None = None
         for index in range(_PROBE_PROBLEMS):
             self.problem(0, index)
@@ -178,10 +162,10 @@ class ArithmeticEnvironment(AnswerCheckingEnvironment):
 
     name = "arithmetic"
 
-    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, cfg: EnvConfig | Mapping[str, Any] | None = None) -> None:
         # cfg is the whole `env` section; validating our sub-section here makes a bad
         # setting fail when the environment (or its pool) starts, not mid-training.
-        self.task = ArithmeticTask(env_subsection(cfg, "arithmetic"), path="env.arithmetic")
+        self.task = ArithmeticTask(env_subsection(cfg, "arithmetic", ArithmeticTaskConfig), path="env.arithmetic")
 
     def judge(self, completion: str, ground_truth: str) -> tuple[bool, str | None]:
         """Exact answer: the completion, stripped, is the ground truth."""
@@ -222,39 +206,3 @@ def _format_operand(value: int) -> str:
 def _require_int(value: Any, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-
-
-def _validated_settings(cfg: Mapping[str, Any] | None, path: str) -> dict[str, Any]:
-    """Defaults overlaid with ``cfg``; every problem named by its dotted path."""
-    cfg = {} if cfg is None else cfg
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"{path}: expected a mapping of settings, got {type(cfg).__name__}")
-    for key in cfg:
-        if key not in ARITHMETIC_DEFAULTS:
-            raise ValueError(f"{path}.{key}: unknown key; known keys: {sorted(ARITHMETIC_DEFAULTS)}")
-    settings = {**ARITHMETIC_DEFAULTS, **cfg}
-    for key in ("min_value", "max_value", "num_operands"):
-        _require_int(settings[key], f"{path}.{key}")
-    if not isinstance(settings["allow_negative"], bool):
-        raise ValueError(f"{path}.allow_negative must be true or false, got {settings['allow_negative']!r}")
-    _check_operations(settings["operations"], f"{path}.operations")
-    if settings["min_value"] > settings["max_value"]:
-        raise ValueError(
-            f"{path}.min_value ({settings['min_value']}) is greater than {path}.max_value ({settings['max_value']})"
-        )
-    if settings["num_operands"] < 2:
-        raise ValueError(f"{path}.num_operands must be >= 2, got {settings['num_operands']}")
-    if settings["min_value"] < 0 and not settings["allow_negative"]:
-        raise ValueError(f"{path}.min_value ({settings['min_value']}) is negative while {path}.allow_negative is false")
-    return settings
-
-
-def _check_operations(ops: Any, name: str) -> None:
-    if not isinstance(ops, (list, tuple)) or not ops:
-        supported = list(SUPPORTED_OPERATIONS)
-        raise ValueError(f"{name} must be a non-empty list drawn from {supported}, got {ops!r}")
-    for op in ops:
-        if op not in SUPPORTED_OPERATIONS:
-            raise ValueError(f"{name}: unknown operation {op!r}; supported: {list(SUPPORTED_OPERATIONS)}")
-    if len(set(ops)) != len(ops):
-        raise ValueError(f"{name} lists an operation twice: {list(ops)}")

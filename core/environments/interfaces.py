@@ -16,7 +16,12 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from core.config import ConfigModel
+from core.environments.config import EnvConfig
+
+M = TypeVar("M", bound=ConfigModel)
 
 __all__ = [
     "AnswerCheckingEnvironment",
@@ -179,17 +184,16 @@ def ground_truth_of(meta: Any, index: int, prompt: Any, completion: Any, env_nam
     return str(meta["ground_truth"])
 
 
-def env_subsection(env_cfg: Any, key: str) -> Any:
-    """``env_cfg[key]`` (``None`` when absent), checking both levels are mappings.
-
-    ``env_cfg`` is the whole ``env`` section of the run config; each environment reads only
-    its own sub-section (``env.arithmetic``, ``env.math``, ...).
-    """
+def env_subsection(env_cfg: Any, key: str, model: type[M]) -> M:
+    """A built-in environment's own settings ``env.<key>`` as ``model`` (its defaults when
+    absent), from the whole ``env`` section: an :class:`EnvConfig` or the plain mapping of one
+    (each environment reads only its own sub-section: ``env.arithmetic``, ``env.math``, ...)."""
     if env_cfg is None:
-        return None
-    if not isinstance(env_cfg, Mapping):
+        section = None
+    elif isinstance(env_cfg, EnvConfig):
+        section = getattr(env_cfg, key)
+    elif isinstance(env_cfg, Mapping):
+        section = env_cfg.get(key)
+    else:
         raise ValueError(f"env: expected a mapping, got {type(env_cfg).__name__}")
-    section = env_cfg.get(key)
-    if section is not None and not isinstance(section, Mapping):
-        raise ValueError(f"env.{key}: expected a mapping of settings, got {type(section).__name__}")
-    return section
+    return model.coerce({} if section is None else section, f"env.{key}")

@@ -16,18 +16,16 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from core.environments.config import EnvConfig, MathEnvConfig
 from core.environments.interfaces import AnswerCheckingEnvironment, env_subsection
 
 __all__ = [
-    "MATH_DEFAULTS",
     "extract_answer",
     "normalize_number",
     "answers_match",
     "ground_truth_answer",
     "MathEnvironment",
 ]
-
-MATH_DEFAULTS: dict[str, Any] = {"rel_tol": 1e-6}
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A number as written in prose: optional sign (not glued to a preceding word or digit,
@@ -111,22 +109,13 @@ def ground_truth_answer(raw: str) -> str:
 class MathEnvironment(AnswerCheckingEnvironment):
     """Reward 1.0 when the completion's final answer matches ``metadata["ground_truth"]``.
 
-    Settings (``env.math``): ``rel_tol`` (default 1e-6), the relative tolerance of the
-    numeric comparison.
+    Settings: ``env.math`` (:class:`~core.environments.config.MathEnvConfig`).
     """
 
     name = "math"
 
-    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
-        section = env_subsection(cfg, "math") or {}
-        for key in section:
-            if key not in MATH_DEFAULTS:
-                raise ValueError(f"env.math.{key}: unknown key; known keys: {sorted(MATH_DEFAULTS)}")
-        rel_tol = section.get("rel_tol", MATH_DEFAULTS["rel_tol"])
-        valid = isinstance(rel_tol, (int, float)) and not isinstance(rel_tol, bool)
-        if not valid or not math.isfinite(rel_tol) or rel_tol < 0:
-            raise ValueError(f"env.math.rel_tol must be a finite number >= 0, got {rel_tol!r}")
-        self.rel_tol = float(rel_tol)
+    def __init__(self, cfg: EnvConfig | Mapping[str, Any] | None = None) -> None:
+        self.rel_tol = env_subsection(cfg, "math", MathEnvConfig).rel_tol
 
     def judge(self, completion: str, ground_truth: str) -> tuple[bool, str | None]:
         """The extracted answer equals the reference numerically (or as text).

@@ -23,11 +23,11 @@ Failures, and what the caller sees:
 
 from __future__ import annotations
 
-import math
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from core.environments.config import EnvConfig
 from core.environments.interfaces import (
     EnvironmentReturn,
     RewardError,
@@ -37,10 +37,9 @@ from core.environments.interfaces import (
 )
 from core.environments.registry import make_environment, resolve_environment_class
 
-__all__ = ["EnvironmentPool", "EnvironmentPoolError", "EnvironmentWorker", "DEFAULT_TIMEOUT_S"]
+__all__ = ["EnvironmentPool", "EnvironmentPoolError", "EnvironmentWorker"]
 
 #: Default of ``env.timeout_s``: seconds one chunk may take before it counts as hung.
-DEFAULT_TIMEOUT_S = 60.0
 #: Seconds the workers get to import and build their environment (imports are slow on a
 #: loaded 2-core machine, and a user environment may load a model).
 STARTUP_TIMEOUT_S = 300.0
@@ -58,7 +57,7 @@ class EnvironmentWorker:
     wrappers, whose text differs between failure kinds and Ray versions.
     """
 
-    def __init__(self, env_cfg: Mapping[str, Any]) -> None:
+    def __init__(self, env_cfg: EnvConfig) -> None:
         self._env = None
         self._startup_error: str | None = None
         try:
@@ -109,20 +108,19 @@ class EnvironmentWorker:
 
 
 class EnvironmentPool:
-    """``num_workers`` Ray actors running the environment ``env_cfg["name"]``.
+    """``env.num_workers`` Ray actors running the environment ``env.name``.
 
-    ``env_cfg`` is the whole ``env`` section: ``name``, ``num_workers`` (default 1),
-    ``timeout_s`` (default 60) and the environment's own sub-sections.  Ray must be
-    initialised (``core.distributed.init_ray``) before the pool is built.
+    ``env_cfg`` is the whole ``env`` section (:class:`EnvConfig` or its plain mapping).  Ray
+    must be initialised (``core.distributed.init_ray``) before the pool is built.
     """
 
-    def __init__(self, env_cfg: Mapping[str, Any]) -> None:
+    def __init__(self, env_cfg: EnvConfig | Mapping[str, Any]) -> None:
         import ray
 
-        self.name, self.num_workers, self.timeout_s = _pool_settings(env_cfg)
+        self._env_cfg = EnvConfig.coerce(env_cfg, "env")
+        self.name, self.num_workers, self.timeout_s = _pool_settings(self._env_cfg)
         if not ray.is_initialized():
             raise EnvironmentPoolError("Ray is not initialised: call core.distributed.init_ray() first")
-        self._env_cfg = dict(env_cfg)
         self._actor_cls = ray.remote(num_cpus=0)(EnvironmentWorker)
         self._broken: str | None = None
         self._actors = [self._actor_cls.remote(self._env_cfg) for _ in range(self.num_workers)]
@@ -262,23 +260,13 @@ class EnvironmentPool:
 
 
 # ---------------------------------------------------------------------- helpers
-def _pool_settings(env_cfg: Any) -> tuple[str, int, float]:
+def _pool_settings(env_cfg: EnvConfig | Mapping[str, Any]) -> tuple[str, int, float]:
     """``(name, num_workers, timeout_s)`` from the ``env`` section, validated."""
-    if not isinstance(env_cfg, Mapping):
-        raise ValueError(f"env: expected a mapping, got {type(env_cfg).__name__}")
-    if "name" not in env_cfg:
-        raise ValueError("env.name is missing")
+    cfg = EnvConfig.coerce(env_cfg, "env")
     # Resolve on the driver too: an unknown name or a broken import path fails here with a
     # plain ValueError, before any actor starts.
-    resolve_environment_class(env_cfg["name"])
-    num_workers = env_cfg.get("num_workers", 1)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"env.num_workers must be an int >= 1, got {num_workers!r}")
-    timeout_s = env_cfg.get("timeout_s", DEFAULT_TIMEOUT_S)
-    is_number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-    if not is_number or not math.isfinite(timeout_s) or timeout_s <= 0:
-        raise ValueError(f"env.timeout_s must be a number of seconds > 0, got {timeout_s!r}")
-    return env_cfg["name"], num_workers, float(timeout_s)
+    resolve_environment_class(cfg.name)
+    return cfg.name, cfg.num_workers, cfg.timeout_s
 
 
 def _split(n: int, workers: int) -> list[tuple[int, int]]:

@@ -1,8 +1,9 @@
 """``env.name`` -> an environment object: a built-in name or a user's ``module:Class``.
 
 A user environment is any class implementing :class:`~core.environments.Environment`
-whose constructor takes the whole ``env`` config section (so it can read its own
-sub-section); it is named by import path, e.g. ``env.name: my_pkg.rewards:CodeEnv``.
+whose constructor takes the whole ``env`` config section, an
+:class:`~core.environments.config.EnvConfig` (its own settings are ``cfg.kwargs``); it is
+named by import path, e.g. ``env.name: my_pkg.rewards:CodeEnv``.
 The class must be importable where the environment runs (the Ray workers of an
 :class:`~core.environments.EnvironmentPool` import it too).
 """
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from core.environments.arithmetic import ArithmeticEnvironment
+from core.environments.config import EnvConfig
 from core.environments.interfaces import Environment
 from core.environments.math_verifier import MathEnvironment
 
@@ -50,20 +52,14 @@ def resolve_environment_class(name: Any) -> type:
     return cls
 
 
-def make_environment(env_cfg: Mapping[str, Any]) -> Environment:
-    """Build the environment ``env_cfg["name"]`` names, passing it the whole ``env_cfg``."""
-    if not isinstance(env_cfg, Mapping):
-        raise ValueError(f"env: expected a mapping, got {type(env_cfg).__name__}")
-    if "name" not in env_cfg:
-        raise ValueError(
-            f"env.name is missing; give a built-in environment {sorted(BUILTIN_ENVIRONMENTS)} "
-            f"or 'package.module:ClassName'"
-        )
-    cls = resolve_environment_class(env_cfg["name"])
-    env = cls(env_cfg)
+def make_environment(env_cfg: EnvConfig | Mapping[str, Any]) -> Environment:
+    """Build the environment ``env.name`` names, passing it the whole (typed) ``env`` section."""
+    cfg = EnvConfig.coerce(env_cfg, "env")
+    cls = resolve_environment_class(cfg.name)
+    env = cls(cfg)
     if not isinstance(env, Environment):
         raise ValueError(
-            f"env.name: {env_cfg['name']!r} built a {type(env).__name__}, which is not an "
+            f"env.name: {cfg.name!r} built a {type(env).__name__}, which is not an "
             f"Environment (it needs a `name` attribute and a `score(prompts, completions, metadata)` method)"
         )
     return env

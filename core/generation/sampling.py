@@ -8,28 +8,29 @@ the other engines and unit-tested without an engine.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
+from core.policy.generation_config import GenerationConfig
 
 
-def logprobs_mode(gen_cfg: Mapping[str, Any]) -> str:
+def logprobs_mode(gen_cfg: GenerationConfig) -> str:
     """vLLM reports logprobs of the raw logits unless told otherwise; ``get_logprobs``
     divides the logits by ``temperature``.  At temperature 1 the raw values are exact; at
     any other temperature the sampler's processed logprobs (after temperature) are."""
-    return "raw_logprobs" if float(gen_cfg.get("temperature", 1.0)) == 1.0 else "processed_logprobs"
+    return "raw_logprobs" if gen_cfg.temperature == 1.0 else "processed_logprobs"
 
 
-def stop_token_ids(gen_cfg: Mapping[str, Any], eos_token_ids: Sequence[int]) -> list[int]:
-    ids = [int(t) for t in (gen_cfg.get("stop_token_ids") or [])] + [int(t) for t in eos_token_ids]
+def stop_token_ids(gen_cfg: GenerationConfig, eos_token_ids: Sequence[int]) -> list[int]:
+    ids = [int(t) for t in (gen_cfg.stop_token_ids or [])] + [int(t) for t in eos_token_ids]
     return list(dict.fromkeys(ids))
 
 
 def sampling_kwargs(
-    gen_cfg: Mapping[str, Any],
+    gen_cfg: GenerationConfig,
     *,
     greedy: bool,
     max_new_tokens: int,
@@ -37,7 +38,7 @@ def sampling_kwargs(
     seed: int | None = None,
 ) -> dict[str, Any]:
     """Arguments of ``vllm.SamplingParams`` for one request."""
-    temperature = float(gen_cfg.get("temperature", 1.0))
+    temperature = gen_cfg.temperature
     if temperature <= 0:
         raise ValueError(f"generation.temperature must be > 0 (ask for argmax with greedy=True), got {temperature}")
     if greedy and temperature != 1.0:
@@ -48,11 +49,11 @@ def sampling_kwargs(
             stacklevel=3,
         )
     # vLLM spells "no top-k" -1; the shared rule also refuses 0 and values below -1.
-    top_k = -1 if greedy else (top_k_or_off(gen_cfg.get("top_k")) or -1)
+    top_k = -1 if greedy else (top_k_or_off(gen_cfg.top_k) or -1)
     kwargs = dict(
         n=1,
         temperature=0.0 if greedy else temperature,
-        top_p=1.0 if greedy else float(gen_cfg.get("top_p", 1.0)),
+        top_p=1.0 if greedy else gen_cfg.top_p,
         top_k=top_k,
         max_tokens=int(max_new_tokens),
         logprobs=0,  # the sampled token's own logprob
@@ -136,5 +137,5 @@ def assemble_padded(
     )
 
 
-def rows_stop_strings(gen_cfg: Mapping[str, Any], data_stop_strings: Any, batch: int) -> list[tuple[str, ...]]:
+def rows_stop_strings(gen_cfg: GenerationConfig, data_stop_strings: Any, batch: int) -> list[tuple[str, ...]]:
     return row_stop_strings(gen_cfg, data_stop_strings, batch)

@@ -24,14 +24,15 @@ import numpy as np
 import ray
 import torch
 
-from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, RayWorkerGroup
 from core.generation.engine_health import PROBE_TIMEOUT_S, EngineHealth
-from core.generation.vllm_worker import VllmGenerationWorker, default_env, workers_per_engine
+from core.generation.vllm_worker import VllmGenerationWorker, default_env
 from core.interfaces import RefittableGenerationInterface
 from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
+from core.policy.config import PolicyConfig
 from core.policy.generation_args import checked_sample_seeds
+from core.policy.generation_config import VllmConfig
 from core.policy.preflight import absolute_model_paths, check_model_path
 
 CALL_TIMEOUT_S = 600.0
@@ -41,7 +42,7 @@ class VllmGeneration(RefittableGenerationInterface):
     def __init__(
         self,
         cluster: RayVirtualCluster,
-        config: Mapping[str, Any],
+        config: PolicyConfig | Mapping[str, Any],
         tokenizer: Any = None,
         name_prefix: str = "vllm_generation",
         seed: int = 0,
@@ -50,14 +51,13 @@ class VllmGeneration(RefittableGenerationInterface):
     ) -> None:
         """``config`` is the policy section (its ``generation`` block configures the engine;
         ``model_name`` and ``max_total_sequence_length`` come from it)."""
-        self.cfg = absolute_model_paths(validate_policy_config(config))
-        gen = self.cfg.get("generation") or {}
-        vcfg = _check_engine_config(self.cfg, gen)
-        if gen.get("model_name"):
-            check_model_path(gen["model_name"], "policy.generation.model_name")
+        self.cfg = absolute_model_paths(PolicyConfig.coerce(config, path="policy"))
+        vcfg = _engine_config(self.cfg)
+        if self.cfg.generation.model_name:
+            check_model_path(self.cfg.generation.model_name, "policy.generation.model_name")
         else:
-            check_model_path(self.cfg["model_name"], "policy.model_name")
-        self.workers_per_engine = workers_per_engine(vcfg)
+            check_model_path(self.cfg.model_name, "policy.model_name")
+        self.workers_per_engine = vcfg.world_size
         per_node = [n // self.workers_per_engine for n in cluster.bundle_ct_per_node_list]
         if sum(per_node) == 0:
             raise ValueError(
@@ -111,9 +111,9 @@ class VllmGeneration(RefittableGenerationInterface):
         naming the key, row and value): ids (integer, in the engine's vocabulary), lengths,
         room for a new token within ``policy.max_total_sequence_length`` (which
         ``max_model_len`` covers), and per-row sampling seeds."""
-        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        check_sequence_lengths(data, self.cfg.max_total_sequence_length)
         check_model_inputs(data, self.vocab_size)
-        check_prompt_room(data, self.cfg["max_total_sequence_length"])
+        check_prompt_room(data, self.cfg.max_total_sequence_length)
         if data.get("sample_seeds") is not None:
             checked_sample_seeds(data["sample_seeds"], data.size)
 
@@ -206,13 +206,11 @@ def _rows(data: BatchedDataDict, start: int, end: int) -> dict[str, Any]:
     return out
 
 
-def _check_engine_config(cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> Mapping[str, Any]:
-    if gen.get("backend") != "vllm":
-        raise ValueError(f"VllmGeneration needs policy.generation.backend == 'vllm', got {gen.get('backend')!r}")
-    vcfg = gen.get("vllm_cfg") or {}
-    if int(vcfg.get("max_model_len", 0)) < int(cfg["max_total_sequence_length"]):
-        raise ValueError(
-            f"policy.generation.vllm_cfg.max_model_len={vcfg.get('max_model_len')} is shorter than "
-            f"policy.max_total_sequence_length={cfg['max_total_sequence_length']}: rollouts would not fit"
-        )
-    return vcfg
+def _engine_config(cfg: PolicyConfig) -> VllmConfig:
+    """``generation.vllm_cfg`` of a policy section that asks for vLLM (the section's own checks
+    already hold ``max_model_len`` to ``max_total_sequence_length``)."""
+    gen = cfg.generation
+    if gen is None or gen.backend != "vllm" or gen.vllm_cfg is None:
+        backend = None if gen is None else gen.backend
+        raise ValueError(f"VllmGeneration needs policy.generation.backend == 'vllm' with a vllm_cfg, got {backend!r}")
+    return gen.vllm_cfg

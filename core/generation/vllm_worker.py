@@ -14,38 +14,36 @@ from typing import Any
 
 import numpy as np
 
+import core.generation.sampling as sampling
 from core.distributed.recoverable import before_collectives
-from core.generation import sampling
 from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
+from core.policy.config import PolicyConfig
 from core.policy.generation_args import checked_sample_seeds, resolve_generation_args
 
 EXTENSION = "core.generation.vllm_extension.VllmRefitExtension"
 
 
-def workers_per_engine(vcfg: Mapping[str, Any]) -> int:
-    """vLLM workers (processes, devices) one engine spans: tensor x pipeline parallel."""
-    return int(vcfg.get("tensor_parallel_size", 1)) * int(vcfg.get("pipeline_parallel_size", 1))
-
-
-def engine_kwargs(gen_cfg: Mapping[str, Any], model_name: str, seed: int, on_gpu: bool) -> dict[str, Any]:
-    """``vllm.LLM`` arguments from ``generation.vllm_cfg``."""
-    vcfg = dict(gen_cfg.get("vllm_cfg") or {})
+def engine_kwargs(policy_cfg: PolicyConfig, seed: int, on_gpu: bool) -> dict[str, Any]:
+    """``vllm.LLM`` arguments from ``policy.generation`` (its ``vllm_cfg`` is required)."""
+    gen = policy_cfg.generation
+    assert gen is not None and gen.vllm_cfg is not None, "checked by VllmGeneration"
+    vcfg = gen.vllm_cfg
     kwargs = dict(
-        model=model_name,
-        load_format=vcfg.get("load_format", "dummy"),
-        dtype=vcfg.get("precision", "float32"),
-        tensor_parallel_size=int(vcfg.get("tensor_parallel_size", 1)),
-        pipeline_parallel_size=int(vcfg.get("pipeline_parallel_size", 1)),
-        max_model_len=int(vcfg["max_model_len"]),
-        enforce_eager=bool(vcfg.get("enforce_eager", False)) or not on_gpu,
-        skip_tokenizer_init=bool(vcfg.get("skip_tokenizer_init", True)),
+        model=gen.model_name or policy_cfg.model_name,
+        load_format=vcfg.load_format,
+        dtype=policy_cfg.generation_dtype,
+        tensor_parallel_size=vcfg.tensor_parallel_size,
+        pipeline_parallel_size=vcfg.pipeline_parallel_size,
+        max_model_len=vcfg.max_model_len,
+        enforce_eager=vcfg.enforce_eager or not on_gpu,
+        skip_tokenizer_init=vcfg.skip_tokenizer_init,
         worker_extension_cls=EXTENSION,
-        logprobs_mode=sampling.logprobs_mode(gen_cfg),
+        logprobs_mode=sampling.logprobs_mode(gen),
         seed=seed,
     )
     if on_gpu:
-        kwargs.update(gpu_memory_utilization=float(vcfg.get("gpu_memory_utilization", 0.6)), enable_sleep_mode=True)
-    if workers_per_engine(vcfg) > 1:
+        kwargs.update(gpu_memory_utilization=vcfg.gpu_memory_utilization, enable_sleep_mode=True)
+    if vcfg.world_size > 1:
         kwargs["distributed_executor_backend"] = "mp"
     return kwargs
 
@@ -53,17 +51,17 @@ def engine_kwargs(gen_cfg: Mapping[str, Any], model_name: str, seed: int, on_gpu
 class VllmGenerationWorker:
     """Ray actor holding one engine.  Methods mirror ``VllmGeneration``'s, for one replica."""
 
-    def __init__(self, policy_cfg: Mapping[str, Any], tokenizer: Any = None, seed: int = 0) -> None:
+    def __init__(self, policy_cfg: PolicyConfig, tokenizer: Any = None, seed: int = 0) -> None:
         import torch
         from vllm import LLM
 
-        self.policy_cfg = dict(policy_cfg)
-        self.gen_cfg = dict(policy_cfg["generation"])
-        model_name = self.gen_cfg.get("model_name") or policy_cfg["model_name"]
+        self.policy_cfg = policy_cfg
+        assert policy_cfg.generation is not None, "checked by VllmGeneration"
+        self.gen_cfg = policy_cfg.generation
         self.tokenizer = tokenizer
         self.on_gpu = torch.cuda.is_available()
         self.seed = seed
-        self.llm = LLM(**engine_kwargs(self.gen_cfg, model_name, seed, self.on_gpu))
+        self.llm = LLM(**engine_kwargs(policy_cfg, seed, self.on_gpu))
         self.hf_config = self.llm.llm_engine.model_config.hf_config
         self.sleeping = False
         self._calls = 0
@@ -98,9 +96,9 @@ class VllmGenerationWorker:
         # inside vLLM can wedge the engine for good.  Raised before the engine sees anything.
         self.llm.collective_rpc("dualrl_require_valid")  # a RefitError (stale weights), as itself
         with before_collectives():
-            check_sequence_lengths(data, self.policy_cfg["max_total_sequence_length"])
+            check_sequence_lengths(data, self.policy_cfg.max_total_sequence_length)
             check_model_inputs(data, int(self.hf_config.vocab_size), what="engine input")
-            check_prompt_room(data, self.policy_cfg["max_total_sequence_length"])
+            check_prompt_room(data, self.policy_cfg.max_total_sequence_length)
             input_ids = np.asarray(data["input_ids"])
             input_lengths = np.asarray(data["input_lengths"])
             batch = input_ids.shape[0]

@@ -2,10 +2,10 @@
 
 A loop uses it like this (the ``logger`` section of the run config configures it)::
 
-    metrics = MetricsLogger(config["logger"], resume=start_step > 0)
+    metrics = MetricsLogger(config.logger, resume=start_step > 0)
     if start_step:
         metrics.truncate_after(start_step)          # drop rows the crashed run logged later
-    bar = StepProgress(max_steps, initial=start_step, enabled=config["logger"]["progress_bar"])
+    bar = StepProgress(max_steps, initial=start_step, enabled=config.logger.progress_bar)
     for step in range(start_step + 1, max_steps + 1):
         train_metrics = ...                         # {"reward_mean": ..., "loss": ..., "step_time_s": ...}
         metrics.log("train", step, train_metrics)
@@ -29,7 +29,6 @@ from core.logging.progress import (
     timing_keys_in,
 )
 from core.logging.sinks import (
-    LOGGER_DEFAULTS,
     METRICS_FILENAME,
     PLOT_FILENAME,
     TENSORBOARD_DIRNAME,
@@ -37,7 +36,6 @@ from core.logging.sinks import (
     MetricsLogger,
     TensorBoardSink,
     read_metrics,
-    resolve_logger_config,
     to_float,
 )
 from core.logging.summary import format_summary, format_val_samples
@@ -48,8 +46,6 @@ __all__ = [
     "MetricsLogger",
     "read_metrics",
     "to_float",
-    "resolve_logger_config",
-    "LOGGER_DEFAULTS",
     "METRICS_FILENAME",
     "TENSORBOARD_DIRNAME",
     "PLOT_FILENAME",

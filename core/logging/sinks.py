@@ -27,6 +27,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from core.logging.config import LoggerConfig
+
 _log = _pylogging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -35,15 +37,6 @@ PLOT_FILENAME = "curves.png"
 
 # Keys every row carries; a metric with one of these names would overwrite them.
 RESERVED_KEYS = ("step", "split", "time")
-
-# Defaults of the ``logger`` config section (``log_dir`` has none: it is required).
-LOGGER_DEFAULTS: dict[str, Any] = {
-    "jsonl_enabled": True,
-    "tensorboard_enabled": True,
-    "progress_bar": True,
-    "plot_enabled": True,
-    "num_val_samples_to_print": 2,
-}
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -219,28 +212,6 @@ class TensorBoardSink:
         self._writer.close()
 
 
-def resolve_logger_config(logger_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``logger`` section with defaults filled in; bad keys or values -> ValueError."""
-    if not isinstance(logger_cfg, Mapping):
-        raise TypeError(f"logger config must be a mapping, got {type(logger_cfg).__name__}")
-    unknown = sorted(set(logger_cfg) - set(LOGGER_DEFAULTS) - {"log_dir"})
-    if unknown:
-        known = ", ".join(["log_dir", *LOGGER_DEFAULTS])
-        raise ValueError(f"logger: unknown key(s) {unknown}; known keys: {known}")
-    cfg = {**LOGGER_DEFAULTS, **logger_cfg}
-    log_dir = cfg.get("log_dir")
-    if not isinstance(log_dir, (str, os.PathLike)) or not str(log_dir):
-        raise ValueError(f"logger.log_dir must be a non-empty path, got {log_dir!r}")
-    for key in ("jsonl_enabled", "tensorboard_enabled", "progress_bar", "plot_enabled"):
-        if not isinstance(cfg[key], bool):
-            raise ValueError(f"logger.{key} must be true or false, got {cfg[key]!r}")
-    n = cfg["num_val_samples_to_print"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"logger.num_val_samples_to_print must be an int >= 0, got {n!r}")
-    cfg["log_dir"] = Path(log_dir)
-    return cfg
-
-
 def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(name, value) pairs with nested mappings joined by '/', keeping one flat namespace."""
     for name, value in metrics.items():
@@ -254,16 +225,16 @@ def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str
 class MetricsLogger:
     """What the training loops call: one ``log`` call fans out to the enabled sinks."""
 
-    def __init__(self, logger_cfg: Mapping[str, Any], *, resume: bool = False) -> None:
-        """Open the sinks under ``logger_cfg['log_dir']``; ``resume`` appends to metrics.jsonl."""
-        self.config = resolve_logger_config(logger_cfg)
-        self.log_dir: Path = self.config["log_dir"]
+    def __init__(self, logger_cfg: LoggerConfig | Mapping[str, Any], *, resume: bool = False) -> None:
+        """Open the sinks under ``logger.log_dir``; ``resume`` appends to metrics.jsonl."""
+        self.config = LoggerConfig.coerce(logger_cfg, "logger")
+        self.log_dir = Path(self.config.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.history: list[dict[str, Any]] = []
         self._dropped: set[str] = set()
         self._closed = False
-        self._jsonl = JsonlSink(self.metrics_path, append=resume) if self.config["jsonl_enabled"] else None
-        self._tb = TensorBoardSink(self.log_dir) if self.config["tensorboard_enabled"] else None
+        self._jsonl = JsonlSink(self.metrics_path, append=resume) if self.config.jsonl_enabled else None
+        self._tb = TensorBoardSink(self.log_dir) if self.config.tensorboard_enabled else None
 
     @property
     def metrics_path(self) -> Path:
@@ -273,7 +244,7 @@ class MetricsLogger:
     @property
     def tensorboard_dir(self) -> Path | None:
         """The TensorBoard event directory, or None when TensorBoard is disabled."""
-        return self.log_dir / TENSORBOARD_DIRNAME if self.config["tensorboard_enabled"] else None
+        return self.log_dir / TENSORBOARD_DIRNAME if self.config.tensorboard_enabled else None
 
     def log(self, split: str, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` for (split, step); non-scalar values are dropped, not fatal.

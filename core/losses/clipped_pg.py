@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from core.config.schema import ClippedPGLossConfig
-from core.config.validate import validate_loss_config
 from core.interfaces import LossType
 from core.kernels import (
     calculate_kl,
@@ -33,6 +31,7 @@ from core.kernels import (
     truncated_importance_weights,
 )
 from core.losses.checks import LossInputChecker
+from core.losses.config import ClippedPGLossConfig
 
 _PER_TOKEN_KEYS = ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs", "token_mask")
 
@@ -47,23 +46,9 @@ class ClippedPGLossFn:
     batches and ranks gives its value on the whole batch.
     """
 
-    def __init__(self, cfg: ClippedPGLossConfig):
-        cfg = validate_loss_config(dict(cfg), ClippedPGLossConfig, path="loss_fn")
-        self.reference_policy_kl_penalty = cfg["reference_policy_kl_penalty"]
-        self.ratio_clip_min = cfg["ratio_clip_min"]
-        self.ratio_clip_max = cfg["ratio_clip_max"]
-        self.ratio_clip_c = cfg["ratio_clip_c"]
-        self.use_on_policy_kl_approximation = cfg["use_on_policy_kl_approximation"]
-        self.use_importance_sampling_correction = cfg["use_importance_sampling_correction"]
-        self.disable_ppo_ratio = cfg.get("disable_ppo_ratio", False)
-        self.kl_type = cfg.get("reference_policy_kl_type", "k3")
-        self.kl_input_clamp_value = cfg.get("kl_input_clamp_value", 20.0)
-        self.kl_output_clamp_value = cfg.get("kl_output_clamp_value", 10.0)
-        self.truncated_is_max = cfg.get("truncated_importance_sampling_ratio")
-        self.truncated_is_min = cfg.get("truncated_importance_sampling_ratio_min")
-        self.truncated_is_type = cfg.get("truncated_importance_sampling_type", "tis")
-        self.sequence_level_importance_ratios = cfg.get("sequence_level_importance_ratios", False)
-        self.loss_type = LossType.TOKEN_LEVEL if cfg["token_level_loss"] else LossType.SEQUENCE_LEVEL
+    def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any]):
+        self.cfg = ClippedPGLossConfig.coerce(cfg, path="loss_fn")
+        self.loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
         self.check = LossInputChecker("ClippedPGLossFn", _PER_TOKEN_KEYS, finite_keys=_PER_TOKEN_KEYS[:4])
 
     def __call__(self, next_token_logits, data: Mapping[str, Any], global_valid_seqs, global_valid_toks):
@@ -153,7 +138,7 @@ class ClippedPGLossFn:
         def tok_mean(x):
             return sg(masked_mean(x, mask, global_normalization_factor=global_valid_toks))
 
-        beta = self.reference_policy_kl_penalty
+        beta = self.cfg.reference_policy_kl_penalty
         curr = sg(curr_lp)
         metrics = {
             "loss": sg(loss),
@@ -174,27 +159,33 @@ class ClippedPGLossFn:
         return metrics
 
     def _kl_term(self, ops, curr_lp, gen_lp, ref_lp, reduce):
-        if self.reference_policy_kl_penalty == 0:
+        if self.cfg.reference_policy_kl_penalty == 0:
             return ops.zeros((), like=curr_lp)
-        kl = calculate_kl(curr_lp, ref_lp, self.kl_type, self.kl_input_clamp_value, self.kl_output_clamp_value)
-        if self.use_on_policy_kl_approximation:
+        kl = calculate_kl(
+            curr_lp,
+            ref_lp,
+            self.cfg.reference_policy_kl_type,
+            self.cfg.kl_input_clamp_value,
+            self.cfg.kl_output_clamp_value,
+        )
+        if self.cfg.use_on_policy_kl_approximation:
             # samples come from pi_gen, the KL is an expectation under pi: reweight by pi / pi_gen
             weights = ops.nan_to_num(ops.exp(ops.stop_gradient(curr_lp) - gen_lp))
             kl = weights * kl
-        return self.reference_policy_kl_penalty * reduce(kl)
+        return self.cfg.reference_policy_kl_penalty * reduce(kl)
 
     def _clipped_objective(self, ops, curr_lp, prev_lp, advantages, token_mask):
-        if self.disable_ppo_ratio:
+        if self.cfg.disable_ppo_ratio:
             # REINFORCE: the "ratio" is log pi itself, so -A * log pi is the plain policy gradient
             # (NeMo RL applies the dual clip here too; kept for parity)
-            return curr_lp, curr_lp, dual_clip(-advantages * curr_lp, advantages, self.ratio_clip_c)
+            return curr_lp, curr_lp, dual_clip(-advantages * curr_lp, advantages, self.cfg.ratio_clip_c)
         log_ratio = curr_lp - prev_lp
-        if self.sequence_level_importance_ratios:
+        if self.cfg.sequence_level_importance_ratios:
             ratios = sequence_level_ratio(log_ratio, token_mask) * ops.ones_like(log_ratio)
         else:
             ratios = ops.exp(log_ratio)
         clip_loss, ratios_clamped = clipped_surrogate_loss(
-            ratios, advantages, self.ratio_clip_min, self.ratio_clip_max, self.ratio_clip_c
+            ratios, advantages, self.cfg.ratio_clip_min, self.cfg.ratio_clip_max, self.cfg.ratio_clip_c
         )
         return ratios, ratios_clamped, clip_loss
 
@@ -202,15 +193,19 @@ class ClippedPGLossFn:
         """Weights pi_old / pi_gen (constants: no gradient) and the out-of-bounds marker."""
         log_w = prev_lp - gen_lp
         zeros = ops.zeros_like(log_w)
-        if self.sequence_level_importance_ratios:
+        if self.cfg.sequence_level_importance_ratios:
             raw = sequence_level_ratio(log_w, token_mask) * ops.ones_like(log_w)
         else:
             raw = ops.nan_to_num(ops.exp(log_w))
-        if not self.use_importance_sampling_correction:
+        if not self.cfg.use_importance_sampling_correction:
             return ops.ones_like(log_w), zeros, raw
-        if self.truncated_is_max is None:
+        if self.cfg.truncated_importance_sampling_ratio is None:
             return raw, zeros, raw
         weights, oob = truncated_importance_weights(
-            log_w, token_mask, self.truncated_is_type, self.truncated_is_max, self.truncated_is_min
+            log_w,
+            token_mask,
+            self.cfg.truncated_importance_sampling_type,
+            self.cfg.truncated_importance_sampling_ratio,
+            self.cfg.truncated_importance_sampling_ratio_min,
         )
         return weights, oob, raw

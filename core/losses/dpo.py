@@ -17,11 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from core.config.schema import DPOLossConfig
-from core.config.validate import validate_loss_config
 from core.interfaces import LossType
 from core.kernels import masked_mean, next_token_logprobs, ops_for
 from core.losses.checks import LossInputChecker
+from core.losses.config import DPOLossConfig
 from core.losses.nll import per_sequence_logprob, sequence_masks
 
 
@@ -30,13 +29,8 @@ class DPOLossFn:
 
     loss_type = LossType.SEQUENCE_LEVEL
 
-    def __init__(self, cfg: DPOLossConfig):
-        cfg = validate_loss_config(dict(cfg), DPOLossConfig, path="loss_fn")
-        self.reference_policy_kl_penalty = cfg["reference_policy_kl_penalty"]
-        self.preference_loss_weight = cfg["preference_loss_weight"]
-        self.sft_loss_weight = cfg["sft_loss_weight"]
-        self.preference_average_log_probs = cfg["preference_average_log_probs"]
-        self.sft_average_log_probs = cfg["sft_average_log_probs"]
+    def __init__(self, cfg: DPOLossConfig | Mapping[str, Any]):
+        self.cfg = DPOLossConfig.coerce(cfg, path="loss_fn")
         self.check = LossInputChecker(
             "DPOLossFn", ("reference_policy_logprobs", "token_mask"), finite_keys=("reference_policy_logprobs",)
         )
@@ -59,17 +53,17 @@ class DPOLossFn:
         pairs = global_valid_seqs / 2
         ref = ops.where(mask > 0, ops.astype(data["reference_policy_logprobs"][:, 1:], dtype), 0.0)
 
-        rewards = per_sequence_logprob(curr_logprobs - ref, mask, self.preference_average_log_probs)
+        rewards = per_sequence_logprob(curr_logprobs - ref, mask, self.cfg.preference_average_log_probs)
         chosen, rejected = rewards[0::2], rewards[1::2]
         chosen_mask, rejected_mask = sample_mask[0::2], sample_mask[1::2]
-        per_pair = -ops.log_sigmoid(self.reference_policy_kl_penalty * (chosen - rejected))
+        per_pair = -ops.log_sigmoid(self.cfg.reference_policy_kl_penalty * (chosen - rejected))
         preference_loss = masked_mean(per_pair, chosen_mask, global_normalization_factor=pairs)
 
         sft_loss = ops.zeros((), like=curr_logprobs)
-        if self.sft_loss_weight > 0:
-            nll = -per_sequence_logprob(curr_logprobs, mask, self.sft_average_log_probs)
+        if self.cfg.sft_loss_weight > 0:
+            nll = -per_sequence_logprob(curr_logprobs, mask, self.cfg.sft_average_log_probs)
             sft_loss = masked_mean(nll[0::2], chosen_mask, global_normalization_factor=pairs)
-        loss = self.preference_loss_weight * preference_loss + self.sft_loss_weight * sft_loss
+        loss = self.cfg.preference_loss_weight * preference_loss + self.cfg.sft_loss_weight * sft_loss
 
         sg = ops.stop_gradient
         accuracy = ops.astype(chosen > rejected, dtype)

@@ -3,33 +3,35 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
 from typing import Any, NamedTuple
+
+from core.policy.config import PolicyConfig
+from core.policy.generation_config import GenerationConfig
 
 
 class GenerationArgs(NamedTuple):
-    gen_cfg: Mapping[str, Any]
+    gen_cfg: GenerationConfig
     pad_token_id: int
     eos_token_ids: list[int]
     max_new_tokens: int
 
 
 def resolve_generation_args(
-    policy_cfg: Mapping[str, Any], tokenizer: Any, model_eos: Any, prompt_width: int
+    policy_cfg: PolicyConfig, tokenizer: Any, model_eos: Any, prompt_width: int
 ) -> GenerationArgs:
     """Stop ids (the tokenizer's eos, else the model config's), the pad id
     (``generation.pad_token_id``, else the tokenizer's, else the first eos, else 0) and the
     number of new tokens (``generation.max_new_tokens``, cut so prompt + generation fits
     ``max_total_sequence_length``)."""
-    gen_cfg = policy_cfg.get("generation")
-    if not gen_cfg:
+    gen_cfg = policy_cfg.generation
+    if gen_cfg is None:
         raise ValueError("generate() needs policy.generation in the config")
     eos = tokenizer.eos_token_id if tokenizer is not None else model_eos
     eos_ids = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
-    pad = gen_cfg.get("pad_token_id", getattr(tokenizer, "pad_token_id", None))
+    pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
-    limit = policy_cfg["max_total_sequence_length"]
-    max_new = min(gen_cfg["max_new_tokens"], limit - prompt_width)
+    limit = policy_cfg.max_total_sequence_length
+    max_new = min(gen_cfg.max_new_tokens, limit - prompt_width)
     if max_new <= 0:
         raise ValueError(
             f"prompts of width {prompt_width} leave no room for new tokens within "
@@ -55,11 +57,11 @@ def top_k_or_off(top_k: Any) -> int:
     return int(top_k)
 
 
-def row_stop_strings(gen_cfg: Mapping[str, Any], extra: Any, batch: int) -> list[tuple[str, ...]]:
-    """Each row's stop strings: ``gen_cfg['stop_strings']`` + that row's own entry of
+def row_stop_strings(gen_cfg: GenerationConfig, extra: Any, batch: int) -> list[tuple[str, ...]]:
+    """Each row's stop strings: ``gen_cfg.stop_strings`` + that row's own entry of
     ``extra`` (``data['stop_strings']``: one list, string or None per row), de-duplicated
     in order.  The same rule for every backend's generate (and vLLM's)."""
-    common = as_strings(gen_cfg.get("stop_strings"))
+    common = as_strings(gen_cfg.stop_strings)
     if extra is not None and len(extra) != batch:
         raise ValueError(f"data['stop_strings'] must have one entry per row ({batch}), got {len(extra)}")
     rows = [tuple(dict.fromkeys(common + (() if extra is None else as_strings(extra[b])))) for b in range(batch)]

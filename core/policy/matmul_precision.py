@@ -24,25 +24,19 @@ Nothing here imports torch or jax: the backends apply the resolved value themsel
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from core.config.schema import MATMUL_PRECISIONS
+from core.policy.config import PolicyConfig
 
 #: ``torch.set_float32_matmul_precision`` argument for each value.
 TORCH_FLOAT32_MATMUL = {"highest": "highest", "high": "high", "default": "high"}
 
 
-def resolve_matmul_precision(policy_cfg: Mapping[str, Any]) -> str:
+def resolve_matmul_precision(policy_cfg: PolicyConfig) -> str:
     """``policy.matmul_precision`` with its default filled in (see the module docstring)."""
-    value = policy_cfg.get("matmul_precision")
-    if value is None:
-        return "highest" if policy_cfg.get("precision", "float32") == "float32" else "default"
-    if value not in MATMUL_PRECISIONS:
-        raise ValueError(f"policy.matmul_precision must be one of {list(MATMUL_PRECISIONS)} or null, got {value!r}")
-    return value
+    if policy_cfg.matmul_precision is None:
+        return "highest" if policy_cfg.precision == "float32" else "default"
+    return policy_cfg.matmul_precision
 
 
-def torch_float32_matmul(policy_cfg: Mapping[str, Any]) -> str:
+def torch_float32_matmul(policy_cfg: PolicyConfig) -> str:
     """What the torch backends pass to ``torch.set_float32_matmul_precision``."""
     return TORCH_FLOAT32_MATMUL[resolve_matmul_precision(policy_cfg)]

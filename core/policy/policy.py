@@ -1,7 +1,7 @@
 """``Policy``: the driver-side facade of NeMo RL's ``lm_policy.Policy``, for every backend.
 
 It owns a :class:`RayWorkerGroup` of the backend's workers (picked from
-``config["backend"]`` through :mod:`core.policy.registry`), shards data over the
+``config.backend`` through :mod:`core.policy.registry`), shards data over the
 data-parallel axis, replicates it over ``cp``/``tp``, and returns results for the whole
 batch in the caller's row order.  Nothing here imports torch model code or jax.
 """
@@ -9,13 +9,13 @@ batch in the caller's row order.  Nothing here imports torch model code or jax.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
 import torch
 
 from core.checkpointing.policy_files import check_load_paths, check_save_paths, check_writable
-from core.config.validate import validate_policy_config
+from core.config import ConfigError
 from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
@@ -28,6 +28,7 @@ from core.policy.checks import (
     check_sequence_lengths,
     check_train_batch,
 )
+from core.policy.config import PolicyConfig
 from core.policy.preflight import absolute_model_paths, preflight_model_checks
 from core.policy.registry import backend_spec
 from core.refit.cuda_ipc import merge_handles
@@ -37,17 +38,18 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 class Policy(ColocatablePolicyInterface, GenerationInterface):
-    """A trainable LM policy running on ``cluster`` with the backend ``config["backend"]``.
+    """A trainable LM policy running on ``cluster`` with the backend ``config.backend``.
 
-    Args mirror NeMo RL: ``config`` is the ``policy`` section (validated here, with the
-    world size of the group), ``tokenizer`` an HF tokenizer shipped to every worker,
+    Args mirror NeMo RL: ``config`` is the ``policy`` section (a :class:`PolicyConfig`, or the
+    plain mapping of one, validated here with the world size of the group), ``tokenizer`` an
+    HF tokenizer shipped to every worker,
     ``weights_path``/``optimizer_path`` a DCP checkpoint to resume from.
     """
 
     def __init__(
         self,
         cluster: RayVirtualCluster,
-        config: Mapping[str, Any],
+        config: PolicyConfig | Mapping[str, Any],
         tokenizer: Any,
         name_prefix: str = "lm_policy",
         workers_per_node: int | list[int] | None = None,
@@ -56,13 +58,14 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         optimizer_path: PathLike | None = None,
         init_reference_model: bool = True,
     ) -> None:
-        spec = backend_spec(config.get("backend") if isinstance(config, Mapping) else None)
+        cfg = PolicyConfig.coerce(config, path="policy")
+        spec = backend_spec(cfg.backend)
         n_workers = _world_size(cluster, workers_per_node)
         # Torch backends run one worker per device, so the mesh must fit the worker count;
         # a JAX worker owns all of its host's devices, and checks its mesh itself.
-        self.cfg = absolute_model_paths(
-            validate_policy_config(config, world_size=n_workers if spec.one_worker_per_device else None)
-        )
+        if spec.one_worker_per_device:
+            _raise_problems(cfg.layout_problems(n_workers))
+        self.cfg = absolute_model_paths(cfg)
         layout = spec.layout(self.cfg, n_workers)
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
@@ -116,28 +119,29 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         return group.get_all_worker_results(future)
 
     def _dynamic_args(self, budget_key: str) -> DynamicBatchingArgs | None:
-        db = self.cfg.get("dynamic_batching") or {}
-        if not db.get("enabled", False):
+        db = self.cfg.dynamic_batching
+        if not db.enabled:
             return None
         return DynamicBatchingArgs(
             input_key="input_ids",
             input_lengths_key="input_lengths",
-            sequence_length_round=db["sequence_length_round"],
-            max_tokens_per_microbatch=db[budget_key],
+            sequence_length_round=db.sequence_length_round,
+            max_tokens_per_microbatch=getattr(db, budget_key),
         )
 
     def _packing_args(self, budget_key: str, data: BatchedDataDict) -> SequencePackingArgs | None:
         """The packing plan's settings, after checking every sequence fits one packed row."""
-        sp = self.cfg.get("sequence_packing") or {}
-        if not sp.get("enabled", False):
+        sp = self.cfg.sequence_packing
+        if not sp.enabled:
             return None
         lengths = data["input_lengths"].tolist() if "input_lengths" in data else []
-        check_packing_budget(lengths, sp[budget_key], f"policy.sequence_packing.{budget_key}")
+        budget = getattr(sp, budget_key)
+        check_packing_budget(lengths, budget, f"policy.sequence_packing.{budget_key}")
         return SequencePackingArgs(
             input_key="input_ids",
             input_lengths_key="input_lengths",
-            max_tokens_per_microbatch=sp[budget_key],
-            algorithm=sp.get("algorithm", "modified_first_fit_decreasing"),
+            max_tokens_per_microbatch=budget,
+            algorithm=sp.algorithm,
         )
 
     def _shard(self, data: BatchedDataDict, batch_size: int | None, budget_key: str):
@@ -155,7 +159,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     ) -> BatchedDataDict:
         """Shard ``data`` over dp (padding it to a multiple of dp), run ``method``, reassemble
         in the caller's order and drop the padding rows."""
-        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        check_sequence_lengths(data, self.cfg.max_total_sequence_length)
         check_model_inputs(data, self.model_config.vocab_size)
         real = data.size
         padded = _pad_rows(data, self.dp)
@@ -197,10 +201,10 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         global batch has no valid token; with ``policy.non_finite_step: error`` this then
         raises :class:`NonFiniteStepError` (the policy stays usable).
         """
-        gbs = gbs or self.cfg["train_global_batch_size"]
-        mbs = mbs or self.cfg["train_micro_batch_size"]
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
         check_loss_fn(loss_fn)
-        check_train_batch(data, gbs, mbs, self.dp, self.cfg["max_total_sequence_length"], local=False)
+        check_train_batch(data, gbs, mbs, self.dp, self.cfg.max_total_sequence_length, local=False)
         check_model_inputs(data, self.model_config.vocab_size)
         # Only on the driver (the workers trust it): a bad key or shape must not reach the
         # workers, where one rank's exception would take the whole group down, and the value
@@ -226,7 +230,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             "skip_reasons": reasons,
             "skipped_steps": int(skipped.sum()),
         }
-        if not eval_mode and out["skipped_steps"] and self.cfg.get("non_finite_step", "skip") == "error":
+        if not eval_mode and out["skipped_steps"] and self.cfg.non_finite_step == "error":
             raise NonFiniteStepError(_skip_message(out))
         return out
 
@@ -264,10 +268,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     # ------------------------------------------------------------------ GenerationInterface (HF)
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         """HF ``generate`` on the training workers: ``GenerationOutputSpec`` in input order."""
-        gen = self.cfg.get("generation") or {}
-        pad = gen.get("pad_token_id", getattr(self.tokenizer, "pad_token_id", None))
+        gen = self.cfg.generation
+        pad = gen.pad_token_id if gen is not None and gen.pad_token_id is not None else None
+        pad = pad if pad is not None else getattr(self.tokenizer, "pad_token_id", None)
         pad_values = {"output_ids": 0 if pad is None else pad}
-        check_prompt_room(data, self.cfg["max_total_sequence_length"])
+        check_prompt_room(data, self.cfg.max_total_sequence_length)
         return self._run_inference("generate", data, pad_values=pad_values, greedy=greedy)
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
@@ -388,3 +393,9 @@ def _pad_rows(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
     if "sample_mask" in filler:
         filler["sample_mask"] = torch.zeros_like(filler["sample_mask"])
     return BatchedDataDict.from_batches([data, filler])
+
+
+def _raise_problems(found: Iterable[tuple[str, str]]) -> None:
+    lines = [f"policy.{field}: {message}" for field, message in found]
+    if lines:
+        raise ConfigError(lines)

@@ -1,37 +1,55 @@
-"""Checks against the model's HF config that must fail before any worker starts.
+"""The policy's preflight: checks of a valid ``policy`` section against what lies outside
+the config -- the model's files, its vocabulary, the optimizer and scheduler classes.
 
-They read only ``config.json`` (``AutoConfig``), so a tokenizer that does not fit the model,
-or a tensor-parallel size that does not divide its heads, is reported in milliseconds by the
-driver -- and again by each worker, which also runs them on the model it actually loaded.
+They are not part of the schema (a schema reads no files and imports nothing): ``dualrl
+config`` and the start of ``dualrl grpo|sft|dpo`` run them after validation
+(:func:`preflight_errors`), ``Policy`` runs the model checks again before any worker starts,
+and each worker once more on the model it actually loaded.  What cannot be known offline is
+skipped: a vocabulary comes from a built-in model's shape or a local ``config.json``, never
+from the hub.  Backends are never imported here (``core/`` does not import ``backends/``):
+how they resolve class names is mirrored below, and ``tests/unit/test_config_honesty.py``
+holds the mirror to the backends' own tables.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import re
-from collections.abc import Mapping
 from typing import Any
 
+from core.models.builtin import BUILTIN_MODELS, PREFIX
+from core.policy.config import PolicyConfig
 
-def absolute_model_paths(policy_cfg: Mapping[str, Any]) -> dict[str, Any]:
+#: The torch optimizers / schedulers the jax_pjit backend reproduces with optax
+#: (``backends.jax_pjit.optim.SUPPORTED_OPTIMIZERS`` / ``SUPPORTED_SCHEDULERS``).
+JAX_OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD")
+JAX_SCHEDULERS = ("torch.optim.lr_scheduler.LinearLR", "torch.optim.lr_scheduler.ConstantLR")
+
+
+def preflight_errors(policy: PolicyConfig) -> list[str]:
+    """Errors of a valid ``policy`` section against its model and its classes, each starting
+    with the dotted path of the field at fault."""
+    return _token_id_errors(policy) + _class_errors(policy)
+
+
+def absolute_model_paths(policy: PolicyConfig) -> PolicyConfig:
     """A copy of the policy section whose local model / tokenizer paths are absolute: Ray
     workers and engines run in their own working directory, so ``models/run1`` must be
     resolved where the user wrote it, on the driver.  Hub ids and built-ins are unchanged."""
-    cfg = dict(policy_cfg)
-
-    def resolve(name: Any) -> Any:
-        if isinstance(name, (str, os.PathLike)) and not os.fspath(name).startswith("builtin:"):
-            name = os.fspath(name)
-            if looks_like_local_path(name) and os.path.exists(os.path.expanduser(name)):
-                return os.path.abspath(os.path.expanduser(name))
-        return name
-
-    cfg["model_name"] = resolve(cfg.get("model_name"))
-    for section in ("tokenizer", "generation"):
-        key = "name" if section == "tokenizer" else "model_name"
-        if isinstance(cfg.get(section), Mapping) and cfg[section].get(key):
-            cfg[section] = {**cfg[section], key: resolve(cfg[section][key])}
+    cfg = policy.model_copy(deep=True)
+    cfg.model_name = _absolute(cfg.model_name)
+    cfg.tokenizer.name = _absolute(cfg.tokenizer.name)
+    if cfg.generation is not None and cfg.generation.model_name:
+        cfg.generation.model_name = _absolute(cfg.generation.model_name)
     return cfg
+
+
+def _absolute(name: str) -> str:
+    if not name.startswith(PREFIX) and looks_like_local_path(name) and os.path.exists(os.path.expanduser(name)):
+        return os.path.abspath(os.path.expanduser(name))
+    return name
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -99,22 +117,108 @@ def check_tensor_parallel_fits(model_config: Any, tp: int, field: str) -> None:
         raise ValueError(f"{field}={tp} does not divide the model's " + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
 
-#: backend -> (config section, field) of its tensor-parallel size.
-TP_FIELDS = {"torch_dtensor": ("dtensor_cfg", "tensor_parallel_size"), "jax_pjit": ("jax_cfg", "tensor_parallel_size")}
+def tensor_parallel_field(policy: PolicyConfig) -> tuple[int, str]:
+    """``(size, dotted field)`` of the backend's tensor-parallel size (1 for FSDP1)."""
+    if policy.backend == "torch_dtensor":
+        return policy.dtensor_cfg.tensor_parallel_size, "policy.dtensor_cfg.tensor_parallel_size"
+    if policy.backend == "jax_pjit":
+        return policy.jax_cfg.tensor_parallel_size, "policy.jax_cfg.tensor_parallel_size"
+    return 1, "policy.backend"
 
 
-def preflight_model_checks(policy_cfg: Mapping[str, Any], tokenizer: Any) -> Any:
+def preflight_model_checks(policy: PolicyConfig, tokenizer: Any) -> Any:
     """Tokenizer vs vocab and tp vs heads, from the model's config alone; returns the config."""
     from transformers import AutoConfig
 
-    name = policy_cfg["model_name"]
+    name = policy.model_name
     check_model_path(name, "policy.model_name")
     try:
         model_config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:
         raise ValueError(f"policy.model_name={name!r}: cannot read its HF config: {err}") from err
     check_tokenizer_fits(tokenizer, model_config, name)
-    if policy_cfg["backend"] in TP_FIELDS:
-        section, key = TP_FIELDS[policy_cfg["backend"]]
-        check_tensor_parallel_fits(model_config, policy_cfg[section][key], f"policy.{section}.{key}")
+    check_tensor_parallel_fits(model_config, *tensor_parallel_field(policy))
     return model_config
+
+
+# ----------------------------------------------------------------------------- vocabulary
+def model_vocab_size(name: str) -> int | None:
+    """``vocab_size`` of model ``name`` when it is known offline -- a built-in model, or a
+    local directory with a ``config.json`` (``text_config`` included) -- else None."""
+    if name.startswith(PREFIX):
+        spec = BUILTIN_MODELS.get(name[len(PREFIX) :])
+        return None if spec is None else int(spec[0]["vocab_size"])
+    config_file = os.path.join(os.path.expanduser(name), "config.json")
+    if not os.path.isfile(config_file):
+        return None  # a hub id (or a bad path, which the run's own path check names)
+    try:
+        with open(config_file) as f:
+            hf_config = json.load(f)
+    except (OSError, ValueError):
+        return None  # unreadable here: the workers' loader reports it with its own message
+    vocab = hf_config.get("vocab_size", (hf_config.get("text_config") or {}).get("vocab_size"))
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def _token_id_errors(policy: PolicyConfig) -> list[str]:
+    """Stop / pad token ids the generation model cannot produce or embed.
+
+    A stop id beyond the vocabulary can never be sampled, so it would never stop a row (HF
+    and JAX ignore it silently); a pad id beyond it breaks the logprob pass over the outputs.
+    """
+    gen = policy.generation
+    if gen is None:
+        return []
+    name = gen.model_name or policy.model_name
+    vocab = model_vocab_size(name)
+    if vocab is None:
+        return []
+    ids = [(f"policy.generation.stop_token_ids[{i}]", t) for i, t in enumerate(gen.stop_token_ids or [])]
+    ids.append(("policy.generation.pad_token_id", gen.pad_token_id))
+    return [
+        f"{path}: {token} is outside the vocabulary of {name} (vocab_size {vocab}, ids 0..{vocab - 1})"
+        for path, token in ids
+        if token is not None and token >= vocab
+    ]
+
+
+# ----------------------------------------------------------------------------- classes
+def _class_errors(policy: PolicyConfig) -> list[str]:
+    """Optimizer and scheduler names resolved the way the configured backend resolves them:
+    the torch backends import the dotted path; jax_pjit accepts only the classes it reproduces."""
+    named = []
+    if policy.optimizer is not None:
+        named.append(("policy.optimizer.name", policy.optimizer.name, JAX_OPTIMIZERS))
+    for i, entry in enumerate(policy.scheduler or []):
+        if entry.name is not None:
+            named.append((f"policy.scheduler[{i}].name", entry.name, JAX_SCHEDULERS))
+    errors = []
+    for path, name, jax_names in named:
+        if policy.backend == "jax_pjit":
+            problem = (
+                None
+                if name in jax_names
+                else f"{name!r} is not supported by the jax_pjit backend; choose among {list(jax_names)}"
+            )
+        else:
+            problem = import_error(name)
+        if problem is not None:
+            errors.append(f"{path}: {problem}")
+    return errors
+
+
+def import_error(path: str) -> str | None:
+    """Why ``"pkg.module.Name"`` cannot be imported (None when it can): the torch backends'
+    ``import_object`` rule, run on the driver."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        return f"{path!r} is not a dotted import path like 'torch.optim.AdamW'"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        return f"cannot import {path!r}: {err}"
+    except Exception as err:  # noqa: BLE001 - a user's module failing at import is reported, not raised
+        return f"cannot import {path!r}: importing {module_name!r} raised {type(err).__name__}: {err}"
+    if not hasattr(module, attr):
+        return f"cannot import {path!r}: module {module_name!r} has no attribute {attr!r}"
+    return None

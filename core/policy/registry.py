@@ -7,13 +7,11 @@ driver process never needs to import a backend at all until it starts one.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from core.config.schema import BACKENDS
 from core.distributed import WorkerLayout
-from core.parallel_dims import ParallelDims
+from core.policy.config import BACKENDS, PolicyConfig
 
 
 @dataclass(frozen=True)
@@ -21,7 +19,7 @@ class BackendSpec:
     """How to run one backend: where its worker class lives and how ranks map to axes."""
 
     worker: str  # "package.module:ClassName", imported on first use
-    layout: Callable[[Mapping[str, Any], int], WorkerLayout]  # (policy config, n workers) -> layout
+    layout: Callable[[PolicyConfig, int], WorkerLayout]  # (policy config, n workers) -> layout
     one_worker_per_device: bool = True  # False: one worker per host owning all its devices (JAX)
     #: ``save_checkpoint``'s on-disk format (the manifest's ``identity.format``) and the files
     #: an optimizer checkpoint must hold besides the shards: checked on the driver at load.
@@ -33,13 +31,13 @@ class BackendSpec:
         return getattr(importlib.import_module(module_name), cls_name)
 
 
-def torch_layout(policy_cfg: Mapping[str, Any], world_size: int) -> WorkerLayout:
+def torch_layout(policy_cfg: PolicyConfig, world_size: int) -> WorkerLayout:
     """One rank per device; axes (dp, cp, tp) row-major, the same order as the device mesh."""
-    dims = ParallelDims.from_policy_config(policy_cfg, world_size)
+    dims = policy_cfg.parallel_dims(world_size)
     return WorkerLayout({"dp": dims.dp, "cp": dims.cp, "tp": dims.tp})
 
 
-def host_layout(policy_cfg: Mapping[str, Any], n_workers: int) -> WorkerLayout:
+def host_layout(policy_cfg: PolicyConfig, n_workers: int) -> WorkerLayout:
     """One worker per host, each a data-parallel rank of the driver's sharding: the host's
     rows are then split over its local devices inside the worker's mesh."""
     return WorkerLayout({"dp": n_workers})
@@ -61,7 +59,7 @@ _REGISTRY: dict[str, BackendSpec] = {
 def register_backend(name: str, spec: BackendSpec) -> None:
     """Add (or replace) a backend; ``name`` must be one of the config's ``BACKENDS``."""
     if name not in BACKENDS:
-        raise ValueError(f"backend {name!r} is not one of {BACKENDS}; add it to core.config.schema.BACKENDS first")
+        raise ValueError(f"backend {name!r} is not one of {BACKENDS}; add it to core.policy.config.BACKENDS first")
     _REGISTRY[name] = spec
 
 

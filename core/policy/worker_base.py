@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
+from core.policy.config import PolicyConfig
 from core.refit.sender import RefitSender
 
 REFERENCE_MISSING = "this policy was built with init_reference_model=False: no reference weights"
@@ -23,11 +24,11 @@ class PolicyWorkerBase(RefitSender):
 
     rank: int = 0
 
-    def __init__(self, config: Mapping[str, Any], tokenizer: Any = None) -> None:
-        self.cfg = dict(config)
+    def __init__(self, config: PolicyConfig | Mapping[str, Any], tokenizer: Any = None) -> None:
+        self.cfg = PolicyConfig.coerce(config, path="policy")
         self.tokenizer = tokenizer
         # The distribution generation samples from: applied identically by get_logprobs and train.
-        self.temperature = float((self.cfg.get("generation") or {}).get("temperature", 1.0))
+        self.temperature = self.cfg.generation.temperature if self.cfg.generation is not None else 1.0
 
     def is_alive(self) -> bool:
         return True
@@ -36,7 +37,7 @@ class PolicyWorkerBase(RefitSender):
     # ``before_collectives()`` so that a failure here leaves the group usable.
     def _check_batch(self, data: Mapping[str, Any], vocab_size: int) -> None:
         """``get_logprobs`` / ``generate`` input: lengths within the limit, ids and masks valid."""
-        check_sequence_lengths(data, self.cfg["max_total_sequence_length"])
+        check_sequence_lengths(data, self.cfg.max_total_sequence_length)
         check_model_inputs(data, vocab_size)
 
     def _check_train_call(
@@ -51,7 +52,7 @@ class PolicyWorkerBase(RefitSender):
         has_optimizer: bool,
     ) -> int:
         """``train`` input; returns this rank's rows per global batch."""
-        local_gbs = check_train_batch(data, gbs, mbs, dp, self.cfg["max_total_sequence_length"])
+        local_gbs = check_train_batch(data, gbs, mbs, dp, self.cfg.max_total_sequence_length)
         check_model_inputs(data, vocab_size)
         check_loss_fn(loss_fn)
         if not eval_mode and not has_optimizer:

@@ -9,7 +9,7 @@ engine side's rules (``receiver.RefitReceiver``) and the driver (``refit_policy_
 
 from core.refit.buckets import buffer_bytes, plan_buckets
 from core.refit.driver import TRANSPORTS, RefitStats, refit_policy_generation
-from core.refit.manifest import RefitError, RefitManifest, TensorSpec, dtype_name, refit_dtype
+from core.refit.manifest import RefitError, RefitManifest, TensorSpec, dtype_name
 from core.refit.receiver import RefitReceiver
 from core.refit.sender import RefitSender
 
@@ -24,6 +24,5 @@ __all__ = [
     "buffer_bytes",
     "dtype_name",
     "plan_buckets",
-    "refit_dtype",
     "refit_policy_generation",
 ]

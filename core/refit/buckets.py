@@ -7,8 +7,7 @@ order the policy yields them, which keeps each decoder layer's parts close toget
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
 
 from core.refit.manifest import RefitError, RefitManifest
 
@@ -23,9 +22,9 @@ def buffer_bytes(refit_buffer_size_gb: float | None, default_gb: float = 1.0) ->
     return max(1, int(size * GB))
 
 
-def bucket_budget(policy_cfg: Mapping[str, Any], override_gb: float | None = None) -> int:
+def bucket_budget(configured_gb: float, override_gb: float | None = None) -> int:
     """Bytes per bucket: a call's ``refit_buffer_size_gb`` argument, else the policy config's."""
-    return buffer_bytes(override_gb if override_gb is not None else policy_cfg.get("refit_buffer_size_gb"))
+    return buffer_bytes(override_gb if override_gb is not None else configured_gb)
 
 
 def plan_buckets(manifest: RefitManifest, max_bytes: int) -> list[list[str]]:

@@ -79,7 +79,7 @@ def refit_policy_generation(
         buckets = _refit_ipc(policy, generation, refit_buffer_size_gb)
     else:
         _refit_collective(policy, generation, refit_buffer_size_gb, timeout_s)
-        buckets = len(plan_buckets(manifest, bucket_budget(policy.cfg, refit_buffer_size_gb)))
+        buckets = len(plan_buckets(manifest, bucket_budget(policy.cfg.refit_buffer_size_gb, refit_buffer_size_gb)))
     if offload:
         policy.offload_after_refit()
         generation.prepare_for_generation(tags=["kv_cache"])

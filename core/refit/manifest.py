@@ -43,14 +43,6 @@ def dtype_name(dtype: Any) -> str:
     return text
 
 
-def refit_dtype(policy_cfg: Mapping[str, Any]) -> str:
-    """The dtype the engine serves and the stream is cast to: ``generation.vllm_cfg.precision``,
-    else the policy's own ``precision`` (training in fp32 and generating in bf16 is common)."""
-    gen = policy_cfg.get("generation") or {}
-    precision = (gen.get("vllm_cfg") or {}).get("precision") or policy_cfg.get("precision", "float32")
-    return dtype_name(precision)
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]

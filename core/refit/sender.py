@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+import core.refit.collective as collective
 from core.distributed.recoverable import RefitPeerLostError
-from core.refit import collective
 from core.refit.buckets import bucket_budget, plan_buckets, take_bucket
 from core.refit.cuda_ipc import CudaIpcBucketWriter, merge_handles
-from core.refit.manifest import RefitError, RefitManifest, refit_dtype
+from core.refit.manifest import RefitError, RefitManifest, dtype_name
 from core.refit.packing import as_torch
 from core.refit.shm import ShmBucketWriter
 
@@ -51,11 +51,11 @@ class RefitSender(abc.ABC):
     # -- manifest ----------------------------------------------------------------------------
     def refit_manifest(self) -> RefitManifest:
         """The stream in the generation dtype (``generation.vllm_cfg.precision``)."""
-        return RefitManifest.from_info(self.prepare_refit_info()).cast(refit_dtype(self.cfg))
+        return RefitManifest.from_info(self.prepare_refit_info()).cast(dtype_name(self.cfg.generation_dtype))
 
     def _start_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._close_stream()
-        dtype = refit_dtype(self.cfg)
+        dtype = dtype_name(self.cfg.generation_dtype)
         self._refit_stream = ((n, as_torch(t)) for n, t in self._refit_weights(dtype))
         return self._refit_stream
 
@@ -68,7 +68,7 @@ class RefitSender(abc.ABC):
     # -- ipc -----------------------------------------------------------------------------------
     def prepare_weights_for_ipc(self, refit_buffer_size_gb: float | None = None) -> list[list[str]]:
         """Start the weight stream; returns the bucket plan (lists of HF names, in order)."""
-        plan = plan_buckets(self.refit_manifest(), bucket_budget(self.cfg, refit_buffer_size_gb))
+        plan = plan_buckets(self.refit_manifest(), bucket_budget(self.cfg.refit_buffer_size_gb, refit_buffer_size_gb))
         self._start_stream()
         return plan
 

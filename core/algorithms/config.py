@@ -1,0 +1,297 @@
+"""The algorithm sections (``grpo``, ``sft``, ``dpo``) and the run configs that hold them.
+
+A run config is the top level of a YAML file as one command reads it: ``GRPORunConfig``
+for ``dualrl grpo`` and so on, each with exactly the sections its command uses.  A section
+or data key of another algorithm is refused by name (a GRPO key in an SFT run is a mistake,
+not a no-op); rules between sections (batch divisibility over the cluster, prompt room) are
+checked here too.  ``MasterConfig`` accepts every section: ``dualrl config`` uses it for a
+file that belongs to no single command (e.g. core/configs/default.yaml).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from core.checkpointing.config import CheckpointingConfig
+from core.config import ConfigModel, Problem, join_path
+from core.datasets.config import DataConfig
+from core.datasets.sources import is_builtin as is_builtin_dataset
+from core.environments.config import EnvConfig
+from core.logging.config import LoggerConfig
+from core.losses.config import ClippedPGLossConfig, DPOLossConfig
+from core.models.builtin import is_warm_started
+from core.policy.config import PolicyConfig
+
+
+# ----------------------------------------------------------------------------- sections
+class ClusterConfig(ConfigModel):
+    """The devices the job runs on (read by :mod:`core.algorithms.placement`)."""
+
+    gpus_per_node: int = Field(ge=1)
+    """On CPU machines: worker slots per node."""
+    num_nodes: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+
+class GRPOConfig(ConfigModel):
+    """The GRPO loop (NeMo RL's ``grpo`` section)."""
+
+    num_prompts_per_step: int = Field(ge=1)
+    """Distinct prompts per step."""
+    num_generations_per_prompt: int
+    """Samples per prompt (the group); >= 2 for a group baseline."""
+    max_num_steps: int = Field(ge=1)
+    max_num_epochs: int | None = Field(None, ge=1)
+    """Stop after this many passes over a finite prompt set; null = no limit."""
+    normalize_rewards: bool
+    """Divide advantages by the group's reward std (groups with std 0 are left as is)."""
+    use_leave_one_out_baseline: bool
+    """Baseline = mean reward of the *other* samples of the group."""
+    val_period: int = Field(ge=0)
+    """Validate every N steps; 0 = never (except val_at_start / the end)."""
+    val_at_start: bool
+    val_at_end: bool = True
+    max_val_samples: int = Field(ge=1)
+    """Held-out prompts per validation (greedy, one sample each)."""
+    val_batch_size: int | None = Field(None, ge=1)
+    """Prompts per validation generate call; null = all at once."""
+    seed: int
+    """Data order, sampling seeds, task generation: a CPU fp32 run is repeatable."""
+
+    def check(self) -> Iterable[Problem]:
+        if self.num_generations_per_prompt < 2:
+            yield (
+                "num_generations_per_prompt",
+                f"must be >= 2, got {self.num_generations_per_prompt}: GRPO's baseline is the mean reward of a "
+                "prompt's group, so a group of one sample has advantage 0 everywhere and nothing is learned",
+            )
+
+
+class SFTConfig(ConfigModel):
+    """The SFT loop (NeMo RL's ``sft`` section)."""
+
+    max_num_steps: int = Field(ge=1)
+    """Optimizer steps of the run (one policy.train_global_batch_size batch each)."""
+    max_num_epochs: int | None = Field(None, ge=1)
+    """Stop after this many passes over a finite dataset; null = no limit."""
+    val_period: int = Field(ge=0)
+    """Validate every N steps; 0 = never (except val_at_start / the end)."""
+    val_batches: int = Field(ge=0)
+    """Validation = val_batches x val_global_batch_size held-out examples; 0 = no validation."""
+    val_global_batch_size: int = Field(ge=1)
+    val_micro_batch_size: int = Field(ge=1)
+    val_at_start: bool
+    val_at_end: bool = True
+    seed: int
+    """Data order and held-out split."""
+
+    def check(self) -> Iterable[Problem]:
+        if self.val_global_batch_size % self.val_micro_batch_size:
+            yield (
+                "val_global_batch_size",
+                f"{self.val_global_batch_size} is not divisible by val_micro_batch_size ({self.val_micro_batch_size})",
+            )
+
+
+class DPOConfig(SFTConfig, DPOLossConfig):
+    """The DPO loop and its loss keys (NeMo RL's ``dpo`` section holds both, as here)."""
+
+    def check(self) -> Iterable[Problem]:
+        yield from super().check()
+        for key in ("val_global_batch_size", "val_micro_batch_size"):
+            if getattr(self, key) % 2:
+                yield key, f"must be even, got {getattr(self, key)}: DPO rows come in (chosen, rejected) pairs"
+
+
+# ----------------------------------------------------------------------------- run configs
+class MasterConfig(ConfigModel):
+    """A whole config with every section optional but ``policy`` and ``cluster``."""
+
+    missing_what: ClassVar[str] = "section"
+
+    policy: PolicyConfig
+    cluster: ClusterConfig
+    loss_fn: ClippedPGLossConfig | None = None
+    grpo: GRPOConfig | None = None
+    sft: SFTConfig | None = None
+    dpo: DPOConfig | None = None
+    data: DataConfig | None = None
+    env: EnvConfig | None = None
+    logger: LoggerConfig | None = None
+    checkpointing: CheckpointingConfig | None = None
+
+    def check(self) -> Iterable[Problem]:
+        world = self.cluster.world_size
+        yield from ((join_path("policy", p), m) for p, m in self.policy.layout_problems(world))
+        grpo, data, gbs = self.grpo, self.data, self.policy.train_global_batch_size
+        if grpo is not None and (grpo.num_prompts_per_step * grpo.num_generations_per_prompt) % gbs:
+            n = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
+            yield (
+                "grpo.num_prompts_per_step",
+                f"{grpo.num_prompts_per_step} prompts x {grpo.num_generations_per_prompt} generations = {n} samples "
+                f"per step is not divisible by policy.train_global_batch_size ({gbs}); each step trains on whole "
+                "global batches",
+            )
+        limit = data.max_input_seq_length if data is not None else None
+        if limit is not None and limit >= self.policy.max_total_sequence_length:
+            yield (
+                "data.max_input_seq_length",
+                f"{limit} leaves no room for a response within policy.max_total_sequence_length "
+                f"({self.policy.max_total_sequence_length})",
+            )
+        if data is not None and data.arithmetic is not None and not self._uses_builtin_task():
+            yield (
+                "data.arithmetic",
+                "not used: data.dataset_name is not a built-in task and policy.model_name is not a "
+                "warm-started built-in model; set it to null",
+            )
+
+    def _uses_builtin_task(self) -> bool:
+        """Built-in data, or a built-in model (whose warm start trains on the task)."""
+        names = (self.data.dataset_name, self.data.val_dataset_name) if self.data else ()
+        return any(n is not None and is_builtin_dataset(n) for n in names) or is_warm_started(self.policy.model_name)
+
+
+class _AlgorithmRunConfig(MasterConfig):
+    """What one ``dualrl <algorithm>`` command reads; anything else is refused by name."""
+
+    algorithm: ClassVar[str]
+    data_keys: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def sections(cls) -> list[str]:
+        return [name for name, field in cls.model_fields.items() if field.is_required()]
+
+    @classmethod
+    def missing_message(cls, key: str) -> str:
+        return f"missing section (dualrl {cls.algorithm} needs {', '.join(cls.sections())})"
+
+    @classmethod
+    def refusals(cls, raw: Mapping[str, Any]) -> Iterable[Problem]:
+        sections = cls.sections()
+        for name in raw:
+            if name in MasterConfig.model_fields and name not in sections:
+                yield name, f"not used by dualrl {cls.algorithm}; remove the section (it reads {', '.join(sections)})"
+        data = raw.get("data")
+        if isinstance(data, Mapping):
+            for key in data:
+                if key in DataConfig.model_fields and key not in cls.data_keys:
+                    users = [a.algorithm for a in RUN_CONFIGS.values() if key in a.data_keys]
+                    yield f"data.{key}", f"not used by dualrl {cls.algorithm} (a key of {'/'.join(users)}); remove it"
+
+    def check(self) -> Iterable[Problem]:
+        yield from super().check()
+        yield from self.algorithm_problems()
+
+    def algorithm_problems(self) -> Iterable[Problem]:
+        return ()
+
+
+_COMMON_DATA_KEYS = ("dataset_name", "dataset_config", "split", "val_dataset_name", "val_split", "prompt_template",
+                     "system_prompt", "use_chat_template", "shuffle")  # fmt: skip
+
+
+class GRPORunConfig(_AlgorithmRunConfig):
+    """``dualrl grpo``."""
+
+    algorithm: ClassVar[str] = "grpo"
+    data_keys: ClassVar[tuple[str, ...]] = (*_COMMON_DATA_KEYS, "prompt_key", "answer_key", "max_input_seq_length",
+                                            "on_long_prompt")  # fmt: skip
+
+    grpo: GRPOConfig
+    loss_fn: ClippedPGLossConfig
+    data: DataConfig
+    env: EnvConfig
+    logger: LoggerConfig
+    checkpointing: CheckpointingConfig
+
+    def algorithm_problems(self) -> Iterable[Problem]:
+        if self.policy.generation is None:
+            yield (
+                "policy.generation",
+                "missing; dualrl grpo samples its rollouts with these settings (see core/configs/policy.yaml)",
+            )
+        if self.data.max_input_seq_length is None:
+            yield "data.max_input_seq_length", "missing (dualrl grpo needs the longest prompt in tokens)"
+
+
+class _TrainOnlyRunConfig(_AlgorithmRunConfig):
+    """SFT and DPO never generate."""
+
+    @classmethod
+    def refusals(cls, raw: Mapping[str, Any]) -> Iterable[Problem]:
+        yield from super().refusals(raw)
+        policy, logger = raw.get("policy"), raw.get("logger")
+        if isinstance(policy, Mapping) and policy.get("generation") is not None:
+            # The workers apply generation's temperature to every logprob (so that GRPO trains on
+            # the distribution it sampled): here it would silently rescale the loss's logits.
+            yield (
+                "policy.generation",
+                f"not used by dualrl {cls.algorithm}, which never generates (and its temperature would scale "
+                "the logits the loss trains on); set policy.generation: null",
+            )
+        if isinstance(logger, Mapping) and "num_val_samples_to_print" in logger:
+            yield (
+                "logger.num_val_samples_to_print",
+                f"not used by dualrl {cls.algorithm} (it prints GRPO's validation completions); remove it",
+            )
+
+
+_SUPERVISED_DATA_KEYS = (*_COMMON_DATA_KEYS, "prompt_key", "on_long_sequence", "arithmetic")
+
+
+class SFTRunConfig(_TrainOnlyRunConfig):
+    """``dualrl sft``."""
+
+    algorithm: ClassVar[str] = "sft"
+    data_keys: ClassVar[tuple[str, ...]] = (*_SUPERVISED_DATA_KEYS, "response_key", "messages_key")
+
+    sft: SFTConfig
+    data: DataConfig
+    logger: LoggerConfig
+    checkpointing: CheckpointingConfig
+
+
+class DPORunConfig(_TrainOnlyRunConfig):
+    """``dualrl dpo``."""
+
+    algorithm: ClassVar[str] = "dpo"
+    data_keys: ClassVar[tuple[str, ...]] = (*_SUPERVISED_DATA_KEYS, "chosen_key", "rejected_key")
+
+    dpo: DPOConfig
+    data: DataConfig
+    logger: LoggerConfig
+    checkpointing: CheckpointingConfig
+
+    def algorithm_problems(self) -> Iterable[Problem]:
+        for key in ("train_global_batch_size", "train_micro_batch_size"):
+            value = getattr(self.policy, key)
+            if value % 2:
+                yield (
+                    f"policy.{key}",
+                    f"must be even for DPO, got {value}: every batch holds whole (chosen, rejected) pairs",
+                )
+        for key in ("dynamic_batching", "sequence_packing"):
+            if getattr(self.policy, key).enabled:
+                yield (
+                    f"policy.{key}.enabled",
+                    "not supported by DPO, which needs (chosen, rejected) rows adjacent in every micro batch; "
+                    "set it to false",
+                )
+
+
+#: The run config of each ``dualrl`` training command.
+RUN_CONFIGS: dict[str, type[_AlgorithmRunConfig]] = {"grpo": GRPORunConfig, "sft": SFTRunConfig, "dpo": DPORunConfig}
+
+
+def run_config_class(raw: Mapping[str, Any]) -> type[MasterConfig]:
+    """The run config a loaded file belongs to: the command whose section it holds, else
+    ``MasterConfig`` (no algorithm section, or several)."""
+    algorithms = [name for name in RUN_CONFIGS if name in raw]
+    return RUN_CONFIGS[algorithms[0]] if len(algorithms) == 1 else MasterConfig

@@ -1,0 +1,186 @@
+"""The warm start of ``builtin:arithmetic-llama``: a ``dualrl sft`` run, built once and cached.
+
+``builtin:arithmetic-llama`` is the tiny built-in Llama after a ``dualrl sft`` run on the
+run's own arithmetic task (``core/configs/sft_arithmetic.yaml`` with validation and
+checkpoints off, see ``WARM_START_OVERRIDES``); its training stream never shows the prompts
+the run holds out for validation.
+
+A built model is saved as an ordinary local HF checkpoint under a cache directory: the
+policy workers, vLLM and the JAX importer load it by path, exactly as they load a hub model.
+The cache key covers everything that changes the weights (shape, init seed, the warm-start
+SFT config, the task's knobs, the held-out prompts, a format version), so a changed task or
+validation set builds a new model instead of reusing a stale one.  Builds are written to a
+temporary sibling and renamed into place, under a file lock, so two runs starting together
+build once and a killed build leaves nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from core.algorithms.config import MasterConfig, SFTRunConfig
+from core.algorithms.sft import setup_sft, sft_train
+from core.algorithms.training_run import execute
+from core.config import EMBEDDED_CONFIGS, load_config
+from core.environments.config import ArithmeticTaskConfig
+from core.models.builtin import (
+    BUILTIN_MODELS,
+    FORMAT_VERSION,
+    INIT_SEED,
+    PREFIX,
+    cache_root,
+    is_builtin,
+    spec_name,
+    write_random_init,
+)
+
+M = TypeVar("M", bound=MasterConfig)
+
+
+def resolve_model(cfg: M, exclude_prompts: Iterable[str], log: Callable[[str], None] = print) -> M:
+    """A copy of ``cfg`` whose ``policy.model_name`` is loadable: a built-in model is built (or
+    found in the cache) for the run's task without the held-out ``exclude_prompts``."""
+    cfg = cfg.model_copy(deep=True)
+    name = cfg.policy.model_name
+    if is_builtin(name):
+        task_cfg = cfg.env.arithmetic if cfg.env is not None else None
+        cfg.policy.model_name = str(resolve_builtin_model(name, task_cfg, exclude_prompts, log=log, run_cfg=cfg))
+    else:
+        from core.policy.preflight import check_model_path
+
+        check_model_path(name, "policy.model_name")
+    return cfg
+
+
+#: What the warm start changes in core/configs/sft_arithmetic.yaml: no validation (the GRPO /
+#: DPO run validates on its own held-out prompts), no run checkpoints, and no progress bar
+#: (the build logs a line before and after; its metrics and curves stay in the model's
+#: directory, under warm_start/).
+WARM_START_OVERRIDES = (
+    "sft.val_batches=0",
+    "sft.val_period=0",
+    "sft.val_at_start=false",
+    "sft.val_at_end=false",
+    "checkpointing.enabled=false",
+    "logger.tensorboard_enabled=false",
+    "logger.progress_bar=false",
+)
+
+
+def warm_start_config(task_cfg: ArithmeticTaskConfig | Mapping[str, Any], out_dir: Path | None = None) -> SFTRunConfig:
+    """The ``dualrl sft`` config that warm-starts ``builtin:arithmetic-llama`` for a task
+    (``out_dir``: where its export and logs go; None gives the path-free form the cache key
+    hashes)."""
+    out = Path(out_dir) if out_dir is not None else Path("<build>")
+    cfg = load_config(
+        EMBEDDED_CONFIGS["sft"],
+        list(WARM_START_OVERRIDES)
+        + [
+            f"logger.log_dir={out / 'warm_start'}",
+            f"checkpointing.checkpoint_dir={out / 'checkpoints'}",
+            f"checkpointing.export_hf_dir={out}",
+        ],
+        schema=SFTRunConfig,
+    )
+    cfg.data.arithmetic = ArithmeticTaskConfig.coerce(task_cfg, "data.arithmetic")
+    return cfg
+
+
+def cache_key(short: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any], exclude: Iterable[str]) -> str:
+    shape, warm = BUILTIN_MODELS[short]
+    payload = {"version": FORMAT_VERSION, "model": shape, "init_seed": INIT_SEED}
+    if warm:  # the SFT config without what cannot change the weights (where logs and files go)
+        sft = warm_start_config(task_cfg).model_dump(exclude={"logger", "checkpointing"}, exclude_none=True)
+        payload.update(warm_start=sft, exclude=sorted(exclude))
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_builtin_model(
+    name: str,
+    task_cfg: ArithmeticTaskConfig | Mapping[str, Any] | None,
+    exclude: Iterable[str],
+    log: Callable[[str], None] = print,
+    key: str = "policy.model_name",
+    run_cfg: MasterConfig | None = None,
+) -> Path:
+    """The local directory of built-in model ``name`` for this task, building it on first use
+    (``run_cfg``: the run that needs it, whose Ray set-up the warm start shares)."""
+    short = spec_name(name, key)
+    settings = ArithmeticTaskConfig.coerce({} if task_cfg is None else task_cfg, "data.arithmetic")
+    exclude = frozenset(exclude)
+    target = cache_root() / "models" / f"{short}-{cache_key(short, settings, exclude)}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(target.with_suffix(".lock")):
+        if not (target / "config.json").is_file():  # another run may have built it meanwhile
+            tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+            try:
+                _build(short, settings, exclude, tmp, log, run_cfg)
+                os.replace(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build(
+    short: str,
+    settings: ArithmeticTaskConfig,
+    exclude: frozenset[str],
+    out: Path,
+    log: Callable[[str], None],
+    run_cfg: MasterConfig | None,
+) -> None:
+    shape, warm = BUILTIN_MODELS[short]
+    if not warm:
+        write_random_init(shape, out)
+        return
+    from core.algorithms.placement import start_ray
+
+    cfg = warm_start_config(settings, out)
+    cfg.policy.model_name = str(resolve_builtin_model(cfg.policy.model_name, settings, (), log))
+    log(
+        f"building the built-in model {PREFIX}{short} (once; cached in {out.parent}): a `dualrl sft` run of "
+        f"{cfg.sft.max_num_steps} steps on the arithmetic task"
+    )
+    start = time.perf_counter()
+    start_ray(run_cfg or cfg)  # the run's Ray (with its JAX device flags), not one the SFT picks
+    run = execute(
+        setup_sft, sft_train, lambda _run: {}, cfg, lambda _line: None, resolve=resolve_model, exclude=exclude
+    )
+    rows = [r for r in run.logger.history if r["split"] == "train"]
+    (out / "warm_start.json").write_text(
+        json.dumps(
+            {
+                "steps": len(rows),
+                "first_loss": rows[0]["loss"],
+                "final_loss": rows[-1]["loss"],
+                "seconds": time.perf_counter() - start,
+                "backend": cfg.policy.backend,
+            }
+        )
+    )
+    log(
+        f"built {PREFIX}{short} in {time.perf_counter() - start:.0f} s "
+        f"(SFT loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f})"
+    )
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,339 @@
+"""The ``policy`` section (NeMo RL's ``PolicyConfig`` field names): the model, batch sizes,
+precision, optimizer, and one block per backend.
+
+``PolicyConfig.check`` holds the rules that need no device count; :meth:`PolicyConfig.
+layout_problems` the ones that do (the run config calls it with ``cluster``'s world size,
+``Policy`` with its workers').  One config means the same on every backend: what a backend
+can derive (the row padding context parallelism needs) it derives, and is not asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import Field
+
+from core.config import ConfigModel, Problem, join_path
+from core.data.sequence_packing import PackingAlgorithm
+from core.parallel_dims import ParallelDims
+from core.policy.generation_config import GenerationConfig
+
+#: The training backends ``policy.backend`` may name (the CLI's ``--backend``).
+BACKENDS = ("torch_fsdp", "torch_dtensor", "jax_pjit")
+Backend = Literal["torch_fsdp", "torch_dtensor", "jax_pjit"]
+#: The values ``policy.precision`` may take.
+PRECISIONS = ("float32", "bfloat16", "float16")
+Precision = Literal["float32", "bfloat16", "float16"]
+#: The values ``policy.matmul_precision`` may take (JAX's names; see core.policy.matmul_precision).
+MATMUL_PRECISIONS = ("highest", "high", "default")
+MatmulPrecision = Literal["highest", "high", "default"]
+
+
+class TokenizerConfig(ConfigModel):
+    """Which tokenizer to load (usually the model's own)."""
+
+    name: str
+    """HF hub id, local path or built-in name."""
+    chat_template: str | None = None
+    """Jinja template; null = the tokenizer's own."""
+
+
+class DTensorConfig(ConfigModel):
+    """Settings of the ``torch_dtensor`` backend (FSDP2 + TP/SP/CP)."""
+
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy for parameters/gradients/optimizer state."""
+    sequence_parallel: bool = False
+    """Shard norms/dropouts over the TP group along the sequence."""
+    activation_checkpointing: bool = False
+    """Recompute transformer-block activations in backward."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """TP degree (mesh axis "tp")."""
+    context_parallel_size: int = Field(1, ge=1)
+    """CP degree (mesh axis "cp"); splits the sequence."""
+    custom_parallel_plan: str | None = None
+    """"module.path.PLAN" overriding the built-in TP plan."""
+    compile: bool = False
+    """torch.compile each transformer block (torchtitan order: TP -> AC -> compile -> FSDP)."""
+
+
+class JaxConfig(ConfigModel):
+    """Settings of the ``jax_pjit`` backend: a (fsdp, cp, tp) device mesh."""
+
+    fsdp_size: int = -1
+    """Size of the "fsdp" mesh axis; -1 = the devices tp x cp leave."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    """Size of the "cp" mesh axis (splits the sequence)."""
+    activation_checkpointing: bool = False
+    """Remat (jax.checkpoint) around every transformer block."""
+
+    def check(self) -> Iterable[Problem]:
+        if self.fsdp_size < 1 and self.fsdp_size != -1:
+            yield "fsdp_size", f"must be >= 1, or -1 to use the remaining devices, got {self.fsdp_size}"
+
+
+class DynamicBatchingConfig(ConfigModel):
+    """Token-budget micro-batching (sort by length, fill up to N tokens)."""
+
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, gt=0)
+    """Token budget of a training micro batch; required when enabled."""
+    logprob_mb_tokens: int | None = Field(None, gt=0)
+    """Token budget of a logprob micro batch; required when enabled."""
+    sequence_length_round: int | None = Field(None, gt=0)
+    """Pad each micro batch's length to a multiple of this; required when enabled."""
+
+    def check(self) -> Iterable[Problem]:
+        for key in ("train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"):
+            if self.enabled and getattr(self, key) is None:
+                yield key, "required when dynamic_batching.enabled is true"
+
+
+class SequencePackingConfig(ConfigModel):
+    """Pack several sequences into one row (no padding between them)."""
+
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, gt=0)
+    """Tokens per packed training row; required when enabled."""
+    logprob_mb_tokens: int | None = Field(None, gt=0)
+    """Tokens per packed logprob row; required when enabled."""
+    algorithm: PackingAlgorithm = "modified_first_fit_decreasing"
+    """How sequences are binned into packed rows."""
+
+    def check(self) -> Iterable[Problem]:
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            if self.enabled and getattr(self, key) is None:
+                yield key, "required when sequence_packing.enabled is true"
+
+
+class OptimizerConfig(ConfigModel):
+    """An optimizer by import path plus its keyword arguments."""
+
+    name: str
+    """E.g. "torch.optim.AdamW" (the JAX backend maps it onto optax)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the constructor, e.g. {lr: 1.0e-6, weight_decay: 0.01}."""
+
+
+class SchedulerEntry(ConfigModel):
+    """One entry of the ``scheduler`` list: a scheduler ({name, kwargs}) or the step
+    boundaries between chained schedulers ({milestones: [...]}, SequentialLR's)."""
+
+    name: str | None = None
+    """E.g. "torch.optim.lr_scheduler.LinearLR"."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    milestones: list[int] | None = None
+    """n_schedulers - 1 increasing step numbers."""
+
+    def check(self) -> Iterable[Problem]:
+        if (self.name is None) == (self.milestones is None) or (self.milestones is not None and self.kwargs):
+            yield "", "expected a scheduler {name, kwargs} or a {milestones: [...]} entry"
+
+
+def scheduler_problems(entries: list[SchedulerEntry]) -> Iterable[Problem]:
+    """A SequentialLR chain: at least one scheduler, and with several one milestones entry
+    holding n - 1 increasing steps."""
+    n_sched = sum(e.name is not None for e in entries)
+    ms_idx = [i for i, e in enumerate(entries) if e.milestones is not None]
+    if n_sched == 0:
+        # [] reads like "no schedule" but is easily a list whose entries were lost in a merge
+        # (lists replace); null is the one spelling of a constant learning rate.
+        what = "[]" if not entries else "only a milestones entry"
+        yield (
+            "",
+            (
+                f"{what}: no scheduler to run; use null for a constant learning rate, "
+                "or list the schedulers (e.g. torch.optim.lr_scheduler.LinearLR)"
+            ),
+        )
+    elif len(ms_idx) > 1:
+        yield (
+            "",
+            f"at most one milestones entry allowed, found {len(ms_idx)} (at indices {', '.join(map(str, ms_idx))})",
+        )
+    elif n_sched > 1 and not ms_idx:
+        yield (
+            "",
+            (
+                f"{n_sched} schedulers are chained with SequentialLR and need a "
+                f"'milestones' entry with {n_sched - 1} step(s)"
+            ),
+        )
+    elif n_sched > 1:
+        i, ms = ms_idx[0], entries[ms_idx[0]].milestones or []
+        where = f"[{i}].milestones"
+        if len(ms) != n_sched - 1:
+            yield where, f"expected {n_sched - 1} milestone(s) for {n_sched} schedulers, got {len(ms)} ({ms})"
+        if any(b <= a for a, b in zip(ms, ms[1:], strict=False)):
+            yield where, f"must be strictly increasing, got {ms}"
+        if ms and ms[0] < 0:
+            yield where, f"must be >= 0, got {ms}"
+
+
+class PolicyConfig(ConfigModel):
+    """The trained policy: model, batch sizes, precision and the backend-specific blocks."""
+
+    backend: Backend
+    """Which training backend runs the policy (the CLI's --backend)."""
+    model_name: str
+    """HF hub id, local path or built-in model (builtin:...)."""
+    tokenizer: TokenizerConfig
+    train_global_batch_size: int = Field(gt=0)
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    train_micro_batch_size: int = Field(gt=0)
+    """Sequences per forward/backward on one data-parallel rank."""
+    logprob_batch_size: int = Field(gt=0)
+    """Sequences per forward when only log-probs are needed."""
+    generation_batch_size: int | None = Field(None, gt=0)
+    """hf generation: rows per model generate call (per worker); null = all rows at once."""
+    max_total_sequence_length: int = Field(gt=0)
+    """Prompt + response, in tokens."""
+    make_sequence_length_divisible_by: int = Field(1, gt=0)
+    """Pad sequence lengths to a multiple of this (each backend adds what its layout needs)."""
+    make_vocab_size_divisible_by: int = Field(1, gt=0)
+    """Pad the training copy of the vocabulary (embedding, lm_head rows; zeros, logits masked,
+    never exported) to a multiple of this and of the tensor-parallel size (Megatron style).
+    torch_dtensor and jax_pjit pad; torch_fsdp (FSDP1) has no TP and refuses values > 1."""
+    precision: Precision
+    """Parameter/compute dtype of training."""
+    matmul_precision: MatmulPrecision | None = None
+    """Precision of float32 matmuls on every backend: "highest" = true fp32 (no TF32 on GPU),
+    "high"/"default" = the device's fast path.  null = "highest" when precision is float32,
+    else "default" (core.policy.matmul_precision)."""
+    dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
+    """Read by backend torch_dtensor."""
+    jax_cfg: JaxConfig = Field(default_factory=JaxConfig)
+    """Read by backend jax_pjit."""
+    fsdp_offload_enabled: bool = False
+    """torch_fsdp (FSDP1): CPUOffload(offload_params=True)."""
+    activation_checkpointing_enabled: bool = False
+    """torch_fsdp (FSDP1): checkpoint each transformer block."""
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+    optimizer: OptimizerConfig | None = None
+    """null: an inference-only policy (e.g. a reference model)."""
+    scheduler: list[SchedulerEntry] | None = None
+    """SequentialLR form; null = a constant learning rate ([] is refused)."""
+    max_grad_norm: float | None
+    """Gradient clipping; null = no clipping."""
+    non_finite_step: Literal["skip", "error"] = "skip"
+    """An optimizer step whose global loss / grad norm is NaN or inf, or whose global batch has
+    no valid token, is always skipped on every rank (weights, optimizer state and the LR
+    schedule unchanged).  "skip": reported (skipped_steps, a warning) and the run goes on;
+    "error": Policy.train then raises on the driver naming the step and the value."""
+    generation: GenerationConfig | None = None
+    """How rollouts are sampled (GRPO); null for SFT / DPO, which never generate."""
+    refit_buffer_size_gb: float = Field(4.0, gt=0)
+    """Staging buffer for policy -> generation weight refit."""
+
+    def check(self) -> Iterable[Problem]:
+        if self.backend == "torch_fsdp" and self.make_vocab_size_divisible_by > 1:
+            yield (
+                "make_vocab_size_divisible_by",
+                f"{self.make_vocab_size_divisible_by}: the torch_fsdp (FSDP1) backend has no tensor parallelism "
+                "and does not pad the vocabulary; set it to 1 (torch_dtensor and jax_pjit pad)",
+            )
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            yield "max_grad_norm", f"must be > 0 (or null for no clipping), got {self.max_grad_norm!r}"
+        yield from self._batching_problems()
+        if self.scheduler is not None:
+            yield from ((join_path("scheduler", p), m) for p, m in scheduler_problems(self.scheduler))
+        if self.generation is not None:
+            yield from self._engine_length_problems(self.generation)
+
+    def _batching_problems(self) -> Iterable[Problem]:
+        packing = self.sequence_packing
+        if not packing.enabled:
+            return
+        if self.dynamic_batching.enabled:
+            yield "sequence_packing.enabled", "sequence packing and dynamic batching cannot both be enabled"
+        limit = self.max_total_sequence_length
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            budget = getattr(packing, key)
+            if budget is not None and budget < limit:
+                yield (
+                    f"sequence_packing.{key}",
+                    f"{budget} is smaller than max_total_sequence_length ({limit}): a sequence of the "
+                    "allowed length would fit no packed row",
+                )
+
+    def _engine_length_problems(self, gen: GenerationConfig) -> Iterable[Problem]:
+        total = self.max_total_sequence_length
+        if gen.backend == "vllm" and gen.vllm_cfg is not None and gen.vllm_cfg.max_model_len < total:
+            # The engine refuses (VllmGeneration) or truncates what the policy would train on.
+            yield (
+                "generation.vllm_cfg.max_model_len",
+                f"{gen.vllm_cfg.max_model_len} is below policy.max_total_sequence_length ({total}): a rollout "
+                "of the allowed length would not fit the engine; set it to at least that",
+            )
+
+    @property
+    def generation_dtype(self) -> str:
+        """The dtype the engine serves and a refit casts the weights to:
+        ``generation.vllm_cfg.precision``, else ``precision`` (training in fp32 and generating
+        in bf16 is common)."""
+        vllm = self.generation.vllm_cfg if self.generation is not None else None
+        return vllm.precision if vllm is not None and vllm.precision else self.precision
+
+    # ------------------------------------------------------------------ the device layout
+    def layout_problems(self, world_size: int) -> Iterable[Problem]:
+        """Whether the backend's parallel sizes fit ``world_size`` devices, and whether the
+        global batch splits into whole micro batches on every data-parallel rank."""
+        problem = self._mesh_problem(world_size)
+        if problem is not None:
+            yield problem
+            return
+        dp, gbs, mbs = self.parallel_dims(world_size).dp, self.train_global_batch_size, self.train_micro_batch_size
+        if gbs % (mbs * dp):
+            yield (
+                "train_global_batch_size",
+                f"{gbs} is not divisible by train_micro_batch_size ({mbs}) x data parallel size ({dp}) = {mbs * dp}",
+            )
+
+    def _mesh_problem(self, ws: int) -> Problem | None:
+        if self.backend == "torch_dtensor":
+            return _tp_cp_problem("dtensor_cfg", self.dtensor_cfg.tensor_parallel_size,
+                                  self.dtensor_cfg.context_parallel_size, ws)  # fmt: skip
+        if self.backend != "jax_pjit":
+            return None
+        jax = self.jax_cfg
+        problem = _tp_cp_problem("jax_cfg", jax.tensor_parallel_size, jax.context_parallel_size, ws)
+        fsdp, cp, tp = jax.fsdp_size, jax.context_parallel_size, jax.tensor_parallel_size
+        if problem is None and fsdp != -1 and fsdp * cp * tp != ws:
+            sizes = f"fsdp_size ({fsdp}) x " + (f"context_parallel_size ({cp}) x " if cp != 1 else "")
+            problem = (
+                "jax_cfg.fsdp_size",
+                f"{sizes}tensor_parallel_size ({tp}) = {fsdp * cp * tp} does not equal the world size ({ws}); "
+                "use -1 to fill in",
+            )
+        return problem
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The mesh this config asks for on ``world_size`` devices.
+
+        * ``torch_fsdp``    -- every rank is an FSDP shard: ``fsdp = world_size``;
+        * ``torch_dtensor`` -- ``tp``/``cp`` from ``dtensor_cfg``, ``fsdp`` takes the rest;
+        * ``jax_pjit``      -- ``fsdp``/``cp``/``tp`` from ``jax_cfg`` (``fsdp_size: -1`` fills in).
+        """
+        if self.backend == "torch_fsdp":
+            return ParallelDims.build(world_size, fsdp=world_size)
+        if self.backend == "torch_dtensor":
+            d = self.dtensor_cfg
+            return ParallelDims.build(world_size, fsdp=-1, tp=d.tensor_parallel_size, cp=d.context_parallel_size)
+        j = self.jax_cfg
+        return ParallelDims.build(world_size, fsdp=j.fsdp_size, tp=j.tensor_parallel_size, cp=j.context_parallel_size)
+
+
+def _tp_cp_problem(section: str, tp: int, cp: int, ws: int) -> Problem | None:
+    """tp, then tp x cp, must divide the world size; the problem names the field at fault."""
+    if ws % tp:
+        return f"{section}.tensor_parallel_size", f"tensor_parallel_size ({tp}) does not divide the world size ({ws})"
+    if ws % (tp * cp):
+        return (
+            f"{section}.context_parallel_size",
+            f"tensor_parallel_size ({tp}) x context_parallel_size ({cp}) = {tp * cp} does not divide the world size "
+            f"({ws})",
+        )
+    return None
