@@ -93,7 +93,7 @@ def _train_command(args: argparse.Namespace) -> int:
     from core.environments import RewardError
 
     try:
-        run(cfg)
+        run(cfg, log=_console_line)
     except (RewardError, NonFiniteLossError) as err:
         print(f"dualrl {args.command}: training failed: {err}", file=sys.stderr)
         return 1
@@ -101,6 +101,14 @@ def _train_command(args: argparse.Namespace) -> int:
         print(f"dualrl {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _console_line(text: str) -> None:
+    """A line of the run's log, printed above its progress bar: tqdm.write clears the open bars
+    and redraws them, where a plain print would continue the bar's line."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stdout)
 
 
 def _parity_command(args: argparse.Namespace) -> int:

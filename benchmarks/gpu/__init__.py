@@ -47,7 +47,7 @@ through Ray, one backend alive at a time.  Sections:
 Output: the machine line (``benchmarks.machine``), one markdown table per section, skip notes,
 and ``--json PATH``: one JSON object per line, appended as each row is measured (a run killed
 by a time limit keeps what it measured).  Exit code 1 when a row failed or a loss check did not
-pass.  Numbers for the README come from running this on a GPU machine, not from tests.
+pass.  Numbers for docs/benchmarks-and-parity.md come from running this on a GPU machine, not from tests.
 """
 
 # The package, in the order a run goes:

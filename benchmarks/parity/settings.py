@@ -39,7 +39,7 @@ TOLERANCES: dict[str, tuple[str, float]] = {
 #: CPU autocast).  What differs between layouts is where bf16 rounds a matmul's *inputs*
 #: (relative 2**-9 ~ 2e-3 per operand; CPU kernels accumulate in fp32): FSDP casts the norms'
 #: weights too while autocast keeps them fp32, TP rounds partial products of other shapes.
-#: Measured maxima on the tiny Llama, 5 layouts (README): logprobs 3.0e-3, loss 4.8e-5, grad
+#: Measured maxima on the tiny Llama, 5 layouts: logprobs 3.0e-3, loss 4.8e-5, grad
 #: norm 1.7e-3 (rel), 3-step curve 1.3e-4, trained logprobs 7.5e-3, GRPO metrics 2.9e-3, batch
 #: invariance 9.7e-4, cross-loads 4.2e-3.  The bands are ~3-4x those maxima -- far below what a
 #: real error does (a wrong shard, mask or position moves logprobs by tenths of a nat or more).

@@ -11,9 +11,11 @@ move by ``collective`` broadcast) -- the transport follows the placement.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from core.algorithms.config import MasterConfig
 from core.distributed import RayVirtualCluster, init_ray
+from core.distributed.worker_output import WORKER_LOG_FILENAME
 from core.policy.generation_config import ColocationResources
 
 XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -45,6 +47,10 @@ def start_ray(cfg: MasterConfig) -> None:
     first imports jax, and Ray's workers inherit the environment of the process that starts
     Ray -- so the device count (``cluster.gpus_per_node``) is set here, before ``ray.init``,
     unless the caller already chose one.
+
+    The workers' own output (vLLM's and the libraries' start-up chatter) goes to
+    ``<logger.log_dir>/workers.log``, not between the progress bar's lines: see
+    :mod:`core.distributed.worker_output` (errors still reach the console).
     """
     import ray
 
@@ -57,7 +63,15 @@ def start_ray(cfg: MasterConfig) -> None:
     on_gpu = _has_gpu()
     if cfg.policy.backend == "jax_pjit" and not on_gpu:
         os.environ["XLA_FLAGS"] = jax_cpu_flags(os.environ.get("XLA_FLAGS", ""), cfg.cluster.gpus_per_node)
-    init_ray(num_cpus=None if on_gpu else max(os.cpu_count() or 1, cpu_slots_needed(cfg)))
+    init_ray(
+        num_cpus=None if on_gpu else max(os.cpu_count() or 1, cpu_slots_needed(cfg)),
+        worker_log=worker_log_path(cfg),
+    )
+
+
+def worker_log_path(cfg: MasterConfig) -> Path | None:
+    """Where a run's worker processes write their stdout/stderr (None: Ray's default)."""
+    return Path(cfg.logger.log_dir) / WORKER_LOG_FILENAME if cfg.logger is not None else None
 
 
 def jax_cpu_flags(flags: str, devices: int) -> str:

@@ -13,6 +13,7 @@ log past the checkpoint, so a resumed run logs exactly what the uninterrupted on
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -134,10 +135,15 @@ def start_policy(run: TrainingRun, log: Callable[[str], None], *, colocated_shar
     """Ray, the training cluster and the Policy (from the resumed checkpoint if any); the
     cluster is returned for engines that share it."""
     from core.algorithms.placement import policy_cluster, start_ray
+    from core.distributed.worker_output import current_worker_log
     from core.policy import Policy
 
     cfg, ckpt = run.resolved_cfg, run.resumed
     start_ray(cfg)
+    worker_log = current_worker_log()
+    if worker_log:
+        shown = os.path.relpath(worker_log)
+        log(f"worker output (vLLM, libraries): {worker_log if shown.startswith('..') else shown}")
     cluster = policy_cluster(cfg)
     run._exit.callback(cluster.shutdown)
     run.policy = Policy(

@@ -4,15 +4,15 @@ Every entry point (CLI, tests, benchmarks) calls :func:`init_ray` instead of ``r
 so that they all get the same settings: no dashboard (it costs ~1 s and ~100 MB and is
 useless on CI), a small object store (the default reserves 30 % of RAM), no usage-stats
 reporting, and ``RAY_AUTH_MODE=disabled`` (Ray >= 2.5x otherwise asks for a token on
-some setups).  Worker stdout/stderr are still forwarded to the driver, because that is
-where a failing worker's traceback shows up first.
+some setups).  Worker stdout/stderr are forwarded to the driver, unless ``worker_log`` names
+a file for them (a training run's ``workers.log``: :mod:`core.distributed.worker_output`).
 
 A local Ray started here also gets a watchdog (:mod:`core.distributed.ray_reaper`): if the
 driver is killed hard, Ray's own fate-sharing stops the GCS, the raylet and the workers,
 but the raylet's dashboard and runtime-env agents outlive it for over a minute (they block
 reporting the raylet's death to the dead GCS); the watchdog kills them within a second.
 Clean-up by hand (a session whose watchdog was killed too, or a cluster from ``ray start``)
-is described in the README, "Troubleshooting: leftovers of a killed run".
+is described in docs/troubleshooting.md, "Leftovers of a killed run".
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 import threading
 
 import ray
+
+from core.distributed.worker_output import worker_log_runtime_env
 
 __all__ = ["init_ray", "DEFAULT_OBJECT_STORE_MEMORY"]
 
@@ -43,6 +45,7 @@ def init_ray(
     num_cpus: int | None = None,
     object_store_memory: int = DEFAULT_OBJECT_STORE_MEMORY,
     address: str | None = None,
+    worker_log: str | os.PathLike | None = None,
 ) -> None:
     """Make sure this process is connected to Ray; return immediately if it already is.
 
@@ -53,6 +56,9 @@ def init_ray(
       cores) and an object store of ``object_store_memory`` bytes -- even when this
       machine already runs a Ray cluster (``ray start``, another test session's
       ``ray.cluster_utils.Cluster``).  To join that one, pass its address or ``"auto"``.
+
+    ``worker_log``: every worker process of this driver writes its stdout/stderr to that
+    file instead of the driver's console (errors still reach the driver as exceptions).
 
     Idempotent: a second call (with any arguments) does nothing, so library code may call
     it defensively without fighting an initialisation done by the caller.
@@ -70,7 +76,9 @@ def init_ray(
     for key, value in _RAY_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
-    common = dict(log_to_driver=True, logging_level=logging.WARNING)
+    common: dict = dict(log_to_driver=True, logging_level=logging.WARNING)
+    if worker_log is not None:
+        common["runtime_env"] = worker_log_runtime_env(worker_log)
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         ray.init(address=address, **common)
@@ -103,7 +111,7 @@ def _start_reaper() -> None:
     except (AttributeError, KeyError, IndexError) as exc:
         logging.getLogger(__name__).warning(
             "no Ray watchdog (Ray's node layout changed: %r); after a hard kill "
-            "see README 'Troubleshooting: leftovers of a killed run'",
+            "see docs/troubleshooting.md 'Leftovers of a killed run'",
             exc,
         )
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -65,7 +66,14 @@ def check_loss_fn(loss_fn: Any) -> None:
 
 
 def _as_tensor(x: Any) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        # Ray hands numpy arrays out of its object store read-only (the vLLM engine actors get
+        # their prompts that way), and a tensor sharing a read-only buffer is undefined behaviour
+        # in torch (it warns).  The checks only read a batch of ids or masks: copy it.
+        x = x.copy()
+    return torch.as_tensor(x)
 
 
 def _check_id_range(ids: torch.Tensor, vocab_size: int, what: str) -> None:
