@@ -33,6 +33,7 @@ class ClusterConfig(ConfigModel):
     gpus_per_node: int = Field(ge=1)
     """On CPU machines: worker slots per node."""
     num_nodes: int = Field(1, ge=1)
+    """Nodes; world size = gpus_per_node x num_nodes."""
 
     @property
     def world_size(self) -> int:
@@ -47,6 +48,7 @@ class GRPOConfig(ConfigModel):
     num_generations_per_prompt: int
     """Samples per prompt (the group); >= 2 for a group baseline."""
     max_num_steps: int = Field(ge=1)
+    """Training steps of the run (one rollout batch each)."""
     max_num_epochs: int | None = Field(None, ge=1)
     """Stop after this many passes over a finite prompt set; null = no limit."""
     normalize_rewards: bool
@@ -56,7 +58,9 @@ class GRPOConfig(ConfigModel):
     val_period: int = Field(ge=0)
     """Validate every N steps; 0 = never (except val_at_start / the end)."""
     val_at_start: bool
+    """Validate before the first step."""
     val_at_end: bool = True
+    """Validate after the last step."""
     max_val_samples: int = Field(ge=1)
     """Held-out prompts per validation (greedy, one sample each)."""
     val_batch_size: int | None = Field(None, ge=1)
@@ -85,9 +89,13 @@ class SFTConfig(ConfigModel):
     val_batches: int = Field(ge=0)
     """Validation = val_batches x val_global_batch_size held-out examples; 0 = no validation."""
     val_global_batch_size: int = Field(ge=1)
+    """Held-out rows per validation batch (over all data-parallel ranks)."""
     val_micro_batch_size: int = Field(ge=1)
+    """Rows per forward on one rank during validation."""
     val_at_start: bool
+    """Validate before the first step."""
     val_at_end: bool = True
+    """Validate after the last step."""
     seed: int
     """Data order and held-out split."""
 
@@ -175,8 +183,8 @@ class _AlgorithmRunConfig(MasterConfig):
     @classmethod
     def refusals(cls, raw: Mapping[str, Any]) -> Iterable[Problem]:
         sections = cls.sections()
-        for name in raw:
-            if name in MasterConfig.model_fields and name not in sections:
+        for name, value in raw.items():  # a null section is the same as none
+            if name in MasterConfig.model_fields and name not in sections and value is not None:
                 yield name, f"not used by dualrl {cls.algorithm}; remove the section (it reads {', '.join(sections)})"
         data = raw.get("data")
         if isinstance(data, Mapping):
@@ -188,6 +196,13 @@ class _AlgorithmRunConfig(MasterConfig):
     def check(self) -> Iterable[Problem]:
         yield from super().check()
         yield from self.algorithm_problems()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sections and data keys this command reads, defaults filled in: what ``dualrl
+        config`` prints, and what the command accepts back."""
+        out = {name: value for name, value in super().to_dict().items() if name in self.sections()}
+        out["data"] = {key: value for key, value in out["data"].items() if key in self.data_keys}
+        return out
 
     def algorithm_problems(self) -> Iterable[Problem]:
         return ()
@@ -241,6 +256,11 @@ class _TrainOnlyRunConfig(_AlgorithmRunConfig):
                 "logger.num_val_samples_to_print",
                 f"not used by dualrl {cls.algorithm} (it prints GRPO's validation completions); remove it",
             )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["logger"].pop("num_val_samples_to_print", None)  # GRPO's alone (refused above)
+        return out
 
 
 _SUPERVISED_DATA_KEYS = (*_COMMON_DATA_KEYS, "prompt_key", "on_long_sequence", "arithmetic")

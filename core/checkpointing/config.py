@@ -15,6 +15,7 @@ class CheckpointingConfig(ConfigModel):
     """Run checkpoints: policy state + data position + RNG + config, written atomically."""
 
     enabled: bool = True
+    """Write run checkpoints (resume works either way)."""
     checkpoint_dir: str | None = None
     """Where step_N/ directories go; required when enabled or resume."""
     save_period: int = Field(10, ge=1)
@@ -24,6 +25,7 @@ class CheckpointingConfig(ConfigModel):
     metric_name: str | None = Field(None, min_length=1)
     """Keep the best by this metric (e.g. "val/accuracy"); null = the newest."""
     higher_is_better: bool = True
+    """Whether a larger metric_name value is better."""
     resume: bool = False
     """Continue from the latest complete checkpoint (the CLI's --resume)."""
     export_hf_dir: str | None = Field(None, min_length=1)

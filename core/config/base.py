@@ -25,6 +25,7 @@ line each, starting with the dotted path of the field (``policy.dtensor_cfg.tens
 
 from __future__ import annotations
 
+import copy
 import difflib
 import types
 import typing
@@ -132,22 +133,42 @@ def _children(value: Any, key: str) -> Iterator[tuple[str, ConfigModel]]:
 
 
 def _checks_of_valid_sections(cls: type[ConfigModel], data: Any, err: ValidationError, path: str) -> list[str]:
-    """The checks of each top-level section that is well typed, although another is not,
-    so that one run of ``dualrl config`` lists as much as it can."""
-    if not isinstance(data, Mapping):
-        return []
-    broken = {e["loc"][0] for e in err.errors() if e["loc"]}
+    """What :meth:`ConfigModel.check` says of the parts of a config whose types are right, so
+    that one run of ``dualrl config`` lists as much as it can.  Unknown keys (typos) are left
+    out first: a config whose only type errors are unknown keys gets all its checks; otherwise
+    each top-level section whose types are right gets its own."""
+    errors = err.errors()
+    unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
+    data = _without_locs(data, unknown)
+    if len(unknown) == len(errors):
+        return _problem_lines(cls, data, path)
+    broken = {e["loc"][0] for e in errors if e["loc"] and e["type"] != "extra_forbidden"}
     lines = []
     for name, field in cls.model_fields.items():
         section = _model_class(field.annotation)
-        if name in broken or section is None or not isinstance(data.get(name), Mapping):
-            continue
-        try:
-            sub = section.model_validate(data[name])
-        except ValidationError:  # pragma: no cover - reported above
-            continue
-        lines += [_line(join_path(path, name), p, msg) for p, msg in problems(sub)]
+        if name not in broken and section is not None and isinstance(data, Mapping) and name in data:
+            lines += _problem_lines(section, data[name], join_path(path, name))
     return lines
+
+
+def _problem_lines(cls: type[ConfigModel], data: Any, path: str) -> list[str]:
+    try:
+        model = cls.model_validate(data)
+    except ValidationError:  # a type error the caller has reported
+        return []
+    return [_line(path, p, msg) for p, msg in problems(model)]
+
+
+def _without_locs(data: Any, locs: Iterable[Sequence[Any]]) -> Any:
+    """A copy of ``data`` (nested mappings and lists) without the entries at ``locs``."""
+    out = copy.deepcopy(data)
+    for loc in locs:
+        node = out
+        for key in loc[:-1]:
+            node = node[key] if isinstance(node, (Mapping, list)) else None
+        if isinstance(node, dict):
+            node.pop(loc[-1], None)
+    return out
 
 
 def _without(raw: Mapping[str, Any], paths: Iterable[str]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ class DataConfig(ConfigModel):
     dataset_config: str | None = None
     """Hub subset, e.g. "main"."""
     split: str = "train"
+    """The training split of a file or hub dataset."""
     val_dataset_name: str | None = None
     """null = hold validation rows out of dataset_name."""
     val_split: str | None = None
@@ -53,6 +54,7 @@ class DataConfig(ConfigModel):
     on_long_sequence: Literal["truncate", "filter", "error"] = "truncate"
     """SFT/DPO: a sequence over policy.max_total_sequence_length."""
     shuffle: bool = True
+    """Shuffle the training rows each epoch (the order is a function of the seed)."""
     arithmetic: ArithmeticTaskConfig | None = None
     """SFT/DPO: knobs of the built-in task (GRPO: env.arithmetic); null = the defaults."""
 

@@ -157,7 +157,7 @@ class _Encoder:
             )
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
-        system = self._cfg.get("system_prompt")
+        system = self._cfg.system_prompt
         if system and not any(m["role"] == "system" for m in messages):
             return [{"role": "system", "content": system}] + messages
         return messages

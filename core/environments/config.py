@@ -25,8 +25,11 @@ class ArithmeticTaskConfig(ConfigModel):
     """Difficulty knobs of the built-in arithmetic task."""
 
     min_value: int = 0
+    """Smallest operand."""
     max_value: int = 20
+    """Largest operand."""
     num_operands: int = Field(2, ge=2)
+    """Operands per problem."""
     operations: list[ArithmeticOperation] = Field(default_factory=lambda: ["+", "-"])
     """Drawn uniformly per operator; "*" binds tighter than "+" / "-"."""
     allow_negative: bool = False

@@ -39,7 +39,6 @@ from core.environments.registry import make_environment, resolve_environment_cla
 
 __all__ = ["EnvironmentPool", "EnvironmentPoolError", "EnvironmentWorker"]
 
-#: Default of ``env.timeout_s``: seconds one chunk may take before it counts as hung.
 #: Seconds the workers get to import and build their environment (imports are slow on a
 #: loaded 2-core machine, and a user environment may load a model).
 STARTUP_TIMEOUT_S = 300.0

@@ -13,7 +13,9 @@ class LoggerConfig(ConfigModel):
     log_dir: str = Field(min_length=1)
     """metrics.jsonl, tensorboard/, curves.png (relative paths are resolved on the driver)."""
     jsonl_enabled: bool = True
+    """Write metrics.jsonl (one JSON row per step and split)."""
     tensorboard_enabled: bool = True
+    """Write TensorBoard event files under tensorboard/."""
     progress_bar: bool = True
     """A tqdm bar over the steps."""
     plot_enabled: bool = True

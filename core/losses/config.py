@@ -41,6 +41,7 @@ class ClippedPGLossConfig(ConfigModel):
     truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
     """Lower bound (icepop / seq-mask-tis)."""
     truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
+    """tis: clip the weight; icepop: zero tokens outside [min, max]; seq-mask-tis: mask whole sequences."""
     sequence_level_importance_ratios: bool = False
     """GSPO: one ratio per sequence."""
 
@@ -87,6 +88,7 @@ class DPOLossConfig(ConfigModel):
     reference_policy_kl_penalty: float = Field(gt=0)
     """DPO's beta."""
     preference_loss_weight: float = Field(ge=0)
+    """Weight of the preference (sigmoid) term."""
     sft_loss_weight: float = Field(ge=0)
     """Weight of the NLL on the chosen response."""
     preference_average_log_probs: bool

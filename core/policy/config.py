@@ -64,6 +64,7 @@ class JaxConfig(ConfigModel):
     fsdp_size: int = -1
     """Size of the "fsdp" mesh axis; -1 = the devices tp x cp leave."""
     tensor_parallel_size: int = Field(1, ge=1)
+    """Size of the "tp" mesh axis."""
     context_parallel_size: int = Field(1, ge=1)
     """Size of the "cp" mesh axis (splits the sequence)."""
     activation_checkpointing: bool = False
@@ -78,6 +79,7 @@ class DynamicBatchingConfig(ConfigModel):
     """Token-budget micro-batching (sort by length, fill up to N tokens)."""
 
     enabled: bool = False
+    """Micro batches by token budget instead of by row count."""
     train_mb_tokens: int | None = Field(None, gt=0)
     """Token budget of a training micro batch; required when enabled."""
     logprob_mb_tokens: int | None = Field(None, gt=0)
@@ -95,6 +97,7 @@ class SequencePackingConfig(ConfigModel):
     """Pack several sequences into one row (no padding between them)."""
 
     enabled: bool = False
+    """Pack sequences into rows (not with dynamic_batching)."""
     train_mb_tokens: int | None = Field(None, gt=0)
     """Tokens per packed training row; required when enabled."""
     logprob_mb_tokens: int | None = Field(None, gt=0)
@@ -124,6 +127,7 @@ class SchedulerEntry(ConfigModel):
     name: str | None = None
     """E.g. "torch.optim.lr_scheduler.LinearLR"."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the scheduler's constructor."""
     milestones: list[int] | None = None
     """n_schedulers - 1 increasing step numbers."""
 

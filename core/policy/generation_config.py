@@ -23,7 +23,9 @@ class VllmConfig(ConfigModel):
     """vLLM engine settings for generation."""
 
     tensor_parallel_size: int = Field(1, gt=0)
+    """Devices one engine's tensor parallelism spans."""
     pipeline_parallel_size: int = Field(1, gt=0)
+    """Pipeline stages of one engine."""
     gpu_memory_utilization: float = 0.6
     """Fraction of device memory vLLM may take, in (0, 1]."""
     max_model_len: int = Field(gt=0)
@@ -37,6 +39,7 @@ class VllmConfig(ConfigModel):
     load_format: str = "dummy"
     """"dummy" when weights are refit from the policy (the usual case)."""
     skip_tokenizer_init: bool = True
+    """The engine gets token ids, never text: no tokenizer of its own."""
 
     def check(self) -> Iterable[Problem]:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -59,13 +62,16 @@ class ColocationResources(ConfigModel):
     """Devices for a generation engine that is *not* colocated with training (null = 1)."""
 
     gpus_per_node: int | None = Field(None, gt=0)
+    """Devices (CPU: slots) per node for the engines."""
     num_nodes: int | None = Field(None, gt=0)
+    """Nodes for the engines."""
 
 
 class ColocationConfig(ConfigModel):
     """Whether generation shares the training workers' devices."""
 
     enabled: bool = True
+    """Share the training bundles (ipc refit); false: the engines' own cluster (collective refit)."""
     resources: ColocationResources = Field(default_factory=ColocationResources)
     """Used only when enabled is false."""
 
@@ -74,16 +80,21 @@ class GenerationConfig(ConfigModel):
     """How rollouts are generated."""
 
     backend: GenerationBackend
+    """vllm: vLLM engines fed by refit; hf: the policy's own generate on its workers."""
     max_new_tokens: int = Field(gt=0)
+    """Longest completion, in tokens (cut to fit max_total_sequence_length)."""
     temperature: float = 1.0
     """> 0; greedy decoding is a per-call switch (greedy=True), not temperature 0."""
     top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 = off."""
     top_k: int | None = None
     """null or -1 = no top-k filtering; else >= 1 (0 is refused as a likely typo)."""
     model_name: str | None = None
     """vllm only (the engine's architecture); null = policy.model_name."""
     stop_token_ids: list[int] | None = None
+    """Token ids that end a completion besides the tokenizer's eos (kept in the completion)."""
     stop_strings: list[str] | None = None
+    """Strings that end a completion (the token completing one is kept)."""
     pad_token_id: int | None = None
     """null = the tokenizer's."""
     colocated: ColocationConfig = Field(default_factory=ColocationConfig)

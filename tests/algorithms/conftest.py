@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from core.algorithms.config import GRPORunConfig
 from core.config import load_config
 from dualrl.cli import GRPO_DEFAULT_CONFIG_PATH
 
@@ -60,9 +61,12 @@ def builtin_cache(ray_session, tmp_path_factory):
         os.environ["DUALRL_CACHE_DIR"] = old
 
 
-def grpo_config(run_dir: Path, backend: str, *overrides: str) -> dict:
+def grpo_config(run_dir: Path, backend: str, *overrides: str) -> GRPORunConfig:
     """The embedded default on ``backend``, small, logging under ``run_dir``."""
     paths = [f"logger.log_dir={run_dir / 'logs'}", f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}"]
     return load_config(
-        GRPO_DEFAULT_CONFIG_PATH, SMALL_RUN + LAYOUTS[backend] + paths + list(overrides), backend=backend
+        GRPO_DEFAULT_CONFIG_PATH,
+        SMALL_RUN + LAYOUTS[backend] + paths + list(overrides),
+        backend=backend,
+        schema=GRPORunConfig,
     )

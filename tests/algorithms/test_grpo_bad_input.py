@@ -86,21 +86,29 @@ def test_resume_from_a_partial_checkpoint(builtin_cache, tmp_path, capsys):
 
 
 def test_resume_from_another_backend(builtin_cache, tmp_path, capsys):
-    from core.algorithms.run_setup import resolve_model, run_identity
+    from core.algorithms.config import GRPORunConfig
+    from core.algorithms.run_setup import run_identity
+    from core.algorithms.warm_start import resolve_model
     from core.checkpointing import CheckpointManager
     from core.config import load_config
     from core.datasets import build_prompt_datasets
     from core.models.char_tokenizer import char_tokenizer
     from dualrl.cli import GRPO_DEFAULT_CONFIG_PATH
 
-    cfg = load_config(GRPO_DEFAULT_CONFIG_PATH, SMALL_RUN, backend="jax_pjit")
-    _, val = build_prompt_datasets(cfg, char_tokenizer(), num_val=8, seed=cfg["grpo"]["seed"])
+    cfg = load_config(GRPO_DEFAULT_CONFIG_PATH, SMALL_RUN, backend="jax_pjit", schema=GRPORunConfig)
+    _, val = build_prompt_datasets(cfg.data, cfg.env.arithmetic, char_tokenizer(), num_val=8, seed=cfg.grpo.seed)
     resolved = resolve_model(cfg, [val[i].metadata["raw_prompt"] for i in range(len(val))], log=lambda _m: None)
     manager = CheckpointManager(
         {"enabled": True, "checkpoint_dir": str(tmp_path / "ck"), "save_period": 1, "keep_top_k": None},
         identity=run_identity("grpo", cfg, resolved),
     )
-    manager.save(1, lambda p: (p.mkdir(), (p / "weights").write_bytes(b"x")), train_state={}, config=cfg, metrics={})
+    manager.save(
+        1,
+        lambda p: (p.mkdir(), (p / "weights").write_bytes(b"x")),
+        train_state={},
+        config=cfg.to_dict(),
+        metrics={},
+    )
     rc, err = _grpo(tmp_path, capsys, "checkpointing.enabled=true", "--resume", "--backend", "torch_fsdp")
     assert rc == 2 and "backend" in err and "'jax_pjit'" in err and "'torch_fsdp'" in err
 

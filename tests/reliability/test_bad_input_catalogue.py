@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from core.checkpointing.manifest import CheckpointError
-from core.config.validate import ConfigError
+from core.config import ConfigError
 from core.data import BatchedDataDict
 from core.distributed import RecoverableCallError
 from core.losses import ClippedPGLossFn, LossInputError
@@ -405,8 +405,8 @@ CASES = [
         "Policy: unknown backend",
         "policy",
         _new_policy(backend="torch_fsdp3"),
-        ValueError,
-        r"policy.backend='torch_fsdp3' has no registered worker; available: \['jax_pjit'",
+        ConfigError,
+        r"policy\.backend: expected one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit', got 'torch_fsdp3'",
     ),
     Case(
         "Policy: train_global_batch_size not divisible",

@@ -37,7 +37,8 @@ class ConstantEnv:
     name = "constant"
 
     def __init__(self, cfg):
-        self.value = float(cfg.get("constant", {}).get("value", 0.5))
+        # A user class gets the whole typed `env` section and reads its own settings from kwargs.
+        self.value = float(cfg.kwargs.get("value", 0.5))
 
     def score(self, prompts, completions, metadata):
         return EnvironmentReturn([self.value] * len(prompts), [{} for _ in prompts])
@@ -151,21 +152,21 @@ def test_format_prompt():
         ({"max_vale": 3}, r"env\.arithmetic\.max_vale: unknown key"),
         (
             {"min_value": 9, "max_value": 3},
-            r"env\.arithmetic\.min_value \(9\) is greater than env\.arithmetic\.max_value \(3\)",
+            r"env\.arithmetic\.min_value: 9 is greater than max_value \(3\)",
         ),
-        ({"num_operands": 1}, r"env\.arithmetic\.num_operands must be >= 2, got 1"),
-        ({"operations": ["+", "/"]}, r"env\.arithmetic\.operations: unknown operation '/'"),
-        ({"operations": []}, r"env\.arithmetic\.operations must be a non-empty list"),
-        ({"operations": ["+", "+"]}, r"env\.arithmetic\.operations lists an operation twice"),
-        ({"max_value": "20"}, r"env\.arithmetic\.max_value must be an int, got '20'"),
-        ({"num_operands": 2.0}, r"env\.arithmetic\.num_operands must be an int"),
-        ({"allow_negative": "no"}, r"env\.arithmetic\.allow_negative must be true or false"),
+        ({"num_operands": 1}, r"env\.arithmetic\.num_operands: must be >= 2, got 1"),
+        ({"operations": ["+", "/"]}, r"env\.arithmetic\.operations\[1\]: expected one of '\+', '-', '\*', got '/'"),
+        ({"operations": []}, r"env\.arithmetic\.operations: must be a non-empty list"),
+        ({"operations": ["+", "+"]}, r"env\.arithmetic\.operations: lists an operation twice"),
+        ({"max_value": "20"}, r"env\.arithmetic\.max_value: expected int, got str \('20'\)"),
+        ({"num_operands": 2.0}, r"env\.arithmetic\.num_operands: expected int, got float \(2\.0\)"),
+        ({"allow_negative": "no"}, r"env\.arithmetic\.allow_negative: expected bool, got str \('no'\)"),
         (
             {"min_value": -1},
-            r"env\.arithmetic\.min_value \(-1\) is negative while env\.arithmetic\.allow_negative is false",
+            r"env\.arithmetic\.min_value: -1 is negative while allow_negative is false",
         ),
         ({"operations": ["-"], "min_value": 8, "num_operands": 4}, r"env\.arithmetic: no problem without a negative"),
-        (["+"], r"env\.arithmetic: expected a mapping"),
+        (["+"], r"env\.arithmetic: expected a mapping \(ArithmeticTaskConfig\), got list"),
     ],
 )
 def test_arithmetic_settings_are_validated_with_dotted_paths(cfg, message):
@@ -202,9 +203,11 @@ def test_arithmetic_environment_errors_name_the_sample_or_the_key():
         env.score(["1+1=", "2+2="], ["2", "4"], [{"ground_truth": "2"}, {"answer": "4"}])
     with pytest.raises(ValueError, match="prompts=2, completions=1, metadata=2"):
         env.score(["1+1=", "2+2="], ["2"], [{}, {}])
-    with pytest.raises(ValueError, match=r"env\.arithmetic\.max_value must be an int"):
+    with pytest.raises(ValueError, match=r"env\.arithmetic\.max_value: expected int, got None"):
         ArithmeticEnvironment({"arithmetic": {"max_value": None}})
-    with pytest.raises(ValueError, match=r"env\.arithmetic: expected a mapping"):
+    with pytest.raises(
+        ValueError, match=r"env\.arithmetic: expected a mapping \(ArithmeticTaskConfig\), got int \(5\)"
+    ):
         ArithmeticEnvironment({"arithmetic": 5})
 
 
@@ -303,8 +306,12 @@ def test_math_environment_settings_are_validated():
     assert MathEnvironment().rel_tol == 1e-6
     with pytest.raises(ValueError, match=r"env\.math\.tolerance: unknown key"):
         MathEnvironment({"math": {"tolerance": 0.1}})
-    with pytest.raises(ValueError, match=r"env\.math\.rel_tol must be a finite number >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"env\.math\.rel_tol: must be >= 0\.0, got -1"):
         MathEnvironment({"math": {"rel_tol": -1}})
+    with pytest.raises(ValueError, match=r"env\.math\.rel_tol: must be a finite number >= 0, got inf"):
+        MathEnvironment({"math": {"rel_tol": math.inf}})
+    with pytest.raises(ValueError, match=r"env\.math\.rel_tol: must be >= 0\.0, got nan"):
+        MathEnvironment({"math": {"rel_tol": math.nan}})
     with pytest.raises(RewardError, match="sample 0 .*metadata has no 'ground_truth'"):
         MathEnvironment().score(["q"], ["1"], [{}])
 
@@ -354,9 +361,12 @@ def test_make_environment_builds_the_builtins():
 
 
 def test_make_environment_builds_a_user_class_by_import_path():
-    env = make_environment({"name": "tests.unit.test_environments:ConstantEnv", "constant": {"value": 0.25}})
+    env = make_environment({"name": "tests.unit.test_environments:ConstantEnv", "kwargs": {"value": 0.25}})
     assert env.name == "constant"
     assert env.score(["a", "b"], ["x", "y"], [{}, {}]).rewards == [0.25, 0.25]
+    # Settings outside kwargs are not the user's to invent: the section refuses them by name.
+    with pytest.raises(ValueError, match=r"env\.constant: unknown key \(known keys: name, num_workers, timeout_s,"):
+        make_environment({"name": "tests.unit.test_environments:ConstantEnv", "constant": {"value": 0.25}})
 
 
 @pytest.mark.parametrize(
@@ -366,8 +376,10 @@ def test_make_environment_builds_a_user_class_by_import_path():
             {"name": "gsm9k"},
             r"env\.name: unknown environment 'gsm9k'; built-in environments: \['arithmetic', 'math'\]",
         ),
-        ({}, r"env\.name is missing"),
-        ({"name": 3}, r"env\.name must be a non-empty string, got 3"),
+        ({}, r"env\.name: missing required key"),
+        ({"name": 3}, r"env\.name: expected str, got int \(3\)"),
+        ({"name": ""}, r"env\.name: .*got str \(''\)"),
+        ({"name": "math", "timeout_s": 0}, r"env\.timeout_s: must be > 0\.0, got 0"),
         (
             {"name": "no_such_pkg.rewards:Env"},
             r"env\.name: cannot import module 'no_such_pkg\.rewards' .*ModuleNotFoundError",
@@ -377,7 +389,10 @@ def test_make_environment_builds_a_user_class_by_import_path():
             {"name": "tests.unit.test_environments:NotAnEnvironment"},
             r"built a NotAnEnvironment, which is not an Environment",
         ),
-        ({"name": "arithmetic", "arithmetic": {"max_value": -1}}, r"env\.arithmetic\.min_value \(0\) is greater than"),
+        (
+            {"name": "arithmetic", "arithmetic": {"max_value": -1}},
+            r"env\.arithmetic\.min_value: 0 is greater than max_value \(-1\)",
+        ),
     ],
 )
 def test_make_environment_rejects_bad_names(cfg, message):

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from core.algorithms.advantages import compute_advantages, group_baseline_and_std
+from core.algorithms.config import GRPORunConfig
 from core.algorithms.rollouts import generation_mask, prompt_batch, sample_seeds, training_batch
-from core.config import ConfigError, load_config
+from core.config import EMBEDDED_CONFIGS, ConfigError, load_config, load_raw_config
 from core.data import BatchedDataDict
 
-GRPO_CONFIG = "core/configs/grpo_arithmetic.yaml"
+GRPO_CONFIG = EMBEDDED_CONFIGS["grpo"]
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -104,14 +105,9 @@ def test_sample_seeds_are_a_pure_function_of_seed_step_and_stream():
 
 # ----------------------------------------------------------------------------- config rules
 def test_embedded_default_config_is_valid():
-    cfg = load_config(GRPO_CONFIG)
-    assert cfg["policy"]["model_name"] == "builtin:arithmetic-llama"
-    assert (
-        cfg["grpo"]["num_prompts_per_step"]
-        * cfg["grpo"]["num_generations_per_prompt"]
-        % cfg["policy"]["train_global_batch_size"]
-        == 0
-    )
+    cfg = load_config(GRPO_CONFIG, schema=GRPORunConfig)
+    assert cfg.policy.model_name == "builtin:arithmetic-llama"
+    assert cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt % cfg.policy.train_global_batch_size == 0
 
 
 @pytest.mark.parametrize(
@@ -139,22 +135,26 @@ def test_embedded_default_config_is_valid():
 )
 def test_bad_run_configs_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
-        load_config(GRPO_CONFIG, [override])
+        load_config(GRPO_CONFIG, [override], schema=GRPORunConfig)
     assert message in str(err.value)
 
 
 def test_grpo_needs_its_sections():
     from core.algorithms.grpo_setup import check_grpo_config
 
-    cfg = load_config(GRPO_CONFIG)
-    del cfg["env"]
+    raw = load_raw_config(GRPO_CONFIG)
+    assert isinstance(check_grpo_config(raw), GRPORunConfig)
+    typed = load_config(GRPO_CONFIG, schema=GRPORunConfig)
+    assert check_grpo_config(typed) is typed
+    del raw["env"]
     with pytest.raises(ConfigError, match="env: missing section"):
-        check_grpo_config(cfg)
+        check_grpo_config(raw)
 
 
 # ----------------------------------------------------------------------------- built-in model
 def test_builtin_model_names_and_cache_key(tmp_path, monkeypatch):
-    from core.models.builtin import builtin_tokenizer, cache_key, cache_root, is_builtin
+    from core.algorithms.warm_start import cache_key
+    from core.models.builtin import builtin_tokenizer, cache_root, is_builtin
 
     monkeypatch.setenv("DUALRL_CACHE_DIR", str(tmp_path))
     assert cache_root() == tmp_path
@@ -172,6 +172,7 @@ def test_builtin_model_names_and_cache_key(tmp_path, monkeypatch):
 
 def test_char_tokenizer_round_trips_and_the_sft_batch_masks_the_answer():
     from core.algorithms.sft import sequence_batch
+    from core.datasets.config import DataConfig
     from core.datasets.examples import SFTEncoder
     from core.models.char_tokenizer import char_tokenizer
 
@@ -179,7 +180,7 @@ def test_char_tokenizer_round_trips_and_the_sft_batch_masks_the_answer():
     ids = tok("12+7=")["input_ids"]
     assert ids[0] == tok.bos_token_id and len(ids) == 6
     assert tok.decode(ids, skip_special_tokens=True) == "12+7="
-    encoder = SFTEncoder({"response_key": "answer"}, tok, max_length=32)
+    encoder = SFTEncoder(DataConfig(dataset_name="arithmetic", response_key="answer"), tok, max_length=32)
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+10=", "answer": "20"}]
     batch = sequence_batch([encoder.encode(r, i, "test") for i, r in enumerate(rows)], tok.pad_token_id)
     # <s> 1 + 2 = | 3 </s>   and   <s> 1 0 + 1 0 = | 2 0 </s>
@@ -192,8 +193,8 @@ def test_char_tokenizer_round_trips_and_the_sft_batch_masks_the_answer():
 def test_clip_fraction_counts_tokens_outside_the_trust_region():
     from core.losses import ClippedPGLossFn
 
-    cfg = load_config(GRPO_CONFIG)["loss_fn"]
-    loss_fn = ClippedPGLossFn({**cfg, "reference_policy_kl_penalty": 0.0})
+    cfg = load_config(GRPO_CONFIG, schema=GRPORunConfig).loss_fn
+    loss_fn = ClippedPGLossFn({**cfg.to_dict(), "reference_policy_kl_penalty": 0.0})  # a plain mapping is coerced
     logprobs = torch.tensor([[0.0, -1.0, -1.0, -1.0]])
     prev = torch.tensor([[0.0, -1.0, -1.5, -0.5]])  # ratios 1, e^0.5 (clipped), e^-0.5 (clipped)
     data = {

@@ -493,11 +493,28 @@ def test_dpo_odd_batch_is_an_error():
 def test_bad_loss_config_names_the_field():
     from core.config import ConfigError
 
-    with pytest.raises(ConfigError, match="ratio_clip_c"):
-        ClippedPGLossFn({**BASE_CFG, "ratio_clip_c": 0.5})
-    with pytest.raises(ConfigError, match="loss_fn.ratio_clip_mn"):
-        ClippedPGLossFn({**BASE_CFG, "ratio_clip_mn": 0.2})
-    with pytest.raises(ConfigError, match="loss_fn.reference_policy_kl_type"):
-        ClippedPGLossFn({**BASE_CFG, "reference_policy_kl_type": "k5"})
-    with pytest.raises(ConfigError, match="loss_fn.sft_loss_weight"):
-        DPOLossFn({**DPO_CFG, "sft_loss_weight": "high"})
+    def errors(loss_cls, cfg):
+        with pytest.raises(ConfigError) as info:
+            loss_cls(cfg)
+        return info.value.errors
+
+    assert errors(ClippedPGLossFn, {**BASE_CFG, "ratio_clip_c": 0.5}) == [
+        "loss_fn.ratio_clip_c: must be > 1 (or null to disable dual clipping), got 0.5"
+    ]
+    assert errors(ClippedPGLossFn, {**BASE_CFG, "ratio_clip_mn": 0.2}) == [
+        "loss_fn.ratio_clip_mn: unknown key (did you mean 'ratio_clip_min'?)"
+    ]
+    assert errors(ClippedPGLossFn, {**BASE_CFG, "reference_policy_kl_type": "k5"}) == [
+        "loss_fn.reference_policy_kl_type: expected one of 'k1', 'k2', 'k3', got 'k5'"
+    ]
+    assert errors(DPOLossFn, {**DPO_CFG, "sft_loss_weight": "high"}) == [
+        "loss_fn.sft_loss_weight: expected float, got str ('high')"
+    ]
+
+
+def test_loss_functions_take_the_typed_section_or_its_mapping():
+    from core.losses.config import ClippedPGLossConfig, DPOLossConfig
+
+    typed = ClippedPGLossConfig.coerce(BASE_CFG, "loss_fn")
+    assert ClippedPGLossFn(typed).cfg == ClippedPGLossFn(BASE_CFG).cfg == typed
+    assert DPOLossFn(DPOLossConfig.coerce(DPO_CFG, "dpo")).cfg == DPOLossFn(DPO_CFG).cfg

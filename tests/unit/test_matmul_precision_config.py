@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from core.algorithms.config import GRPORunConfig
 from core.config import EMBEDDED_CONFIGS, ConfigError, load_config
 from core.policy.matmul_precision import resolve_matmul_precision, torch_float32_matmul
+
+
+def _policy(*overrides: str):
+    return load_config(EMBEDDED_CONFIGS["grpo"], list(overrides), schema=GRPORunConfig).policy
 
 
 @pytest.mark.parametrize(
@@ -19,21 +24,23 @@ from core.policy.matmul_precision import resolve_matmul_precision, torch_float32
     ],
 )
 def test_defaults_follow_the_training_precision(precision, given, jax_value, torch_value):
-    cfg = {"precision": precision, "matmul_precision": given}
-    assert resolve_matmul_precision(cfg) == jax_value
-    assert torch_float32_matmul(cfg) == torch_value
+    policy = _policy(f"policy.precision={precision}", f"policy.matmul_precision={given or 'null'}")
+    assert resolve_matmul_precision(policy) == jax_value
+    assert torch_float32_matmul(policy) == torch_value
 
 
-def test_an_unknown_value_is_refused_by_the_config_and_by_the_resolver():
+def test_an_unknown_value_is_refused_by_the_config_and_cannot_reach_the_resolver():
     with pytest.raises(ConfigError) as info:
-        load_config(EMBEDDED_CONFIGS["grpo"], ["policy.matmul_precision=tf32"])
+        _policy("policy.matmul_precision=tf32")
     line = next(e for e in info.value.errors if e.startswith("policy.matmul_precision: "))
     assert "'tf32'" in line and "highest" in line and "policy.matmul_precision=tf32" in line
-    with pytest.raises(ValueError, match="policy.matmul_precision must be one of"):
-        resolve_matmul_precision({"precision": "float32", "matmul_precision": "tf32"})
+    policy = _policy()
+    with pytest.raises(ValueError, match="matmul_precision"):  # a validated section stays valid
+        policy.matmul_precision = "tf32"
+    assert resolve_matmul_precision(policy) == "highest"
 
 
 def test_the_embedded_configs_leave_it_to_the_default():
-    cfg = load_config(EMBEDDED_CONFIGS["grpo"], [])
-    assert cfg["policy"]["matmul_precision"] is None
-    assert resolve_matmul_precision(cfg["policy"]) == "highest"
+    policy = _policy()
+    assert policy.matmul_precision is None
+    assert resolve_matmul_precision(policy) == "highest"

@@ -7,7 +7,6 @@ tests/jax_backend/test_non_finite_steps.py.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -74,15 +73,16 @@ def test_train_result_metrics_and_messages():
 
 
 def test_config_field_default_and_validation():
-    from core.config import ConfigError
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
-    from core.config.validate import validate_policy_config
+    from core.config import ConfigError, load_raw_config
+    from core.config.loader import DEFAULT_CONFIG_PATH
+    from core.policy.config import PolicyConfig
 
-    cfg = copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
-    assert cfg["non_finite_step"] == "skip"
-    validate_policy_config({**cfg, "non_finite_step": "error"})
+    cfg = load_raw_config(DEFAULT_CONFIG_PATH)["policy"]
+    del cfg["non_finite_step"]
+    assert PolicyConfig.coerce(cfg, "policy").non_finite_step == "skip"  # the model's default
+    assert PolicyConfig.coerce({**cfg, "non_finite_step": "error"}, "policy").non_finite_step == "error"
     with pytest.raises(ConfigError, match="policy.non_finite_step: expected one of 'skip', 'error', got 'ignore'"):
-        validate_policy_config({**cfg, "non_finite_step": "ignore"})
+        PolicyConfig.coerce({**cfg, "non_finite_step": "ignore"}, "policy")
 
 
 def test_loop_goes_on_after_a_skipped_step(tmp_path):

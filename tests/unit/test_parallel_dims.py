@@ -95,37 +95,54 @@ def test_non_int_dimension():
 
 
 def _policy(backend, tp=1, cp=1, fsdp_size=-1, jax_tp=1):
-    return {
-        "backend": backend,
-        "dtensor_cfg": {"tensor_parallel_size": tp, "context_parallel_size": cp},
-        "jax_cfg": {"fsdp_size": fsdp_size, "tensor_parallel_size": jax_tp},
-    }
+    from core.policy.config import PolicyConfig
+
+    return PolicyConfig.coerce(
+        {
+            "backend": backend,
+            "model_name": "m",
+            "tokenizer": {"name": "m"},
+            "train_global_batch_size": 8,
+            "train_micro_batch_size": 1,
+            "logprob_batch_size": 1,
+            "max_total_sequence_length": 16,
+            "precision": "float32",
+            "max_grad_norm": None,
+            "dtensor_cfg": {"tensor_parallel_size": tp, "context_parallel_size": cp},
+            "jax_cfg": {"fsdp_size": fsdp_size, "tensor_parallel_size": jax_tp},
+        },
+        "policy",
+    )
 
 
-def test_from_policy_config_torch_fsdp_ignores_tp():
-    d = ParallelDims.from_policy_config(_policy("torch_fsdp", tp=2), 4)
+def test_policy_config_torch_fsdp_ignores_tp():
+    d = _policy("torch_fsdp", tp=2).parallel_dims(4)
     assert (d.fsdp, d.tp, d.cp, d.dp) == (4, 1, 1, 4)
 
 
-def test_from_policy_config_dtensor():
-    d = ParallelDims.from_policy_config(_policy("torch_dtensor", tp=2), 4)
+def test_policy_config_dtensor():
+    d = _policy("torch_dtensor", tp=2).parallel_dims(4)
     assert (d.fsdp, d.tp, d.cp, d.dp) == (2, 2, 1, 2)
-    d = ParallelDims.from_policy_config(_policy("torch_dtensor", tp=2, cp=2), 8)
+    d = _policy("torch_dtensor", tp=2, cp=2).parallel_dims(8)
     assert (d.fsdp, d.cp, d.tp) == (2, 2, 2)
 
 
-def test_from_policy_config_jax():
-    d = ParallelDims.from_policy_config(_policy("jax_pjit", jax_tp=2), 8)
+def test_policy_config_jax():
+    d = _policy("jax_pjit", jax_tp=2).parallel_dims(8)
     assert (d.fsdp, d.tp, d.dp) == (4, 2, 4)
-    d = ParallelDims.from_policy_config(_policy("jax_pjit", fsdp_size=2, jax_tp=2), 4)
+    d = _policy("jax_pjit", fsdp_size=2, jax_tp=2).parallel_dims(4)
     assert d.dp == 2
     with pytest.raises(ValueError, match="does not match world_size 8"):
-        ParallelDims.from_policy_config(_policy("jax_pjit", fsdp_size=2, jax_tp=2), 8)
+        _policy("jax_pjit", fsdp_size=2, jax_tp=2).parallel_dims(8)
 
 
-def test_from_policy_config_unknown_backend():
-    with pytest.raises(ValueError, match="unknown backend 'jax'"):
-        ParallelDims.from_policy_config(_policy("jax"), 4)
+def test_policy_config_unknown_backend():
+    from core.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"policy\.backend: expected one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit', got 'jax'"
+    ):
+        _policy("jax")
 
 
 def test_module_does_not_import_torch_or_jax():

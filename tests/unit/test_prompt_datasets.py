@@ -24,7 +24,9 @@ from core.datasets import (
     load_rows,
     tokenize_prompt,
 )
+from core.datasets.config import DataConfig
 from core.environments.arithmetic import ArithmeticTask
+from core.environments.config import ArithmeticTaskConfig
 from core.testing.tiny_models import tiny_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
@@ -59,7 +61,8 @@ def make_rows(n, words=2):
     ]
 
 
-def cfg(name, **data):
+def cfg(name, **data) -> DataConfig:
+    """A GRPO ``data`` section (validated, as a run would get it)."""
     base = {
         "dataset_name": name,
         "dataset_config": None,
@@ -75,7 +78,17 @@ def cfg(name, **data):
         "on_long_prompt": "error",
         "shuffle": True,
     }
-    return {"data": {**base, **data}}
+    return DataConfig.coerce({**base, **data}, "data")
+
+
+def changed(data: DataConfig, **changes) -> DataConfig:
+    return DataConfig.coerce({**data.to_dict(), **changes}, "data")
+
+
+def build(data: DataConfig, tok, task=None, *, num_val: int, seed: int):
+    """``build_prompt_datasets`` as GRPO calls it: ``task`` is ``env.arithmetic``."""
+    task = None if task is None else ArithmeticTaskConfig.coerce(task, "env.arithmetic")
+    return build_prompt_datasets(data, task, tok, num_val=num_val, seed=seed)
 
 
 def prompts(ds):
@@ -86,7 +99,7 @@ def prompts(ds):
 def test_jsonl_rows_become_tokenized_prompts_with_metadata(tmp_path, tok):
     rows = make_rows(6)
     path = write_jsonl(tmp_path / "p.jsonl", rows)
-    train, val = build_prompt_datasets(cfg(path), tok, num_val=2, seed=0)
+    train, val = build(cfg(path), tok, num_val=2, seed=0)
     assert (train.size, val.size, len(train)) == (4, 2, 4)
     for ds in (train, val):
         for k in range(ds.size):
@@ -109,24 +122,24 @@ def test_json_array_and_parquet_load_with_other_column_names(tmp_path, tok):
     assert load_rows(str(tmp_path / "q.json"), None, "train") == rows
     assert load_rows(str(tmp_path / "q.parquet"), None, "train") == rows
     c = cfg(str(tmp_path / "q.parquet"), prompt_key="question", answer_key="solution")
-    train, val = build_prompt_datasets(c, tok, num_val=1, seed=3)
+    train, val = build(c, tok, num_val=1, seed=3)
     got = sorted(
         (d.metadata["raw_prompt"], d.metadata["ground_truth"])
         for ds in (train, val)
         for d in (ds[i] for i in range(ds.size))
     )
     assert got == sorted((r["question"], r["solution"]) for r in rows)
-    c["data"]["answer_key"] = None
-    assert train.size == 4 and build_prompt_datasets(c, tok, num_val=1, seed=3)[0][0].metadata["ground_truth"] is None
+    c.answer_key = None
+    assert train.size == 4 and build(c, tok, num_val=1, seed=3)[0][0].metadata["ground_truth"] is None
 
 
 def test_missing_file_names_path_and_config_key(tmp_path, tok):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match=r"data\.dataset_name.*nope\.jsonl"):
-        build_prompt_datasets(cfg(missing), tok, num_val=1, seed=0)
+        build(cfg(missing), tok, num_val=1, seed=0)
     good = write_jsonl(tmp_path / "p.jsonl", make_rows(4))
     with pytest.raises(FileNotFoundError, match=r"data\.val_dataset_name.*val\.parquet"):
-        build_prompt_datasets(cfg(good, val_dataset_name=str(tmp_path / "val.parquet")), tok, num_val=1, seed=0)
+        build(cfg(good, val_dataset_name=str(tmp_path / "val.parquet")), tok, num_val=1, seed=0)
     with pytest.raises(FileNotFoundError, match=r"\./rel/dir"):
         load_rows("./rel/dir", None, "train")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": ')
@@ -141,11 +154,11 @@ def test_missing_columns_list_the_available_ones(tmp_path, tok):
         match=r"data\.prompt_key.*'question'.*\['answer', 'level', "
         r"'prompt'\]",
     ):
-        build_prompt_datasets(cfg(path, prompt_key="question"), tok, num_val=1, seed=0)
+        build(cfg(path, prompt_key="question"), tok, num_val=1, seed=0)
     with pytest.raises(ValueError, match=r"data\.answer_key.*'solution'.*available columns"):
-        build_prompt_datasets(cfg(path, answer_key="solution"), tok, num_val=1, seed=0)
+        build(cfg(path, answer_key="solution"), tok, num_val=1, seed=0)
     with pytest.raises(ValueError, match=r"data\.prompt_key.*built-in.*\['answer', 'prompt'\]"):
-        build_prompt_datasets(cfg("arithmetic", prompt_key="question"), tok, num_val=1, seed=0)
+        build(cfg("arithmetic", prompt_key="question"), tok, num_val=1, seed=0)
 
 
 def test_empty_sources_are_rejected(tmp_path, tok):
@@ -153,17 +166,17 @@ def test_empty_sources_are_rejected(tmp_path, tok):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "e.parquet")
     for name in ("e.jsonl", "e.parquet"):
         with pytest.raises(ValueError, match=rf"data\.dataset_name.*{name}.*empty"):
-            build_prompt_datasets(cfg(str(tmp_path / name)), tok, num_val=0, seed=0)
+            build(cfg(str(tmp_path / name)), tok, num_val=0, seed=0)
 
 
 def test_directory_source_serves_its_splits(tmp_path, tok):
     write_jsonl(tmp_path / "train.jsonl", make_rows(5))
     write_jsonl(tmp_path / "test.jsonl", [{"prompt": "x y", "answer": 7}])
-    train, val = build_prompt_datasets(cfg(str(tmp_path), val_split="test"), tok, num_val=3, seed=0)
+    train, val = build(cfg(str(tmp_path), val_split="test"), tok, num_val=3, seed=0)
     assert train.size == 5 and prompts(val) == ["x y"]
     # A single file has no "test" split: asking for one must not re-read the train rows.
     with pytest.raises(ValueError, match=r"data\.val_split.*single file"):
-        build_prompt_datasets(cfg(str(tmp_path / "train.jsonl"), val_split="test"), tok, num_val=1, seed=0)
+        build(cfg(str(tmp_path / "train.jsonl"), val_split="test"), tok, num_val=1, seed=0)
 
 
 def test_unknown_hub_dataset_names_dataset_and_key(monkeypatch):
@@ -181,27 +194,27 @@ def test_unknown_hub_dataset_names_dataset_and_key(monkeypatch):
 # ---------------------------------------------------------------- formatting
 def test_prompt_template_and_bad_templates(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", make_rows(3))
-    train, _ = build_prompt_datasets(cfg(path, prompt_template="q : {prompt} ="), tok, num_val=0, seed=0)
+    train, _ = build(cfg(path, prompt_template="q : {prompt} ="), tok, num_val=0, seed=0)
     d = train[0]
     assert d.prompt == f"q : {d.metadata['raw_prompt']} ="
     assert list(d.input_ids) == tok(d.prompt)["input_ids"]
-    for bad in ("{question}", "{prompt} {x}", "no field", "{prompt"):
+    for bad in ("{question}", "{prompt} {x}", "no field", "{prompt"):  # refused by the section or the formatter
         with pytest.raises(ValueError, match=r"data\.prompt_template"):
-            build_prompt_datasets(cfg(path, prompt_template=bad), tok, num_val=0, seed=0)
+            build(cfg(path, prompt_template=bad), tok, num_val=0, seed=0)
 
 
 def test_chat_template_modes(bos_tok):
-    data = cfg("x", prompt_template="q {prompt}")["data"]
+    data = cfg("x", prompt_template="q {prompt}")
     assert format_prompt("a b", data, bos_tok) == "q a b"  # auto, no template: plain text
     with pytest.raises(ValueError, match=r"data\.use_chat_template.*tokenizer \w+.*no chat_temp"):
-        format_prompt("a b", {**data, "use_chat_template": True}, bos_tok)
+        format_prompt("a b", changed(data, use_chat_template=True), bos_tok)
     with pytest.raises(ValueError, match=r"data\.system_prompt"):
-        format_prompt("a b", {**data, "system_prompt": "s"}, bos_tok)
+        format_prompt("a b", changed(data, system_prompt="s"), bos_tok)
     bos_tok.chat_template = CHAT_TEMPLATE
     for mode in ("auto", True):
-        assert format_prompt("a b", {**data, "use_chat_template": mode}, bos_tok) == "<s> q a b "
-    assert format_prompt("a b", {**data, "use_chat_template": False}, bos_tok) == "q a b"
-    assert format_prompt("a b", {**data, "system_prompt": "z"}, bos_tok) == "<s> z <s> q a b "
+        assert format_prompt("a b", changed(data, use_chat_template=mode), bos_tok) == "<s> q a b "
+    assert format_prompt("a b", changed(data, use_chat_template=False), bos_tok) == "q a b"
+    assert format_prompt("a b", changed(data, system_prompt="z"), bos_tok) == "<s> z <s> q a b "
     # The rendered template carries its BOS; the plain path gets it from the tokenizer.
     bos = bos_tok.bos_token_id
     assert tokenize_prompt("<s> q a b ", bos_tok, True).count(bos) == 1
@@ -211,7 +224,7 @@ def test_chat_template_modes(bos_tok):
 def test_chat_template_is_applied_to_dataset_prompts(tmp_path, bos_tok):
     bos_tok.chat_template = CHAT_TEMPLATE
     path = write_jsonl(tmp_path / "p.jsonl", make_rows(3))
-    train, _ = build_prompt_datasets(cfg(path), bos_tok, num_val=0, seed=0)
+    train, _ = build(cfg(path), bos_tok, num_val=0, seed=0)
     d = train[0]
     assert d.prompt == f"<s> {d.metadata['raw_prompt']} "
     assert list(d.input_ids) == bos_tok(d.prompt, add_special_tokens=False)["input_ids"]
@@ -227,37 +240,35 @@ def test_long_prompt_error_names_row_length_and_limit(tmp_path, tok):
         match=r"data\.max_input_seq_length: row 4 .* 7 tokens.* "
         r"limit of 5.*on_long_prompt: filter",
     ):
-        build_prompt_datasets(cfg(path, max_input_seq_length=5), tok, num_val=1, seed=0)
+        build(cfg(path, max_input_seq_length=5), tok, num_val=1, seed=0)
     with pytest.warns(UserWarning, match="dropped 1 of 6"):
-        train, val = build_prompt_datasets(
-            cfg(path, max_input_seq_length=5, on_long_prompt="filter"), tok, num_val=1, seed=0
-        )
+        train, val = build(cfg(path, max_input_seq_length=5, on_long_prompt="filter"), tok, num_val=1, seed=0)
     assert train.num_filtered == 1 and train.size + val.size == 5
     assert "a b c d e f g" not in prompts(train) + prompts(val)
     with pytest.raises(ValueError, match=r"all 6 rows .* dropped"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_prompt_datasets(cfg(path, max_input_seq_length=2, on_long_prompt="filter"), tok, num_val=1, seed=0)
+        build(cfg(path, max_input_seq_length=2, on_long_prompt="filter"), tok, num_val=1, seed=0)
 
 
 # ---------------------------------------------------------------- validation splits
 def test_held_out_split_is_disjoint_deterministic_and_seeded(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", make_rows(20))
-    train, val = build_prompt_datasets(cfg(path), tok, num_val=5, seed=1)
+    train, val = build(cfg(path), tok, num_val=5, seed=1)
     assert (train.size, val.size) == (15, 5)
     assert not set(prompts(train)) & set(prompts(val))
     assert sorted(prompts(train) + prompts(val)) == sorted(r["prompt"] for r in make_rows(20))
-    again = build_prompt_datasets(cfg(path), tok, num_val=5, seed=1)
+    again = build(cfg(path), tok, num_val=5, seed=1)
     assert (prompts(again[0]), prompts(again[1])) == (prompts(train), prompts(val))
-    assert prompts(build_prompt_datasets(cfg(path), tok, num_val=5, seed=2)[1]) != prompts(val)
+    assert prompts(build(cfg(path), tok, num_val=5, seed=2)[1]) != prompts(val)
     with pytest.raises(ValueError, match=r"grpo\.max_val_samples.*20 usable"):
-        build_prompt_datasets(cfg(path), tok, num_val=20, seed=1)
+        build(cfg(path), tok, num_val=20, seed=1)
 
 
 def test_validation_from_a_second_file(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", make_rows(6))
     val_rows = [{"prompt": f"v w{50 + i}", "answer": f"r{i}"} for i in range(4)]
     vpath = write_jsonl(tmp_path / "v.jsonl", val_rows)
-    train, val = build_prompt_datasets(cfg(path, val_dataset_name=vpath), tok, num_val=3, seed=0)
+    train, val = build(cfg(path, val_dataset_name=vpath), tok, num_val=3, seed=0)
     assert train.size == 6  # nothing held out of train
     assert prompts(val) == [r["prompt"] for r in val_rows[:3]]
     assert [val[i].metadata["ground_truth"] for i in range(3)] == ["r0", "r1", "r2"]
@@ -266,7 +277,7 @@ def test_validation_from_a_second_file(tmp_path, tok):
 # ---------------------------------------------------------------- loader
 def finite_dataset(tmp_path, tok, n=10):
     path = write_jsonl(tmp_path / "p.jsonl", make_rows(n))
-    return build_prompt_datasets(cfg(path), tok, num_val=0, seed=0)[0]
+    return build(cfg(path), tok, num_val=0, seed=0)[0]
 
 
 def order(loader, batches):
@@ -308,15 +319,15 @@ def test_builtin_rows_are_the_task_problems():
 
 
 def test_builtin_validation_is_held_out_of_an_infinite_train_stream(tok):
-    c = {**cfg("arithmetic"), "env": {"arithmetic": {"max_value": 9}}}
-    train, val = build_prompt_datasets(c, tok, num_val=30, seed=7)
+    c, task = cfg("arithmetic"), {"max_value": 9}
+    train, val = build(c, tok, task, num_val=30, seed=7)
     held_out = set(prompts(val))
     assert train.size is None and len(held_out) == 30 and val.size == 30
     with pytest.raises(TypeError, match="infinite"):
         len(train)
     stream = [train[i] for i in range(2000)]
     assert not held_out & {d.metadata["raw_prompt"] for d in stream}
-    train2, _ = build_prompt_datasets(c, tok, num_val=30, seed=7)
+    train2, _ = build(c, tok, task, num_val=30, seed=7)
     for i in (0, 1, 17, 1999):
         assert train2[i] == stream[i]
     task = ArithmeticTask({"max_value": 9})
@@ -325,10 +336,10 @@ def test_builtin_validation_is_held_out_of_an_infinite_train_stream(tok):
 
 
 def test_builtin_space_too_small(tok):
-    c = {**cfg("arithmetic"), "env": {"arithmetic": {"max_value": 2, "operations": ["+"]}}}
+    c, task = cfg("arithmetic"), {"max_value": 2, "operations": ["+"]}
     with pytest.raises(ValueError, match=r"grpo\.max_val_samples.*has 9"):
-        build_prompt_datasets(c, tok, num_val=5, seed=0)
-    train, val = build_prompt_datasets(c, tok, num_val=4, seed=0)  # 9 >= 2 * 4
+        build(c, tok, task, num_val=5, seed=0)
+    train, val = build(c, tok, task, num_val=4, seed=0)  # 9 >= 2 * 4
     assert not set(prompts(val)) & {train[i].metadata["raw_prompt"] for i in range(200)}
 
 
@@ -337,20 +348,20 @@ def test_builtin_long_prompts_error_or_are_skipped(tok):
     tok.chat_template = (
         "{% for m in messages %}{% if '+' in m['content'] %}a b c {% endif %}{{ m['content'] }}{% endfor %}"
     )
-    c = {**cfg("arithmetic", max_input_seq_length=2), "env": {"arithmetic": {"max_value": 9}}}
+    c, task = cfg("arithmetic", max_input_seq_length=2), {"max_value": 9}
     with pytest.raises(ValueError, match=r"data\.max_input_seq_length.* 4 tokens.*limit of 2"):
-        build_prompt_datasets(c, tok, num_val=8, seed=0)
-    c["data"]["on_long_prompt"] = "filter"
+        build(c, tok, task, num_val=8, seed=0)
+    c.on_long_prompt = "filter"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train, val = build_prompt_datasets(c, tok, num_val=8, seed=0)
+        train, val = build(c, tok, task, num_val=8, seed=0)
         items = [train[i].metadata["raw_prompt"] for i in range(100)]
     assert all("-" in p for p in items + prompts(val))
     assert train.num_filtered > 0 and val.num_filtered > 0
 
 
 def test_infinite_loader_state_round_trip(tok):
-    train, _ = build_prompt_datasets(cfg("arithmetic"), tok, num_val=4, seed=0)
+    train, _ = build(cfg("arithmetic"), tok, num_val=4, seed=0)
     ref = BatchLoader(train, 5, shuffle=True, seed=0)
     order(ref, 3)
     state = ref.state_dict()

@@ -7,6 +7,7 @@ in each error), so a broken rule fails instead of passing silently.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -17,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from core.policy.config import PolicyConfig
 from core.refit import collective
 from core.refit.buckets import GB, bucket_sizes, buffer_bytes, plan_buckets, take_bucket
 from core.refit.manifest import (
@@ -25,7 +27,6 @@ from core.refit.manifest import (
     TensorSpec,
     dtype_name,
     manifest_for_hf_config,
-    refit_dtype,
     tied_aliases,
 )
 from core.refit.packing import ALIGN, Slot, as_torch, pack_into, plan_layout, unpack, view_of
@@ -225,15 +226,42 @@ def test_manifest_for_hf_config_matches_hf_state_dict(name, optional):
     assert set(tied_aliases(model)) == optional
 
 
+def _policy(precision: str, generation=None) -> PolicyConfig:
+    return PolicyConfig.coerce(
+        {
+            "backend": "torch_fsdp",
+            "model_name": "m",
+            "tokenizer": {"name": "m"},
+            "train_global_batch_size": 2,
+            "train_micro_batch_size": 1,
+            "logprob_batch_size": 1,
+            "max_total_sequence_length": 16,
+            "precision": precision,
+            "max_grad_norm": None,
+            "generation": generation,
+        },
+        "policy",
+    )
+
+
+def _vllm(**vllm_cfg):
+    return {"backend": "vllm", "max_new_tokens": 4, "vllm_cfg": {"max_model_len": 16, **vllm_cfg}}
+
+
 def test_refit_dtype():
-    assert refit_dtype({"precision": "float32", "generation": {"vllm_cfg": {"precision": "bfloat16"}}}) == "bfloat16"
-    assert refit_dtype({"precision": "bf16", "generation": {"vllm_cfg": {}}}) == "bfloat16"
-    assert refit_dtype({"precision": "float32", "generation": {"vllm_cfg": {"precision": None}}}) == "float32"
-    assert refit_dtype({"precision": "float16", "generation": None}) == "float16"
-    assert refit_dtype({"precision": "float32"}) == "float32"
-    assert refit_dtype({}) == "float32"
+    """What the sender casts the stream to: dtype_name(policy.generation_dtype)."""
+
+    def refit_dtype(policy: PolicyConfig) -> str:
+        return dtype_name(policy.generation_dtype)
+
+    assert refit_dtype(_policy("float32", _vllm(precision="bfloat16"))) == "bfloat16"
+    assert refit_dtype(_policy("float32", _vllm(precision="bf16"))) == "bfloat16"
+    assert refit_dtype(_policy("bfloat16", _vllm())) == "bfloat16"
+    assert refit_dtype(_policy("float32", _vllm(precision=None))) == "float32"
+    assert refit_dtype(_policy("float16", None)) == "float16"
+    assert refit_dtype(_policy("float32", {"backend": "hf", "max_new_tokens": 4})) == "float32"
     with pytest.raises(RefitError, match="int8"):
-        refit_dtype({"generation": {"vllm_cfg": {"precision": "int8"}}})
+        refit_dtype(_policy("float32", _vllm(precision="int8")))
 
 
 # ============================================================================ buckets
@@ -278,7 +306,7 @@ def test_plan_buckets_properties(max_bytes):
     for bucket, size in zip(plan, bucket_sizes(plan, m), strict=True):
         assert size <= max_bytes or len(bucket) == 1
     # greedy: the next bucket's first tensor would not have fitted in the previous bucket
-    for prev, nxt in zip(plan, plan[1:], strict=True):
+    for prev, nxt in itertools.pairwise(plan):
         assert sum(sizes[n] for n in prev) + sizes[nxt[0]] > max_bytes
     if max_bytes >= m.nbytes:
         assert plan == [m.names]
@@ -320,7 +348,7 @@ def test_plan_layout_offsets_are_aligned_and_disjoint():
     assert [s.shape for s in slots] == [(2, 3), (3,), (64,), (65,), ()]
     assert total == 1280
     assert all(s.offset % ALIGN == 0 for s in slots) and total % ALIGN == 0
-    for s, nxt in zip(slots, slots[1:], strict=True):
+    for s, nxt in itertools.pairwise(slots):
         assert s.offset + s.nbytes <= nxt.offset
     assert plan_layout([]) == ([], ALIGN)
 
@@ -738,11 +766,8 @@ class TinySender(RefitSender):
     """A policy worker reduced to what ``RefitSender`` needs: cfg, rank, device, two hooks."""
 
     def __init__(self, rank: int = 0, numpy_weights: bool = False) -> None:
-        self.cfg = {
-            "precision": "float32",
-            "generation": {"vllm_cfg": {"precision": "bfloat16"}},
-            "refit_buffer_size_gb": BUFFER_BYTES / GB,
-        }
+        self.cfg = _policy("float32", _vllm(precision="bfloat16"))  # the worker's typed policy section
+        self.cfg.refit_buffer_size_gb = BUFFER_BYTES / GB
         self.rank = rank
         self.device = torch.device("cpu")
         self.numpy_weights = numpy_weights

@@ -16,6 +16,7 @@ from core.generation.sampling import (
     stop_token_ids,
 )
 from core.kernels import generation_policy_kl, token_mult_prob_error
+from core.policy.generation_config import GenerationConfig
 from tests.unit.engines import ENGINES, to_engine, to_numpy, x64
 
 RNG = np.random.default_rng(0)
@@ -123,8 +124,15 @@ def test_all_masked_is_zero(engine):
 # ============================================================================ sampling
 
 
+def gen(**settings) -> GenerationConfig:
+    """A validated ``policy.generation`` section with these settings."""
+    return GenerationConfig.coerce(
+        {"backend": "vllm", "max_new_tokens": 16, "vllm_cfg": {"max_model_len": 64}, **settings}, "policy.generation"
+    )
+
+
 def test_sampling_kwargs_greedy():
-    cfg = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "stop_token_ids": [7]}
+    cfg = gen(temperature=1.0, top_p=0.9, top_k=50, stop_token_ids=[7])
     kw = sampling_kwargs(cfg, greedy=True, max_new_tokens=12, eos_token_ids=[2], seed=5)
     assert kw == dict(
         n=1,
@@ -140,11 +148,11 @@ def test_sampling_kwargs_greedy():
 
 
 def test_sampling_kwargs_sampling():
-    cfg = {"temperature": 0.7, "top_p": 0.9, "top_k": None}
+    cfg = gen(temperature=0.7, top_p=0.9, top_k=None)
     kw = sampling_kwargs(cfg, greedy=False, max_new_tokens=3, eos_token_ids=[2], seed=11)
     assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["top_k"] == -1
     assert kw["seed"] == 11 and kw["max_tokens"] == 3 and kw["stop_token_ids"] == [2]
-    kw = sampling_kwargs({"top_k": 20}, greedy=False, max_new_tokens=3, eos_token_ids=[])
+    kw = sampling_kwargs(gen(top_k=20), greedy=False, max_new_tokens=3, eos_token_ids=[])
     assert kw["temperature"] == 1.0 and kw["top_p"] == 1.0 and kw["top_k"] == 20
     assert "seed" not in kw and kw["stop_token_ids"] == []
 
@@ -152,34 +160,41 @@ def test_sampling_kwargs_sampling():
 @pytest.mark.parametrize("temperature", [0.0, -0.5])
 @pytest.mark.parametrize("greedy", [False, True])
 def test_sampling_kwargs_rejects_non_positive_temperature(temperature, greedy):
+    with pytest.raises(ValueError, match=r"policy\.generation\.temperature: must be > 0.*greedy=True"):
+        gen(temperature=temperature)  # the section refuses it up front
+    cfg = gen()
+    cfg.temperature = temperature  # a type-correct assignment is not re-checked: the engine's own guard
     with pytest.raises(ValueError, match="temperature must be > 0.*greedy=True"):
-        sampling_kwargs({"temperature": temperature}, greedy=greedy, max_new_tokens=3, eos_token_ids=[2])
+        sampling_kwargs(cfg, greedy=greedy, max_new_tokens=3, eos_token_ids=[2])
 
 
 def test_greedy_with_temperature_warns():
     with pytest.warns(UserWarning, match="greedy vLLM generation reports logprobs at temperature 1.0"):
-        kw = sampling_kwargs({"temperature": 0.7}, greedy=True, max_new_tokens=3, eos_token_ids=[2])
+        kw = sampling_kwargs(gen(temperature=0.7), greedy=True, max_new_tokens=3, eos_token_ids=[2])
     assert kw["temperature"] == 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sampling_kwargs({"temperature": 1.0}, greedy=True, max_new_tokens=3, eos_token_ids=[2])
-        sampling_kwargs({"temperature": 0.7}, greedy=False, max_new_tokens=3, eos_token_ids=[2])
+        sampling_kwargs(gen(temperature=1.0), greedy=True, max_new_tokens=3, eos_token_ids=[2])
+        sampling_kwargs(gen(temperature=0.7), greedy=False, max_new_tokens=3, eos_token_ids=[2])
 
 
 def test_stop_token_ids_merge_in_order():
-    assert stop_token_ids({"stop_token_ids": [7, 2, 7, 9]}, [2, 3, 3]) == [7, 2, 9, 3]
-    assert stop_token_ids({"stop_token_ids": None}, [2]) == [2]
-    assert stop_token_ids({}, []) == []
-    assert stop_token_ids({"stop_token_ids": [np.int64(5)]}, (np.int32(5), 6)) == [5, 6]
-    assert all(type(t) is int for t in stop_token_ids({"stop_token_ids": [np.int64(5)]}, [np.int32(6)]))
+    assert stop_token_ids(gen(stop_token_ids=[7, 2, 7, 9]), [2, 3, 3]) == [7, 2, 9, 3]
+    assert stop_token_ids(gen(stop_token_ids=None), [2]) == [2]
+    assert stop_token_ids(gen(), []) == []
+    # eos ids come from tokenizers, sometimes as numpy ints; the result is plain ints.
+    assert stop_token_ids(gen(stop_token_ids=[5]), (np.int32(5), np.int64(6))) == [5, 6]
+    assert all(type(t) is int for t in stop_token_ids(gen(stop_token_ids=[5]), [np.int32(6)]))
+    with pytest.raises(ValueError, match="stop_token_ids"):  # the section holds plain ints only
+        gen(stop_token_ids=[np.int64(5)])
 
 
 def test_logprobs_mode():
-    assert logprobs_mode({"temperature": 1.0}) == "raw_logprobs"
-    assert logprobs_mode({}) == "raw_logprobs"
-    assert logprobs_mode({"temperature": 1}) == "raw_logprobs"
-    assert logprobs_mode({"temperature": 0.7}) == "processed_logprobs"
-    assert logprobs_mode({"temperature": 1.5}) == "processed_logprobs"
+    assert logprobs_mode(gen(temperature=1.0)) == "raw_logprobs"
+    assert logprobs_mode(gen()) == "raw_logprobs"
+    assert logprobs_mode(gen(temperature=1)) == "raw_logprobs"
+    assert logprobs_mode(gen(temperature=0.7)) == "processed_logprobs"
+    assert logprobs_mode(gen(temperature=1.5)) == "processed_logprobs"
 
 
 def ids(tokenizer, text):

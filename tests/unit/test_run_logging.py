@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.config import ConfigError
 from core.logging import (
     JsonlSink,
     MetricsLogger,
@@ -155,11 +156,13 @@ def test_metrics_logger_converts_drops_and_keeps_history(tmp_path):
 
 
 def test_metrics_logger_config_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['tensorbord_enabled'\]"):
+    with pytest.raises(
+        ConfigError, match=r"^logger\.tensorbord_enabled: unknown key \(did you mean 'tensorboard_enabled'\?\)$"
+    ):
         MetricsLogger({"log_dir": str(tmp_path), "tensorbord_enabled": False})
-    with pytest.raises(ValueError, match="logger.log_dir"):
+    with pytest.raises(ConfigError, match=r"^logger\.log_dir: missing required key$"):
         MetricsLogger({"jsonl_enabled": True})
-    with pytest.raises(ValueError, match="logger.jsonl_enabled must be true or false"):
+    with pytest.raises(ConfigError, match=r"^logger\.jsonl_enabled: expected bool, got str \('yes'\)$"):
         MetricsLogger(_cfg(tmp_path, jsonl_enabled="yes"))
 
 

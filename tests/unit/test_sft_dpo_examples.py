@@ -8,6 +8,7 @@ sequence can be spelled out as text.
 
 import pytest
 
+from core.datasets.config import DataConfig
 from core.datasets.examples import (
     PreferenceDatum,
     PreferenceEncoder,
@@ -31,6 +32,19 @@ STRIPPING_TEMPLATE = (
     "</s> {% endfor %}{% if add_generation_prompt %}<s> a {% endif %}"
 )
 SRC = "dataset 'x.jsonl'"
+
+
+def section(data: dict) -> DataConfig:
+    """A ``data`` section with these settings (the encoders take the validated section)."""
+    return DataConfig.coerce({"dataset_name": "x.jsonl", **data}, "data")
+
+
+def sft(data: dict, tokenizer, max_length: int) -> SFTEncoder:
+    return SFTEncoder(section(data), tokenizer, max_length)
+
+
+def preference(data: dict, tokenizer, max_length: int) -> PreferenceEncoder:
+    return PreferenceEncoder(section(data), tokenizer, max_length)
 
 
 @pytest.fixture
@@ -65,7 +79,7 @@ def masked(tokenizer, *parts):
 
 # ---------------------------------------------------------------- SFT, prompt/response
 def test_char_tokenizer_prompt_response_ids_and_mask(chars):
-    enc = SFTEncoder({}, chars, 32)
+    enc = sft({}, chars, 32)
     d = enc.encode({"prompt": "12+7=", "response": "19", "level": 2}, 5, SRC)
     assert isinstance(d, SequenceDatum)
     assert list(d.input_ids) == [1, *ids(chars, "12+7="), *ids(chars, "19"), 2]
@@ -74,19 +88,19 @@ def test_char_tokenizer_prompt_response_ids_and_mask(chars):
     assert d.metadata == {"level": 2, "raw_prompt": "12+7=", "index": 5, "truncated": False}
     assert (enc.prompt_key, enc.limit, enc.on_long) == ("prompt", 32, "truncate")
     assert enc.limit_key == "policy.max_total_sequence_length"
-    assert "data.on_long_sequence=filter" == SFTEncoder({"on_long_sequence": "filter"}, chars, 32).drop_note
+    assert "data.on_long_sequence=filter" == sft({"on_long_sequence": "filter"}, chars, 32).drop_note
     # prompt_template applies to the prompt part only.
-    d = SFTEncoder({"prompt_template": "({prompt})"}, chars, 32).encode({"prompt": "1+1=", "response": "2"}, 0, SRC)
+    d = sft({"prompt_template": "({prompt})"}, chars, 32).encode({"prompt": "1+1=", "response": "2"}, 0, SRC)
     assert list(d.input_ids) == [1, *ids(chars, "(1+1=)"), *ids(chars, "2"), 2]
     assert d.token_mask == (0,) * 7 + (1, 1)
 
 
 def test_chat_template_prompt_response_masks_the_assistant_turn(tok):
     cfg = {"system_prompt": "z", "prompt_template": "q {prompt}"}
-    d = SFTEncoder(cfg, tok, 64).encode({"prompt": "a b", "response": "c d"}, 0, SRC)
+    d = sft(cfg, tok, 64).encode({"prompt": "a b", "response": "c d"}, 0, SRC)
     assert (d.input_ids, d.token_mask) == masked(tok, ("<s> s z </s> <s> u q a b </s> <s> a", 0), ("c d </s>", 1))
     # use_chat_template: false takes the plain path even though the tokenizer has a template.
-    d = SFTEncoder({"use_chat_template": False, "prompt_template": "q {prompt}"}, tok, 64).encode(
+    d = sft({"use_chat_template": False, "prompt_template": "q {prompt}"}, tok, 64).encode(
         {"prompt": "a b", "response": "c d"}, 0, SRC
     )
     assert (d.input_ids, d.token_mask) == masked(tok, ("q a b", 0), ("c d </s>", 1))
@@ -98,7 +112,7 @@ def test_rendered_template_gets_no_second_bos(tok):
     tok.backend_tokenizer.post_processor = TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)]
     )
-    d = SFTEncoder({}, tok, 64).encode({"prompt": "a", "response": "b"}, 0, SRC)
+    d = sft({}, tok, 64).encode({"prompt": "a", "response": "b"}, 0, SRC)
     # One BOS per turn, as rendered; the tokenizer's own BOS is not added in front.
     assert list(d.input_ids) == ids(tok, "<s> u a </s> <s> a b </s>")
     assert d.input_ids.count(tok.bos_token_id) == 2
@@ -106,7 +120,7 @@ def test_rendered_template_gets_no_second_bos(tok):
 
 # ---------------------------------------------------------------- SFT, conversations
 def test_multi_turn_conversation_masks_every_assistant_turn(tok):
-    enc = SFTEncoder({"messages_key": "messages"}, tok, 64)
+    enc = sft({"messages_key": "messages"}, tok, 64)
     assert enc.prompt_key == "messages"
     msgs = [
         turn("system", "x"),
@@ -128,7 +142,7 @@ def test_multi_turn_conversation_masks_every_assistant_turn(tok):
 
 
 def test_system_prompt_is_prepended_only_without_a_system_turn(tok):
-    enc = SFTEncoder({"messages_key": "m", "system_prompt": "z"}, tok, 64)
+    enc = sft({"messages_key": "m", "system_prompt": "z"}, tok, 64)
     d = enc.encode({"m": [turn("user", "b"), turn("assistant", "c")]}, 0, SRC)
     assert (d.input_ids, d.token_mask) == masked(tok, ("<s> s z </s> <s> u b </s> <s> a", 0), ("c </s>", 1))
     d = enc.encode({"m": [turn("system", "y"), turn("user", "b"), turn("assistant", "c")]}, 0, SRC)
@@ -142,16 +156,16 @@ def test_conversations_need_a_chat_template(tok):
         match=r"data\.messages_key: column 'messages' .*chat "
         r"template.*tokenizer \w+\('<unnamed>'\)",
     ):
-        SFTEncoder({"messages_key": "messages"}, plain, 64)
+        sft({"messages_key": "messages"}, plain, 64)
     with pytest.raises(ValueError, match=r"data\.messages_key.*use_chat_template: False"):
-        SFTEncoder({"messages_key": "messages", "use_chat_template": False}, tok, 64)
+        sft({"messages_key": "messages", "use_chat_template": False}, tok, 64)
     # A prompt_template would be silently ignored by conversations: refuse it.
     with pytest.raises(ValueError, match=r"data\.prompt_template: 'q \{prompt\}'.*conversations"):
-        SFTEncoder({"messages_key": "messages", "prompt_template": "q {prompt}"}, tok, 64)
+        sft({"messages_key": "messages", "prompt_template": "q {prompt}"}, tok, 64)
 
 
 def test_no_assistant_turn_names_row_source_and_column(tok):
-    enc = SFTEncoder({"messages_key": "messages"}, tok, 64)
+    enc = sft({"messages_key": "messages"}, tok, 64)
     with pytest.raises(
         ValueError,
         match=r"row 3 of dataset 'x\.jsonl' has no assistant turn in "
@@ -161,7 +175,7 @@ def test_no_assistant_turn_names_row_source_and_column(tok):
     with pytest.raises(ValueError, match=r"row 3 of .* starts with an assistant turn"):
         enc.encode({"messages": [turn("assistant", "a")]}, 3, SRC)
     # With data.system_prompt the conversation no longer starts with the assistant.
-    d = SFTEncoder({"messages_key": "messages", "system_prompt": "z"}, tok, 64).encode(
+    d = sft({"messages_key": "messages", "system_prompt": "z"}, tok, 64).encode(
         {"messages": [turn("assistant", "a")]}, 3, SRC
     )
     assert (d.input_ids, d.token_mask) == masked(tok, ("<s> s z </s> <s> a", 0), ("a </s>", 1))
@@ -179,13 +193,13 @@ def test_no_assistant_turn_names_row_source_and_column(tok):
     ],
 )
 def test_bad_messages_name_row_and_column(tok, value, match):
-    enc = SFTEncoder({"messages_key": "m"}, tok, 64)
+    enc = sft({"messages_key": "m"}, tok, 64)
     with pytest.raises(ValueError, match=r"data\.messages_key: " + match):
         enc.encode({"m": value}, 1, SRC)
 
 
 def test_bad_prompt_or_response_values(chars):
-    enc = SFTEncoder({}, chars, 64)
+    enc = sft({}, chars, 64)
     with pytest.raises(ValueError, match=r"data\.prompt_key: row 2 of .* int in column 'prompt'"):
         enc.encode({"prompt": 12, "response": "1"}, 2, SRC)
     with pytest.raises(
@@ -197,7 +211,7 @@ def test_bad_prompt_or_response_values(chars):
 
 
 def test_missing_columns_name_key_and_available_columns(chars, tok):
-    enc = SFTEncoder({"response_key": "answer"}, chars, 64)
+    enc = sft({"response_key": "answer"}, chars, 64)
     enc.check_columns({"prompt": "1", "answer": "2"}, SRC)
     with pytest.raises(
         ValueError,
@@ -206,24 +220,23 @@ def test_missing_columns_name_key_and_available_columns(chars, tok):
     ):
         enc.check_columns({"prompt": "1", "response": "2"}, SRC)
     with pytest.raises(ValueError, match=r"data\.messages_key: column 'chat' .*\['messages'\]"):
-        SFTEncoder({"messages_key": "chat"}, tok, 64).check_columns({"messages": []}, SRC)
+        sft({"messages_key": "chat"}, tok, 64).check_columns({"messages": []}, SRC)
 
 
 def test_config_is_validated_up_front(chars, tok):
     with pytest.raises(
         ValueError,
-        match=r"^data\.on_long_sequence: 'cut' is not one of "
-        r"truncate, filter, error$",
+        match=r"^data\.on_long_sequence: expected one of 'truncate', 'filter', 'error', got 'cut'$",
     ):
-        SFTEncoder({"on_long_sequence": "cut"}, chars, 64)
+        sft({"on_long_sequence": "cut"}, chars, 64)
     with pytest.raises(ValueError, match=r"data\.prompt_template"):
-        PreferenceEncoder({"prompt_template": "{question}"}, chars, 64)
+        preference({"prompt_template": "{question}"}, chars, 64)
     with pytest.raises(ValueError, match=r"data\.system_prompt"):
-        SFTEncoder({"system_prompt": "be brief"}, chars, 64)
+        sft({"system_prompt": "be brief"}, chars, 64)
     with pytest.raises(ValueError, match=r"data\.use_chat_template"):
-        PreferenceEncoder({"use_chat_template": True}, chars, 64)
+        preference({"use_chat_template": True}, chars, 64)
     with pytest.raises(ValueError, match=r"policy\.max_total_sequence_length: 0"):
-        SFTEncoder({}, chars, 0)
+        sft({}, chars, 0)
 
 
 # ---------------------------------------------------------------- length limits
@@ -235,20 +248,20 @@ def test_long_sequence_error_filter_truncate(chars):
         r"'x\.jsonl' is 9 tokens, over the limit of 8.*"
         r"data\.on_long_sequence",
     ):
-        SFTEncoder({"on_long_sequence": "error"}, chars, 8).encode(row, 4, SRC)
-    assert SFTEncoder({"on_long_sequence": "filter"}, chars, 8).encode(row, 4, SRC) is None
-    full = SFTEncoder({}, chars, 9).encode(row, 4, SRC)
+        sft({"on_long_sequence": "error"}, chars, 8).encode(row, 4, SRC)
+    assert sft({"on_long_sequence": "filter"}, chars, 8).encode(row, 4, SRC) is None
+    full = sft({}, chars, 9).encode(row, 4, SRC)
     assert not full.metadata["truncated"]
-    cut = SFTEncoder({}, chars, 8).encode(row, 4, SRC)
+    cut = sft({}, chars, 8).encode(row, 4, SRC)
     assert cut.input_ids == full.input_ids[:8] and cut.token_mask == (0,) * 6 + (1, 1)
     assert cut.metadata["truncated"] and cut.num_response_tokens == 2
     # Cut inside the prompt: nothing is left to train on.
-    assert SFTEncoder({}, chars, 6).encode(row, 4, SRC) is None
+    assert sft({}, chars, 6).encode(row, 4, SRC) is None
 
 
 # ---------------------------------------------------------------- DPO
 def test_dpo_text_rows_share_the_prompt(chars):
-    enc = PreferenceEncoder({}, chars, 32)
+    enc = preference({}, chars, 32)
     enc.check_columns({"prompt": "1+1=", "chosen": "2", "rejected": "3"}, SRC)
     d = enc.encode({"prompt": "1+1=", "chosen": "2", "rejected": "11", "src": "a"}, 9, SRC)
     assert isinstance(d, PreferenceDatum)
@@ -262,7 +275,7 @@ def test_dpo_text_rows_share_the_prompt(chars):
 
 
 def test_dpo_text_rows_with_a_chat_template(tok):
-    d = PreferenceEncoder({"prompt_template": "q {prompt}"}, tok, 64).encode(
+    d = preference({"prompt_template": "q {prompt}"}, tok, 64).encode(
         {"prompt": "a", "chosen": "b", "rejected": "c d"}, 0, SRC
     )
     assert (d.chosen.input_ids, d.chosen.token_mask) == masked(tok, ("<s> u q a </s> <s> a", 0), ("b </s>", 1))
@@ -270,7 +283,7 @@ def test_dpo_text_rows_with_a_chat_template(tok):
 
 
 def test_dpo_conversation_prompt_masks_only_chosen_and_rejected_turns(tok):
-    enc = PreferenceEncoder({"system_prompt": "z"}, tok, 64)
+    enc = preference({"system_prompt": "z"}, tok, 64)
     prompt = [turn("user", "a"), turn("assistant", "b"), turn("user", "c")]
     d = enc.encode(
         {"prompt": prompt, "chosen": [turn("assistant", "d")], "rejected": [turn("assistant", "e f")]}, 0, SRC
@@ -281,7 +294,7 @@ def test_dpo_conversation_prompt_masks_only_chosen_and_rejected_turns(tok):
 
 
 def test_dpo_implicit_prompt_masks_only_the_final_assistant_turn(tok):
-    enc = PreferenceEncoder({}, tok, 64)
+    enc = preference({}, tok, 64)
     shared = [turn("user", "a"), turn("assistant", "b"), turn("user", "c")]
     row = {"chosen": shared + [turn("assistant", "d")], "rejected": shared + [turn("assistant", "e")]}
     enc.check_columns(row, SRC)  # no prompt column: fine for full conversations
@@ -293,7 +306,7 @@ def test_dpo_implicit_prompt_masks_only_the_final_assistant_turn(tok):
 
 
 def test_dpo_column_and_format_errors(chars, tok):
-    enc = PreferenceEncoder({}, tok, 64)
+    enc = preference({}, tok, 64)
     with pytest.raises(
         ValueError,
         match=r"data\.rejected_key: column 'rejected' .*"
@@ -340,7 +353,7 @@ def test_dpo_column_and_format_errors(chars, tok):
         match=r"data\.chosen_key: column 'chosen' holds "
         r"conversations.*chat template",
     ):
-        PreferenceEncoder({}, chars, 64).encode(conv, 2, SRC)
+        preference({}, chars, 64).encode(conv, 2, SRC)
 
 
 def test_dpo_identical_sides_have_no_preference(chars, tok):
@@ -349,10 +362,10 @@ def test_dpo_identical_sides_have_no_preference(chars, tok):
         match=r"row 4 of dataset 'x\.jsonl' .*'chosen' and "
         r"'rejected': no preference to learn",
     ):
-        PreferenceEncoder({}, chars, 64).encode({"prompt": "1", "chosen": "2", "rejected": "2"}, 4, SRC)
+        preference({}, chars, 64).encode({"prompt": "1", "chosen": "2", "rejected": "2"}, 4, SRC)
     same = [turn("user", "a"), turn("assistant", "b")]
     with pytest.raises(ValueError, match=r"row 4 .*no preference"):
-        PreferenceEncoder({}, tok, 64).encode({"chosen": same, "rejected": list(same)}, 4, SRC)
+        preference({}, tok, 64).encode({"chosen": same, "rejected": list(same)}, 4, SRC)
 
 
 def test_dpo_long_sequences(chars):
@@ -362,22 +375,22 @@ def test_dpo_long_sequences(chars):
         match=r"row 0 of .* \(rejected side\) is 8 tokens, over the "
         r"limit of 7",
     ):
-        PreferenceEncoder({"on_long_sequence": "error"}, chars, 7).encode(row, 0, SRC)
-    assert PreferenceEncoder({"on_long_sequence": "filter"}, chars, 7).encode(row, 0, SRC) is None
-    d = PreferenceEncoder({}, chars, 7).encode(row, 0, SRC)
+        preference({"on_long_sequence": "error"}, chars, 7).encode(row, 0, SRC)
+    assert preference({"on_long_sequence": "filter"}, chars, 7).encode(row, 0, SRC) is None
+    d = preference({}, chars, 7).encode(row, 0, SRC)
     assert not d.chosen.metadata["truncated"] and d.rejected.metadata["truncated"]
     assert d.metadata["truncated"] and d.rejected.token_mask == (0,) * 5 + (1, 1)
     # Cut inside the prompt: the pair has nothing to train on and is dropped.
-    assert PreferenceEncoder({}, chars, 5).encode(row, 0, SRC) is None
+    assert preference({}, chars, 5).encode(row, 0, SRC) is None
     # Cut before the sides differ ("11" vs "12"): nothing left to prefer, dropped too.
     row = {"prompt": "1+1=", "chosen": "11", "rejected": "12"}
-    assert PreferenceEncoder({}, chars, 6).encode(row, 0, SRC) is None
+    assert preference({}, chars, 6).encode(row, 0, SRC) is None
 
 
 # ---------------------------------------------------------------- template checks
 def test_template_that_rewrites_earlier_turns_is_refused(tok):
     tok.chat_template = STRIPPING_TEMPLATE
-    enc = SFTEncoder({"messages_key": "m"}, tok, 64)
+    enc = sft({"messages_key": "m"}, tok, 64)
     one = [turn("user", "a"), turn("assistant", "b")]
     assert enc.encode({"m": one}, 0, SRC).num_response_tokens == 2  # single turn: fine
     two = one + [turn("user", "c"), turn("assistant", "d")]
@@ -393,7 +406,7 @@ def test_template_that_rewrites_earlier_turns_is_refused(tok):
 def test_generation_prompt_that_differs_from_the_turn_is_refused(tok):
     tok.chat_template = CHAT_TEMPLATE.replace("<s> a {% endif %}", "<s> x {% endif %}")
     with pytest.raises(ValueError, match=r"row 0 of .*does not render conversation prefixes"):
-        SFTEncoder({}, tok, 64).encode({"prompt": "a", "response": "b"}, 0, SRC)
+        sft({}, tok, 64).encode({"prompt": "a", "response": "b"}, 0, SRC)
 
 
 def test_render_accepts_a_dict_result():

@@ -10,21 +10,24 @@ from benchmarks import trl_grpo
 
 
 def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
+    from core.algorithms.config import GRPORunConfig
     from core.config.loader import EMBEDDED_CONFIGS, load_config
 
-    cfg = load_config(EMBEDDED_CONFIGS["grpo"])
-    spec = trl_grpo.spec_from_dualrl(cfg, ["1+2=", "3+4=", "5-1="], ["3", "7", "4"], "/m", "/t")
-    g, policy, loss = cfg["grpo"], cfg["policy"], cfg["loss_fn"]
-    opt = policy["optimizer"]["kwargs"]
+    cfg = load_config(EMBEDDED_CONFIGS["grpo"], schema=GRPORunConfig)
+    # benchmarks.trl_grpo still reads a plain dict: the resolved config's data
+    data = cfg.to_dict()
+    spec = trl_grpo.spec_from_dualrl(data, ["1+2=", "3+4=", "5-1="], ["3", "7", "4"], "/m", "/t")
+    g, policy, loss = cfg.grpo, cfg.policy, cfg.loss_fn
+    opt = policy.optimizer.kwargs
     assert set(trl_grpo.REQUIRED_KEYS) <= set(spec)
     assert (spec["model_path"], spec["tokenizer_path"]) == ("/m", "/t")
     assert spec["prompts"] == ["1+2=", "3+4=", "5-1="] and spec["answers"] == ["3", "7", "4"]
     assert (
         (spec["prompts_per_step"], spec["group_size"], spec["seed"])
         == (32, 8, 42)
-        == (g["num_prompts_per_step"], g["num_generations_per_prompt"], g["seed"])
+        == (g.num_prompts_per_step, g.num_generations_per_prompt, g.seed)
     )
-    assert spec["max_new_tokens"] == policy["generation"]["max_new_tokens"] == 6
+    assert spec["max_new_tokens"] == policy.generation.max_new_tokens == 6
     assert (spec["temperature"], spec["top_p"], spec["top_k"]) == (1.0, 1.0, None)
     assert (
         (spec["learning_rate"], spec["betas"], spec["eps"], spec["weight_decay"])
@@ -32,11 +35,11 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
         == (1e-4, [0.9, 0.999], 1e-8, 0.0)
     )
     assert (spec["foreach"], spec["fused"]) == (None, None)  # unset: torch's own kernel choice on both sides
-    assert spec["max_grad_norm"] == policy["max_grad_norm"] == 1.0
-    assert spec["kl_beta"] == loss["reference_policy_kl_penalty"] == 0.01
-    assert (spec["epsilon"], spec["epsilon_high"]) == (loss["ratio_clip_min"], loss["ratio_clip_max"]) == (0.2, 0.2)
+    assert spec["max_grad_norm"] == policy.max_grad_norm == 1.0
+    assert spec["kl_beta"] == loss.reference_policy_kl_penalty == 0.01
+    assert (spec["epsilon"], spec["epsilon_high"]) == (loss.ratio_clip_min, loss.ratio_clip_max) == (0.2, 0.2)
     assert spec["precision"] == "float32"
-    assert spec["micro_batch_size"] == policy["train_micro_batch_size"] == 32
+    assert spec["micro_batch_size"] == policy.train_micro_batch_size == 32
     assert (spec["loss_type"], spec["scale_rewards"], spec["importance_sampling_level"]) == ("dapo", "group", "token")
     assert spec["env"]["name"] == "arithmetic" and spec["env"]["arithmetic"]["max_value"] == 49
     assert spec["use_chat_template"] == "auto" and spec["old_logprobs_pass"] is True
@@ -69,14 +72,14 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
 
     # asymmetric clip, sequence-level loss, no normalisation, bf16, top-k, no clipping
     cfg2 = {
-        **cfg,
-        "loss_fn": {**loss, "ratio_clip_max": 0.28, "token_level_loss": False},
-        "grpo": {**g, "normalize_rewards": False},
+        **data,
+        "loss_fn": {**data["loss_fn"], "ratio_clip_max": 0.28, "token_level_loss": False},
+        "grpo": {**data["grpo"], "normalize_rewards": False},
         "policy": {
-            **policy,
+            **data["policy"],
             "precision": "bfloat16",
             "max_grad_norm": None,
-            "generation": {**policy["generation"], "top_k": 5},
+            "generation": {**data["policy"]["generation"], "top_k": 5},
         },
     }
     kw2 = trl_grpo.grpo_config_kwargs(trl_grpo.spec_from_dualrl(cfg2, ["1+1="], ["2"], "/m", "/t"), "/out")
@@ -85,7 +88,7 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     # several optimizer steps per dualrl step: refused
     with pytest.raises(ValueError, match="train_global_batch_size"):
         trl_grpo.spec_from_dualrl(
-            {**cfg, "policy": {**policy, "train_global_batch_size": 128}}, ["1+1="], ["2"], "/m", "/t"
+            {**data, "policy": {**data["policy"], "train_global_batch_size": 128}}, ["1+1="], ["2"], "/m", "/t"
         )
     # the prompts are walked in order, prompts_per_step per step, cycling
     rows = trl_grpo.cycled_rows(["a", "b", "c"], ["1", "2", "3"], 2)
