@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from backends.jax_pjit.model import constrain
+from backends.jax_pjit.models.layers import constrain
 from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
 from core.data.sequence_packing import PackedRow
 from core.kernels import apply_temperature, logprobs_from_logits, logprobs_to_sequence_layout, next_token_logprobs

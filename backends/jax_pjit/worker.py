@@ -47,7 +47,8 @@ from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
 from backends.jax_pjit.hf_mapping import expected_entries, flat_values, from_pretrained, hf_layout, save_hf_checkpoint
 from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
-from backends.jax_pjit.model import activation_constraint, logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models.layers import activation_constraint
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
 from backends.jax_pjit.sharding import activation_constraint as make_constraint
 from backends.jax_pjit.sharding import (
