@@ -179,7 +179,7 @@ def _grads(worker, loss_fn, data):
     gseq, gtok = steps.global_valid_counts(host["sample_mask"], host.get("token_mask"), host["input_lengths"])
     step, acc = worker._grad_step(loss_fn), steps.zero_grads(worker.params)
     with worker._on_mesh():
-        for args in worker._micro_batches(host, None, 2, worker._bucket(host["input_ids"].shape[1])):
+        for args in worker.rows.train_micro_batches(host, None, 2, worker.rows.bucket(host["input_ids"].shape[1])):
             acc, _ = step(worker.params, acc, *args, gseq, gtok)
     return step, args, acc
 

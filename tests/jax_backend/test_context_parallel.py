@@ -149,7 +149,7 @@ def test_cp_logprobs_match_hf(model_dirs, tokenizer, model, mesh):
     worker.get_logprobs(_ragged(5, seed=2))  # same bucket (16): no new program
     assert worker.compile_counts["logprobs_layout"] == 1 and worker.compile_counts["logprobs"] == 0
     # Rows still split over fsdp (and replicated over cp / tp) on the way in.
-    assert worker._device_batch({"x": np.zeros((mesh[0], 16), np.int32)})["x"].sharding.spec == P("fsdp")
+    assert worker.rows.device_batch({"x": np.zeros((mesh[0], 16), np.int32)})["x"].sharding.spec == P("fsdp")
 
 
 @pytest.mark.parametrize("mesh", MESHES)
