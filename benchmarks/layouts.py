@@ -128,7 +128,7 @@ def jax_layout(name: str) -> Layout | None:
 def jax_model_problem(hf_config, model: str) -> str | None:
     """Why the JAX backend cannot run this model (the backend's own check of the HF config), or
     None -- asked on the driver, before any worker starts."""
-    from backends.jax_pjit.model import ModelConfig
+    from backends.jax_pjit.models import ModelConfig
 
     try:
         ModelConfig.from_hf(hf_config)

@@ -56,7 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from backends.jax_pjit.model import CausalLM, KVCache, constrain, rope_cos_sin
+from backends.jax_pjit.models.layers import KVCache, constrain, rope_cos_sin
+from backends.jax_pjit.models.llama import CausalLM
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import logprobs_from_logits
 from core.policy.generation_args import (

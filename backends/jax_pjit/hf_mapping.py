@@ -1,6 +1,7 @@
 """HF <-> JAX parameter names and layouts, declared once per family as a table.
 
-Each row of a table is ``(HF name pattern, JAX state path pattern, transform)``; ``{i}``
+Each family module declares its tables (``HF_TABLES``, e.g. ``models/llama.py``); each row
+(``models.hf_table.Row``) is ``(HF name pattern, JAX state path pattern, transform)``; ``{i}``
 stands for the layer index.  The same rows drive checkpoint import (``load_hf_weights``,
 ``from_pretrained``), export (``save_hf_checkpoint``) and refit (``jax_to_hf_tensors``
 yields HF names and layouts).  Transforms are exact (transposes and reshapes only), so
@@ -11,7 +12,7 @@ over a vocabulary it does not divide), the rows with a ``vocab_dim`` (embedding,
 are zero-padded along that JAX dim on import and cut back to ``vocab_size`` on export and
 refit, so HF names *and shapes* never see the padding.
 
-Transforms (HF layout -> JAX layout, JAX shapes from ``model.param_shapes(cfg)``):
+Transforms (HF layout -> JAX layout, JAX shapes from ``models.param_shapes(cfg)``):
     embedding        [V, E]           -> [V, E]             (identity)
     norm             [E]              -> [E]                (identity)
     linear           [out, in]        -> [in, *out_dims]    (q/k/v: out = heads x head_dim)
@@ -36,44 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from backends.jax_pjit.model import CausalLM, ModelConfig, abstract_model, param_shapes, params_of
-
-# --------------------------------------------------------------------------- the tables
-
-
-class Row(NamedTuple):
-    hf: str  # HF state-dict name, ``{i}`` = layer index
-    jax: str  # "/"-separated path in ``nnx.state(model, nnx.Param)``
-    transform: str  # a key of TRANSFORMS
-    untied_only: bool = False  # dropped for models with tied word embeddings
-    vocab_dim: int | None = None  # the JAX dim over the vocabulary (padded to cfg.padded_vocab_size)
-
-
-_LAYER = "model.layers.{i}."
-_JLAYER = "layers/{i}/"
-
-LLAMA_TABLE: tuple[Row, ...] = (
-    Row("model.embed_tokens.weight", "embed_tokens/embedding", "embedding", vocab_dim=0),
-    Row(_LAYER + "input_layernorm.weight", _JLAYER + "input_layernorm/scale", "norm"),
-    Row(_LAYER + "self_attn.q_proj.weight", _JLAYER + "self_attn/q_proj/kernel", "linear"),
-    Row(_LAYER + "self_attn.k_proj.weight", _JLAYER + "self_attn/k_proj/kernel", "linear"),
-    Row(_LAYER + "self_attn.v_proj.weight", _JLAYER + "self_attn/v_proj/kernel", "linear"),
-    Row(_LAYER + "self_attn.o_proj.weight", _JLAYER + "self_attn/o_proj/kernel", "linear_heads_in"),
-    Row(_LAYER + "post_attention_layernorm.weight", _JLAYER + "post_attention_layernorm/scale", "norm"),
-    Row(_LAYER + "mlp.gate_proj.weight", _JLAYER + "mlp/gate_proj/kernel", "linear"),
-    Row(_LAYER + "mlp.up_proj.weight", _JLAYER + "mlp/up_proj/kernel", "linear"),
-    Row(_LAYER + "mlp.down_proj.weight", _JLAYER + "mlp/down_proj/kernel", "linear"),
-    Row("model.norm.weight", "norm/scale", "norm"),
-    Row("lm_head.weight", "lm_head/kernel", "linear", untied_only=True, vocab_dim=1),
-)
-
-QWEN2_TABLE: tuple[Row, ...] = LLAMA_TABLE + (
-    Row(_LAYER + "self_attn.q_proj.bias", _JLAYER + "self_attn/q_proj/bias", "bias_heads"),
-    Row(_LAYER + "self_attn.k_proj.bias", _JLAYER + "self_attn/k_proj/bias", "bias_heads"),
-    Row(_LAYER + "self_attn.v_proj.bias", _JLAYER + "self_attn/v_proj/bias", "bias_heads"),
-)
-
-FAMILY_TABLES: dict[str, tuple[Row, ...]] = {"llama": LLAMA_TABLE, "qwen2": QWEN2_TABLE}
+from backends.jax_pjit.models import ModelConfig, abstract_model, family_module, param_shapes, params_of
+from backends.jax_pjit.models.hf_table import Row
 
 #: HF buffers that may sit in a checkpoint but are not parameters (recomputed from config).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -132,7 +97,8 @@ def _jax_path(pattern: str, i: int | None) -> tuple:
 
 def table_for(cfg: ModelConfig) -> tuple[Row, ...]:
     """The family's rows that apply to ``cfg`` (no lm_head row when embeddings are tied)."""
-    return tuple(r for r in FAMILY_TABLES[cfg.family] if not (r.untied_only and cfg.tie_word_embeddings))
+    table = family_module(cfg.family).HF_TABLES[cfg.family]
+    return tuple(r for r in table if not (r.untied_only and cfg.tie_word_embeddings))
 
 
 def _unpadded_shape(jax_shape: tuple, vocab_dim: int | None, cfg: ModelConfig) -> tuple:
@@ -321,11 +287,11 @@ def read_hf_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_hf_weights(model: CausalLM, path_or_hf_state: str | os.PathLike | Mapping[str, Any]) -> CausalLM:
+def load_hf_weights(model: nnx.Module, path_or_hf_state: str | os.PathLike | Mapping[str, Any]) -> nnx.Module:
     """Fill ``model``'s params (in place; also returned) from an HF checkpoint dir/file or a
     ``{hf_name: array}`` mapping, cast to the model's ``param_dtype``.
 
-    Works on an abstract model from ``model.abstract_model`` (nothing is initialised
+    Works on an abstract model from ``models.abstract_model`` (nothing is initialised
     twice).  Raises ``ValueError`` naming the HF parameter on missing / unexpected names
     and shape mismatches.
     """
@@ -357,7 +323,7 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def save_hf_checkpoint(model: CausalLM, hf_config: Any, path: str | os.PathLike) -> Path:
+def save_hf_checkpoint(model: nnx.Module, hf_config: Any, path: str | os.PathLike) -> Path:
     """Write ``model.safetensors`` (HF names and layouts, params' dtype) and ``config.json``
     to ``path``; ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it.
 
@@ -385,7 +351,7 @@ def from_pretrained(
     *,
     tp: int = 1,
     make_vocab_size_divisible_by: int = 1,
-) -> tuple[CausalLM, ModelConfig, Any]:
+) -> tuple[nnx.Module, ModelConfig, Any]:
     """Load an HF checkpoint directory: ``(CausalLM, ModelConfig, hf_config)``.
 
     The vocabulary is zero-padded to ``padded_vocab_size(vocab_size, tp,
@@ -401,10 +367,6 @@ def from_pretrained(
 
 
 __all__ = [
-    "Row",
-    "LLAMA_TABLE",
-    "QWEN2_TABLE",
-    "FAMILY_TABLES",
     "TRANSFORMS",
     "Entry",
     "table_for",

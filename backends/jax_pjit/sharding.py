@@ -53,6 +53,9 @@ __all__ = [
     "HostShards",
     "to_host_shards",
     "from_host_shards",
+    "stash",
+    "unstash",
+    "off_device",
     "is_logical_axes",
     "path_str",
 ]
@@ -440,3 +443,34 @@ def from_host_shards(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: x.to_device() if isinstance(x, HostShards) else x, tree, is_leaf=lambda x: isinstance(x, HostShards)
     )
+
+
+def stash(tree: Any) -> tuple[Any, Any]:
+    """``tree`` in host memory, to go back onto the same shardings through :func:`unstash`
+    (offloaded training state, the reference weights).
+
+    One process: ``(numpy copy, shardings)``.  Several: ``(HostShards tree, None)``, only
+    this process's shards -- no collective, and host memory for this host's share, where a
+    full copy would gather every array to every host at each offload."""
+    if jax.process_count() > 1:
+        return to_host_shards(tree), None
+    return jax.device_get(tree), jax.tree.map(lambda x: x.sharding, tree)
+
+
+def unstash(host: Any, shardings: Any) -> Any:
+    """The inverse of :func:`stash`: the arrays on their shardings again."""
+    return from_host_shards(host) if shardings is None else jax.device_put(host, shardings)
+
+
+def off_device(full: jax.Array) -> Any:
+    """One (sharded) refit tensor as the stream carries it.  One process on GPU: gathered
+    onto the first local GPU (device-to-device copies) and handed to torch by DLPack, no
+    host trip (the CUDA IPC transport reads it there).  Else numpy: each shard copied to the
+    host once, into the full array (several processes: all-gathered first, a collective).
+    Not a replicated jit output: on CPU that all-gather cost 2-4x the host copy."""
+    device = jax.local_devices()[0]
+    if jax.process_count() == 1 and device.platform == "gpu":
+        import torch
+
+        return torch.from_dlpack(jax.device_put(full, device))
+    return host_copy(full)

@@ -25,6 +25,7 @@ independent of the micro-batch size.
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from backends.jax_pjit.model import constrain
+from backends.jax_pjit.models.layers import constrain
 from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
 from core.data.sequence_packing import PackedRow
 from core.kernels import apply_temperature, logprobs_from_logits, logprobs_to_sequence_layout, next_token_logprobs
@@ -127,6 +128,15 @@ def zero_grads(params: Any) -> Any:
     # jnp.zeros(device=...) hits jax's own compilation cache on every call; a fresh
     # jax.jit(lambda ...) per call would trace and compile again each time.
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), params)
+
+
+def loss_key(loss_fn: Any) -> tuple:
+    """(class name, its scalar settings): equal for two copies of one configured loss, so a
+    grad step compiled for one serves the next (every ``Policy.train`` call ships a fresh,
+    unpickled copy of the same loss)."""
+    scalars = (bool, int, float, str, type(None), enum.Enum)
+    settings = tuple(sorted((k, v) for k, v in vars(loss_fn).items() if isinstance(v, scalars)))
+    return (type(loss_fn).__qualname__, settings)
 
 
 def make_grad_step(apply_fn: ApplyFn, loss_fn: Any, temperature: float, grad_shardings: Any = None) -> Callable:

@@ -1,4 +1,5 @@
-"""Per-rank batch plumbing shared by the torch workers: micro batches, model inputs, counts.
+"""Per-rank batch plumbing shared by the torch workers: micro batches, model inputs, counts,
+the packed / context-parallel row layouts.
 
 All of it is the same for FSDP1 and DTensor; what differs per backend (how logits are
 produced, whether they are vocab-sharded) stays in the workers.
@@ -8,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from core.data import BatchedDataDict
+from core.data.context_parallel import row_segments
+from core.data.sequence_packing import PackedRow
 
 
 def micro_batches(batch: BatchedDataDict, micro_batch_size: int) -> Iterator[BatchedDataDict]:
@@ -41,6 +45,23 @@ def model_inputs(
     return to_device(ids, device), to_device(mask, device), seq_len
 
 
+def reshaped_rows(
+    mb: BatchedDataDict, packed: bool, seq_multiple: int = 1
+) -> tuple[PackedRow | None, torch.Tensor, torch.Tensor, np.ndarray]:
+    """``(packing layout or None, input_ids, positions, segments)`` on the host for a micro
+    batch that leaves the plain padded layout: packed into one row of several sequences
+    (positions restarting at 0, segments confining attention to each sequence), or -- for
+    context parallelism -- its right-padded rows with explicit positions and segments."""
+    width = mb["input_ids"].shape[1]
+    lengths = mb["input_lengths"]
+    if packed:
+        layout = PackedRow.build(lengths.tolist(), width, seq_multiple)
+        return layout, layout.pack(mb["input_ids"]), torch.from_numpy(layout.positions)[None], layout.segments[None]
+    ids, _, _ = model_inputs(mb, "cpu", seq_multiple)
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    return None, ids, positions, row_segments(lengths.tolist(), ids.shape[1])
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device`` without making the host wait for the device.
 
@@ -54,6 +75,13 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def batch_to_device(mb: BatchedDataDict, device: torch.device) -> BatchedDataDict:
+    """A device copy of ``mb`` (lists kept), without waiting for the copies (``to_device``)."""
+    if device.type == "cpu":
+        return mb
+    return BatchedDataDict({k: to_device(v, device) if torch.is_tensor(v) else v for k, v in mb.items()})
 
 
 def global_valid_counts(

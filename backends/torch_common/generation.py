@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -163,6 +163,36 @@ def hf_generate(
     ]
     generated, token_logprobs, lengths = (torch.cat(parts) for parts in zip(*pieces, strict=True))
     return _assemble_output(input_ids, input_lengths, generated, token_logprobs, lengths, new_tokens, pad_token_id)
+
+
+class GenerationReplica:
+    """An unsharded copy of a worker's current weights in the compute dtype, for HF ``generate``.
+
+    Why a replica rather than the sharded module: HF ``generate`` calls the inner HF
+    module, which bypasses FSDP1's root unshard, and under TP/SP the KV-cache decode
+    steps (sequence length 1) cannot be sequence-sharded.  HF generation is the
+    evaluation/debug path (vLLM is the rollout engine), so one full copy per rank during
+    the call is an acceptable price for one code path that is right on every layout.
+    The replica's structure is built on the first :meth:`load`; each call only reloads the weights.
+    """
+
+    def __init__(self, model_config: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.model_config, self.device, self.dtype = model_config, device, dtype
+        self._module: torch.nn.Module | None = None
+
+    def load(self, full_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+        """The replica with ``full_weights`` (``(hf_name, full tensor)`` pairs, every weight) loaded."""
+        from transformers import AutoModelForCausalLM
+
+        if self._module is None:
+            # Built on the device directly (not meta): non-persistent buffers such as RoPE's
+            # inv_freq are computed by the constructor and are not in the state dict.
+            with torch.device(self.device):
+                replica = AutoModelForCausalLM.from_config(self.model_config, dtype=self.dtype)
+            replica.config.use_cache = True
+            self._module = replica.eval()
+        self._module.load_state_dict(dict(full_weights), strict=True)
+        return self._module
 
 
 def row_chunks(batch: int, batch_size: int | None) -> list[slice]:

@@ -21,11 +21,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +32,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from backends.torch_common import checkpoint as ckpt
-from backends.torch_common.batches import global_valid_counts, micro_batches, model_inputs, pad_columns, to_device
+from backends.torch_common.batches import (
+    batch_to_device,
+    global_valid_counts,
+    micro_batches,
+    model_inputs,
+    pad_columns,
+    reshaped_rows,
+    to_device,
+)
 from backends.torch_common.dist_env import (
     device_id,
     device_info,
@@ -42,24 +48,23 @@ from backends.torch_common.dist_env import (
     init_torch_distributed,
     reset_peak_memory,
 )
-from backends.torch_common.generation import hf_generate
+from backends.torch_common.generation import GenerationReplica, hf_generate
 from backends.torch_common.memory_trade import full_copies_fit, weight_bytes
 from backends.torch_common.model_loading import hf_param_meta, load_hf_model, torch_dtype
 from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
 from backends.torch_common.precision import apply_matmul_precision, matmul_precision_state
 from backends.torch_common.reference import ReferenceWeights, local_shards
 from core.data import BatchedDataDict
-from core.data.context_parallel import attention_allowed, row_segments
-from core.data.sequence_packing import PackedRow
+from core.data.context_parallel import attention_allowed
 from core.distributed.recoverable import before_collectives
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
-from core.losses.metrics import MicroBatchMetrics, read_once
+from core.losses.metrics import MicroBatchMetrics
 from core.parallel_dims import ParallelDims
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
-from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, step_skip_reason
+from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, StepResult, step_skip_reason
 from core.refit.manifest import tied_aliases
 
 
@@ -114,6 +119,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             self.optimizer = build_optimizer(self.cfg["optimizer"], self.model.parameters())
             self.scheduler = build_scheduler(self.cfg.get("scheduler"), self.optimizer)
         self.train_step = 0
+        self._replica = GenerationReplica(self.model_config, self.device, self.compute_dtype)
         self._profiler = None
         if weights_path:  # the Policy verified the manifests' checksums on the driver already
             self.load_checkpoint(weights_path, optimizer_path, checksums=not _.get("checkpoint_verified", False))
@@ -246,17 +252,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             logits, ids, seq_len = self._forward_logits(mb)
             return self._next_token_logprobs(logits, ids)[:, : seq_len - 1]
         width = mb["input_ids"].shape[1]
-        lengths = mb["input_lengths"]
-        if self._packing:
-            layout = PackedRow.build(lengths.tolist(), width, self._seq_multiple)
-            ids = layout.pack(mb["input_ids"])
-            positions = torch.from_numpy(layout.positions)[None]
-            segments = layout.segments[None]
-        else:
-            layout = None
-            ids, _, _ = model_inputs(mb, "cpu", self._seq_multiple)
-            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-            segments = row_segments(lengths.tolist(), ids.shape[1])
+        layout, ids, positions, segments = reshaped_rows(mb, self._packing, self._seq_multiple)
         ids, positions = to_device(ids, self.device), to_device(positions, self.device)
         if self.dims.cp > 1:
             next_lp = self._cp_rows.next_logprobs(self._model_logits, self._token_logprobs, ids, positions, segments)
@@ -315,13 +311,6 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         with self.reference.swapped_in():
             yield
 
-    def get_reference_policy_logprobs(
-        self, data: BatchedDataDict, micro_batch_size: int | None = None
-    ) -> BatchedDataDict:
-        with self.use_reference_model():
-            out = self.get_logprobs(data, micro_batch_size)
-        return BatchedDataDict(reference_logprobs=out["logprobs"])
-
     # ------------------------------------------------------------------ training
     def train(
         self,
@@ -357,28 +346,21 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
                 self.optimizer is not None,
             )
         self.model.train(not eval_mode)
-        losses, norms, step_metrics, all_mb, reasons = [], [], [], {}, []
+        results = []
         for gb_idx in range(data.size // local_gbs):
             gb = data.get_batch(gb_idx, local_gbs)
-            loss, norm, metrics, reason = self._train_global_batch(gb, loss_fn, mbs, eval_mode, all_mb)
-            losses.append(loss)
-            norms.append(norm)
-            step_metrics.append(metrics)
-            reasons.append(reason)
-        applied = any(r is None for r in reasons)
-        if not eval_mode and self.scheduler is not None and applied:
+            results.append(self._train_global_batch(gb, loss_fn, mbs, eval_mode))
+        if not eval_mode and self.scheduler is not None and any(r.skip_reason is None for r in results):
             self.scheduler.step()
             self.train_step += 1
         lr = current_lr(self.optimizer) if self.optimizer is not None else None
-        return self._train_result(losses, norms, step_metrics, all_mb, lr, reasons)
+        return self._train_steps_result(results, lr)
 
-    def _train_global_batch(
-        self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool, all_mb: dict
-    ) -> tuple[float, float, dict[str, float], str | None]:
+    def _train_global_batch(self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool) -> StepResult:
         """Forward/backward every micro batch of one global batch, then one optimizer step,
         unless ``step_skip_reason`` (from the all-reduced counts, loss and grad norm, so the
         same on every rank) says to skip it: then the gradients are dropped and neither the
-        weights nor the optimizer state move.  Returns (loss, grad norm, metrics, skip reason).
+        weights nor the optimizer state move.
 
         The step's values are read on the host once, after the norm: the skip decision
         needs them, and nothing before it waits for the device."""
@@ -386,7 +368,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         if not eval_mode:
             self.optimizer.zero_grad(set_to_none=True)
         collected = self._run_micro_batches(gb, loss_fn, mbs, eval_mode, gseq, gtok)
-        keys, table = collected.keys, collected.table(gseq)
+        table = collected.table(gseq)
         totals = self._sum_over_dp(table.sum(0))
         # The norm is measured (and the gradients clipped) before the decision; a skipped
         # step drops the gradients, so a non-finite norm's clipping poisons nothing.
@@ -396,19 +378,10 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             else torch.zeros((), device=self.device)
         )
         head = torch.stack([gseq, gtok, norm.float().to(self.device)])
-        (seqs, toks, grad_norm), total_values, mb_values = read_once(head, totals, table)
-        metrics = dict(zip(keys, total_values, strict=True))
+        metrics, mb_metrics, ((seqs, toks, grad_norm),) = self._read_step(collected, totals, table, head)
         loss = metrics.get("loss", 0.0)
-        reason = None
-        if not eval_mode:
-            reason = step_skip_reason(seqs, toks, loss, grad_norm)
-            if reason is None:
-                self.optimizer.step()
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-        for k, values in collected.per_micro_batch(mb_values).items():
-            all_mb.setdefault(k, []).extend(values)
-        return loss, grad_norm, metrics, reason
+        reason = None if eval_mode else self._optimizer_step(seqs, toks, loss, grad_norm)
+        return StepResult(loss, grad_norm, metrics, reason, mb_metrics)
 
     def _run_micro_batches(
         self, gb: BatchedDataDict, loss_fn: Any, mbs: int, eval_mode: bool, gseq: torch.Tensor, gtok: torch.Tensor
@@ -444,8 +417,19 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             collected.add(metrics)
         return collected
 
+    def _optimizer_step(self, seqs: float, toks: float, loss: float, grad_norm: float) -> str | None:
+        """Apply the step, or skip it when ``step_skip_reason`` says so (the gradients are
+        dropped: weights and optimizer state do not move).  Returns the skip reason (None:
+        applied); the values were all-reduced, so every rank decides alike."""
+        reason = step_skip_reason(seqs, toks, loss, grad_norm)
+        if reason is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return reason
+
     def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
-        dev_mb = _to_device(mb, self.device)
+        dev_mb = batch_to_device(mb, self.device)
         if hasattr(loss_fn, "loss_from_logprobs"):
             # One logprob path for get_logprobs and train (same temperature, same
             # vocab-parallel kernel): the loss sees exactly what get_logprobs returns.
@@ -475,7 +459,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             args = resolve_generation_args(
                 self.cfg, self.tokenizer, self.model_config.eos_token_id, data["input_ids"].shape[1]
             )
-        module = self._generation_replica()
+        # The weights are gathered into the replica first: a collective, on every rank.
+        module = self._replica.load(self.iter_full_weights(self.compute_dtype))
         out = hf_generate(
             module,
             data.to(self.device),
@@ -490,28 +475,6 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         )
         return out.to("cpu")
 
-    def _generation_replica(self) -> torch.nn.Module:
-        """An unsharded copy of the current weights in the compute dtype, for HF ``generate``.
-
-        Why a replica rather than the sharded module: HF ``generate`` calls the inner HF
-        module, which bypasses FSDP1's root unshard, and under TP/SP the KV-cache decode
-        steps (sequence length 1) cannot be sequence-sharded.  HF generation is the
-        evaluation/debug path (vLLM is the rollout engine), so one full copy per rank during
-        the call is an acceptable price for one code path that is right on every layout.
-        The replica's structure is built once; each call only reloads the weights.
-        """
-        from transformers import AutoModelForCausalLM
-
-        if getattr(self, "_replica", None) is None:
-            # Built on the device directly (not meta): non-persistent buffers such as RoPE's
-            # inv_freq are computed by the constructor and are not in the state dict.
-            with torch.device(self.device):
-                replica = AutoModelForCausalLM.from_config(self.model_config, dtype=self.compute_dtype)
-            replica.config.use_cache = True
-            self._replica = replica.eval()
-        self._replica.load_state_dict(dict(self.iter_full_weights(self.compute_dtype)), strict=True)
-        return self._replica
-
     # ------------------------------------------------------------------ lifecycle
     def prepare_for_lp_inference(self) -> None:
         self.move_to_device(self.model, self.device)
@@ -524,9 +487,6 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         if self.optimizer is not None:
             move_optimizer_state(self.optimizer, self.device)
         empty_cache(self.device)
-
-    def finish_training(self, *args: Any, **kwargs: Any) -> None:
-        pass  # nothing to release: training state stays resident until offloaded
 
     def offload_before_refit(self) -> None:
         """Free device memory for the refit: optimizer state goes to the host."""
@@ -616,7 +576,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             return None
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
-        out_dir = Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles")).resolve()
+        out_dir = self._profile_root()
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{type(self).__name__}_rank{self.rank}_{int(time.time())}.json"
         prof.export_chrome_trace(str(path))
@@ -627,10 +587,3 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         if dist.is_initialized():
             dist.destroy_process_group()
         return True
-
-
-def _to_device(mb: BatchedDataDict, device: torch.device) -> BatchedDataDict:
-    """A device copy of ``mb`` (lists kept), without waiting for the copies (``to_device``)."""
-    if device.type == "cpu":
-        return mb
-    return BatchedDataDict({k: to_device(v, device) if torch.is_tensor(v) else v for k, v in mb.items()})

@@ -5,6 +5,8 @@ batch dimension or a Python ``list`` with one entry per row (strings, message lo
 Every key has the same number of rows.  The semantics mirror NeMo RL's class of the same
 name (``nemo_rl.distributed.batched_data_dict``), including ``shard_by_batch_size`` and
 token-budget ("dynamic") micro batching; differences are noted in the method docstrings.
+Which rows go to which shard, and the micro-batch plans, are computed by
+:mod:`core.data.sharding`; this class slices itself by them.
 
 Instances pickle with their attributes (the micro-batch plan included), because they
 travel to workers through Ray.
@@ -21,16 +23,9 @@ from typing import Any, Generic, Self, TypeVar
 import torch
 import torch.nn.functional as F
 
-from core.data.dynamic_batching import (
-    DynamicBatchingArgs,
-    MicroBatchPlan,
-    MissingKeyError,
-    plan_lockstep_micro_batches,
-    read_sequence_lengths,
-    sort_and_deal,
-    validate_dynamic_batching_args,
-)
-from core.data.sequence_packing import SequencePackingArgs, plan_packed_micro_batches
+from core.data.dynamic_batching import DynamicBatchingArgs, MissingKeyError
+from core.data.sequence_packing import SequencePackingArgs
+from core.data.sharding import contiguous_shard_rows, dynamic_shard_plan, packed_shard_plan, resolve_chunk_size
 
 __all__ = ["BatchedDataDict", "SlicedDataDict"]
 
@@ -358,70 +353,18 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if dynamic_batching_args is not None and sequence_packing_args is not None:
             raise ValueError("dynamic_batching_args and sequence_packing_args cannot be combined")
         dynamic = dynamic_batching_args is not None or sequence_packing_args is not None
-        batch_size = _resolve_chunk_size(total, shards, batch_size, allow_uneven_shards, dynamic)
-        if sequence_packing_args is not None:
-            return self._shard_packed(shards, batch_size, sequence_packing_args)
+        batch_size = resolve_chunk_size(total, shards, batch_size, allow_uneven_shards, dynamic)
         if not dynamic:
-            rows = _contiguous_shard_rows(total, shards, batch_size, allow_uneven_shards)
+            rows = contiguous_shard_rows(total, shards, batch_size, allow_uneven_shards)
             return [self._sliced_rows(shard_rows) for shard_rows in rows]
-        return self._shard_dynamic(shards, batch_size, dynamic_batching_args)
-
-    def _shard_dynamic(
-        self, shards: int, batch_size: int, args: DynamicBatchingArgs
-    ) -> tuple[list[SlicedDataDict], list[int]]:
-        """Dynamic-batching branch of ``shard_by_batch_size`` (arguments already checked
-        except ``args``)."""
-        validate_dynamic_batching_args(args)
-        lengths = read_sequence_lengths(self.data, args)
-        shard_rows: list[list[int]] = [[] for _ in range(shards)]
-        plans: list[MicroBatchPlan] = []
-        # max(..., 1): an empty batch has batch_size 0 and no chunks.
-        for chunk_start in range(0, len(lengths), max(batch_size, 1)):
-            chunk_lengths = lengths[chunk_start : chunk_start + batch_size]
-            dealt = sort_and_deal(chunk_lengths, shards)
-            plans.append(
-                plan_lockstep_micro_batches(
-                    [[chunk_lengths[i] for i in part] for part in dealt],
-                    args["sequence_length_round"],
-                    args["max_tokens_per_microbatch"],
-                )
-            )
-            for rows, part in zip(shard_rows, dealt, strict=True):
-                rows.extend(chunk_start + i for i in part)
-        sliced = [self._sliced_rows(rows) for rows in shard_rows]
-        for shard in sliced:
-            # Copies per shard: plans must not alias across shards living in one process.
-            shard.micro_batch_indices = [list(plan.indices) for plan in plans]
-            shard.micro_batch_lengths = [list(plan.lengths) for plan in plans]
-        sorted_indices = [row for rows in shard_rows for row in rows]
-        return sliced, sorted_indices
-
-    def _shard_packed(
-        self, shards: int, batch_size: int, args: SequencePackingArgs
-    ) -> tuple[list[SlicedDataDict], list[int]]:
-        """Sequence-packing branch of ``shard_by_batch_size``."""
-        lengths = read_sequence_lengths(self.data, {**args, "sequence_length_round": 1})
-        shard_rows: list[list[int]] = [[] for _ in range(shards)]
-        ranges: list[list[list[tuple[int, int]]]] = [[] for _ in range(shards)]
-        widths: list[list[list[int]]] = [[] for _ in range(shards)]
-        for chunk_start in range(0, len(lengths), max(batch_size, 1)):
-            chunk_lengths = lengths[chunk_start : chunk_start + batch_size]
-            dealt = sort_and_deal(chunk_lengths, shards)
-            plans = plan_packed_micro_batches(
-                [[chunk_lengths[i] for i in part] for part in dealt],
-                args["max_tokens_per_microbatch"],
-                args["algorithm"],
-            )
-            for k, (part, (order, bins)) in enumerate(zip(dealt, plans, strict=True)):
-                rows = [part[i] for i in order]
-                shard_rows[k].extend(chunk_start + i for i in rows)
-                ranges[k].append(bins)
-                # A bin's tensors keep the width of its longest row (the worker packs them).
-                widths[k].append([max(chunk_lengths[rows[i]] for i in range(a, b)) for a, b in bins])
-        sliced = [self._sliced_rows(rows) for rows in shard_rows]
-        for shard, r, w in zip(sliced, ranges, widths, strict=True):
-            shard.micro_batch_indices, shard.micro_batch_lengths = r, w
-        return sliced, [row for rows in shard_rows for row in rows]
+        if sequence_packing_args is not None:
+            plan = packed_shard_plan(self.data, shards, batch_size, sequence_packing_args)
+        else:
+            plan = dynamic_shard_plan(self.data, shards, batch_size, dynamic_batching_args)
+        sliced = [self._sliced_rows(rows) for rows in plan.rows]
+        for shard, indices, lengths in zip(sliced, plan.micro_batch_indices, plan.micro_batch_lengths, strict=True):
+            shard.micro_batch_indices, shard.micro_batch_lengths = indices, lengths
+        return sliced, [row for rows in plan.rows for row in rows]
 
     def _sliced_rows(self, rows: list[int]) -> SlicedDataDict:
         """The rows ``rows`` (validated, in order) as a ``SlicedDataDict``."""
@@ -619,40 +562,3 @@ def _pad_dim1(tensor: torch.Tensor, width: int, pad_value: int | float) -> torch
     # F.pad lists (left, right) pairs starting from the last dim; dims after 1 get none.
     pad = (0, 0) * (tensor.ndim - 2) + (0, missing)
     return F.pad(tensor, pad, mode="constant", value=pad_value)
-
-
-def _resolve_chunk_size(total: int, shards: int, batch_size: int | None, allow_uneven: bool, dynamic: bool) -> int:
-    """Validate ``shard_by_batch_size`` arguments and return the chunk size."""
-    if shards <= 0:
-        raise ValueError(f"shards must be positive, got {shards}")
-    if allow_uneven and batch_size is not None:
-        raise ValueError("allow_uneven_shards=True requires batch_size=None")
-    if allow_uneven and dynamic:
-        # Lockstep plans need equally many rows per shard, or short shards would get
-        # empty micro batches.
-        raise ValueError("allow_uneven_shards=True cannot be combined with dynamic_batching_args")
-    if batch_size is None:
-        batch_size = total
-    elif batch_size <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    elif total % batch_size:
-        raise ValueError(f"total batch size {total} is not divisible by batch_size {batch_size}")
-    if not allow_uneven and batch_size % shards:
-        raise ValueError(
-            f"batch size {batch_size} is not divisible by shards={shards}; pass "
-            "allow_uneven_shards=True (with batch_size=None) to allow uneven shards"
-        )
-    return batch_size
-
-
-def _contiguous_shard_rows(total: int, shards: int, batch_size: int, allow_uneven: bool) -> list[list[int]]:
-    """Rows of each shard: part ``k`` of every chunk of ``batch_size`` rows, in order."""
-    part = -(-batch_size // shards) if allow_uneven else batch_size // shards
-    rows: list[list[int]] = [[] for _ in range(shards)]
-    # An empty batch has no chunks (and batch_size 0): every shard stays empty.
-    for chunk_start in range(0, total, max(batch_size, 1)):
-        chunk_end = chunk_start + batch_size
-        for k in range(shards):
-            start = min(chunk_start + k * part, chunk_end)
-            rows[k].extend(range(start, min(start + part, chunk_end)))
-    return rows

@@ -5,10 +5,13 @@
 * :class:`RayWorkerGroup` -- one actor per bundle with ``RANK``/``MASTER_ADDR``/... set;
   single-data and sharded calls; fail-fast result collection (:class:`WorkerGroupError`;
   :class:`WorkerStartupError` when a worker's constructor raised; :class:`RecoverableCallError`
-  when every failure was recoverable and the group lives on, see :mod:`core.distributed.recoverable`).
+  when every failure was recoverable and the group lives on, see :mod:`core.distributed.recoverable`;
+  :class:`StartupFailure`, read by :mod:`core.distributed.startup_failure`, names a constructor's error).
 * :class:`WorkerLayout` -- rank <-> coordinates on named axes (``dp``/``cp``/``tp``).
 """
 
+from core.distributed.errors import RecoverableCallError, WorkerGroupError, WorkerStartupError
+from core.distributed.layout import WorkerLayout
 from core.distributed.ray_init import init_ray
 from core.distributed.recoverable import (
     RecoverableWorkerError,
@@ -16,17 +19,9 @@ from core.distributed.recoverable import (
     before_collectives,
     raised_before_collectives,
 )
+from core.distributed.startup_failure import StartupFailure
 from core.distributed.virtual_cluster import RayVirtualCluster, ResourcesUnavailableError
-from core.distributed.worker_group import (
-    RayWorkerGroup,
-    RecoverableCallError,
-    ShardedFuture,
-    StartupFailure,
-    WorkerGroupError,
-    WorkerLayout,
-    WorkerStartupError,
-    startup_failure,
-)
+from core.distributed.worker_group import RayWorkerGroup, ShardedFuture
 
 __all__ = [
     "init_ray",
@@ -43,5 +38,4 @@ __all__ = [
     "WorkerLayout",
     "WorkerStartupError",
     "StartupFailure",
-    "startup_failure",
 ]

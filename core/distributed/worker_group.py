@@ -15,13 +15,15 @@ NeMo RL's ``RayWorkerGroup``, with three differences that matter in practice:
   node/bundle, the exception the constructor raised and the project line that raised it
   (the alternative is Ray's "the actor died because of an error raised in its creation
   task" with the cause somewhere in the worker's log).
+
+Around it: :mod:`core.distributed.layout` (:class:`WorkerLayout`),
+:mod:`core.distributed.actor_placement` (one actor per bundle, the rank env vars),
+:mod:`core.distributed.errors` (the exceptions) and :mod:`core.distributed.startup_failure`
+(reading a constructor's exception off Ray's error).
 """
 
 from __future__ import annotations
 
-import math
-import os
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,206 +32,20 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from core.distributed.actor_placement import check_env_vars, check_workers_per_node, create_actors, kill_actors
+from core.distributed.errors import RecoverableCallError, WorkerGroupError, WorkerStartupError
+from core.distributed.layout import WorkerLayout
 from core.distributed.recoverable import recoverable_cause
+from core.distributed.startup_failure import StartupFailure, plain_indent, startup_failure
 from core.distributed.virtual_cluster import RayVirtualCluster
-from core.parallel_dims import ParallelDims
 
-__all__ = [
-    "RayWorkerGroup",
-    "WorkerLayout",
-    "WorkerGroupError",
-    "RecoverableCallError",
-    "WorkerStartupError",
-    "StartupFailure",
-    "startup_failure",
-    "ShardedFuture",
-]
-
-#: Env vars the group sets on every worker; ``env_vars`` may not override them.
-RESERVED_ENV_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+__all__ = ["RayWorkerGroup", "ShardedFuture"]
 
 
 #: After a rank's recoverable failure, how long its peers get to finish the same call
 #: before they are taken to be blocked in a collective (validation takes milliseconds).
 RECOVER_GRACE_S = 10.0
-
-
-# ====================================================================== errors
-class WorkerGroupError(RuntimeError):
-    """A call on a worker group failed or timed out.
-
-    Attributes:
-        method: the worker method that was called (``"?"`` if unknown).
-        ranks: the ranks that failed (or, for a timeout, did not finish), sorted.
-        errors: ``{rank: underlying exception}`` for failures; empty for a timeout.
-    """
-
-    #: True only for :class:`RecoverableCallError`: the group survived the failure.
-    recoverable = False
-
-    def __init__(
-        self,
-        message: str,
-        method: str = "?",
-        ranks: Sequence[int] = (),
-        errors: Mapping[int, BaseException] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.method = method
-        self.ranks = sorted(ranks)
-        self.errors = dict(errors or {})
-
-
-class RecoverableCallError(WorkerGroupError):
-    """A call failed on some ranks with a :class:`~core.distributed.recoverable.RecoverableWorkerError`
-    (e.g. raised before any collective) and every other rank finished: the group's actors
-    are alive and usable.  ``errors`` holds each failed rank's exception."""
-
-    recoverable = True
-
-
-class WorkerStartupError(WorkerGroupError):
-    """A worker died in its constructor (bad optimizer, unreadable weights, a mesh that does
-    not fit, ...).  The message's first line names the rank, the exception the constructor
-    raised (type and first line of its message) and where (``file:line``, the innermost
-    frame of project code); the remote traceback follows.
-
-    Attributes (besides :class:`WorkerGroupError`'s): ``failures``, ``{rank: StartupFailure}``
-    for the ranks whose constructor raised.
-    """
-
-    def __init__(
-        self, message: str, *args: Any, failures: Mapping[int, StartupFailure] | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(message, *args, **kwargs)
-        self.failures = dict(failures or {})
-
-
-# ====================================================================== layout
-class WorkerLayout:
-    """Ranks as coordinates on named axes, row-major (the last axis varies fastest).
-
-    ``WorkerLayout({"dp": 2, "tp": 2})``: ranks 0,1 are ``dp=0`` with ``tp=0,1``; ranks 2,3
-    are ``dp=1``.  Same convention as ``torch.distributed.init_device_mesh`` with
-    ``mesh_dim_names=("dp", "tp")``, so tensor-parallel neighbours are consecutive ranks
-    (and therefore share a node when nodes hold consecutive ranks).
-
-    Args:
-        sizes: ``{axis name: size}`` outermost first; at least one axis, sizes >= 1.
-        world_size: if given, the product of the sizes must equal it.
-    Raises ``ValueError`` naming the offending axis or the mismatching product.
-    """
-
-    def __init__(self, sizes: Mapping[str, int], world_size: int | None = None) -> None:
-        if not isinstance(sizes, Mapping) or not sizes:
-            raise ValueError(f"WorkerLayout: need a non-empty {{axis: size}} mapping, got {sizes!r}")
-        for name, size in sizes.items():
-            if not isinstance(name, str) or not name.isidentifier():
-                raise ValueError(f"WorkerLayout: axis names must be identifiers, got {name!r}")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"WorkerLayout: axis {name!r} must have an integer size >= 1, got {size!r}")
-        self._names = tuple(sizes)
-        self._sizes = tuple(int(s) for s in sizes.values())
-        # stride of axis i = product of the sizes of the axes inside it (row-major)
-        self._strides = tuple(math.prod(self._sizes[i + 1 :]) for i in range(len(self._sizes)))
-        if world_size is not None and world_size != self.world_size:
-            raise ValueError(
-                f"WorkerLayout: {self._product_str()} = {self.world_size} does not match world size {world_size}"
-            )
-
-    @classmethod
-    def from_parallel_dims(cls, pd: ParallelDims) -> WorkerLayout:
-        """``{"dp": pd.dp, "cp": pd.cp, "tp": pd.tp}``: data shards are ``dp``
-        (= ``dp_replicate * fsdp``), which is how the driver splits batches."""
-        return cls({"dp": pd.dp, "cp": pd.cp, "tp": pd.tp}, world_size=pd.world_size)
-
-    @classmethod
-    def data_parallel(cls, world_size: int) -> WorkerLayout:
-        """All ranks on one ``dp`` axis (the default of :class:`RayWorkerGroup`)."""
-        return cls({"dp": world_size})
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(self._sizes)
-
-    @property
-    def axis_names(self) -> tuple[str, ...]:
-        return self._names
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        """``{axis: size}``, outermost first (a copy)."""
-        return dict(zip(self._names, self._sizes, strict=True))
-
-    def has_axis(self, name: str) -> bool:
-        return name in self._names
-
-    def axis_size(self, name: str) -> int:
-        """Size of axis ``name``; ValueError if the layout has no such axis."""
-        return self._sizes[self._index(name)]
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """``{axis: coordinate}`` of ``rank``; ValueError if out of range."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"WorkerLayout: rank {rank!r} is out of range [0, {self.world_size})")
-        return {
-            name: (rank // stride) % size
-            for name, size, stride in zip(self._names, self._sizes, self._strides, strict=True)
-        }
-
-    def rank_of(self, **coords: int) -> int:
-        """The rank at the given coordinates; every axis must be given."""
-        missing = [n for n in self._names if n not in coords]
-        if missing:
-            raise ValueError(f"WorkerLayout.rank_of: missing coordinate(s) for {missing} in {self}")
-        self._check_coords(coords)
-        return sum(coords[n] * s for n, s in zip(self._names, self._strides, strict=True))
-
-    def ranks_where(self, **fixed: int) -> list[int]:
-        """Ascending ranks whose coordinates equal ``fixed`` (axes not named are free).
-
-        ``ranks_where(tp=0)`` = one rank per ``dp`` group; ``ranks_where()`` = all ranks.
-        """
-        self._check_coords(fixed)
-        return [
-            r for r in range(self.world_size) if all(self.coords(r)[name] == value for name, value in fixed.items())
-        ]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WorkerLayout) and self._names == other._names and self._sizes == other._sizes
-
-    def __hash__(self) -> int:
-        return hash((self._names, self._sizes))
-
-    def __repr__(self) -> str:
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes, strict=True))
-        return f"WorkerLayout({axes})"
-
-    # ------------------------------------------------------------------ internals
-    def _index(self, name: str) -> int:
-        try:
-            return self._names.index(name)
-        except ValueError:
-            raise ValueError(f"WorkerLayout: unknown axis {name!r}; axes are {list(self._names)}") from None
-
-    def _check_coords(self, coords: Mapping[str, int]) -> None:
-        for name, value in coords.items():
-            size = self.axis_size(name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
-                raise ValueError(f"WorkerLayout: coordinate {name}={value!r} is out of range [0, {size})")
-
-    def _product_str(self) -> str:
-        return " x ".join(f"{n} ({s})" for n, s in zip(self._names, self._sizes, strict=True))
 
 
 # ====================================================================== futures
@@ -305,13 +121,10 @@ class RayWorkerGroup:
         layout: WorkerLayout | None = None,
         **worker_kwargs: Any,
     ) -> None:
-        env_vars = dict(env_vars or {})
-        clash = sorted(set(env_vars) & set(RESERVED_ENV_VARS))
-        if clash:
-            raise ValueError(f"RayWorkerGroup: env_vars may not set {clash}; the group sets them per rank")
+        env_vars = check_env_vars(env_vars)
         self._cluster = cluster
         self._name_prefix = name_prefix
-        self._counts = _workers_per_node(cluster.bundle_ct_per_node_list, workers_per_node)
+        self._counts = check_workers_per_node(cluster.bundle_ct_per_node_list, workers_per_node)
         world_size = sum(self._counts)
         self._layout = layout if layout is not None else WorkerLayout.data_parallel(world_size)
         if self._layout.world_size != world_size:
@@ -323,10 +136,10 @@ class RayWorkerGroup:
         self._dead_reason: str | None = None
         #: Seconds the other ranks get to finish after a recoverable failure (see _wait_all).
         self.recover_grace_s = RECOVER_GRACE_S
-        self._workers: list[ray.actor.ActorHandle] = []
-        #: (node rank, bundle index) of every rank, for error messages.
-        self._placement: list[tuple[int, int]] = []
-        self._create_workers(worker_cls, worker_args, worker_kwargs, env_vars)
+        #: The actor of every rank, and its (node rank, bundle index) for error messages.
+        self._workers, self._placement = create_actors(
+            cluster, worker_cls, worker_args, worker_kwargs, env_vars, self._counts, name_prefix
+        )
 
     # ------------------------------------------------------------------ description
     @property
@@ -337,14 +150,6 @@ class RayWorkerGroup:
     @property
     def world_size(self) -> int:
         return len(self._workers)
-
-    @property
-    def layout(self) -> WorkerLayout:
-        return self._layout
-
-    @property
-    def workers_per_node(self) -> list[int]:
-        return list(self._counts)
 
     # ------------------------------------------------------------------ calls
     def run_all_workers_single_data(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
@@ -451,64 +256,8 @@ class RayWorkerGroup:
         self._registry.discard(refs)
         return ok
 
-    def __enter__(self) -> RayWorkerGroup:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
-
     def __repr__(self) -> str:
         return f"RayWorkerGroup({self._name_prefix!r}, {self._layout}, workers per node {self._counts})"
-
-    # ------------------------------------------------------------------ internals: creation
-    def _create_workers(self, worker_cls: type, args: tuple, kwargs: dict, env_vars: dict[str, str]) -> None:
-        """One actor per used bundle, node by node, pinned to its bundle."""
-        if isinstance(worker_cls, ray.actor.ActorClass):
-            actor_cls = worker_cls
-        else:
-            actor_cls = ray.remote(worker_cls)
-        master_addr, master_port = self._cluster.get_master_address_and_port()
-        share = 1.0 / self._cluster.max_colocated_worker_groups
-        resources: dict[str, float] = {"num_cpus": self._cluster.num_cpus_per_bundle * share}
-        if self._cluster.use_gpus:
-            resources["num_gpus"] = share
-        placement_groups = self._cluster.get_placement_groups()
-        world_size = sum(self._counts)
-        rank = 0
-        for node_rank, (pg, count) in enumerate(zip(placement_groups, self._counts, strict=True)):
-            for local_rank in range(count):
-                env = dict(env_vars)
-                if not self._cluster.use_gpus:
-                    env.setdefault("CUDA_VISIBLE_DEVICES", "")
-                env.update(
-                    RANK=str(rank),
-                    WORLD_SIZE=str(world_size),
-                    LOCAL_RANK=str(local_rank),
-                    LOCAL_WORLD_SIZE=str(count),
-                    NODE_RANK=str(node_rank),
-                    MASTER_ADDR=master_addr,
-                    MASTER_PORT=str(master_port),
-                )
-                options = dict(
-                    name=f"{self._name_prefix}-{rank}",
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg,
-                        placement_group_bundle_index=local_rank,
-                        # tasks/actors a worker spawns stay inside the cluster's resources
-                        placement_group_capture_child_tasks=True,
-                    ),
-                    runtime_env={"env_vars": env},
-                    # a restarted rank would not rejoin its process group: fail instead
-                    max_restarts=0,
-                    **resources,
-                )
-                try:
-                    self._workers.append(actor_cls.options(**options).remote(*args, **kwargs))
-                except Exception:
-                    self._kill_all("construction failed")
-                    raise
-                self._placement.append((node_rank, local_rank))
-                rank += 1
 
     # ------------------------------------------------------------------ internals: calls
     def _call(self, rank: int, method_name: str, args: tuple, kwargs: Mapping[str, Any]) -> ray.ObjectRef:
@@ -753,37 +502,10 @@ class RayWorkerGroup:
         """``ray.kill`` every actor (no restart); remember why, for later calls."""
         if self._dead_reason is None:
             self._dead_reason = reason
-        for worker in self._workers:
-            try:
-                ray.kill(worker, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead / Ray gone: nothing left to kill
-                pass
+        kill_actors(self._workers)
 
 
 # ====================================================================== helpers
-def _workers_per_node(bundles: list[int], requested: int | list[int] | None) -> list[int]:
-    """Workers on each node: validated against the node's bundle count."""
-    if requested is None:
-        return list(bundles)
-    if isinstance(requested, int) and not isinstance(requested, bool):
-        counts = [requested] * len(bundles)
-    elif isinstance(requested, Sequence) and not isinstance(requested, str):
-        counts = list(requested)
-        if len(counts) != len(bundles):
-            raise ValueError(
-                f"RayWorkerGroup: workers_per_node has {len(counts)} entries but the cluster has "
-                f"{len(bundles)} nodes ({bundles} bundles per node)"
-            )
-    else:
-        raise TypeError(f"RayWorkerGroup: workers_per_node must be None, an int or a list, got {requested!r}")
-    for node, (want, have) in enumerate(zip(counts, bundles, strict=True)):
-        if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= have:
-            raise ValueError(f"RayWorkerGroup: node {node} has {have} bundles; cannot place {want!r} workers there")
-    if sum(counts) == 0:
-        raise ValueError("RayWorkerGroup: workers_per_node places no worker at all")
-    return counts
-
-
 def _check_nested_lengths(method: str, data: Any, axes: list[tuple[str, int]], path: str = "data") -> None:
     """``data`` must be a list (or tuple) of ``axes[0]`` size, each item one of ``axes[1]``...."""
     if not axes:
@@ -810,188 +532,19 @@ def _nested_get(data: Any, key: tuple[int, ...]) -> Any:
     return data
 
 
-# ====================================================================== start-up failures
-#: The project's root directory (frames under it, outside a venv, are "project code").
-_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
-_CHAIN_MARKERS = (
-    "The above exception was the direct cause of the following exception:",
-    "During handling of the above exception, another exception occurred:",
-)
-_THIRD_PARTY = ("site-packages", "dist-packages", ".venv", "venv")
-_HEADER_ONLY = re.compile(r"^\d+ validation errors? for \S+$")
-
-
-@dataclass(frozen=True)
-class StartupFailure:
-    """Why an actor died in its constructor, from Ray's creation-task error.
-
-    ``exc_type`` / ``message``: the exception the constructor raised (message in full);
-    ``location``: ``"path:line in function"`` of the innermost frame of project code that
-    raised it ("" if the traceback has none); ``caused_by``: the first exception of its
-    chain (``raise ... from err``), "" if it has none; ``traceback``: the remote traceback.
-    """
-
-    exc_type: str
-    message: str
-    location: str = ""
-    caused_by: str = ""
-    actor: str = ""
-    ip: str = ""
-    pid: int = 0
-    traceback: str = ""
-
-    @property
-    def first_line(self) -> str:
-        """The message's first line; when that is only a header ("...:", pydantic's "1
-        validation error for ModelConfig"), the first line of its body joined to it."""
-        lines = [line.strip() for line in self.message.strip().splitlines() if line.strip()]
-        if not lines:
-            return ""
-        if len(lines) > 1 and (lines[0].endswith(":") or _HEADER_ONLY.match(lines[0])):
-            return f"{lines[0].rstrip(':')}: {lines[1]}"
-        return lines[0]
-
-    def summary(self) -> str:
-        """``"ValueError: <first line> (at path:line in f)"``: one line."""
-        text = f"{self.exc_type}: {self.first_line}" if self.first_line else self.exc_type
-        return f"{text} (at {self.location})" if self.location else text
-
-    def describe(self) -> str:
-        """The summary, the chain's original exception and the remote traceback."""
-        actor = f" ({self.actor})" if self.actor else ""
-        out = f"died in its constructor{actor} with {self.summary()}"
-        if self.caused_by:
-            out += f"\n    caused by {self.caused_by}"
-        if self.traceback:
-            out += f"\n    remote traceback:\n{_indent(self.traceback, 6)}"
-        return out
-
-
-def startup_failure(err: BaseException) -> StartupFailure | None:
-    """The :class:`StartupFailure` in ``err`` if it says an actor died because its constructor
-    raised (Ray's ``ActorDiedError`` wrapping the creation task's ``RayTaskError``), else None.
-
-    Works on what ``ray.get`` raises for any call on such an actor, and on a
-    :class:`WorkerGroupError` / ``RuntimeError`` chained (``from``) to one.
-    """
-    seen = 0
-    while err is not None and seen < 8:
-        task_err = _creation_task_error(err)
-        if task_err is not None:
-            return _parse_task_error(task_err)
-        err = err.__cause__
-        seen += 1
-    return None
-
-
-def _creation_task_error(err: BaseException) -> RayTaskError | None:
-    if not isinstance(err, RayActorError) or not getattr(err, "actor_init_failed", False):
-        return None
-    for arg in getattr(err, "args", ()):
-        if isinstance(arg, RayTaskError):
-            return arg
-    return None
-
-
-def _parse_task_error(task_err: RayTaskError) -> StartupFailure:
-    tb = _ANSI_ESCAPE.sub("", getattr(task_err, "traceback_str", "") or "")
-    blocks = _split_chain(tb)
-    cause = getattr(task_err, "cause", None)
-    if cause is not None and not isinstance(cause, RayError):
-        exc_type, message = type(cause).__name__, str(cause)
-    else:  # the exception could not travel (unpicklable): read it off the traceback
-        exc_type, _, message = _exception_text(blocks[-1] if blocks else "").partition(": ")
-        # "pydantic_core._pydantic_core.ValidationError" -> "ValidationError", like type().__name__
-        exc_type = exc_type.rpartition(".")[2] or type(task_err).__name__
-    caused_by = _exception_line(blocks[0]) if len(blocks) > 1 else ""
-    if caused_by and caused_by.partition(": ")[2] in message:
-        caused_by = ""  # the message already says it
-    # "ray::lm_policy-0:FSDP1PolicyWorker.__init__()" -> "FSDP1PolicyWorker.__init__"
-    actor = _ANSI_ESCAPE.sub("", str(getattr(task_err, "proctitle", "") or ""))
-    actor = actor.rpartition(":")[2].removesuffix("()") if "__init__" in actor else ""
-    return StartupFailure(
-        exc_type=exc_type,
-        message=message,
-        location=_project_location(blocks[-1] if blocks else ""),
-        caused_by=caused_by,
-        actor=actor,
-        ip=str(getattr(task_err, "ip", "") or ""),
-        pid=int(getattr(task_err, "pid", 0) or 0),
-        traceback=tb.strip(),
-    )
-
-
-def _split_chain(tb: str) -> list[str]:
-    """A formatted traceback split at the chain markers: the first block is the original
-    exception, the last the one that was finally raised."""
-    blocks = [tb]
-    for marker in _CHAIN_MARKERS:
-        blocks = [part for block in blocks for part in block.split(marker)]
-    return [b for b in blocks if b.strip()]
-
-
-def _exception_text(block: str) -> str:
-    """The ``Type: message`` text at the end of one traceback block: from the first line
-    after the header that is not indented (frames, source lines and carets are) to the end."""
-    lines = block.strip().splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith(("Traceback (most recent call last)", "ray::")) or not line.strip():
-            continue
-        if not line[0].isspace():
-            return "\n".join(lines[i:]).strip()
-    return ""
-
-
-def _exception_line(block: str) -> str:
-    """The first line of :func:`_exception_text`."""
-    text = _exception_text(block)
-    return text.splitlines()[0].strip() if text else ""
-
-
-def _project_location(block: str) -> str:
-    """``"path:line in func"`` of the innermost frame under the project root (not in a
-    venv); failing that, of the innermost frame outside third-party code and Ray."""
-    frames = [m.groupdict() for line in block.splitlines() if (m := _FRAME.match(line))]
-
-    def third_party(path: str) -> bool:
-        parts = path.replace("\\", "/").split("/")
-        return any(p in _THIRD_PARTY for p in parts) or path.startswith(("python/ray", "<"))
-
-    root = _PROJECT_ROOT + os.sep
-    mine = [f for f in frames if f["file"].startswith(root) and not third_party(f["file"][len(root) :])]
-    if not mine:
-        mine = [f for f in frames if not third_party(f["file"]) and "/lib/python" not in f["file"]]
-    if not mine:
-        return ""
-    f = mine[-1]
-    path = f["file"][len(root) :] if f["file"].startswith(root) else f["file"]
-    return f"{path}:{f['line']} in {f['func'].strip()}"
-
-
 def _describe(err: BaseException) -> str:
     """The worker's own exception for a method error (plus its remote traceback), Ray's
     explanation for a dead actor."""
     if isinstance(err, RayTaskError) and err.cause is not None:
         cause = err.cause
-        return f"{type(cause).__name__}: {cause}\n    remote traceback:\n{_indent(str(err), 6)}"
-    return f"{type(err).__name__}: {_indent(str(err), 4).lstrip()}"
-
-
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+        return f"{type(cause).__name__}: {cause}\n    remote traceback:\n{plain_indent(str(err), 6)}"
+    return f"{type(err).__name__}: {plain_indent(str(err), 4).lstrip()}"
 
 
 def _recoverable_text(err: BaseException) -> str:
     """``Type: message`` of the worker exception behind a recoverable failure."""
     cause = recoverable_cause(err) or err
     return f"{type(cause).__name__}: {cause}"
-
-
-def _indent(text: str, n: int) -> str:
-    """``text`` indented by ``n`` spaces, without the colour codes Ray puts in tracebacks
-    (they end up in log files and CI output, where they are noise)."""
-    pad = " " * n
-    return "\n".join(pad + line for line in _ANSI_ESCAPE.sub("", text).splitlines())
 
 
 def _rank_key(rank: int | None) -> tuple[int, int]:

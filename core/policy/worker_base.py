@@ -1,21 +1,44 @@
 """``PolicyWorkerBase``: what every backend's policy worker does the same way.
 
 Construction arguments (the seeds' worker signature), the sampling temperature both
-``get_logprobs`` and ``train`` apply, the tokenizer copy saved with checkpoints, the shape of
-``train``'s result, and the liveness probe.  Engine-specific work stays in the backends.
+``get_logprobs`` and ``train`` apply, the tokenizer copy saved with checkpoints, the reference
+logprobs, the step's one host read and the shape of ``train``'s result, the profile
+directory and the liveness probe.  Engine-specific work stays in the backends.
+
+Both workers' ``train`` has the same shape, helper for helper:
+
+* ``train`` -- checks, then one ``_train_global_batch`` per global batch in the data (the
+  global-batch loop), then the learning-rate schedule; ``_train_steps_result`` assembles
+  the result from the steps' :class:`StepResult` values;
+* ``_train_global_batch`` -- the global counts, ``_run_micro_batches`` (the micro-batch loop:
+  forward and backward of each micro batch, metrics kept on the device),
+  ``_optimizer_step`` (apply or skip the step) and ``_read_step`` (the step's one host read).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
+from core.losses.metrics import MicroBatchMetrics, read_once
 from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.config import PolicyConfig
 from core.refit.sender import RefitSender
 
 REFERENCE_MISSING = "this policy was built with init_reference_model=False: no reference weights"
 OPTIMIZER_MISSING = "train() needs an optimizer: this policy was built with init_optimizer=False"
+
+
+class StepResult(NamedTuple):
+    """One optimizer step of ``train``, as read on the host (``_train_global_batch``'s result)."""
+
+    loss: float
+    grad_norm: float
+    metrics: dict[str, float]  # whole-batch value of every loss metric
+    skip_reason: str | None  # None: the step was applied; else a core.interfaces.SKIP_REASONS key
+    mb_metrics: dict[str, list[float]]  # this rank's per-micro-batch values ({}: another rank reports them)
 
 
 class PolicyWorkerBase(RefitSender):
@@ -59,10 +82,55 @@ class PolicyWorkerBase(RefitSender):
             raise RuntimeError(OPTIMIZER_MISSING)
         return local_gbs
 
+    def get_reference_policy_logprobs(self, data: Any, micro_batch_size: int | None = None) -> Any:
+        """``get_logprobs`` under the reference weights (``use_reference_model``), as
+        ``{"reference_logprobs": [B, S]}``."""
+        from core.data import BatchedDataDict
+
+        with self.use_reference_model():
+            out = self.get_logprobs(data, micro_batch_size)
+        return BatchedDataDict(reference_logprobs=out["logprobs"])
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        pass  # nothing to release: training state stays resident until offloaded
+
+    @staticmethod
+    def _profile_root() -> Path:
+        """Where profiler traces go: ``$DUALRL_PROFILE_DIR`` (default ``./profiles``), absolute."""
+        return Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles")).resolve()
+
     def _save_tokenizer(self, tokenizer_path: str | None) -> None:
         """Rank 0 writes the tokenizer files next to a checkpoint."""
         if tokenizer_path is not None and self.rank == 0 and self.tokenizer is not None:
             self.tokenizer.save_pretrained(tokenizer_path)
+
+    @staticmethod
+    def _read_step(
+        collected: MicroBatchMetrics, totals: Any, table: Any, *extra: Any
+    ) -> tuple[dict[str, float], dict[str, list[float]], list[list[float]]]:
+        """The step's one host read (``core.losses.metrics.read_once``): ``totals`` [keys] and
+        ``table`` [micro batches, keys] of ``collected``, together with ``extra`` arrays (counts,
+        gradient norm, skip flag).  Returns the whole-batch metrics, the per-micro-batch
+        metrics and each extra array's values."""
+        total_values, mb_values, *extra_values = read_once(totals, table, *extra)
+        metrics = dict(zip(collected.keys, total_values, strict=True))
+        return metrics, collected.per_micro_batch(mb_values), extra_values
+
+    @classmethod
+    def _train_steps_result(cls, results: Sequence[StepResult], lr: float | None) -> dict[str, Any]:
+        """``train``'s return value (``_train_result``) from its steps, in order."""
+        all_mb: dict[str, list[float]] = {}
+        for r in results:
+            for k, values in r.mb_metrics.items():
+                all_mb.setdefault(k, []).extend(values)
+        return cls._train_result(
+            [r.loss for r in results],
+            [r.grad_norm for r in results],
+            [r.metrics for r in results],
+            all_mb,
+            lr,
+            [r.skip_reason for r in results],
+        )
 
     @staticmethod
     def _train_result(

@@ -19,13 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.distributed import (
-    RayVirtualCluster,
-    RayWorkerGroup,
-    WorkerGroupError,
-    WorkerStartupError,
-    startup_failure,
-)
+from core.distributed import RayVirtualCluster, RayWorkerGroup, WorkerGroupError, WorkerStartupError
+from core.distributed.startup_failure import startup_failure
 from tests.torch_backends.conftest import policy_config
 
 DEADLINE_S = 60.0

@@ -24,7 +24,7 @@ from core.distributed import (
     WorkerGroupError,
     WorkerLayout,
 )
-from core.parallel_dims import ParallelDims
+from core.policy.registry import torch_layout
 
 ENV_KEYS = (
     "RANK",
@@ -151,11 +151,7 @@ def test_layout_row_major_last_axis_innermost():
         {"dp": 1, "cp": 0, "tp": 1},
     ]
     assert lay.axis_size("tp") == 2 and lay.axis_size("cp") == 1
-    assert lay.ranks_where(tp=0) == [0, 2]
-    assert lay.ranks_where(dp=1) == [2, 3]
-    assert lay.ranks_where(dp=1, tp=0) == [2]
-    assert lay.ranks_where() == [0, 1, 2, 3]
-    assert all(lay.rank_of(**lay.coords(r)) == r for r in range(4))
+    assert lay.has_axis("cp") and not lay.has_axis("pp")
 
 
 def test_layout_matches_torch_device_mesh_order():
@@ -170,31 +166,25 @@ def test_layout_matches_torch_device_mesh_order():
 
 
 def test_layout_validation_errors():
-    with pytest.raises(ValueError, match=r"dp \(2\) x tp \(2\) = 4 does not match world size 8"):
-        WorkerLayout({"dp": 2, "tp": 2}, world_size=8)
     with pytest.raises(ValueError, match="unknown axis 'pp'"):
         WorkerLayout({"dp": 2}).axis_size("pp")
-    with pytest.raises(ValueError, match="unknown axis 'pp'"):
-        WorkerLayout({"dp": 2}).ranks_where(pp=0)
     with pytest.raises(ValueError, match="'tp' must have an integer size >= 1"):
         WorkerLayout({"dp": 2, "tp": 0})
     with pytest.raises(ValueError, match="non-empty"):
         WorkerLayout({})
     with pytest.raises(ValueError, match=r"rank 4 is out of range \[0, 4\)"):
         WorkerLayout({"dp": 4}).coords(4)
-    with pytest.raises(ValueError, match=r"tp=2 is out of range \[0, 2\)"):
-        WorkerLayout({"dp": 2, "tp": 2}).ranks_where(tp=2)
-    with pytest.raises(ValueError, match="missing coordinate"):
-        WorkerLayout({"dp": 2, "tp": 2}).rank_of(dp=1)
 
 
-def test_layout_from_parallel_dims():
-    pd = ParallelDims.build(8, dp_replicate=2, fsdp=1, cp=2, tp=2)
-    lay = WorkerLayout.from_parallel_dims(pd)
-    assert lay.sizes == {"dp": 2, "cp": 2, "tp": 2}
-    assert lay == WorkerLayout({"dp": 2, "cp": 2, "tp": 2})
-    fsdp_only = WorkerLayout.from_parallel_dims(ParallelDims.build(4))
-    assert fsdp_only.sizes == {"dp": 4, "cp": 1, "tp": 1}
+def test_torch_layout_shards_data_over_dp_only():
+    """The torch backends' layout (``core.policy.registry``): data shards are ``dp`` (the fsdp
+    ranks), context- and tensor-parallel ranks share a shard, axes in device-mesh order."""
+    dtensor = {"backend": "torch_dtensor", "dtensor_cfg": {"tensor_parallel_size": 2, "context_parallel_size": 2}}
+    lay = torch_layout(dtensor, 8)
+    assert lay.axis_names == ("dp", "cp", "tp") and lay.world_size == 8
+    assert [lay.axis_size(a) for a in lay.axis_names] == [2, 2, 2]
+    fsdp_only = torch_layout({"backend": "torch_fsdp"}, 4)
+    assert [fsdp_only.axis_size(a) for a in fsdp_only.axis_names] == [4, 1, 1]
 
 
 # ---------------------------------------------------------------------- cluster

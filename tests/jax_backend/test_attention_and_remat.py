@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from backends.jax_pjit import model as jax_model
 from backends.jax_pjit import steps
-from backends.jax_pjit.model import ModelConfig, abstract_model, attend, causal_attention, make_apply_fn
+from backends.jax_pjit.models import ModelConfig, abstract_model, make_apply_fn
+from backends.jax_pjit.models import layers as jax_layers
+from backends.jax_pjit.models.layers import attend, causal_attention
 from core.config.validate import validate_policy_config
 from core.losses import ClippedPGLossFn
 from tests.torch_backends.conftest import pg_batch, policy_config
@@ -104,7 +105,7 @@ def _recorded_attention_calls(monkeypatch, dtype, on_gpu: bool) -> list[dict]:
         return original(q, k, v, *args, implementation="xla", **kwargs)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", record)
-    monkeypatch.setattr(jax_model, "_on_nvidia_gpu", lambda: on_gpu)
+    monkeypatch.setattr(jax_layers, "_on_nvidia_gpu", lambda: on_gpu)
     apply_fn, params = _tiny(dtype)
     ids = jnp.ones((2, 32), jnp.int32)
     mask = (jnp.arange(32)[None] < jnp.asarray([32, 20])[:, None]).astype(jnp.int32)
@@ -138,10 +139,10 @@ def test_xla_where_cudnn_cannot_serve(monkeypatch, dtype, on_gpu):
 
 
 def test_flash_eligibility_by_dtype_and_head_dim():
-    assert jax_model.flash_eligible(jnp.bfloat16, 128) and jax_model.flash_eligible(jnp.float16, 64)
-    assert not jax_model.flash_eligible(jnp.bfloat16, 20)  # not a multiple of 8
-    assert not jax_model.flash_eligible(jnp.bfloat16, 192)  # over 128
-    assert not jax_model.flash_eligible(jnp.float32, 64)
+    assert jax_layers.flash_eligible(jnp.bfloat16, 128) and jax_layers.flash_eligible(jnp.float16, 64)
+    assert not jax_layers.flash_eligible(jnp.bfloat16, 20)  # not a multiple of 8
+    assert not jax_layers.flash_eligible(jnp.bfloat16, 192)  # over 128
+    assert not jax_layers.flash_eligible(jnp.float32, 64)
 
 
 # ------------------------------------------------------------------------- remat
@@ -178,7 +179,7 @@ def _grads(worker, loss_fn, data):
     gseq, gtok = steps.global_valid_counts(host["sample_mask"], host.get("token_mask"), host["input_lengths"])
     step, acc = worker._grad_step(loss_fn), steps.zero_grads(worker.params)
     with worker._on_mesh():
-        for args in worker._micro_batches(host, None, 2, worker._bucket(host["input_ids"].shape[1])):
+        for args in worker.rows.train_micro_batches(host, None, 2, worker.rows.bucket(host["input_ids"].shape[1])):
             acc, _ = step(worker.params, acc, *args, gseq, gtok)
     return step, args, acc
 

@@ -22,7 +22,7 @@ import pytest
 
 from backends.jax_pjit import steps
 from backends.jax_pjit.hf_mapping import from_pretrained
-from backends.jax_pjit.model import make_apply_fn
+from backends.jax_pjit.models import make_apply_fn
 from core.losses import NLLLoss
 
 B, S = 8, 64

@@ -25,7 +25,7 @@ def _state(model_dir: Path, seed: int = 0):
     import optax
 
     from backends.jax_pjit.hf_mapping import from_pretrained
-    from backends.jax_pjit.model import make_apply_fn
+    from backends.jax_pjit.models import make_apply_fn
 
     model, _, _ = from_pretrained(
         str(model_dir), dtype=jnp.float32, param_dtype=jnp.float32, tp=1, make_vocab_size_divisible_by=1

@@ -149,7 +149,7 @@ def test_cp_logprobs_match_hf(model_dirs, tokenizer, model, mesh):
     worker.get_logprobs(_ragged(5, seed=2))  # same bucket (16): no new program
     assert worker.compile_counts["logprobs_layout"] == 1 and worker.compile_counts["logprobs"] == 0
     # Rows still split over fsdp (and replicated over cp / tp) on the way in.
-    assert worker._device_batch({"x": np.zeros((mesh[0], 16), np.int32)})["x"].sharding.spec == P("fsdp")
+    assert worker.rows.device_batch({"x": np.zeros((mesh[0], 16), np.int32)})["x"].sharding.spec == P("fsdp")
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -172,7 +172,8 @@ def test_cp_gradients_equal_cp1_step_level(model_dirs):
     """Every gradient leaf (not only the norm) of the layout grad step with cp = 2 on a
     2 x 2 x 2 mesh equals the plain grad step's on fsdp 8, micro batch by micro batch."""
     from backends.jax_pjit.hf_mapping import from_pretrained
-    from backends.jax_pjit.model import activation_constraint, logical_axes_tree, make_apply_fn
+    from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
+    from backends.jax_pjit.models.layers import activation_constraint
     from backends.jax_pjit.sharding import activation_constraint as make_constraint
     from backends.jax_pjit.sharding import tree_shardings
 

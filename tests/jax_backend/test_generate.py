@@ -375,7 +375,8 @@ def test_sharded_params_on_mesh(models):
     """
     from jax.sharding import Mesh
 
-    from backends.jax_pjit.model import activation_constraint, logical_axes_tree
+    from backends.jax_pjit.models import logical_axes_tree
+    from backends.jax_pjit.models.layers import activation_constraint
     from backends.jax_pjit.sharding import activation_constraint as make_constraint
     from backends.jax_pjit.sharding import tree_shardings
 
@@ -403,7 +404,8 @@ def test_sample_seeds_on_a_sharded_mesh(models):
     unsharded rows; a second seeded call (other seeds) compiles nothing."""
     from jax.sharding import Mesh
 
-    from backends.jax_pjit.model import activation_constraint, logical_axes_tree
+    from backends.jax_pjit.models import logical_axes_tree
+    from backends.jax_pjit.models.layers import activation_constraint
     from backends.jax_pjit.sharding import activation_constraint as make_constraint
     from backends.jax_pjit.sharding import tree_shardings
 

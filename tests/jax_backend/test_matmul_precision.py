@@ -103,8 +103,9 @@ def _same_program_only_under_the_same_precision(worker) -> None:
     from backends.jax_pjit import steps
 
     ids, lengths = random_batch(2, SEQ, VOCAB, seed=2)
-    host = steps.pad_micro_batch({"input_ids": ids.numpy(), "input_lengths": lengths.numpy()}, 2, worker._bucket(SEQ))
-    dev = worker._device_batch(host)
+    host = {"input_ids": ids.numpy(), "input_lengths": lengths.numpy()}
+    host = steps.pad_micro_batch(host, 2, worker.rows.bucket(SEQ))
+    dev = worker.rows.device_batch(host)
     assert worker.get_compile_counts()["logprobs"] == 1
     for precision, programs in (("highest", 1), ("default", 2)):
         with worker._on_mesh(), jax.default_matmul_precision(precision):

@@ -18,15 +18,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from backends.jax_pjit import hf_mapping
 from backends.jax_pjit.logical_axes import PARAM_AXES, RULES
-from backends.jax_pjit.model import (
-    CausalLM,
-    ModelConfig,
-    abstract_model,
-    activation_constraint,
-    logical_axes_tree,
-    make_apply_fn,
-    rope_inv_freq,
-)
+from backends.jax_pjit.models import ModelConfig, abstract_model, logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models.layers import activation_constraint, rope_inv_freq
+from backends.jax_pjit.models.llama import CausalLM
 from core.testing.tiny_models import random_batch, save_tiny_model, tiny_config
 
 LLAMA3_ROPE = {

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from backends.jax_pjit import hf_mapping
 from backends.jax_pjit.hf_mapping import from_pretrained, read_hf_safetensors
-from backends.jax_pjit.model import abstract_model
+from backends.jax_pjit.models import abstract_model
 from core.data import BatchedDataDict
 from core.losses import ClippedPGLossFn
 from core.testing.tiny_models import random_batch, tiny_config, tiny_tokenizer

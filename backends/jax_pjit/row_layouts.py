@@ -1,0 +1,227 @@
+"""How the JAX worker's host rows become its jitted steps' device inputs, and come back.
+
+Three layouts of a micro batch's rows:
+
+* **plain** -- right-padded rows, padded to a shape bucket (``steps.bucket_for``), through the
+  original steps;
+* **context parallel** (``jax_cfg.context_parallel_size`` > 1) -- the same rows with
+  explicit positions and segments (``steps.plain_rows``), through the explicit-layout steps;
+* **packed** (``policy.sequence_packing``) -- the driver's bins (or a local plan), ``fsdp``
+  bins per micro batch, each bin one packed row (``steps.packed_micro_batch``).
+
+Several JAX processes: each places its own rows of a micro batch on the mesh and reads
+back its own rows of the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from backends.jax_pjit import steps
+from backends.jax_pjit.sharding import shard_host_batch
+from core.data import BatchedDataDict
+from core.data.context_parallel import check_cp_width
+from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
+
+__all__ = ["RowLayouts"]
+
+
+class RowLayouts:
+    """The row layouts of one worker: its mesh and the ``policy`` config's widths and packing."""
+
+    def __init__(self, cfg: Mapping[str, Any], mesh: Mesh) -> None:
+        self.cfg = cfg
+        self.mesh = mesh
+        self.cp = int(mesh.shape["cp"])
+        self.seq_multiple = int(cfg.get("make_sequence_length_divisible_by") or 1)
+        sp = cfg.get("sequence_packing") or {}
+        #: ``policy.sequence_packing`` when enabled, else None.
+        self.packing: Mapping[str, Any] | None = sp if sp.get("enabled", False) else None
+
+    @property
+    def plain(self) -> bool:
+        """Plain right-padded rows through the original steps: no context parallelism, no packing."""
+        return self.cp == 1 and self.packing is None
+
+    # ------------------------------------------------------------------ widths
+    def check_widths(self) -> None:
+        """Under context parallelism every width a step can see must split into 2 x cp chunks:
+        refuse a ladder that cannot, naming ``policy.make_sequence_length_divisible_by``."""
+        steps.check_cp_ladder(self.cfg["max_total_sequence_length"], self.cp, self.seq_multiple)
+        if self.packing is not None:
+            for key in ("train_mb_tokens", "logprob_mb_tokens"):
+                steps.check_cp_ladder(self.packing[key], self.cp, self.seq_multiple, f"policy.sequence_packing.{key}")
+
+    def bucket(self, width: int) -> int:
+        """The ladder width a plain batch of ``width`` columns is padded to."""
+        bucket = steps.bucket_for(width, self.cfg["max_total_sequence_length"], self.seq_multiple)
+        if self.cp > 1:
+            check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")
+        return bucket
+
+    def packed_bucket(self, tokens: int, budget_key: str) -> int:
+        """The ladder width (up to the packing budget) of a packed row of ``tokens`` tokens."""
+        bucket = steps.bucket_for(
+            tokens, self.packing[budget_key], self.seq_multiple, f"policy.sequence_packing.{budget_key}"
+        )
+        if self.cp > 1:
+            check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")
+        return bucket
+
+    # ------------------------------------------------------------------ host <-> device
+    def check_rows_split(self, rows: int, field: str) -> None:
+        """Several processes: a micro batch of ``rows`` rows per process must split over the
+        mesh's fsdp axis (one process cannot fall back to replicating its rows: the others'
+        differ)."""
+        n, fsdp = jax.process_count(), int(self.mesh.shape["fsdp"])
+        if n > 1 and (rows * n) % fsdp:
+            raise ValueError(
+                f"{field}={rows} rows per process x {n} processes is not divisible by the mesh's "
+                f"fsdp axis of size {fsdp}: multi-process JAX needs every micro batch split over fsdp"
+            )
+
+    def device_batch(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host arrays -> device arrays, rows split over ``fsdp`` when they divide it.
+        Several processes: ``host`` is this process's rows of the global micro batch."""
+        if jax.process_count() > 1:
+            return {key: shard_host_batch(value, self.mesh, ("batch",)) for key, value in host.items()}
+        fsdp = self.mesh.shape["fsdp"]
+        out = {}
+        for key, value in host.items():
+            spec = P("fsdp") if value.shape[0] % fsdp == 0 else P()
+            out[key] = jax.device_put(jnp.asarray(value), NamedSharding(self.mesh, spec))
+        return out
+
+    def host_rows_of(self, outs: list[jax.Array]) -> list[np.ndarray]:
+        """Each step output's rows that belong to this process's input rows (one process: all),
+        their transfers started together."""
+        if jax.process_count() == 1:
+            return jax.device_get(outs)  # numpy arrays
+        from jax.experimental import multihost_utils
+
+        local = multihost_utils.global_array_to_host_local_array(outs, self.mesh, [P("fsdp")] * len(outs))
+        return jax.device_get(local)
+
+    # ------------------------------------------------------------------ sequence packing
+    def packing_plan(
+        self, data: BatchedDataDict, lengths: np.ndarray, chunk_rows: int, budget_key: str
+    ) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+        """Per chunk of ``chunk_rows`` rows: ``(row order within the chunk, bins)``, each bin a
+        ``(start, end)`` range of the reordered chunk.  The driver's plan
+        (``data.micro_batch_indices``: rows already reordered, the same number of bins on
+        every host) is used when attached; otherwise the chunk is planned here."""
+        n_chunks = len(lengths) // chunk_rows if chunk_rows else 0
+        attached = getattr(data, "micro_batch_indices", None)
+        if attached is not None:
+            counts = [ranges[-1][1] if ranges else 0 for ranges in attached]
+            if counts != [chunk_rows] * n_chunks:
+                raise ValueError(
+                    f"sequence packing plan covers chunks of {counts} rows, expected "
+                    f"{n_chunks} chunk(s) of {chunk_rows}"
+                )
+            return [(np.arange(chunk_rows), [tuple(r) for r in ranges]) for ranges in attached]
+        sp = self.packing
+        check_packing_budget(lengths.tolist(), sp[budget_key], f"policy.sequence_packing.{budget_key}")
+        plans = []
+        for g in range(n_chunks):
+            ((order, bins),) = plan_packed_micro_batches(
+                [lengths[g * chunk_rows : (g + 1) * chunk_rows].tolist()],
+                sp[budget_key],
+                sp.get("algorithm", "modified_first_fit_decreasing"),
+            )
+            plans.append((np.asarray(order, np.int64), bins))
+        return plans
+
+    def _bin_groups(self, bins: list[tuple[int, int]]) -> Iterator[list[tuple[int, int]]]:
+        """``fsdp`` consecutive bins per micro batch: one packed row per fsdp shard."""
+        fsdp = self.mesh.shape["fsdp"]
+        for i in range(0, len(bins), fsdp):
+            yield bins[i : i + fsdp]
+
+    # ------------------------------------------------------------------ training
+    def train_micro_batches(
+        self, gb: Mapping[str, np.ndarray], plan: Any, mbs: int, bucket: int
+    ) -> Iterator[tuple[Any, ...]]:
+        """The grad step's arguments before ``gseq, gtok`` for each micro batch of the
+        (local) global batch ``gb``: ``(batch,)`` on plain rows; ``(rows, batch)`` for the
+        layout step -- context parallelism on ``mbs`` plain rows, or packing: ``fsdp`` bins of
+        the plan per micro batch as packed rows, with the loss batch = the bins' rows in the
+        plain layout, padded to all of ``gb``'s rows (one program per packed width)."""
+        rows_total = len(gb["input_ids"])
+        if self.packing is None:
+            for start in range(0, rows_total, mbs):
+                mb = steps.pad_micro_batch({k: v[start : start + mbs] for k, v in gb.items()}, mbs, bucket)
+                if self.plain:
+                    yield (self.device_batch(mb),)
+                else:
+                    rows = steps.plain_rows(mb["input_ids"], mb["input_lengths"])
+                    yield self.device_batch(rows), self.device_batch(mb)
+            return
+        order, bins = plan
+        gb = steps.pad_micro_batch({k: v[order] for k, v in gb.items()}, rows_total, bucket)
+        fsdp = self.mesh.shape["fsdp"]
+        for group in self._bin_groups(bins):
+            tokens = max(int(gb["input_lengths"][a:b].sum()) for a, b in group)
+            rows, _ = steps.packed_micro_batch(
+                gb["input_ids"],
+                gb["input_lengths"],
+                group,
+                fsdp,
+                self.packed_bucket(tokens, "train_mb_tokens"),
+                unpack_rows=rows_total,
+            )
+            start, end = group[0][0], group[-1][1]
+            mb = steps.pad_micro_batch({k: v[start:end] for k, v in gb.items()}, rows_total, bucket)
+            yield self.device_batch(rows), self.device_batch(mb)
+
+    # ------------------------------------------------------------------ logprobs
+    def layout_logprobs(
+        self,
+        logprob_step: Callable,
+        params: Any,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        data: BatchedDataDict,
+        mbs: int,
+    ) -> np.ndarray:
+        """``get_logprobs`` layout [N, S] through the explicit-layout step (CP and/or packing)."""
+        n, width = ids.shape
+        out = np.zeros((n, width), np.float32)
+        if self.packing is None:  # context parallelism on plain rows: mbs rows per micro batch
+            bucket = self.bucket(width)
+            starts = range(0, n, mbs)
+            pending = []
+            for start in starts:
+                host = steps.pad_micro_batch(
+                    {"input_ids": ids[start : start + mbs], "input_lengths": lengths[start : start + mbs]}, mbs, bucket
+                )
+                rows = steps.plain_rows(host["input_ids"], host["input_lengths"])
+                pending.append(logprob_step(params, self.device_batch(rows)))
+            for start, next_lp in zip(starts, jax.device_get(pending), strict=True):  # read once all are queued
+                count = min(mbs, n - start)
+                out[start : start + count, 1:] = next_lp[:count, : width - 1]
+            return out * (np.arange(width)[None, :] < lengths[:, None])
+        fsdp = self.mesh.shape["fsdp"]
+        unpack, pending = [], []
+        for order, bins in self.packing_plan(data, lengths, n, "logprob_mb_tokens"):
+            chunk_ids, chunk_lengths = ids[order], lengths[order]
+            for group in self._bin_groups(bins):
+                tokens = max(int(chunk_lengths[a:b].sum()) for a, b in group)
+                rows, packs = steps.packed_micro_batch(
+                    chunk_ids, chunk_lengths, group, fsdp, self.packed_bucket(tokens, "logprob_mb_tokens")
+                )
+                pending.append(logprob_step(params, self.device_batch(rows)))
+                unpack.append((order, group, packs))
+        for (order, group, packs), next_lp in zip(
+            unpack, jax.device_get(pending), strict=True
+        ):  # read once all are queued
+            for k, (a, b) in enumerate(group):
+                out[order[a:b], 1:] = packs[k].unpack_next_logprobs(next_lp[k])
+        return out

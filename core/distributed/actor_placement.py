@@ -1,0 +1,136 @@
+"""Where a :class:`~core.distributed.worker_group.RayWorkerGroup` puts its actors, and what
+each one is told about its rank.
+
+One actor per used bundle of a :class:`~core.distributed.virtual_cluster.RayVirtualCluster`,
+node by node, rank = bundle order, each pinned to its bundle and started with the
+``torch.distributed`` ``env://`` variables of its rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from core.distributed.virtual_cluster import RayVirtualCluster
+
+__all__ = ["RESERVED_ENV_VARS", "check_env_vars", "check_workers_per_node", "create_actors", "kill_actors"]
+
+#: Env vars the group sets on every worker; ``env_vars`` may not override them.
+RESERVED_ENV_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def check_env_vars(env_vars: Mapping[str, str] | None) -> dict[str, str]:
+    """The extra env vars for every worker, as a dict; they may not set a rank variable."""
+    env_vars = dict(env_vars or {})
+    clash = sorted(set(env_vars) & set(RESERVED_ENV_VARS))
+    if clash:
+        raise ValueError(f"RayWorkerGroup: env_vars may not set {clash}; the group sets them per rank")
+    return env_vars
+
+
+def check_workers_per_node(bundles: list[int], requested: int | list[int] | None) -> list[int]:
+    """Workers on each node: validated against the node's bundle count."""
+    if requested is None:
+        return list(bundles)
+    if isinstance(requested, int) and not isinstance(requested, bool):
+        counts = [requested] * len(bundles)
+    elif isinstance(requested, Sequence) and not isinstance(requested, str):
+        counts = list(requested)
+        if len(counts) != len(bundles):
+            raise ValueError(
+                f"RayWorkerGroup: workers_per_node has {len(counts)} entries but the cluster has "
+                f"{len(bundles)} nodes ({bundles} bundles per node)"
+            )
+    else:
+        raise TypeError(f"RayWorkerGroup: workers_per_node must be None, an int or a list, got {requested!r}")
+    for node, (want, have) in enumerate(zip(counts, bundles, strict=True)):
+        if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= have:
+            raise ValueError(f"RayWorkerGroup: node {node} has {have} bundles; cannot place {want!r} workers there")
+    if sum(counts) == 0:
+        raise ValueError("RayWorkerGroup: workers_per_node places no worker at all")
+    return counts
+
+
+def create_actors(
+    cluster: RayVirtualCluster,
+    worker_cls: type,
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    env_vars: Mapping[str, str],
+    counts: list[int],
+    name_prefix: str,
+) -> tuple[list[ray.actor.ActorHandle], list[tuple[int, int]]]:
+    """One actor per used bundle (``counts[n]`` on node ``n``), node by node, pinned to its
+    bundle; returns the actors (index = rank) and each rank's (node rank, bundle index).
+
+    If an actor cannot be created, the ones created before it are killed and the error
+    is raised."""
+    if isinstance(worker_cls, ray.actor.ActorClass):
+        actor_cls = worker_cls
+    else:
+        actor_cls = ray.remote(worker_cls)
+    master_addr, master_port = cluster.get_master_address_and_port()
+    share = 1.0 / cluster.max_colocated_worker_groups
+    resources: dict[str, float] = {"num_cpus": cluster.num_cpus_per_bundle * share}
+    if cluster.use_gpus:
+        resources["num_gpus"] = share
+    placement_groups = cluster.get_placement_groups()
+    world_size = sum(counts)
+    workers: list[ray.actor.ActorHandle] = []
+    placement: list[tuple[int, int]] = []
+    rank = 0
+    for node_rank, (pg, count) in enumerate(zip(placement_groups, counts, strict=True)):
+        for local_rank in range(count):
+            env = dict(env_vars)
+            if not cluster.use_gpus:
+                env.setdefault("CUDA_VISIBLE_DEVICES", "")
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(local_rank),
+                LOCAL_WORLD_SIZE=str(count),
+                NODE_RANK=str(node_rank),
+                MASTER_ADDR=master_addr,
+                MASTER_PORT=str(master_port),
+            )
+            options = dict(
+                name=f"{name_prefix}-{rank}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg,
+                    placement_group_bundle_index=local_rank,
+                    # tasks/actors a worker spawns stay inside the cluster's resources
+                    placement_group_capture_child_tasks=True,
+                ),
+                runtime_env={"env_vars": env},
+                # a restarted rank would not rejoin its process group: fail instead
+                max_restarts=0,
+                **resources,
+            )
+            try:
+                workers.append(actor_cls.options(**options).remote(*args, **kwargs))
+            except Exception:
+                kill_actors(workers)
+                raise
+            placement.append((node_rank, local_rank))
+            rank += 1
+    return workers, placement
+
+
+def kill_actors(workers: Sequence[ray.actor.ActorHandle]) -> None:
+    """``ray.kill`` every actor (no restart); an actor that is already dead is skipped."""
+    for worker in workers:
+        try:
+            ray.kill(worker, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead / Ray gone: nothing left to kill
+            pass
