@@ -132,9 +132,9 @@ class MemoryLog:
 def policy_config(model_dir: Path, backend: str, bucket_bytes: int) -> dict:
     """The default policy section on the tiny model: 2-way data parallel, small batches,
     a learning rate that moves the weights every step, an engine long enough for ``SEQ``."""
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+    from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
 
-    cfg = copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
+    cfg = copy.deepcopy(load_raw_config(DEFAULT_CONFIG_PATH)["policy"])
     cfg.update(
         backend=backend,
         model_name=str(model_dir),
@@ -247,11 +247,11 @@ def run_cycles(policy, generation, cycles: int, transport: str, seed: int, on_cy
     ``[cycles]`` tensor.  ``on_cycle(cycle)`` runs after each (1-based) cycle, e.g. to sample memory."""
     import torch
 
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+    from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
     from core.losses import ClippedPGLossFn
     from core.refit import refit_policy_generation
 
-    loss_fn = ClippedPGLossFn(load_config(DEFAULT_CONFIG_PATH)["loss_fn"])
+    loss_fn = ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"])
     losses = None  # preallocated at the first step: the harness must not grow the driver's memory
     for cycle in range(1, cycles + 1):
         result = policy.train(train_batch(seed + cycle), loss_fn)

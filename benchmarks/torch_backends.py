@@ -113,9 +113,9 @@ def make_batch(batch: int, seq: int, vocab: int):
 
 
 def default_policy_section() -> dict:
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+    from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
 
-    return copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
+    return copy.deepcopy(load_raw_config(DEFAULT_CONFIG_PATH)["policy"])
 
 
 def policy_config(

@@ -67,6 +67,7 @@ from core.policy.generation_args import (
     tail_hits_stop_string,
     top_k_or_off,
 )
+from core.policy.generation_config import GenerationConfig
 
 __all__ = [
     "DecodeFns",
@@ -357,15 +358,15 @@ def _check_inputs(input_ids, input_lengths) -> tuple[np.ndarray, np.ndarray]:
     return input_ids.astype(np.int64), input_lengths.astype(np.int64)
 
 
-def _knobs(gen_cfg: Mapping[str, Any], greedy: bool, pad_token_id: int) -> dict[str, np.ndarray]:
-    temperature = float(gen_cfg.get("temperature", 1.0))
+def _knobs(gen_cfg: GenerationConfig, greedy: bool, pad_token_id: int) -> dict[str, np.ndarray]:
+    temperature = float(gen_cfg.temperature)
     if temperature <= 0:
         raise ValueError(f"generation temperature must be > 0 (use greedy=True for argmax), got {temperature}")
-    top_p = gen_cfg.get("top_p")
+    top_p = gen_cfg.top_p
     top_p = 1.0 if top_p is None else float(top_p)
     top_k = 0  # filter_logits' "off"; greedy decoding never filters
     if not greedy:
-        top_k = top_k_or_off(gen_cfg.get("top_k"))
+        top_k = top_k_or_off(gen_cfg.top_k)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     return dict(
@@ -384,7 +385,7 @@ def _stop_mask(stop_token_ids: Sequence[int], vocab: int) -> np.ndarray:
 
 
 def _row_stop_strings(gen_cfg, stop_strings, batch: int) -> list[tuple[str, ...]]:
-    """gen_cfg['stop_strings'] + the row's own strings (de-duplicated, in order)."""
+    """gen_cfg.stop_strings + the row's own strings (de-duplicated, in order)."""
     return row_stop_strings(gen_cfg, stop_strings, batch)
 
 
@@ -413,7 +414,7 @@ def generate(
     params: Any,
     input_ids: np.ndarray,
     input_lengths: np.ndarray,
-    gen_cfg: Mapping[str, Any],
+    gen_cfg: GenerationConfig | Mapping[str, Any],
     *,
     greedy: bool,
     pad_token_id: int,
@@ -435,11 +436,11 @@ def generate(
         input_ids: [B, S] right-padded prompts; input_lengths: [B], each in [1, S].
         gen_cfg: temperature, top_k (None/-1 off), top_p (1.0 off), max_new_tokens,
             stop_token_ids, stop_strings.
-        greedy: argmax decoding; logprobs still use ``gen_cfg['temperature']``.
+        greedy: argmax decoding; logprobs still use ``gen_cfg.temperature``.
         pad_token_id: fills padding in ``output_ids``.
-        eos_token_ids: stop tokens added to ``gen_cfg['stop_token_ids']``.
+        eos_token_ids: stop tokens added to ``gen_cfg.stop_token_ids``.
         tokenizer: required when stop strings are configured.
-        max_new_tokens: overrides ``gen_cfg['max_new_tokens']``.
+        max_new_tokens: overrides ``gen_cfg.max_new_tokens``.
         rng: a PRNG key or an int seed (same key -> same samples); unused with ``sample_seeds``.
         stop_strings: optional per-row extra stop strings (``data['stop_strings']``).
         sample_seeds: optional [B] ints (``data['sample_seeds']``): row b samples with its
@@ -455,18 +456,17 @@ def generate(
         ``output_ids`` [B, S+N] int64, ``logprobs`` [B, S+N] float32,
         ``generation_lengths`` [B] and ``unpadded_sequence_lengths`` [B] int64.
     """
+    gen_cfg = GenerationConfig.coerce(gen_cfg, "policy.generation")
     fns = model_or_apply if isinstance(model_or_apply, DecodeFns) else make_decode_fns(model_or_apply)
     params = fns.params if params is None else params
     input_ids, input_lengths = _check_inputs(input_ids, input_lengths)
     batch = input_ids.shape[0]
-    new_tokens = gen_cfg.get("max_new_tokens") if max_new_tokens is None else max_new_tokens
+    new_tokens = gen_cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
     if new_tokens is None or int(new_tokens) <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {new_tokens!r}")
     new_tokens = int(new_tokens)
     knobs = _knobs(gen_cfg, greedy, pad_token_id)
-    stop_ids = list(
-        dict.fromkeys([int(t) for t in (gen_cfg.get("stop_token_ids") or [])] + [int(t) for t in eos_token_ids])
-    )
+    stop_ids = list(dict.fromkeys([int(t) for t in (gen_cfg.stop_token_ids or [])] + [int(t) for t in eos_token_ids]))
     row_strings = _row_stop_strings(gen_cfg, stop_strings, batch)
     if any(row_strings) and tokenizer is None:
         raise ValueError(

@@ -63,6 +63,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from core.policy.config import OptimizerConfig, SchedulerEntry
+
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
     "SUPPORTED_SCHEDULERS",
@@ -196,14 +198,14 @@ def torch_sgd_momentum(momentum: float, dampening: float = 0.0, nesterov: bool =
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _optimizer_kwargs(optimizer_cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    name = optimizer_cfg.get("name")
+def _optimizer_kwargs(optimizer_cfg: OptimizerConfig) -> tuple[str, dict[str, Any]]:
+    name = optimizer_cfg.name
     if name not in _DEFAULTS:
         raise ValueError(
             f"policy.optimizer.name: {name!r} is not supported by the jax_pjit backend; "
             f"choose one of {list(SUPPORTED_OPTIMIZERS)}"
         )
-    given = dict(optimizer_cfg.get("kwargs") or {})
+    given = dict(optimizer_cfg.kwargs)
     for flag in _TORCH_ONLY_FLAGS:
         given.pop(flag, None)
     unknown = sorted(set(given) - set(_DEFAULTS[name]))
@@ -263,11 +265,11 @@ def _number(entry_path: str, kwargs: Mapping[str, Any], key: str, default: float
     return value
 
 
-def _factor_fn(i: int, entry: Mapping[str, Any]) -> Callable[[int], float]:
+def _factor_fn(i: int, entry: SchedulerEntry) -> Callable[[int], float]:
     """``local_step -> lr / base_lr`` of one scheduler entry (torch's closed forms)."""
     where = f"policy.scheduler[{i}]"
-    name = entry.get("name")
-    kwargs = dict(entry.get("kwargs") or {})
+    name = entry.name
+    kwargs = dict(entry.kwargs)
     if name == _LINEAR:
         allowed = {"start_factor", "end_factor", "total_iters"}
     elif name == _CONSTANT:
@@ -300,7 +302,9 @@ def _factor_fn(i: int, entry: Mapping[str, Any]) -> Callable[[int], float]:
     return lambda t: factor + (t >= total) * (1.0 - factor)
 
 
-def build_schedule(scheduler_cfg: Sequence[Mapping[str, Any]] | None, base_lr: float) -> Callable[[int], float]:
+def build_schedule(
+    scheduler_cfg: Sequence[SchedulerEntry | Mapping[str, Any]] | None, base_lr: float
+) -> Callable[[int], float]:
     """``n -> lr`` after ``n`` steps of the torch scheduler ``policy.scheduler`` describes.
 
     * ``None`` / ``[]``: constant ``base_lr`` (the torch backends' ``LambdaLR(lambda _: 1.0)``).
@@ -319,11 +323,10 @@ def build_schedule(scheduler_cfg: Sequence[Mapping[str, Any]] | None, base_lr: f
     if not entries:
         return lambda n: base_lr
     factors, milestones = [], None
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"policy.scheduler[{i}] must be a mapping, got {entry!r}")
-        if "milestones" in entry:
-            milestones = list(entry["milestones"])
+    for i, raw in enumerate(entries):
+        entry = SchedulerEntry.coerce(raw, f"policy.scheduler[{i}]")
+        if entry.milestones is not None:
+            milestones = list(entry.milestones)
             continue
         factors.append(_factor_fn(i, entry))
     if not factors:
@@ -359,8 +362,8 @@ def _check_step(n: Any) -> int:
 
 # ------------------------------------------------------------------------------- public
 def build_optax(
-    optimizer_cfg: Mapping[str, Any],
-    scheduler_cfg: Sequence[Mapping[str, Any]] | None,
+    optimizer_cfg: OptimizerConfig | Mapping[str, Any],
+    scheduler_cfg: Sequence[SchedulerEntry | Mapping[str, Any]] | None,
     max_grad_norm: float | None,
 ) -> tuple[optax.GradientTransformationExtraArgs, Callable[[int], float]]:
     """``(tx, schedule_fn)`` for ``policy.optimizer``, ``policy.scheduler``, ``policy.max_grad_norm``.
@@ -370,9 +373,7 @@ def build_optax(
     worker sets once per ``train()`` call with :func:`set_learning_rate` -- see the module
     docstring.  ``schedule_fn(n)`` is the torch learning rate after ``n`` scheduler steps.
     """
-    if not isinstance(optimizer_cfg, Mapping):
-        raise ValueError(f"policy.optimizer must be a mapping with 'name' and 'kwargs', got {optimizer_cfg!r}")
-    name, kw = _optimizer_kwargs(optimizer_cfg)
+    name, kw = _optimizer_kwargs(OptimizerConfig.coerce(optimizer_cfg, "policy.optimizer"))
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
             raise ValueError(f"policy.max_grad_norm must be > 0 (or null for no clipping), got {max_grad_norm!r}")

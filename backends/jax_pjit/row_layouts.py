@@ -29,6 +29,7 @@ from backends.jax_pjit.sharding import shard_host_batch
 from core.data import BatchedDataDict
 from core.data.context_parallel import check_cp_width
 from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
+from core.policy.config import PolicyConfig, SequencePackingConfig
 
 __all__ = ["RowLayouts"]
 
@@ -36,14 +37,13 @@ __all__ = ["RowLayouts"]
 class RowLayouts:
     """The row layouts of one worker: its mesh and the ``policy`` config's widths and packing."""
 
-    def __init__(self, cfg: Mapping[str, Any], mesh: Mesh) -> None:
+    def __init__(self, cfg: PolicyConfig, mesh: Mesh) -> None:
         self.cfg = cfg
         self.mesh = mesh
         self.cp = int(mesh.shape["cp"])
-        self.seq_multiple = int(cfg.get("make_sequence_length_divisible_by") or 1)
-        sp = cfg.get("sequence_packing") or {}
+        self.seq_multiple = cfg.make_sequence_length_divisible_by
         #: ``policy.sequence_packing`` when enabled, else None.
-        self.packing: Mapping[str, Any] | None = sp if sp.get("enabled", False) else None
+        self.packing: SequencePackingConfig | None = cfg.sequence_packing if cfg.sequence_packing.enabled else None
 
     @property
     def plain(self) -> bool:
@@ -54,14 +54,16 @@ class RowLayouts:
     def check_widths(self) -> None:
         """Under context parallelism every width a step can see must split into 2 x cp chunks:
         refuse a ladder that cannot, naming ``policy.make_sequence_length_divisible_by``."""
-        steps.check_cp_ladder(self.cfg["max_total_sequence_length"], self.cp, self.seq_multiple)
+        steps.check_cp_ladder(self.cfg.max_total_sequence_length, self.cp, self.seq_multiple)
         if self.packing is not None:
             for key in ("train_mb_tokens", "logprob_mb_tokens"):
-                steps.check_cp_ladder(self.packing[key], self.cp, self.seq_multiple, f"policy.sequence_packing.{key}")
+                steps.check_cp_ladder(
+                    getattr(self.packing, key), self.cp, self.seq_multiple, f"policy.sequence_packing.{key}"
+                )
 
     def bucket(self, width: int) -> int:
         """The ladder width a plain batch of ``width`` columns is padded to."""
-        bucket = steps.bucket_for(width, self.cfg["max_total_sequence_length"], self.seq_multiple)
+        bucket = steps.bucket_for(width, self.cfg.max_total_sequence_length, self.seq_multiple)
         if self.cp > 1:
             check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")
         return bucket
@@ -69,7 +71,7 @@ class RowLayouts:
     def packed_bucket(self, tokens: int, budget_key: str) -> int:
         """The ladder width (up to the packing budget) of a packed row of ``tokens`` tokens."""
         bucket = steps.bucket_for(
-            tokens, self.packing[budget_key], self.seq_multiple, f"policy.sequence_packing.{budget_key}"
+            tokens, getattr(self.packing, budget_key), self.seq_multiple, f"policy.sequence_packing.{budget_key}"
         )
         if self.cp > 1:
             check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")
@@ -128,13 +130,14 @@ class RowLayouts:
                 )
             return [(np.arange(chunk_rows), [tuple(r) for r in ranges]) for ranges in attached]
         sp = self.packing
-        check_packing_budget(lengths.tolist(), sp[budget_key], f"policy.sequence_packing.{budget_key}")
+        budget = getattr(sp, budget_key)
+        check_packing_budget(lengths.tolist(), budget, f"policy.sequence_packing.{budget_key}")
         plans = []
         for g in range(n_chunks):
             ((order, bins),) = plan_packed_micro_batches(
                 [lengths[g * chunk_rows : (g + 1) * chunk_rows].tolist()],
-                sp[budget_key],
-                sp.get("algorithm", "modified_first_fit_decreasing"),
+                budget,
+                sp.algorithm,
             )
             plans.append((np.asarray(order, np.int64), bins))
         return plans

@@ -37,7 +37,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from backends.jax_pjit.logical_axes import RULES
-from core.parallel_dims import CP, FSDP, TP, ParallelDims
+from core.parallel_dims import CP, FSDP, TP
+from core.policy.config import PolicyConfig
 
 __all__ = [
     "MESH_AXES",
@@ -68,31 +69,28 @@ LogicalAxes = tuple[str | None, ...]
 
 
 # ---------------------------------------------------------------------------------- mesh
-def make_mesh(policy_cfg: Mapping[str, Any], devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(policy_cfg: PolicyConfig | Mapping[str, Any], devices: Sequence[Any] | None = None) -> Mesh:
     """The ``(fsdp, cp, tp)`` mesh of ``policy.jax_cfg`` over ``devices`` (default ``jax.devices()``).
 
     ``jax_cfg.fsdp_size`` may be ``-1`` (= number of devices / (``context_parallel_size`` x
-    ``tensor_parallel_size``)).  Missing ``jax_cfg`` keys take the defaults of
-    ``core/configs/policy.yaml`` (``fsdp_size: -1``, ``tensor_parallel_size: 1``,
-    ``context_parallel_size: 1``).  Raises ``ValueError`` naming ``policy.jax_cfg.fsdp_size`` /
+    ``tensor_parallel_size``)).  Raises ``ValueError`` naming ``policy.jax_cfg.fsdp_size`` /
     ``policy.jax_cfg.context_parallel_size`` / ``policy.jax_cfg.tensor_parallel_size`` when the
     sizes do not fit the device count.  All axes are ``AxisType.Auto``; ``tp`` is the inner
     axis so tensor-parallel peers are neighbouring devices, ``cp`` the next.  The ``cp`` axis
     is always present (size 1 without context parallelism).
     """
+    policy_cfg = PolicyConfig.coerce(policy_cfg, "policy")
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: no devices given")
-    backend = policy_cfg.get("backend", "jax_pjit")
+    backend = policy_cfg.backend
     if backend != "jax_pjit":
         raise ValueError(f"make_mesh: policy.backend is {backend!r}; the JAX mesh needs 'jax_pjit'")
-    jax_cfg = dict(policy_cfg.get("jax_cfg") or {})
-    fsdp_size = jax_cfg.setdefault("fsdp_size", -1)
-    tp_size = jax_cfg.setdefault("tensor_parallel_size", 1)
-    cp_size = jax_cfg.setdefault("context_parallel_size", 1)
+    jax_cfg = policy_cfg.jax_cfg
+    fsdp_size, tp_size, cp_size = jax_cfg.fsdp_size, jax_cfg.tensor_parallel_size, jax_cfg.context_parallel_size
     n = len(devices)
     try:
-        dims = ParallelDims.from_policy_config({"backend": "jax_pjit", "jax_cfg": jax_cfg}, n)
+        dims = policy_cfg.parallel_dims(n)
     except ValueError as err:
         raise ValueError(
             f"policy.jax_cfg.fsdp_size={fsdp_size!r} x policy.jax_cfg.context_parallel_size={cp_size!r} x "

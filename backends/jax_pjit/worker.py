@@ -105,23 +105,23 @@ class JaxPolicyWorker(PolicyWorkerBase):
         # How host rows become device micro batches: plain, context-parallel or packed rows.
         self.rows = RowLayouts(self.cfg, self.mesh)
         self._check_multi_process()
-        self.compute_dtype = DTYPES[self.cfg["precision"]]
+        self.compute_dtype = DTYPES[self.cfg.precision]
         # policy.matmul_precision, entered by _on_mesh around every device step (see there).
         self.matmul_precision = resolve_matmul_precision(self.cfg)
         # policy.jax_cfg.activation_checkpointing: remat every decoder layer of the grad steps.
-        self.remat = bool((self.cfg.get("jax_cfg") or {}).get("activation_checkpointing", False))
+        self.remat = self.cfg.jax_cfg.activation_checkpointing
 
         # A vocabulary tp does not divide is zero-padded inside the backend (embedding rows /
         # lm_head columns, masked logits); model_cfg.vocab_size and everything leaving the
         # worker (logprobs, refit, HF export) keep the real vocabulary.
         model, self.model_cfg, self.hf_config = from_pretrained(
-            self.cfg["model_name"],
+            self.cfg.model_name,
             dtype=self.compute_dtype,
             param_dtype=jnp.float32,
             tp=self.mesh.shape["tp"],
-            make_vocab_size_divisible_by=int(self.cfg.get("make_vocab_size_divisible_by") or 1),
+            make_vocab_size_divisible_by=int(self.cfg.make_vocab_size_divisible_by or 1),
         )
-        check_tokenizer_fits(tokenizer, self.hf_config, self.cfg["model_name"])
+        check_tokenizer_fits(tokenizer, self.hf_config, self.cfg.model_name)
         check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.jax_cfg.tensor_parallel_size")
         self.model = model
         self.apply_fn, params = make_apply_fn(model)
@@ -133,10 +133,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self.reference = stash(self.params) if init_reference_model else None
 
         self.tx = self.schedule = self.opt_state = None
-        if init_optimizer and self.cfg.get("optimizer"):
-            self.tx, self.schedule = build_optax(
-                self.cfg["optimizer"], self.cfg.get("scheduler"), self.cfg.get("max_grad_norm")
-            )
+        if init_optimizer and self.cfg.optimizer:
+            self.tx, self.schedule = build_optax(self.cfg.optimizer, self.cfg.scheduler, self.cfg.max_grad_norm)
             with self.mesh:
                 self.opt_state = init_optimizer_state(self.tx, self.params, self.shardings)
             opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
@@ -208,7 +206,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             )
         if self.rows.packing is not None:
             unsupported.append("policy.sequence_packing.enabled=true (sequence packing)")
-        if (self.cfg.get("generation") or {}).get("backend") == "hf":
+        if self.cfg.generation is not None and self.cfg.generation.backend == "hf":
             unsupported.append("policy.generation.backend='hf' (generation on the policy workers)")
         if unsupported:
             raise ValueError(
@@ -247,11 +245,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
         with before_collectives():
             self._check_batch(data, self.hf_config.vocab_size)  # XLA would wrap or NaN a bad id silently
             self.rows.check_rows_split(
-                micro_batch_size or self.cfg["logprob_batch_size"],
+                micro_batch_size or self.cfg.logprob_batch_size,
                 "micro_batch_size" if micro_batch_size else "policy.logprob_batch_size",
             )
         self._reload("params")
-        mbs = micro_batch_size or self.cfg["logprob_batch_size"]
+        mbs = micro_batch_size or self.cfg.logprob_batch_size
         ids, lengths = data["input_ids"].numpy(), data["input_lengths"].numpy()
         if self.rows.plain:
             logprobs = self._plain_logprobs(ids, lengths, mbs)
@@ -263,7 +261,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
     def _plain_logprobs(self, ids: np.ndarray, lengths: np.ndarray, mbs: int) -> np.ndarray:
         """[N, S] logprobs of plain right-padded rows, ``mbs`` rows per micro batch."""
         width = ids.shape[1]
-        bucket = steps.bucket_for(width, self.cfg["max_total_sequence_length"], self.rows.seq_multiple)
+        bucket = steps.bucket_for(width, self.cfg.max_total_sequence_length, self.rows.seq_multiple)
         pending = []
         with self._on_mesh():
             for start in range(0, len(ids), mbs):
@@ -306,15 +304,15 @@ class JaxPolicyWorker(PolicyWorkerBase):
         A step with no valid token, or a non-finite global loss or gradient norm, is skipped
         inside the jitted update (params and optimizer state kept); the learning-rate
         schedule advances only if at least one step of the call was applied, as on torch."""
-        gbs = gbs or self.cfg["train_global_batch_size"]
-        mbs = mbs or self.cfg["train_micro_batch_size"]
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
         n_hosts = jax.process_count()
         with before_collectives():
             local_gbs = self._check_train_call(
                 data, loss_fn, gbs, mbs, n_hosts, self.hf_config.vocab_size, eval_mode, self.tx is not None
             )
             self.rows.check_rows_split(
-                mbs, "policy.train_micro_batch_size" if mbs == self.cfg["train_micro_batch_size"] else "mbs"
+                mbs, "policy.train_micro_batch_size" if mbs == self.cfg.train_micro_batch_size else "mbs"
             )
         self.prepare_for_training()
         host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
@@ -431,7 +429,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 rng=self._generate_calls,
                 stop_strings=data.get("stop_strings"),
                 sample_seeds=None if seeds is None else np.asarray(seeds),
-                batch_size=self.cfg.get("generation_batch_size"),
+                batch_size=self.cfg.generation_batch_size,
             )
         return BatchedDataDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()})
 
@@ -518,7 +516,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             weights_path,
             optimizer_path,
             checksums=checksums,
-            what=f"model {self.cfg['model_name']!r}",
+            what=f"model {self.cfg.model_name!r}",
         )
         self.params, self.opt_state = params, opt_state
         if step is not None:

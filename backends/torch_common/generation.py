@@ -49,6 +49,7 @@ from core.data import BatchedDataDict
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import apply_temperature, logprobs_from_logits
 from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
+from core.policy.generation_config import GenerationConfig as GenerationSection
 
 __all__ = [
     "SeededRowSampler",
@@ -81,7 +82,7 @@ _ONLY_NONE_IS_OFF = (
 def hf_generate(
     model,
     data: BatchedDataDict,
-    gen_cfg: Mapping[str, Any],
+    gen_cfg: GenerationSection | Mapping[str, Any],
     *,
     greedy: bool,
     pad_token_id: int,
@@ -103,13 +104,13 @@ def hf_generate(
             ``sample_seeds[b]``; ignored when ``greedy``).
         gen_cfg: the ``GenerationConfig`` block (temperature, top_p, top_k, max_new_tokens,
             stop_token_ids, stop_strings).
-        greedy: argmax decoding; logprobs still use ``gen_cfg['temperature']``.
+        greedy: argmax decoding; logprobs still use ``gen_cfg.temperature``.
         pad_token_id: fills padding in ``output_ids`` and HF's finished rows.
-        eos_token_ids: stop tokens added to ``gen_cfg['stop_token_ids']``.
+        eos_token_ids: stop tokens added to ``gen_cfg.stop_token_ids``.
         tokenizer: required when any stop string is configured (generated tokens are decoded).
         synced_gpus: keep stepping after this rank's rows are done until every rank is;
             needed when the forward pass has collectives (FSDP), else ranks deadlock.
-        max_new_tokens: overrides ``gen_cfg['max_new_tokens']``.
+        max_new_tokens: overrides ``gen_cfg.max_new_tokens``.
         device: where to run; default the device of ``data['input_ids']``.
         batch_size: at most this many rows per ``model.generate`` call
             (``policy.generation_batch_size``); None = all rows in one call.  Greedy and
@@ -122,6 +123,7 @@ def hf_generate(
         ``generation_lengths`` [B] and ``unpadded_sequence_lengths`` [B] int64, where
         N = max_new_tokens.  All tensors on CPU.
     """
+    gen_cfg = GenerationSection.coerce(gen_cfg, "policy.generation")
     input_ids, input_lengths = _check_inputs(data)
     batch = input_ids.shape[0]
     new_tokens = _resolve_max_new_tokens(gen_cfg, max_new_tokens)
@@ -267,25 +269,25 @@ def _check_inputs(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids.long(), input_lengths
 
 
-def _resolve_max_new_tokens(gen_cfg: Mapping[str, Any], override: int | None) -> int:
-    value = gen_cfg.get("max_new_tokens") if override is None else override
+def _resolve_max_new_tokens(gen_cfg: GenerationSection, override: int | None) -> int:
+    value = gen_cfg.max_new_tokens if override is None else override
     if value is None or int(value) <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {value!r}")
     return int(value)
 
 
-def _check_temperature(gen_cfg: Mapping[str, Any]) -> float:
+def _check_temperature(gen_cfg: GenerationSection) -> float:
     # Logprobs divide by the temperature, so 0 ("greedy" in vLLM's convention) is refused:
     # greedy decoding is asked for with greedy=True and keeps a positive temperature.
-    temperature = float(gen_cfg.get("temperature", 1.0))
+    temperature = float(gen_cfg.temperature)
     if temperature <= 0:
         raise ValueError(f"generation temperature must be > 0 (use greedy=True for argmax), got {temperature}")
     return temperature
 
 
-def _stop_token_ids(gen_cfg: Mapping[str, Any], eos_token_ids: Sequence[int]) -> list[int]:
+def _stop_token_ids(gen_cfg: GenerationSection, eos_token_ids: Sequence[int]) -> list[int]:
     """gen_cfg stop_token_ids + eos_token_ids, de-duplicated in order."""
-    ids = [int(t) for t in (gen_cfg.get("stop_token_ids") or [])] + [int(t) for t in eos_token_ids]
+    ids = [int(t) for t in (gen_cfg.stop_token_ids or [])] + [int(t) for t in eos_token_ids]
     return list(dict.fromkeys(ids))
 
 
@@ -311,7 +313,7 @@ def right_to_left_padding(
 
 
 def build_hf_generation_config(
-    gen_cfg: Mapping[str, Any],
+    gen_cfg: GenerationSection,
     *,
     greedy: bool,
     max_new_tokens: int,
@@ -356,7 +358,7 @@ def build_hf_generation_config(
     if greedy:
         fields.update(temperature=1.0, top_p=1.0, top_k=50)
     else:
-        top_k, top_p = top_k_or_off(gen_cfg.get("top_k")), float(gen_cfg.get("top_p", 1.0))
+        top_k, top_p = top_k_or_off(gen_cfg.top_k), float(gen_cfg.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         fields.update(temperature=_check_temperature(gen_cfg), top_k=top_k, top_p=top_p)
@@ -444,8 +446,8 @@ class StopStringCriterion(StoppingCriteria):
         return (self.stopped_at > 0).to(input_ids.device)
 
 
-def _row_stop_strings(data: Mapping[str, Any], gen_cfg: Mapping[str, Any], batch: int) -> list[tuple[str, ...]]:
-    """Each row's stop strings: ``gen_cfg['stop_strings']`` + that row's ``data['stop_strings']``."""
+def _row_stop_strings(data: Mapping[str, Any], gen_cfg: GenerationSection, batch: int) -> list[tuple[str, ...]]:
+    """Each row's stop strings: ``gen_cfg.stop_strings`` + that row's ``data['stop_strings']``."""
     return row_stop_strings(gen_cfg, data.get("stop_strings"), batch)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from core.policy.config import OptimizerConfig, SchedulerEntry
+
 
 def import_object(path: str, what: str) -> Any:
     """``"pkg.module.Name"`` -> the object; a clear error naming ``what`` otherwise."""
@@ -26,18 +28,21 @@ def import_object(path: str, what: str) -> Any:
         raise ValueError(f"{what}: cannot import {path!r}: {err}") from err
 
 
-def build_optimizer(cfg: Mapping[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimizerConfig | Mapping[str, Any], params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
     """The optimizer named by ``policy.optimizer`` over ``params``."""
-    cls = import_object(cfg["name"], "policy.optimizer.name")
+    cfg = OptimizerConfig.coerce(cfg, "policy.optimizer")
+    cls = import_object(cfg.name, "policy.optimizer.name")
     params = list(params)
-    kwargs = dict(cfg.get("kwargs") or {})
+    kwargs = dict(cfg.kwargs)
     if "betas" in kwargs:  # YAML gives a list; torch wants a tuple
         kwargs["betas"] = tuple(kwargs["betas"])
     kwargs = with_default_kernel(cls, kwargs, params[0].device.type if params else "cpu")
     try:
         return cls(params, **kwargs)
     except TypeError as err:
-        raise ValueError(f"policy.optimizer.kwargs {sorted(kwargs)} rejected by {cfg['name']}: {err}") from err
+        raise ValueError(f"policy.optimizer.kwargs {sorted(kwargs)} rejected by {cfg.name}: {err}") from err
 
 
 def with_default_kernel(cls: type, kwargs: Mapping[str, Any], param_device_type: str) -> dict[str, Any]:
@@ -64,18 +69,19 @@ def with_default_kernel(cls: type, kwargs: Mapping[str, Any], param_device_type:
 
 
 def build_scheduler(
-    entries: Sequence[Mapping[str, Any]] | None, optimizer: torch.optim.Optimizer
+    entries: Sequence[SchedulerEntry | Mapping[str, Any]] | None, optimizer: torch.optim.Optimizer
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The schedule of ``policy.scheduler``; ``None``/empty gives a constant learning rate."""
     if not entries:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
     schedulers, milestones = [], None
-    for i, entry in enumerate(entries):
-        if "milestones" in entry:
-            milestones = list(entry["milestones"])
+    for i, raw in enumerate(entries):
+        entry = SchedulerEntry.coerce(raw, f"policy.scheduler[{i}]")
+        if entry.milestones is not None:
+            milestones = list(entry.milestones)
             continue
-        cls = import_object(entry["name"], f"policy.scheduler[{i}].name")
-        schedulers.append(cls(optimizer, **dict(entry.get("kwargs") or {})))
+        cls = import_object(entry.name, f"policy.scheduler[{i}].name")
+        schedulers.append(cls(optimizer, **entry.kwargs))
     if len(schedulers) == 1:
         return schedulers[0]
     if milestones is None or len(milestones) != len(schedulers) - 1:

@@ -17,15 +17,15 @@ kernel.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from core.policy.config import PolicyConfig
 from core.policy.matmul_precision import torch_float32_matmul
 
 
-def apply_matmul_precision(policy_cfg: Mapping[str, Any]) -> str:
+def apply_matmul_precision(policy_cfg: PolicyConfig) -> str:
     """Set torch's float32 matmul precision and cuDNN's TF32 switch from the policy
     section; returns the ``torch.set_float32_matmul_precision`` value applied."""
     value = torch_float32_matmul(policy_cfg)

@@ -96,11 +96,11 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         self.dims: ParallelDims = self._parallel_dims()
         # Widths are padded to make_sequence_length_divisible_by as well as to what the layout
         # needs (sequence / context parallelism); the config check keeps the two compatible.
-        self._seq_multiple = math.lcm(self._seq_multiple, int(self.cfg.get("make_sequence_length_divisible_by", 1)))
-        self.compute_dtype = torch_dtype(self.cfg["precision"])
+        self._seq_multiple = math.lcm(self._seq_multiple, int(self.cfg.make_sequence_length_divisible_by))
+        self.compute_dtype = torch_dtype(self.cfg.precision)
 
-        hf_model = load_hf_model(self.cfg["model_name"])
-        check_tokenizer_fits(tokenizer, hf_model.config, self.cfg["model_name"])
+        hf_model = load_hf_model(self.cfg.model_name)
+        check_tokenizer_fits(tokenizer, hf_model.config, self.cfg.model_name)
         self.model_config = hf_model.config
         self.param_meta = hf_param_meta(hf_model)
         # Tied names (lm_head.weight of a tied model): in the state dict, not sent by refit.
@@ -115,9 +115,9 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             self.reference = ReferenceWeights(self._local_weight_shards, pin_memory=self.device.type == "cuda")
         self.optimizer = None
         self.scheduler = None
-        if init_optimizer and self.cfg.get("optimizer"):
-            self.optimizer = build_optimizer(self.cfg["optimizer"], self.model.parameters())
-            self.scheduler = build_scheduler(self.cfg.get("scheduler"), self.optimizer)
+        if init_optimizer and self.cfg.optimizer:
+            self.optimizer = build_optimizer(self.cfg.optimizer, self.model.parameters())
+            self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
         self.train_step = 0
         self._replica = GenerationReplica(self.model_config, self.device, self.compute_dtype)
         self._profiler = None
@@ -233,7 +233,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
     @property
     def _packing(self) -> bool:
-        return bool((self.cfg.get("sequence_packing") or {}).get("enabled", False))
+        return self.cfg.sequence_packing.enabled
 
     @property
     def _rows_reshaped(self) -> bool:
@@ -282,7 +282,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, on the host."""
         with before_collectives():
             self._check_batch(data, self.model_config.vocab_size)
-        mbs = micro_batch_size or self.cfg["logprob_batch_size"]
+        mbs = micro_batch_size or self.cfg.logprob_batch_size
         width = data["input_ids"].shape[1]
         self.model.eval()
         batches = list(micro_batches(data, mbs))
@@ -332,8 +332,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         (each summed over micro batches and ranks = its whole-batch value), plus this rank's
         per-micro-batch metrics in ``all_mb_metrics``.
         """
-        gbs = gbs or self.cfg["train_global_batch_size"]
-        mbs = mbs or self.cfg["train_micro_batch_size"]
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
         with before_collectives():
             local_gbs = self._check_train_call(
                 data,
@@ -372,11 +372,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         totals = self._sum_over_dp(table.sum(0))
         # The norm is measured (and the gradients clipped) before the decision; a skipped
         # step drops the gradients, so a non-finite norm's clipping poisons nothing.
-        norm = (
-            self._clip_grad_norm(self.cfg.get("max_grad_norm"))
-            if not eval_mode
-            else torch.zeros((), device=self.device)
-        )
+        norm = self._clip_grad_norm(self.cfg.max_grad_norm) if not eval_mode else torch.zeros((), device=self.device)
         head = torch.stack([gseq, gtok, norm.float().to(self.device)])
         metrics, mb_metrics, ((seqs, toks, grad_norm),) = self._read_step(collected, totals, table, head)
         loss = metrics.get("loss", 0.0)
@@ -471,7 +467,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             tokenizer=self.tokenizer,
             synced_gpus=False,
             max_new_tokens=args.max_new_tokens,
-            batch_size=self.cfg.get("generation_batch_size"),
+            batch_size=self.cfg.generation_batch_size,
         )
         return out.to("cpu")
 
@@ -533,7 +529,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             self.optimizer,
             optimizer_path,
             checksums=checksums,
-            what=f"model {self.cfg['model_name']!r}",
+            what=f"model {self.cfg.model_name!r}",
         )
         if "scheduler" in extra and self.scheduler is not None:
             self.scheduler.load_state_dict(extra["scheduler"])

@@ -50,10 +50,10 @@ class DTensorPolicyWorker(TorchPolicyWorker):
     """One rank of an FSDP2 (+ TP/SP) policy."""
 
     def _parallel_dims(self) -> ParallelDims:
-        dims = ParallelDims.from_policy_config(self.cfg, self.world_size)
-        dtc = self.cfg["dtensor_cfg"]
+        dims = self.cfg.parallel_dims(self.world_size)
+        dtc = self.cfg.dtensor_cfg
         self.tp_size = dims.tp
-        self.sequence_parallel = bool(dtc.get("sequence_parallel", False)) and dims.tp > 1
+        self.sequence_parallel = bool(dtc.sequence_parallel) and dims.tp > 1
         # Sequence parallelism splits a rank's columns over tp; context parallelism splits
         # the row into 2 x cp load-balanced chunks.
         self._seq_multiple = (dims.tp if self.sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
@@ -72,12 +72,10 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     @property
     def _offloading(self) -> bool:
-        return self._offload_params(
-            bool(self.cfg["dtensor_cfg"].get("cpu_offload", False)), "policy.dtensor_cfg.cpu_offload"
-        )
+        return self._offload_params(bool(self.cfg.dtensor_cfg.cpu_offload), "policy.dtensor_cfg.cpu_offload")
 
     def _activation_checkpointing(self) -> bool:
-        return bool(self.cfg["dtensor_cfg"].get("activation_checkpointing", False))
+        return bool(self.cfg.dtensor_cfg.activation_checkpointing)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -85,7 +83,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     @property
     def _compile(self) -> bool:
-        return bool(self.cfg["dtensor_cfg"].get("compile", False))
+        return bool(self.cfg.dtensor_cfg.compile)
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         self._pad_vocabulary(model)
@@ -105,7 +103,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         ``policy.make_vocab_size_divisible_by``); the padded logits are masked
         (``backends/torch_dtensor/vocab_padding.py``)."""
         vocab = int(model.config.vocab_size)
-        multiple = int(self.cfg.get("make_vocab_size_divisible_by") or 1)
+        multiple = int(self.cfg.make_vocab_size_divisible_by or 1)
         self.padded_vocab_size = padded_vocab_size(vocab, self.tp_size, multiple)
         pad_vocab_(model, self.padded_vocab_size)
 
@@ -116,7 +114,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     def _apply_tp(self, model: torch.nn.Module) -> None:
         check_tensor_parallel_fits(model.config, self.tp_size, "policy.dtensor_cfg.tensor_parallel_size")
-        custom = self.cfg["dtensor_cfg"].get("custom_parallel_plan")
+        custom = self.cfg.dtensor_cfg.custom_parallel_plan
         if isinstance(custom, str):
             custom = import_object(custom, "policy.dtensor_cfg.custom_parallel_plan")
         tied = bool(getattr(model.config, "tie_word_embeddings", False))

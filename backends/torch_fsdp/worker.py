@@ -34,7 +34,7 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
     """One rank of an FSDP1 policy: every rank is data parallel (dp = world size)."""
 
     def _parallel_dims(self) -> ParallelDims:
-        multiple = self.cfg.get("make_vocab_size_divisible_by") or 1
+        multiple = self.cfg.make_vocab_size_divisible_by or 1
         if multiple > 1:
             # No tensor parallelism here, so nothing needs a padded vocabulary: refuse rather
             # than accept and ignore it (the config check says the same on the driver).
@@ -45,11 +45,11 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         return ParallelDims(self.world_size, fsdp=-1)
 
     def _activation_checkpointing(self) -> bool:
-        return bool(self.cfg.get("activation_checkpointing_enabled", False))
+        return bool(self.cfg.activation_checkpointing_enabled)
 
     @property
     def _offloading(self) -> bool:
-        return self._offload_params(bool(self.cfg.get("fsdp_offload_enabled", False)), "policy.fsdp_offload_enabled")
+        return self._offload_params(bool(self.cfg.fsdp_offload_enabled), "policy.fsdp_offload_enabled")
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         mixed = None

@@ -7,10 +7,10 @@ from benchmarks.parity.settings import GRPO_METRICS, GRPO_SEED, GRPO_STEPS
 
 def grpo_loss_fn():
     """``ClippedPGLossFn`` as ``core/configs/default.yaml``'s ``loss_fn`` section configures it."""
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+    from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
     from core.losses import ClippedPGLossFn
 
-    return ClippedPGLossFn(load_config(DEFAULT_CONFIG_PATH)["loss_fn"])
+    return ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"])
 
 
 def grpo_batch(data, generation_logprobs, seed: int = GRPO_SEED):

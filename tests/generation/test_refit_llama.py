@@ -72,10 +72,10 @@ def test_fsdp1_dp2_refit_both_transports_and_after_a_train_step(engine, gen_mode
         initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         before = _assert_serves(policy, engine, initial, data, "fsdp1 ipc")
 
-        from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+        from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
         from core.losses import ClippedPGLossFn
 
-        loss = ClippedPGLossFn(load_config(DEFAULT_CONFIG_PATH)["loss_fn"])
+        loss = ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"])
         policy.train(pg_batch(4, seed=5), loss)
         refit_policy_generation(policy, engine, "collective")
         trained = hf_model_from(policy, tmp_path / "trained")
@@ -89,7 +89,7 @@ def test_fsdp1_dp2_refit_both_transports_and_after_a_train_step(engine, gen_mode
 def test_jax_fsdp4_tp2_refit_both_transports_and_after_a_train_step(engine, gen_model_dirs, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+    from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
     from core.losses import ClippedPGLossFn
 
     model_dir = gen_model_dirs["llama_gen"]
@@ -101,7 +101,7 @@ def test_jax_fsdp4_tp2_refit_both_transports_and_after_a_train_step(engine, gen_
         initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         _assert_serves(policy, engine, initial, data, "jax collective")
 
-        policy.train(pg_batch(4, seed=6), ClippedPGLossFn(load_config(DEFAULT_CONFIG_PATH)["loss_fn"]))
+        policy.train(pg_batch(4, seed=6), ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"]))
         refit_policy_generation(policy, engine, "ipc")
         _assert_serves(policy, engine, hf_model_from(policy, tmp_path / "trained"), data, "jax ipc after train")
     finally:

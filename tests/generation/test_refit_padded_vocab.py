@@ -22,7 +22,7 @@ def test_refit_tp2_padded_policy_into_vllm(backend, ray_session, tokenizer, tmp_
     (the engine checks every shape against its own config), and the engine then serves the
     policy -- greedy tokens of HF generate, logprobs within token_mult_prob_error 1.001 of
     the policy's -- before and after a training step."""
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+    from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
     from core.refit import refit_policy_generation
     from tests.generation.conftest import (
         generated_rows,
@@ -53,7 +53,7 @@ def test_refit_tp2_padded_policy_into_vllm(backend, ray_session, tokenizer, tmp_
             results = []
             for label, hf_model in (("initial", _hf(model_dir)), ("trained", None)):
                 if hf_model is None:
-                    policy.train(_pg_batch(4, seed=5), ClippedPGLossFn(load_config(DEFAULT_CONFIG_PATH)["loss_fn"]))
+                    policy.train(_pg_batch(4, seed=5), ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"]))
                     refit_policy_generation(policy, engine, "collective")
                     hf_model = hf_model_from(policy, tmp_path / "trained")
                 out = engine.generate(data, greedy=True)

@@ -39,7 +39,7 @@ def _stop(clusters, policy, generation):
 def test_dtensor_tp2_qwen2_refit_both_transports_greedy_and_sampled(ray_session, gen_model_dirs, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+    from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
     from core.losses import ClippedPGLossFn
 
     model_dir = gen_model_dirs["qwen2_gen"]
@@ -59,7 +59,7 @@ def test_dtensor_tp2_qwen2_refit_both_transports_greedy_and_sampled(ray_session,
         mult, kl = rollout_agreement(policy, sampled, prompts(seed=12, batch=8))
         assert 1.0 <= mult <= 1.001 and abs(kl) < 1e-4, (mult, kl)
 
-        policy.train(pg_batch(4, seed=13), ClippedPGLossFn(load_config(DEFAULT_CONFIG_PATH)["loss_fn"]))
+        policy.train(pg_batch(4, seed=13), ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"]))
         refit_policy_generation(policy, generation, "ipc")
         out = generation.generate(data, greedy=True)
         assert generated_rows(out, data) == hf_greedy(hf_model_from(policy, tmp_path / "trained"), data)

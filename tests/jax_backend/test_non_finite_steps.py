@@ -17,7 +17,7 @@ import pytest
 
 from backends.jax_pjit import steps
 from backends.jax_pjit.optim import build_optax, set_learning_rate
-from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
 from core.distributed import RayVirtualCluster
 from core.policy import Policy
 from tests.torch_backends.conftest import policy_config
@@ -25,7 +25,7 @@ from tests.torch_backends.test_non_finite_steps import run_non_finite_scenario
 
 
 def _tx():
-    cfg = copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
+    cfg = copy.deepcopy(load_raw_config(DEFAULT_CONFIG_PATH)["policy"])
     cfg["optimizer"]["kwargs"].update(lr=1e-2, weight_decay=0.01)
     tx, schedule = build_optax(cfg["optimizer"], cfg["scheduler"], 1.0)
     return tx, schedule

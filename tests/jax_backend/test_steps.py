@@ -25,7 +25,7 @@ from backends.jax_pjit.models.layers import activation_constraint
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
 from backends.jax_pjit.sharding import activation_constraint as make_constraint
 from backends.jax_pjit.sharding import make_mesh, tree_shardings
-from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
 from core.losses import ClippedPGLossFn
 from core.testing.tiny_models import save_tiny_model
 from tests.torch_backends.conftest import SEQ, hf_logprobs, pg_batch
@@ -35,7 +35,7 @@ MESHES = [pytest.param((8, 1), id="fsdp8"), pytest.param((4, 2), id="fsdp4-tp2")
 
 
 def _policy_cfg(fsdp: int, tp: int) -> dict:
-    cfg = copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
+    cfg = copy.deepcopy(load_raw_config(DEFAULT_CONFIG_PATH)["policy"])
     cfg["backend"] = "jax_pjit"
     cfg["jax_cfg"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
     cfg["optimizer"]["kwargs"].update(lr=1e-2, weight_decay=0.01)

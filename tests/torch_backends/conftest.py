@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from core.config.loader import DEFAULT_CONFIG_PATH, load_config
+from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
 from core.testing.tiny_models import random_batch
 
 SEQ = 12
@@ -26,7 +26,7 @@ VOCAB = 256
 def policy_config(model_dir: Path, backend: str, tp: int = 1, sp: bool = False, **overrides) -> dict:
     """The default policy section pointed at a tiny model, with test-sized batches and a
     learning rate large enough that three steps visibly move the weights."""
-    cfg = copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
+    cfg = copy.deepcopy(load_raw_config(DEFAULT_CONFIG_PATH)["policy"])
     cfg.update(
         backend=backend,
         model_name=str(model_dir),

@@ -19,18 +19,26 @@ from backends.torch_common.generation import (
     right_to_left_padding,
 )
 from core.data import BatchedDataDict
+from core.policy.generation_config import GenerationConfig
 from core.testing.tiny_models import PAD_ID, build_tiny_model, random_batch
 
 N_NEW = 8
 TEMPERATURE = 0.7
 
 
-def gen_cfg(**overrides):
+def gen_cfg(**overrides) -> GenerationConfig:
+    """The ``policy.generation`` section these tests sample with (HF generate: backend hf)."""
     cfg = dict(
-        max_new_tokens=N_NEW, temperature=TEMPERATURE, top_p=1.0, top_k=None, stop_token_ids=None, stop_strings=None
+        backend="hf",
+        max_new_tokens=N_NEW,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=None,
+        stop_token_ids=None,
+        stop_strings=None,
     )
     cfg.update(overrides)
-    return cfg
+    return GenerationConfig.coerce(cfg)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -470,14 +478,19 @@ def test_bad_inputs(model, ids, lengths, match):
 def test_bad_config(model, batch):
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
         hf_generate(model, batch, gen_cfg(), greedy=True, pad_token_id=PAD_ID, max_new_tokens=0)
-    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
-        hf_generate(model, batch, gen_cfg(max_new_tokens=-1), greedy=True, pad_token_id=PAD_ID)
     with pytest.raises(ValueError, match="no tokenizer"):
         hf_generate(model, batch, gen_cfg(stop_strings=["w5"]), greedy=True, pad_token_id=PAD_ID)
+    # The section refuses what generate would (a plain mapping is validated on the way in)...
+    bad = {**gen_cfg().to_dict(), "max_new_tokens": -1}
+    with pytest.raises(ValueError, match=r"policy.generation.max_new_tokens: must be > 0, got -1"):
+        hf_generate(model, batch, bad, greedy=True, pad_token_id=PAD_ID)
+    with pytest.raises(ValueError, match=r"policy.generation.top_k: 0: use -1 or null"):
+        hf_generate(model, batch, {**bad, "max_new_tokens": 2, "top_k": 0}, greedy=False, pad_token_id=PAD_ID)
+    # ...and generate's own guards hold for a section changed after validation.
+    section = gen_cfg()
+    section.temperature = 0.0
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        hf_generate(model, batch, gen_cfg(temperature=0.0), greedy=True, pad_token_id=PAD_ID)
-    with pytest.raises(ValueError, match="top_k must be None"):
-        hf_generate(model, batch, gen_cfg(top_k=0), greedy=False, pad_token_id=PAD_ID)
+        hf_generate(model, batch, section, greedy=True, pad_token_id=PAD_ID)
 
 
 def test_bad_stop_strings(model, batch, tokenizer):
