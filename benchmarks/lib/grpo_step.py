@@ -13,27 +13,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.layouts import Layout
+from benchmarks.lib.layouts import Layout
+from benchmarks.lib.sizes import GRPOWorkload
 
 PHASES = ("generation", "logprobs", "reference", "train", "refit", "reward")
-
-
-@dataclass(frozen=True)
-class GRPOWorkload:
-    prompts: int  # per step
-    group: int  # generations per prompt
-    new_tokens: int
-    seq: int  # policy.max_total_sequence_length (prompt <= 16 tokens + completion)
-    micro_batch: int  # per-rank train / logprob micro batch (rows)
-    steps: int  # timed steps
-    warmup: int = 1  # untimed steps first (compile, first refit, allocator)
-
-    @property
-    def samples(self) -> int:
-        return self.prompts * self.group
 
 
 def layout_overrides(layout: Layout, jax_cpu_slots: int | None = None) -> list[str]:

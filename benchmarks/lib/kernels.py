@@ -1,6 +1,5 @@
-"""Chunked ``logprobs_from_logits`` vs naive ``log_softmax`` + gather, torch and jax.
-
-    python -m benchmarks.kernels [--shape 8 1024 32000] [--repeats 3] [--engines torch jax]
+"""Chunked ``logprobs_from_logits`` vs naive ``log_softmax`` + gather, torch and jax
+(``python -m benchmarks.kernels``).
 
 Every (engine, implementation, pass) case runs in its own subprocess so that peak memory
 is that case's alone: after the inputs exist and one warm-up call has run (jax compiles
@@ -12,36 +11,13 @@ For jax the compiled program's own buffer plan (temp + output) is printed too.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
+from benchmarks.lib.child import reply, run_child
+from benchmarks.lib.proc import reset_peak_rss, status_bytes
+
 MIB = 1 << 20
-
-
-# ----------------------------------------------------------------------------- memory probe
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # ----------------------------------------------------------------------------- cases
@@ -105,49 +81,41 @@ def run_case(engine: str, impl: str, backward: bool, shape, repeats: int) -> dic
     """Runs in the child process: time and peak extra RSS of one case."""
     step = (_torch_case if engine == "torch" else _jax_case)(impl, backward, shape)
     step()  # warm-up (jax compiles here); its memory is not counted
-    exact = _reset_peak_rss()
-    base_kib = _status_kib("VmRSS")
+    exact = reset_peak_rss()
+    base = status_bytes("self", "VmRSS")["VmRSS"]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    peak_kib = _status_kib("VmHWM")
+    peak = status_bytes("self", "VmHWM")["VmHWM"]
     return {
         "engine": engine,
         "impl": impl,
         "pass": "fwd+bwd" if backward else "fwd",
         "seconds": statistics.median(times),
-        "peak_extra_mib": max(0, peak_kib - base_kib) / 1024,
+        "peak_extra_mib": max(0, peak - base) / MIB,
         "peak_exact": exact,
         "xla_temp_mib": getattr(step, "xla_temp_mib", None),
         "xla_output_mib": getattr(step, "xla_output_mib", None),
     }
 
 
-# ----------------------------------------------------------------------------- driver
+# ----------------------------------------------------------------------------- driver side
 
 
-def _spawn(engine, impl, backward, shape, repeats) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.kernels",
-        "--child",
-        engine,
-        impl,
-        str(int(backward)),
-        "--shape",
-        *map(str, shape),
-        "--repeats",
-        str(repeats),
-    ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def case_child(spec: dict) -> None:
+    """The child process of one case."""
+    reply(run_case(spec["engine"], spec["impl"], spec["backward"], spec["shape"], spec["repeats"]))
 
 
-def _report(results: list[dict], shape) -> str:
+def spawn(engine: str, impl: str, backward: bool, shape, repeats: int) -> dict:
+    """One case in a child process of its own (its peak memory is that case's alone)."""
+    spec = {"engine": engine, "impl": impl, "backward": backward, "shape": list(shape), "repeats": repeats}
+    return run_child("benchmarks.lib.kernels:case_child", spec, None, env={"JAX_PLATFORMS": "cpu"})[-1]
+
+
+def report(results: list[dict], shape) -> str:
     b, s, v = shape
     naive_mib = b * s * v * 4 / MIB
     lines = [
@@ -170,36 +138,3 @@ def _report(results: list[dict], shape) -> str:
     if not all(r["peak_exact"] for r in results):
         lines.append("  (peak RSS could not be reset here: memory numbers include the warm-up)")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", type=int, nargs=3, default=[8, 1024, 32000], metavar=("B", "S", "V"))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", nargs="+", default=["torch", "jax"], choices=["torch", "jax"])
-    parser.add_argument("--no-backward", action="store_true", help="forward pass only")
-    parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-
-    if args.child:
-        engine, impl, backward = args.child
-        print(json.dumps(run_case(engine, impl, bool(int(backward)), args.shape, args.repeats)))
-        return 0
-
-    passes = [False] if args.no_backward else [False, True]
-    results = [
-        _spawn(engine, impl, backward, args.shape, args.repeats)
-        for engine in args.engines
-        for backward in passes
-        for impl in ("naive", "dualrl")
-    ]
-    print(_report(results, args.shape))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

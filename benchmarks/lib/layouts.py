@@ -32,6 +32,10 @@ GRAMMAR = (
 )
 
 
+#: The torch layouts the benchmarks' help texts list (any other by the grammar).
+TORCH_LAYOUTS = ("fsdp1-dp1", "dtensor-dp1", "fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp")
+
+
 class LayoutError(ValueError):
     """A layout name that does not parse, or describes no layout the backend has."""
 

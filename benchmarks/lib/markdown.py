@@ -1,8 +1,10 @@
-"""The few formatting helpers the benchmark reports share: a number cell and a markdown table."""
+"""The few formatting helpers the benchmark reports share: a number cell, a markdown table, a
+spread of timings, a threads cell."""
 
 from __future__ import annotations
 
 import math
+import statistics
 
 
 def cell(x: float | None, spec: str) -> str:
@@ -18,3 +20,18 @@ def pct(x: float | None) -> float | None:
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table's lines."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def spread(times: list[float] | None) -> str:
+    """``median [min, max]`` of timings."""
+    if not times:
+        return "-"
+    return f"{statistics.median(times):.3f} [{min(times):.3f}, {max(times):.3f}]"
+
+
+def threads_cell(result: dict) -> str:
+    """The threads of a case's processes: one number when all have the same."""
+    threads = result.get("threads")
+    if not threads:
+        return "?"
+    return str(threads[0]) if len(set(threads)) == 1 else "/".join(map(str, threads))

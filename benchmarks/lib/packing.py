@@ -1,10 +1,8 @@
-"""Sequence packing vs padding: tokens/s on a batch of very uneven lengths, per backend.
-
-    python -m benchmarks.packing [--size small] [--layouts fsdp1-dp2 dtensor-dp2 jax-fsdp2]
-                                 [--batch 16] [--seq 256] [--budget 512] [--iters 3] [--json F]
+"""Sequence packing vs padding (``python -m benchmarks.packing``): tokens/s on a batch of very
+uneven lengths, per backend.
 
 For every layout two Policies run side by side in one process, on the same random model
-(``benchmarks.compare.SIZES``) and the same batch: one pads every row to the batch width,
+(``benchmarks.lib.sizes.SIZES``) and the same batch: one pads every row to the batch width,
 the other packs the sequences into rows of at most ``--budget`` tokens
 (``policy.sequence_packing``).  Their calls alternate (padded, packed, padded, ...), so both
 see the same background load, and the ratio packed / padded is taken from medians of the
@@ -18,17 +16,18 @@ Tokens/s counts real tokens only.  The logprobs of both are compared as a check.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import jax_backend as jb
-from benchmarks import torch_backends as tb
-from benchmarks.compare import SIZES
-from benchmarks.layouts import parse_layout
+from benchmarks.lib.errors import error_text
+from benchmarks.lib.layouts import parse_layout
+from benchmarks.lib.models import load_tokenizer, random_llama, vocab_size
+from benchmarks.lib.policy import PolicyRunner
+from benchmarks.lib.ray_session import RaySession
+from benchmarks.lib.sizes import SIZES
 
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "jax-fsdp2"]
 OPS = ("logprobs", "train")
@@ -60,12 +59,9 @@ def uneven_batch(lengths: list[int], seq: int, vocab: int):
     )
 
 
-def start_runner(name: str, model: str, tokenizer, args, packing: dict | None):
+def start_runner(name: str, model: str, tokenizer, args, packing: dict | None) -> PolicyRunner:
     run_args = argparse.Namespace(**vars(args), packing=packing, tag="-packed" if packing else "-padded")
-    layout = parse_layout(name)
-    if layout.is_jax:
-        return jb.JaxPolicyRunner(name, model, model, tokenizer, run_args)
-    return tb.PolicyRunner(name, model, model, tokenizer, run_args)
+    return PolicyRunner(name, model, model, tokenizer, run_args)
 
 
 def bench_layout(name: str, model: str, tokenizer, data, args) -> dict:
@@ -80,8 +76,8 @@ def bench_layout(name: str, model: str, tokenizer, data, args) -> dict:
         runners["padded"] = start_runner(name, model, tokenizer, args, None)
         runners["packed"] = start_runner(name, model, tokenizer, args, budget)
         for runner in runners.values():
-            runner._data = data
-        lp = {kind: r._policy.get_logprobs(data)["logprobs"] for kind, r in runners.items()}
+            runner.data = data
+        lp = {kind: r.policy.get_logprobs(data)["logprobs"] for kind, r in runners.items()}
         times: dict[str, dict[str, list[float]]] = {kind: {op: [] for op in OPS} for kind in runners}
         for i in range(args.warmup + args.iters):
             for op in OPS:
@@ -129,32 +125,8 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.packing", description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--budget", type=int, default=None, help="tokens per packed row (default 2 x --seq)")
-    p.add_argument("--algorithm", default="modified_first_fit_decreasing")
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--precision", default="float32")
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-    args.budget = args.budget or 2 * args.seq
-    args.micro, args.device = None, "cpu"
-    args.ray_cpus = 2 * args.threads + 2  # two Policies (padded, packed) alive at once
-    if args.budget < args.seq:
-        p.error(f"--budget {args.budget} is smaller than --seq {args.seq}: a full-width row fits no packed row")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    from core.models.builtin import write_random_init
-
-    args = parse(argv)
+def run_packing(args) -> tuple[dict, bool]:
+    """Every layout on one random model and one uneven batch; the results, and whether a layout failed."""
     lengths = uneven_lengths(args.batch, args.seq)
     results = {
         "model": f"random {args.size} Llama",
@@ -168,30 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["padded_fraction"] = 1 - sum(lengths) / (args.batch * args.seq)
     results["predicted_speedup"] = 1 / (1 - results["padded_fraction"])
-    session = jb.RaySession(args)
+    session = RaySession(args.ray_cpus)
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(Path(tmp) / f"bench-{args.size}")
-        write_random_init(SIZES[args.size].shape, model)
-        tokenizer = tb.load_tokenizer(model)
-        data = uneven_batch(lengths, args.seq, tb.vocab_size(model))
+        model = random_llama(SIZES[args.size].shape, Path(tmp) / f"bench-{args.size}")
+        tokenizer = load_tokenizer(model)
+        data = uneven_batch(lengths, args.seq, vocab_size(model))
         for name in args.layouts:
             t0 = time.perf_counter()
             try:
-                layout = parse_layout(name)
-                session.start(layout.devices if layout.is_jax else None)
+                session.start(session.devices_for(parse_layout(name)))
                 results["layouts"].append(
                     {**bench_layout(name, model, tokenizer, data, args), "wall_s": time.perf_counter() - t0}
                 )
             except Exception as err:  # noqa: BLE001 - one layout's failure is reported, the rest run
                 failed = True
-                results["layouts"].append({"layout": name, "error": f"{type(err).__name__}: {err}".splitlines()[0]})
+                results["layouts"].append({"layout": name, "error": error_text(err)})
             print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    print(report(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return results, failed

@@ -1,161 +1,40 @@
-"""The HF eager baseline and the torch Policy runner of ``dualrl bench`` (``benchmarks.compare``).
+"""The Policy side of every benchmark: a layout's :class:`core.policy.Policy` on a Ray cluster of
+its own, its calls timed on the driver.
 
-    python -m benchmarks.torch_backends [dualrl bench options]
-        = dualrl bench --sections throughput --layouts <the torch layouts below> --model llama_bench --seq 256
+* :class:`PolicyCase`: a Policy and its cluster (one bundle per worker), started and closed
+  together; ``dualrl bench --gpu``, the soak and the TRL comparison build on it.
+* :class:`PolicyRunner`: a layout's Policy on the benchmark's batch (:func:`make_batch`), loss
+  :class:`core.losses.NLLLoss`, one optimizer step per ``train`` call (``gbs = batch``), one
+  micro batch per rank unless ``--micro``; ``logprobs`` / ``train`` return the driver's wall
+  seconds around ``policy.get_logprobs`` / ``policy.train`` (Ray dispatch, sharding and result
+  collection included: what a user sees).  ``dualrl bench``, ``dualrl parity`` and
+  ``benchmarks.packing`` measure through it.
 
-Every case runs the same model on the same batch (right-padded random ids with ragged
-lengths, seed 0) in one invocation and is reported as tokens/s and as a ratio to the
-``hf`` case of this same run:
+Threads: ``--threads T`` is each case's total.  A torch layout's workers get Ray bundles of
+``T / workers`` CPUs (Ray sets ``OMP_NUM_THREADS`` to an actor's CPU count, which torch
+follows); the threads each worker really has (``get_gpu_info()[i]["torch_num_threads"]``) are
+reported.  On a 2-core machine dp2/tp2 are *not* more hardware, only the same two cores split
+into two single-threaded processes plus gloo collectives.
 
-* ``hf``: ``AutoModelForCausalLM`` in a child process of its own (its threads and memory are
-  its alone; the driver sends it one line per call and it answers with the seconds the call
-  took).  logprobs = one no-grad forward over the whole batch + ``log_softmax``/``gather``;
-  train = forward + token-mean NLL + backward + grad-norm clip + AdamW step, with the
-  optimizer kwargs and ``max_grad_norm`` of ``core/configs/default.yaml`` as the workers
-  (and their defaults: fused AdamW on CUDA, the float32 matmul precision of
-  ``policy.matmul_precision``).
-* ``fsdp1-*`` / ``dtensor-*``: a :class:`core.policy.Policy` on a fresh
-  :class:`RayVirtualCluster` of 1 or 2 CPU workers (gloo).  One micro batch per rank
-  (``train_micro_batch_size = logprob_batch_size = batch / dp``), one optimizer step per
-  ``train`` call (``gbs = batch``), loss :class:`core.losses.NLLLoss`.
-
-Methodology and caveats:
-
-* tokens/s = real (unpadded) tokens of the batch / wall seconds of one call.  Policy calls
-  are timed on the driver around ``policy.get_logprobs`` / ``policy.train``: Ray dispatch,
-  sharding and result collection included (what a user sees).  ``--warmup`` calls per
-  operation run first, untimed (the first AdamW step allocates its state there).  The
-  table gives the median; min/max and ratios of the fastest calls follow.
-* Threads: ``--threads T`` (default 2, this machine's core count) is each case's total.
-  ``hf`` runs ``torch.set_num_threads(T)``; a 2-worker case gets Ray bundles of T/2 CPUs,
-  a 1-worker case one bundle of T CPUs.  Ray sets ``OMP_NUM_THREADS`` to an actor's CPU
-  count, which torch follows; the threads each worker really has
-  (``policy.get_gpu_info()[i]["torch_num_threads"]``) are printed.  So every case uses the
-  same T cores: on a 2-core CPU dp2/tp2 are *not* more hardware, only the same two cores
-  split into two single-threaded processes plus gloo collectives.  The dp1 cases run the
-  computation of ``hf`` on one process with the same threads, so their ratio isolates the
-  framework's overhead (Ray, FSDP wrapping, the worker's logprob/loss path); the dp2/tp2
-  ratios add the parallel split on top.
-* Schedule: the ``hf`` child lives through the whole run; the Policy cases run one at a
-  time (policy and cluster shut down before the next; Ray is started once, before anything
-  is timed), and every Policy call is immediately followed by the same call on ``hf``.  The
-  ×hf ratio of a case is taken against *its own* paired hf calls, so load from other
-  processes on the machine (which drifts over minutes) hits both sides of a ratio alike;
-  the hf row pools all its paired calls.  The report prints the load average.  Ratios
-  from the fastest calls (min) are printed too: the least disturbed estimate.  Start-up
-  (model load, Policy construction) is reported but is no part of any throughput.
-* ``--precision bfloat16``: the workers compute in bf16 under FSDP mixed precision (fp32
-  master weights); ``hf`` approximates that with CPU autocast.
+A JAX layout (``jax-fsdp{F}[-cp{C}][-tp{T}]``) is one actor (one bundle of ``T`` CPUs) owning
+``F x C x T`` XLA host devices (``benchmarks.lib.ray_session``), mesh ``(fsdp=F, cp=C, tp=T)``.
+XLA:CPU runs every device's program on one intra-op Eigen pool (``tf_XLAEigen`` threads) sized
+to the CPUs the process may run on (its affinity mask); it ignores ``OMP_NUM_THREADS``.  With
+fewer ``--threads`` than the machine's cores, every thread of the JAX actor is pinned to
+``--threads`` CPUs (``sched_setaffinity``) after construction (the pool keeps its size, but the
+threads share that many cores).  ``get_compile_counts()`` of the worker is reported.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.layouts import Layout, parse_layout
-
-#: RNG seed of the batch: the driver and the hf subprocess build identical batches from it.
-SEED = 0
-
-
-LAYOUTS: dict[str, Layout] = {
-    name: parse_layout(name)
-    for name in ("fsdp1-dp1", "dtensor-dp1", "fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp")
-}
-CASES = ["hf", *LAYOUTS]
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def prepare_model(model: str, root: Path) -> tuple[str, str]:
-    """``(model path or hub id, tokenizer path or hub id)``; a tiny model name is built in ``root``."""
-    from core.testing.tiny_models import TINY_MODELS, save_tiny_model
-
-    if model in TINY_MODELS:
-        path = save_tiny_model(model, root / model)
-        return str(path), str(path / "tokenizer")
-    tok_dir = Path(model) / "tokenizer"  # the tiny-model layout, when given a saved one by path
-    return model, str(tok_dir) if tok_dir.is_dir() else model
-
-
-def load_tokenizer(tokenizer_path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_path)
-
-
-def vocab_size(model_path: str) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_path).vocab_size
-
-
-def make_batch(batch: int, seq: int, vocab: int):
-    """NLL training batch (also fine for logprobs): ragged right padding, loss on every real token."""
-    import torch
-
-    from core.data import BatchedDataDict
-    from core.testing.tiny_models import random_batch
-
-    ids, lengths = random_batch(batch, seq, vocab, seed=SEED)
-    valid = (torch.arange(seq)[None, :] < lengths[:, None]).float()
-    return BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=valid, sample_mask=torch.ones(batch))
-
-
-def default_policy_section() -> dict:
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
-
-    return copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
-
-
-def policy_config(
-    model_path: str,
-    tokenizer_path: str,
-    layout: Layout,
-    batch: int,
-    seq: int,
-    precision: str,
-    micro: int | None = None,
-    packing: dict | None = None,
-) -> dict:
-    """The default policy section on this model, width ``seq``; micro batches of ``micro`` rows
-    per rank (default: one micro batch of all the rank's rows); ``packing`` updates
-    ``sequence_packing`` (``benchmarks.packing``)."""
-    cfg = default_policy_section()
-    local = min(micro or batch, batch // layout.dp)
-    cfg.update(
-        backend=layout.backend,
-        model_name=model_path,
-        train_global_batch_size=batch,
-        train_micro_batch_size=local,
-        logprob_batch_size=local,
-        max_total_sequence_length=seq,
-        precision=precision,
-    )
-    cfg["tokenizer"]["name"] = tokenizer_path
-    cfg["dtensor_cfg"].update(tensor_parallel_size=layout.tp, sequence_parallel=layout.sp, compile=layout.compiled)
-    if layout.backend == "torch_dtensor":
-        cfg["dtensor_cfg"]["context_parallel_size"] = layout.cp
-    if layout.cp > 1:
-        cfg["make_sequence_length_divisible_by"] = layout.sequence_multiple
-    if layout.packed:  # packed rows of at most one padded micro batch's tokens
-        cfg["sequence_packing"].update(enabled=True, train_mb_tokens=local * seq, logprob_mb_tokens=local * seq)
-    if packing:
-        cfg["sequence_packing"].update(packing)
-    return cfg
-
-
-# ----------------------------------------------------------------------------- hf case (child process)
+from benchmarks.lib.layouts import Layout, parse_layout
+from benchmarks.lib.models import vocab_size
+from benchmarks.lib.proc import XLA_POOL_THREAD, pin_process, thread_names
+from benchmarks.lib.workload import make_batch, policy_config
 
 
 def on_cuda(args) -> bool:
@@ -163,213 +42,51 @@ def on_cuda(args) -> bool:
     return getattr(args, "device", "cpu") == "cuda"
 
 
-def _hf_steps(model, data, precision: str, micro: int | None = None):
-    """(logprobs step, train step) closures: plain HF forward / forward+backward+AdamW, over
-    micro batches of ``micro`` rows (gradients accumulated; default: the whole batch at once)."""
-    import torch
+class PolicyCase:
+    """A Policy on a cluster of its own: ``workers`` bundles of ``cpus_per_worker`` CPUs (and one
+    GPU each with ``use_gpus``); ``policy_kwargs`` go to :class:`core.policy.Policy`."""
 
-    cfg = default_policy_section()
-    device = next(model.parameters()).device
-    data = data.to(device)
-    ids = data["input_ids"]
-    mask = (torch.arange(ids.shape[1])[None, :] < data["input_lengths"][:, None]).long()
-    token_mask = data["token_mask"][:, 1:]
-    from backends.torch_common.optim import with_default_kernel
-
-    # The workers' kernel choice (fused AdamW on CUDA unless the config says otherwise).
-    optimizer = torch.optim.AdamW(
-        model.parameters(), **with_default_kernel(torch.optim.AdamW, cfg["optimizer"]["kwargs"], device.type)
-    )
-    max_norm = cfg["max_grad_norm"]
-
-    rows = ids.shape[0]
-    chunks = [slice(i, i + (micro or rows)) for i in range(0, rows, micro or rows)]
-
-    def next_token_logprobs(part: slice):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
-            logits = model(input_ids=ids[part], attention_mask=mask[part], use_cache=False).logits
-        return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[part, 1:, None])[..., 0]
-
-    def logprobs():
-        model.eval()
-        with torch.no_grad():
-            return torch.cat([next_token_logprobs(part) * token_mask[part] for part in chunks])
-
-    def train():
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        total = token_mask.sum()
-        for part in chunks:  # token-mean over the whole batch, as the workers' global normaliser
-            loss = -(next_token_logprobs(part) * token_mask[part]).sum() / total
-            loss.backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-        return float(loss)
-
-    return {"logprobs": logprobs, "train": train}
-
-
-def serve_hf(model_path: str, args) -> None:
-    """Runs in the child process: load the model, then answer ``logprobs``/``train`` lines on
-    stdin with the seconds each call took (``@@``-prefixed JSON on stdout) until ``quit``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from backends.torch_common.precision import apply_matmul_precision
-
-    torch.set_num_threads(args.threads)
-    # The float32 matmul / TF32 settings the workers apply for this precision (no TF32 in fp32).
-    apply_matmul_precision({**default_policy_section(), "precision": args.precision})
-    device = torch.device("cuda" if on_cuda(args) else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
-    steps = _hf_steps(
-        model, make_batch(args.batch, args.seq, model.config.vocab_size), args.precision, getattr(args, "micro", None)
-    )
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    params = sum(p.numel() for p in model.parameters())
-    print("@@" + json.dumps({"threads": torch.get_num_threads(), "params": params}), flush=True)
-    for line in sys.stdin:
-        op = line.strip()
-        if op == "quit":
-            break
-        sync()
-        t0 = time.perf_counter()
-        steps[op]()
-        sync()
-        reply = {"seconds": time.perf_counter() - t0}
-        if device.type == "cuda":
-            reply["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        print("@@" + json.dumps(reply), flush=True)
-
-
-class HFRunner:
-    """The ``hf`` case: a child process running :func:`serve_hf`, timed by itself (pure compute)."""
-
-    name, workers = "hf", 1
-
-    def __init__(self, model_path: str, args) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.torch_backends",
-            "--child-hf",
-            model_path,
-            "--batch",
-            str(args.batch),
-            "--seq",
-            str(args.seq),
-            "--precision",
-            args.precision,
-            "--threads",
-            str(args.threads),
-            "--device",
-            getattr(args, "device", "cpu"),
-            *(["--micro", str(args.micro)] if getattr(args, "micro", None) else []),
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-        self._stderr = tempfile.TemporaryFile(mode="w+")
-        t0 = time.perf_counter()
-        self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
-        )
-        ready = self._reply()
-        self.startup_s = time.perf_counter() - t0
-        self.threads, self.params = [ready["threads"]], ready["params"]
-
-    def _reply(self) -> dict:
-        for line in self._proc.stdout:
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-        self._stderr.seek(0)
-        raise RuntimeError(f"hf child exited (rc {self._proc.wait()}):\n{self._stderr.read()}")
-
-    def _call(self, op: str) -> float:
-        self._proc.stdin.write(op + "\n")
-        self._proc.stdin.flush()
-        self.last_reply = self._reply()  # on a GPU also its peak allocated bytes
-        return self.last_reply["seconds"]
-
-    def logprobs(self) -> float:
-        return self._call("logprobs")
-
-    def train(self) -> float:
-        return self._call("train")
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.stdin.write("quit\n")
-            self._proc.stdin.close()
-            self._proc.wait(timeout=60)
-        self._stderr.close()
-
-
-# ----------------------------------------------------------------------------- Policy cases
-
-
-class PolicyRunner:
-    """A Policy case on its own cluster; each call is timed on the driver (Ray dispatch included)."""
-
-    def __init__(self, name: str, model_path: str, tokenizer_path: str, tokenizer, args) -> None:
-        layout = LAYOUTS.get(name) or parse_layout(name)
-        self.name, self.workers = name, layout.workers
-        micro = getattr(args, "micro", None)
-        cfg = policy_config(
-            model_path,
-            tokenizer_path,
-            layout,
-            args.batch,
-            args.seq,
-            args.precision,
-            micro,
-            getattr(args, "packing", None),
-        )
-        cpus = max(1, args.threads // layout.workers)
-        self._start(name, cfg, tokenizer, args, layout.workers, cpus, cfg["train_micro_batch_size"])
-        try:
-            self.threads = [info.get("torch_num_threads") for info in self._policy.get_gpu_info()]
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, name: str, cfg: dict, tokenizer, args, workers: int, cpus_per_worker: int, mbs: int) -> None:
-        """Batch, loss and a Policy on a cluster of its own; start-up and Ray round trip timed."""
+    def __init__(
+        self,
+        cfg: dict,
+        tokenizer,
+        name: str,
+        workers: int,
+        cpus_per_worker: int,
+        use_gpus: bool = False,
+        **policy_kwargs,
+    ) -> None:
         from core.distributed import RayVirtualCluster
-        from core.losses import NLLLoss
         from core.policy import Policy
 
-        self._data = make_batch(args.batch, args.seq, vocab_size(cfg["model_name"]))
-        self._loss, self._gbs, self._mbs = NLLLoss(), args.batch, mbs
-        name = f"{name}{getattr(args, 'tag', '')}"  # a tag tells apart two Policies of one layout
-        self._cluster = RayVirtualCluster(
-            [workers], use_gpus=on_cuda(args), num_cpus_per_bundle=cpus_per_worker, name=f"bench-{name}"
-        )
-        self._policy = None
+        self.cluster = RayVirtualCluster([workers], use_gpus=use_gpus, num_cpus_per_bundle=cpus_per_worker, name=name)
+        self.policy = None
         try:
             t0 = time.perf_counter()
-            self._policy = Policy(self._cluster, cfg, tokenizer, name_prefix=f"bench-{name}")
+            self.policy = Policy(self.cluster, cfg, tokenizer, name_prefix=name, **policy_kwargs)
             self.startup_s = time.perf_counter() - t0
-            self.noop_s = noop_round_trip(self._policy)
         except BaseException:
             self.close()
             raise
 
-    def logprobs(self) -> float:
-        t0 = time.perf_counter()
-        self._policy.get_logprobs(self._data)
-        return time.perf_counter() - t0
-
-    def train(self) -> float:
-        t0 = time.perf_counter()
-        self._policy.train(self._data, self._loss, gbs=self._gbs, mbs=self._mbs)
-        return time.perf_counter() - t0
-
     def close(self) -> None:
         try:
-            if self._policy is not None:
-                self._policy.shutdown()
+            if self.policy is not None:
+                self.policy.shutdown()
         finally:
-            self._cluster.shutdown()
+            self.cluster.shutdown()
+
+    def __enter__(self) -> PolicyCase:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def layout_case(layout: Layout, cfg: dict, tokenizer, name: str, threads: int, use_gpus: bool = False, **kwargs):
+    """The :class:`PolicyCase` of a layout within a budget of ``threads`` CPUs: a torch worker per
+    device with ``threads / workers`` CPUs, or one JAX actor with all of them."""
+    return PolicyCase(cfg, tokenizer, name, layout.workers, max(1, threads // layout.workers), use_gpus, **kwargs)
 
 
 def noop_round_trip(policy, calls: int = 5) -> float:
@@ -382,111 +99,92 @@ def noop_round_trip(policy, calls: int = 5) -> float:
     return statistics.median(times)
 
 
-# ----------------------------------------------------------------------------- scheduling
+def compile_counts(policy) -> dict[str, int]:
+    """The JAX worker's ``get_compile_counts()``."""
+    group = policy.worker_group
+    return group.get_all_worker_results(group.run_all_workers_single_data("get_compile_counts"))[0]
 
 
-OPS = ("logprobs", "train")
+class JaxActor:
+    """What one JAX actor runs on, checked and pinned after start-up (see the module docstring)."""
+
+    def __init__(self, policy, layout: Layout, threads: int, pin: bool = True) -> None:
+        info = policy.get_gpu_info()[0]
+        if info["local_devices"] != layout.devices:
+            raise RuntimeError(f"the actor sees {info['local_devices']} devices, {layout.name} needs {layout.devices}")
+        self.mesh, self.pid, self.pinned = info["mesh"], info["pid"], None
+        cpus = sorted(os.sched_getaffinity(self.pid))
+        if pin and threads < len(cpus):  # XLA sized its pool to the affinity mask: shrink the mask
+            self.pinned = set(cpus[:threads])
+            pin_process(self.pid, self.pinned)
+        self.threads = [thread_names(self.pid)[XLA_POOL_THREAD] or None]
 
 
-def _new_result(runner) -> dict:
-    return {
-        "case": runner.name,
-        "workers": runner.workers,
-        "threads": runner.threads,
-        "startup_s": runner.startup_s,
-        "noop_s": getattr(runner, "noop_s", None),
-        "params": getattr(runner, "params", None),
-        **{f"{op}_s": [] for op in OPS},
-        **{f"hf_{op}_s": [] for op in OPS},
-    }
+class PolicyRunner:
+    """A layout's Policy on its own cluster; each call timed on the driver (Ray dispatch included).
 
+    ``args``: ``batch``, ``seq``, ``precision``, ``threads`` and optionally ``micro``, ``packing``,
+    ``device``, ``tag`` (tells apart two Policies of one layout).  ``settings`` edits the policy
+    section; ``policy_kwargs`` go to :class:`core.policy.Policy` (e.g. ``weights_path``)."""
 
-def measure(runner, hf, result: dict, hf_result: dict | None, args) -> None:
-    """Warm-up + timed calls of each operation, each call of ``runner`` paired with one of
-    ``hf`` (when there is one) so both see the same background load."""
-    for op in OPS:
-        for i in range(args.warmup + args.iters):
-            seconds = getattr(runner, op)()
-            hf_seconds = getattr(hf, op)() if hf is not None else None
-            if i < args.warmup:
-                continue
-            result[f"{op}_s"].append(seconds)
-            if hf is not None:
-                result[f"hf_{op}_s"].append(hf_seconds)
-                hf_result[f"{op}_s"].append(hf_seconds)
+    def __init__(
+        self,
+        layout: Layout | str,
+        model_path: str,
+        tokenizer_path: str,
+        tokenizer,
+        args,
+        settings=None,
+        **policy_kwargs,
+    ) -> None:
+        from core.losses import NLLLoss
 
+        layout = parse_layout(layout) if isinstance(layout, str) else layout
+        self.name, self.layout, self.workers = layout.name, layout, layout.workers
+        cfg = policy_config(
+            model_path,
+            tokenizer_path,
+            layout,
+            args.batch,
+            args.seq,
+            args.precision,
+            getattr(args, "micro", None),
+            getattr(args, "packing", None),
+        )
+        cfg = settings(cfg) if settings else cfg
+        self.data = make_batch(args.batch, args.seq, vocab_size(cfg["model_name"]))
+        self.loss, self.gbs, self.mbs = NLLLoss(), args.batch, cfg["train_micro_batch_size"]
+        name = f"bench-{layout.name}{getattr(args, 'tag', '')}"
+        self.case = layout_case(layout, cfg, tokenizer, name, args.threads, on_cuda(args), **policy_kwargs)
+        self.policy, self.startup_s, self.jax = self.case.policy, self.case.startup_s, None
+        try:
+            self.noop_s = noop_round_trip(self.policy)
+            infos = self.policy.get_gpu_info()
+            self.pids = [info["pid"] for info in infos]
+            self.threads = [info.get("torch_num_threads") for info in infos]
+            if layout.is_jax:
+                self.jax = JaxActor(self.policy, layout, args.threads, pin=not on_cuda(args))
+                self.threads = self.jax.threads
+        except BaseException:
+            self.close()
+            raise
 
-# ----------------------------------------------------------------------------- report
+    def logprobs(self) -> float:
+        t0 = time.perf_counter()
+        self.policy.get_logprobs(self.data)
+        return time.perf_counter() - t0
 
+    def train(self) -> float:
+        t0 = time.perf_counter()
+        self.policy.train(self.data, self.loss, gbs=self.gbs, mbs=self.mbs)
+        return time.perf_counter() - t0
 
-def median(times) -> float | None:
-    return statistics.median(times) if times else None
+    def jax_facts(self) -> dict:
+        """The JAX actor's compile counts, mesh and pinned CPUs (empty for a torch layout)."""
+        if self.jax is None:
+            return {}
+        pinned = sorted(self.jax.pinned) if self.jax.pinned else None
+        return {"compile_counts": compile_counts(self.policy), "mesh": self.jax.mesh, "pinned": pinned}
 
-
-def ratio(r: dict, hf: dict | None, op: str, stat=statistics.median) -> float | None:
-    """case tokens/s ÷ hf tokens/s = hf seconds ÷ case seconds, against the case's own paired
-    hf calls (the hf row: against itself)."""
-    mine = r.get(f"{op}_s")
-    base = r.get(f"hf_{op}_s") or (hf or {}).get(f"{op}_s")
-    return stat(base) / stat(mine) if mine and base else None
-
-
-def _threads(result: dict) -> str:
-    threads = result.get("threads")
-    if not threads:
-        return "?"
-    return str(threads[0]) if len(set(threads)) == 1 else "/".join(map(str, threads))
-
-
-def _spread(times: list[float] | None) -> str:
-    if not times:
-        return "-"
-    return f"{statistics.median(times):.3f} [{min(times):.3f}, {max(times):.3f}]"
-
-
-# ----------------------------------------------------------------------------- driver
-
-
-def ray_cpus(args) -> int:
-    """Logical CPUs for Ray: room for the largest case (one case is alive at a time)."""
-    need = [LAYOUTS[c].workers * max(1, args.threads // LAYOUTS[c].workers) for c in args.cases if c in LAYOUTS]
-    return max([4, *need])
-
-
-def start_ray(args) -> None:
-    """Start Ray for this run unless the caller already did (then its settings stay)."""
-    import ray
-
-    from core.distributed import init_ray
-
-    if ray.is_initialized():
-        return
-    # Ray sets an actor's OMP_NUM_THREADS to its CPU count only where the variable is unset;
-    # an exported value would be inherited by every worker and oversubscribe the cores.
-    os.environ.pop("OMP_NUM_THREADS", None)
-    init_ray(num_cpus=ray_cpus(args))
-
-
-def main(argv=None) -> int:
-    """``dualrl bench`` on the torch layouts, throughput only (``--child-hf``: the HF child)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--child-hf", metavar="MODEL_PATH")
-    known, rest = parser.parse_known_args(argv)
-    if known.child_hf:
-        child = argparse.ArgumentParser()
-        for name, kind in (("batch", int), ("seq", int), ("threads", int), ("micro", int)):
-            child.add_argument(f"--{name}", type=kind)
-        child.add_argument("--precision")
-        child.add_argument("--device", default="cpu")
-        serve_hf(known.child_hf, child.parse_args(rest))
-        return 0
-    from benchmarks import compare
-
-    return compare.main(
-        ["--sections", "throughput", "--layouts", *LAYOUTS, "--model", "llama_bench", "--seq", "256", *rest],
-        prog="python -m benchmarks.torch_backends",
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    def close(self) -> None:
+        self.case.close()

@@ -1,11 +1,9 @@
 """Soak: many cycles of (one train step + one refit into vLLM); memory must stay flat, losses reproducible.
 
-    python -m benchmarks.soak [--cycles 1000] [--backend torch_fsdp|torch_dtensor|jax_pjit]
-                              [--transport ipc|collective] [--json F]
-
-What runs: a tiny Llama (``core.testing.tiny_models`` ``llama_gen``: the smallest shape vLLM's CPU
-attention takes, 0.36 M parameters = 1.44 MB in fp32, saved to a temp dir) as a :class:`core.policy.Policy`
-(torch backends: 2 workers, data parallel; JAX: one actor owning 2 XLA host devices) and one
+What runs (``python -m benchmarks.soak``): a tiny Llama (``core.testing.tiny_models``
+``llama_gen``: the smallest shape vLLM's CPU attention takes, 0.36 M parameters = 1.44 MB in
+fp32, saved to a temp dir) as a :class:`core.policy.Policy` (torch backends: 2 workers, data
+parallel; JAX: one actor owning 2 XLA host devices) and one
 :class:`core.generation.VllmGeneration` engine (dummy weights), each on a Ray cluster of its
 own.  Every cycle trains one optimizer step with ``ClippedPGLossFn`` on a synthetic batch
 seeded by the cycle number, then refits the engine with
@@ -32,16 +30,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import json
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.lib.policy import PolicyCase
+from benchmarks.lib.proc import status_bytes
+from benchmarks.lib.refit import Engine
+from benchmarks.lib.workload import default_policy_section
 
 BACKENDS = ("torch_fsdp", "torch_dtensor", "jax_pjit")
 MODEL = "llama_gen"
@@ -56,17 +56,8 @@ JAX_DEVICES = 2
 
 def read_memory(pid: int) -> dict[str, int] | None:
     """``{"rss": VmRSS, "hwm": VmHWM}`` in bytes of a live process, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            lines = f.read().splitlines()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    out = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out["rss" if key == "VmRSS" else "hwm"] = int(value.split()[0]) * 1024  # kB
-    return out if len(out) == 2 else None
+    values = status_bytes(pid, "VmRSS", "VmHWM")
+    return {"rss": values["VmRSS"], "hwm": values["VmHWM"]} if values else None
 
 
 def engine_pids(generation) -> list[int]:
@@ -132,9 +123,7 @@ class MemoryLog:
 def policy_config(model_dir: Path, backend: str, bucket_bytes: int) -> dict:
     """The default policy section on the tiny model: 2-way data parallel, small batches,
     a learning rate that moves the weights every step, an engine long enough for ``SEQ``."""
-    from core.config.loader import DEFAULT_CONFIG_PATH, load_config
-
-    cfg = copy.deepcopy(load_config(DEFAULT_CONFIG_PATH)["policy"])
+    cfg = default_policy_section()
     cfg.update(
         backend=backend,
         model_name=str(model_dir),
@@ -188,55 +177,24 @@ def probe_prompts():
     return BatchedDataDict(input_ids=ids, input_lengths=lens)
 
 
-def start_ray(backend: str) -> None:
-    """Ray with room for 2 policy workers + 1 engine.  A JAX actor's XLA host devices come from
-    ``XLA_FLAGS`` in the environment Ray's workers inherit, so that is set first."""
-    import ray
-
-    from core.distributed import init_ray
-
-    if ray.is_initialized():
-        return
-    if backend == "jax_pjit":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={JAX_DEVICES}")
-    os.environ.pop("OMP_NUM_THREADS", None)  # Ray then gives each actor its CPU count
-    init_ray(num_cpus=4)
-
-
 @contextlib.contextmanager
 def policy_on_own_cluster(cfg: dict, tokenizer, name: str) -> Iterator[Any]:
-    from core.distributed import RayVirtualCluster
-    from core.policy import Policy
-
+    """The torch backends on 2 workers of 1 CPU each; JAX as one actor of ``JAX_DEVICES`` CPUs."""
     jax = cfg["backend"] == "jax_pjit"
-    cluster = RayVirtualCluster(
-        [1] if jax else [2], use_gpus=False, num_cpus_per_bundle=JAX_DEVICES if jax else 1, name=name
-    )
-    policy = None
-    try:
-        policy = Policy(cluster, cfg, tokenizer, name_prefix=name)
-        yield policy
-    finally:
-        if policy is not None:
-            policy.shutdown()
-        cluster.shutdown()
+    with PolicyCase(cfg, tokenizer, name, 1 if jax else 2, JAX_DEVICES if jax else 1) as case:
+        yield case.policy
 
 
 @contextlib.contextmanager
 def engine_on_own_cluster(cfg: dict, tokenizer, name: str) -> Iterator[Any]:
-    from core.distributed import RayVirtualCluster
-    from core.generation import VllmGeneration
-
-    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1, name=name)
-    generation = None
+    """One vLLM engine on a bundle of one CPU."""
+    engine = Engine(
+        cfg["model_name"], cfg["tokenizer"]["name"], tokenizer, argparse.Namespace(threads=1), cfg=cfg, name=name
+    )
     try:
-        generation = VllmGeneration(cluster, cfg, tokenizer, name_prefix=name)
-        yield generation
+        yield engine.generation
     finally:
-        if generation is not None:
-            generation.shutdown()
-        cluster.shutdown()
+        engine.close()
 
 
 # ----------------------------------------------------------------------------- cycles
@@ -297,7 +255,7 @@ def soak(
     max_growth_pct: float = 5.0,
     log=print,
 ) -> dict[str, Any]:
-    """The whole benchmark (Ray must be started, see :func:`start_ray`); returns the report."""
+    """The whole benchmark (Ray must be up: ``benchmarks.soak`` starts it); returns the report."""
     import torch
 
     from core.testing.tiny_models import save_tiny_model, tiny_tokenizer
@@ -392,44 +350,3 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['engine_probe_bitwise_equal']}"
     )
     return "\n".join(lines)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
-    p.add_argument("--cycles", type=int, default=1000)
-    p.add_argument("--backend", choices=BACKENDS, default="torch_fsdp")
-    p.add_argument("--transport", choices=("ipc", "collective"), default="ipc")
-    p.add_argument("--warmup", type=int, default=50, help="cycles before the reference memory sample")
-    p.add_argument("--sample-every", type=int, default=50, help="memory sample period (cycles)")
-    p.add_argument("--check-cycles", type=int, default=30, help="cycles the same-seed replay runs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bucket-kb", type=int, default=48, help="refit bucket size (KiB)")
-    p.add_argument("--max-growth-pct", type=float, default=5.0)
-    p.add_argument("--json", metavar="F", help="write the report (with every sample and loss) here")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    check = min(args.check_cycles, args.cycles)
-    start_ray(args.backend)
-    report = soak(
-        args.cycles,
-        args.backend,
-        args.transport,
-        min(args.warmup, args.cycles - 1),
-        args.sample_every,
-        check,
-        args.seed,
-        args.bucket_kb * 1024,
-        args.max_growth_pct,
-    )
-    print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    ok = report["memory_ok"] and report["losses_bitwise_equal"] and report["engine_probe_bitwise_equal"]
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

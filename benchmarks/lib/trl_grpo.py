@@ -1,8 +1,9 @@
 """TRL's ``GRPOTrainer`` as the baseline of dualrl's full GRPO step (``dualrl bench``'s ×TRL).
 
 :class:`TRLGRPORunner` runs a ``trl.GRPOTrainer`` in a child process of its own (as
-:mod:`benchmarks.trl_compare` runs ``SFTTrainer`` / ``DPOTrainer``: ``torch.set_num_threads(threads)``
-there, one ``step`` line per optimizer step from the driver, one ``@@{json}`` line back).
+:mod:`benchmarks.lib.trl_compare` runs ``SFTTrainer`` / ``DPOTrainer``, see :mod:`benchmarks.lib.trl`:
+``torch.set_num_threads(threads)`` there, one ``step`` line per optimizer step from the driver,
+one reply back).
 :func:`spec_from_dualrl` builds its spec from a resolved dualrl GRPO config, so that one TRL
 step does the work of one dualrl :func:`core.algorithms.grpo.grpo_step`:
 
@@ -61,7 +62,7 @@ on the spec's ``env``, the built-in ``arithmetic`` exact-answer check by default
 ``decode_completions`` gives its environment), and checks its return with
 ``check_environment_return`` as dualrl's pool does.
 
-Two patches on TRL (a subclass, private methods, as trl_compare's DPO child):
+Two patches on TRL (a subclass, private methods, as ``benchmarks.lib.trl_compare``'s DPO child):
 
 * prompt tokens: TRL tokenizes string prompts with ``add_special_tokens=True``; dualrl's
   ``core.datasets.prompts.tokenize_prompt`` adds them only when no chat template was applied.
@@ -136,17 +137,12 @@ Differences from dualrl's step that remain (work first, then numerics):
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import torch_backends as tb
-from benchmarks.trl_compare import _emit, _Stop, trl_version
+from benchmarks.lib.trl import TRLRunner, gate, train_until_stopped, trl_version
 
 __all__ = ["REQUIRED_KEYS", "TRLGRPORunner", "check_spec", "grpo_config_kwargs", "spec_from_dualrl", "trl_version"]
 
@@ -483,27 +479,10 @@ def _step_metrics(metrics: dict, marks: dict) -> dict:
     return out
 
 
-def serve_trl_grpo(spec_path: str) -> None:
-    """Runs in the child: build the trainer from the spec, then one optimizer step per ``step``
-    line on stdin (answering with its timings and metrics) until ``quit``."""
-    t0 = time.perf_counter()
-    spec = json.loads(Path(spec_path).read_text())
-    threads, output_dir = spec.pop("threads"), spec.pop("output_dir")
-    spec = check_spec(spec)
+def _optimizer(model, spec: dict):
+    """``torch.optim.AdamW`` with the spec's values and a constant LR (no warm-up)."""
     import torch
 
-    torch.set_num_threads(threads)
-    import transformers
-    import trl
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
-    from core.datasets.prompts import chat_template_used
-
-    transformers.logging.set_verbosity_error()
-    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_path"])
-    # fp32 weights whatever the precision (bf16 = autocast, fp32 master weights and AdamW state)
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     opt_kwargs = dict(
         lr=float(spec["learning_rate"]),
         betas=tuple(spec["betas"]),
@@ -512,70 +491,42 @@ def serve_trl_grpo(spec_path: str) -> None:
     )
     opt_kwargs.update({k: spec[k] for k in ("foreach", "fused") if spec[k] is not None})
     optimizer = torch.optim.AdamW(model.parameters(), **opt_kwargs)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
-    config = trl.GRPOConfig(**grpo_config_kwargs(spec, output_dir))
-    state: dict = {}
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
 
-    class Gate(TrainerCallback):
-        """Holds the trainer between steps until the driver says ``step``; times each step."""
 
-        def _wait(self) -> None:
-            line = sys.stdin.readline().strip()
-            if line != "step":
-                raise _Stop
-            trainer = state["trainer"]
-            state["go"] = time.perf_counter()
-            state["marks"] = {k: len(v) for k, v in trainer._metrics["train"].items()}
-            trainer.bench_reset()
+#: The resolved GRPOConfig fields the child reports (``ready["config"]``).
+CONFIG_FIELDS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+    "num_generations",
+    "num_iterations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "loss_type",
+    "scale_rewards",
+    "importance_sampling_level",
+    "max_grad_norm",
+    "bf16",
+    "use_vllm",
+    "seed",
+)
 
-        def on_train_begin(self, args, st, control, **kwargs):
-            # accelerate wraps model.forward in autocast (bf16) when it prepares the model: every
-            # forward then runs under it, HF generate's included
-            state["ready"]["autocast_forward"] = hasattr(state["trainer"].model, "_original_forward")
-            _emit({**state["ready"], "startup_s": time.perf_counter() - t0})
-            self._wait()
 
-        def on_step_begin(self, args, st, control, **kwargs):
-            state["begin"] = time.perf_counter()
+def _ready(trainer, trainer_cls, rows: list[dict]) -> dict:
+    """The child's versions, model facts and resolved config, answered once training begins."""
+    import torch
+    import transformers
+    import trl
 
-        def on_step_end(self, args, st, control, **kwargs):
-            end, trainer = time.perf_counter(), state["trainer"]
-            seconds, bench = end - state["begin"], trainer._bench
-            _emit(
-                {
-                    "seconds": seconds,
-                    "loop_s": end - state["go"],
-                    "loss": bench["loss"],
-                    "grad_norm": bench["grad_norm"],
-                    "generation_s": bench["generation_s"],
-                    "reference_s": bench["reference_s"],
-                    "old_logprobs_s": bench["old_logprobs_s"],
-                    "rollout_s": bench["rollout_s"],
-                    "train_s": seconds - bench["rollout_s"],
-                    **_step_metrics(trainer._metrics["train"], state["marks"]),
-                }
-            )
-            self._wait()
-
-    trainer_cls = _trainer_class()
-    trainer_cls._bench_add_special_tokens = not chat_template_used(
-        {"use_chat_template": spec["use_chat_template"]}, tokenizer
-    )
-    trainer_cls._bench_old_logprobs_pass = bool(spec["old_logprobs_pass"])
-    rows = cycled_rows(spec["prompts"], spec["answers"], spec["prompts_per_step"])
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=[_reward_function(spec["env"])],
-        args=config,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        optimizers=(optimizer, scheduler),
-        callbacks=[Gate()],
-    )
-    trainer.bench_reset()
-    state["trainer"] = trainer
-    args = trainer.args
-    state["ready"] = {
+    model = trainer.model
+    return {
         "threads": torch.get_num_threads(),
         "params": sum(p.numel() for p in model.parameters()),
         "trl": trl.__version__,
@@ -587,116 +538,87 @@ def serve_trl_grpo(spec_path: str) -> None:
         "add_special_tokens": trainer_cls._bench_add_special_tokens,
         "old_logprobs_pass": trainer_cls._bench_old_logprobs_pass,
         "dataset_rows": len(rows),
-        "config": {
-            k: getattr(args, k)
-            for k in (
-                "per_device_train_batch_size",
-                "gradient_accumulation_steps",
-                "steps_per_generation",
-                "generation_batch_size",
-                "num_generations",
-                "num_iterations",
-                "max_completion_length",
-                "temperature",
-                "top_p",
-                "top_k",
-                "beta",
-                "epsilon",
-                "epsilon_high",
-                "loss_type",
-                "scale_rewards",
-                "importance_sampling_level",
-                "max_grad_norm",
-                "bf16",
-                "use_vllm",
-                "seed",
-            )
-        },
+        "config": {k: getattr(trainer.args, k) for k in CONFIG_FIELDS},
+        # accelerate wraps model.forward in autocast (bf16) when it prepares the model: every
+        # forward then runs under it, HF generate's included
+        "autocast_forward": hasattr(model, "_original_forward"),
     }
-    try:
-        trainer.train()
-    except _Stop:
-        pass
 
 
-class TRLGRPORunner(tb.HFRunner):
-    """``GRPOTrainer`` in a child process (:func:`serve_trl_grpo`); ``step()`` = one optimizer step.
+def _step_reply(trainer, marks: dict, seconds: float, loop_s: float) -> dict:
+    bench = trainer._bench
+    return {
+        "seconds": seconds,
+        "loop_s": loop_s,
+        "loss": bench["loss"],
+        "grad_norm": bench["grad_norm"],
+        "generation_s": bench["generation_s"],
+        "reference_s": bench["reference_s"],
+        "old_logprobs_s": bench["old_logprobs_s"],
+        "rollout_s": bench["rollout_s"],
+        "train_s": seconds - bench["rollout_s"],
+        **_step_metrics(trainer._metrics["train"], marks),
+    }
 
-    ``startup_s``: driver-side seconds until the trainer was ready (not timed in any step);
-    ``threads``: ``[torch.get_num_threads()]`` of the child; ``params``: the policy's parameter
-    count; ``ready``: the child's versions and resolved GRPOConfig.  ``close`` is
-    ``torch_backends.HFRunner``'s (``quit``, wait)."""
 
-    name, workers = "trl", 1
+def serve_trl_grpo(spec: dict) -> None:
+    """The child (``benchmarks.lib.trl``): build the trainer from the spec, then one optimizer step
+    per ``step`` line (answering with its timings and metrics) until ``quit``."""
+    t0 = time.perf_counter()
+    threads, output_dir = spec.pop("threads"), spec.pop("output_dir")
+    spec = check_spec(spec)
+    import torch
+
+    torch.set_num_threads(threads)
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.datasets.prompts import chat_template_used
+
+    transformers.logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_path"])
+    # fp32 weights whatever the precision (bf16 = autocast, fp32 master weights and AdamW state)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    trainer_cls = _trainer_class()
+    use_template = {"use_chat_template": spec["use_chat_template"]}
+    trainer_cls._bench_add_special_tokens = not chat_template_used(use_template, tokenizer)
+    trainer_cls._bench_old_logprobs_pass = bool(spec["old_logprobs_pass"])
+    rows = cycled_rows(spec["prompts"], spec["answers"], spec["prompts_per_step"])
+    marks: dict = {}
+
+    def reset() -> None:  # where this step's metrics start, and the step's own timers
+        marks.update({k: len(v) for k, v in trainer._metrics["train"].items()})
+        trainer.bench_reset()
+
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=[_reward_function(spec["env"])],
+        args=trl.GRPOConfig(**grpo_config_kwargs(spec, output_dir)),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        optimizers=_optimizer(model, spec),
+        callbacks=[
+            gate(
+                t0,
+                lambda: _ready(trainer, trainer_cls, rows),
+                lambda seconds, loop_s: _step_reply(trainer, marks, seconds, loop_s),
+                reset,
+            )
+        ],
+    )
+    trainer.bench_reset()
+    train_until_stopped(trainer)
+
+
+class TRLGRPORunner(TRLRunner):
+    """``GRPOTrainer`` in a child process (:func:`serve_trl_grpo`); ``step()`` = one optimizer step
+    (its answer: see the module docstring); ``ready``: the child's versions and resolved GRPOConfig."""
 
     def __init__(self, spec: dict, root: Path, threads: int) -> None:
-        import subprocess
-
         spec = check_spec(spec)
-        root = Path(root)
-        fd, spec_file = tempfile.mkstemp(prefix="trl-grpo-", suffix=".json", dir=root)
-        os.close(fd)
-        spec_path = Path(spec_file)
-        spec_path.write_text(
-            json.dumps({**spec, "threads": int(threads), "output_dir": str(spec_path.with_suffix(".out"))})
-        )
-        cmd = [sys.executable, "-m", "benchmarks.trl_grpo", "--child", str(spec_path)]
-        # trl's trainers ping the Hub (telemetry) at construction unless told not to: no network here
-        env = {
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_OFFLINE": "1",
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            "TRANSFORMERS_VERBOSITY": "error",
-            "ACCELERATE_DISABLE_RICH": "1",
-        }
-        self._stderr = tempfile.TemporaryFile(mode="w+")
-        t0 = time.perf_counter()
-        self._proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            env=env,
-            cwd=str(Path(__file__).resolve().parent.parent),
-        )
-        try:
-            self.ready = self._reply()
-        except BaseException:
-            self.close()
-            raise
-        self.startup_s = time.perf_counter() - t0
-        self.threads, self.params = [self.ready["threads"]], self.ready["params"]
-
-    def _reply(self) -> dict:
-        for line in self._proc.stdout:
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-        self._stderr.seek(0)
-        raise RuntimeError(f"TRL GRPO child exited (rc {self._proc.wait()}):\n{self._stderr.read()[-8000:]}")
-
-    def step(self) -> dict:
-        """One GRPOTrainer optimizer step: ``seconds`` and the rest (module docstring)."""
-        self._proc.stdin.write("step\n")
-        self._proc.stdin.flush()
-        return self._reply()
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description="TRL GRPOTrainer child of benchmarks.trl_grpo.TRLGRPORunner "
-        "(dualrl bench runs it; see the module docstring)"
-    )
-    parser.add_argument("--child", metavar="SPEC", required=True, help="spec file written by TRLGRPORunner")
-    args = parser.parse_args(argv)
-    if trl_version() is None:
-        print("trl is not importable (pip install -e .[bench])", file=sys.stderr)
-        return 2
-    serve_trl_grpo(args.child)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        # the trainer's output_dir: one per runner (several may share ``root``)
+        output_dir = tempfile.mkdtemp(prefix="trl-grpo-", suffix=".out", dir=root)
+        child_spec = {**spec, "threads": int(threads), "output_dir": output_dir}
+        super().__init__("benchmarks.lib.trl_grpo:serve_trl_grpo", child_spec, threads)

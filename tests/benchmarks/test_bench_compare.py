@@ -9,19 +9,19 @@ import types
 
 import pytest
 
-from benchmarks import jax_backend, machine, refit, torch_backends
-from benchmarks.grpo_step import PHASES
-from benchmarks.layouts import LayoutError, check_fits, parse_layout
-from dualrl.cli import main as cli_main
+from benchmarks.lib import machine, refit
+from benchmarks.lib.grpo_step import PHASES, layout_overrides
+from benchmarks.lib.layouts import LayoutError, check_fits, jax_layout, parse_layout
+from benchmarks.lib.pairing import ratio
+from benchmarks.lib.ray_session import device_count_of, with_device_count
+from benchmarks.lib.workload import policy_config
 
 
 def test_a_compiled_layout_turns_dtensor_compile_on_in_every_config_it_builds():
     """``dtensor-dp2 dtensor-dp2-compiled`` in one bench or parity run: eager vs compiled."""
-    from benchmarks.grpo_step import layout_overrides
-
     for name, on in (("dtensor-dp2", False), ("dtensor-dp2-compiled", True)):
         layout = parse_layout(name)
-        cfg = torch_backends.policy_config("m", "t", layout, 4, 16, "float32")
+        cfg = policy_config("m", "t", layout, 4, 16, "float32")
         assert cfg["dtensor_cfg"]["compile"] is on
         assert f"policy.dtensor_cfg.compile={str(on).lower()}" in layout_overrides(layout)
 
@@ -55,10 +55,10 @@ def test_layout_names():
         with pytest.raises(LayoutError, match=re.escape(words)):
             parse_layout(bad)
     assert "needs 4 devices" in check_fits(parse_layout("dtensor-tp4"), 2, "--max-devices")
-    assert jax_backend.jax_layout("jax-tp2").tp == 2 and jax_backend.jax_layout("dtensor-dp2") is None
-    flags = jax_backend.with_device_count("--xla_foo=1 --xla_force_host_platform_device_count=8", 2)
+    assert jax_layout("jax-tp2").tp == 2 and jax_layout("dtensor-dp2") is None
+    flags = with_device_count("--xla_foo=1 --xla_force_host_platform_device_count=8", 2)
     assert flags == "--xla_foo=1 --xla_force_host_platform_device_count=2"
-    assert jax_backend.device_count_of(flags) == 2 and jax_backend.device_count_of(None) == 1
+    assert device_count_of(flags) == 2 and device_count_of(None) == 1
 
 
 def test_flops_per_token_by_hand():
@@ -81,19 +81,16 @@ def test_flops_per_token_by_hand():
 def test_ratio_uses_the_paired_hf_calls_and_memcpy_baseline():
     hf = {"case": "hf", "logprobs_s": [1.0, 1.0]}
     case = {"case": "x", "logprobs_s": [0.5, 0.5], "hf_logprobs_s": [2.0, 2.0]}
-    assert torch_backends.ratio(case, hf, "logprobs") == 4.0  # paired hf, not the pooled hf row
-    assert torch_backends.ratio({"case": "y", "logprobs_s": [0.5]}, hf, "logprobs") == 2.0
+    assert ratio(case, hf, "logprobs") == 4.0  # paired hf, not the pooled hf row
+    assert ratio({"case": "y", "logprobs_s": [0.5]}, hf, "logprobs") == 2.0
     copy = refit.memcpy_seconds(1 << 20, copies=3)
     assert copy["threads"] == 1 and copy["warm_s"] > 0
 
 
-def _bench(tmp_path, capsys, monkeypatch, layouts: list[str]) -> tuple[int, str, dict]:
+def _bench(tmp_path, capsys, cli, layouts: list[str]) -> tuple[int, str, dict]:
     """One tiny run through ``dualrl bench`` on the test session's Ray; TRL's row is left out
-    (CI installs no ``bench`` extra; tests/unit/test_trl_grpo.py runs it)."""
-    from benchmarks import trl_grpo
-
-    monkeypatch.setattr(trl_grpo, "trl_version", lambda: None)
-    rc = cli_main(
+    (``no_trl``: CI installs no ``bench`` extra; test_trl_grpo.py runs it)."""
+    rc = cli(
         [
             "bench",
             "--size",
@@ -141,15 +138,15 @@ def _bench(tmp_path, capsys, monkeypatch, layouts: list[str]) -> tuple[int, str,
 
 # slow (~80 s): the whole bench on one layout; the layout grammar, errors and tables stay in CI above
 @pytest.mark.slow
-def test_every_section_on_a_torch_layout_bad_layouts_named(ray_session, tmp_path, capsys, monkeypatch):
-    _, out, _ = _bench(tmp_path, capsys, monkeypatch, ["fsdp1-dp2"])
+def test_every_section_on_a_torch_layout_bad_layouts_named(ray_session, no_trl, tmp_path, capsys, cli):
+    _, out, _ = _bench(tmp_path, capsys, cli, ["fsdp1-dp2"])
     assert re.search(r"\| fsdp1-dp2 \| 2 \| [\d.]+ \| [\d.]+ / [\d.]+ \| [\d,]+ \| [\d.]+ \|", out)
 
 
 @pytest.mark.slow
-def test_every_section_on_a_torch_and_a_jax_layout(ray_session, tmp_path, capsys, monkeypatch):
+def test_every_section_on_a_torch_and_a_jax_layout(ray_session, no_trl, tmp_path, capsys, cli):
     """The test session's JAX actors see 8 XLA host devices, hence jax-fsdp4-tp2."""
-    _bench(tmp_path, capsys, monkeypatch, ["fsdp1-dp2", "jax-fsdp4-tp2"])
+    _bench(tmp_path, capsys, cli, ["fsdp1-dp2", "jax-fsdp4-tp2"])
 
 
 def test_a_model_the_jax_backend_cannot_run_is_named_before_any_worker_starts():
@@ -157,13 +154,15 @@ def test_a_model_the_jax_backend_cannot_run_is_named_before_any_worker_starts():
 
     from transformers import GPT2Config
 
-    from benchmarks import compare
+    from benchmarks.lib.bench import Bench
+    from benchmarks.lib.compare.run import jax_unsupported
+    from benchmarks.lib.sizes import SIZES
 
-    bench = compare.Bench(
+    bench = Bench(
         args=argparse.Namespace(model="tiny-gpt2"),
-        size=compare.SIZES["tiny"],
+        size=SIZES["tiny"],
         config=GPT2Config(n_layer=1, n_embd=16, n_head=2),
     )
-    why = compare.jax_unsupported(bench, parse_layout("jax-fsdp2"))
+    why = jax_unsupported(bench, parse_layout("jax-fsdp2"))
     assert "model 'tiny-gpt2' is not supported by the JAX backend" in why and "'gpt2'" in why
-    assert compare.jax_unsupported(bench, parse_layout("dtensor-dp2")) is None  # torch runs any HF model
+    assert jax_unsupported(bench, parse_layout("dtensor-dp2")) is None  # torch runs any HF model

@@ -1,4 +1,4 @@
-"""``dualrl bench --gpu`` (``benchmarks.gpu``): the FLOP and peak accounting, the
+"""``dualrl bench --gpu`` (``benchmarks.gpu``, ``benchmarks.lib.gpu``): the FLOP and peak accounting, the
 report, the plain-torch reference it holds the backends to, and real runs on the CPU with a tiny
 model (in a process of their own: the mode starts its own Ray with one XLA host device, as a
 one-GPU bundle gives JAX one GPU).  Performance numbers come from running it, never from here."""
@@ -7,35 +7,30 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
-from benchmarks import machine
-from benchmarks.gpu.cli import parse
-from benchmarks.gpu.report import failed, report
-from benchmarks.gpu.sections import vllm_skip_reason
-from benchmarks.gpu.workload import (
+from benchmarks.gpu import parse
+from benchmarks.lib import machine
+from benchmarks.lib.gpu.report import failed, report
+from benchmarks.lib.gpu.sections import vllm_skip_reason
+from benchmarks.lib.gpu.workload import (
     BACKENDS,
     COMPILED,
-    SIZES,
     default_backends,
-    full_batch,
     loss_measure,
     mfu_peak,
-    optimizer_kwargs,
-    param_count,
     timing,
     tokens_per_s,
     worst_diff,
 )
-from benchmarks.gpu.yardstick import make_steps
-from benchmarks.machine import mfu
+from benchmarks.lib.hf import hf_steps
+from benchmarks.lib.machine import mfu
+from benchmarks.lib.models import param_count
+from benchmarks.lib.sizes import GPU_SIZES as SIZES
+from benchmarks.lib.workload import full_batch, optimizer_kwargs
 
-REPO = Path(__file__).resolve().parents[2]
 LLAMA_1B = types.SimpleNamespace(**SIZES["1b"].shape)
 
 
@@ -198,11 +193,12 @@ def test_reference_steps_do_not_depend_on_the_micro_batch(tmp_path):
 
     from core.testing.tiny_models import build_tiny_model
 
-    ids = full_batch(4, 16, 256)["input_ids"]
+    data = full_batch(4, 16, 256)
+    ids = data["input_ids"]
     out = {}
     for mbs in (1, 2, 4):
         model = build_tiny_model("llama").train()
-        steps = make_steps(model, ids, mbs, False, optimizer_kwargs(lr=1e-3), 1.0)
+        steps = hf_steps(model, data, mbs, False, optimizer_kwargs(lr=1e-3), 1.0)
         out[mbs] = [tuple(float(v) for v in steps["train"]()) for _ in range(2)]
     model = build_tiny_model("llama")
     with torch.no_grad():
@@ -218,24 +214,10 @@ def test_reference_steps_do_not_depend_on_the_micro_batch(tmp_path):
 # ----------------------------------------------------------------------------- real runs (CPU, tiny)
 
 
-def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _run(run_cli, tmp_path, *args: str) -> tuple:
+    """``dualrl bench --gpu`` on the CPU in a process of its own; its result and JSON rows."""
     path = tmp_path / "rows.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dualrl",
-        "bench",
-        "--gpu",
-        "--size",
-        "tiny",
-        "--device",
-        "cpu",
-        "--no-vllm",
-        "--json",
-        str(path),
-        *args,
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_cli("bench", "--gpu", "--size", "tiny", "--device", "cpu", "--no-vllm", "--json", str(path), *args)
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return proc, rows
 
@@ -244,12 +226,12 @@ EAGER = default_backends("cpu")  # what a CPU run measures by default: every row
 
 
 def test_the_compiled_row_is_torch_dtensor_with_compile_on_and_runs_by_default_on_a_gpu_only():
-    from benchmarks.gpu.policy_rows import policy_config
+    from benchmarks.lib.gpu.policy_rows import backend_config
 
     assert default_backends("cuda") == list(BACKENDS) and COMPILED not in EAGER and len(EAGER) == 3
     bench = types.SimpleNamespace(args=types.SimpleNamespace(batch=4, seq=16), model_path="m")
     for backend, on in (("torch_dtensor", False), (COMPILED, True)):
-        cfg = policy_config(bench, backend, "float32", 2)
+        cfg = backend_config(bench, backend, "float32", 2)
         assert cfg["backend"] == "torch_dtensor" and cfg["dtensor_cfg"]["compile"] is on
 
 
@@ -257,8 +239,8 @@ def _finite(*xs) -> bool:
     return all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
 
 
-def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(tmp_path):
-    proc, rows = _run(tmp_path, "--sections", "throughput", "refit", "--iters", "1", "--refit-repeats", "1")
+def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(run_cli, tmp_path):
+    proc, rows = _run(run_cli, tmp_path, "--sections", "throughput", "refit", "--iters", "1", "--refit-repeats", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     m = rows[0]
     assert m["kind"] == "machine" and m["device"] == "cpu" and m["peak_tflops"] is None and m["params"] > 1e5
@@ -290,8 +272,8 @@ def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(tmp_path):
 
 
 @pytest.mark.slow  # ~80 s on 2 cores: four fresh fp32 Policies (one compiled) and the reference process
-def test_cpu_fp32_loss_curves_match_the_plain_torch_reference(tmp_path):
-    proc, rows = _run(tmp_path, "--sections", "loss", "--backends", *BACKENDS)
+def test_cpu_fp32_loss_curves_match_the_plain_torch_reference(run_cli, tmp_path):
+    proc, rows = _run(run_cli, tmp_path, "--sections", "loss", "--backends", *BACKENDS)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     loss = {r["backend"]: r for r in rows if r["kind"] == "loss"}
     assert set(loss) == {"torch reference", *BACKENDS}

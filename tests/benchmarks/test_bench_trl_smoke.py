@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import trl_compare as bench
+from benchmarks import trl_compare as entry
+from benchmarks.lib import trl_compare as bench
+from benchmarks.lib.trl import trl_version
 
 
 def test_trl_gets_the_ids_the_loops_train_on():
@@ -36,9 +38,9 @@ def test_trl_gets_the_ids_the_loops_train_on():
 
 @pytest.mark.slow
 def test_benchmark_runs_trl_and_a_layout(ray_session, capsys):
-    if bench.trl_version() is None:
+    if trl_version() is None:
         pytest.skip("trl is not installed (pip install trl)")
-    rc = bench.main(
+    rc = entry.main(
         ["--algorithms", "dpo", "--layouts", "dtensor-dp1", "--batch", "4", "--steps", "1", "--warmup", "1"]
     )
     out = capsys.readouterr().out

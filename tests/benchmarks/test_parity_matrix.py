@@ -9,15 +9,23 @@ import re
 import pytest
 import torch
 
-from benchmarks import jax_backend, parity
+from benchmarks import parity as parity_cli
+from benchmarks.lib.layouts import torch_layout
+from benchmarks.lib.models import save_tiny_gpt2
+from benchmarks.lib.parity.checks import collect, crossload_pairs, judge
+from benchmarks.lib.parity.grpo import grpo_summary
+from benchmarks.lib.parity.models import jax_model_problem, layout_problem
+from benchmarks.lib.parity.report import format_matrix
+from benchmarks.lib.parity.run import run_parity
+from benchmarks.lib.parity.settings import BF16_TOLERANCES, ENGINE_TRANSPORTS, HF, VARIANTS
 from dualrl.cli import main as cli_main
 
 # ----------------------------------------------------------------------------- fabricated results
 
 
 def _grpo() -> dict:
-    """A GRPO step-0 summary as ``parity.grpo_summary`` makes one (two optimizer steps)."""
-    return parity.grpo_summary(
+    """A GRPO step-0 summary as ``grpo_summary`` makes one (two optimizer steps)."""
+    return grpo_summary(
         [0.17, -0.58],
         [1.72, 1.47],
         {
@@ -34,7 +42,7 @@ def _measurement(logprobs: torch.Tensor, losses=(5.5, 5.25, 5.0), norms=(2.0, 1.
     trained = logprobs - moved
     return {
         "logprobs": logprobs,
-        "invariance": {v: 0.0 for v in parity.VARIANTS},
+        "invariance": {v: 0.0 for v in VARIANTS},
         "loss": list(losses),
         "grad_norm": list(norms),
         "trained_logprobs": trained,
@@ -46,7 +54,7 @@ def _measurement(logprobs: torch.Tensor, losses=(5.5, 5.25, 5.0), norms=(2.0, 1.
 def _engine(value: float) -> dict:
     per = {
         t: {"token_mult_prob_error": value, "max_abs_diff": 2e-5, "gen_kl_error": 1e-9, "tokens": 30, "refit_s": 0.1}
-        for t in parity.ENGINE_TRANSPORTS
+        for t in ENGINE_TRANSPORTS
     }
     return {"token_mult_prob_error": value, "transports": per}
 
@@ -54,10 +62,10 @@ def _engine(value: float) -> dict:
 def _results(measured: dict, errors: dict | None = None, dcp: dict | None = None) -> dict:
     """``collect`` on fabricated measurements; every layout's export loaded by the next one, and
     (unless ``dcp`` is given) its DCP checkpoint too, exactly."""
-    names = [n for n in measured if n != parity.HF]
+    names = [n for n in measured if n != HF]
     crossloaded = {
         (src, tgt): measured[src]["trained_logprobs"].clone()
-        for src, tgt in [(n, parity.HF) for n in names] + parity.crossload_pairs(names, "ring")
+        for src, tgt in [(n, HF) for n in names] + crossload_pairs(names, "ring")
     }
     if dcp is None:
         dcp = {
@@ -65,9 +73,9 @@ def _results(measured: dict, errors: dict | None = None, dcp: dict | None = None
                 "logprobs": measured[src]["trained_logprobs"].clone(),
                 "resumed": dict(measured[src]["resumed"]),
             }
-            for src, tgt in parity.crossload_pairs(names, "ring")
+            for src, tgt in crossload_pairs(names, "ring")
         }
-    return parity.collect(
+    return collect(
         measured,
         crossloaded,
         errors=errors,
@@ -87,7 +95,7 @@ def _results(measured: dict, errors: dict | None = None, dcp: dict | None = None
 
 def _clean() -> dict:
     lp = -torch.rand(4, 6, generator=torch.Generator().manual_seed(0)) * 5
-    return {parity.HF: _measurement(lp), "a": _measurement(lp.clone()), "b": _measurement(lp + 3e-7)}
+    return {HF: _measurement(lp), "a": _measurement(lp.clone()), "b": _measurement(lp + 3e-7)}
 
 
 def _failed(results: dict) -> set[tuple]:
@@ -97,7 +105,7 @@ def _failed(results: dict) -> set[tuple]:
 def test_fabricated_results_within_tolerance_pass():
     results = _results(_clean())
     assert results["passed"] and not _failed(results)
-    report = parity.format_matrix(results)
+    report = format_matrix(results)
     assert not re.search(r"e[+-]\d\d FAIL", report)  # no cell marked
     assert not any(line.startswith("FAIL") for line in report.splitlines())
     assert report.splitlines()[-1].startswith("PASS: ")
@@ -124,7 +132,7 @@ def test_a_perturbed_logprob_is_reported_as_fail():
     results = _results(measured)
     assert not results["passed"]
     assert _failed(results) == {("logprobs", "hf", "b"), ("logprobs", "a", "b")}
-    report = parity.format_matrix(results)
+    report = format_matrix(results)
     assert "FAIL logprobs: hf vs b: 1.000e-03 (needs <= 1e-05)" in report
     assert "FAIL logprobs: a vs b" in report
     assert "1.0e-03 FAIL" in report  # the matrix cell
@@ -153,14 +161,14 @@ def test_each_tolerance_is_applied():
 def test_a_layout_that_did_not_run_fails_the_run():
     results = _results(_clean(), errors={"jax-tp2": "jax-tp2: RuntimeError: boom"})
     assert not results["passed"]
-    assert "ERROR jax-tp2: RuntimeError: boom" in parity.format_matrix(results)
+    assert "ERROR jax-tp2: RuntimeError: boom" in format_matrix(results)
 
 
 def test_exit_code_follows_the_verdict(monkeypatch, tmp_path, capsys):
     measured = _clean()
     measured["a"]["grad_norm"][0] += 1.0
     for results, rc in ((_results(_clean()), 0), (_results(measured), 1)):
-        monkeypatch.setattr(parity.cli, "run_parity", lambda *a, _r=results, **k: _r)  # what main() calls
+        monkeypatch.setattr(parity_cli, "run_parity", lambda *a, _r=results, **k: _r)  # what main() calls
         out = tmp_path / f"rc{rc}.json"
         assert cli_main(["parity", "--layouts", "fsdp1-dp2", "--json", str(out)]) == rc
         assert json.loads(out.read_text())["passed"] is (rc == 0)
@@ -175,7 +183,7 @@ def test_a_grpo_metric_out_of_tolerance_fails_its_pairs():
     assert _failed(results) == {("grpo_step0", "hf", "b"), ("grpo_step0", "a", "b")}
     worst = next(c for c in results["checks"] if (c["check"], c["a"], c["b"]) == ("grpo_step0", "hf", "b"))
     assert max(worst["per_quantity"], key=worst["per_quantity"].get) == "kl_penalty"
-    report = parity.format_matrix(results)
+    report = format_matrix(results)
     assert "FAIL grpo_step0: hf vs b: 1.000e-04 (needs <= 1e-05)" in report
     # A measurement without a GRPO summary is left out of the GRPO pairs, not failed.
     del measured["b"]["grpo"]
@@ -194,7 +202,7 @@ def test_a_dcp_load_or_resume_out_of_tolerance_fails():
         },
     )
     assert _failed(results) == {("dcp_crossload", "b", "a"), ("dcp_resume", "a", "b")}
-    report = parity.format_matrix(results)
+    report = format_matrix(results)
     assert re.search(r"FAIL dcp_crossload: b vs a: 2\.00\de-05 \(needs <= 1e-05\)", report)
     assert re.search(r"FAIL dcp_resume: a vs b: 2\.00\de-04 \(needs <= 0\.0001\)", report)
     assert re.search(r"b -> a +2\.0e-05 FAIL +0\.0e\+00", report)  # the table row: loaded FAIL, resumed OK
@@ -206,7 +214,7 @@ def test_token_mult_prob_error_band():
     measured["b"]["engine"] = _engine(1.0012)  # a refit that mangled a tensor would be far above
     results = _results(measured)
     assert _failed(results) == {("token_mult_prob_error", "b", None)}
-    report = parity.format_matrix(results)
+    report = format_matrix(results)
     assert "FAIL token_mult_prob_error: b: 1.001e+00 (needs <= 1.0001)" in report
     assert re.search(r"^a +ipc +1\.0000026 ", report, re.M)
     assert re.search(r"^b +collective +1\.0012000 FAIL", report, re.M)
@@ -214,47 +222,47 @@ def test_token_mult_prob_error_band():
 
 
 def test_layout_problems_name_the_layout_and_why():
-    assert parity.layout_problem("fsdp1-dp2", 8, threads=2, ray_cpus=4) is None
-    assert parity.layout_problem("dtensor-tp2-sp", 8, threads=2, ray_cpus=4) is None
-    assert parity.layout_problem("jax-fsdp8", 8, threads=2, ray_cpus=4) is None
-    assert "unknown layout 'bogus-layout'" in parity.layout_problem("bogus-layout", 8, 2, 4)
-    assert "unknown layout 'fsdp1-tp2'" in parity.layout_problem("fsdp1-tp2", 8, 2, 4)  # FSDP1 has no TP
-    tp4 = parity.layout_problem("dtensor-tp4", 8, threads=2, ray_cpus=4)
+    assert layout_problem("fsdp1-dp2", 8, threads=2, ray_cpus=4) is None
+    assert layout_problem("dtensor-tp2-sp", 8, threads=2, ray_cpus=4) is None
+    assert layout_problem("jax-fsdp8", 8, threads=2, ray_cpus=4) is None
+    assert "unknown layout 'bogus-layout'" in layout_problem("bogus-layout", 8, 2, 4)
+    assert "unknown layout 'fsdp1-tp2'" in layout_problem("fsdp1-tp2", 8, 2, 4)  # FSDP1 has no TP
+    tp4 = layout_problem("dtensor-tp4", 8, threads=2, ray_cpus=4)
     assert tp4.startswith("does not fit: dtensor-tp4 needs 4 workers") and "--threads 2" in tp4
-    assert parity.layout_problem("dtensor-tp4", 8, threads=4, ray_cpus=4) is None  # 4 threads: fits
-    assert "needs 4 x 1 CPUs (the Ray cluster has 2 CPUs)" in parity.layout_problem("dtensor-dp4", 8, 4, 2)
-    assert "is one actor of --threads 8 CPUs" in parity.layout_problem("jax-tp2", 8, 8, 4)
-    assert "batch 3 is not divisible by its data-parallel size 2" in parity.layout_problem("dtensor-dp2", 3, 2, 4)
-    lay = parity.torch_layout("dtensor-dp2-tp2-sp")
+    assert layout_problem("dtensor-tp4", 8, threads=4, ray_cpus=4) is None  # 4 threads: fits
+    assert "needs 4 x 1 CPUs (the Ray cluster has 2 CPUs)" in layout_problem("dtensor-dp4", 8, 4, 2)
+    assert "is one actor of --threads 8 CPUs" in layout_problem("jax-tp2", 8, 8, 4)
+    assert "batch 3 is not divisible by its data-parallel size 2" in layout_problem("dtensor-dp2", 3, 2, 4)
+    lay = torch_layout("dtensor-dp2-tp2-sp")
     assert (lay.backend, lay.dp, lay.tp, lay.sp) == ("torch_dtensor", 2, 2, True)
 
 
 def test_a_model_the_jax_backend_does_not_support_is_named(tmp_path, model_dirs):
-    gpt2 = parity.save_tiny_gpt2(tmp_path / "gpt2")
-    problem = parity.jax_model_problem("tiny-gpt2", str(gpt2))
+    gpt2 = save_tiny_gpt2(tmp_path / "gpt2")
+    problem = jax_model_problem("tiny-gpt2", str(gpt2))
     assert problem.startswith("model 'tiny-gpt2' is not supported by the JAX backend (jax_pjit): ")
     assert "unsupported model_type 'gpt2'" in problem and "llama" in problem
-    assert parity.jax_model_problem("llama", str(model_dirs["llama"])) is None
+    assert jax_model_problem("llama", str(model_dirs["llama"])) is None
 
 
 def test_bad_arguments_are_named_before_anything_starts(capsys):
     with pytest.raises(ValueError, match="no layouts"):
-        parity.run_parity([])
+        run_parity([])
     with pytest.raises(ValueError, match="given twice"):
-        parity.run_parity(["fsdp1-dp2", "fsdp1-dp2"])
+        run_parity(["fsdp1-dp2", "fsdp1-dp2"])
     with pytest.raises(ValueError, match="--engine jax-tp2: not among the layouts"):
-        parity.run_parity(["fsdp1-dp2"], engine=["jax-tp2"])
+        run_parity(["fsdp1-dp2"], engine=["jax-tp2"])
     with pytest.raises(ValueError, match="crossload mode 'star'"):
-        parity.run_parity(["fsdp1-dp2"], crossload="star")
+        run_parity(["fsdp1-dp2"], crossload="star")
     assert cli_main(["parity", "--layouts", "fsdp1-dp2", "fsdp1-dp2"]) == 2
     assert "given twice" in capsys.readouterr().err
 
 
-def test_bad_layouts_and_an_unsupported_model_get_error_lines_the_rest_runs(ray_session):
+def test_bad_layouts_and_an_unsupported_model_get_error_lines_the_rest_runs(actor_devices):
     # tiny GPT-2 with only layouts that cannot run: hf (in this process) runs, no worker starts.
-    n = jax_backend.actor_device_count()
-    results = parity.run_parity([f"jax-fsdp{n}", "nope", "dtensor-tp4", "dtensor-dp2"], "tiny-gpt2", batch=3)
-    report = parity.format_matrix(results)
+    n = actor_devices
+    results = run_parity([f"jax-fsdp{n}", "nope", "dtensor-tp4", "dtensor-dp2"], "tiny-gpt2", batch=3)
+    report = format_matrix(results)
     assert list(results["measured"]) == ["hf"] and not results["passed"]
     assert set(results["errors"]) == {f"jax-fsdp{n}", "nope", "dtensor-tp4", "dtensor-dp2"}
     assert f"ERROR jax-fsdp{n}: model 'tiny-gpt2' is not supported by the JAX backend (jax_pjit): " in report
@@ -268,18 +276,18 @@ def test_bad_layouts_and_an_unsupported_model_get_error_lines_the_rest_runs(ray_
 # ----------------------------------------------------------------------------- the real matrix
 
 
-def test_tiny_matrix_one_layout_per_backend_passes(ray_session):
+def test_tiny_matrix_one_layout_per_backend_passes(actor_devices):
     # The session's Ray fixes the XLA host devices of its actors (8, tests/conftest.py): the
     # JAX layout uses all of them (a JAX actor's mesh must cover every device it sees).
     # tiny-llama-hd32: the tiny llama at head_dim 32, which vLLM's CPU attention serves, so the
     # engine check runs on one torch / JAX pair.  Two layouts that cannot run are named and
     # the others still run and are checked.
-    n = jax_backend.actor_device_count()
+    n = actor_devices
     layouts = ["fsdp1-dp2", "dtensor-tp2", f"jax-fsdp{n}"]
-    results = parity.run_parity(
+    results = run_parity(
         [*layouts, "bogus-layout", "dtensor-tp4"], "tiny-llama-hd32", engine=["fsdp1-dp2", f"jax-fsdp{n}"]
     )
-    report = parity.format_matrix(results)
+    report = format_matrix(results)
     print(report)
     assert all(c["pass"] for c in results["checks"]), report
     assert set(results["errors"]) == {"bogus-layout", "dtensor-tp4"}, report
@@ -291,7 +299,7 @@ def test_tiny_matrix_one_layout_per_backend_passes(ray_session):
     for check in ("logprobs", "grpo_step0"):
         assert sum(c["check"] == check for c in checks) == 6, check  # hf + 3 layouts, every pair
     crossed = {(c["a"], c["b"]) for c in checks if c["check"] == "crossload"}
-    assert crossed == {*((name, "hf") for name in layouts), *parity.crossload_pairs(layouts, "ring")}
+    assert crossed == {*((name, "hf") for name in layouts), *crossload_pairs(layouts, "ring")}
     for check in ("dcp_crossload", "dcp_resume"):
         assert {(c["a"], c["b"]) for c in checks if c["check"] == check} == {
             ("fsdp1-dp2", "dtensor-tp2"),
@@ -304,7 +312,7 @@ def test_tiny_matrix_one_layout_per_backend_passes(ray_session):
 
 
 def test_bf16_bands_are_used_for_bf16_runs_and_are_tighter_than_a_real_error():
-    assert parity.judge("logprobs", 5e-3, parity.BF16_TOLERANCES) and not parity.judge("logprobs", 5e-3)
-    assert not parity.judge("logprobs", 0.1, parity.BF16_TOLERANCES)  # a tenth of a nat: a real error
+    assert judge("logprobs", 5e-3, BF16_TOLERANCES) and not judge("logprobs", 5e-3)
+    assert not judge("logprobs", 0.1, BF16_TOLERANCES)  # a tenth of a nat: a real error
     with pytest.raises(ValueError, match="precision must be float32 or bfloat16"):
-        parity.run_parity(["fsdp1-dp2"], precision="float16")
+        run_parity(["fsdp1-dp2"], precision="float16")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import soak
+from benchmarks.lib import soak
 
 CYCLES, WARMUP, CHECK = 60, 20, 20
 MAX_GROWTH_MIB = 16.0

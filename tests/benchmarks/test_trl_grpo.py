@@ -1,4 +1,4 @@
-"""``benchmarks.trl_grpo``: the spec built from dualrl's GRPO config, and two TRL GRPO steps."""
+"""``benchmarks.lib.trl_grpo``: the spec built from dualrl's GRPO config, and two TRL GRPO steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks import trl_grpo
+from benchmarks.lib import trl_grpo
 
 
 def test_spec_and_grpo_config_follow_the_embedded_grpo_config():

@@ -8,51 +8,31 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import machine
-from benchmarks import torch_backends as tb
-from benchmarks.gpu.bench import Bench, error_text
-from benchmarks.gpu.workload import engine_of, full_batch, timing, worst_diff
-from benchmarks.layouts import Layout
+from benchmarks.lib.bench import Bench
+from benchmarks.lib.errors import error_text
+from benchmarks.lib.gpu.workload import engine_of, timing, worst_diff
+from benchmarks.lib.layouts import Layout
+from benchmarks.lib.policy import PolicyCase
+from benchmarks.lib.proc import peak_rss_bytes
+from benchmarks.lib.workload import full_batch, policy_config
 
 
-def policy_config(bench: Bench, backend: str, precision: str, mbs: int) -> dict:
+def backend_config(bench: Bench, backend: str, precision: str, mbs: int) -> dict:
     """The default policy section on this model and batch, one device, micro batch ``mbs``
     (``backend``: a row of ``workload.BACKENDS``)."""
     a = bench.args
     engine, compiled = engine_of(backend)
     layout = Layout(backend, engine, compiled=compiled)
-    cfg = tb.policy_config(bench.model_path, bench.model_path, layout, a.batch, a.seq, precision, mbs)
+    cfg = policy_config(bench.model_path, bench.model_path, layout, a.batch, a.seq, precision, mbs)
     # the engine a refit would feed: rows of this length, in the training dtype (the stream is cast to it)
     cfg["generation"]["vllm_cfg"].update(max_model_len=a.seq, precision=precision)
     return cfg
 
 
-class PolicyCase:
+def backend_case(bench: Bench, backend: str, cfg: dict) -> PolicyCase:
     """One backend's Policy on a one-bundle cluster of its own (one GPU, or ``--threads`` CPUs)."""
-
-    def __init__(self, bench: Bench, backend: str, cfg: dict) -> None:
-        from core.distributed import RayVirtualCluster
-        from core.policy import Policy
-
-        name = f"gpu-bench-{backend}"
-        self.cluster = RayVirtualCluster(
-            [1], use_gpus=bench.device == "cuda", num_cpus_per_bundle=bench.args.threads, name=name
-        )
-        self.policy = None
-        try:
-            t0 = time.perf_counter()
-            self.policy = Policy(self.cluster, cfg, bench.tokenizer, name_prefix=name)
-            self.startup_s = time.perf_counter() - t0
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        try:
-            if self.policy is not None:
-                self.policy.shutdown()
-        finally:
-            self.cluster.shutdown()
+    name = f"gpu-bench-{backend}"
+    return PolicyCase(cfg, bench.tokenizer, name, 1, bench.args.threads, use_gpus=bench.device == "cuda")
 
 
 # ----------------------------------------------------------------------------- throughput
@@ -79,7 +59,7 @@ def worker_peak(policy) -> tuple[int | None, str]:
     info = policy.get_gpu_info()[0]
     if info.get("device_type") in ("cuda", "gpu"):
         return info.get("peak_memory_allocated_bytes", info.get("peak_memory_bytes")), "device"
-    return info.get("peak_rss_bytes") or machine.peak_rss_bytes(info["pid"]), "rss"
+    return info.get("peak_rss_bytes") or peak_rss_bytes(info["pid"]), "rss"
 
 
 def throughput_row(bench: Bench, case: PolicyCase, backend: str, data, mbs: int) -> dict:
@@ -144,7 +124,7 @@ def refit_row(bench: Bench, case: PolicyCase, backend: str) -> dict:
 
 
 def check_config(bench: Bench, backend: str) -> dict:
-    cfg = policy_config(bench, backend, "float32", bench.args.check_mbs)
+    cfg = backend_config(bench, backend, "float32", bench.args.check_mbs)
     cfg["optimizer"]["kwargs"]["lr"] = bench.args.check_lr
     cfg["scheduler"] = None  # constant: large enough that 5 steps move the weights (5e-6 warm-up barely does)
     return cfg
@@ -157,7 +137,7 @@ def loss_row(bench: Bench, backend: str, ref: dict) -> dict:
     a, row = bench.args, {"kind": "loss", "backend": backend}
     data = full_batch(a.batch, a.seq, bench.config.vocab_size)
     try:
-        case = PolicyCase(bench, backend, check_config(bench, backend))
+        case = backend_case(bench, backend, check_config(bench, backend))
         try:
             outs = [case.policy.train(data, NLLLoss(), gbs=a.batch, mbs=a.check_mbs) for _ in range(a.check_steps)]
         finally:

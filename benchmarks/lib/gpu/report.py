@@ -3,9 +3,9 @@ table per section, the skip, attention and error notes; and whether the run fail
 
 from __future__ import annotations
 
-from benchmarks.gpu.workload import BACKENDS, tokens_per_s
-from benchmarks.machine import mfu
-from benchmarks.markdown import cell, pct, table
+from benchmarks.lib.gpu.workload import BACKENDS, tokens_per_s
+from benchmarks.lib.machine import mfu
+from benchmarks.lib.markdown import cell, pct, table
 
 ROW_ORDER = ("hf eager", "hf compile+fused", *BACKENDS)
 

@@ -4,11 +4,19 @@ the vLLM rows it skips, the HF yardstick, each backend's Policy, the fp32 loss c
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+from pathlib import Path
 
-from benchmarks.gpu.bench import Bench, child_spec, error_text, machine_facts, prepare_model
-from benchmarks.gpu.policy_rows import PolicyCase, loss_row, policy_config, refit_row, throughput_row
-from benchmarks.gpu.workload import full_batch
-from benchmarks.gpu.yardstick import run_child
+from benchmarks.lib import machine
+from benchmarks.lib.bench import Bench
+from benchmarks.lib.errors import error_text
+from benchmarks.lib.gpu.policy_rows import backend_case, backend_config, loss_row, refit_row, throughput_row
+from benchmarks.lib.gpu.workload import mfu_peak
+from benchmarks.lib.gpu.yardstick import child_spec, run_yardstick
+from benchmarks.lib.models import param_count
+from benchmarks.lib.ray_session import RaySession
+from benchmarks.lib.sizes import GPU_SIZES
+from benchmarks.lib.workload import full_batch
 
 
 def vllm_skip_reason(no_vllm: bool) -> str:
@@ -34,7 +42,7 @@ def hf_section(bench: Bench) -> None:
             bench.record({"kind": kind, "backend": name, **reply})
 
         try:
-            run_child(spec, bench.args.threads, on_reply)
+            run_yardstick(spec, bench.args.threads, on_reply)
         except Exception as err:  # noqa: BLE001 -- reported in its row; the backends still run
             bench.record({"kind": "error", "backend": name, "error": error_text(err)})
 
@@ -43,7 +51,8 @@ def backend_section(bench: Bench, backend: str) -> None:
     """Throughput at every ``--mbs`` and the refit source on one Policy, closed afterwards."""
     sections, data = bench.args.sections, full_batch(bench.args.batch, bench.args.seq, bench.config.vocab_size)
     try:
-        case = PolicyCase(bench, backend, policy_config(bench, backend, bench.args.precision, bench.args.mbs[0]))
+        cfg = backend_config(bench, backend, bench.args.precision, bench.args.mbs[0])
+        case = backend_case(bench, backend, cfg)
     except Exception as err:  # noqa: BLE001 -- reported; the other backends still run
         bench.record({"kind": "error", "backend": backend, "error": error_text(err)})
         return
@@ -62,7 +71,7 @@ def loss_section(bench: Bench) -> None:
     a = bench.args
     spec = child_spec(bench, "reference", mbs=[a.check_mbs], steps=a.check_steps, lr=a.check_lr)
     try:
-        ref = run_child(spec, a.threads)[-1]
+        ref = run_yardstick(spec, a.threads)[-1]
     except Exception as err:  # noqa: BLE001
         bench.record({"kind": "error", "backend": "torch reference", "error": error_text(err)})
         return
@@ -71,10 +80,35 @@ def loss_section(bench: Bench) -> None:
         bench.record(loss_row(bench, backend, ref))
 
 
+def machine_row(bench: Bench) -> dict:
+    """Device, its MFU peak, a measured matmul peak (a child process on a GPU, so this driver
+    never holds GPU memory), software versions, the workload and its FLOPs per token."""
+    a = bench.args
+    measured = run_yardstick(child_spec(bench, "machine"), a.threads)[0] if bench.device == "cuda" else None
+    facts = machine.machine_facts(bench.device, a.precision, a.threads, measured)
+    peak, source = mfu_peak(bench.device, facts["device_name"], a.precision, a.peak_tflops)
+    return {
+        "kind": "machine",
+        **facts,
+        "peak_tflops": peak,
+        "peak_source": source,
+        "versions": machine.software_versions(),
+        "size": a.size,
+        "params": param_count(bench.config),
+        "batch": a.batch,
+        "seq": a.seq,
+        "tokens": bench.tokens,
+        "flops_per_token": {
+            "forward": machine.flops_per_token(bench.config, a.seq, False),
+            "train": machine.flops_per_token(bench.config, a.seq, True),
+        },
+    }
+
+
 def run(bench: Bench) -> None:
     a = bench.args
-    prepare_model(bench)
-    bench.record(machine_facts(bench))
+    bench.load_model(model_dir=a.model_dir)
+    bench.record(machine_row(bench))
     reason = vllm_skip_reason(a.no_vllm)
     for what in ("refit into the vLLM engine", "vLLM generation"):
         bench.record({"kind": "skipped", "row": what, "reason": reason})
@@ -85,3 +119,21 @@ def run(bench: Bench) -> None:
             backend_section(bench, backend)
     if "loss" in a.sections:
         loss_section(bench)
+
+
+def run_gpu_bench(args) -> list[dict]:
+    """A whole run; its rows.  Ray for one Policy at a time; on a CPU its JAX actors get one XLA
+    host device (as a one-GPU bundle gives one GPU).  A Ray the caller started is used as it is."""
+    import ray
+
+    with tempfile.TemporaryDirectory(prefix="dualrl-gpu-bench-") as tmp:
+        bench = Bench(args=args, size=GPU_SIZES[args.size], tmp=Path(tmp), device=args.device)
+        bench.session = RaySession(args.ray_cpus, host_devices=args.device != "cuda")
+        if bench.session.owned:
+            bench.session.start(1)
+        try:
+            run(bench)
+        finally:
+            if bench.session.owned and ray.is_initialized():
+                ray.shutdown()
+    return bench.records

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from benchmarks.parity.measure import max_abs_diff
-from benchmarks.parity.settings import GRPO_METRICS, PAIRWISE, TOLERANCES
+from benchmarks.lib.parity.measure import max_abs_diff
+from benchmarks.lib.parity.settings import GRPO_METRICS, PAIRWISE, TOLERANCES
 
 
 def scalar_diff(a: float, b: float) -> float:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from benchmarks import refit as rf
-from benchmarks import torch_backends as tb
-from benchmarks.layouts import Layout
-from benchmarks.parity.measure import policy_logprobs
-from benchmarks.parity.settings import (
+from benchmarks.lib.layouts import Layout
+from benchmarks.lib.parity.measure import policy_logprobs
+from benchmarks.lib.parity.settings import (
     ENGINE_NEW_TOKENS,
     ENGINE_PROMPT_WIDTH,
     ENGINE_PROMPTS,
     ENGINE_SEED,
     ENGINE_TRANSPORTS,
 )
+from benchmarks.lib.refit import Engine
+from benchmarks.lib.workload import policy_config
 
 
 def engine_prompts(vocab: int, bos_id: int | None):
@@ -30,15 +30,15 @@ def engine_prompts(vocab: int, bos_id: int | None):
 
 
 def parity_engine(model_path: str, tokenizer_path: str, tokenizer, args):
-    """One vLLM engine (``benchmarks.refit.Engine``: ``VllmGeneration``, tensor parallel 1, a one-bundle
+    """One vLLM engine (``benchmarks.lib.refit.Engine``: ``VllmGeneration``, tensor parallel 1, a one-bundle
     cluster of ``--threads`` CPUs) with the run's policy section, fp32, ``ENGINE_NEW_TOKENS`` sampled
     tokens at temperature 1."""
-    cfg = tb.policy_config(
+    cfg = policy_config(
         model_path, tokenizer_path, Layout("engine", "torch_fsdp"), args.batch, args.seq, args.precision
     )
     cfg["generation"].update(backend="vllm", max_new_tokens=ENGINE_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=None)
     cfg["generation"]["vllm_cfg"].update(max_model_len=args.seq, precision=args.precision)
-    return rf.Engine(model_path, tokenizer_path, tokenizer, args, cfg=cfg, name="parity-vllm")
+    return Engine(model_path, tokenizer_path, tokenizer, args, cfg=cfg, name="parity-vllm")
 
 
 def engine_check(policy, generation, prompts, transports=ENGINE_TRANSPORTS) -> dict:

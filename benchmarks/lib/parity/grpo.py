@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.parity.settings import GRPO_METRICS, GRPO_SEED, GRPO_STEPS
+from benchmarks.lib.parity.settings import GRPO_METRICS, GRPO_SEED, GRPO_STEPS
 
 
 def grpo_loss_fn():
@@ -52,7 +52,7 @@ def grpo_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
     global batches (``mbs`` = one micro batch per data-parallel rank)."""
     from core.data import BatchedDataDict
 
-    policy = runner._policy
+    policy = runner.policy
     rows = base["input_ids"].shape[0]
     if rows % (steps * policy.dp):
         raise ValueError(f"grpo_step0 needs the batch ({rows}) divisible by {steps} steps x dp {policy.dp}")

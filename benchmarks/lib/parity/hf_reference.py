@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.parity.grpo import grpo_loss_fn, grpo_summary
-from benchmarks.parity.measure import measure
-from benchmarks.parity.settings import GRPO_STEPS
+from benchmarks.lib.parity.grpo import grpo_loss_fn, grpo_summary
+from benchmarks.lib.parity.measure import measure
+from benchmarks.lib.parity.settings import GRPO_STEPS
 
 
 class HFReference:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from benchmarks.parity.grpo import grpo_policy
-from benchmarks.parity.settings import GRPO_STEPS
+from benchmarks.lib.parity.grpo import grpo_policy
+from benchmarks.lib.parity.settings import GRPO_STEPS
 
 
 def _inputs(ids, lengths):
@@ -77,14 +77,14 @@ def nll_step(runner, data) -> tuple[float, float]:
     """One ``policy.train`` call of ``NLLLoss`` with the runner's gbs/mbs; (loss, grad norm)."""
     from core.losses import NLLLoss
 
-    out = runner._policy.train(data, NLLLoss(), gbs=runner._gbs, mbs=runner._mbs)
+    out = runner.policy.train(data, NLLLoss(), gbs=runner.gbs, mbs=runner.mbs)
     return float(out["loss"][0]), float(out["grad_norm"][0])
 
 
 def measure_policy(runner, data, other, steps: int, grpo_base=None, grpo_steps: int = GRPO_STEPS) -> dict:
     """:func:`measure` on a runner's Policy: ``NLLLoss``, the runner's gbs/mbs (one micro batch
     per data-parallel rank, one optimizer step per ``train`` call); GRPO on ``grpo_base``."""
-    policy = runner._policy  # the runners keep their Policy private; the benchmarks read it too
+    policy = runner.policy
     grpo = None if grpo_base is None else (lambda: grpo_policy(runner, grpo_base, grpo_steps))
     return measure(
         lambda ids, lengths: policy_logprobs(policy, ids, lengths),
@@ -102,5 +102,5 @@ def after_one_more_step(runner, data) -> dict:
     return {
         "loss": loss,
         "grad_norm": norm,
-        "logprobs": policy_logprobs(runner._policy, data["input_ids"], data["input_lengths"]),
+        "logprobs": policy_logprobs(runner.policy, data["input_ids"], data["input_lengths"]),
     }

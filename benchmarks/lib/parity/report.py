@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from benchmarks.layouts import torch_layout
-from benchmarks.parity.models import jax_devices
-from benchmarks.parity.settings import ENGINE_NEW_TOKENS, ENGINE_PROMPTS, GRPO_METRICS, HF, PAIRWISE, STEPS, VARIANTS
+from benchmarks.lib.layouts import torch_layout
+from benchmarks.lib.parity.models import jax_devices
+from benchmarks.lib.parity.settings import (
+    ENGINE_NEW_TOKENS,
+    ENGINE_PROMPTS,
+    GRPO_METRICS,
+    HF,
+    PAIRWISE,
+    STEPS,
+    VARIANTS,
+)
 
 TITLES = {
     "logprobs": "get_logprobs at the initial weights: max |a - b|",

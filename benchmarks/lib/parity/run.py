@@ -10,25 +10,23 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks import jax_backend as jb
-from benchmarks import refit as rf
-from benchmarks import torch_backends as tb
-from benchmarks.layouts import torch_layout
-from benchmarks.parity.checks import collect, crossload_pairs
-from benchmarks.parity.engine import engine_check, engine_prompts, parity_engine
-from benchmarks.parity.grpo import grpo_batch
-from benchmarks.parity.hf_reference import HFReference, hf_export_logprobs
-from benchmarks.parity.measure import after_one_more_step, measure_policy, policy_logprobs
-from benchmarks.parity.models import (
+from benchmarks.lib.errors import error_text
+from benchmarks.lib.layouts import torch_layout
+from benchmarks.lib.models import load_tokenizer, prepare_model, vocab_size
+from benchmarks.lib.parity.checks import collect, crossload_pairs
+from benchmarks.lib.parity.engine import engine_check, engine_prompts, parity_engine
+from benchmarks.lib.parity.grpo import grpo_batch
+from benchmarks.lib.parity.hf_reference import HFReference, hf_export_logprobs
+from benchmarks.lib.parity.measure import after_one_more_step, measure_policy, policy_logprobs
+from benchmarks.lib.parity.models import (
     check_arguments,
     jax_devices,
     jax_model_problem,
     layout_problem,
     parity_settings,
-    prepare_model,
 )
-from benchmarks.parity.runners import TorchPolicyStart, new_runner
-from benchmarks.parity.settings import (
+from benchmarks.lib.parity.runners import new_runner, parity_runner
+from benchmarks.lib.parity.settings import (
     BF16_TOLERANCES,
     DEFAULT_LAYOUTS,
     GRPO_STEPS,
@@ -38,13 +36,14 @@ from benchmarks.parity.settings import (
     STEPS,
     TOLERANCES,
 )
+from benchmarks.lib.ray_session import RaySession, ray_cpus
+from benchmarks.lib.refit import Engine
+from benchmarks.lib.workload import default_policy_section, make_batch
 
 
 def _error(what: str, err: BaseException) -> str:
     """One line for the report (called in the ``except`` block: the traceback goes to stderr)."""
-    traceback.print_exc()
-    lines = [line for line in str(err).strip().splitlines() if line.strip()]
-    return f"{what}: {type(err).__name__}: {lines[-1].strip() if lines else ''}"
+    return f"{what}: {error_text(err)}"
 
 
 class ParityRun:
@@ -59,7 +58,7 @@ class ParityRun:
         self.errors: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
         self.timings: dict[str, float] = {}
-        self.engine: rf.Engine | None = None
+        self.engine: Engine | None = None
         self.engine_error: str | None = None
         self.engine_startup_s: list[float] = []
 
@@ -68,12 +67,12 @@ class ParityRun:
         """A runner of ``name`` (initial model by default); Ray restarted first if the layout
         needs another XLA device count (the engine is closed first: it would die with Ray)."""
         devices = jax_devices(name)
-        if self.engine is not None and self.session.owned and devices is not None and devices != self.session.devices:
+        if self.engine is not None and self.session.restarts_for(devices):
             self.close_engine()
         self.session.start(devices)
         return new_runner(name, model_path or self.paths[0], self.paths[1], self.tokenizer, self.args)
 
-    def get_engine(self) -> rf.Engine | None:
+    def get_engine(self) -> Engine | None:
         """The engine (started on first use, replaced if it died); ``None`` once it failed to start."""
         if self.engine_error is not None:
             return None
@@ -109,11 +108,11 @@ class ParityRun:
             startup = time.perf_counter() - t0
             out = measure_policy(runner, data, other, self.args.steps, grpo_base, grpo_steps)
             export = self.tmp / f"export-{name}"
-            runner._policy.save_hf_checkpoint(str(export))
+            runner.policy.save_hf_checkpoint(str(export))
             out.update(startup_s=startup, export=str(export))
             self.measured[name] = out
             if engine:
-                self.engine_layout(name, runner._policy, prompts)
+                self.engine_layout(name, runner.policy, prompts)
             if dcp_source:
                 self.dcp_save(name, runner, data)
         finally:
@@ -126,7 +125,7 @@ class ParityRun:
         out = self.measured[name]
         try:
             weights, optim = self.tmp / f"dcp-{name}" / "weights", self.tmp / f"dcp-{name}" / "optim"
-            runner._policy.save_checkpoint(str(weights), str(optim))
+            runner.policy.save_checkpoint(str(weights), str(optim))
             resumed = after_one_more_step(runner, data)
             out.update(dcp={"weights": str(weights), "optimizer": str(optim)}, resumed=resumed)
         except Exception as err:  # noqa: BLE001 -- the layout's other checks stand
@@ -158,7 +157,7 @@ class ParityRun:
                 runner = self.start(tgt, export)
                 try:
                     self.crossloaded[(src, tgt)] = policy_logprobs(
-                        runner._policy, data["input_ids"], data["input_lengths"]
+                        runner.policy, data["input_ids"], data["input_lengths"]
                     )
                 finally:
                     runner.close()
@@ -174,17 +173,16 @@ class ParityRun:
         t0 = time.perf_counter()
         try:
             self.session.start(None)
-            runner = TorchPolicyStart(
-                torch_layout(tgt),
+            runner = parity_runner(
+                tgt,
                 *self.paths,
                 self.tokenizer,
                 self.args,
                 weights_path=ckpt["weights"],
                 optimizer_path=ckpt["optimizer"],
-                tag="parity-dcp",
             )
             try:
-                loaded = {"logprobs": policy_logprobs(runner._policy, data["input_ids"], data["input_lengths"])}
+                loaded = {"logprobs": policy_logprobs(runner.policy, data["input_ids"], data["input_lengths"])}
                 loaded["resumed"] = after_one_more_step(runner, data)
             finally:
                 runner.close()
@@ -192,6 +190,56 @@ class ParityRun:
             self.timings[f"dcp {src} -> {tgt}"] = time.perf_counter() - t0
         except Exception as err:  # noqa: BLE001
             self.errors[f"dcp {src} -> {tgt}"] = _error(f"dcp_crossload {src} -> {tgt}", err)
+
+    # ------------------------------------------------------------------ the whole run
+    def screen(self, layouts: list[str], model: str, engine_layouts: list[str]) -> list[str]:
+        """The layouts that can run here; an error (or, on the caller's Ray, a skip) line for the others."""
+        threads, cluster_cpus = self.args.threads, _ray_cpus()
+        if engine_layouts and cluster_cpus is not None and 2 * threads > cluster_cpus:
+            self.engine_error = self.errors["engine"] = (
+                f"token_mult_prob_error: the vLLM engine does not fit: its bundle of --threads {threads} CPUs "
+                f"next to a policy's needs {2 * threads}, the Ray cluster has {cluster_cpus:g}"
+            )
+        runnable, jax_model = [], None
+        for name in layouts:
+            problem = layout_problem(name, self.args.batch, threads, cluster_cpus)
+            if problem is None and jax_devices(name) is not None:
+                if jax_model is None:  # the model's problem, asked once
+                    jax_model = jax_model_problem(model, self.paths[0]) or ""
+                problem = jax_model or None
+            if problem is not None:
+                self.errors[name] = f"{name}: {problem}"
+            elif not self.session.fits(jax_devices(name)):
+                given = self.session.devices
+                self.skipped[name] = (
+                    f"needs {jax_devices(name)} XLA host devices per actor; the caller's Ray gives {given}"
+                )
+            else:
+                runnable.append(name)
+        return runnable
+
+    def measure_all(self, names: list[str], data, other, base, grpo_steps: int, engine_layouts, prompts) -> None:
+        """Each layout measured on the initial model, one at a time; the engine closed afterwards."""
+        dcp_sources = {src for src, _ in dcp_ring(names)}
+        for name in names:
+            try:
+                self.measure_layout(
+                    name, data, other, base, grpo_steps, name in engine_layouts, prompts, name in dcp_sources
+                )
+                self.timings[name] = self.measured[name]["seconds"]
+            except Exception as err:  # noqa: BLE001 -- report it, go on with the other layouts
+                self.measured.pop(name, None)
+                self.errors[name] = _error(name, err)
+        self.close_engine()
+
+    def cross_load_all(self, names: list[str], data, crossload: str) -> None:
+        """Every measured layout's HF export into ``hf`` and the ``crossload`` pairs; the DCP ring."""
+        ran = [n for n in names if n in self.measured]
+        for src, tgt in [(n, HF) for n in ran] + crossload_pairs(ran, crossload):
+            self.crossload(src, tgt, data)
+        for src, tgt in dcp_ring(names):
+            if "dcp" in self.measured.get(src, {}) and tgt in ran:
+                self.dcp_load(src, tgt, data)
 
 
 def dcp_ring(names: list[str]) -> list[tuple[str, str]]:
@@ -235,29 +283,20 @@ def run_parity(
     if precision not in ("float32", "bfloat16"):
         raise ValueError(f"precision must be float32 or bfloat16, got {precision!r}")
     tolerances = tolerances or (BF16_TOLERANCES if precision == "bfloat16" else TOLERANCES)
-    args = argparse.Namespace(
-        batch=batch, seq=seq, precision=precision, threads=threads, cases=layouts, lr=lr, steps=steps
-    )
+    args = argparse.Namespace(batch=batch, seq=seq, precision=precision, threads=threads, lr=lr, steps=steps)
     # Ray (when started here) sized for a policy plus, with the engine, its bundle of --threads CPUs.
-    ray_threads = threads * (2 if engine_layouts else 1)
-    torch_need = [
-        layout.workers * (threads // layout.workers)
-        for layout in map(torch_layout, layouts)
-        if layout is not None and layout.workers <= threads
-    ]
-    session_args = argparse.Namespace(
-        **{**vars(args), "threads": ray_threads, "ray_cpus": max([4, ray_threads, *torch_need])}
-    )
+    torch_layouts = [layout for layout in map(torch_layout, layouts) if layout is not None]
+    num_cpus = max(ray_cpus(torch_layouts, threads), threads * (2 if engine_layouts else 1))
     wall0 = time.perf_counter()
-    cfg = parity_settings(tb.default_policy_section(), lr)
+    cfg = parity_settings(default_policy_section(), lr)
     with tempfile.TemporaryDirectory(prefix="dualrl-parity-") as tmp:
         model_path, tokenizer_path = prepare_model(model, Path(tmp))
-        tokenizer = tb.load_tokenizer(tokenizer_path)
-        vocab = tb.vocab_size(model_path)
-        data = tb.make_batch(batch, seq, vocab)
+        tokenizer = load_tokenizer(tokenizer_path)
+        vocab = vocab_size(model_path)
+        data = make_batch(batch, seq, vocab)
         ids, lengths = random_batch(batch, seq, vocab, seed=OTHER_SEED)
         other = {"input_ids": ids, "input_lengths": lengths}
-        session = jb.RaySession(session_args)
+        session = RaySession(num_cpus)
         run = ParityRun(args, model_path, tokenizer_path, tokenizer, session, Path(tmp))
         t0 = time.perf_counter()
         hf = HFReference(model_path, cfg, precision)
@@ -271,46 +310,9 @@ def run_parity(
             first_jax = next((jax_devices(n) for n in layouts if jax_devices(n)), None)
             if session.owned:
                 session.start(first_jax)  # once, before any layout (a JAX layout may restart it)
-            ray_cpus = _ray_cpus()
-            if engine_layouts and ray_cpus is not None and 2 * threads > ray_cpus:
-                run.engine_error = run.errors["engine"] = (
-                    f"token_mult_prob_error: the vLLM engine does not fit: its bundle of --threads {threads} CPUs "
-                    f"next to a policy's needs {2 * threads}, the Ray cluster has {ray_cpus:g}"
-                )
-            runnable, jax_model = [], None
-            for name in layouts:
-                problem = layout_problem(name, batch, threads, ray_cpus)
-                if problem is None and jax_devices(name) is not None:
-                    if jax_model is None:
-                        jax_model = jax_model_problem(model, model_path) or ""
-                    problem = jax_model or None
-                if problem is not None:
-                    run.errors[name] = f"{name}: {problem}"
-                elif jax_devices(name) is not None and not session.fits(jax_devices(name)):
-                    run.skipped[name] = (
-                        f"needs {jax_devices(name)} XLA host devices per actor; the caller's "
-                        f"Ray gives {session.devices}"
-                    )
-                else:
-                    runnable.append(name)
-            dcp_pairs = dcp_ring(runnable)
-            dcp_sources = {src for src, _ in dcp_pairs}
-            for name in runnable:
-                try:
-                    run.measure_layout(
-                        name, data, other, base, grpo_steps, name in engine_layouts, prompts, name in dcp_sources
-                    )
-                    run.timings[name] = run.measured[name]["seconds"]
-                except Exception as err:  # noqa: BLE001 -- report it, go on with the other layouts
-                    run.measured.pop(name, None)
-                    run.errors[name] = _error(name, err)
-            run.close_engine()
-            ran = [n for n in runnable if n in run.measured]
-            for src, tgt in [(n, HF) for n in ran] + crossload_pairs(ran, crossload):
-                run.crossload(src, tgt, data)
-            for src, tgt in dcp_pairs:
-                if "dcp" in run.measured.get(src, {}) and tgt in ran:
-                    run.dcp_load(src, tgt, data)
+            runnable = run.screen(layouts, model, engine_layouts)
+            run.measure_all(runnable, data, other, base, grpo_steps, engine_layouts, prompts)
+            run.cross_load_all(runnable, data, crossload)
         finally:
             run.close_engine()
             if session.owned and ray.is_initialized():

@@ -6,7 +6,7 @@ HF = "hf"
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "jax-fsdp2", "jax-tp2"]
 STEPS = 3
 LEARNING_RATE = 1e-3
-#: Seed of the companion rows of the ``mixed`` variant (the batch itself uses tb.SEED).
+#: Seed of the companion rows of the ``mixed`` variant (the batch itself uses benchmarks.lib.workload.SEED).
 OTHER_SEED = 1
 #: GRPO step 0: optimizer steps of the one ``train`` call, seed of the advantages.
 GRPO_STEPS = 2

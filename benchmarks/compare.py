@@ -1,0 +1,142 @@
+"""``dualrl bench``: every backend layout on one workload, one table, measured in one run.
+
+    dualrl bench [--size tiny|small|1b] [--layouts L ...] [--model NAME|PATH] [--device cpu|cuda]
+        [--sections throughput refit generation grpo] [--out DIR] [--json FILE]
+        [--batch B] [--seq S] [--micro M] [--iters N] [--warmup W] [--precision P] [--threads T]
+    python -m benchmarks.compare [same]
+
+For each layout (``benchmarks.lib.layouts``: ``fsdp1-dp2``, ``dtensor-dp2``, ``dtensor-tp2``,
+``dtensor-tp2-sp``, ``jax-fsdp2``, ``jax-tp2``, ...), on the same model, batch and thread / device
+budget, one layout alive at a time:
+
+* **throughput**: ``Policy.get_logprobs`` and ``Policy.train`` (NLL, one AdamW step per call) on a
+  ragged random batch, tokens/s (real tokens / driver wall seconds), each as ×HF: plain HF eager
+  (``AutoModelForCausalLM`` in a child process of its own, same threads, same micro batches) is
+  called right after every Policy call, so both sides of a ratio see the same background load
+  (``benchmarks.lib.hf``, ``benchmarks.lib.policy`` and ``benchmarks.lib.pairing`` describe the
+  runners).  MFU of train and logprobs against the matmul peak measured on the same threads /
+  GPU (``benchmarks.lib.machine``: model FLOPs, PaLM accounting), and the datasheet peak on a
+  known GPU.  Start-up seconds (Policy construction) and first-call seconds (JAX: compile +
+  run), peak memory (CPU: the processes' peak RSS; GPU: peak allocated bytes per worker).
+* **refit**: seconds and GB/s of a refit into one vLLM engine over both transports (``ipc``,
+  ``collective``), next to a memcpy of the same bytes (``benchmarks.lib.refit`` describes it).
+* **generation**: vLLM tokens/s of the engine on the GRPO workload's prompts (one row: the
+  engine does not depend on the training backend).
+* **grpo**: the main job's full step (``benchmarks.lib.grpo_step``: ``core.algorithms.grpo.grpo_step``
+  on the embedded arithmetic config with this model and layout) with its breakdown (generation /
+  logprobs / reference / train / refit / reward), and as ×TRL: TRL's ``GRPOTrainer`` on the same
+  model, prompt set, group size, completion length and optimizer (``benchmarks.lib.trl_grpo``; needs
+  the optional ``bench`` extra, ``pip install -e .[bench]``, else skipped with a note), its steps
+  interleaved with the layouts' steps like the HF calls.
+
+Sizes: ``tiny`` (the built-in ~1M-parameter Llama's shape: a CI smoke, seconds per layout),
+``small`` (a ~25M-parameter Llama: CPU minutes), ``1b`` (Llama-3.2-1B's shape, bf16: a GPU); all
+random weights with the built-in character tokenizer, so the GRPO step runs the real arithmetic
+task.  ``--model`` takes any HF model (path or hub id) instead.  ``--device cuda`` runs the
+layouts on one GPU each with HF eager on the GPU; without vLLM the refit and generation rows are
+skipped with the reason and the GRPO step uses the policy's own HF generation (as TRL does).
+
+A layout that is unknown, does not fit the budget (``--max-devices``: the cores on CPU, the GPUs
+on cuda) or fails is reported with its reason and the other layouts still run (exit code 1).
+Output: markdown tables on stdout, ``--json``, and ``bench.png`` (bar charts) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from benchmarks.lib.compare.baselines import vllm_missing
+from benchmarks.lib.compare.plot import plot
+from benchmarks.lib.compare.report import report
+from benchmarks.lib.compare.run import DEFAULT_LAYOUTS, GPU_LAYOUTS, SECTIONS, resolve_layouts, run_bench
+from benchmarks.lib.refit import TRANSPORTS
+from benchmarks.lib.sizes import SIZES
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m benchmarks.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--size", default="small", choices=list(SIZES))
+    parser.add_argument(
+        "--layouts", nargs="+", help=f"default: {' '.join(DEFAULT_LAYOUTS)} (cuda: {' '.join(GPU_LAYOUTS)})"
+    )
+    parser.add_argument(
+        "--model",
+        help="any HF causal LM (path or hub id; a core.testing tiny model name) instead of the size's random Llama",
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--out", default="runs/bench", help="directory of bench.png / bench.json")
+    parser.add_argument("--json", help="also write the results here (default: OUT/bench.json)")
+    for name, kind in (("batch", int), ("seq", int), ("micro", int), ("iters", int), ("warmup", int)):
+        parser.add_argument(f"--{name}", type=kind, help="default: the size's")
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], help="default: the size's")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per layout")
+    parser.add_argument(
+        "--max-devices", type=int, help="devices a layout may use (default: cores on CPU, GPUs on cuda)"
+    )
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    size = SIZES[args.size]
+    for name in ("batch", "seq", "micro", "iters", "warmup", "precision"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(size, name))
+    if args.iters < 1 or args.warmup < 1 or args.threads < 1:
+        parser.error("--iters, --warmup and --threads must be >= 1 (the first call compiles on JAX)")
+    if args.max_devices is None:
+        args.max_devices = _gpu_count() if args.device == "cuda" else (os.cpu_count() or 1)
+    args.layouts = args.layouts or (GPU_LAYOUTS if args.device == "cuda" else DEFAULT_LAYOUTS)
+    args.layout_objs, args.rejected = resolve_layouts(args.layouts, args)
+    # logical CPUs: a layout, the refit engine's bundle, a GRPO run's colocated slots (CPU slots
+    # are processes sharing the cores, not a reservation of them)
+    args.ray_cpus = 4 * max(args.threads, args.max_devices) + 4
+    args.grpo_generation = "hf" if vllm_missing() else "vllm"
+    args.transports, args.repeats, args.bucket_gb = TRANSPORTS, args.iters, None
+    return args
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse(argv, prog)
+    if args.device == "cuda" and not args.max_devices:
+        print("bench: --device cuda: no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_layout = ("throughput" in args.sections or "refit" in args.sections) + ("grpo" in args.sections)
+    phases = len(args.layout_objs) * per_layout + ("generation" in args.sections)
+    with tqdm(total=phases, disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as progress:
+        results, bench = run_bench(args, progress)
+    text = report(results, bench.config)
+    json_path = Path(args.json) if args.json else out_dir / "bench.json"
+    json_path.write_text(json.dumps(results, indent=2, default=str))
+    png = plot(results, out_dir / "bench.png")
+    print(text)
+    print(f"\n{results['seconds']:.0f} s; JSON {json_path}; chart {png}")
+    failed = args.rejected or any(
+        "error" in r or "skipped" in r or "error" in (r.get("grpo") or {}) for r in results["layouts"]
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
