@@ -1,6 +1,6 @@
 """The benchmarks as one library (``benchmarks/lib``) under thin entry points: no import cycles, one
 definition of each shared notion, the child-process protocol, model preparation, the Ray
-session's environment."""
+session's environment, and ``bench.png`` drawing only the sections that ran."""
 
 from __future__ import annotations
 
@@ -157,3 +157,37 @@ def test_ray_session_replaces_the_device_count_and_leaves_omp_to_ray(monkeypatch
     assert jax_cpu_flags(os.environ["XLA_FLAGS"], 2).endswith(
         "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
     )
+
+
+# ----------------------------------------------------------------------------- bench.png
+
+
+def _results(grpo_only: bool) -> dict:
+    grpo = {"step_s": 1.0, "phases_s": dict.fromkeys(("generation", "logprobs", "train"), 0.3), "trl_step_s": [0.9]}
+    row = {"case": "dtensor-dp2", "grpo": grpo}
+    if not grpo_only:
+        row.update(logprobs_s=[0.5], train_s=[1.0], hf_logprobs_s=[0.4], hf_train_s=[0.8])
+    return {"size": "tiny", "machine": {"device_name": "cpu"}, "hf": None, "layouts": [row]}
+
+
+def test_the_chart_draws_only_the_sections_that_ran_and_keeps_legends_off_the_bars(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from benchmarks.lib.compare.plot import grpo_panel, panels, plot, throughput_panel
+
+    assert panels(_results(grpo_only=True)) == [grpo_panel]  # --sections grpo: one panel
+    assert panels(_results(grpo_only=False)) == [throughput_panel, grpo_panel]
+    for panel in (grpo_panel, throughput_panel):
+        fig, ax = plt.subplots()
+        panel(ax, _results(grpo_only=False))
+        fig.canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1, panel.__name__  # right of the axes, not over them
+        plt.close(fig)
+    one = Image.open(plot(_results(grpo_only=True), tmp_path / "one.png")).size
+    two = Image.open(plot(_results(grpo_only=False), tmp_path / "two.png")).size
+    assert two[0] > 1.6 * one[0]  # one panel wide, not three with two empty
