@@ -19,114 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from benchmarks import jax_backend as jb
-from benchmarks import torch_backends as tb
-from benchmarks.compare import SIZES
-from benchmarks.layouts import parse_layout
-
-DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "jax-fsdp2"]
-OPS = ("logprobs", "train")
-
-
-def uneven_lengths(batch: int, seq: int, seed: int = 0) -> list[int]:
-    """A quarter of the rows at full width, the others between seq/16 and seq/4 tokens."""
-    import random
-
-    rng = random.Random(seed)
-    long = max(1, batch // 4)
-    lengths = [seq] * long + [rng.randint(max(2, seq // 16), max(2, seq // 4)) for _ in range(batch - long)]
-    rng.shuffle(lengths)
-    return lengths
-
-
-def uneven_batch(lengths: list[int], seq: int, vocab: int):
-    """NLL batch (loss on every real token) with these lengths, right-padded to ``seq``."""
-    import torch
-
-    from core.data import BatchedDataDict
-
-    g = torch.Generator().manual_seed(0)
-    lens = torch.tensor(lengths)
-    valid = torch.arange(seq)[None, :] < lens[:, None]
-    ids = torch.randint(1, vocab, (len(lengths), seq), generator=g) * valid
-    return BatchedDataDict(
-        input_ids=ids, input_lengths=lens, token_mask=valid.float(), sample_mask=torch.ones(len(lengths))
-    )
-
-
-def start_runner(name: str, model: str, tokenizer, args, packing: dict | None):
-    run_args = argparse.Namespace(**vars(args), packing=packing, tag="-packed" if packing else "-padded")
-    layout = parse_layout(name)
-    if layout.is_jax:
-        return jb.JaxPolicyRunner(name, model, model, tokenizer, run_args)
-    return tb.PolicyRunner(name, model, model, tokenizer, run_args)
-
-
-def bench_layout(name: str, model: str, tokenizer, data, args) -> dict:
-    budget = {
-        "enabled": True,
-        "train_mb_tokens": args.budget,
-        "logprob_mb_tokens": args.budget,
-        "algorithm": args.algorithm,
-    }
-    runners = {}
-    try:
-        runners["padded"] = start_runner(name, model, tokenizer, args, None)
-        runners["packed"] = start_runner(name, model, tokenizer, args, budget)
-        for runner in runners.values():
-            runner._data = data
-        lp = {kind: r._policy.get_logprobs(data)["logprobs"] for kind, r in runners.items()}
-        times: dict[str, dict[str, list[float]]] = {kind: {op: [] for op in OPS} for kind in runners}
-        for i in range(args.warmup + args.iters):
-            for op in OPS:
-                for kind, runner in runners.items():
-                    seconds = getattr(runner, op)()
-                    if i >= args.warmup:
-                        times[kind][op].append(seconds)
-    finally:
-        for runner in runners.values():
-            runner.close()
-    tokens = int(data["input_lengths"].sum())
-    row = {"layout": name, "max_abs_logprob_diff": float((lp["padded"] - lp["packed"]).abs().max())}
-    for op in OPS:
-        pad, pack = statistics.median(times["padded"][op]), statistics.median(times["packed"][op])
-        row[op] = {
-            "padded_s": times["padded"][op],
-            "packed_s": times["packed"][op],
-            "padded_tokens_per_s": tokens / pad,
-            "packed_tokens_per_s": tokens / pack,
-            "speedup": pad / pack,
-        }
-    return row
-
-
-def report(results: dict) -> str:
-    lines = [
-        f"Sequence packing vs padding -- {results['model']}, batch {results['batch']} x width "
-        f"{results['seq']}, {results['tokens']} real tokens, padded fraction {results['padded_fraction']:.2f} "
-        f"(predicts x{results['predicted_speedup']:.2f}), packing budget {results['budget']} tokens, "
-        f"{results['threads']} threads per case",
-        "",
-        "| layout | logprobs tok/s padded | packed | x | train tok/s padded | packed | x | max |lp diff| |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results["layouts"]:
-        if "error" in r:
-            lines.append(f"| {r['layout']} | ERROR: {r['error']} |")
-            continue
-        lp, tr = r["logprobs"], r["train"]
-        lines.append(
-            f"| {r['layout']} | {lp['padded_tokens_per_s']:.0f} | {lp['packed_tokens_per_s']:.0f} | "
-            f"{lp['speedup']:.2f} | {tr['padded_tokens_per_s']:.0f} | {tr['packed_tokens_per_s']:.0f} | "
-            f"{tr['speedup']:.2f} | {r['max_abs_logprob_diff']:.1e} |"
-        )
-    return "\n".join(lines)
+from benchmarks.lib.packing import DEFAULT_LAYOUTS, report, run_packing
+from benchmarks.lib.sizes import SIZES
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -152,41 +49,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.models.builtin import write_random_init
-
     args = parse(argv)
-    lengths = uneven_lengths(args.batch, args.seq)
-    results = {
-        "model": f"random {args.size} Llama",
-        "batch": args.batch,
-        "seq": args.seq,
-        "budget": args.budget,
-        "threads": args.threads,
-        "tokens": sum(lengths),
-        "lengths": lengths,
-        "layouts": [],
-    }
-    results["padded_fraction"] = 1 - sum(lengths) / (args.batch * args.seq)
-    results["predicted_speedup"] = 1 / (1 - results["padded_fraction"])
-    session = jb.RaySession(args)
-    failed = False
-    with tempfile.TemporaryDirectory() as tmp:
-        model = str(Path(tmp) / f"bench-{args.size}")
-        write_random_init(SIZES[args.size].shape, model)
-        tokenizer = tb.load_tokenizer(model)
-        data = uneven_batch(lengths, args.seq, tb.vocab_size(model))
-        for name in args.layouts:
-            t0 = time.perf_counter()
-            try:
-                layout = parse_layout(name)
-                session.start(layout.devices if layout.is_jax else None)
-                results["layouts"].append(
-                    {**bench_layout(name, model, tokenizer, data, args), "wall_s": time.perf_counter() - t0}
-                )
-            except Exception as err:  # noqa: BLE001 - one layout's failure is reported, the rest run
-                failed = True
-                results["layouts"].append({"layout": name, "error": f"{type(err).__name__}: {err}".splitlines()[0]})
-            print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    results, failed = run_packing(args)
     print(report(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -1,221 +1,24 @@
-"""Refit (policy weights -> vLLM engine): the engine, the timed refits and the memcpy baseline of ``dualrl bench``.
+"""``dualrl bench`` on one layout per backend, refit only (policy weights -> one vLLM engine).
 
     python -m benchmarks.refit [dualrl bench options]
         = dualrl bench --sections refit --layouts fsdp1-dp2 dtensor-tp2 jax-fsdp2 --model llama_bench
 
-For every case (a training layout) one :class:`core.policy.Policy` is started, exactly as in
-:mod:`benchmarks.torch_backends` / :mod:`benchmarks.jax_backend` (their runners and shared
-start-up path ``PolicyRunner._start``, on a fresh :class:`RayVirtualCluster`; the JAX case
-gets its XLA host devices the way ``benchmarks.jax_backend`` arranges them), and each
-transport pushes its weights into one vLLM engine with
-:func:`core.refit.refit_policy_generation`:
-
-* cases: ``fsdp1-dp2`` (FSDP1, 2 workers), ``dtensor-tp2`` (DTensor, tensor parallel 2),
-  ``jax-fsdp2`` (one JAX actor owning 2 XLA host devices, mesh ``(fsdp=2, tp=1)``); any
-  case name of the two other benchmarks is accepted.
-* transports: ``ipc`` (CPU: training rank 0 packs each bucket into a ``/dev/shm``
-  segment the engine maps) and ``collective`` (training rank 0 broadcasts each bucket to
-  the engine over a gloo group, formed by the first refit of each policy).
-* the engine: one :class:`core.generation.VllmGeneration` (one engine, tensor parallel 1)
-  on a cluster of its own (1 bundle of ``--threads`` CPUs), started once and reused by every
-  case: it accepts any refit whose manifest matches its model, and all cases serve the same
-  model in the same dtype.  It is restarted only if it died, or when Ray is restarted for
-  another XLA device count.
-
-Methodology:
-
-* seconds = :class:`RefitStats` ``.seconds``: wall clock on the driver around the whole
-  refit (manifest check, gathers, transport, engine load, end-of-stream check).  Per case,
-  ``--warmup`` untimed refits per transport come first (the first ``collective`` one also
-  forms the broadcast group; its seconds are shown as "first s"), then ``--iters`` rounds
-  of one refit per transport, alternating, so both transports see the same background
-  load; the table gives the median.  After the timed refits the engine must report valid
-  weights (``weights_valid()``), else the case is marked FAILED.
-* GB = bytes of the refit stream (the manifest, in the engine's dtype) / 1e9; GB/s = GB /
-  seconds; buckets = transport calls of one refit (``refit_buffer_size_gb`` of the policy
-  section).
-* memcpy: ``dst.copy_(src)`` of two ``torch.uint8`` tensors of the same byte count, in the
-  driver process on one thread (``torch.set_num_threads(1)``: a plain memcpy, and immune to
-  the stalls a 2-thread copy suffers when another process holds one of the cores), ``dst``
-  allocated and touched beforehand (so: memory bandwidth, no page faults); median of 7
-  copies, measured right after each case's refits.  ×memcpy = refit seconds / memcpy
-  seconds: what a refit costs over one copy of its bytes.  A "cold" copy (``dst`` freshly
-  allocated each time, page faults included) is printed too, for reference.
-* Start-up (policy, engine) is reported but is part of no timing.  On a 2-core machine the
-  policy's workers and the engine share the same cores (Ray's logical CPUs are sized for
-  a policy case plus the engine).
+The engine, the transports, the memcpy baseline and the methodology: ``benchmarks.lib.refit``.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
-import traceback
 
-from benchmarks import torch_backends as tb
-from benchmarks.layouts import Layout
+from benchmarks.compare import main as bench_main
 
-CASES = ["fsdp1-dp2", "dtensor-tp2", "jax-fsdp2"]
-TRANSPORTS = ("ipc", "collective")
-#: Copies the memcpy baseline takes the median of.
-MEMCPY_COPIES = 7
+LAYOUTS = ["fsdp1-dp2", "dtensor-tp2", "jax-fsdp2"]
 
 
-# ----------------------------------------------------------------------------- policy and engine
-
-
-def engine_config(model_path: str, tokenizer_path: str, args) -> dict:
-    """The benchmarks' policy section with a vLLM engine long enough for ``--seq``."""
-    from transformers import AutoConfig
-
-    cfg = tb.policy_config(
-        model_path, tokenizer_path, Layout("engine", "torch_fsdp"), args.batch, args.seq, args.precision
-    )
-    cfg["generation"]["backend"] = "vllm"
-    # long enough for --seq, never longer than the model's positions (vLLM refuses that)
-    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or args.seq
-    cfg["generation"]["vllm_cfg"]["max_model_len"] = min(
-        max(args.seq, cfg["generation"]["vllm_cfg"]["max_model_len"]), max(positions, args.seq)
-    )
-    return cfg
-
-
-class Engine:
-    """One vLLM engine (``VllmGeneration``) on a one-bundle cluster of its own."""
-
-    def __init__(
-        self,
-        model_path: str,
-        tokenizer_path: str,
-        tokenizer,
-        args,
-        cfg: dict | None = None,
-        name: str = "bench-refit-vllm",
-    ) -> None:
-        """``cfg``: the policy section it serves (default: :func:`engine_config`)."""
-        from core.distributed import RayVirtualCluster
-        from core.generation.vllm_generation import VllmGeneration
-
-        self._cluster = RayVirtualCluster([1], use_gpus=tb.on_cuda(args), num_cpus_per_bundle=args.threads, name=name)
-        self.generation = None
-        try:
-            t0 = time.perf_counter()
-            self.generation = VllmGeneration(
-                self._cluster, cfg or engine_config(model_path, tokenizer_path, args), tokenizer, name_prefix=name
-            )
-            self.startup_s = time.perf_counter() - t0
-        except BaseException:
-            self.close()
-            raise
-
-    def alive(self) -> bool:
-        try:
-            self.generation.check_alive()
-            return True
-        except Exception:  # noqa: BLE001 -- a dead engine is replaced, not reported here
-            return False
-
-    def close(self) -> None:
-        try:
-            if self.generation is not None:
-                self.generation.shutdown()
-        finally:
-            self._cluster.shutdown()
-
-
-# ----------------------------------------------------------------------------- memcpy baseline
-
-
-def memcpy_seconds(nbytes: int, threads: int = 1, copies: int = MEMCPY_COPIES) -> dict:
-    """Median seconds of ``dst.copy_(src)`` over ``nbytes`` uint8: warm (``dst`` allocated and
-    touched once) and cold (a fresh ``torch.empty`` per copy: page faults included)."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.empty(nbytes, dtype=torch.uint8)
-        dst.copy_(src)  # touch every page once
-        warm, cold = [], []
-        for _ in range(copies):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            warm.append(time.perf_counter() - t0)
-        for _ in range(copies):
-            t0 = time.perf_counter()
-            fresh = torch.empty(nbytes, dtype=torch.uint8)
-            fresh.copy_(src)
-            cold.append(time.perf_counter() - t0)
-            del fresh
-        return {"warm_s": statistics.median(warm), "cold_s": statistics.median(cold), "threads": threads}
-    finally:
-        torch.set_num_threads(previous)
-
-
-# ----------------------------------------------------------------------------- one case
-
-
-def _error(err: BaseException) -> str:
-    traceback.print_exc()
-    first = str(err).strip().splitlines()[-1] if str(err).strip() else ""
-    return f"{type(err).__name__}: {first}"
-
-
-def _refit(policy, engine: Engine, transport: str, args):
-    from core.refit import refit_policy_generation
-
-    return refit_policy_generation(policy, engine.generation, transport, refit_buffer_size_gb=args.bucket_gb)
-
-
-def measure(runner, engine: Engine, transports, args) -> dict[str, dict]:
-    """Warm-up refits per transport, then ``args.repeats`` (``dualrl bench``: ``--iters``) alternating rounds;
-    one result per transport (a transport that fails is dropped from the later rounds)."""
-    policy = runner._policy
-    out = {t: {"seconds": [], "first_s": None} for t in transports}
-    live = list(transports)
-    for t in transports:
-        try:
-            for i in range(args.warmup):
-                stats = _refit(policy, engine, t, args)
-                if i == 0:
-                    out[t].update(
-                        first_s=stats.seconds, bytes=stats.bytes, tensors=stats.tensors, buckets=stats.buckets
-                    )
-        except Exception as err:  # noqa: BLE001 -- report it, go on with the other transport
-            out[t]["error"] = _error(err)
-            live.remove(t)
-    for _ in range(args.repeats):
-        for t in list(live):
-            try:
-                stats = _refit(policy, engine, t, args)
-            except Exception as err:  # noqa: BLE001
-                out[t]["error"] = _error(err)
-                live.remove(t)
-                continue
-            out[t]["seconds"].append(stats.seconds)
-            out[t].update(bytes=stats.bytes, tensors=stats.tensors, buckets=stats.buckets)
-    if live and not engine.generation.weights_valid():
-        for t in live:
-            out[t]["error"] = "the engine does not report valid weights after the timed refits"
-    return out
-
-
-def main(argv=None) -> int:
-    """``dualrl bench`` on one layout per backend, refit only."""
-    from benchmarks import compare
-
-    return compare.main(
-        [
-            "--sections",
-            "refit",
-            "--layouts",
-            *CASES,
-            "--model",
-            "llama_bench",
-            *(argv if argv is not None else sys.argv[1:]),
-        ],
+def main(argv: list[str] | None = None) -> int:
+    rest = argv if argv is not None else sys.argv[1:]
+    return bench_main(
+        ["--sections", "refit", "--layouts", *LAYOUTS, "--model", "llama_bench", *rest],
         prog="python -m benchmarks.refit",
     )
 

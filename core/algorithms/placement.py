@@ -14,17 +14,9 @@ import os
 from pathlib import Path
 
 from core.algorithms.config import MasterConfig
-from core.distributed import RayVirtualCluster, init_ray
+from core.distributed import RayVirtualCluster, ray_init
 from core.distributed.worker_output import WORKER_LOG_FILENAME
 from core.policy.generation_config import ColocationResources
-
-XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-XLA_EIGEN_FLAG = "--xla_cpu_multi_thread_eigen"
-QUIET_WORKER_ENV = {
-    "VLLM_LOGGING_LEVEL": "ERROR",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 def uses_vllm(cfg: MasterConfig) -> bool:
@@ -45,8 +37,9 @@ def start_ray(cfg: MasterConfig) -> None:
 
     A JAX worker on a CPU machine sees as many XLA devices as ``XLA_FLAGS`` asks for when it
     first imports jax, and Ray's workers inherit the environment of the process that starts
-    Ray -- so the device count (``cluster.gpus_per_node``) is set here, before ``ray.init``,
-    unless the caller already chose one.
+    Ray -- so the device count (``cluster.gpus_per_node``) is given to
+    :func:`core.distributed.ray_init.start_ray`, which sets it before ``ray.init`` unless the
+    caller already chose one.
 
     The workers' own output (vLLM's and the libraries' start-up chatter) goes to
     ``<logger.log_dir>/workers.log``, not between the progress bar's lines: see
@@ -56,15 +49,11 @@ def start_ray(cfg: MasterConfig) -> None:
 
     if ray.is_initialized():
         return
-    # Workers inherit these: vLLM's per-call INFO lines and HF's weight-loading bars would bury
-    # the run's own progress bar.  A value the user exported wins.
-    for key, value in QUIET_WORKER_ENV.items():
-        os.environ.setdefault(key, value)
     on_gpu = _has_gpu()
-    if cfg.policy.backend == "jax_pjit" and not on_gpu:
-        os.environ["XLA_FLAGS"] = jax_cpu_flags(os.environ.get("XLA_FLAGS", ""), cfg.cluster.gpus_per_node)
-    init_ray(
+    jax_devices = cfg.cluster.gpus_per_node if cfg.policy.backend == "jax_pjit" and not on_gpu else None
+    ray_init.start_ray(
         num_cpus=None if on_gpu else max(os.cpu_count() or 1, cpu_slots_needed(cfg)),
+        jax_cpu_devices=jax_devices,
         worker_log=worker_log_path(cfg),
     )
 
@@ -72,18 +61,6 @@ def start_ray(cfg: MasterConfig) -> None:
 def worker_log_path(cfg: MasterConfig) -> Path | None:
     """Where a run's worker processes write their stdout/stderr (None: Ray's default)."""
     return Path(cfg.logger.log_dir) / WORKER_LOG_FILENAME if cfg.logger is not None else None
-
-
-def jax_cpu_flags(flags: str, devices: int) -> str:
-    """``XLA_FLAGS`` for a JAX worker on a CPU machine: ``devices`` host devices, and Eigen's
-    intra-op pool off.  With it on, the devices' programs and their in-process collectives
-    share one small pool, and a 400-step GRPO run on 2 devices / 2 cores died twice (steps
-    ~36 and ~140) in an all-reduce / all-gather rendezvous whose second participant never
-    arrived; each device still runs on its own thread.  Flags already set are kept."""
-    for name, value in ((XLA_DEVICE_FLAG, devices), (XLA_EIGEN_FLAG, "false")):
-        if name not in flags:
-            flags = f"{flags} {name}={value}".strip()
-    return flags
 
 
 def cpu_slots_needed(cfg: MasterConfig) -> int:

@@ -27,7 +27,7 @@ import ray
 
 from core.distributed.worker_output import worker_log_runtime_env
 
-__all__ = ["init_ray", "DEFAULT_OBJECT_STORE_MEMORY"]
+__all__ = ["init_ray", "start_ray", "jax_cpu_flags", "DEFAULT_OBJECT_STORE_MEMORY", "QUIET_WORKER_ENV"]
 
 #: 256 MiB: enough for the batches and metrics the driver exchanges with workers; weights
 #: travel through collectives / shared memory, never through the object store.
@@ -39,6 +39,47 @@ _RAY_ENV_DEFAULTS = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
+
+XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+XLA_EIGEN_FLAG = "--xla_cpu_multi_thread_eigen"
+QUIET_WORKER_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def start_ray(
+    num_cpus: int | None = None, jax_cpu_devices: int | None = None, worker_log: str | os.PathLike | None = None
+) -> None:
+    """Start (or join) Ray with the environment a run's workers need; a no-op when Ray is up.
+
+    The one starter of runs (``core.algorithms.placement.start_ray``) and benchmarks.  Ray's
+    workers inherit the environment of the process that starts Ray, so it is set first:
+    quiet logs (vLLM's per-call INFO lines and HF's weight-loading bars would bury a run's
+    own output; a value the user exported wins) and, for JAX workers on a CPU machine,
+    ``jax_cpu_devices`` XLA host devices (:func:`jax_cpu_flags`: a count already in
+    ``XLA_FLAGS`` wins).  ``worker_log``: see :func:`init_ray`.
+    """
+    if ray.is_initialized():
+        return
+    for key, value in QUIET_WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    if jax_cpu_devices is not None:
+        os.environ["XLA_FLAGS"] = jax_cpu_flags(os.environ.get("XLA_FLAGS", ""), jax_cpu_devices)
+    init_ray(num_cpus=num_cpus, worker_log=worker_log)
+
+
+def jax_cpu_flags(flags: str, devices: int) -> str:
+    """``XLA_FLAGS`` for a JAX worker on a CPU machine: ``devices`` host devices, and Eigen's
+    intra-op pool off.  With it on, the devices' programs and their in-process collectives
+    share one small pool, and a 400-step GRPO run on 2 devices / 2 cores died twice (steps
+    ~36 and ~140) in an all-reduce / all-gather rendezvous whose second participant never
+    arrived; each device still runs on its own thread.  Flags already set are kept."""
+    for name, value in ((XLA_DEVICE_FLAG, devices), (XLA_EIGEN_FLAG, "false")):
+        if name not in flags:
+            flags = f"{flags} {name}={value}".strip()
+    return flags
 
 
 def init_ray(

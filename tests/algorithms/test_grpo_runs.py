@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from core.algorithms.grpo_setup import run_grpo
+from core.algorithms.commands import run_grpo
 from core.logging import read_metrics
 from tests.algorithms.conftest import LAYOUTS, SEPARATE_ENGINE, grpo_config
 
@@ -88,7 +88,7 @@ def test_resume_repeats_the_next_step(ray_session, builtin_cache, tmp_path_facto
     assert step_dirs == ["step_1", "step_2"]
     shutil.rmtree(run_dir / "ckpt" / "step_2")  # as if the run died after saving step 1
 
-    from core.algorithms.grpo_setup import run_grpo as rerun
+    from core.algorithms.commands import run_grpo as rerun
 
     resumed = rerun(grpo_config(run_dir, "torch_fsdp", *ckpt, "checkpointing.resume=true"), log=lambda _m: None)
     assert resumed.start_step == 1

@@ -67,8 +67,7 @@ def config(algorithm: str, run_dir: Path, backend: str, *overrides: str) -> dict
 
 
 def run_algorithm(algorithm: str, cfg: dict):
-    from core.algorithms.dpo import run_dpo
-    from core.algorithms.sft import run_sft
+    from core.algorithms.commands import run_dpo, run_sft
 
     return (run_sft if algorithm == "sft" else run_dpo)(cfg, log=lambda _line: None)
 

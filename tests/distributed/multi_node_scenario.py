@@ -67,7 +67,7 @@ def _set_process_env(backend: str, ray_tmp: str) -> None:
     )
     os.environ.pop("RAY_ADDRESS", None)  # never join some other cluster
     if backend == "jax_pjit":
-        from core.algorithms.placement import jax_cpu_flags
+        from core.distributed.ray_init import jax_cpu_flags
 
         os.environ["XLA_FLAGS"] = jax_cpu_flags("", DEVICES_PER_PROCESS)
 

@@ -275,7 +275,7 @@ def test_loop_resumes_after_the_start_step_and_honours_should_stop(tmp_path):
 
 
 def test_jax_cpu_flags_add_devices_and_turn_eigen_threads_off_without_overriding_the_user():
-    from core.algorithms.placement import jax_cpu_flags
+    from core.distributed.ray_init import jax_cpu_flags
 
     assert jax_cpu_flags("", 2) == "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false"
     user = "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=true"

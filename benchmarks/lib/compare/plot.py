@@ -1,0 +1,87 @@
+"""``bench.png`` of a ``dualrl bench`` run: one panel per section that measured something --
+tokens/s ×HF per layout (logprobs, train), the GRPO step's breakdown (TRL beside), refit GB/s.
+Legends sit outside the axes, right of each panel, so no bar is hidden behind one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.lib.grpo_step import PHASES
+from benchmarks.lib.pairing import OPS, median, ratio
+
+LEGEND = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=7)
+
+
+def throughput_panel(ax, results: dict) -> None:
+    rows = [r for r in results["layouts"] if "logprobs_s" in r]
+    for i, op in enumerate(OPS):
+        vals = [ratio(r, results.get("hf"), op) or 0 for r in rows]
+        ax.bar([x + 0.4 * i for x in range(len(rows))], vals, width=0.4, label=op)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(title="tokens/s ×HF eager", xticks=[x + 0.2 for x in range(len(rows))])
+    ax.set_xticklabels([r["case"] for r in rows], rotation=30, ha="right")
+    ax.legend(**LEGEND)
+
+
+def grpo_panel(ax, results: dict) -> None:
+    grpo = [(r["case"], r["grpo"]) for r in results["layouts"] if "step_s" in (r.get("grpo") or {})]
+    trl_steps = [t for _, g in grpo for t in g.get("trl_step_s") or []]  # pooled over the layouts' pairs
+    trl = [("TRL GRPOTrainer", {"phases_s": {"trl step": median(trl_steps)}})] if trl_steps else []
+    bottom = [0.0] * (len(grpo) + len(trl))
+    for phase in [*PHASES, *(["trl step"] if trl else [])]:
+        vals = [g["phases_s"].get(phase, 0.0) for _, g in grpo + trl]
+        ax.bar(range(len(vals)), vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set(title="GRPO step seconds", xticks=range(len(bottom)))
+    ax.set_xticklabels([n for n, _ in grpo + trl], rotation=30, ha="right")
+    ax.legend(**LEGEND)
+
+
+def refit_transports(results: dict) -> list[tuple[str, str, dict]]:
+    return [
+        (r["case"], t, v)
+        for r in results["layouts"]
+        for t, v in ((r.get("refit") or {}).get("transports") or {}).items()
+        if v.get("seconds")
+    ]
+
+
+def refit_panel(ax, results: dict) -> None:
+    refit = refit_transports(results)
+    ax.bar(range(len(refit)), [v["bytes"] / 1e9 / median(v["seconds"]) for _, _, v in refit])
+    ax.set(title="refit GB/s", xticks=range(len(refit)))
+    ax.set_xticklabels([f"{n} {t}" for n, t, _ in refit], rotation=30, ha="right")
+
+
+def panels(results: dict) -> list:
+    """The panels with something to show, in the report's order."""
+    layouts = results["layouts"]
+    out = []
+    if any("logprobs_s" in r for r in layouts):
+        out.append(throughput_panel)
+    if refit_transports(results):
+        out.append(refit_panel)
+    if any("step_s" in (r.get("grpo") or {}) for r in layouts):
+        out.append(grpo_panel)
+    return out
+
+
+def plot(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    draw = panels(results)
+    fig, axes = plt.subplots(1, max(1, len(draw)), figsize=(6.2 * max(1, len(draw)), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], draw, strict=False):
+        panel(ax, results)
+    if not draw:
+        axes[0][0].axis("off")
+        axes[0][0].text(0.5, 0.5, "no section measured anything (see the report)", ha="center", va="center")
+    fig.suptitle(f"dualrl bench --size {results['size']} ({results['machine']['device_name']})", fontsize=10)
+    fig.tight_layout()
+    # bbox_inches="tight": the figure grows to hold the legends right of the panels
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

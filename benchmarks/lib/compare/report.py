@@ -1,0 +1,177 @@
+"""The markdown report of a ``dualrl bench`` run: the machine line, one table per section, and the
+error, skip and note lines."""
+
+from __future__ import annotations
+
+from benchmarks.lib.grpo_step import PHASES
+from benchmarks.lib.machine import flops_per_token, mfu
+from benchmarks.lib.markdown import cell, pct, table
+from benchmarks.lib.pairing import OPS, median, ratio
+
+
+def _mib(values) -> str:
+    vals = [v for v in (values or []) if v]
+    return "/".join(f"{v / 2**20:.0f}" for v in vals) if vals else "-"
+
+
+def throughput_summary(r: dict, hf: dict | None, tokens: int) -> dict:
+    """tokens/s, ×HF and the first call per operation (``None`` where not measured)."""
+    out = {}
+    for op in OPS:
+        med = median(r.get(f"{op}_s"))
+        out[f"{op}_tok_s"] = tokens / med if med else None
+        out[f"{op}_x_hf"] = ratio(r, hf, op)
+        out[f"{op}_first_s"] = (r.get("first_s") or {}).get(op)
+    return out
+
+
+def throughput_lines(results: dict, cfg) -> list[str]:
+    hf, tokens, seq = results.get("hf"), results["tokens"], results["seq"]
+    peak, sheet = results["machine"]["matmul_tflops"], results["machine"].get("datasheet_tflops")
+    train_flops = flops_per_token(cfg, seq, True)
+    rows = []
+    for r in ([hf] if hf else []) + results["layouts"]:
+        if r is None or "logprobs_s" not in r:
+            continue
+        s = throughput_summary(r, hf, tokens)
+        rows.append(
+            [
+                r["case"],
+                str(r.get("workers", 1)),
+                cell(r.get("startup_s"), ".1f"),
+                cell(s["logprobs_first_s"], ".2f") + " / " + cell(s["train_first_s"], ".2f"),
+                cell(s["logprobs_tok_s"], ",.0f"),
+                cell(s["logprobs_x_hf"], ".2f"),
+                cell(s["train_tok_s"], ",.0f"),
+                cell(s["train_x_hf"], ".2f"),
+                cell(pct(mfu(s["logprobs_tok_s"], flops_per_token(cfg, seq, False), peak)), ".1f"),
+                cell(pct(mfu(s["train_tok_s"], train_flops, peak)), ".1f"),
+                *([cell(pct(mfu(s["train_tok_s"], train_flops, sheet)), ".1f")] if sheet else []),
+                _mib(r.get("peak_memory_bytes")),
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        f"### Throughput ({tokens} real tokens per call; ×HF against each layout's own paired HF calls; "
+        f"MFU vs the measured {peak:.3g} TFLOP/s matmul peak)",
+        "",
+        *table(
+            [
+                "layout",
+                "workers",
+                "start s",
+                "first call s (lp / train)",
+                "logprobs tok/s",
+                "×HF",
+                "train tok/s",
+                "×HF",
+                "lp MFU %",
+                "train MFU %",
+                *([f"train MFU % ({sheet:g} datasheet)"] if sheet else []),
+                "peak MiB / worker",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def refit_lines(results: dict) -> list[str]:
+    rows = []
+    for r in results["layouts"]:
+        refit = r.get("refit")
+        if not refit:
+            continue
+        if "error" in refit:
+            rows.append([r["case"], "-", "-", "-", "-", "-", refit["error"]])
+            continue
+        copy = refit["memcpy"].get("warm_s")
+        for transport, t in refit["transports"].items():
+            med = median(t.get("seconds"))
+            gb = t.get("bytes", 0) / 1e9
+            rows.append(
+                [
+                    r["case"],
+                    transport,
+                    cell(gb, ".3f"),
+                    cell(med, ".3f"),
+                    cell(gb / med if med else None, ".2f"),
+                    cell(gb / copy if copy else None, ".2f"),
+                    t.get("error", ""),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "### Refit into the vLLM engine (memcpy: one warm copy of the same bytes, one thread)",
+        "",
+        *table(["layout", "transport", "GB", "seconds", "GB/s", "memcpy GB/s", "error"], rows),
+        "",
+    ]
+
+
+def grpo_lines(results: dict) -> list[str]:
+    rows = []
+    for r in results["layouts"]:
+        g = r.get("grpo")
+        if not g:
+            continue
+        if "error" in g:
+            rows.append([r["case"], g["error"]] + [""] * (len(PHASES) + 3))
+            continue
+        trl = median(g.get("trl_step_s"))
+        rows.append(
+            [
+                r["case"],
+                cell(g["step_s"], ".2f"),
+                cell(trl / g["step_s"] if trl else None, ".2f"),
+                cell(trl, ".2f"),
+                *[cell(g["phases_s"][p], ".2f") for p in PHASES],
+                cell(g.get("token_mult_prob_error"), ".4f"),
+            ]
+        )
+    if not rows:
+        return []
+    work = results["grpo_workload"]
+    return [
+        f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens, "
+        f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps)",
+        "",
+        *table(["layout", "step s", "×TRL", "TRL step s", *[f"{p} s" for p in PHASES], "token_mult_prob_error"], rows),
+        "",
+    ]
+
+
+def report(results: dict, config) -> str:
+    """The markdown report; ``config``: the model's HF config (its FLOPs per token for MFU)."""
+    m = results["machine"]
+    lines = [
+        f"## dualrl bench --size {results['size']}: {results['model']}, {results['params'] or 0:,} parameters",
+        "",
+        f"machine: {m['device_name']}, {m['cores']} cores; {m['threads']} threads per layout; {m['precision']}; "
+        f"matmul peak measured {m['matmul_tflops']:.3g} TFLOP/s"
+        + (f", datasheet {m['datasheet_tflops']:g}" if m.get("datasheet_tflops") else "")
+        + f"; batch {results['batch']} x {results['seq']}"
+        + (f", micro {results['micro']}" if results["micro"] else ""),
+        "",
+    ]
+    lines += throughput_lines(results, config) + refit_lines(results)
+    gen = results.get("generation")
+    if gen and "tokens_per_s" in gen:
+        lines += [
+            f"### vLLM generation: {gen['tokens_per_s']:,.0f} tokens/s ({gen['sequences']} sequences, "
+            f"{gen['tokens']} tokens in {gen['seconds']:.2f} s, up to {gen['max_new_tokens']} new tokens each)",
+            "",
+        ]
+    elif gen:
+        lines += [f"vLLM generation: {gen.get('skipped') or gen.get('error')}", ""]
+    lines += grpo_lines(results)
+    for r in [results.get("hf") or {}] + results["layouts"]:
+        for key in ("error", "skipped"):
+            if key in r:
+                lines.append(f"{key.upper()} {r['case']}: {r[key]}")
+    for name, why in results["rejected"].items():
+        lines.append(f"ERROR {name}: {why}")
+    lines += [f"note: {n}" for n in results["notes"]]
+    return "\n".join(lines)

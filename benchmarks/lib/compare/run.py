@@ -1,0 +1,267 @@
+"""A ``dualrl bench`` run: Ray, the model, the baselines, then every layout in turn, one alive at a time.
+
+Per layout: throughput (paired with HF eager) and refit (into the shared vLLM engine) on one
+Policy, closed afterwards; then the GRPO step on a run of its own (paired with TRL's
+``GRPOTrainer``).  A layout that fails is reported in its row and the others still run.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.lib import refit
+from benchmarks.lib.bench import Bench
+from benchmarks.lib.compare.baselines import (
+    close_baselines,
+    engine,
+    generation_row,
+    start_baselines,
+    vllm_missing,
+)
+from benchmarks.lib.errors import error_text
+from benchmarks.lib.grpo_step import measure_grpo
+from benchmarks.lib.layouts import Layout, LayoutError, check_batch, check_fits, jax_model_problem, parse_layout
+from benchmarks.lib.machine import machine_facts
+from benchmarks.lib.models import param_count
+from benchmarks.lib.pairing import Probe, measure, new_result
+from benchmarks.lib.policy import PolicyRunner
+from benchmarks.lib.proc import peak_rss_bytes
+from benchmarks.lib.ray_session import RaySession
+from benchmarks.lib.sizes import SIZES
+from benchmarks.lib.workload import make_batch
+
+SECTIONS = ("throughput", "refit", "generation", "grpo")
+DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp2", "jax-tp2"]
+GPU_LAYOUTS = ["fsdp1-dp1", "dtensor-dp1", "jax-fsdp1"]
+
+
+def resolve_layouts(names: list[str], args) -> tuple[list[Layout], dict[str, str]]:
+    """The layouts that can run, and ``{name: why not}`` for the others."""
+    ok, bad = [], {}
+    for name in names:
+        try:
+            layout = parse_layout(name)
+        except LayoutError as err:
+            bad[name] = str(err)
+            continue
+        why = check_fits(
+            layout, args.max_devices, "--max-devices " + ("(GPUs)" if args.device == "cuda" else "(cores)")
+        ) or check_batch(layout, args.batch)
+        if why:
+            bad[name] = why
+        else:
+            ok.append(layout)
+    return ok, bad
+
+
+def start_session(bench: Bench) -> None:
+    """Ray once, before anything is timed, with the first JAX layout's host devices (CPU)."""
+    cpu = bench.args.device != "cuda"
+    bench.session = RaySession(bench.args.ray_cpus if cpu else None, host_devices=cpu)
+    first_jax = next((lay.devices for lay in bench.args.layout_objs if lay.is_jax), None)
+    if bench.session.owned:
+        bench.session.start(first_jax)
+
+
+def ray_for(bench: Bench, layout: Layout) -> str | None:
+    """Ray with the layout's XLA host devices (CPU JAX); why not, when the caller's Ray cannot."""
+    devices = bench.session.devices_for(layout)
+    if not bench.session.fits(devices):
+        return f"needs {devices} XLA host devices per actor; the caller's Ray gives {bench.session.devices}"
+    if bench.session.restarts_for(devices) and bench.engine is not None:
+        bench.engine.close()  # Ray restarts for another device count: the engine goes with it
+        bench.engine = None
+    bench.session.start(devices)
+    return None
+
+
+def jax_unsupported(bench: Bench, layout: Layout) -> str | None:
+    """Why the JAX backend cannot run this model (its own config check, on the driver), or None."""
+    return jax_model_problem(bench.config, bench.args.model or "this model") if layout.is_jax else None
+
+
+# ----------------------------------------------------------------------------- per layout
+
+
+def peak_memory(policy) -> list[int | None]:
+    """Per worker: peak allocated bytes on a GPU, peak resident bytes of the process on a CPU."""
+    out = []
+    for info in policy.get_gpu_info():
+        gpu = info.get("peak_memory_allocated_bytes", info.get("peak_memory_bytes"))
+        out.append(gpu if info.get("device_type") in ("cuda", "gpu") else peak_rss_bytes(info["pid"]))
+    return out
+
+
+def throughput(bench: Bench, probe: Probe) -> dict:
+    row = new_result(probe)
+    measure(probe, bench.hf, row, bench.hf_row, bench.args)
+    row.update(probe.summary(bench.args.warmup))
+    row["peak_memory_bytes"] = peak_memory(probe.policy)
+    return row
+
+
+def refit_rows(bench: Bench, probe: Probe) -> dict:
+    eng = engine(bench)
+    per_transport = refit.measure(probe.policy, eng, refit.TRANSPORTS, bench.args)
+    nbytes = next((r["bytes"] for r in per_transport.values() if r.get("bytes")), None)
+    return {
+        "transports": per_transport,
+        "memcpy": refit.memcpy_seconds(nbytes) if nbytes else {},
+        "engine_startup_s": eng.startup_s,
+    }
+
+
+def policy_sections(bench: Bench, layout: Layout, row: dict, progress) -> None:
+    """Throughput and refit on one Policy, closed afterwards."""
+    sections = bench.args.sections
+    progress.set_description(f"{layout.name}: start")
+    try:
+        probe = Probe(PolicyRunner(layout, bench.model_path, bench.tokenizer_path, bench.tokenizer, bench.args))
+    except Exception as err:  # noqa: BLE001 -- reported in its row; the other layouts go on
+        row["error"] = error_text(err)
+        return
+    try:
+        if "throughput" in sections:
+            progress.set_description(f"{layout.name}: throughput")
+            row.update(throughput(bench, probe))
+        if "refit" in sections and not bench.refit_skipped:
+            progress.set_description(f"{layout.name}: refit")
+            try:
+                row["refit"] = refit_rows(bench, probe)
+            except Exception as err:  # noqa: BLE001
+                row["refit"] = {"error": error_text(err)}
+    except Exception as err:  # noqa: BLE001
+        row["error"] = error_text(err)
+    finally:
+        probe.close()
+    progress.update(1)
+
+
+def bench_layout(bench: Bench, layout: Layout, progress) -> dict:
+    """Throughput and refit on one Policy, then the GRPO step on a run of its own."""
+    row: dict[str, Any] = {
+        "case": layout.name,
+        "backend": layout.backend,
+        "devices": layout.devices,
+        "workers": layout.workers,
+    }
+    unsupported = jax_unsupported(bench, layout)
+    if unsupported:
+        return {**row, "error": unsupported}
+    why = ray_for(bench, layout)
+    if why:
+        return {**row, "skipped": why}
+    if "throughput" in bench.args.sections or "refit" in bench.args.sections:
+        policy_sections(bench, layout, row, progress)
+    if "grpo" in bench.args.sections and "error" not in row:
+        progress.set_description(f"{layout.name}: GRPO step")
+        row["grpo"] = grpo_row(bench, layout)
+        progress.update(1)
+    return row
+
+
+def grpo_row(bench: Bench, layout: Layout) -> dict:
+    work = bench.size.grpo
+    try:
+        out = measure_grpo(
+            layout,
+            work,
+            bench.model_path,
+            bench.tokenizer_path,
+            bench.args.precision,
+            str(bench.tmp / f"grpo-{layout.name}"),
+            generation=bench.args.grpo_generation,
+            jax_cpu_slots=None if bench.args.device == "cuda" else bench.args.threads,
+        )
+    except Exception as err:  # noqa: BLE001
+        return {"error": error_text(err)}
+    if bench.trl is not None:
+        try:
+            out["trl_step_s"] = [bench.trl.step()["seconds"] for _ in range(work.steps)]
+        except Exception as err:  # noqa: BLE001
+            out["trl_error"] = error_text(err)
+    return out
+
+
+# ----------------------------------------------------------------------------- once per run
+
+
+def generation_section(bench: Bench, progress) -> dict:
+    missing = vllm_missing()
+    if missing:
+        return {"skipped": missing}
+    progress.set_description("vLLM generation")
+    try:
+        return generation_row(bench)
+    except Exception as err:  # noqa: BLE001
+        return {"error": error_text(err)}
+    finally:
+        progress.update(1)
+
+
+def skip_notes(bench: Bench) -> None:
+    """Without vLLM: no refit rows, and the GRPO step generates with the policy's own HF generate."""
+    bench.refit_skipped = vllm_missing()
+    if bench.refit_skipped and "refit" in bench.args.sections:
+        bench.notes.append(f"refit rows skipped: {bench.refit_skipped}")
+    if bench.refit_skipped and "grpo" in bench.args.sections:
+        bench.notes.append(f"GRPO rows generate with the policy's own HF generate: {bench.refit_skipped}")
+
+
+def run(bench: Bench, progress) -> dict:
+    args = bench.args
+    results: dict[str, Any] = {
+        "size": args.size,
+        "model": args.model or f"random {args.size} Llama",
+        "batch": args.batch,
+        "seq": args.seq,
+        "micro": args.micro,
+        "layouts": [],
+    }
+    skip_notes(bench)
+    start_session(bench)
+    bench.load_model(args.model)
+    results["machine"] = machine_facts(args.device, args.precision, args.threads)
+    results["tokens"] = int(make_batch(args.batch, args.seq, bench.config.vocab_size)["input_lengths"].sum())
+    start_baselines(bench)
+    try:
+        for layout in args.layout_objs:
+            results["layouts"].append(bench_layout(bench, layout, progress))
+        if "generation" in args.sections:
+            results["generation"] = generation_section(bench, progress)
+        if bench.hf is not None and "error" not in bench.hf_row:
+            gpu_peak = bench.hf.last_reply.get("peak_bytes")
+            bench.hf_row.update(bench.hf.summary(0), peak_memory_bytes=[gpu_peak or peak_rss_bytes(bench.hf.pids[0])])
+    finally:
+        close_baselines(bench)
+    results["hf"] = bench.hf_row
+    results["params"] = param_count(bench.config)
+    results["notes"] = bench.notes
+    return results
+
+
+def run_bench(args, progress) -> tuple[dict, Bench]:
+    """The whole run in a temp dir, Ray shut down afterwards if this run started it; the results
+    (and the run's :class:`Bench`: its model's config is what the report's FLOPs need)."""
+    import ray
+
+    wall = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dualrl-bench-") as tmp:
+        bench = Bench(args=args, size=SIZES[args.size], tmp=Path(tmp), device=args.device)
+        try:
+            results = run(bench, progress)
+        finally:
+            if bench.session is not None and bench.session.owned and ray.is_initialized():
+                ray.shutdown()
+    results.update(
+        rejected=args.rejected,
+        seconds=time.perf_counter() - wall,
+        grpo_workload=vars(bench.size.grpo),
+        grpo_generation=args.grpo_generation,
+        load=os.getloadavg(),
+    )
+    return results, bench

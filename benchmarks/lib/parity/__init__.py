@@ -1,0 +1,15 @@
+"""``dualrl parity`` (``benchmarks.parity``, whose docstring describes every check): the library.
+
+In the order a run goes:
+
+    run.py           run_parity: every layout started, measured, cross-loaded and closed
+    models.py        the run's arguments and layout names checked against the machine; its policy settings
+    runners.py       the Policies measured (benchmarks.lib.policy.PolicyRunner with the parity settings)
+    measure.py       logprobs, batch invariance, NLL steps, the step after a load
+    grpo.py          GRPO step 0 on a layout and on HF
+    hf_reference.py  the HF reference in this process
+    engine.py        the vLLM token_mult_prob_error check
+    checks.py        measurements -> pass/fail checks and the results
+    report.py        the text report
+    settings.py      steps, seeds and the tolerances of every check
+"""

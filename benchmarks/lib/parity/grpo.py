@@ -1,0 +1,69 @@
+"""GRPO step 0: the training part of a GRPO step on the same batch, per layout and on HF."""
+
+from __future__ import annotations
+
+from benchmarks.lib.parity.settings import GRPO_METRICS, GRPO_SEED, GRPO_STEPS
+
+
+def grpo_loss_fn():
+    """``ClippedPGLossFn`` as ``core/configs/default.yaml``'s ``loss_fn`` section configures it."""
+    from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
+    from core.losses import ClippedPGLossFn
+
+    return ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"])
+
+
+def grpo_batch(data, generation_logprobs, seed: int = GRPO_SEED):
+    """The GRPO train batch of the parity batch, keyed and masked as
+    ``core.algorithms.rollouts.training_batch`` builds one: the first third of each ragged row
+    (at least one token) is its "prompt", the rest its "response" (``token_mask`` = 1 there);
+    advantages: a seeded normal draw per row; ``generation_logprobs``: given (``hf``'s)."""
+    import torch
+
+    from core.data import BatchedDataDict
+
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    prompt = (lengths // 3).clamp_min(1)
+    cols = torch.arange(ids.shape[1])[None]
+    mask = ((cols >= prompt[:, None]) & (cols < lengths[:, None])).float()
+    advantages = torch.randn(len(ids), generator=torch.Generator().manual_seed(seed))
+    return BatchedDataDict(
+        input_ids=ids.clone(),
+        input_lengths=lengths.clone(),
+        token_mask=mask,
+        sample_mask=torch.ones(len(ids)),
+        advantages=advantages[:, None] * mask,
+        generation_logprobs=generation_logprobs.float() * mask,
+    )
+
+
+def grpo_summary(losses, norms, metrics: dict[str, list[float]]) -> dict:
+    """The JSON-able GRPO step-0 numbers: per optimizer step loss, grad norm and the compared metrics."""
+    return {
+        "loss": [float(x) for x in losses],
+        "grad_norm": [float(x) for x in norms],
+        "metrics": {k: [float(x) for x in metrics[k]] for k in GRPO_METRICS if k in metrics and k != "loss"},
+    }
+
+
+def grpo_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
+    """The training part of ``core.algorithms.grpo.grpo_step`` on a layout at its initial weights:
+    prev and reference logprobs from the policy itself, then one ``train`` call of ``steps``
+    global batches (``mbs`` = one micro batch per data-parallel rank)."""
+    from core.data import BatchedDataDict
+
+    policy = runner.policy
+    rows = base["input_ids"].shape[0]
+    if rows % (steps * policy.dp):
+        raise ValueError(f"grpo_step0 needs the batch ({rows}) divisible by {steps} steps x dp {policy.dp}")
+    gbs = rows // steps
+    data = BatchedDataDict(dict(base))
+    policy.prepare_for_lp_inference()
+    data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    policy.prepare_for_training()
+    result = policy.train(data, grpo_loss_fn(), gbs=gbs, mbs=gbs // policy.dp)
+    policy.finish_training()
+    return grpo_summary(
+        result["loss"].tolist(), result["grad_norm"].tolist(), {k: v.tolist() for k, v in result["metrics"].items()}
+    )

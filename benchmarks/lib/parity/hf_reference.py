@@ -1,0 +1,99 @@
+"""The HF reference every layout is held to: plain ``AutoModelForCausalLM`` in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from benchmarks.lib.parity.grpo import grpo_loss_fn, grpo_summary
+from benchmarks.lib.parity.measure import measure
+from benchmarks.lib.parity.settings import GRPO_STEPS
+
+
+class HFReference:
+    """Single-process ``AutoModelForCausalLM`` in fp32: the reference every layout is held to."""
+
+    def __init__(self, model_path: str, cfg: dict, precision: str = "float32") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.cfg = cfg
+        # bf16: the workers' recipe (bf16 compute over fp32 weights) as CPU autocast does it
+        self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
+        self._opt = None  # one AdamW for every train step (GRPO's, then NLL's), as a Policy has
+
+    def logprobs(self, ids, lengths):
+        """``[0, logp...]``, padding 0; log_softmax in float64 as tests/torch_backends does."""
+        import torch
+
+        mask = torch.arange(ids.shape[1])[None] < lengths[:, None]
+        self.model.eval()
+        with torch.no_grad(), self.autocast():
+            logits = self.model(input_ids=ids, attention_mask=mask.long()).logits.double()
+        lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        lp = torch.cat([torch.zeros(lp.shape[0], 1, dtype=lp.dtype), lp], 1)
+        return (lp * mask).float()
+
+    def trainer(self, data, loss_fn=None) -> Callable[[], tuple[float, float, dict]]:
+        """One step = full-batch forward, the workers' loss code (``NLLLoss`` by default),
+        backward, pre-clipping global norm, clipping and AdamW with the policy section's
+        settings; a step returns (loss, grad norm, the loss's metrics)."""
+        import torch
+
+        from core.losses import NLLLoss
+
+        loss_fn = loss_fn or NLLLoss()
+        params = list(self.model.parameters())
+        if self._opt is None:
+            kwargs = dict(self.cfg["optimizer"]["kwargs"])
+            kwargs["betas"] = tuple(kwargs["betas"])
+            self._opt = torch.optim.AdamW(params, **kwargs)
+        opt = self._opt
+        max_norm = self.cfg["max_grad_norm"]
+
+        def step(batch=data):
+            ids = batch["input_ids"]
+            mask = (torch.arange(ids.shape[1])[None] < batch["input_lengths"][:, None]).long()
+            self.model.train()
+            opt.zero_grad(set_to_none=True)
+            with self.autocast():
+                logits = self.model(input_ids=ids, attention_mask=mask).logits
+            loss, metrics = loss_fn(logits.float(), batch, None, None)
+            loss.backward()
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = (
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+                if max_norm is not None
+                else torch.nn.utils.get_total_norm(grads)
+            )
+            opt.step()
+            return float(loss.detach()), float(norm), {k: float(v) for k, v in metrics.items()}
+
+        return step
+
+    def measure(self, data, other, steps: int, grpo_base=None, grpo_steps: int = GRPO_STEPS) -> dict:
+        step = self.trainer(data)
+        grpo = None if grpo_base is None else (lambda: self.grpo(grpo_base, grpo_steps))
+        return measure(self.logprobs, lambda: step()[:2], data, other, steps, grpo)
+
+    def grpo(self, base, steps: int = GRPO_STEPS) -> dict:
+        """:func:`grpo_policy` in this process, at the current weights."""
+        data = dict(base)
+        data["prev_logprobs"] = data["reference_policy_logprobs"] = self.logprobs(
+            data["input_ids"], data["input_lengths"]
+        )
+        step = self.trainer(data, grpo_loss_fn())
+        gbs = len(data["input_ids"]) // steps
+        losses, norms, metrics = [], [], {}
+        for g in range(steps):
+            loss, norm, m = step({k: v[g * gbs : (g + 1) * gbs] for k, v in data.items()})
+            losses.append(loss)
+            norms.append(norm)
+            for k, v in m.items():
+                metrics.setdefault(k, []).append(v)
+        return grpo_summary(losses, norms, metrics)
+
+
+def hf_export_logprobs(path: str, data, precision: str = "float32"):
+    """Logprobs of an HF export loaded in this process (the ``hf`` cross-load target)."""
+    return HFReference(path, {}, precision).logprobs(data["input_ids"], data["input_lengths"])

@@ -1,0 +1,69 @@
+"""Checking a parity run's arguments and layout names against the machine, and its policy settings.
+(Its models: ``benchmarks.lib.models.prepare_model``.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.lib import layouts
+from benchmarks.lib.layouts import GRAMMAR, TORCH_LAYOUTS, jax_layout, torch_layout
+from benchmarks.lib.models import hf_config
+from benchmarks.lib.parity.checks import crossload_pairs
+
+
+def jax_devices(name: str) -> int | None:
+    """XLA host devices the layout's actor needs (``None``: a torch layout)."""
+    layout = jax_layout(name)
+    return layout.devices if layout else None
+
+
+def check_arguments(layouts: list[str], engine: Any, crossload: str, seq: int, steps: int) -> None:
+    """``ValueError`` for what makes the whole run meaningless (before anything starts); a bad
+    *layout* is not one of them (:func:`layout_problem`: that layout gets an error line)."""
+    if not layouts:
+        raise ValueError("no layouts given")
+    if len(set(layouts)) != len(layouts):
+        raise ValueError(f"a layout is given twice: {layouts}")
+    if isinstance(engine, (list, tuple)) and (unknown := [n for n in engine if n not in layouts]):
+        raise ValueError(f"--engine {' '.join(unknown)}: not among the layouts {layouts}")
+    crossload_pairs(layouts, crossload)
+    if seq < 2 or steps < 1:
+        raise ValueError(f"seq must be >= 2 and steps >= 1, got seq={seq}, steps={steps}")
+
+
+def layout_problem(name: str, batch: int, threads: int, ray_cpus: float | None) -> str | None:
+    """Why ``name`` cannot run here (unknown, does not fit, batch), or ``None``.  See "Bad
+    input" in ``benchmarks/parity.py``'s docstring for what *fits* means."""
+    jax = jax_layout(name)
+    layout = torch_layout(name)
+    if jax is None and layout is None:
+        return f"unknown layout {name!r}: one of {', '.join(TORCH_LAYOUTS)}, or by the grammar {GRAMMAR}"
+    cpus = "" if ray_cpus is None else f" (the Ray cluster has {ray_cpus:g} CPUs)"
+    if layout is not None:
+        if layout.workers > threads:
+            return (
+                f"does not fit: {name} needs {layout.workers} workers, each with a CPU thread of its own; "
+                f"the thread budget --threads {threads} gives at most {threads}{cpus}"
+            )
+        need = layout.workers * (threads // layout.workers)
+        if ray_cpus is not None and need > ray_cpus:
+            return f"does not fit: {name} needs {layout.workers} x {threads // layout.workers} CPUs{cpus}"
+        if batch % layout.dp:
+            return f"batch {batch} is not divisible by its data-parallel size {layout.dp}"
+    elif ray_cpus is not None and threads > ray_cpus:
+        return f"does not fit: {name} is one actor of --threads {threads} CPUs{cpus}"
+    return None
+
+
+def jax_model_problem(model: str, model_path: str) -> str | None:
+    """Why the JAX backend cannot load this model (its own check on the HF config), or ``None``."""
+    return layouts.jax_model_problem(hf_config(model_path), model)
+
+
+def parity_settings(cfg: dict, lr: float) -> dict:
+    """The policy section of a parity run: a constant learning rate large enough that 3 steps
+    move the weights visibly (the default 5e-6 with a 10-step warm-up barely does), so that the
+    loss curve and the cross-loaded export test trained weights, not the initial ones."""
+    cfg["optimizer"]["kwargs"]["lr"] = lr
+    cfg["scheduler"] = None
+    return cfg

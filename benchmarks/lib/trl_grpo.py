@@ -1,0 +1,624 @@
+"""TRL's ``GRPOTrainer`` as the baseline of dualrl's full GRPO step (``dualrl bench``'s ×TRL).
+
+:class:`TRLGRPORunner` runs a ``trl.GRPOTrainer`` in a child process of its own (as
+:mod:`benchmarks.lib.trl_compare` runs ``SFTTrainer`` / ``DPOTrainer``, see :mod:`benchmarks.lib.trl`:
+``torch.set_num_threads(threads)`` there, one ``step`` line per optimizer step from the driver,
+one reply back).
+:func:`spec_from_dualrl` builds its spec from a resolved dualrl GRPO config, so that one TRL
+step does the work of one dualrl :func:`core.algorithms.grpo.grpo_step`:
+
+    prompts_per_step prompts x group_size samples, generated at once -> rewards -> group
+    advantages -> reference log-probs -> old-policy log-probs -> ONE optimizer step on all
+    prompts_per_step x group_size completions (forward + backward per micro batch, clip, AdamW)
+
+trl is optional (``pip install -e .[bench]``): this module imports without it (nothing but the
+standard library at import time) and :func:`trl_version` says ``None`` then.
+
+Spec (a JSON-able dict; :func:`check_spec` fills the optional keys and refuses bad ones):
+
+* required: ``model_path``, ``tokenizer_path``, ``prompts`` (already formatted prompt strings),
+  ``answers`` (same length: the ground truth, rewarded by dualrl's own environment),
+  ``prompts_per_step``, ``group_size``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``
+  (``-1`` / ``None`` = off), ``learning_rate``, ``betas``, ``eps``, ``weight_decay``,
+  ``max_grad_norm`` (``None`` = no clipping), ``kl_beta``, ``epsilon``, ``seed``, ``precision``
+  (``float32`` | ``bfloat16``).
+* optional (default): ``epsilon_high`` (``epsilon``); ``micro_batch_size`` (the whole batch:
+  rows per forward/backward, = dualrl's ``train_micro_batch_size``); ``loss_type`` (``dapo``);
+  ``scale_rewards`` (``group``); ``importance_sampling_level`` (``token``); ``env`` (dualrl's
+  ``env`` section, ``{"name": "arithmetic"}``); ``use_chat_template`` (``auto``, dualrl's
+  ``data.use_chat_template``); ``old_logprobs_pass`` (``True``, see below); ``foreach`` / ``fused``
+  (AdamW's, ``None`` = torch's default); ``gradient_checkpointing`` (``False``).
+
+The GRPOConfig (:func:`grpo_config_kwargs`):
+
+* one optimizer step per generation batch: ``per_device_train_batch_size = micro``,
+  ``gradient_accumulation_steps = steps_per_generation = B / micro`` with ``B =
+  prompts_per_step x group_size`` (so ``generation_batch_size = B``), ``num_iterations=1``,
+  ``num_generations = group_size``, ``shuffle_dataset=False`` (the prompts are used in order,
+  ``prompts_per_step`` per step, cycling: the dataset is the prompt list repeated until its
+  length is a multiple of ``prompts_per_step``);
+* sampling: ``use_vllm=False`` (HF ``generate``), ``max_completion_length = max_new_tokens``,
+  ``temperature``, ``top_p``, ``top_k`` (0 = off), nothing else (no min_p, repetition penalty 1);
+* loss: ``beta = kl_beta`` (k3 KL against a reference model), ``epsilon`` / ``epsilon_high`` =
+  dualrl's ``ratio_clip_min`` / ``ratio_clip_max``, ``loss_type="dapo"`` = dualrl's
+  ``token_level_loss: true`` (the sum over all completion tokens of the generation batch divided
+  by their number, micro batches and all) or ``"grpo"`` = ``token_level_loss: false`` (per-sequence
+  token mean, then the mean over sequences), ``scale_rewards="group"`` = ``grpo.normalize_rewards``
+  (``"none"`` otherwise), ``importance_sampling_level="sequence"`` =
+  ``loss_fn.sequence_level_importance_ratios`` (GSPO, both ``exp(mean log ratio)``);
+* optimizer: ``torch.optim.AdamW(model.parameters(), lr, betas, eps, weight_decay[, foreach,
+  fused])`` passed in with ``LambdaLR(1.0)`` (constant LR, no warm-up; TRL's own optimizer would
+  exempt biases and norms from weight decay), ``max_grad_norm`` (0 = off), the same values in the
+  config's ``learning_rate`` / ``adam_*`` / ``weight_decay``;
+* ``use_cpu=True``, ``bf16 = precision == "bfloat16"`` (TRL's default is ``True``!), ``fp16=False``,
+  ``gradient_checkpointing=False`` (TRL's default is ``True``), ``seed``, ``report_to=[]``, no
+  logging / saving / eval, no tqdm, ``dataloader_num_workers=0``, ``log_completions=False``,
+  ``max_steps`` large (the driver decides when to stop).
+
+Reward: a TRL reward function that calls dualrl's environment (``core.environments.make_environment``
+on the spec's ``env``, the built-in ``arithmetic`` exact-answer check by default) with
+``metadata = {"ground_truth": answer}``, on the completion text TRL decodes
+(``skip_special_tokens=True``, up to and including the first EOS: the text dualrl's
+``decode_completions`` gives its environment), and checks its return with
+``check_environment_return`` as dualrl's pool does.
+
+Two patches on TRL (a subclass, private methods, as ``benchmarks.lib.trl_compare``'s DPO child):
+
+* prompt tokens: TRL tokenizes string prompts with ``add_special_tokens=True``; dualrl's
+  ``core.datasets.prompts.tokenize_prompt`` adds them only when no chat template was applied.
+  The child applies dualrl's rule (``chat_template_used`` on the spec's ``use_chat_template``).
+* ``old_logprobs_pass`` (default on): stock TRL skips the old-policy log-prob pass when the
+  samples are on-policy (one optimizer step per generation, ``num_iterations=1``: it uses
+  ``per_token_logps.detach()`` as the old log-probs), while dualrl's step always runs
+  ``policy.get_logprobs`` for ``prev_logprobs``.  With it on, the child runs the pass TRL runs
+  in its off-policy case (``_get_per_token_logps_and_entropies`` of the policy, no grad, micro-batch
+  chunks) and hands it to the loss as ``old_per_token_logps`` (equal to the detached values, so
+  the update is the same).  It is timed on its own (``old_logprobs_s``):
+  ``seconds - old_logprobs_s`` is stock TRL's step.
+
+step() returns ``seconds`` (``on_step_begin`` -> ``on_step_end`` of a callback: generation,
+rewards, advantages, reference and old log-prob passes, every micro batch's forward + backward,
+clip, AdamW, scheduler, ``zero_grad`` and TRL's per-step metrics; the prompt fetch before
+``on_step_begin`` and the waits for the driver excluded), ``loop_s`` (driver's go ->
+``on_step_end``), ``generation_s`` (TRL's ``_generate_single_turn``: HF ``generate`` + EOS
+masking), ``reference_s`` (the reference model's log-prob pass), ``old_logprobs_s``,
+``rollout_s`` (all of ``_generate_and_score_completions``: generation, decoding, rewards,
+advantages, the two log-prob passes), ``train_s`` (``seconds - rollout_s``), ``loss`` (summed over
+the micro batches: the step's loss), ``grad_norm`` (pre-clip), ``reward_mean``, ``reward_std``,
+``frac_reward_zero_std``, ``completion_length_mean``, ``kl``, ``entropy``, ``clip_ratio`` (TRL's
+own metrics of the step; ``None`` where TRL computed none).
+
+Differences from dualrl's step that remain (work first, then numerics):
+
+* Generation engine: HF ``generate`` on the training model itself (one call for the whole
+  batch, left-padded prompts, KV cache, global torch RNG seeded once with ``seed``, no per-token
+  log-probs returned).  dualrl generates with ``policy.generation.backend`` (vLLM in
+  ``grpo_arithmetic.yaml``; ``hf`` = HF generate on its workers in ``generation_batch_size``
+  chunks), seeds every row (``sample_seeds``) and gets the sampled tokens' log-probs from the
+  engine.  So the samples differ even from the same weights, and so do completion lengths.
+* No refit: dualrl copies the weights into its generation engine at the start of every step
+  (``timing/refit_s``); TRL generates with the weights it trains.
+* Reference: TRL keeps a second full model in its process and runs it (no grad) inside the
+  rollout phase; dualrl puts the reference weights into the policy workers for a separate
+  ``get_reference_policy_logprobs`` call (swap in, forward, swap back; a Ray round trip).  With
+  ``kl_beta == 0`` TRL loads no reference model and skips the pass; dualrl's step runs it anyway.
+* Log-prob pass chunks: TRL's reference / old-policy passes use ``per_device_train_batch_size``
+  rows per forward; dualrl's use ``policy.logprob_batch_size``.
+* Micro batches: TRL shuffles the generation batch before splitting it into micro batches and
+  pads each micro batch to its own longest completion; dualrl slices its padded batch in order.
+* Training forward: TRL patches a fused LM head onto the model (log-probs computed from the
+  last hidden states in chunks, never the full ``[B, S, V]`` logits) and computes each token's
+  entropy in every training forward (``compute_entropy=True``, not switchable), plus a few
+  ``.item()`` metric syncs per micro batch; dualrl's workers build the logits and take
+  ``log_softmax``.  Negligible for a small vocabulary, favours TRL's memory with a large one.
+* In-process environment: TRL calls the reward function in its own process; dualrl scores in
+  ``env.num_workers`` Ray actors (``EnvironmentPool``) and moves every batch through Ray.
+* bfloat16: TRL's ``bf16=True`` is CPU autocast (fp32 weights, fp32 AdamW state): accelerate
+  wraps the model's ``forward`` in it, so generation, log-prob passes and the training forward all
+  run under it (``ready["autocast_forward"]`` says whether the wrap happened); the reference
+  model's forwards run under TRL's explicit ``accelerator.autocast()``.  dualrl's torch workers
+  compute in bf16 under FSDP mixed precision (fp32 master weights) and generate with the
+  engine's own precision (``vllm_cfg.precision`` for vLLM).
+* Advantages: TRL ``(r - group mean) / (group std with Bessel's correction + 1e-4)``; dualrl
+  divides by the population std only where it is > 0 and sets tied groups to exactly 0.  dualrl's
+  ``grpo.use_leave_one_out_baseline`` has no TRL counterpart (the spec ignores it).
+* KL: both k3, ``exp(ref - logp) - (ref - logp) - 1`` per token, times ``beta``, reduced like the
+  policy loss; dualrl clamps its input to +-``kl_input_clamp_value`` and its output to
+  +-``kl_output_clamp_value``, TRL does not.  Not mapped (TRL has no such option): dualrl's
+  ``reference_policy_kl_type`` k1 / k2, ``use_on_policy_kl_approximation``,
+  ``use_importance_sampling_correction`` / ``truncated_importance_sampling_*`` (dualrl's
+  pi_old / pi_gen weights, 1 when off, the default), ``ratio_clip_c`` (dual clip; TRL's ``delta``
+  is a different cap), ``disable_ppo_ratio``.
+* Stops: TRL ends a completion at the tokenizer's / model's EOS ids only; dualrl's
+  ``generation.stop_token_ids`` / ``stop_strings`` are not mapped.  Nor are dualrl's length limits
+  (``max_total_sequence_length``, ``data.max_input_seq_length``): the prompts given are used as is.
+* LR schedule: constant here; dualrl's config may warm up / decay (same work per step).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.lib.trl import TRLRunner, gate, train_until_stopped, trl_version
+
+__all__ = ["REQUIRED_KEYS", "TRLGRPORunner", "check_spec", "grpo_config_kwargs", "spec_from_dualrl", "trl_version"]
+
+#: Spec keys the caller must give.
+REQUIRED_KEYS = (
+    "model_path",
+    "tokenizer_path",
+    "prompts",
+    "answers",
+    "prompts_per_step",
+    "group_size",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "learning_rate",
+    "betas",
+    "eps",
+    "weight_decay",
+    "max_grad_norm",
+    "kl_beta",
+    "epsilon",
+    "seed",
+    "precision",
+)
+#: Optional spec keys and their defaults (``None`` for ``epsilon_high`` / ``micro_batch_size``:
+#: ``epsilon`` / the whole batch).
+OPTIONAL_DEFAULTS = {
+    "epsilon_high": None,
+    "micro_batch_size": None,
+    "loss_type": "dapo",
+    "scale_rewards": "group",
+    "importance_sampling_level": "token",
+    "env": {"name": "arithmetic"},
+    "use_chat_template": "auto",
+    "old_logprobs_pass": True,
+    "foreach": None,
+    "fused": None,
+    "gradient_checkpointing": False,
+}
+PRECISIONS = ("float32", "bfloat16")
+#: TRL's metrics of one step reported by ``step()`` (our name: TRL's ``_metrics["train"]`` key).
+METRICS = {
+    "reward_mean": "reward",
+    "reward_std": "reward_std",
+    "frac_reward_zero_std": "frac_reward_zero_std",
+    "completion_length_mean": "completions/mean_length",
+    "kl": "kl",
+    "entropy": "entropy",
+    "clip_ratio": "clip_ratio/region_mean",
+}
+
+
+# ----------------------------------------------------------------------------- spec
+
+
+def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_path: str, tokenizer_path: str) -> dict:
+    """The runner's spec from a resolved dualrl GRPO config (``core.config.load_config``'s dict):
+    ``grpo`` (num_prompts_per_step, num_generations_per_prompt, seed, normalize_rewards),
+    ``policy`` (generation sampling, optimizer kwargs, max_grad_norm, precision, micro batch),
+    ``loss_fn`` (reference_policy_kl_penalty, ratio_clip_min / max, token_level_loss,
+    sequence_level_importance_ratios), ``env`` and ``data.use_chat_template``.
+
+    Raises ``ValueError`` when dualrl's step would be several optimizer steps
+    (``policy.train_global_batch_size`` < prompts x generations): the baseline is one."""
+    g, policy, loss = cfg["grpo"], cfg["policy"], cfg.get("loss_fn") or {}
+    gen, opt = policy["generation"], (policy.get("optimizer") or {}).get("kwargs") or {}
+    batch = g["num_prompts_per_step"] * g["num_generations_per_prompt"]
+    gbs = policy.get("train_global_batch_size", batch)
+    if gbs != batch:
+        raise ValueError(
+            f"policy.train_global_batch_size ({gbs}) != grpo.num_prompts_per_step x "
+            f"num_generations_per_prompt ({batch}): dualrl's step would take {batch // gbs} optimizer "
+            "steps, the TRL baseline times one optimizer step per generation batch"
+        )
+    micro = policy.get("train_micro_batch_size") or batch
+    micro = micro if micro < batch and batch % micro == 0 else batch
+    top_k = gen.get("top_k")
+    spec = {
+        "model_path": model_path,
+        "tokenizer_path": tokenizer_path,
+        "prompts": list(prompts),
+        "answers": [str(a) for a in answers],
+        "prompts_per_step": g["num_prompts_per_step"],
+        "group_size": g["num_generations_per_prompt"],
+        "max_new_tokens": gen["max_new_tokens"],
+        "temperature": gen.get("temperature", 1.0),
+        "top_p": gen.get("top_p", 1.0),
+        "top_k": None if top_k is None or top_k < 0 else top_k,
+        "learning_rate": opt["lr"],
+        "betas": list(opt.get("betas", (0.9, 0.999))),
+        "eps": opt.get("eps", 1e-8),
+        "weight_decay": opt.get("weight_decay", 0.0),
+        "max_grad_norm": policy.get("max_grad_norm"),
+        "kl_beta": loss.get("reference_policy_kl_penalty", 0.0),
+        "epsilon": loss.get("ratio_clip_min", 0.2),
+        "epsilon_high": loss.get("ratio_clip_max", loss.get("ratio_clip_min", 0.2)),
+        "seed": g.get("seed", 42),
+        "precision": policy.get("precision", "float32"),
+        "micro_batch_size": micro,
+        "loss_type": "dapo" if loss.get("token_level_loss", True) else "grpo",
+        "scale_rewards": "group" if g.get("normalize_rewards", True) else "none",
+        "importance_sampling_level": "sequence" if loss.get("sequence_level_importance_ratios") else "token",
+        "env": dict(cfg.get("env") or {"name": "arithmetic"}),
+        "use_chat_template": (cfg.get("data") or {}).get("use_chat_template", "auto"),
+        "old_logprobs_pass": True,
+        "foreach": opt.get("foreach"),
+        "fused": opt.get("fused"),
+        "gradient_checkpointing": _activation_checkpointing(policy),
+    }
+    return check_spec(spec)
+
+
+def _activation_checkpointing(policy: dict) -> bool:
+    backend = policy.get("backend")
+    if backend == "torch_fsdp":
+        return bool(policy.get("activation_checkpointing_enabled"))
+    section = {"torch_dtensor": "dtensor_cfg", "jax_pjit": "jax_cfg"}.get(backend)
+    return bool(section and (policy.get(section) or {}).get("activation_checkpointing"))
+
+
+def check_spec(spec: dict) -> dict:
+    """``spec`` with the optional keys filled in; ``ValueError`` naming what is missing or wrong."""
+    missing = [k for k in REQUIRED_KEYS if k not in spec]
+    if missing:
+        raise ValueError(f"TRL GRPO spec: missing keys {missing}")
+    unknown = sorted(set(spec) - set(REQUIRED_KEYS) - set(OPTIONAL_DEFAULTS))
+    if unknown:
+        raise ValueError(f"TRL GRPO spec: unknown keys {unknown}")
+    out = {**OPTIONAL_DEFAULTS, **spec}
+    if out["epsilon_high"] is None:
+        out["epsilon_high"] = out["epsilon"]
+    prompts, answers = out["prompts"], out["answers"]
+    if not prompts or len(prompts) != len(answers):
+        raise ValueError(f"TRL GRPO spec: {len(prompts)} prompts and {len(answers)} answers (need as many, >= 1)")
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError("TRL GRPO spec: prompts must be formatted prompt strings")
+    for key in ("prompts_per_step", "max_new_tokens"):
+        if not isinstance(out[key], int) or out[key] < 1:
+            raise ValueError(f"TRL GRPO spec: {key} must be a positive int, got {out[key]!r}")
+    if not isinstance(out["group_size"], int) or out["group_size"] < 2:
+        raise ValueError(
+            f"TRL GRPO spec: group_size must be an int >= 2 (TRL needs 2 samples per group), got {out['group_size']!r}"
+        )
+    if out["precision"] not in PRECISIONS:
+        raise ValueError(f"TRL GRPO spec: precision {out['precision']!r} is not one of {PRECISIONS}")
+    batch = out["prompts_per_step"] * out["group_size"]
+    if out["micro_batch_size"] is None:
+        out["micro_batch_size"] = batch
+    if not isinstance(out["micro_batch_size"], int) or out["micro_batch_size"] < 1 or batch % out["micro_batch_size"]:
+        raise ValueError(
+            f"TRL GRPO spec: micro_batch_size {out['micro_batch_size']!r} must divide the {batch} completions of a step"
+        )
+    if out["loss_type"] not in ("dapo", "grpo"):
+        raise ValueError(f"TRL GRPO spec: loss_type {out['loss_type']!r}: dapo (token-level) or grpo (sequence)")
+    if out["scale_rewards"] not in ("group", "none"):
+        raise ValueError(f"TRL GRPO spec: scale_rewards {out['scale_rewards']!r}: group or none")
+    if out["importance_sampling_level"] not in ("token", "sequence"):
+        raise ValueError(f"TRL GRPO spec: importance_sampling_level {out['importance_sampling_level']!r}")
+    if len(out["betas"]) != 2:
+        raise ValueError(f"TRL GRPO spec: betas must be two numbers, got {out['betas']!r}")
+    return out
+
+
+def grpo_config_kwargs(spec: dict, output_dir: str) -> dict:
+    """The ``trl.GRPOConfig`` keyword arguments of a (checked) spec; no trl needed to build them."""
+    spec = check_spec(spec)
+    batch = spec["prompts_per_step"] * spec["group_size"]
+    micro = spec["micro_batch_size"]
+    top_k = spec["top_k"]
+    return dict(
+        output_dir=output_dir,
+        # one optimizer step per generation batch of prompts_per_step x group_size completions
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
+        steps_per_generation=batch // micro,  # => generation_batch_size = micro x steps = batch
+        num_iterations=1,
+        num_generations=spec["group_size"],
+        shuffle_dataset=False,
+        max_steps=10**9,
+        # sampling with HF generate
+        use_vllm=False,
+        max_completion_length=spec["max_new_tokens"],
+        temperature=float(spec["temperature"]),
+        top_p=float(spec["top_p"]),
+        top_k=0 if top_k is None or top_k < 0 else int(top_k),
+        # loss
+        beta=float(spec["kl_beta"]),
+        epsilon=float(spec["epsilon"]),
+        epsilon_high=float(spec["epsilon_high"]),
+        loss_type=spec["loss_type"],
+        scale_rewards=spec["scale_rewards"],
+        importance_sampling_level=spec["importance_sampling_level"],
+        mask_truncated_completions=False,
+        # optimizer (the AdamW itself is passed to the trainer) and clipping
+        learning_rate=float(spec["learning_rate"]),
+        weight_decay=float(spec["weight_decay"]),
+        adam_beta1=float(spec["betas"][0]),
+        adam_beta2=float(spec["betas"][1]),
+        adam_epsilon=float(spec["eps"]),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=0.0 if spec["max_grad_norm"] is None else float(spec["max_grad_norm"]),
+        # machine, precision, seed
+        use_cpu=True,
+        bf16=spec["precision"] == "bfloat16",
+        fp16=False,
+        gradient_checkpointing=bool(spec["gradient_checkpointing"]),
+        seed=int(spec["seed"]),
+        # no logging, saving, evaluation
+        report_to=[],
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        log_completions=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        remove_unused_columns=False,
+    )
+
+
+def cycled_rows(prompts: list[str], answers: list[str], per_step: int) -> list[dict]:
+    """``{"prompt", "answer"}`` rows: the lists repeated until their length is a multiple of
+    ``per_step``, so that TRL's sampler (which drops an epoch's incomplete last batch) walks the
+    prompts in order, ``per_step`` per step, cycling."""
+    repeats = per_step // math.gcd(len(prompts), per_step)
+    return [{"prompt": p, "answer": a} for _ in range(repeats) for p, a in zip(prompts, answers, strict=True)]
+
+
+# ----------------------------------------------------------------------------- TRL (child process)
+
+
+def _reward_function(env_cfg: dict):
+    """A TRL reward function scoring with dualrl's environment (``ground_truth`` = the answer)."""
+    from core.environments import check_environment_return, make_environment
+
+    env = make_environment(env_cfg)
+
+    def dualrl_env(prompts, completions, answer, **_kwargs):
+        meta = [{"ground_truth": a} for a in answer]
+        ret = check_environment_return(
+            env.score(list(prompts), list(completions), meta), prompts, completions, env.name
+        )
+        return ret.rewards
+
+    return dualrl_env
+
+
+def _trainer_class():
+    """``GRPOTrainer`` recording each step's loss, pre-clip grad norm and phase times; dualrl's
+    prompt-tokenization rule; the optional old-policy log-prob pass (module docstring)."""
+    import torch
+    from trl import GRPOTrainer
+
+    class Recording(GRPOTrainer):
+        _bench_add_special_tokens = True
+        _bench_old_logprobs_pass = True
+
+        def bench_reset(self) -> None:
+            self._bench = {
+                "loss": 0.0,
+                "grad_norm": None,
+                "generation_s": 0.0,
+                "reference_s": 0.0,
+                "old_logprobs_s": 0.0,
+                "rollout_s": 0.0,
+            }
+
+        def _add(self, key: str, seconds: float) -> None:
+            self._bench[key] += seconds
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self._bench["loss"] += float(loss)  # summed over the micro batches of a step
+            return loss
+
+        def _clip_grad_norm(self, model):
+            norm = super()._clip_grad_norm(model)
+            self._bench["grad_norm"] = float(norm)
+            return norm
+
+        def _tokenize_prompts(self, prompts):
+            if prompts and isinstance(prompts[0], str):  # dualrl: special tokens only without a chat template
+                ids = self.processing_class(text=list(prompts), add_special_tokens=self._bench_add_special_tokens)
+                return ids["input_ids"], None, {}
+            return super()._tokenize_prompts(prompts)
+
+        def _generate_single_turn(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate_single_turn(*args, **kwargs)
+            finally:
+                self._add("generation_s", time.perf_counter() - t0)
+
+        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            finally:
+                if self.ref_model is not None and model is self.ref_model:
+                    self._add("reference_s", time.perf_counter() - t0)
+
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            if self._bench_old_logprobs_pass and out.get("old_per_token_logps") is None and self.model.training:
+                t1 = time.perf_counter()
+                ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+                mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+                with torch.no_grad():
+                    # TRL's own off-policy pass (as in _generate_and_score_completions), text-only inputs
+                    old, _, _ = self._get_per_token_logps_and_entropies(
+                        self.model,
+                        ids,
+                        mask,
+                        out["completion_ids"].size(1),
+                        batch_size=self.args.per_device_train_batch_size,
+                    )
+                out["old_per_token_logps"] = old
+                self._add("old_logprobs_s", time.perf_counter() - t1)
+            self._add("rollout_s", time.perf_counter() - t0)
+            return out
+
+    return Recording
+
+
+def _step_metrics(metrics: dict, marks: dict) -> dict:
+    """Mean of each reported TRL metric over the entries this step appended (``None`` if none)."""
+    out = {}
+    for name, key in METRICS.items():
+        new = list(metrics.get(key, []))[marks.get(key, 0) :]
+        out[name] = sum(new) / len(new) if new else None
+    return out
+
+
+def _optimizer(model, spec: dict):
+    """``torch.optim.AdamW`` with the spec's values and a constant LR (no warm-up)."""
+    import torch
+
+    opt_kwargs = dict(
+        lr=float(spec["learning_rate"]),
+        betas=tuple(spec["betas"]),
+        eps=float(spec["eps"]),
+        weight_decay=float(spec["weight_decay"]),
+    )
+    opt_kwargs.update({k: spec[k] for k in ("foreach", "fused") if spec[k] is not None})
+    optimizer = torch.optim.AdamW(model.parameters(), **opt_kwargs)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
+
+
+#: The resolved GRPOConfig fields the child reports (``ready["config"]``).
+CONFIG_FIELDS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+    "num_generations",
+    "num_iterations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "loss_type",
+    "scale_rewards",
+    "importance_sampling_level",
+    "max_grad_norm",
+    "bf16",
+    "use_vllm",
+    "seed",
+)
+
+
+def _ready(trainer, trainer_cls, rows: list[dict]) -> dict:
+    """The child's versions, model facts and resolved config, answered once training begins."""
+    import torch
+    import transformers
+    import trl
+
+    model = trainer.model
+    return {
+        "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "attn_implementation": model.config._attn_implementation,
+        "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "reference_model": trainer.ref_model is not None,
+        "add_special_tokens": trainer_cls._bench_add_special_tokens,
+        "old_logprobs_pass": trainer_cls._bench_old_logprobs_pass,
+        "dataset_rows": len(rows),
+        "config": {k: getattr(trainer.args, k) for k in CONFIG_FIELDS},
+        # accelerate wraps model.forward in autocast (bf16) when it prepares the model: every
+        # forward then runs under it, HF generate's included
+        "autocast_forward": hasattr(model, "_original_forward"),
+    }
+
+
+def _step_reply(trainer, marks: dict, seconds: float, loop_s: float) -> dict:
+    bench = trainer._bench
+    return {
+        "seconds": seconds,
+        "loop_s": loop_s,
+        "loss": bench["loss"],
+        "grad_norm": bench["grad_norm"],
+        "generation_s": bench["generation_s"],
+        "reference_s": bench["reference_s"],
+        "old_logprobs_s": bench["old_logprobs_s"],
+        "rollout_s": bench["rollout_s"],
+        "train_s": seconds - bench["rollout_s"],
+        **_step_metrics(trainer._metrics["train"], marks),
+    }
+
+
+def serve_trl_grpo(spec: dict) -> None:
+    """The child (``benchmarks.lib.trl``): build the trainer from the spec, then one optimizer step
+    per ``step`` line (answering with its timings and metrics) until ``quit``."""
+    t0 = time.perf_counter()
+    threads, output_dir = spec.pop("threads"), spec.pop("output_dir")
+    spec = check_spec(spec)
+    import torch
+
+    torch.set_num_threads(threads)
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.datasets.prompts import chat_template_used
+
+    transformers.logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_path"])
+    # fp32 weights whatever the precision (bf16 = autocast, fp32 master weights and AdamW state)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    trainer_cls = _trainer_class()
+    use_template = {"use_chat_template": spec["use_chat_template"]}
+    trainer_cls._bench_add_special_tokens = not chat_template_used(use_template, tokenizer)
+    trainer_cls._bench_old_logprobs_pass = bool(spec["old_logprobs_pass"])
+    rows = cycled_rows(spec["prompts"], spec["answers"], spec["prompts_per_step"])
+    marks: dict = {}
+
+    def reset() -> None:  # where this step's metrics start, and the step's own timers
+        marks.update({k: len(v) for k, v in trainer._metrics["train"].items()})
+        trainer.bench_reset()
+
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=[_reward_function(spec["env"])],
+        args=trl.GRPOConfig(**grpo_config_kwargs(spec, output_dir)),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        optimizers=_optimizer(model, spec),
+        callbacks=[
+            gate(
+                t0,
+                lambda: _ready(trainer, trainer_cls, rows),
+                lambda seconds, loop_s: _step_reply(trainer, marks, seconds, loop_s),
+                reset,
+            )
+        ],
+    )
+    trainer.bench_reset()
+    train_until_stopped(trainer)
+
+
+class TRLGRPORunner(TRLRunner):
+    """``GRPOTrainer`` in a child process (:func:`serve_trl_grpo`); ``step()`` = one optimizer step
+    (its answer: see the module docstring); ``ready``: the child's versions and resolved GRPOConfig."""
+
+    def __init__(self, spec: dict, root: Path, threads: int) -> None:
+        spec = check_spec(spec)
+        # the trainer's output_dir: one per runner (several may share ``root``)
+        output_dir = tempfile.mkdtemp(prefix="trl-grpo-", suffix=".out", dir=root)
+        child_spec = {**spec, "threads": int(threads), "output_dir": output_dir}
+        super().__init__("benchmarks.lib.trl_grpo:serve_trl_grpo", child_spec, threads)

@@ -1,0 +1,318 @@
+"""``benchmarks.parity`` / ``dualrl parity``: the matrix on one layout per backend passes, and a
+result outside a tolerance (fabricated, no workers) is reported as FAIL."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from benchmarks import parity as parity_cli
+from benchmarks.lib.layouts import torch_layout
+from benchmarks.lib.models import save_tiny_gpt2
+from benchmarks.lib.parity.checks import collect, crossload_pairs, judge
+from benchmarks.lib.parity.grpo import grpo_summary
+from benchmarks.lib.parity.models import jax_model_problem, layout_problem
+from benchmarks.lib.parity.report import format_matrix
+from benchmarks.lib.parity.run import run_parity
+from benchmarks.lib.parity.settings import BF16_TOLERANCES, ENGINE_TRANSPORTS, HF, VARIANTS
+from dualrl.cli import main as cli_main
+
+# ----------------------------------------------------------------------------- fabricated results
+
+
+def _grpo() -> dict:
+    """A GRPO step-0 summary as ``grpo_summary`` makes one (two optimizer steps)."""
+    return grpo_summary(
+        [0.17, -0.58],
+        [1.72, 1.47],
+        {
+            "loss": [0.17, -0.58],
+            "actor_loss": [0.17, -0.58],
+            "kl_penalty": [0.0, 4.6e-4],
+            "clip_fraction": [0.0, 0.0],
+            "probs_ratio": [1.0, 0.998],
+        },
+    )
+
+
+def _measurement(logprobs: torch.Tensor, losses=(5.5, 5.25, 5.0), norms=(2.0, 1.9, 1.8), moved=0.01) -> dict:
+    trained = logprobs - moved
+    return {
+        "logprobs": logprobs,
+        "invariance": {v: 0.0 for v in VARIANTS},
+        "loss": list(losses),
+        "grad_norm": list(norms),
+        "trained_logprobs": trained,
+        "grpo": _grpo(),
+        "resumed": {"loss": 4.8, "grad_norm": 1.7, "logprobs": trained - moved},
+    }
+
+
+def _engine(value: float) -> dict:
+    per = {
+        t: {"token_mult_prob_error": value, "max_abs_diff": 2e-5, "gen_kl_error": 1e-9, "tokens": 30, "refit_s": 0.1}
+        for t in ENGINE_TRANSPORTS
+    }
+    return {"token_mult_prob_error": value, "transports": per}
+
+
+def _results(measured: dict, errors: dict | None = None, dcp: dict | None = None) -> dict:
+    """``collect`` on fabricated measurements; every layout's export loaded by the next one, and
+    (unless ``dcp`` is given) its DCP checkpoint too, exactly."""
+    names = [n for n in measured if n != HF]
+    crossloaded = {
+        (src, tgt): measured[src]["trained_logprobs"].clone()
+        for src, tgt in [(n, HF) for n in names] + crossload_pairs(names, "ring")
+    }
+    if dcp is None:
+        dcp = {
+            (src, tgt): {
+                "logprobs": measured[src]["trained_logprobs"].clone(),
+                "resumed": dict(measured[src]["resumed"]),
+            }
+            for src, tgt in crossload_pairs(names, "ring")
+        }
+    return collect(
+        measured,
+        crossloaded,
+        errors=errors,
+        seconds={"total": 1.0},
+        model="fabricated",
+        layouts=names,
+        batch=4,
+        seq=6,
+        real_tokens=20,
+        steps=3,
+        lr=1e-3,
+        max_grad_norm=1.0,
+        crossload="ring",
+        dcp=dcp,
+    )
+
+
+def _clean() -> dict:
+    lp = -torch.rand(4, 6, generator=torch.Generator().manual_seed(0)) * 5
+    return {HF: _measurement(lp), "a": _measurement(lp.clone()), "b": _measurement(lp + 3e-7)}
+
+
+def _failed(results: dict) -> set[tuple]:
+    return {(c["check"], c["a"], c["b"]) for c in results["checks"] if not c["pass"]}
+
+
+def test_fabricated_results_within_tolerance_pass():
+    results = _results(_clean())
+    assert results["passed"] and not _failed(results)
+    report = format_matrix(results)
+    assert not re.search(r"e[+-]\d\d FAIL", report)  # no cell marked
+    assert not any(line.startswith("FAIL") for line in report.splitlines())
+    assert report.splitlines()[-1].startswith("PASS: ")
+    json.dumps(results)  # every number is JSON-able
+    assert sum(c["check"] == "logprobs" for c in results["checks"]) == 3
+    assert {(c["a"], c["b"]) for c in results["checks"] if c["check"] == "crossload"} == {
+        ("a", "hf"),
+        ("b", "hf"),
+        ("a", "b"),
+        ("b", "a"),
+    }
+    assert sum(c["check"] == "grpo_step0" for c in results["checks"]) == 3  # hf, a, b: every pair
+    assert {(c["a"], c["b"]) for c in results["checks"] if c["check"] in ("dcp_crossload", "dcp_resume")} == {
+        ("a", "b"),
+        ("b", "a"),
+    }
+    assert "GRPO step 0 (ClippedPGLossFn" in report and "DCP cross-load (torch)" in report
+    assert "vLLM engine" not in report  # no engine measurement, no engine table
+
+
+def test_a_perturbed_logprob_is_reported_as_fail():
+    measured = _clean()
+    measured["b"]["logprobs"][1, 2] += 1e-3  # one position of one layout, 100x the tolerance
+    results = _results(measured)
+    assert not results["passed"]
+    assert _failed(results) == {("logprobs", "hf", "b"), ("logprobs", "a", "b")}
+    report = format_matrix(results)
+    assert "FAIL logprobs: hf vs b: 1.000e-03 (needs <= 1e-05)" in report
+    assert "FAIL logprobs: a vs b" in report
+    assert "1.0e-03 FAIL" in report  # the matrix cell
+    assert report.splitlines()[-1].startswith("FAIL: ")
+
+
+def test_each_tolerance_is_applied():
+    measured = _clean()
+    measured["a"]["loss"][0] += 2e-5  # 2e-5 / 5.5 = 3.6e-6 relative: within 1e-5
+    measured["a"]["grad_norm"][0] = float("nan")  # NaN never passes
+    measured["b"]["loss"][2] += 1e-3  # the curve's tolerance is 1e-4 (x 5.0)
+    measured["b"]["invariance"]["reversed"] = 1e-4  # above 1e-5
+    measured["hf"]["invariance"]["alone"] = 1e-6  # within, but not bitwise
+    measured["hf"]["trained_logprobs"] = measured["hf"]["logprobs"] - 1e-4  # training did not move it
+    results = _results(measured)
+    failed = _failed(results)
+    assert ("loss_step0", "hf", "a") not in failed
+    assert {("grad_norm_step0", "hf", "a"), ("grad_norm_step0", "a", "b")} <= failed
+    assert {("loss_curve", "hf", "b"), ("loss_curve", "a", "b")} <= failed
+    assert ("batch_invariance", "b", None) in failed and ("batch_invariance", "hf", None) not in failed
+    assert ("weights_moved", "hf", None) in failed
+    inv = next(c for c in results["checks"] if c["check"] == "batch_invariance" and c["a"] == "hf")
+    assert inv["bitwise"] == {"alone": False, "alone_trimmed": True, "reversed": True, "mixed": True}
+
+
+def test_a_layout_that_did_not_run_fails_the_run():
+    results = _results(_clean(), errors={"jax-tp2": "jax-tp2: RuntimeError: boom"})
+    assert not results["passed"]
+    assert "ERROR jax-tp2: RuntimeError: boom" in format_matrix(results)
+
+
+def test_exit_code_follows_the_verdict(monkeypatch, tmp_path, capsys):
+    measured = _clean()
+    measured["a"]["grad_norm"][0] += 1.0
+    for results, rc in ((_results(_clean()), 0), (_results(measured), 1)):
+        monkeypatch.setattr(parity_cli, "run_parity", lambda *a, _r=results, **k: _r)  # what main() calls
+        out = tmp_path / f"rc{rc}.json"
+        assert cli_main(["parity", "--layouts", "fsdp1-dp2", "--json", str(out)]) == rc
+        assert json.loads(out.read_text())["passed"] is (rc == 0)
+    assert "FAIL grad_norm_step0: hf vs a" in capsys.readouterr().out
+
+
+def test_a_grpo_metric_out_of_tolerance_fails_its_pairs():
+    measured = _clean()
+    measured["b"]["grpo"]["metrics"]["kl_penalty"][1] += 1e-4  # 10x the tolerance (absolute below 1)
+    measured["a"]["grpo"]["grad_norm"][0] *= 1 + 5e-6  # relative 5e-6: within
+    results = _results(measured)
+    assert _failed(results) == {("grpo_step0", "hf", "b"), ("grpo_step0", "a", "b")}
+    worst = next(c for c in results["checks"] if (c["check"], c["a"], c["b"]) == ("grpo_step0", "hf", "b"))
+    assert max(worst["per_quantity"], key=worst["per_quantity"].get) == "kl_penalty"
+    report = format_matrix(results)
+    assert "FAIL grpo_step0: hf vs b: 1.000e-04 (needs <= 1e-05)" in report
+    # A measurement without a GRPO summary is left out of the GRPO pairs, not failed.
+    del measured["b"]["grpo"]
+    assert {(c["a"], c["b"]) for c in _results(measured)["checks"] if c["check"] == "grpo_step0"} == {("hf", "a")}
+
+
+def test_a_dcp_load_or_resume_out_of_tolerance_fails():
+    measured = _clean()
+    bad_load = {"logprobs": measured["b"]["trained_logprobs"] + 2e-5, "resumed": dict(measured["b"]["resumed"])}
+    resumed = dict(measured["a"]["resumed"], logprobs=measured["a"]["resumed"]["logprobs"] + 2e-4)
+    results = _results(
+        measured,
+        dcp={
+            ("a", "b"): {"logprobs": measured["a"]["trained_logprobs"].clone(), "resumed": resumed},
+            ("b", "a"): bad_load,
+        },
+    )
+    assert _failed(results) == {("dcp_crossload", "b", "a"), ("dcp_resume", "a", "b")}
+    report = format_matrix(results)
+    assert re.search(r"FAIL dcp_crossload: b vs a: 2\.00\de-05 \(needs <= 1e-05\)", report)
+    assert re.search(r"FAIL dcp_resume: a vs b: 2\.00\de-04 \(needs <= 0\.0001\)", report)
+    assert re.search(r"b -> a +2\.0e-05 FAIL +0\.0e\+00", report)  # the table row: loaded FAIL, resumed OK
+
+
+def test_token_mult_prob_error_band():
+    measured = _clean()
+    measured["a"]["engine"] = _engine(1.0000026)  # what vLLM on CPU measures
+    measured["b"]["engine"] = _engine(1.0012)  # a refit that mangled a tensor would be far above
+    results = _results(measured)
+    assert _failed(results) == {("token_mult_prob_error", "b", None)}
+    report = format_matrix(results)
+    assert "FAIL token_mult_prob_error: b: 1.001e+00 (needs <= 1.0001)" in report
+    assert re.search(r"^a +ipc +1\.0000026 ", report, re.M)
+    assert re.search(r"^b +collective +1\.0012000 FAIL", report, re.M)
+    json.dumps(results)
+
+
+def test_layout_problems_name_the_layout_and_why():
+    assert layout_problem("fsdp1-dp2", 8, threads=2, ray_cpus=4) is None
+    assert layout_problem("dtensor-tp2-sp", 8, threads=2, ray_cpus=4) is None
+    assert layout_problem("jax-fsdp8", 8, threads=2, ray_cpus=4) is None
+    assert "unknown layout 'bogus-layout'" in layout_problem("bogus-layout", 8, 2, 4)
+    assert "unknown layout 'fsdp1-tp2'" in layout_problem("fsdp1-tp2", 8, 2, 4)  # FSDP1 has no TP
+    tp4 = layout_problem("dtensor-tp4", 8, threads=2, ray_cpus=4)
+    assert tp4.startswith("does not fit: dtensor-tp4 needs 4 workers") and "--threads 2" in tp4
+    assert layout_problem("dtensor-tp4", 8, threads=4, ray_cpus=4) is None  # 4 threads: fits
+    assert "needs 4 x 1 CPUs (the Ray cluster has 2 CPUs)" in layout_problem("dtensor-dp4", 8, 4, 2)
+    assert "is one actor of --threads 8 CPUs" in layout_problem("jax-tp2", 8, 8, 4)
+    assert "batch 3 is not divisible by its data-parallel size 2" in layout_problem("dtensor-dp2", 3, 2, 4)
+    lay = torch_layout("dtensor-dp2-tp2-sp")
+    assert (lay.backend, lay.dp, lay.tp, lay.sp) == ("torch_dtensor", 2, 2, True)
+
+
+def test_a_model_the_jax_backend_does_not_support_is_named(tmp_path, model_dirs):
+    gpt2 = save_tiny_gpt2(tmp_path / "gpt2")
+    problem = jax_model_problem("tiny-gpt2", str(gpt2))
+    assert problem.startswith("model 'tiny-gpt2' is not supported by the JAX backend (jax_pjit): ")
+    assert "unsupported model_type 'gpt2'" in problem and "llama" in problem
+    assert jax_model_problem("llama", str(model_dirs["llama"])) is None
+
+
+def test_bad_arguments_are_named_before_anything_starts(capsys):
+    with pytest.raises(ValueError, match="no layouts"):
+        run_parity([])
+    with pytest.raises(ValueError, match="given twice"):
+        run_parity(["fsdp1-dp2", "fsdp1-dp2"])
+    with pytest.raises(ValueError, match="--engine jax-tp2: not among the layouts"):
+        run_parity(["fsdp1-dp2"], engine=["jax-tp2"])
+    with pytest.raises(ValueError, match="crossload mode 'star'"):
+        run_parity(["fsdp1-dp2"], crossload="star")
+    assert cli_main(["parity", "--layouts", "fsdp1-dp2", "fsdp1-dp2"]) == 2
+    assert "given twice" in capsys.readouterr().err
+
+
+def test_bad_layouts_and_an_unsupported_model_get_error_lines_the_rest_runs(actor_devices):
+    # tiny GPT-2 with only layouts that cannot run: hf (in this process) runs, no worker starts.
+    n = actor_devices
+    results = run_parity([f"jax-fsdp{n}", "nope", "dtensor-tp4", "dtensor-dp2"], "tiny-gpt2", batch=3)
+    report = format_matrix(results)
+    assert list(results["measured"]) == ["hf"] and not results["passed"]
+    assert set(results["errors"]) == {f"jax-fsdp{n}", "nope", "dtensor-tp4", "dtensor-dp2"}
+    assert f"ERROR jax-fsdp{n}: model 'tiny-gpt2' is not supported by the JAX backend (jax_pjit): " in report
+    assert "ERROR nope: unknown layout 'nope'" in report
+    assert "ERROR dtensor-tp4: does not fit: dtensor-tp4 needs 4 workers" in report
+    assert "ERROR dtensor-dp2: batch 3 is not divisible by its data-parallel size 2" in report
+    assert results["measured"]["hf"]["grpo"]["grad_norm"][0] > 0  # the hf row's checks still ran
+    assert report.splitlines()[-1].startswith("FAIL: ") and " 4 error(s)" in report
+
+
+# ----------------------------------------------------------------------------- the real matrix
+
+
+def test_tiny_matrix_one_layout_per_backend_passes(actor_devices):
+    # The session's Ray fixes the XLA host devices of its actors (8, tests/conftest.py): the
+    # JAX layout uses all of them (a JAX actor's mesh must cover every device it sees).
+    # tiny-llama-hd32: the tiny llama at head_dim 32, which vLLM's CPU attention serves, so the
+    # engine check runs on one torch / JAX pair.  Two layouts that cannot run are named and
+    # the others still run and are checked.
+    n = actor_devices
+    layouts = ["fsdp1-dp2", "dtensor-tp2", f"jax-fsdp{n}"]
+    results = run_parity(
+        [*layouts, "bogus-layout", "dtensor-tp4"], "tiny-llama-hd32", engine=["fsdp1-dp2", f"jax-fsdp{n}"]
+    )
+    report = format_matrix(results)
+    print(report)
+    assert all(c["pass"] for c in results["checks"]), report
+    assert set(results["errors"]) == {"bogus-layout", "dtensor-tp4"}, report
+    assert "ERROR bogus-layout: unknown layout 'bogus-layout'" in report
+    assert "ERROR dtensor-tp4: does not fit: dtensor-tp4 needs 4 workers" in report
+    assert not results["passed"]  # the two bad layouts make the exit code 1
+    assert list(results["measured"]) == ["hf", *layouts] and not results["skipped"]
+    checks = results["checks"]
+    for check in ("logprobs", "grpo_step0"):
+        assert sum(c["check"] == check for c in checks) == 6, check  # hf + 3 layouts, every pair
+    crossed = {(c["a"], c["b"]) for c in checks if c["check"] == "crossload"}
+    assert crossed == {*((name, "hf") for name in layouts), *crossload_pairs(layouts, "ring")}
+    for check in ("dcp_crossload", "dcp_resume"):
+        assert {(c["a"], c["b"]) for c in checks if c["check"] == check} == {
+            ("fsdp1-dp2", "dtensor-tp2"),
+            ("dtensor-tp2", "fsdp1-dp2"),
+        }
+    engine = {c["a"]: c for c in checks if c["check"] == "token_mult_prob_error"}
+    assert set(engine) == {"fsdp1-dp2", f"jax-fsdp{n}"}
+    assert all(set(c["transports"]) == {"ipc", "collective"} and 1.0 <= c["value"] for c in engine.values())
+    json.dumps(results)
+
+
+def test_bf16_bands_are_used_for_bf16_runs_and_are_tighter_than_a_real_error():
+    assert judge("logprobs", 5e-3, BF16_TOLERANCES) and not judge("logprobs", 5e-3)
+    assert not judge("logprobs", 0.1, BF16_TOLERANCES)  # a tenth of a nat: a real error
+    with pytest.raises(ValueError, match="precision must be float32 or bfloat16"):
+        run_parity(["fsdp1-dp2"], precision="float16")
