@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from backends.jax_pjit.models import ModelConfig, abstract_model, family_module, param_shapes, params_of
+from backends.jax_pjit.models import ModelConfig, abstract_model, config_from_hf, family_module, param_shapes, params_of
 from backends.jax_pjit.models.hf_table import Row
 
 #: HF buffers that may sit in a checkpoint but are not parameters (recomputed from config).
@@ -327,14 +327,14 @@ def save_hf_checkpoint(model: nnx.Module, hf_config: Any, path: str | os.PathLik
     """Write ``model.safetensors`` (HF names and layouts, params' dtype) and ``config.json``
     to ``path``; ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it.
 
-    ``hf_config`` must describe ``model`` (checked through ``ModelConfig.from_hf``; a padded
+    ``hf_config`` must describe ``model`` (checked through ``config_from_hf``; a padded
     vocabulary is cut back to ``hf_config.vocab_size``).  One file holds every tensor: fine
     up to a few GB; sharded writing is not implemented.
     """
     from safetensors.numpy import save_file
 
-    if ModelConfig.from_hf(hf_config) != model.cfg.unpadded():
-        raise ValueError(f"hf_config describes {ModelConfig.from_hf(hf_config)}, the model is {model.cfg}")
+    if config_from_hf(hf_config) != model.cfg.unpadded():
+        raise ValueError(f"hf_config describes {config_from_hf(hf_config)}, the model is {model.cfg}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = jax_to_hf_tensors(model, model.cfg)
@@ -360,7 +360,7 @@ def from_pretrained(
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path)
-    cfg = ModelConfig.from_hf(hf_config).with_padded_vocab(tp, make_vocab_size_divisible_by)
+    cfg = config_from_hf(hf_config).with_padded_vocab(tp, make_vocab_size_divisible_by)
     model = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
     load_hf_weights(model, path)
     return model, cfg, hf_config

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from backends.jax_pjit import hf_mapping
 from backends.jax_pjit.logical_axes import PARAM_AXES, RULES
-from backends.jax_pjit.models import ModelConfig, abstract_model, logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models import abstract_model, config_from_hf, logical_axes_tree, make_apply_fn
 from backends.jax_pjit.models.layers import activation_constraint, rope_inv_freq
 from backends.jax_pjit.models.llama import CausalLM
 from core.testing.tiny_models import random_batch, save_tiny_model, tiny_config
@@ -210,7 +210,7 @@ def test_export_loads_in_transformers(checkpoint, tmp_path, name):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied"])
 def test_hf_jax_conversion_is_exact_inverse(checkpoint, name):
     path, _ = checkpoint(name)
-    cfg = ModelConfig.from_hf(checkpoint(name)[1].config)
+    cfg = config_from_hf(checkpoint(name)[1].config)
     hf = hf_mapping.read_hf_safetensors(path)
     for tensors in (hf, {k: v.astype(ml_dtypes.bfloat16) for k, v in hf.items()}):
         state = hf_mapping.hf_to_jax_state(tensors, cfg)
@@ -258,7 +258,7 @@ def test_unsupported_model_type_is_named():
     from transformers import GPT2Config
 
     with pytest.raises(ValueError, match="gpt2"):
-        ModelConfig.from_hf(GPT2Config(n_layer=1, n_embd=32, n_head=2))
+        config_from_hf(GPT2Config(n_layer=1, n_embd=32, n_head=2))
 
 
 def test_unsupported_rope_type_is_named():
@@ -272,14 +272,14 @@ def test_unsupported_rope_type_is_named():
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     )
     with pytest.raises(ValueError, match="'linear'"):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
 
 
 def test_mistral_with_binding_window_is_rejected():
     from transformers import MistralConfig
 
     with pytest.raises(ValueError, match="sliding_window"):
-        ModelConfig.from_hf(MistralConfig(num_hidden_layers=1, sliding_window=16, max_position_embeddings=512))
+        config_from_hf(MistralConfig(num_hidden_layers=1, sliding_window=16, max_position_embeddings=512))
 
 
 def _corrupt_dir(src, dst, edit) -> None:
@@ -334,7 +334,7 @@ def test_tied_lm_head_must_equal_embedding(checkpoint):
 
 
 def test_logical_axes_tree_matches_params():
-    cfg = ModelConfig.from_hf(tiny_config("qwen2"))
+    cfg = config_from_hf(tiny_config("qwen2"))
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     axes = logical_axes_tree(model)

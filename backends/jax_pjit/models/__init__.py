@@ -66,6 +66,9 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
 
 def family_module(family: str) -> ModuleType:
     """The module that implements ``family`` (a ``ModelConfig.family``)."""
+    if family not in FAMILY_MODULES:
+        expected = " or ".join(repr(f) for f in FAMILY_MODULES)
+        raise ValueError(f"unsupported model family {family!r}; expected {expected}")
     return FAMILY_MODULES[family]
 
 

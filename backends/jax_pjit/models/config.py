@@ -1,9 +1,8 @@
 """``ModelConfig``: the architecture a JAX model is built from, one dataclass for every family.
 
-A family module (``llama``, ...) reads an HF config into it (``ModelConfig.from_hf`` goes
-through the registry in ``backends.jax_pjit.models``), refusing the options it does not
-implement; the checks that hold for every family (RoPE type, head grouping, padded
-vocabulary) live here.
+A family module (``llama``, ...) reads an HF config into it (``config_from_hf`` in the registry,
+``backends.jax_pjit.models``, picks the module), refusing the options it does not implement;
+the checks that hold for every family (RoPE type, head grouping, padded vocabulary) live here.
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ class ModelConfig:
     """Architecture of a model of a supported family (hashable: usable as a ``jax.jit`` static).
 
     ``family`` names the row of the registry (``backends.jax_pjit.models``) whose module
-    builds the model; ``ModelConfig.from_hf`` reads an HF config through that module.
+    builds the model; ``backends.jax_pjit.models.config_from_hf`` reads an HF config through
+    that module (this module does not import the registry: the registry imports it).
 
     ``rope_scaling`` is HF's ``config.rope_parameters`` (``rope_type``, ``rope_theta`` and
     the type's parameters).  A dict may be passed; it is stored as sorted ``(key, value)``
@@ -66,11 +66,6 @@ class ModelConfig:
         rope.setdefault("rope_theta", self.rope_theta)
         object.__setattr__(self, "rope_scaling", tuple(sorted((k, _freeze(v)) for k, v in rope.items())))
         object.__setattr__(self, "rope_theta", float(rope["rope_theta"]))
-        from backends.jax_pjit.models import FAMILY_MODULES  # the registry imports this module
-
-        if self.family not in FAMILY_MODULES:
-            expected = " or ".join(repr(f) for f in FAMILY_MODULES)
-            raise ValueError(f"unsupported model family {self.family!r}; expected {expected}")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope_type {self.rope_type!r}; the JAX model implements {SUPPORTED_ROPE_TYPES}"
@@ -102,18 +97,6 @@ class ModelConfig:
     def unpadded(self) -> ModelConfig:
         """This config as the HF checkpoint describes it (``padded_vocab_size = vocab_size``)."""
         return dataclasses.replace(self, padded_vocab_size=self.vocab_size)
-
-    @classmethod
-    def from_hf(cls, hf_config: Any) -> ModelConfig:
-        """Read a transformers 5.x config of a supported ``model_type`` (see
-        ``backends.jax_pjit.models.SUPPORTED_MODEL_TYPES``) through its family's module.
-
-        Raises ``ValueError`` naming the ``model_type`` for other architectures, and for
-        options of a supported one that this model does not implement.
-        """
-        from backends.jax_pjit.models import config_from_hf  # the registry imports this module
-
-        return config_from_hf(hf_config)
 
 
 __all__ = ["ModelConfig", "SUPPORTED_ROPE_TYPES"]
