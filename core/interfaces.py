@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 if TYPE_CHECKING:  # heavy imports only for annotations
@@ -44,6 +45,47 @@ class NonFiniteStepError(RuntimeError):
     """``policy.non_finite_step: error`` and an optimizer step was skipped (non-finite loss or
     grad norm, or no valid token).  Raised on the driver after the workers returned, so the
     worker group is intact and the weights and optimizer state are those before the step."""
+
+
+# ----------------------------------------------------------------------------- train results
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What ``train`` returns: one entry per optimizer step (global batch) of the call.
+
+    Every value is read on the host and identical on every rank, except ``all_mb_metrics``:
+    a worker reports its own micro batches, the driver's ``Policy.train`` those of every rank.
+    """
+
+    loss: list[float]
+    """The global loss of each step (also of a skipped one: what made it skip)."""
+    grad_norm: list[float]
+    """The global gradient norm of each step, before clipping (0 in eval mode)."""
+    metrics: dict[str, list[float]]
+    """Each loss metric's whole-batch value, per step."""
+    skip_reasons: list[str | None]
+    """None for an applied step, else why it was skipped (a :data:`SKIP_REASONS` key)."""
+    lr: float | None = None
+    """The learning rate after the call (None without an optimizer)."""
+    all_mb_metrics: dict[str, list[float]] = field(default_factory=dict)
+    """Each loss metric per micro batch (and rank): a step's list sums to its whole-batch value."""
+
+    @property
+    def skipped(self) -> list[bool]:
+        return [reason is not None for reason in self.skip_reasons]
+
+    @property
+    def skipped_steps(self) -> int:
+        return sum(self.skipped)
+
+    def with_micro_batches_of(self, ranks: list[TrainResult]) -> TrainResult:
+        """This (rank-identical) result with the per-micro-batch metrics of every rank."""
+        merged: dict[str, list[float]] = {}
+        for rank in ranks:
+            for key, values in rank.all_mb_metrics.items():
+                merged.setdefault(key, []).extend(values)
+        return replace(self, all_mb_metrics=merged)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -179,7 +221,7 @@ class PolicyInterface(ABC):
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> TrainResult:
         """One optimizer step per global batch of ``gbs`` rows (default ``train_global_batch_size``).
 
         Each global batch is sharded over data-parallel ranks and cut into micro batches of
@@ -189,14 +231,12 @@ class PolicyInterface(ABC):
         number of ranks.  ``eval_mode=True`` computes the same loss and metrics without
         updating weights.  ``len(data)`` must be a multiple of ``gbs``.
 
-        Returns a dict with at least ``loss`` (tensor [n_global_batches]), ``grad_norm``
-        (tensor [n_global_batches], before clipping), and ``all_mb_metrics`` (dict of
-        metric name -> list over micro batches and ranks; summing a list gives the
-        global-batch value).  An optimizer step whose global loss or grad norm is not
-        finite, or whose global batch has no valid token, is skipped on every rank (weights
-        and optimizer state unchanged) and reported in ``skipped`` (bool [n_global_batches]),
-        ``skip_reasons`` (None or a :data:`SKIP_REASONS` key per step) and ``skipped_steps``;
-        with ``policy.non_finite_step: error`` the call raises :class:`NonFiniteStepError`.
+        Returns a :class:`TrainResult` (per step: loss, grad norm before clipping, metrics,
+        why it was skipped if it was; per micro batch and rank: ``all_mb_metrics``).  An
+        optimizer step whose global loss or grad norm is not finite, or whose global batch
+        has no valid token, is skipped on every rank (weights and optimizer state unchanged)
+        and reported in ``skip_reasons``; with ``policy.non_finite_step: error`` the call
+        raises :class:`NonFiniteStepError`.
         """
 
     @abstractmethod

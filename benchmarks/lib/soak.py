@@ -213,14 +213,13 @@ def run_cycles(policy, generation, cycles: int, transport: str, seed: int, on_cy
     losses = None  # preallocated at the first step: the harness must not grow the driver's memory
     for cycle in range(1, cycles + 1):
         result = policy.train(train_batch(seed + cycle), loss_fn)
-        if result["skipped_steps"] or result["loss"].numel() != 1:
+        if result.skipped_steps or len(result.loss) != 1:
             raise RuntimeError(
-                f"cycle {cycle}: expected one optimizer step, got {result['loss'].numel()} "
-                f"(skipped: {result['skip_reasons']})"
+                f"cycle {cycle}: expected one optimizer step, got {len(result.loss)} (skipped: {result.skip_reasons})"
             )
         if losses is None:
-            losses = torch.empty(cycles, dtype=result["loss"].dtype)
-        losses[cycle - 1] = result["loss"][0]
+            losses = torch.empty(cycles, dtype=torch.float64)
+        losses[cycle - 1] = result.loss[0]
         refit_policy_generation(policy, generation, transport)
         if on_cycle is not None:
             on_cycle(cycle)

@@ -324,8 +324,8 @@ class DualRLRunner:
         return {
             "step_s": seconds,
             "ref_s": ref_s,
-            "loss": float(out["loss"][0]),
-            "grad_norm": float(out["grad_norm"][0]),
+            "loss": out.loss[0],
+            "grad_norm": out.grad_norm[0],
         }
 
     def compile_counts(self) -> dict | None:

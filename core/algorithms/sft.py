@@ -33,6 +33,7 @@ from core.algorithms.training_run import (
 )
 from core.data import BatchedDataDict
 from core.datasets import BatchLoader
+from core.interfaces import TrainResult
 
 
 def sequence_batch(items: Sequence[Any], pad_id: int) -> BatchedDataDict:
@@ -65,15 +66,15 @@ def padded_to_multiple(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
     return BatchedDataDict.from_batches([data, filler], pad_value_dict={"input_ids": 0})
 
 
-def weighted_metrics(result: Mapping[str, Any], weight_key: str) -> dict[str, float]:
+def weighted_metrics(result: TrainResult, weight_key: str) -> dict[str, float]:
     """``Policy.train`` (eval mode) metrics over several global batches, each batch weighted
     by ``weight_key`` (tokens for a token-mean loss, pairs for DPO): the mean the whole set
     would give in one batch."""
-    metrics = {k: torch.as_tensor(v, dtype=torch.float64).reshape(-1) for k, v in result["metrics"].items()}
-    metrics["loss"] = torch.as_tensor(result["loss"], dtype=torch.float64).reshape(-1)
-    weights = metrics[weight_key]
-    out = {k: float((v * weights).sum() / weights.sum()) for k, v in metrics.items() if k != weight_key}
-    out[weight_key] = float(weights.sum())
+    per_step = {**result.metrics, "loss": result.loss}
+    weights = per_step[weight_key]
+    total = sum(weights)
+    out = {k: sum(v * w for v, w in zip(values, weights, strict=True)) / total for k, values in per_step.items()}
+    out[weight_key] = float(total)
     return out
 
 

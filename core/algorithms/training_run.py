@@ -13,14 +13,13 @@ log past the checkpoint, so a resumed run logs exactly what the uninterrupted on
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from core.algorithms.config import RUN_CONFIGS, MasterConfig
 from core.algorithms.loop import TrainingLoop
@@ -28,6 +27,7 @@ from core.algorithms.run_setup import run_identity
 from core.checkpointing import CheckpointManager, LoadedCheckpoint, restore_rng_state
 from core.config import ConfigError
 from core.datasets import BatchLoader
+from core.interfaces import TrainResult
 from core.logging import (
     METRICS_FILENAME,
     PLOT_FILENAME,
@@ -197,24 +197,26 @@ def train_loop(
     return loop.run(run.start_step)
 
 
-def train_metrics(result: dict[str, Any]) -> dict[str, float]:
+def train_metrics(result: TrainResult) -> dict[str, float]:
     """``Policy.train``'s result as floats (mean over the step's optimizer steps), with
     ``skipped_steps``: how many of its optimizer steps were skipped (non-finite loss / grad
     norm, or no valid token; their loss / grad norm stay in the means as they were)."""
     out = {
-        "loss": float(result["loss"].mean()),
-        "grad_norm": float(result["grad_norm"].mean()),
-        "skipped_steps": float(result.get("skipped_steps", 0)),
+        "loss": _mean(result.loss),
+        "grad_norm": _mean(result.grad_norm),
+        "skipped_steps": float(result.skipped_steps),
     }
-    if result.get("lr") is not None:
-        out["lr"] = float(result["lr"])
-    for key, values in result["metrics"].items():
-        if key not in ("loss",):
-            out[key] = float(torch.as_tensor(values, dtype=torch.float64).mean())
+    if result.lr is not None:
+        out["lr"] = float(result.lr)
+    out.update({key: _mean(values) for key, values in result.metrics.items() if key != "loss"})
     return out
 
 
-def report_skipped_steps(run: Any, step: int, result: Mapping[str, Any]) -> None:
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else float("nan")
+
+
+def report_skipped_steps(run: Any, step: int, result: TrainResult) -> None:
     """A warning line per optimizer step ``Policy.train`` skipped in run step ``step``: why
     (non-finite loss / grad norm, no valid tokens) and the values; nothing if none was."""
     from core.policy.policy import describe_skipped_steps

@@ -19,7 +19,13 @@ from core.config import ConfigError
 from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
-from core.interfaces import SKIP_REASONS, ColocatablePolicyInterface, GenerationInterface, NonFiniteStepError
+from core.interfaces import (
+    SKIP_REASONS,
+    ColocatablePolicyInterface,
+    GenerationInterface,
+    NonFiniteStepError,
+    TrainResult,
+)
 from core.policy.checks import (
     check_loss_fn,
     check_loss_inputs,
@@ -189,15 +195,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
-    ) -> dict[str, Any]:
-        """One optimizer step per ``gbs`` rows of ``data`` (``eval_mode``: loss only).
-
-        Returns ``loss`` and ``grad_norm`` ([steps] tensors), ``metrics`` (whole-batch
-        values per step), ``lr``, ``all_mb_metrics`` (per micro batch, every rank), and the
-        skipped steps: ``skipped`` ([steps] bool), ``skip_reasons`` (per step None or a
-        ``core.interfaces.SKIP_REASONS`` key) and ``skipped_steps`` (their count).
-        A step is skipped on every rank -- weights and optimizer state unchanged, the LR
-        schedule not advanced by it -- when its global loss or grad norm is not finite or its
+    ) -> TrainResult:
+        """One optimizer step per ``gbs`` rows of ``data`` (``eval_mode``: loss only): a
+        :class:`TrainResult` with the micro-batch metrics of every rank.  A step is skipped on
+        every rank -- weights and optimizer state unchanged, the LR schedule not advanced by
+        it -- when its global loss or grad norm is not finite or its
         global batch has no valid token; with ``policy.non_finite_step: error`` this then
         raises :class:`NonFiniteStepError` (the policy stays usable).
         """
@@ -211,26 +213,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         # scan over the batch runs once, not once per rank.
         check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
         shards, _ = self._shard(data, gbs, "train_mb_tokens")
-        results = self._sharded("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
-        all_mb: dict[str, list[float]] = {}
-        for r in results:
-            for k, v in r["all_mb_metrics"].items():
-                all_mb.setdefault(k, []).extend(v)
-        first = results[0]
-        n_steps = len(first["global_loss"])
-        skipped = first.get("skipped", torch.zeros(n_steps, dtype=torch.bool))
-        reasons = list(first.get("skip_reasons") or [None] * n_steps)
-        out = {
-            "loss": first["global_loss"],
-            "grad_norm": first["grad_norm"],
-            "metrics": first["metrics"],
-            "lr": first["lr"],
-            "all_mb_metrics": all_mb,
-            "skipped": skipped,
-            "skip_reasons": reasons,
-            "skipped_steps": int(skipped.sum()),
-        }
-        if not eval_mode and out["skipped_steps"] and self.cfg.non_finite_step == "error":
+        results: list[TrainResult] = self._sharded(
+            "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+        )
+        out = results[0].with_micro_batches_of(results)
+        if not eval_mode and out.skipped_steps and self.cfg.non_finite_step == "error":
             raise NonFiniteStepError(_skip_message(out))
         return out
 
@@ -344,22 +331,22 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         self._all("reset_peak_memory_stats")
 
 
-def describe_skipped_steps(result: Mapping[str, Any]) -> list[str]:
+def describe_skipped_steps(result: TrainResult) -> list[str]:
     """One phrase per skipped optimizer step of a ``Policy.train`` result: which global
     batch of the call, why, and the loss / grad norm it had."""
-    n = len(result["loss"])
+    n = len(result.loss)
     out = []
-    for i, reason in enumerate(result.get("skip_reasons") or []):
+    for i, reason in enumerate(result.skip_reasons):
         if reason is None:
             continue
         out.append(
             f"optimizer step {i + 1} of {n} of this train() call skipped: {SKIP_REASONS.get(reason, reason)} "
-            f"(loss={float(result['loss'][i]):.6g}, grad_norm={float(result['grad_norm'][i]):.6g})"
+            f"(loss={result.loss[i]:.6g}, grad_norm={result.grad_norm[i]:.6g})"
         )
     return out
 
 
-def _skip_message(result: Mapping[str, Any]) -> str:
+def _skip_message(result: TrainResult) -> str:
     return (
         "; ".join(describe_skipped_steps(result))
         + ". policy.non_finite_step is 'error': the weights and optimizer state are unchanged (the step was "

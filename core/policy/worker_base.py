@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics, read_once
 from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.config import PolicyConfig
@@ -116,48 +117,22 @@ class PolicyWorkerBase(RefitSender):
         metrics = dict(zip(collected.keys, total_values, strict=True))
         return metrics, collected.per_micro_batch(mb_values), extra_values
 
-    @classmethod
-    def _train_steps_result(cls, results: Sequence[StepResult], lr: float | None) -> dict[str, Any]:
-        """``train``'s return value (``_train_result``) from its steps, in order."""
+    @staticmethod
+    def _train_steps_result(results: Sequence[StepResult], lr: float | None) -> TrainResult:
+        """``train``'s return value from its steps, in order (this rank's micro batches)."""
         all_mb: dict[str, list[float]] = {}
         for r in results:
             for k, values in r.mb_metrics.items():
                 all_mb.setdefault(k, []).extend(values)
-        return cls._train_result(
-            [r.loss for r in results],
-            [r.grad_norm for r in results],
-            [r.metrics for r in results],
-            all_mb,
-            lr,
-            [r.skip_reason for r in results],
+        keys = sorted(results[0].metrics) if results else []
+        return TrainResult(
+            loss=[r.loss for r in results],
+            grad_norm=[r.grad_norm for r in results],
+            metrics={k: [r.metrics[k] for r in results] for k in keys},
+            skip_reasons=[r.skip_reason for r in results],
+            lr=lr,
+            all_mb_metrics=all_mb,
         )
-
-    @staticmethod
-    def _train_result(
-        losses: Sequence[float],
-        norms: Sequence[float],
-        step_metrics: Sequence[Mapping[str, float]],
-        all_mb: Mapping[str, list[float]],
-        lr: float | None,
-        skip_reasons: Sequence[str | None] | None = None,
-    ) -> dict[str, Any]:
-        """``train``'s return value: per optimizer step ``global_loss``/``grad_norm`` [n] and
-        ``metrics`` (whole-batch values), plus this rank's per-micro-batch metrics, and per
-        step whether the optimizer step was skipped (``skipped`` [n] bool) and why
-        (``skip_reasons``: None for an applied step, else a ``core.interfaces.SKIP_REASONS`` key)."""
-        import torch
-
-        keys = sorted(step_metrics[0]) if step_metrics else []
-        reasons = list(skip_reasons) if skip_reasons is not None else [None] * len(losses)
-        return {
-            "global_loss": torch.tensor(list(losses)),
-            "grad_norm": torch.tensor(list(norms)),
-            "metrics": {k: torch.tensor([m[k] for m in step_metrics]) for k in keys},
-            "all_mb_metrics": dict(all_mb),
-            "lr": lr,
-            "skipped": torch.tensor([r is not None for r in reasons], dtype=torch.bool),
-            "skip_reasons": reasons,
-        }
 
 
 def step_skip_reason(global_seqs: float, global_toks: float, loss: float, grad_norm: float) -> str | None:

@@ -73,7 +73,7 @@ def throughput_row(bench: Bench, case: PolicyCase, backend: str, data, mbs: int)
             lambda: logprobs.append(logprobs_call(policy, data, mbs)["logprobs"]), a.warmup, a.iters
         )
         row["train"] = timed_calls(
-            lambda: losses.append(float(policy.train(data, loss_fn, gbs=a.batch, mbs=mbs)["loss"][0])),
+            lambda: losses.append(policy.train(data, loss_fn, gbs=a.batch, mbs=mbs).loss[0]),
             a.warmup,
             a.iters,
         )
@@ -144,8 +144,8 @@ def loss_row(bench: Bench, backend: str, ref: dict) -> dict:
             case.close()
     except Exception as err:  # noqa: BLE001
         return {**row, "error": error_text(err)}
-    row["losses"] = [float(o["loss"][0]) for o in outs]
-    row["grad_norms"] = [float(o["grad_norm"][0]) for o in outs]
+    row["losses"] = [o.loss[0] for o in outs]
+    row["grad_norms"] = [o.grad_norm[0] for o in outs]
     row["max_loss_diff"] = worst_diff(row["losses"], ref["losses"])
     row["max_grad_norm_diff"] = worst_diff(row["grad_norms"], ref["grad_norms"])
     row["passed"] = row["max_loss_diff"] <= a.loss_tol  # NaN fails

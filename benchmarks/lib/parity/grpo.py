@@ -64,6 +64,4 @@ def grpo_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
     policy.prepare_for_training()
     result = policy.train(data, grpo_loss_fn(), gbs=gbs, mbs=gbs // policy.dp)
     policy.finish_training()
-    return grpo_summary(
-        result["loss"].tolist(), result["grad_norm"].tolist(), {k: v.tolist() for k, v in result["metrics"].items()}
-    )
+    return grpo_summary(result.loss, result.grad_norm, result.metrics)

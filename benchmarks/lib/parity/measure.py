@@ -78,7 +78,7 @@ def nll_step(runner, data) -> tuple[float, float]:
     from core.losses import NLLLoss
 
     out = runner.policy.train(data, NLLLoss(), gbs=runner.gbs, mbs=runner.mbs)
-    return float(out["loss"][0]), float(out["grad_norm"][0])
+    return out.loss[0], out.grad_norm[0]
 
 
 def measure_policy(runner, data, other, steps: int, grpo_base=None, grpo_steps: int = GRPO_STEPS) -> dict:
