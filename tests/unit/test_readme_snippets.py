@@ -164,7 +164,7 @@ def benchmark_parser(argv: list[str]):
 
         return build_parser(), argv[1:]
     if "--gpu" in argv:
-        from benchmarks.gpu.cli import build_parser
+        from benchmarks.gpu import build_parser
 
         return build_parser(), [a for a in argv[1:] if a != "--gpu"]
     from benchmarks.compare import build_parser
