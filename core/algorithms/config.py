@@ -67,6 +67,10 @@ class GRPOConfig(ConfigModel):
     """Prompts per validation generate call; null = all at once."""
     seed: int
     """Data order, sampling seeds, task generation: a CPU fp32 run is repeatable."""
+    fuse_old_logprobs: bool = True
+    """When a step's samples are one global batch (one optimizer step), take the old policy's
+    logprobs from the training forward itself instead of a separate pass (exact: the same
+    weights); false forces the separate pass (an ablation)."""
 
     def check(self) -> Iterable[Problem]:
         if self.num_generations_per_prompt < 2:

@@ -56,11 +56,7 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
     adv = compute_advantages(rewards, group, leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
     data = training_batch(out, batch["input_lengths"], adv.advantages)
 
-    run.policy.prepare_for_lp_inference()
-    with timer("logprobs"):
-        data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
-    with timer("reference"):
-        data["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    old_and_reference_logprobs(run, data, timer)
     run.policy.prepare_for_training()
     with timer("train"):
         result = run.policy.train(data, run.loss_fn)
@@ -71,7 +67,37 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
     metrics = rollout_metrics(out, data["token_mask"], rewards, run.stop_token_ids, run.max_new_tokens)
     for part in (adv.metrics(), _accuracy(scored.infos), train_metrics(result), refit, timer.metrics()):
         metrics.update(part)
+    metrics["old_logprobs_fused"] = float(run.loss_fn.old_logprobs == "forward")
     return metrics
+
+
+def old_and_reference_logprobs(run: Any, data: Any, timer: StepTimer) -> None:
+    """What the loss needs besides the training forward, in one call to the workers: the old
+    policy's logprobs (``prev_logprobs``; none when the loss takes them from its own forward,
+    see ``old_logprobs_source``) and the reference's (``reference_policy_logprobs``; none
+    without a KL term).  ``timing/logprobs_s`` covers the call, reference pass included."""
+    need_old, need_ref = run.loss_fn.old_logprobs == "batch", run.loss_fn.uses_reference
+    if not (need_old or need_ref):
+        return
+    run.policy.prepare_for_lp_inference()
+    with timer("logprobs"):
+        if need_old and need_ref:
+            out = run.policy.get_logprobs_and_reference(data)
+            data["prev_logprobs"], data["reference_policy_logprobs"] = out["logprobs"], out["reference_logprobs"]
+        elif need_old:
+            data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
+        else:
+            data["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+
+
+def old_logprobs_source(cfg: Any) -> str:
+    """``"forward"`` when a rollout batch gets exactly one optimizer step (its samples are one
+    global batch) and ``grpo.fuse_old_logprobs`` allows it: the old policy is then the one being
+    trained, and its logprobs are the training forward's own (detached); else ``"batch"``, a
+    separate pass before training (several optimizer steps move the weights in between)."""
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    one_step = samples == cfg.policy.train_global_batch_size
+    return "forward" if cfg.grpo.fuse_old_logprobs and one_step else "batch"
 
 
 def grpo_validate(run: Any, step: int) -> dict[str, float]:

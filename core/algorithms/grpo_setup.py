@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.algorithms.config import GRPORunConfig
-from core.algorithms.grpo import grpo_step, grpo_validate
+from core.algorithms.grpo import grpo_step, grpo_validate, old_logprobs_source
 from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
 from core.algorithms.training_run import TrainingRun, check_run_config, open_run, start_policy, train_loop
 from core.datasets import BatchLoader, build_prompt_datasets
@@ -50,7 +50,16 @@ def setup_grpo(
     loader = BatchLoader(train_set, g.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=g.seed)
     from core.losses import ClippedPGLossFn
 
-    run = open_run(GRPORun, "grpo", cfg, resolved, tokenizer, loader, val_set, ClippedPGLossFn(cfg.loss_fn))
+    run = open_run(
+        GRPORun,
+        "grpo",
+        cfg,
+        resolved,
+        tokenizer,
+        loader,
+        val_set,
+        ClippedPGLossFn(cfg.loss_fn, old_logprobs=old_logprobs_source(cfg)),
+    )
     try:
         _start_workers(run, log)
     except BaseException:

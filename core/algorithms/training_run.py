@@ -159,9 +159,9 @@ def start_policy(run: TrainingRun, log: Callable[[str], None], *, colocated_shar
 
 
 def needs_reference(run: TrainingRun) -> bool:
-    """Whether the policy keeps frozen reference weights: GRPO's KL term and DPO's implicit
-    rewards use them; SFT does not (and saves their host memory)."""
-    return run.algorithm != "sft"
+    """Whether the policy keeps frozen reference weights: DPO's implicit rewards and GRPO's
+    KL term use them; SFT, and GRPO without a KL term, do not (and save their host memory)."""
+    return run.algorithm == "dpo" or bool(getattr(run.loss_fn, "uses_reference", False))
 
 
 def train_loop(

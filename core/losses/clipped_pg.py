@@ -33,7 +33,12 @@ from core.kernels import (
 from core.losses.checks import LossInputChecker
 from core.losses.config import ClippedPGLossConfig
 
-_PER_TOKEN_KEYS = ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs", "token_mask")
+#: Where the old policy's logprobs (the PPO ratio's denominator) come from: ``"batch"`` reads
+#: ``data["prev_logprobs"]`` (a separate ``get_logprobs`` pass before training); ``"forward"``
+#: takes the training forward's own logprobs, detached -- exact when the rollout batch gets one
+#: optimizer step, as the weights that scored it are the ones being trained (TRL does the same
+#: with one iteration), and it saves a forward pass over the batch.
+OLD_LOGPROBS = ("batch", "forward")
 
 
 class ClippedPGLossFn:
@@ -46,10 +51,21 @@ class ClippedPGLossFn:
     batches and ranks gives its value on the whole batch.
     """
 
-    def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any]):
+    def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any], *, old_logprobs: str = "batch"):
+        if old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"ClippedPGLossFn: old_logprobs must be one of {OLD_LOGPROBS}, got {old_logprobs!r}")
         self.cfg = ClippedPGLossConfig.coerce(cfg, path="loss_fn")
+        self.old_logprobs = old_logprobs
         self.loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
-        self.check = LossInputChecker("ClippedPGLossFn", _PER_TOKEN_KEYS, finite_keys=_PER_TOKEN_KEYS[:4])
+        keys = ["advantages", "generation_logprobs"]
+        keys += ["prev_logprobs"] if old_logprobs == "batch" else []
+        keys += ["reference_policy_logprobs"] if self.uses_reference else []
+        self.check = LossInputChecker("ClippedPGLossFn", [*keys, "token_mask"], finite_keys=keys)
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss reads the reference policy's logprobs (a KL term)."""
+        return self.cfg.reference_policy_kl_penalty != 0
 
     def __call__(self, next_token_logits, data: Mapping[str, Any], global_valid_seqs, global_valid_toks):
         self.check(next_token_logits, data)
@@ -74,10 +90,10 @@ class ClippedPGLossFn:
             return ops.where(mask > 0, ops.astype(data[key][:, 1:], dtype), 0.0)
 
         advantages = masked_input("advantages")
-        prev_lp = masked_input("prev_logprobs")
         gen_lp = masked_input("generation_logprobs")
-        ref_lp = masked_input("reference_policy_logprobs")
         curr_lp = ops.where(mask > 0, curr_logprobs, 0.0)
+        prev_lp = masked_input("prev_logprobs") if self.old_logprobs == "batch" else ops.stop_gradient(curr_lp)
+        ref_lp = masked_input("reference_policy_logprobs") if self.uses_reference else None
 
         if global_valid_toks is None:
             global_valid_toks = ops.sum(mask)
@@ -159,7 +175,7 @@ class ClippedPGLossFn:
         return metrics
 
     def _kl_term(self, ops, curr_lp, gen_lp, ref_lp, reduce):
-        if self.cfg.reference_policy_kl_penalty == 0:
+        if ref_lp is None:
             return ops.zeros((), like=curr_lp)
         kl = calculate_kl(
             curr_lp,

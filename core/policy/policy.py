@@ -188,6 +188,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         """``{"reference_logprobs": [B, S] float32}`` under the frozen reference weights."""
         return self._run_inference("get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size)
 
+    def get_logprobs_and_reference(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
+        """``get_logprobs`` and ``get_reference_policy_logprobs`` in one call to the workers
+        (one dispatch, one pass over the batch each): ``{"logprobs", "reference_logprobs"}``."""
+        return self._run_inference("get_logprobs_and_reference", data, micro_batch_size=micro_batch_size)
+
     def train(
         self,
         data: BatchedDataDict,

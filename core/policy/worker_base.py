@@ -92,6 +92,13 @@ class PolicyWorkerBase(RefitSender):
             out = self.get_logprobs(data, micro_batch_size)
         return BatchedDataDict(reference_logprobs=out["logprobs"])
 
+    def get_logprobs_and_reference(self, data: Any, micro_batch_size: int | None = None) -> Any:
+        """``get_logprobs`` then ``get_reference_policy_logprobs`` in one call: one dispatch
+        from the driver, each pass over the batch once; ``{"logprobs", "reference_logprobs"}``."""
+        out = self.get_logprobs(data, micro_batch_size)
+        out["reference_logprobs"] = self.get_reference_policy_logprobs(data, micro_batch_size)["reference_logprobs"]
+        return out
+
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
         pass  # nothing to release: training state stays resident until offloaded
 
