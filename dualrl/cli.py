@@ -89,13 +89,18 @@ def _train_command(args: argparse.Namespace) -> int:
         print(f"invalid config {args.config}:\n{err}", file=sys.stderr)
         return 2
     run = _run_function(args.command)  # heavy imports only when training
+    from core.algorithms.async_grpo import RolloutProducerError
     from core.algorithms.loop import NonFiniteLossError
     from core.environments import RewardError
+    from core.generation.engine_health import EngineDeadError
 
     try:
         run(cfg, log=_console_line)
-    except (RewardError, NonFiniteLossError) as err:
+    except (RewardError, NonFiniteLossError, EngineDeadError, RolloutProducerError) as err:
         print(f"dualrl {args.command}: training failed: {err}", file=sys.stderr)
+        print(
+            "  (the last completed step is checkpointed when checkpointing is on: --resume continues)", file=sys.stderr
+        )
         return 1
     except _input_errors() as err:
         print(f"dualrl {args.command}: {type(err).__name__}: {err}", file=sys.stderr)

@@ -40,6 +40,20 @@ class ClusterConfig(ConfigModel):
         return self.gpus_per_node * self.num_nodes
 
 
+class AsyncGRPOConfig(ConfigModel):
+    """Async GRPO (``grpo.async_grpo``, NeMo RL's names): the engines, on their own cluster,
+    generate the rollouts of the next steps while the policy trains (core.algorithms.async_grpo)."""
+
+    enabled: bool = False
+    max_trajectory_age_steps: int = Field(1, ge=0)
+    """How many training steps older than the trained policy a rollout's weights may be: the
+    rollouts of step k are generated with the weights of step k - 1 - max_trajectory_age_steps
+    (or later ones at the start of a run); 0 is the synchronous schedule."""
+    allow_uncorrected_off_policy: bool = False
+    """Train on stale rollouts without loss_fn.use_importance_sampling_correction (refused
+    otherwise: the off-policy gap would go uncorrected)."""
+
+
 class GRPOConfig(ConfigModel):
     """The GRPO loop (NeMo RL's ``grpo`` section)."""
 
@@ -71,6 +85,7 @@ class GRPOConfig(ConfigModel):
     """When a step's samples are one global batch (one optimizer step), take the old policy's
     logprobs from the training forward itself instead of a separate pass (exact: the same
     weights); false forces the separate pass (an ablation)."""
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
     def check(self) -> Iterable[Problem]:
         if self.num_generations_per_prompt < 2:
@@ -238,6 +253,39 @@ class GRPORunConfig(_AlgorithmRunConfig):
             )
         if self.data.max_input_seq_length is None:
             yield "data.max_input_seq_length", "missing (dualrl grpo needs the longest prompt in tokens)"
+        if self.grpo.async_grpo.enabled:
+            yield from self._async_problems()
+
+    def _async_problems(self) -> Iterable[Problem]:
+        gen, where = self.policy.generation, "grpo.async_grpo.enabled"
+        if gen is not None and gen.backend != "vllm":
+            yield (
+                where,
+                (
+                    f"needs policy.generation.backend: vllm, got {gen.backend!r} (the policy's own generate "
+                    "cannot run while the same workers train)"
+                ),
+            )
+        if gen is not None and gen.colocated.enabled:
+            yield (
+                where,
+                (
+                    "needs policy.generation.colocated.enabled: false: the engines generate while the policy "
+                    "trains, so they need devices of their own (colocated.resources; the embedded default set "
+                    "up for async: core/configs/grpo_arithmetic_async.yaml)"
+                ),
+            )
+        if (
+            not self.loss_fn.use_importance_sampling_correction
+            and not self.grpo.async_grpo.allow_uncorrected_off_policy
+        ):
+            yield (
+                where,
+                (
+                    "needs loss_fn.use_importance_sampling_correction: true: rollouts from older weights are "
+                    "off-policy (set grpo.async_grpo.allow_uncorrected_off_policy: true to train without it)"
+                ),
+            )
 
 
 class _TrainOnlyRunConfig(_AlgorithmRunConfig):

@@ -4,12 +4,15 @@ One step::
 
     prompts (num_prompts_per_step) x num_generations_per_prompt
       -> refit the engines if the policy changed        timing/refit_s
-      -> sample rollouts (seeded per row)               timing/generation_s
-      -> rewards from the environment pool              timing/reward_s
-      -> group advantages (core.algorithms.advantages)
-      -> prev_logprobs = policy.get_logprobs            timing/logprobs_s
-      -> reference_policy_logprobs                      timing/reference_s
-      -> policy.train(batch, ClippedPGLossFn)           timing/train_s
+      -> sample rollouts (seeded per row)               timing/generation_s   } generate_rollout
+      -> rewards from the environment pool              timing/reward_s       }
+      -> group advantages (core.algorithms.advantages)                        }
+      -> prev_logprobs (unless the training forward's   timing/logprobs_s     } train_on_rollout
+         own are exact) and reference logprobs (with                          }
+         a KL term), one call to the workers                                  }
+      -> policy.train(batch, ClippedPGLossFn)           timing/train_s        }
+
+The async loop (``core.algorithms.async_grpo``) runs the same two halves on two threads.
 
 The loop around it (validation, logging, checkpoints, resume) is
 :class:`core.algorithms.loop.TrainingLoop`; set-up is :mod:`core.algorithms.grpo_setup`.
@@ -18,6 +21,7 @@ Everything here runs on the driver and talks to the backend only through ``Polic
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,30 +36,68 @@ from core.algorithms.rollouts import (
 )
 from core.algorithms.timing import StepTimer
 from core.algorithms.training_run import report_skipped_steps, train_metrics
+from core.data import BatchedDataDict
 from core.logging import format_val_samples
+
+
+@dataclass
+class Rollout:
+    """One step's rollouts, scored and turned into a training batch: what generation hands to
+    training (in the async loop across threads, tagged with the weights that generated it)."""
+
+    step: int
+    """The training step the rollouts are for (their prompts and sampling seeds are that step's)."""
+    data: BatchedDataDict
+    """``ClippedPGLossFn`` input without the old / reference logprobs (added before training)."""
+    metrics: dict[str, float]
+    """Rollout, advantage and accuracy metrics, and the generation / reward seconds."""
+    version: int = 0
+    """The training step whose weights generated them (0: the initial weights)."""
+    loader_state: dict[str, Any] | None = None
+    """The prompt loader's position right after this step's prompts (what a checkpoint saves)."""
 
 
 def grpo_step(run: Any, step: int) -> dict[str, float]:
     """One GRPO step on ``run`` (a :class:`core.algorithms.grpo_setup.GRPORun`); its metrics."""
+    timer = StepTimer()
+    with timer("refit"):
+        refit = run.rollouts.sync_weights()
+    rollout = generate_rollout(run, step)
+    metrics = {**rollout.metrics, **refit, **train_on_rollout(run, rollout, step, timer)}
+    run.trained_loader_state = rollout.loader_state
+    metrics.update(timer.metrics())
+    return metrics
+
+
+def generate_rollout(run: Any, step: int) -> Rollout:
+    """Step ``step``'s prompts -> sampled rollouts (seeded per row) -> rewards -> group
+    advantages -> the training batch.  Draws the next prompts from ``run.loader``."""
     g, timer = run.cfg.grpo, StepTimer()
     group = g.num_generations_per_prompt
     prompts = run.loader.next_batch()
+    loader_state = run.loader.state_dict()
     batch = prompt_batch([p.input_ids for p in prompts], group, run.tokenizer.pad_token_id)
     batch["sample_seeds"] = sample_seeds(g.seed, step, batch.size)
     texts = [p.prompt for p in prompts for _ in range(group)]
     metadata = [p.metadata for p in prompts for _ in range(group)]
-
-    with timer("refit"):
-        refit = run.rollouts.sync_weights()
     with timer("generation"):
-        out = run.rollouts.generate(batch, greedy=False)
+        out, version = run.rollouts.generate_tagged(batch, greedy=False)
     completions = decode_completions(run.tokenizer, out, batch["input_lengths"])
     with timer("reward"):
         scored = run.env.score(texts, completions, metadata)
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
     adv = compute_advantages(rewards, group, leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
     data = training_batch(out, batch["input_lengths"], adv.advantages)
+    metrics = rollout_metrics(out, data["token_mask"], rewards, run.stop_token_ids, run.max_new_tokens)
+    metrics.update(adv.metrics())
+    metrics.update(_accuracy(scored.infos))
+    metrics.update({k: v for k, v in timer.metrics().items() if k.startswith("timing/")})
+    return Rollout(step, data, metrics, version, loader_state)
 
+
+def train_on_rollout(run: Any, rollout: Rollout, step: int, timer: StepTimer) -> dict[str, float]:
+    """The old / reference logprobs the loss needs, then ``Policy.train``: the step's train metrics."""
+    data = rollout.data
     old_and_reference_logprobs(run, data, timer)
     run.policy.prepare_for_training()
     with timer("train"):
@@ -63,10 +105,7 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
     run.policy.finish_training()
     report_skipped_steps(run, step, result)
     run.rollouts.mark_stale()
-
-    metrics = rollout_metrics(out, data["token_mask"], rewards, run.stop_token_ids, run.max_new_tokens)
-    for part in (adv.metrics(), _accuracy(scored.infos), train_metrics(result), refit, timer.metrics()):
-        metrics.update(part)
+    metrics = train_metrics(result)
     metrics["old_logprobs_fused"] = float(run.loss_fn.old_logprobs == "forward")
     return metrics
 
@@ -75,12 +114,13 @@ def old_and_reference_logprobs(run: Any, data: Any, timer: StepTimer) -> None:
     """What the loss needs besides the training forward, in one call to the workers: the old
     policy's logprobs (``prev_logprobs``; none when the loss takes them from its own forward,
     see ``old_logprobs_source``) and the reference's (``reference_policy_logprobs``; none
-    without a KL term).  ``timing/logprobs_s`` covers the call, reference pass included."""
+    without a KL term).  ``timing/logprobs_s`` covers the call, reference pass included
+    (``timing/reference_s`` when only the reference's are needed)."""
     need_old, need_ref = run.loss_fn.old_logprobs == "batch", run.loss_fn.uses_reference
     if not (need_old or need_ref):
         return
     run.policy.prepare_for_lp_inference()
-    with timer("logprobs"):
+    with timer("logprobs" if need_old else "reference"):
         if need_old and need_ref:
             out = run.policy.get_logprobs_and_reference(data)
             data["prev_logprobs"], data["reference_policy_logprobs"] = out["logprobs"], out["reference_logprobs"]
@@ -101,8 +141,9 @@ def old_logprobs_source(cfg: Any) -> str:
 
 
 def grpo_validate(run: Any, step: int) -> dict[str, float]:
-    """Greedy rollouts of every held-out prompt, scored; accuracy and mean reward."""
-    run.rollouts.sync_weights()
+    """Greedy rollouts of every held-out prompt (on the policy's current weights), scored;
+    accuracy and mean reward."""
+    (run.sync_weights or run.rollouts.sync_weights)()
     items = [run.val_dataset[i] for i in range(len(run.val_dataset))]
     size = run.cfg.grpo.val_batch_size or len(items)
     completions, rewards, infos, lengths = [], [], [], []

@@ -29,6 +29,8 @@ class GRPORun(TrainingRun):
     env: Any = None
     stop_token_ids: list[int] = field(default_factory=list)
     max_new_tokens: int = 0
+    #: Moves the engines to the policy's weights (the async loop's waits for its schedule first).
+    sync_weights: Callable[[], dict[str, float]] | None = None
 
 
 def check_grpo_config(cfg: GRPORunConfig | Mapping[str, Any]) -> GRPORunConfig:
@@ -78,7 +80,7 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     cluster = start_policy(run, log)
     run.env = EnvironmentPool(run.cfg.env)
     run._exit.callback(run.env.shutdown)
-    run.rollouts = RolloutEngine(cfg, run.policy, run.tokenizer, cluster, run.cfg.grpo.seed)
+    run.rollouts = RolloutEngine(cfg, run.policy, run.tokenizer, cluster, run.cfg.grpo.seed, run.start_step)
     run._exit.callback(run.rollouts.shutdown)
     args = resolve_generation_args(
         cfg.policy, run.tokenizer, run.policy.model_config.eos_token_id, cfg.data.max_input_seq_length
@@ -93,5 +95,12 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
 
 
 def grpo_train(run: GRPORun) -> int:
-    """Run the steps left (from a resumed step if any); returns the last step."""
-    return train_loop(run, lambda step: grpo_step(run, step), lambda step: grpo_validate(run, step))
+    """Run the steps left (from a resumed step if any); returns the last step.  With
+    ``grpo.async_grpo.enabled`` the steps are :mod:`core.algorithms.async_grpo`'s."""
+    step_fn = lambda step: grpo_step(run, step)  # noqa: E731
+    run.sync_weights = run.rollouts.sync_weights
+    if run.cfg.grpo.async_grpo.enabled:
+        from core.algorithms.async_grpo import async_grpo_loop
+
+        step_fn, run.sync_weights = async_grpo_loop(run, run.start_step + 1, run.cfg.grpo.max_num_steps)
+    return train_loop(run, step_fn, lambda step: grpo_validate(run, step))

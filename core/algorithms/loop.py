@@ -46,6 +46,8 @@ class TrainingLoop:
     val_at_end: bool = True
     should_stop: Callable[[], str | None] = lambda: None  # a reason to end early (e.g. epochs done)
     last_val: dict[str, float] = field(default_factory=dict)
+    _last_metrics: dict[str, float] = field(default_factory=dict)
+    _last_saved: int = -1
 
     def run(self, start_step: int = 0) -> int:
         """Steps ``start_step + 1 .. max_steps``; returns the last step run."""
@@ -57,7 +59,13 @@ class TrainingLoop:
                 metrics = self.step_fn(step)
             except NonFiniteStepError as err:
                 raise NonFiniteLossError(f"step {step}: {err}") from err
+            except Exception:
+                # A step that fails (an engine died, a reward raised) fails before it trains:
+                # the policy still holds step - 1, saved here so that --resume picks it up.
+                self._save_after_failure(step - 1, start_step)
+                raise
             _check_finite(step, metrics)
+            self._last_metrics = dict(metrics)
             self.logger.log("train", step, metrics)
             self.progress.update(step, metrics)
             reason = self.should_stop()
@@ -84,6 +92,14 @@ class TrainingLoop:
         self.logger.log("val", step, metrics)
         self.progress.update(step, {f"val/{k}": v for k, v in metrics.items()})
 
+    def _save_after_failure(self, step: int, start_step: int) -> None:
+        if not self.checkpoints.enabled or step <= start_step or step == self._last_saved:
+            return
+        try:
+            self._save(step, self._last_metrics)
+        except Exception as err:  # the step's own error is the one to report
+            self.progress.write(f"could not save a checkpoint after the failure: {type(err).__name__}: {err}")
+
     def _save(self, step: int, metrics: Mapping[str, float]) -> None:
         start = time.perf_counter()
         summary = {**metrics, **{f"val/{k}": v for k, v in self.last_val.items()}}
@@ -95,6 +111,7 @@ class TrainingLoop:
             metrics=summary,
             rng_state=capture_rng_state(),
         )
+        self._last_saved = step
         self.progress.write(f"step {step}: checkpoint {path} ({time.perf_counter() - start:.1f} s)")
 
 

@@ -56,6 +56,8 @@ class TrainingRun:
     logger: MetricsLogger
     progress: StepProgress
     policy: Any = None
+    #: The prompt loader's position after the last trained step (None: the loader's own).
+    trained_loader_state: dict[str, Any] | None = None
     _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
@@ -66,6 +68,11 @@ class TrainingRun:
     @property
     def start_step(self) -> int:
         return self.resumed.step if self.resumed is not None else 0
+
+    def data_position(self) -> dict[str, Any]:
+        """What a checkpoint saves of the data: the loader's position after the last trained
+        step (the async GRPO loop draws the next steps' prompts ahead of training)."""
+        return self.trained_loader_state if self.trained_loader_state is not None else self.loader.state_dict()
 
     def close(self) -> None:
         self._exit.close()
@@ -184,7 +191,7 @@ def train_loop(
         step_fn=step_fn,
         validate_fn=validate_fn,
         write_policy=write_policy,
-        train_state_fn=lambda: {"loader": run.loader.state_dict()},
+        train_state_fn=lambda: {"loader": run.data_position()},
         logger=run.logger,
         progress=run.progress,
         checkpoints=run.checkpoints,
