@@ -148,8 +148,8 @@ class AsyncGRPO:
     def start(self) -> None:
         self.producer.start()
 
-    def stop(self) -> None:
-        self.producer.stop()
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.producer.stop(timeout_s)
 
     def sync_weights(self) -> dict[str, float]:
         """Move the engines to the policy's current weights (step ``v``) once every rollout
