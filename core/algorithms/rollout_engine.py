@@ -12,20 +12,34 @@ validation; both report what they cost.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.algorithms.placement import generation_cluster, is_colocated, refit_transport, uses_vllm
 from core.data import BatchedDataDict
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from core.algorithms.config import MasterConfig
+    from core.distributed import RayVirtualCluster
+    from core.generation import VllmGeneration
+    from core.policy import Policy
+
 
 class RolloutEngine:
-    def __init__(self, cfg: Mapping[str, Any], policy: Any, tokenizer: Any, cluster: Any, seed: int) -> None:
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        policy: Policy,
+        tokenizer: PreTrainedTokenizerBase,
+        cluster: RayVirtualCluster,
+        seed: int,
+    ) -> None:
         self.policy = policy
         self.colocated = is_colocated(cfg)
         self.transport = refit_transport(cfg)
-        self.generation = None
-        self._own_cluster = None
+        self.generation: VllmGeneration | None = None
+        self._own_cluster: RayVirtualCluster | None = None
         self._stale = True  # engines start with dummy weights: the first rollout needs a refit
         if uses_vllm(cfg):
             from core.generation import VllmGeneration
