@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +68,9 @@ from core.policy.generation_args import (
     top_k_or_off,
 )
 from core.policy.generation_config import GenerationConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "DecodeFns",
@@ -95,7 +98,7 @@ class DecodeState(NamedTuple):
     slot_mask: jax.Array  # [B, S + N - 1] int32: 1 on slots holding real tokens
     input_lengths: jax.Array  # [B] int32
     last_token: jax.Array  # [B] int32, fed to the next step
-    count: jax.Array  # scalar int32
+    count: jax.Array  # type: ignore[assignment]  # scalar int32 (the field shadows tuple.count)
     key: jax.Array  # PRNG key (scalar, split once per step) or [B] per-row keys
     done: jax.Array  # [B] bool: row met a stop token (its later tokens are pad)
     gen_lengths: jax.Array  # [B] int32: N until a stop token is hit
@@ -330,13 +333,16 @@ class DecodeFns:
 
 def make_decode_fns(model: CausalLM) -> DecodeFns:
     """Split ``model`` once: ``generate(make_decode_fns(model), params, ...)``."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # flax types a split by two filters as (graphdef, state, *states): here exactly one more.
+    graphdef, params, *others = nnx.split(model, nnx.Param, ...)
+    (rest,) = others
     return DecodeFns(graphdef=graphdef, rest=rest, params=params, vocab_size=model.cfg.vocab_size)
 
 
 def compile_cache_sizes() -> dict[str, int]:
     """Programs compiled so far by the two jitted functions (all models and shapes)."""
-    return {"prefill": _prefill._cache_size(), "step": _step._cache_size()}
+    # _cache_size: jax's (private) count of a jitted function's programs; not in JitWrapped's type.
+    return {"prefill": _prefill._cache_size(), "step": _step._cache_size()}  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- host side
@@ -358,7 +364,7 @@ def _check_inputs(input_ids, input_lengths) -> tuple[np.ndarray, np.ndarray]:
     return input_ids.astype(np.int64), input_lengths.astype(np.int64)
 
 
-def _knobs(gen_cfg: GenerationConfig, greedy: bool, pad_token_id: int) -> dict[str, np.ndarray]:
+def _knobs(gen_cfg: GenerationConfig, greedy: bool, pad_token_id: int) -> dict[str, np.generic]:
     temperature = float(gen_cfg.temperature)
     if temperature <= 0:
         raise ValueError(f"generation temperature must be > 0 (use greedy=True for argmax), got {temperature}")
@@ -523,11 +529,11 @@ class _Decoder:
 
     fns: DecodeFns
     params: Any
-    knobs: dict[str, np.ndarray]
+    knobs: dict[str, np.generic]
     stop_mask: np.ndarray
     greedy: bool
     new_tokens: int
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase | None
 
     def __call__(self, input_ids, input_lengths, row_strings, key):
         """Prefill + steps for these rows: (tokens [b, N] int64, logprobs [b, N] float32,

@@ -31,7 +31,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +39,11 @@ from flax import nnx
 
 from backends.jax_pjit.models import ModelConfig, abstract_model, config_from_hf, family_module, param_shapes, params_of
 from backends.jax_pjit.models.hf_table import Row
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from backends.jax_pjit.models.llama import CausalLM
 
 #: HF buffers that may sit in a checkpoint but are not parameters (recomputed from config).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -287,7 +292,7 @@ def read_hf_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_hf_weights(model: nnx.Module, path_or_hf_state: str | os.PathLike | Mapping[str, Any]) -> nnx.Module:
+def load_hf_weights(model: CausalLM, path_or_hf_state: str | os.PathLike | Mapping[str, Any]) -> CausalLM:
     """Fill ``model``'s params (in place; also returned) from an HF checkpoint dir/file or a
     ``{hf_name: array}`` mapping, cast to the model's ``param_dtype``.
 
@@ -323,7 +328,7 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def save_hf_checkpoint(model: nnx.Module, hf_config: Any, path: str | os.PathLike) -> Path:
+def save_hf_checkpoint(model: CausalLM, hf_config: PreTrainedConfig, path: str | os.PathLike) -> Path:
     """Write ``model.safetensors`` (HF names and layouts, params' dtype) and ``config.json``
     to ``path``; ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it.
 
@@ -351,7 +356,7 @@ def from_pretrained(
     *,
     tp: int = 1,
     make_vocab_size_divisible_by: int = 1,
-) -> tuple[nnx.Module, ModelConfig, Any]:
+) -> tuple[CausalLM, ModelConfig, PreTrainedConfig]:
     """Load an HF checkpoint directory: ``(CausalLM, ModelConfig, hf_config)``.
 
     The vocabulary is zero-padded to ``padded_vocab_size(vocab_size, tp,

@@ -131,7 +131,9 @@ def clip_by_global_norm_torch(max_norm: float) -> optax.GradientTransformation:
 
 # ----------------------------------------------------------------------------- optimizers
 class ScaleByTorchAdamState(NamedTuple):
-    count: jax.Array
+    # ``count`` shadows tuple.count (as in optax's own states); it names the field in saved
+    # optimizer states, so it stays.
+    count: jax.Array  # type: ignore[assignment]
     mu: Any
     nu: Any
     nu_max: Any  # running max of nu (amsgrad); an empty tuple without amsgrad
@@ -174,7 +176,7 @@ def _one_minus_pow(b: float, t: jax.Array) -> jax.Array:
 
 
 class TorchSGDMomentumState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as above
     buf: Any
 
 
@@ -424,21 +426,24 @@ def optimizer_state_shardings(opt_state_shapes: Any, param_shardings: Any, mesh:
             raise ValueError("optimizer_state_shardings: no parameter shardings to take the mesh from")
         mesh = sharding_leaves[0].mesh
     replicated = NamedSharding(mesh, PartitionSpec())
+    # jaxlib ships no type stub for PyTreeDef (jax's alias of it does not resolve), hence the
+    # ignores on its methods and its ``==``.  len(sharding_leaves) is param_def.num_leaves.
+    single_leaf = len(sharding_leaves) == 1 and param_def == jax.tree.structure(0)  # type: ignore[operator]
 
     def mirrors_params(node: Any) -> bool:
-        if param_def.num_leaves == 1 and param_def == jax.tree.structure(0):
+        if single_leaf:
             return False  # a single-array "tree" would match every leaf: handled per leaf below
         try:
-            return jax.tree.structure(node) == param_def
+            return jax.tree.structure(node) == param_def  # type: ignore[operator]
         except Exception:  # noqa: BLE001
             return False
 
     def assign(node: Any) -> Any:
         if mirrors_params(node):
-            leaves = param_def.flatten_up_to(node)
+            leaves = param_def.flatten_up_to(node)  # type: ignore[attr-defined]
             out = [sh if _fits(leaf, sh) else replicated for leaf, sh in zip(leaves, sharding_leaves, strict=True)]
             return jax.tree.unflatten(param_def, out)
-        if param_def.num_leaves == 1 and param_def == jax.tree.structure(0):
+        if single_leaf:
             sh = sharding_leaves[0]
             return sh if _fits(node, sh) and getattr(node, "ndim", 0) > 0 else replicated
         return replicated

@@ -130,6 +130,8 @@ class RowLayouts:
                 )
             return [(np.arange(chunk_rows), [tuple(r) for r in ranges]) for ranges in attached]
         sp = self.packing
+        if sp is None:
+            raise ValueError("packing_plan: policy.sequence_packing is not enabled")
         budget = getattr(sp, budget_key)
         check_packing_budget(lengths.tolist(), budget, f"policy.sequence_packing.{budget_key}")
         plans = []

@@ -211,7 +211,7 @@ def check_divisible(shapes_tree: Any, logical_axes_tree: Any, mesh: Mesh, rules:
     """
     flat_axes, treedef = jax.tree_util.tree_flatten_with_path(logical_axes_tree, is_leaf=_is_axes_leaf)
     try:
-        flat_shapes = treedef.flatten_up_to(shapes_tree)
+        flat_shapes = treedef.flatten_up_to(shapes_tree)  # type: ignore[attr-defined]  # jaxlib: no PyTreeDef stub
     except (ValueError, TypeError) as err:
         raise ValueError(f"check_divisible: the shapes tree does not match the logical axes tree: {err}") from err
     problems = []

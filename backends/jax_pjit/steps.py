@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,24 @@ from core.data.context_parallel import attention_allowed, check_cp_width, load_b
 from core.data.sequence_packing import PackedRow
 from core.kernels import apply_temperature, logprobs_from_logits, logprobs_to_sequence_layout, next_token_logprobs
 
-ApplyFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+if TYPE_CHECKING:
+    from core.interfaces import LossFunction
+
+
+class ApplyFn(Protocol):
+    """``models.make_apply_fn``'s function (``remat`` possibly bound): ``CausalLM.__call__``
+    with the params passed in -> logits [B, S, V]."""
+
+    def __call__(
+        self,
+        params: Any,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None,
+        positions: jax.Array | None = None,
+        allowed: jax.Array | None = None,
+    ) -> jax.Array: ...
+
+
 MIN_BUCKET = 16
 
 
@@ -52,7 +69,8 @@ def length_buckets(max_len: int, minimum: int = MIN_BUCKET, multiple: int = 1) -
     ``multiple`` > 1 (``policy.make_sequence_length_divisible_by``) every rung is rounded up
     to a multiple of it -- the top one too, which may then exceed ``max_len`` (padding)."""
     top = _round_up(max_len, multiple)
-    ladder, n = [], minimum
+    ladder: list[int] = []
+    n = minimum
     while n < max_len:
         rung = _round_up(n, multiple)
         if rung < top and (not ladder or rung > ladder[-1]):
@@ -130,7 +148,7 @@ def zero_grads(params: Any) -> Any:
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), params)
 
 
-def loss_key(loss_fn: Any) -> tuple:
+def loss_key(loss_fn: LossFunction) -> tuple:
     """(class name, its scalar settings): equal for two copies of one configured loss, so a
     grad step compiled for one serves the next (every ``Policy.train`` call ships a fresh,
     unpickled copy of the same loss)."""
@@ -139,7 +157,9 @@ def loss_key(loss_fn: Any) -> tuple:
     return (type(loss_fn).__qualname__, settings)
 
 
-def make_grad_step(apply_fn: ApplyFn, loss_fn: Any, temperature: float, grad_shardings: Any = None) -> Callable:
+def make_grad_step(
+    apply_fn: ApplyFn, loss_fn: LossFunction, temperature: float, grad_shardings: Any = None
+) -> Callable:
     """``(params, grads_acc, batch, global_valid_seqs, global_valid_toks) ->
     (grads_acc + d loss/d params, metrics)`` for one micro batch.
 
@@ -233,7 +253,7 @@ def make_layout_logprob_step(apply_fn: ApplyFn, temperature: float, cp: int) -> 
 
 
 def make_layout_grad_step(
-    apply_fn: ApplyFn, loss_fn: Any, temperature: float, cp: int, grad_shardings: Any = None
+    apply_fn: ApplyFn, loss_fn: LossFunction, temperature: float, cp: int, grad_shardings: Any = None
 ) -> Callable:
     """``(params, grads_acc, rows, batch, global_valid_seqs, global_valid_toks) ->
     (grads_acc + d loss/d params, metrics)``: ``make_grad_step`` for explicit row layouts.
@@ -388,4 +408,6 @@ class CompileCounter:
         self.steps = steps
 
     def counts(self) -> dict[str, int]:
-        return {name: fn._cache_size() for name, fn in self.steps.items()}
+        # _cache_size: jax's (private) count of a jitted function's compiled programs, which
+        # jax's types leave out.
+        return {name: fn._cache_size() for name, fn in self.steps.items()}  # type: ignore[attr-defined]

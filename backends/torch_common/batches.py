@@ -27,7 +27,7 @@ def micro_batches(batch: BatchedDataDict, micro_batch_size: int) -> Iterator[Bat
 
 
 def model_inputs(
-    mb: BatchedDataDict, device: torch.device, seq_multiple: int = 1
+    mb: BatchedDataDict, device: torch.device | str, seq_multiple: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(input_ids, attention_mask, seq_len)`` for one right-padded micro batch.
 

@@ -15,9 +15,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ from core.checkpointing import policy_files as pf
 from core.checkpointing.manifest import CheckpointError
 from core.distributed.recoverable import before_collectives
 
+T = TypeVar("T")
+
 SCHEDULER_FILE = "scheduler_and_step.pt"
 FORMAT = "torch-dcp"  # the manifest's identity.format of a DCP policy checkpoint
 
@@ -42,7 +44,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: T) -> T:
     """Rank 0's ``obj`` on every rank (a no-op without a process group)."""
     if not _distributed() or dist.get_world_size() == 1:
         return obj
@@ -51,7 +53,7 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _rank0(fn) -> Any:
+def _rank0(fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 only; its result (or its CheckpointError, re-raised) on every
     rank, so that no rank goes on to a collective the others will not join."""
     out: Any = None
@@ -100,7 +102,7 @@ def save_dcp(
         token, temps = _rank0(prepare)
     try:
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(temps[0]))
-        if optimizer_path is not None:
+        if optimizer_path is not None and optimizer is not None:  # a path without one was refused above
             dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(temps[1]))
             if rank0:
                 torch.save(dict(extra_state or {}), temps[1] / SCHEDULER_FILE)
@@ -176,7 +178,7 @@ def load_dcp(
     _rank0(check)
     dcp.load(state, checkpoint_id=str(weights_path))
     set_model_state_dict(model, state["model"])
-    if optimizer_path is None:
+    if optimizer_path is None or optimizer is None:  # a path without an optimizer was refused above
         return {}
     optim_state = {"optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(optim_state, checkpoint_id=str(optimizer_path))

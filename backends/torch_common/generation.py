@@ -38,8 +38,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -50,6 +50,9 @@ from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import apply_temperature, logprobs_from_logits
 from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
 from core.policy.generation_config import GenerationConfig as GenerationSection
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
     "SeededRowSampler",
@@ -178,7 +181,7 @@ class GenerationReplica:
     The replica's structure is built on the first :meth:`load`; each call only reloads the weights.
     """
 
-    def __init__(self, model_config: Any, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model_config: PreTrainedConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.model_config, self.device, self.dtype = model_config, device, dtype
         self._module: torch.nn.Module | None = None
 
@@ -210,12 +213,12 @@ def row_chunks(batch: int, batch_size: int | None) -> list[slice]:
 class _GenerateCall:
     """What every chunk of one ``hf_generate`` call shares; ``rows`` runs one chunk."""
 
-    model: Any
-    config: Any  # greedy -> transformers.GenerationConfig
+    model: torch.nn.Module
+    config: Callable[..., GenerationConfig]  # greedy -> transformers.GenerationConfig
     greedy: bool
     stop_token_ids: list[int]
     temperature: float
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase | None
     synced_gpus: bool
     new_tokens: int
     pad_token_id: int

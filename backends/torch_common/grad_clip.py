@@ -37,14 +37,14 @@ def clip_grad_norm_dtensor(parameters: Iterable[torch.nn.Parameter], max_norm: f
     """Clip gradients in place to ``max_norm`` (``None``: only measure) and return the total
     L2 norm before clipping, identical on every rank, as a 0-d tensor on the gradients'
     device (no host sync: the caller reads it with the step's other values)."""
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
+    grads = [g for g in (p.grad for p in parameters) if g is not None]
+    if not grads:
         return torch.zeros(())
-    total = total_grad_norm([p.grad for p in params])
+    total = total_grad_norm(grads)
     if max_norm is not None and math.isfinite(max_norm):
         # clip_grads_with_norm_ scales each grad by one scalar: DTensor grads of any mesh
         # accept a plain 0-d coefficient.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.device))
+        for g in grads:
+            g.mul_(coef.to(g.device))
     return total

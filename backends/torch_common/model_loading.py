@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from core.refit.manifest import dtype_name
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,7 +25,7 @@ def as_torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype_name(dtype))
 
 
-def load_hf_model(model_name: str) -> torch.nn.Module:
+def load_hf_model(model_name: str) -> PreTrainedModel:
     """``AutoModelForCausalLM`` by local path or hub name, in float32 on the host.
 
     Parameters stay float32 (the optimizer's master copy); ``policy.precision`` is applied as

@@ -80,6 +80,8 @@ def build_scheduler(
         if entry.milestones is not None:
             milestones = list(entry.milestones)
             continue
+        if entry.name is None:  # SchedulerEntry.check: a name or milestones, exactly one
+            raise ValueError(f"policy.scheduler[{i}]: an entry needs a name or milestones")
         cls = import_object(entry.name, f"policy.scheduler[{i}].name")
         schedulers.append(cls(optimizer, **entry.kwargs))
     if len(schedulers) == 1:

@@ -66,6 +66,8 @@ class SeededRowSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[0] != len(self.generators):
             raise RuntimeError(f"SeededRowSampler has {len(self.generators)} row seeds for {scores.shape[0]} rows")
-        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        # transformers annotates processors with torch.LongTensor / FloatTensor, which plain
+        # tensors (what .float() returns) do not match in torch's stubs.
+        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)  # type: ignore[arg-type]
         tokens = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])
         return torch.full_like(scores, -float("inf")).scatter_(1, tokens[:, None], 0.0)

@@ -57,12 +57,12 @@ class _WaitForCollective(torch.autograd.Function):
     ``trigger_wait()`` it keeps the autograd edge to whatever produced the collective."""
 
     @staticmethod
-    def forward(ctx, act: AsyncCollectiveTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, act: AsyncCollectiveTensor) -> torch.Tensor:
         waited = act.trigger_wait()
         return waited.view_as(waited)  # a fresh tensor for autograd's metadata; no copy
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
@@ -105,5 +105,8 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     for block in blocks:
         block.compile(backend=backend)
         # nn.Module.__call__ runs _compiled_call_impl (torch.compile of block._call_impl).
-        block._compiled_call_impl = _waiting_for_collectives(block._compiled_call_impl)
+        compiled = block._compiled_call_impl
+        if compiled is None:
+            raise RuntimeError(f"{type(block).__name__}.compile() left no compiled call to wrap")
+        block._compiled_call_impl = _waiting_for_collectives(compiled)
     return len(blocks)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ import torch.distributed as dist
 
 from backends.torch_common.batches import to_device
 from core.data.context_parallel import attention_allowed, load_balanced_columns
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION_NAME = "dualrl_cp_allgather"
 _cp_group: dist.ProcessGroup | None = None
@@ -79,7 +82,7 @@ def _allgather_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def install_allgather_attention(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+def install_allgather_attention(model: PreTrainedModel, group: dist.ProcessGroup) -> None:
     """Route ``model``'s attention through the all-gather function over ``group``."""
     from transformers import AttentionInterface
 

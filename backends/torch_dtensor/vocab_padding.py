@@ -23,12 +23,17 @@ size), not into one with a different padded vocabulary.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from core.policy.vocab_padding import padded_vocab_size
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from core.interfaces import LossFunction
 
 __all__ = ["padded_vocab_size", "pad_vocab_", "mask_padded_logits", "unpad_rows", "OriginalVocabLoss"]
 
@@ -45,7 +50,15 @@ def _pad_rows(module: torch.nn.Module, size_attr: str, padded: int) -> None:
     setattr(module, size_attr, padded)
 
 
-def pad_vocab_(model: torch.nn.Module, padded: int) -> torch.utils.hooks.RemovableHandle | None:
+def _weight(module: torch.nn.Module) -> torch.Tensor:
+    """``module.weight`` (torch types a submodule attribute as a tensor or a module)."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is not a tensor")
+    return weight
+
+
+def pad_vocab_(model: PreTrainedModel, padded: int) -> torch.utils.hooks.RemovableHandle | None:
     """Pad ``model``'s input embedding and output layer to ``padded`` rows (zeros), in place,
     and mask the padded logits; returns the mask hook's handle (None: nothing to pad).
 
@@ -59,10 +72,11 @@ def pad_vocab_(model: torch.nn.Module, padded: int) -> torch.utils.hooks.Removab
         return None
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
-    if emb.weight.shape[0] != vocab or (head is not None and head.weight.shape[0] != vocab):
+    emb_rows = _weight(emb).shape[0]
+    if emb_rows != vocab or (head is not None and head.weight.shape[0] != vocab):
         raise ValueError(
             f"cannot pad the vocabulary: config vocab_size={vocab} but the input embedding has "
-            f"{emb.weight.shape[0]} rows and the output layer "
+            f"{emb_rows} rows and the output layer "
             f"{None if head is None else head.weight.shape[0]}"
         )
     tied = head is not None and head.weight is emb.weight
@@ -86,7 +100,10 @@ def _column_offset(logits: DTensor) -> tuple[torch.Tensor, int]:
     if not vocab_shards and others_ok:
         return local, 0
     if others_ok and len(vocab_shards) == 1 and local.shape[-1] * mesh.size(vocab_shards[0]) == logits.shape[-1]:
-        return local, mesh.get_coordinate()[vocab_shards[0]] * local.shape[-1]
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError("padded vocabulary: this rank is not in the logits' device mesh")
+        return local, coordinate[vocab_shards[0]] * local.shape[-1]
     raise ValueError(
         f"padded vocabulary: cannot mask lm_head logits placed {tuple(logits.placements)} with global "
         f"shape {tuple(logits.shape)} (the vocab dim must be replicated or evenly sharded on one mesh dim)"
@@ -130,7 +147,7 @@ class OriginalVocabLoss:
     """A loss that reads the full logits, called with the original vocabulary ``[..., :V]``
     (the padded columns carry no probability, but a loss must see the model's real V)."""
 
-    def __init__(self, loss_fn: Any, vocab_size: int) -> None:
+    def __init__(self, loss_fn: LossFunction, vocab_size: int) -> None:
         self._loss_fn = loss_fn
         self._vocab_size = vocab_size
 

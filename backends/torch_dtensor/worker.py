@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -44,6 +45,17 @@ from core.policy.preflight import check_tensor_parallel_fits
 # The global grad norm of parameters on the 2-D (dp, tp) mesh is reduced over both axes with
 # two all-reduces of one scalar; DTensor logs a performance warning for it on every step.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class _FullyShardKwargs(TypedDict, total=False):
+    """What ``_apply_fsdp`` passes to every ``fully_shard`` call besides the module."""
+
+    mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
 
 
 class DTensorPolicyWorker(TorchPolicyWorker):
@@ -86,6 +98,10 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         return bool(self.cfg.dtensor_cfg.compile)
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel):  # load_hf_model's: an HF causal LM
+            raise TypeError(f"DTensorPolicyWorker parallelizes HF models, got {type(model).__name__}")
         self._pad_vocabulary(model)
         if self._cp_rows is not None:
             install_allgather_attention(model, self._cp_rows.group)
@@ -98,7 +114,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         self._apply_fsdp(model)
         return model
 
-    def _pad_vocabulary(self, model: torch.nn.Module) -> None:
+    def _pad_vocabulary(self, model: PreTrainedModel) -> None:
         """Zero-pad embedding and lm_head rows to a multiple of tp (and of
         ``policy.make_vocab_size_divisible_by``); the padded logits are masked
         (``backends/torch_dtensor/vocab_padding.py``)."""
@@ -112,7 +128,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
             loss_fn = OriginalVocabLoss(loss_fn, self.model_config.vocab_size)  # full logits: [..., :V]
         return super()._micro_batch_loss(mb, loss_fn, gseq, gtok)
 
-    def _apply_tp(self, model: torch.nn.Module) -> None:
+    def _apply_tp(self, model: PreTrainedModel) -> None:
         check_tensor_parallel_fits(model.config, self.tp_size, "policy.dtensor_cfg.tensor_parallel_size")
         custom = self.cfg.dtensor_cfg.custom_parallel_plan
         if isinstance(custom, str):
@@ -125,7 +141,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
             model.lm_head.weight = model.get_input_embeddings().weight
 
     def _apply_fsdp(self, model: torch.nn.Module) -> None:
-        kwargs = dict(
+        kwargs = _FullyShardKwargs(
             mesh=self.fsdp_mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32),
         )

@@ -33,6 +33,8 @@ from core.parallel_dims import ParallelDims
 class FSDP1PolicyWorker(TorchPolicyWorker):
     """One rank of an FSDP1 policy: every rank is data parallel (dp = world size)."""
 
+    model: FSDP  # what ``_parallelize`` wraps the HF module in
+
     def _parallel_dims(self) -> ParallelDims:
         multiple = self.cfg.make_vocab_size_divisible_by or 1
         if multiple > 1:
@@ -51,7 +53,7 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
     def _offloading(self) -> bool:
         return self._offload_params(bool(self.cfg.fsdp_offload_enabled), "policy.fsdp_offload_enabled")
 
-    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _parallelize(self, model: torch.nn.Module) -> FSDP:
         mixed = None
         if self.compute_dtype != torch.float32:
             # fp32 master weights and gradient reduction; compute in the configured dtype.

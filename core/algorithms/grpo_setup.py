@@ -12,21 +12,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.algorithms.config import GRPORunConfig
 from core.algorithms.grpo import grpo_step, grpo_validate, old_logprobs_source
 from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
 from core.algorithms.training_run import TrainingRun, check_run_config, open_run, start_policy, train_loop
+from core.config import ConfigError
 from core.datasets import BatchLoader, build_prompt_datasets
+
+if TYPE_CHECKING:
+    from core.algorithms.rollout_engine import RolloutEngine
+    from core.environments import EnvironmentPool
 
 
 @dataclass
 class GRPORun(TrainingRun):
     """A run plus GRPO's own live parts: the rollout engine and the reward environments."""
 
-    rollouts: Any = None
-    env: Any = None
+    cfg: GRPORunConfig  # (narrowed from TrainingRun's MasterConfig: a GRPO run's config)
+    resolved_cfg: GRPORunConfig
+    rollouts: RolloutEngine | None = None
+    env: EnvironmentPool | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     max_new_tokens: int = 0
     #: Moves the engines to the policy's weights (the async loop's waits for its schedule first).
@@ -76,21 +83,24 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     from core.policy.generation_args import resolve_generation_args
 
     cfg = run.resolved_cfg
+    gen, max_prompt = cfg.policy.generation, cfg.data.max_input_seq_length
+    if gen is None or max_prompt is None:  # GRPORunConfig.algorithm_problems refuses both
+        raise ConfigError("dualrl grpo needs policy.generation and data.max_input_seq_length")
     start = time.perf_counter()
     cluster = start_policy(run, log)
-    run.env = EnvironmentPool(run.cfg.env)
-    run._exit.callback(run.env.shutdown)
-    run.rollouts = RolloutEngine(cfg, run.policy, run.tokenizer, cluster, run.cfg.grpo.seed, run.start_step)
-    run._exit.callback(run.rollouts.shutdown)
-    args = resolve_generation_args(
-        cfg.policy, run.tokenizer, run.policy.model_config.eos_token_id, cfg.data.max_input_seq_length
+    env = run.env = EnvironmentPool(run.cfg.env)
+    run._exit.callback(env.shutdown)
+    rollouts = run.rollouts = RolloutEngine(
+        cfg, run.policy, run.tokenizer, cluster, run.cfg.grpo.seed, start_version=run.start_step
     )
-    run.stop_token_ids = list(args.eos_token_ids) + list(cfg.policy.generation.stop_token_ids or [])
+    run._exit.callback(rollouts.shutdown)
+    args = resolve_generation_args(cfg.policy, run.tokenizer, run.policy.model_config.eos_token_id, max_prompt)
+    run.stop_token_ids = list(args.eos_token_ids) + list(gen.stop_token_ids or [])
     run.max_new_tokens = args.max_new_tokens
     log(
         f"workers up in {time.perf_counter() - start:.1f} s: {cfg.policy.backend} policy on "
-        f"{cluster.world_size()} slot(s), {run.rollouts.kind} generation"
-        + (f" ({run.rollouts.transport} refit)" if run.rollouts.kind == "vllm" else "")
+        f"{cluster.world_size()} slot(s), {rollouts.kind} generation"
+        + (f" ({rollouts.transport} refit)" if rollouts.kind == "vllm" else "")
     )
 
 

@@ -85,6 +85,8 @@ class TrainingLoop:
         return (self.val_period > 0 and step % self.val_period == 0) or (last and self.val_at_end)
 
     def _validate(self, step: int) -> None:
+        if self.validate_fn is None:
+            raise ValueError(f"{self.algorithm}: validation was asked for (val_at_start) but the run has no validation")
         start = time.perf_counter()
         metrics = dict(self.validate_fn(step))
         metrics["timing/val_s"] = time.perf_counter() - start

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.algorithms.config import MasterConfig
 from core.distributed import RayVirtualCluster, ray_init
 from core.distributed.worker_output import WORKER_LOG_FILENAME
 from core.policy.generation_config import ColocationResources
+
+if TYPE_CHECKING:
+    from core.refit.driver import Transport
 
 
 def uses_vllm(cfg: MasterConfig) -> bool:
@@ -28,7 +32,7 @@ def is_colocated(cfg: MasterConfig) -> bool:
     return gen is None or gen.colocated.enabled
 
 
-def refit_transport(cfg: MasterConfig) -> str:
+def refit_transport(cfg: MasterConfig) -> Transport:
     return "ipc" if is_colocated(cfg) else "collective"
 
 
@@ -68,8 +72,9 @@ def cpu_slots_needed(cfg: MasterConfig) -> int:
     slots when generation is not colocated.  May exceed the cores: on a CPU machine a slot
     is a process, and the OS shares the cores between them."""
     slots = cfg.cluster.world_size
-    if uses_vllm(cfg) and not is_colocated(cfg):
-        resources = cfg.policy.generation.colocated.resources
+    gen = cfg.policy.generation
+    if gen is not None and uses_vllm(cfg) and not is_colocated(cfg):
+        resources = gen.colocated.resources
         slots += (resources.gpus_per_node or 1) * (resources.num_nodes or 1)
     return slots
 

@@ -17,22 +17,35 @@ loop's generation thread and its trainer), and a refit lands between requests, n
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
-from core.algorithms.config import MasterConfig
 from core.algorithms.placement import generation_cluster, is_colocated, refit_transport, uses_vllm
 from core.data import BatchedDataDict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from core.algorithms.config import MasterConfig
+    from core.distributed import RayVirtualCluster
+    from core.generation import VllmGeneration
+    from core.policy import Policy
 
 
 class RolloutEngine:
     def __init__(
-        self, cfg: MasterConfig, policy: Any, tokenizer: Any, cluster: Any, seed: int, start_version: int = 0
+        self,
+        cfg: MasterConfig,
+        policy: Policy,
+        tokenizer: PreTrainedTokenizerBase,
+        cluster: RayVirtualCluster,
+        seed: int,
+        start_version: int = 0,
     ) -> None:
         self.policy = policy
         self.colocated = is_colocated(cfg)
         self.transport = refit_transport(cfg)
-        self.generation = None
-        self._own_cluster = None
+        self.generation: VllmGeneration | None = None
+        self._own_cluster: RayVirtualCluster | None = None
         self._stale = True  # engines start with dummy weights: the first rollout needs a refit
         #: The training step whose weights the engines hold (the policy's, for hf generation).
         self.version = start_version

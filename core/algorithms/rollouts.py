@@ -9,12 +9,15 @@ stop), so the loss never trains on the prompt or the padding.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from core.data import BatchedDataDict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def prompt_batch(input_ids: Sequence[Sequence[int]], repeats: int, pad_token_id: int) -> BatchedDataDict:
@@ -48,7 +51,9 @@ def generated_tokens(out: BatchedDataDict, prompt_lengths: torch.Tensor) -> list
     return rows
 
 
-def decode_completions(tokenizer: Any, out: BatchedDataDict, prompt_lengths: torch.Tensor) -> list[str]:
+def decode_completions(
+    tokenizer: PreTrainedTokenizerBase, out: BatchedDataDict, prompt_lengths: torch.Tensor
+) -> list[str]:
     """The generated text of each row, special tokens (the stop token) removed."""
     return tokenizer.batch_decode(generated_tokens(out, prompt_lengths), skip_special_tokens=True)
 

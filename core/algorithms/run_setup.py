@@ -9,11 +9,14 @@ import json
 import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from core.algorithms.config import MasterConfig
 from core.models.builtin import builtin_tokenizer, is_builtin
 from core.policy.config import PolicyConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 M = TypeVar("M", bound=MasterConfig)
 
@@ -28,7 +31,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_tokenizer(policy_cfg: PolicyConfig) -> Any:
+def load_tokenizer(policy_cfg: PolicyConfig) -> PreTrainedTokenizerBase:
     """``policy.tokenizer.name`` (a built-in, a local path or a hub id), with the config's
     chat template if given and a pad token (the eos) if the tokenizer has none."""
     tok_cfg = policy_cfg.tokenizer

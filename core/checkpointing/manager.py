@@ -270,13 +270,13 @@ class CheckpointManager:
         root = self.checkpoint_dir
         if root is None or not root.is_dir():
             return []
-        removed = []
+        removed: list[Path] = []
         for child in sorted(root.iterdir()):
             if not child.is_dir() or child.is_symlink():
                 continue
             old = _OLD_RE.fullmatch(child.name)
             final = root / f"step_{int(old.group(1))}" if old else None
-            if old and not final.exists():
+            if final is not None and not final.exists():
                 os.replace(child, final)
                 warnings.warn(f"restored {final} from {child.name} (a re-save was interrupted)", stacklevel=2)
             elif old or _TMP_RE.fullmatch(child.name):

@@ -254,7 +254,7 @@ def check_load_paths(
         if optimizer_path is not None:
             raise CheckpointError(f"optimizer_path={str(optimizer_path)!r} given without a weights_path")
         return
-    paths = [(Path(weights_path).absolute(), KIND_WEIGHTS, ())]
+    paths: list[tuple[Path, str, tuple[str, ...]]] = [(Path(weights_path).absolute(), KIND_WEIGHTS, ())]
     if optimizer_path is not None:
         paths.append((Path(optimizer_path).absolute(), KIND_OPTIMIZER, tuple(optimizer_required)))
     manifests = []

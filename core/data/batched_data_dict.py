@@ -250,9 +250,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 f"batch_size={batch_size} does not match the dynamic-batching plan, whose "
                 f"chunk {batch_idx} has {end - start} rows"
             )
+        indices, lengths = self._require_plan()
         batch = self.slice(start, end)
-        batch.micro_batch_indices = [list(self.micro_batch_indices[batch_idx])]
-        batch.micro_batch_lengths = [list(self.micro_batch_lengths[batch_idx])]
+        batch.micro_batch_indices = [list(indices[batch_idx])]
+        batch.micro_batch_lengths = [list(lengths[batch_idx])]
         return batch
 
     # --------------------------------------------------------- transforms
@@ -354,13 +355,13 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             raise ValueError("dynamic_batching_args and sequence_packing_args cannot be combined")
         dynamic = dynamic_batching_args is not None or sequence_packing_args is not None
         batch_size = resolve_chunk_size(total, shards, batch_size, allow_uneven_shards, dynamic)
-        if not dynamic:
-            rows = contiguous_shard_rows(total, shards, batch_size, allow_uneven_shards)
-            return [self._sliced_rows(shard_rows) for shard_rows in rows]
         if sequence_packing_args is not None:
             plan = packed_shard_plan(self.data, shards, batch_size, sequence_packing_args)
-        else:
+        elif dynamic_batching_args is not None:
             plan = dynamic_shard_plan(self.data, shards, batch_size, dynamic_batching_args)
+        else:
+            rows = contiguous_shard_rows(total, shards, batch_size, allow_uneven_shards)
+            return [self._sliced_rows(shard_rows) for shard_rows in rows]
         sliced = [self._sliced_rows(rows) for rows in plan.rows]
         for shard, indices, lengths in zip(sliced, plan.micro_batch_indices, plan.micro_batch_lengths, strict=True):
             shard.micro_batch_indices, shard.micro_batch_lengths = indices, lengths
@@ -413,10 +414,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def _dynamic_microbatches(self, chunk_ids: list[int]) -> Iterator[SlicedDataDict]:
         """Generator body of ``make_microbatch_iterator_with_dynamic_shapes``."""
+        indices, lengths = self._require_plan()
         for chunk in chunk_ids:
             offset, _ = self._plan_chunk_rows(chunk)
-            ranges = self.micro_batch_indices[chunk]
-            for (start, end), length in zip(ranges, self.micro_batch_lengths[chunk], strict=True):
+            for (start, end), length in zip(indices[chunk], lengths[chunk], strict=True):
                 micro = self.slice(offset + start, offset + end)
                 yield micro.truncate_tensors(dim=1, truncated_len=length)
 
@@ -427,20 +428,22 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         Raises:
             ValueError: no plan is attached.
         """
-        self._require_plan()
-        return sum(len(self.micro_batch_indices[c]) for c in self._plan_chunk_ids(batch_idx))
+        indices, _ = self._require_plan()
+        return sum(len(indices[c]) for c in self._plan_chunk_ids(batch_idx))
 
-    def _require_plan(self) -> None:
-        """Raise unless a dynamic-batching plan is attached."""
+    def _require_plan(self) -> tuple[list[list[tuple[int, int]]], list[list[int]]]:
+        """The attached dynamic-batching plan ``(micro_batch_indices, micro_batch_lengths)``;
+        raise unless one is attached."""
         if self.micro_batch_indices is None or self.micro_batch_lengths is None:
             raise ValueError(
                 "no dynamic-batching plan is attached to this batch; create it with "
                 "shard_by_batch_size(..., dynamic_batching_args=...) (and get_batch)"
             )
+        return self.micro_batch_indices, self.micro_batch_lengths
 
     def _plan_chunk_ids(self, batch_idx: int | None) -> list[int]:
         """Plan chunks selected by ``batch_idx`` (``None``: all)."""
-        num_chunks = len(self.micro_batch_indices)
+        num_chunks = len(self._require_plan()[0])
         if batch_idx is None:
             return list(range(num_chunks))
         if not 0 <= batch_idx < num_chunks:
@@ -452,7 +455,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         self._plan_chunk_ids(chunk)
         # Each chunk's micro batches cover its rows contiguously from 0, so the end of
         # its last micro batch is its row count.
-        counts = [ranges[-1][1] if ranges else 0 for ranges in self.micro_batch_indices]
+        counts = [ranges[-1][1] if ranges else 0 for ranges in self._require_plan()[0]]
         start = sum(counts[:chunk])
         return start, start + counts[chunk]
 

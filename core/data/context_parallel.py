@@ -14,8 +14,12 @@ the order of the gathered keys.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["load_balanced_columns", "row_segments", "attention_allowed", "check_cp_width"]
 
@@ -38,13 +42,17 @@ def load_balanced_columns(width: int, cp: int) -> np.ndarray:
     return np.stack([np.concatenate([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
 
 
-def row_segments(lengths: Sequence[int], width: int) -> np.ndarray:
+def row_segments(lengths: Sequence[int] | np.ndarray, width: int) -> np.ndarray:
     """``[rows, width]`` segments of right-padded rows: 0 on real tokens, 1 on padding."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    return (np.arange(width)[None, :] >= lengths[:, None]).astype(np.int64)
+    lens = np.asarray(lengths, dtype=np.int64)
+    return (np.arange(width)[None, :] >= lens[:, None]).astype(np.int64)
 
 
-def attention_allowed(q_cols: np.ndarray, k_cols: np.ndarray, segments: np.ndarray) -> np.ndarray:
+@overload
+def attention_allowed(q_cols: np.ndarray, k_cols: np.ndarray, segments: np.ndarray) -> np.ndarray: ...
+@overload
+def attention_allowed(q_cols: jax.Array, k_cols: jax.Array, segments: jax.Array) -> jax.Array: ...
+def attention_allowed(q_cols, k_cols, segments):
     """``[rows, len(q_cols), len(k_cols)]`` bool: query column q may read key column k.
 
     Causal in column order, and only within the query's own segment.  Every query may at

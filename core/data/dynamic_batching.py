@@ -21,7 +21,7 @@ touching the sharding code.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 import torch
 
@@ -84,7 +84,7 @@ class MissingKeyError(KeyError, ValueError):
 
 
 _INT_FIELDS = ("sequence_length_round", "max_tokens_per_microbatch")
-_KEY_FIELDS = ("input_key", "input_lengths_key")
+_KEY_FIELDS: tuple[Literal["input_key"], Literal["input_lengths_key"]] = ("input_key", "input_lengths_key")
 
 
 def validate_dynamic_batching_args(args: Mapping[str, Any]) -> None:

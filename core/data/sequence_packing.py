@@ -199,26 +199,26 @@ class PackedRow:
     segments: np.ndarray
 
     @classmethod
-    def build(cls, lengths: Sequence[int], source_width: int, multiple: int = 1) -> PackedRow:
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if lengths.ndim != 1 or (lengths < 0).any() or (lengths > source_width).any():
-            raise ValueError(f"PackedRow: lengths {lengths.tolist()} must lie in [0, {source_width}]")
-        total = int(lengths.sum())
+    def build(cls, lengths: Sequence[int] | np.ndarray, source_width: int, multiple: int = 1) -> PackedRow:
+        lens = np.asarray(lengths, dtype=np.int64)
+        if lens.ndim != 1 or (lens < 0).any() or (lens > source_width).any():
+            raise ValueError(f"PackedRow: lengths {lens.tolist()} must lie in [0, {source_width}]")
+        total = int(lens.sum())
         width = max(-(-total // multiple) * multiple, multiple)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        segments = np.repeat(np.arange(len(lengths)), lengths)
-        positions = np.concatenate([np.arange(n) for n in lengths]) if total else np.zeros(0, np.int64)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        segments = np.repeat(np.arange(len(lens)), lens)
+        positions = np.concatenate([np.arange(n) for n in lens]) if total else np.zeros(0, np.int64)
         source = segments * source_width + positions
         tail = width - total
         return cls(
-            lengths=lengths,
+            lengths=lens,
             starts=starts,
             source_width=source_width,
             width=width,
             source=np.concatenate([source, np.zeros(tail, np.int64)]),
             valid=np.concatenate([np.ones(total, bool), np.zeros(tail, bool)]),
             positions=np.concatenate([positions, np.arange(tail)]).astype(np.int64),
-            segments=np.concatenate([segments, np.full(tail, len(lengths))]).astype(np.int64),
+            segments=np.concatenate([segments, np.full(tail, len(lens))]).astype(np.int64),
         )
 
     def pack(self, tokens: Any) -> Any:

@@ -120,7 +120,15 @@ def dynamic_shard_plan(data: Mapping[str, Any], shards: int, batch_size: int, ar
 def packed_shard_plan(data: Mapping[str, Any], shards: int, batch_size: int, args: SequencePackingArgs) -> ShardPlan:
     """Sequence packing: per chunk, the rows sorted and dealt as with dynamic batching, then
     each shard's part bin-packed; every bin is a contiguous range of the shard's rows."""
-    lengths = read_sequence_lengths(data, {**args, "sequence_length_round": 1})
+    lengths = read_sequence_lengths(
+        data,
+        DynamicBatchingArgs(
+            input_key=args["input_key"],
+            input_lengths_key=args["input_lengths_key"],
+            sequence_length_round=1,
+            max_tokens_per_microbatch=args["max_tokens_per_microbatch"],
+        ),
+    )
     shard_rows: list[list[int]] = [[] for _ in range(shards)]
     ranges: list[list[list[tuple[int, int]]]] = [[] for _ in range(shards)]
     widths: list[list[list[int]]] = [[] for _ in range(shards)]

@@ -20,7 +20,7 @@ import abc
 import dataclasses
 import functools
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -115,7 +115,7 @@ class GeneratedDataset(EncodedDataset):
         )
 
 
-def encode_rows(encoder, rows: list[Mapping], source: str) -> ListDataset:
+def encode_rows(encoder, rows: Sequence[Mapping[str, Any]], source: str) -> ListDataset:
     """Encode every row up front; report dropped rows; reject an empty result."""
     if not rows:
         raise ValueError(f"{source} has no rows")
@@ -166,13 +166,15 @@ def build_datasets(
         )
     if is_builtin(name) and val_name in (None, name):
         return _builtin_datasets(task(name), name, encoder, num_val, seed, num_val_key, exclude)
-    if is_builtin(name):
+    train: EncodedDataset
+    if is_builtin(name):  # with its own validation source (the case above returned)
         train = GeneratedDataset(task(name), seed, encoder, exclude, name)
     else:
         rows = load_rows(name, data_cfg.dataset_config, data_cfg.split)
-        train = encode_rows(encoder, rows, f"dataset {name!r}")
-    if val_name is None and data_cfg.val_split is None:
-        return _hold_out(train, num_val, seed, name, num_val_key)
+        listed = encode_rows(encoder, rows, f"dataset {name!r}")
+        if val_name is None and data_cfg.val_split is None:
+            return _hold_out(listed, num_val, seed, name, num_val_key)
+        train = listed
     train[0]  # a built-in train stream: surface a too-long example now, not at step 1
     return train, _separate_val(data_cfg, task, encoder, num_val, seed)
 
@@ -221,7 +223,7 @@ def _builtin_val(task, name, encoder, num_val, seed):
 
 def _hold_out(train: ListDataset, num_val: int, seed: int, name: str, num_val_key: str):
     """Split ``num_val`` examples off ``train`` by a seeded permutation (sorted source order)."""
-    n = train.size
+    n = len(train)
     if n < num_val + 1:
         raise ValueError(
             f"{num_val_key}: dataset {name!r} has {n} usable rows, fewer "

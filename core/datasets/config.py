@@ -63,7 +63,7 @@ class DataConfig(ConfigModel):
     def _chat_mode(cls, value: object) -> bool | str:
         # One message instead of pydantic's two (one per member of the union).
         if isinstance(value, bool) or value == "auto":
-            return value  # type: ignore[return-value]
+            return value
         raise ValueError(f"expected true, false or 'auto', got {value!r}")
 
     def check(self) -> Iterable[Problem]:

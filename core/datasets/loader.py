@@ -38,7 +38,8 @@ class BatchLoader:
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.epoch = 0
         self.position = 0  # items of the current epoch (or of the stream) already drawn
-        self._order_epoch, self._order = -1, None
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
 
     def next_batch(self) -> list[Any]:
         """The next ``batch_size`` examples; advances the position (and maybe the epoch)."""
@@ -54,8 +55,10 @@ class BatchLoader:
 
     def _epoch_order(self) -> np.ndarray:
         """The permutation of the current epoch (cached: computed once per epoch)."""
-        if self._order_epoch != self.epoch:
+        if self._order is None or self._order_epoch != self.epoch:
             n = self.dataset.size
+            if n is None:
+                raise TypeError("an infinite dataset has no epoch order")
             self._order = np.random.default_rng(self.seed + self.epoch).permutation(n) if self.shuffle else np.arange(n)
             self._order_epoch = self.epoch
         return self._order

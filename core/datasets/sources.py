@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from core.environments.config import ArithmeticTaskConfig
 
 BUILTIN_SOURCES = ("arithmetic", "arithmetic-preferences")
 
@@ -60,6 +63,8 @@ def load_rows(
     """
     path = os.path.expanduser(name)
     suffix = os.path.splitext(path)[1].lower()
+    args: tuple[str | None, ...]
+    kwargs: dict[str, str]
     if os.path.exists(path):
         if os.path.isfile(path) and suffix in _FILE_BUILDERS:
             if split != "train":  # else a val_split would silently re-read the train file
@@ -112,7 +117,7 @@ def _check_not_empty(path: str, suffix: str, key_path: str) -> None:
         raise ValueError(f"{key_path}: dataset file {path!r} is empty (no rows)")
 
 
-def builtin_task(name: str, task_cfg: Mapping | None, path: str = "env.arithmetic"):
+def builtin_task(name: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any] | None, path: str = "env.arithmetic"):
     """The task object behind a built-in source: ``ArithmeticTask`` for "arithmetic" (rows:
     prompt, answer), wrapped in ``PreferenceTask`` for "arithmetic-preferences" (rows: prompt,
     chosen, rejected, answer).  ``path`` is where its knobs live in the config."""

@@ -76,6 +76,7 @@ def create_actors(
 
     If an actor cannot be created, the ones created before it are killed and the error
     is raised."""
+    actor_cls: ray.actor.ActorClass
     if isinstance(worker_cls, ray.actor.ActorClass):
         actor_cls = worker_cls
     else:
@@ -118,7 +119,9 @@ def create_actors(
                 **resources,
             )
             try:
-                workers.append(actor_cls.options(**options).remote(*args, **kwargs))
+                # ray types .remote() as ActorHandle | type[T] (its ActorProxy, so that methods
+                # type-check through @ray.method); at run time it is the handle.
+                workers.append(actor_cls.options(**options).remote(*args, **kwargs))  # type: ignore[arg-type]
             except Exception:
                 kill_actors(workers)
                 raise

@@ -83,11 +83,12 @@ def startup_failure(err: BaseException) -> StartupFailure | None:
     :class:`WorkerGroupError` / ``RuntimeError`` chained (``from``) to one.
     """
     seen = 0
-    while err is not None and seen < 8:
-        task_err = _creation_task_error(err)
+    current: BaseException | None = err
+    while current is not None and seen < 8:
+        task_err = _creation_task_error(current)
         if task_err is not None:
             return _parse_task_error(task_err)
-        err = err.__cause__
+        current = current.__cause__
         seen += 1
     return None
 

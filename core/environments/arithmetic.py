@@ -186,13 +186,14 @@ def evaluate(operands: list[int], ops: list[str]) -> int:
 
 def _terms(ops: list[str]) -> list[tuple[str, int]]:
     """Split an operator sequence into product terms: ``["+", "*"]`` -> ``[("+", 1), ("+", 2)]``."""
-    terms = [["+", 1]]
+    signs, sizes = ["+"], [1]
     for op in ops:
         if op == "*":
-            terms[-1][1] += 1
+            sizes[-1] += 1
         else:
-            terms.append([op, 1])
-    return [(sign, size) for sign, size in terms]
+            signs.append(op)
+            sizes.append(1)
+    return list(zip(signs, sizes, strict=True))
 
 
 def _close(committed: int, sign: str, term: int) -> int:

@@ -21,6 +21,10 @@ ArithmeticOperation = Literal["+", "-", "*"]
 SUPPORTED_OPERATIONS: tuple[ArithmeticOperation, ...] = ("+", "-", "*")
 
 
+def _default_operations() -> list[ArithmeticOperation]:
+    return ["+", "-"]
+
+
 class ArithmeticTaskConfig(ConfigModel):
     """Difficulty knobs of the built-in arithmetic task."""
 
@@ -30,7 +34,7 @@ class ArithmeticTaskConfig(ConfigModel):
     """Largest operand."""
     num_operands: int = Field(2, ge=2)
     """Operands per problem."""
-    operations: list[ArithmeticOperation] = Field(default_factory=lambda: ["+", "-"])
+    operations: list[ArithmeticOperation] = Field(default_factory=_default_operations)
     """Drawn uniformly per operator; "*" binds tighter than "+" / "-"."""
     allow_negative: bool = False
     """Whether operands, intermediate totals and answers may be negative."""

@@ -92,10 +92,13 @@ class EnvironmentWorker:
         chunk_error: Exception,
     ) -> str:
         """Re-score sample by sample to name the one that raises (chunks are small)."""
-        name = getattr(self._env, "name", "?")
+        env = self._env
+        if env is None:  # score() checked it
+            return f"the worker has no environment: {self._startup_error}"
+        name = getattr(env, "name", "?")
         for i, (prompt, completion, meta) in enumerate(zip(prompts, completions, metadata, strict=True)):
             try:
-                self._env.score([prompt], [completion], [meta])
+                env.score([prompt], [completion], [meta])
             except Exception as err:
                 sample = describe_sample(offset + i, prompt, completion)
                 return f"environment {name!r}: {sample}: score() raised {_describe_exception(err)}"
@@ -142,8 +145,10 @@ class EnvironmentPool:
         if len(prompts) == 0:
             return EnvironmentReturn(rewards=[], infos=[])
         chunks = _split(len(prompts), self.num_workers)
+        # ray types an actor as ActorHandle | type[T] and gives methods a .remote only through
+        # @ray.method (which would import ray with this module): the ignores below are that.
         refs = [
-            actor.score.remote(list(prompts[a:b]), list(completions[a:b]), list(metadata[a:b]), a)
+            actor.score.remote(list(prompts[a:b]), list(completions[a:b]), list(metadata[a:b]), a)  # type: ignore[attr-defined]
             for actor, (a, b) in zip(self._actors, chunks, strict=True)
         ]
         self._wait_or_time_out(refs, chunks)
@@ -162,7 +167,7 @@ class EnvironmentPool:
 
         for actor in self._actors:
             try:
-                ray.kill(actor, no_restart=True)
+                ray.kill(actor, no_restart=True)  # type: ignore[arg-type]  # an ActorHandle (see score)
             except Exception:  # already dead, or Ray already shut down: nothing to free
                 pass
         self._actors = []
@@ -187,7 +192,7 @@ class EnvironmentPool:
         from ray.exceptions import GetTimeoutError, RayError
 
         workers = list(range(len(self._actors))) if workers is None else workers
-        refs = [self._actors[worker].startup_error.remote() for worker in workers]
+        refs = [self._actors[worker].startup_error.remote() for worker in workers]  # type: ignore[attr-defined]
         for worker, ref in zip(workers, refs, strict=True):
             where = f"environment {self.name!r}: worker {worker} of {self.num_workers}"
             try:
@@ -242,7 +247,7 @@ class EnvironmentPool:
         import ray
 
         for worker in workers:
-            ray.kill(self._actors[worker], no_restart=True)
+            ray.kill(self._actors[worker], no_restart=True)  # type: ignore[arg-type]  # see score
             self._actors[worker] = self._actor_cls.remote(self._env_cfg)
         try:
             self._await_startup(workers)

@@ -53,7 +53,7 @@ class EngineDeadError(RuntimeError):
 class EngineHealth:
     """The engines' actor handles plus which of them are dead and why."""
 
-    def __init__(self, engines: Sequence[Any], probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(self, engines: Sequence[ray.actor.ActorHandle], probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
         self.engines = list(engines)
         self.probe_timeout_s = probe_timeout_s
         self.dead: dict[int, str] = {}

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
 from core.policy.generation_config import GenerationConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def logprobs_mode(gen_cfg: GenerationConfig) -> str:
@@ -66,11 +69,15 @@ def sampling_kwargs(
     return kwargs
 
 
-def first_stop_string_hit(tokenizer: Any, tokens: Sequence[int], strings: Sequence[str]) -> int | None:
+def first_stop_string_hit(
+    tokenizer: PreTrainedTokenizerBase | None, tokens: Sequence[int], strings: Sequence[str]
+) -> int | None:
     """Number of generated tokens up to and including the one that completes a stop string
     in the decoded generated text (the HF and JAX engines' rule), or None."""
     if not strings:
         return None
+    if tokenizer is None:
+        raise ValueError("stop strings are configured but there is no tokenizer to decode the generated tokens")
     window = stop_window([strings])
     for count in range(1, len(tokens) + 1):
         if tail_hits_stop_string(tokenizer, tokens[max(0, count - window) : count], strings):

@@ -15,15 +15,28 @@ bucket boundary split with half its parts uninitialised.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.refit import collective, cuda_ipc, shm
-from core.refit.manifest import manifest_for_hf_config
+from core.refit.manifest import RefitError, manifest_for_hf_config
 from core.refit.receiver import RefitReceiver
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 
 class VllmRefitExtension:
     """Mixed into vLLM's worker class; every method name is prefixed ``dualrl_``."""
+
+    # What vLLM's worker provides (its CPU model runner subclasses the GPU one).
+    model_runner: GPUModelRunner
+    device: torch.device
+    rank: int
+    # Set by the methods below (read with getattr until they are).
+    _dualrl_rx: RefitReceiver
+    _dualrl_layerwise: bool
+    _dualrl_group: collective.RefitGroup | None
 
     # ------------------------------------------------------------------ state
     def _dualrl_receiver(self) -> RefitReceiver:
@@ -50,6 +63,8 @@ class VllmRefitExtension:
         if self._dualrl_layerwise:  # an abandoned refit: restore a consistent model first
             self._dualrl_finalize()
         rx.begin(info)
+        if rx.manifest is None:  # begin() sets it
+            raise RefitError("the refit receiver has no manifest after begin()")
         return len(rx.manifest)
 
     def dualrl_load_ipc(self, handle: dict[str, Any]) -> int:
@@ -108,7 +123,7 @@ class VllmRefitExtension:
                 raise
         return self.dualrl_refit_finish()
 
-    def _dualrl_abandon(self, group: Any, reason: str) -> None:
+    def _dualrl_abandon(self, group: collective.RefitGroup, reason: str) -> None:
         """A stream that can never finish: make the model whole again (stale weights, marked
         so) and drop the broken group; a later refit forms a new one."""
         self._dualrl_finalize()
@@ -131,7 +146,8 @@ class VllmRefitExtension:
             initialize_layerwise_reload(model)
             self._dualrl_layerwise = True
         try:
-            model.load_weights(iter(rx.with_tied_aliases(items)))
+            # get_model() is typed nn.Module: every vLLM model has load_weights, no vLLM type says so.
+            model.load_weights(iter(rx.with_tied_aliases(items)))  # type: ignore[operator]
         finally:
             rx.mark_loaded(items)  # even a failed load has touched the weights
 

@@ -18,7 +18,7 @@ engine that died, hung past ``call_timeout_s`` or failed the probe is killed and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -35,6 +35,9 @@ from core.policy.generation_args import checked_sample_seeds
 from core.policy.generation_config import VllmConfig
 from core.policy.preflight import absolute_model_paths, check_model_path
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 CALL_TIMEOUT_S = 600.0
 
 
@@ -43,7 +46,7 @@ class VllmGeneration(RefittableGenerationInterface):
         self,
         cluster: RayVirtualCluster,
         config: PolicyConfig | Mapping[str, Any],
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         name_prefix: str = "vllm_generation",
         seed: int = 0,
         call_timeout_s: float = CALL_TIMEOUT_S,
@@ -53,8 +56,9 @@ class VllmGeneration(RefittableGenerationInterface):
         ``model_name`` and ``max_total_sequence_length`` come from it)."""
         self.cfg = absolute_model_paths(PolicyConfig.coerce(config, path="policy"))
         vcfg = _engine_config(self.cfg)
-        if self.cfg.generation.model_name:
-            check_model_path(self.cfg.generation.model_name, "policy.generation.model_name")
+        gen_model = self.cfg.generation.model_name if self.cfg.generation is not None else None
+        if gen_model:
+            check_model_path(gen_model, "policy.generation.model_name")
         else:
             check_model_path(self.cfg.model_name, "policy.model_name")
         self.workers_per_engine = vcfg.world_size
@@ -97,7 +101,8 @@ class VllmGeneration(RefittableGenerationInterface):
         self.check_inputs(data)
         rows = data.size
         bounds = np.linspace(0, rows, self.num_engines + 1).astype(int)
-        calls, owners = [], []
+        calls: list[ray.ObjectRef] = []
+        owners: list[int] = []
         for i, (engine, start, end) in enumerate(zip(self.engines, bounds[:-1], bounds[1:], strict=True)):
             if end > start:
                 calls.append(engine.generate.remote(_rows(data, start, end), greedy))

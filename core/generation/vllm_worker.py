@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from core.distributed.recoverable import before_collectives
 from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
 from core.policy.config import PolicyConfig
 from core.policy.generation_args import checked_sample_seeds, resolve_generation_args
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EXTENSION = "core.generation.vllm_extension.VllmRefitExtension"
 
@@ -51,7 +54,9 @@ def engine_kwargs(policy_cfg: PolicyConfig, seed: int, on_gpu: bool) -> dict[str
 class VllmGenerationWorker:
     """Ray actor holding one engine.  Methods mirror ``VllmGeneration``'s, for one replica."""
 
-    def __init__(self, policy_cfg: PolicyConfig, tokenizer: Any = None, seed: int = 0) -> None:
+    def __init__(
+        self, policy_cfg: PolicyConfig, tokenizer: PreTrainedTokenizerBase | None = None, seed: int = 0
+    ) -> None:
         import torch
         from vllm import LLM
 
@@ -127,7 +132,12 @@ class VllmGenerationWorker:
         for b, out in enumerate(outputs):
             completion = out.outputs[0]
             row_tokens = list(completion.token_ids)
-            row_lps = [entry[tok].logprob for tok, entry in zip(row_tokens, completion.logprobs, strict=True)]
+            sample_lps = completion.logprobs
+            if sample_lps is None:  # the sampling params ask for them
+                raise RuntimeError("vLLM returned a completion without logprobs")
+            # vLLM's FlatLogprobs is a MutableSequence of optional positions, though iterating
+            # it yields none; a sampled token's position always has its logprob.
+            row_lps = [entry[tok].logprob for tok, entry in zip(row_tokens, sample_lps, strict=True)]  # type: ignore[index]
             hit = sampling.first_stop_string_hit(self.tokenizer, row_tokens, row_strings[b])
             if hit is not None:
                 row_tokens, row_lps = row_tokens[:hit], row_lps[:hit]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from core.policy.config import PolicyConfig
 from core.policy.generation_config import GenerationConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class GenerationArgs(NamedTuple):
@@ -17,7 +21,7 @@ class GenerationArgs(NamedTuple):
 
 
 def resolve_generation_args(
-    policy_cfg: PolicyConfig, tokenizer: Any, model_eos: Any, prompt_width: int
+    policy_cfg: PolicyConfig, tokenizer: PreTrainedTokenizerBase | None, model_eos: Any, prompt_width: int
 ) -> GenerationArgs:
     """Stop ids (the tokenizer's eos, else the model config's), the pad id
     (``generation.pad_token_id``, else the tokenizer's, else the first eos, else 0) and the
@@ -90,7 +94,7 @@ def stop_window(row_strings: Any) -> int:
     return max((len(s) for row in row_strings for s in row), default=0) + STOP_WINDOW_SLACK
 
 
-def tail_hits_stop_string(tokenizer: Any, tail: Any, strings: Any) -> bool:
+def tail_hits_stop_string(tokenizer: PreTrainedTokenizerBase, tail: Any, strings: Iterable[str]) -> bool:
     """The stop rule of every engine: the decoded tail of the *generated* tokens (never the
     prompt) contains one of the row's stop strings."""
     text = tokenizer.decode(list(tail), skip_special_tokens=False)

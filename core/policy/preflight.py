@@ -17,10 +17,13 @@ import importlib
 import json
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.models.builtin import BUILTIN_MODELS, PREFIX
 from core.policy.config import PolicyConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 #: The torch optimizers / schedulers the jax_pjit backend reproduces with optax
 #: (``backends.jax_pjit.optim.SUPPORTED_OPTIMIZERS`` / ``SUPPORTED_SCHEDULERS``).
@@ -86,7 +89,9 @@ def check_model_path(name: Any, field: str) -> None:
         raise NotADirectoryError(f"{field}: not a directory: {name}")
 
 
-def check_tokenizer_fits(tokenizer: Any, model_config: Any, model_name: str) -> None:
+def check_tokenizer_fits(
+    tokenizer: PreTrainedTokenizerBase | None, model_config: PreTrainedConfig, model_name: str
+) -> None:
     """A tokenizer that can emit ids >= the model's vocab_size would index out of the
     embedding (a device assert on GPU, garbage or a crash on CPU): refuse it up front."""
     if tokenizer is None:
@@ -99,7 +104,7 @@ def check_tokenizer_fits(tokenizer: Any, model_config: Any, model_name: str) -> 
         )
 
 
-def check_tensor_parallel_fits(model_config: Any, tp: int, field: str) -> None:
+def check_tensor_parallel_fits(model_config: PreTrainedConfig, tp: int, field: str) -> None:
     """Every dimension tensor parallelism shards must be divisible by ``tp``.
 
     Except the vocabulary: the backends pad it (``core.policy.vocab_padding``), so a
@@ -126,7 +131,7 @@ def tensor_parallel_field(policy: PolicyConfig) -> tuple[int, str]:
     return 1, "policy.backend"
 
 
-def preflight_model_checks(policy: PolicyConfig, tokenizer: Any) -> Any:
+def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedConfig:
     """Tokenizer vs vocab and tp vs heads, from the model's config alone; returns the config."""
     from transformers import AutoConfig
 
@@ -173,7 +178,9 @@ def _token_id_errors(policy: PolicyConfig) -> list[str]:
     vocab = model_vocab_size(name)
     if vocab is None:
         return []
-    ids = [(f"policy.generation.stop_token_ids[{i}]", t) for i, t in enumerate(gen.stop_token_ids or [])]
+    ids: list[tuple[str, int | None]] = [
+        (f"policy.generation.stop_token_ids[{i}]", t) for i, t in enumerate(gen.stop_token_ids or [])
+    ]
     ids.append(("policy.generation.pad_token_id", gen.pad_token_id))
     return [
         f"{path}: {token} is outside the vocabulary of {name} (vocab_size {vocab}, ids 0..{vocab - 1})"
@@ -186,7 +193,7 @@ def _token_id_errors(policy: PolicyConfig) -> list[str]:
 def _class_errors(policy: PolicyConfig) -> list[str]:
     """Optimizer and scheduler names resolved the way the configured backend resolves them:
     the torch backends import the dotted path; jax_pjit accepts only the classes it reproduces."""
-    named = []
+    named: list[tuple[str, str, tuple[str, ...]]] = []
     if policy.optimizer is not None:
         named.append(("policy.optimizer.name", policy.optimizer.name, JAX_OPTIMIZERS))
     for i, entry in enumerate(policy.scheduler or []):

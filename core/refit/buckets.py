@@ -8,8 +8,11 @@ order the policy yields them, which keeps each decoder layer's parts close toget
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 from core.refit.manifest import RefitError, RefitManifest
+
+T = TypeVar("T")
 
 GB = 1024**3
 
@@ -48,9 +51,9 @@ def plan_buckets(manifest: RefitManifest, max_bytes: int) -> list[list[str]]:
     return buckets
 
 
-def take_bucket(stream: Iterator[tuple[str, object]], keys: Sequence[str]) -> list[tuple[str, object]]:
+def take_bucket(stream: Iterator[tuple[str, T]], keys: Sequence[str]) -> list[tuple[str, T]]:
     """The next ``len(keys)`` items of ``stream``, which must carry exactly ``keys`` in order."""
-    items = []
+    items: list[tuple[str, T]] = []
     for want in keys:
         try:
             name, tensor = next(stream)

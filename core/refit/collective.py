@@ -13,11 +13,15 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from core.refit.packing import Slot, pack_into, plan_layout, unpack
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend as C10dBackend
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -26,7 +30,7 @@ DEFAULT_TIMEOUT_S = 300.0
 class RefitGroup:
     """The broadcast group and the device its buffers live on (gloo: CPU, NCCL: the GPU)."""
 
-    pg: dist.ProcessGroup
+    pg: C10dBackend  # a stateless gloo / NCCL backend, outside torch.distributed's groups
     device: torch.device
     rank: int
 
@@ -38,8 +42,10 @@ def init_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"refit group rank {rank} outside world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=timeout)
-    store = dist.PrefixStore("dualrl-refit", store)
+    store = dist.PrefixStore(
+        "dualrl-refit", dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=timeout)
+    )
+    pg: C10dBackend
     if device.type == "cuda":
         pg = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
     else:
@@ -50,7 +56,8 @@ def init_group(
 def _broadcast(group: RefitGroup, tensor: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.pg.broadcast([tensor], opts).wait()
+    # torch's stub of the c10d Backend leaves out its collectives (broadcast is there at run time).
+    group.pg.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]
 
 
 def _send_header(group: RefitGroup, slots: Sequence[Slot] | None, total: int, device: torch.device) -> None:

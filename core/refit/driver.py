@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import ray
 from ray.exceptions import RayError
 
 from core.refit.buckets import bucket_budget, plan_buckets
-from core.refit.manifest import RefitManifest
+from core.refit.manifest import RefitError, RefitManifest
+
+if TYPE_CHECKING:
+    from core.generation import VllmGeneration
+    from core.policy import Policy
 
 Transport = Literal["ipc", "collective"]
 TRANSPORTS = ("ipc", "collective")
@@ -52,8 +56,8 @@ class RefitStats:
 
 
 def refit_policy_generation(
-    policy: Any,
-    generation: Any,
+    policy: Policy,
+    generation: VllmGeneration,
     transport: Transport = "ipc",
     refit_buffer_size_gb: float | None = None,
     offload: bool = False,
@@ -70,6 +74,8 @@ def refit_policy_generation(
     generation.check_alive()
     start = time.perf_counter()
     info = policy.prepare_refit_info()
+    if info is None:
+        raise RefitError("the policy reported no refit info")
     manifest = RefitManifest.from_info(info)
     generation.prepare_refit_info(info)
     if offload:
@@ -86,7 +92,7 @@ def refit_policy_generation(
     return RefitStats(transport, time.perf_counter() - start, manifest.nbytes, len(manifest), buckets)
 
 
-def _refit_ipc(policy: Any, generation: Any, refit_buffer_size_gb: float | None) -> int:
+def _refit_ipc(policy: Policy, generation: VllmGeneration, refit_buffer_size_gb: float | None) -> int:
     plan = policy.prepare_weights_for_ipc(refit_buffer_size_gb)
     try:
         for keys in plan:
@@ -97,14 +103,16 @@ def _refit_ipc(policy: Any, generation: Any, refit_buffer_size_gb: float | None)
     return len(plan)
 
 
-def _refit_collective(policy: Any, generation: Any, refit_buffer_size_gb: float | None, timeout_s: float) -> None:
+def _refit_collective(
+    policy: Policy, generation: VllmGeneration, refit_buffer_size_gb: float | None, timeout_s: float
+) -> None:
     ensure_collective(policy, generation, timeout_s)
     sending = policy.broadcast_weights_for_collective(refit_buffer_size_gb)
     receiving = generation.update_weights_from_collective()
     _wait_both(policy, generation, sending, receiving, timeout_s)
 
 
-def ensure_collective(policy: Any, generation: Any, timeout_s: float = 600.0) -> None:
+def ensure_collective(policy: Policy, generation: VllmGeneration, timeout_s: float = 600.0) -> None:
     """Form the broadcast group once per (policy, generation) pair."""
     if getattr(policy, "_refit_peer", None) is generation:
         return
@@ -116,7 +124,9 @@ def ensure_collective(policy: Any, generation: Any, timeout_s: float = 600.0) ->
     policy._refit_peer = generation
 
 
-def _wait_both(policy: Any, generation: Any, policy_refs: list, engine_refs: list, timeout_s: float) -> None:
+def _wait_both(
+    policy: Policy, generation: VllmGeneration, policy_refs: list, engine_refs: list, timeout_s: float
+) -> None:
     """Wait for both sides of a collective and classify a failure on either side.
 
     An engine that failed is probed (``generation.engine_failed``: ``EngineDeadError`` if it
@@ -160,7 +170,7 @@ def _wait_both(policy: Any, generation: Any, policy_refs: list, engine_refs: lis
         raise policy_error
 
 
-def _settle_policy(policy: Any, policy_refs: list, deadline: float) -> None:
+def _settle_policy(policy: Policy, policy_refs: list, deadline: float) -> None:
     """After the engine side failed: let the policy's ranks finish the stream (recoverable)."""
     from core.distributed import RecoverableCallError
 

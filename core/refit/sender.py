@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,9 +26,19 @@ from core.refit.manifest import RefitError, RefitManifest, dtype_name
 from core.refit.packing import as_torch
 from core.refit.shm import ShmBucketWriter
 
+if TYPE_CHECKING:
+    from core.policy.config import PolicyConfig
+
 
 class RefitSender(abc.ABC):
     """Mixin for policy workers (``PolicyWorkerBase`` subclasses: ``self.cfg``, ``self.rank``)."""
+
+    # Set by the worker this is mixed into.
+    cfg: PolicyConfig
+    rank: int
+    # Set by the methods below (read with getattr until they are).
+    _refit_stream: Iterator[tuple[str, torch.Tensor]] | None
+    _refit_group: collective.RefitGroup | None
 
     # -- backend hooks ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -112,14 +122,17 @@ class RefitSender(abc.ABC):
 
     def broadcast_weights_for_collective(self, refit_buffer_size_gb: float | None = None) -> int:
         """Stream every weight in buckets; rank 0 broadcasts them (others only help gather)."""
-        if self.rank == 0 and getattr(self, "_refit_group", None) is None:
+        group: collective.RefitGroup | None = getattr(self, "_refit_group", None)
+        if self.rank == 0 and group is None:
             raise RefitError("broadcast_weights_for_collective before init_collective")
         plan = self.prepare_weights_for_ipc(refit_buffer_size_gb)
         stream = self._refit_stream
+        if stream is None:  # prepare_weights_for_ipc started it
+            raise RefitError("the refit stream did not start")
         buckets = (take_bucket(stream, keys) for keys in plan)
         try:
-            if self.rank == 0:
-                return collective.send_buckets(self._refit_group, buckets)
+            if self.rank == 0 and group is not None:  # rank 0 without a group was refused above
+                return collective.send_buckets(group, buckets)
             for _ in buckets:
                 pass
             return 0

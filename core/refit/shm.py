@@ -108,7 +108,7 @@ def sweep_stale_segments(directory: str | None = None, prefix: str = DEFAULT_PRE
     another process may sweep or release it at the same moment, or own it as another user."""
     directory = directory or _shm_dir()
     namespace = _pid_namespace()
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

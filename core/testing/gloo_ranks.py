@@ -48,7 +48,8 @@ def run_ranks(target: Callable, world: int, args: tuple = (), timeout_s: float =
     procs = [ctx.Process(target=target, args=(rank, world, port, results, *args), daemon=True) for rank in range(world)]
     for p in procs:
         p.start()
-    reports, deadline = {}, time.monotonic() + timeout_s
+    reports: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(reports) < world and time.monotonic() < deadline:
             try:

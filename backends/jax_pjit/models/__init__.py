@@ -122,15 +122,16 @@ def make_apply_fn(model: nnx.Module) -> tuple[Callable, nnx.State]:
     rebuilds the module from the static graph definition and ``params`` (an ``nnx.State``
     pytree); ``allowed`` and ``remat`` are ``CausalLM.__call__``'s.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # flax types a split by two filters as (graphdef, state, *states): here ``rest`` is one state.
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
 
     def apply_fn(params, input_ids, attention_mask, positions=None, allowed=None, remat=False):
-        return nnx.merge(graphdef, params, rest)(input_ids, attention_mask, positions, allowed, remat)
+        return nnx.merge(graphdef, params, *rest)(input_ids, attention_mask, positions, allowed, remat)
 
     return apply_fn, params
 
 
-def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> nnx.Module:
+def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> llama.CausalLM:
     """The ``CausalLM`` of ``cfg.family``, its params ``ShapeDtypeStruct``s (no memory, no init
     compute); fill it with ``hf_mapping.load_hf_weights`` or ``nnx.update``."""
     causal_lm = family_module(cfg.family).CausalLM

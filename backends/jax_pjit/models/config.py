@@ -56,10 +56,10 @@ class ModelConfig:
     padded_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.padded_vocab_size is None:
-            object.__setattr__(self, "padded_vocab_size", self.vocab_size)
-        if self.padded_vocab_size < self.vocab_size:
-            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} < vocab_size={self.vocab_size}")
+        padded = self.vocab_size if self.padded_vocab_size is None else self.padded_vocab_size
+        object.__setattr__(self, "padded_vocab_size", padded)
+        if padded < self.vocab_size:
+            raise ValueError(f"padded_vocab_size={padded} < vocab_size={self.vocab_size}")
         rope = dict(self.rope_scaling or {})
         rope.setdefault("rope_type", rope.get("type", "default"))
         rope.pop("type", None)

@@ -31,7 +31,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -216,7 +216,7 @@ class RightPadded(NamedTuple):
     lengths: jax.Array  # [B] int32
 
 
-def attention_implementation(q: jax.Array) -> str:
+def attention_implementation(q: jax.Array) -> Literal["xla", "cudnn"]:
     """Which ``jax.nn.dot_product_attention`` implementation serves ``q`` [B, T, H, D]:
     ``"cudnn"`` (flash attention: no [B, H, T, S] scores in memory) on an NVIDIA GPU when
     ``flash_eligible``, else ``"xla"`` (the scores are materialised; float32 compute always

@@ -135,7 +135,10 @@ class CausalLM(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.embed_tokens = Embed(cfg.padded_vocab_size, cfg.hidden_size, rngs=rngs, **kw)
+        stored_vocab = cfg.padded_vocab_size
+        if stored_vocab is None:  # ModelConfig.__post_init__ sets it (to vocab_size by default)
+            raise ValueError("ModelConfig.padded_vocab_size is not set")
+        self.embed_tokens = Embed(stored_vocab, cfg.hidden_size, rngs=rngs, **kw)
         # A Python loop over per-layer modules, not an ``nnx.scan`` over stacked layer params.
         # Scanning needs the layers stacked: stored stacked, every user of the per-layer
         # layout changes (hf_mapping's ``layers/{i}/...`` rows, the sharding rules, orbax
@@ -151,9 +154,7 @@ class CausalLM(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Dense(
-                (cfg.hidden_size,), (cfg.padded_vocab_size,), ("embed",), ("vocab",), use_bias=False, rngs=rngs, **kw
-            )
+            else Dense((cfg.hidden_size,), (stored_vocab,), ("embed",), ("vocab",), use_bias=False, rngs=rngs, **kw)
         )
 
     # -- pieces shared by the full forward and decoding
@@ -200,13 +201,18 @@ class CausalLM(nnx.Module):
         b, s = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))  # (B, S)
-        if allowed is None:
-            allowed = RightPadded(jnp.sum(attention_mask.astype(jnp.int32), axis=-1))  # (B,)
+        mask: jax.Array | RightPadded
+        if allowed is not None:
+            mask = allowed
+        elif attention_mask is None:
+            raise ValueError("CausalLM: pass attention_mask or allowed")
+        else:
+            mask = RightPadded(jnp.sum(attention_mask.astype(jnp.int32), axis=-1))  # (B,)
         cos, sin = rope_cos_sin(self.cfg, positions, self.dtype)
         h = self._embed(input_ids)
         block = _remat_block if remat else _block
         for layer in self.layers:
-            h = block(layer, h, cos, sin, allowed)
+            h = block(layer, h, cos, sin, mask)
         return self._logits(h)
 
     # -- KV-cache decoding
