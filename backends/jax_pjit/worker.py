@@ -35,8 +35,8 @@ import contextlib
 import functools
 import os
 import socket
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +65,21 @@ from backends.jax_pjit.sharding import (
 )
 from core.data import BatchedDataDict
 from core.distributed.recoverable import before_collectives
+from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics
 from core.policy.generation_args import resolve_generation_args
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
-from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, StepResult, step_skip_reason
+from core.policy.worker_base import (
+    OPTIMIZER_MISSING,
+    REFERENCE_MISSING,
+    PolicyWorkerBase,
+    StepResult,
+    step_skip_reason,
+)
+
+if TYPE_CHECKING:
+    import optax
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -132,7 +142,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
         # The reference policy lives in host memory (numpy), swapped in by use_reference_model.
         self.reference = stash(self.params) if init_reference_model else None
 
-        self.tx = self.schedule = self.opt_state = None
+        self.tx: optax.GradientTransformationExtraArgs | None = None
+        self.schedule: Callable[[int], float] | None = None
+        self.opt_state: Any = None
         if init_optimizer and self.cfg.optimizer:
             self.tx, self.schedule = build_optax(self.cfg.optimizer, self.cfg.scheduler, self.cfg.max_grad_norm)
             with self.mesh:
@@ -179,9 +191,10 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
     @property
     def compile_counts(self) -> dict[str, int]:
+        # _cache_size: jax's private count of a jitted function's programs (not in its types).
         counts = {
-            "logprobs": self._logprob_step._cache_size(),
-            "logprobs_layout": self._layout_logprob_step._cache_size(),
+            "logprobs": self._logprob_step._cache_size(),  # type: ignore[attr-defined]
+            "logprobs_layout": self._layout_logprob_step._cache_size(),  # type: ignore[attr-defined]
         }
         counts.update({f"grad[{key[0]}#{i}]": fn._cache_size() for i, (key, fn) in enumerate(self._grad_steps.items())})
         return counts
@@ -298,7 +311,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> TrainResult:
         """One optimizer step per global batch in ``data`` (this host's rows of it).
 
         A step with no valid token, or a non-finite global loss or gradient norm, is skipped
@@ -326,6 +339,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
         results = []
         with self._on_mesh():
             if not eval_mode:
+                if self.schedule is None:  # _check_train_call refused training without an optimizer
+                    raise RuntimeError(OPTIMIZER_MISSING)
                 self.opt_state = set_learning_rate(self.opt_state, self.schedule(self.train_step))
             for g in range(len(host["input_ids"]) // local_gbs):
                 gb = {k: v[g * local_gbs : (g + 1) * local_gbs] for k, v in host.items()}

@@ -24,7 +24,7 @@ import math
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ from backends.torch_common.reference import ReferenceWeights, local_shards
 from core.data import BatchedDataDict
 from core.data.context_parallel import attention_allowed
 from core.distributed.recoverable import before_collectives
+from core.interfaces import TrainResult
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
@@ -64,8 +65,17 @@ from core.losses.metrics import MicroBatchMetrics
 from core.parallel_dims import ParallelDims
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
-from core.policy.worker_base import REFERENCE_MISSING, PolicyWorkerBase, StepResult, step_skip_reason
+from core.policy.worker_base import (
+    OPTIMIZER_MISSING,
+    REFERENCE_MISSING,
+    PolicyWorkerBase,
+    StepResult,
+    step_skip_reason,
+)
 from core.refit.manifest import tied_aliases
+
+if TYPE_CHECKING:
+    from backends.torch_dtensor.context_parallel import ContextParallelRows
 
 
 class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
@@ -77,6 +87,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
     #: Sequence widths are padded to a multiple of this (sequence parallelism sets it to tp).
     _seq_multiple: int = 1
+    #: Context-parallel row handling (the DTensor worker sets it when cp > 1).
+    _cp_rows: ContextParallelRows | None
 
     def __init__(
         self,
@@ -120,7 +132,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
         self.train_step = 0
         self._replica = GenerationReplica(self.model_config, self.device, self.compute_dtype)
-        self._profiler = None
+        self._profiler: torch.profiler.profile | None = None
         if weights_path:  # the Policy verified the manifests' checksums on the driver already
             self.load_checkpoint(weights_path, optimizer_path, checksums=not _.get("checkpoint_verified", False))
 
@@ -193,7 +205,10 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     @property
     def dp_group(self) -> dist.ProcessGroup:
         """The data-parallel process group (default: every rank is data parallel)."""
-        return dist.group.WORLD
+        world = dist.group.WORLD
+        if world is None:  # init_torch_distributed ran in __init__
+            raise RuntimeError("torch.distributed is not initialised")
+        return world
 
     # ------------------------------------------------------------------ identity
     def __repr__(self) -> str:
@@ -255,6 +270,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         layout, ids, positions, segments = reshaped_rows(mb, self._packing, self._seq_multiple)
         ids, positions = to_device(ids, self.device), to_device(positions, self.device)
         if self.dims.cp > 1:
+            if self._cp_rows is None:  # the DTensor worker sets it whenever cp > 1
+                raise RuntimeError("context parallelism without ContextParallelRows")
             next_lp = self._cp_rows.next_logprobs(self._model_logits, self._token_logprobs, ids, positions, segments)
         elif self._varlen_attention:
             # FlashAttention's varlen kernel: HF finds the sequences from the restarting
@@ -319,7 +336,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> TrainResult:
         """Optimizer steps over this rank's shard of one or more global batches.
 
         ``data`` holds ``n * gbs / dp`` rows (``n`` global batches, as sharded by the
@@ -366,7 +383,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         needs them, and nothing before it waits for the device."""
         gseq, gtok = global_valid_counts(gb, self.device, self.dp_group)
         if not eval_mode:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._require_optimizer().zero_grad(set_to_none=True)
         collected = self._run_micro_batches(gb, loss_fn, mbs, eval_mode, gseq, gtok)
         table = collected.table(gseq)
         totals = self._sum_over_dp(table.sum(0))
@@ -418,11 +435,18 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         dropped: weights and optimizer state do not move).  Returns the skip reason (None:
         applied); the values were all-reduced, so every rank decides alike."""
         reason = step_skip_reason(seqs, toks, loss, grad_norm)
+        optimizer = self._require_optimizer()
         if reason is None:
-            self.optimizer.step()
+            optimizer.step()
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
         return reason
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of a training call (``_check_train_call`` refused one without it)."""
+        if self.optimizer is None:
+            raise RuntimeError(OPTIMIZER_MISSING)
+        return self.optimizer
 
     def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
         dev_mb = batch_to_device(mb, self.device)
@@ -513,7 +537,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None
     ) -> None:
         """Collective: DCP shards of the model (and optimizer + scheduler + step)."""
-        extra = {"train_step": self.train_step}
+        extra: dict[str, Any] = {"train_step": self.train_step}
         if self.scheduler is not None:
             extra["scheduler"] = self.scheduler.state_dict()
         ckpt.save_dcp(self.model, weights_path, self.optimizer, optimizer_path, extra, train_step=self.train_step)
@@ -560,8 +584,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._profiler = profile(activities=activities, record_shapes=True)
-        self._profiler.__enter__()
+        profiler = self._profiler = profile(activities=activities, record_shapes=True)
+        profiler.__enter__()
 
     def stop_gpu_profiling(self) -> str | None:
         """Stop the trace and write it as Chrome trace JSON; returns the file path.

@@ -97,7 +97,7 @@ class RolloutProducer:
         """Until the engines hold the weights of step ``version`` (False: stopped)."""
         start = time.perf_counter()
         with self._cond:
-            while not self._stopped and not (self.run.rollouts.loaded and self.run.rollouts.version >= version):
+            while not self._stopped and not (self.run.engine.loaded and self.run.engine.version >= version):
                 self._cond.wait(_POLL_S)
             self._gate_wait_s += time.perf_counter() - start
             return not self._stopped
@@ -141,7 +141,7 @@ class AsyncGRPO:
 
     def __init__(self, run: GRPORun, first_step: int, last_step: int, max_age: int) -> None:
         self.run, self.max_age = run, max_age
-        run.rollouts.allow_stale = True
+        run.engine.allow_stale = True
         self.producer = RolloutProducer(run, first_step, last_step, max_age)
         self._engine_idle_seen = 0.0
 
@@ -154,7 +154,7 @@ class AsyncGRPO:
     def sync_weights(self) -> dict[str, float]:
         """Move the engines to the policy's current weights (step ``v``) once every rollout
         meant to come from older weights -- those of steps up to ``v + m`` -- is generated."""
-        rollouts = self.run.rollouts
+        rollouts = self.run.engine
         if rollouts.loaded:
             self.producer.wait_generated(rollouts.policy_version + self.max_age)
         metrics = rollouts.sync_weights()

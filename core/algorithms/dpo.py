@@ -74,13 +74,15 @@ class _Validation:
     """The held-out pairs as one batch, with their (fixed) reference log-probs computed once."""
 
     def __init__(self, run: TrainingRun):
-        self.run, self.data = run, None
+        self.run = run
+        self.data: BatchedDataDict | None = None
 
     def __call__(self, step: int) -> dict[str, float]:
         if self.data is None:
             items = [self.run.val_dataset[i] for i in range(len(self.run.val_dataset))]
-            self.data = preference_batch(items, self.run.tokenizer.pad_token_id)
-            self.data["reference_policy_logprobs"] = reference_logprobs(self.run, self.data)
+            data = preference_batch(items, self.run.tokenizer.pad_token_id)
+            data["reference_policy_logprobs"] = reference_logprobs(self.run, data)
+            self.data = data
         return with_margin(evaluate(self.run, self.data, "num_valid_samples"))
 
 

@@ -39,6 +39,13 @@ class GRPORun(TrainingRun):
     #: Moves the engines to the policy's weights (the async loop's waits for its schedule first).
     sync_weights: Callable[[], dict[str, float]] | None = None
 
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine (started with the workers)."""
+        if self.rollouts is None:
+            raise RuntimeError("the GRPO run's workers are not started: no rollout engine yet")
+        return self.rollouts
+
 
 def check_grpo_config(cfg: GRPORunConfig | Mapping[str, Any]) -> GRPORunConfig:
     return check_run_config(cfg, "grpo")
@@ -108,7 +115,7 @@ def grpo_train(run: GRPORun) -> int:
     """Run the steps left (from a resumed step if any); returns the last step.  With
     ``grpo.async_grpo.enabled`` the steps are :mod:`core.algorithms.async_grpo`'s."""
     step_fn = lambda step: grpo_step(run, step)  # noqa: E731
-    run.sync_weights = run.rollouts.sync_weights
+    run.sync_weights = run.engine.sync_weights
     if run.cfg.grpo.async_grpo.enabled:
         from core.algorithms.async_grpo import async_grpo_loop
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from core.algorithms.config import RUN_CONFIGS, MasterConfig
 from core.algorithms.loop import TrainingLoop
@@ -38,6 +38,9 @@ from core.logging import (
     read_metrics,
 )
 from core.policy.preflight import preflight_errors
+
+if TYPE_CHECKING:
+    from core.algorithms.config import DPORunConfig, GRPORunConfig, SFTRunConfig
 
 
 @dataclass
@@ -78,7 +81,13 @@ class TrainingRun:
         self._exit.close()
 
 
-def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: str) -> Any:
+@overload
+def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: Literal["grpo"]) -> GRPORunConfig: ...
+@overload
+def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: Literal["sft"]) -> SFTRunConfig: ...
+@overload
+def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: Literal["dpo"]) -> DPORunConfig: ...
+def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: str) -> MasterConfig:
     """``cfg`` as ``dualrl <algorithm>``'s run config (what the command accepts, every rule
     between its sections), then the preflight against the model's files and the classes it
     names; :class:`ConfigError` listing every problem otherwise."""
@@ -92,8 +101,11 @@ def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: str) -> A
     return run_cfg
 
 
+R = TypeVar("R", bound="TrainingRun")
+
+
 def open_run(
-    run_cls: type,
+    run_cls: type[R],
     algorithm: str,
     cfg: MasterConfig,
     resolved: MasterConfig,
@@ -102,9 +114,11 @@ def open_run(
     val_dataset: Any,
     loss_fn: Any,
     **extra: Any,
-) -> Any:
+) -> R:
     """A ``run_cls`` (``TrainingRun`` or a subclass; ``extra`` are its own fields) with its
     checkpoints, sinks and progress bar; a resumed run continues its data and RNG state."""
+    if cfg.checkpointing is None or cfg.logger is None:  # every run config requires both
+        raise ConfigError("a training run needs the checkpointing and logger sections")
     checkpoints = CheckpointManager(cfg.checkpointing, identity=run_identity(algorithm, cfg, resolved))
     resumed = checkpoints.resume_point()
     if resumed is not None:
@@ -237,6 +251,8 @@ def report_skipped_steps(run: Any, step: int, result: TrainResult) -> None:
 def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | None = None) -> str:
     """The HF export (``checkpointing.export_hf_dir``), the end-of-run plot (if enabled),
     and one screen of summary."""
+    if run.cfg.checkpointing is None or run.cfg.logger is None:  # open_run refused both
+        raise ConfigError("a training run needs the checkpointing and logger sections")
     export = run.cfg.checkpointing.export_hf_dir
     if export:
         start = time.perf_counter()
@@ -258,13 +274,13 @@ def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | 
 
 
 def execute(
-    setup: Callable[..., TrainingRun],
-    train: Callable[[TrainingRun], Any],
-    report_extra: Callable[[TrainingRun], Mapping[str, Any]],
+    setup: Callable[..., R],
+    train: Callable[[R], object],
+    report_extra: Callable[[R], Mapping[str, Any]],
     cfg: MasterConfig | Mapping[str, Any],
     log: Callable[[str], None],
     **setup_kwargs: Any,
-) -> TrainingRun:
+) -> R:
     """Set up, train, report, shut down: what ``dualrl <algorithm>`` does.  Returns the (closed) run."""
     start = time.perf_counter()
     run = setup(cfg, log, **setup_kwargs)

@@ -24,6 +24,7 @@ from core.interfaces import (
     ColocatablePolicyInterface,
     GenerationInterface,
     NonFiniteStepError,
+    RefittableGenerationInterface,
     TrainResult,
 )
 from core.policy.checks import (
@@ -51,6 +52,9 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     HF tokenizer shipped to every worker,
     ``weights_path``/``optimizer_path`` a DCP checkpoint to resume from.
     """
+
+    #: The engine the refit broadcast group was formed with (``core.refit.driver``; unset until then).
+    _refit_peer: RefittableGenerationInterface
 
     def __init__(
         self,
@@ -128,6 +132,8 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         db = self.cfg.dynamic_batching
         if not db.enabled:
             return None
+        if db.sequence_length_round is None:  # DynamicBatchingConfig.check: required when enabled
+            raise ValueError("policy.dynamic_batching.sequence_length_round: required when enabled")
         return DynamicBatchingArgs(
             input_key="input_ids",
             input_lengths_key="input_lengths",
@@ -171,7 +177,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         padded = _pad_rows(data, self.dp)
         shards, order = self._shard(padded, None, "logprob_mb_tokens")
         results = self._sharded(method, shards, **kwargs)
-        merged = BatchedDataDict.from_batches(results, pad_value_dict=dict(pad_values or {}))
+        merged: BatchedDataDict[Any] = BatchedDataDict.from_batches(results, pad_value_dict=dict(pad_values or {}))
         if order is not None:
             merged = merged.reorder_data(order)
         return merged.slice(0, real) if merged.size != real else merged
@@ -281,7 +287,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     def offload_after_refit(self) -> None:
         self._all("offload_after_refit")
 
-    def prepare_refit_info(self) -> dict[str, Any] | None:
+    def prepare_refit_info(self) -> dict[str, Any]:
         """HF name -> (full shape, dtype name) of every tensor a refit carries, in the
         generation dtype (``generation.vllm_cfg.precision``, else ``precision``)."""
         return self._all("refit_manifest")[0].to_info()

@@ -17,16 +17,20 @@ Both workers' ``train`` has the same shape, helper for helper:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics, read_once
 from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.config import PolicyConfig
 from core.refit.sender import RefitSender
+
+if TYPE_CHECKING:
+    from core.data import BatchedDataDict
 
 REFERENCE_MISSING = "this policy was built with init_reference_model=False: no reference weights"
 OPTIMIZER_MISSING = "train() needs an optimizer: this policy was built with init_optimizer=False"
@@ -47,6 +51,12 @@ class PolicyWorkerBase(RefitSender):
     ``RefitSender`` on top of each backend's ``iter_full_weights``."""
 
     rank: int = 0
+
+    if TYPE_CHECKING:  # what every backend's worker defines (used by the shared methods below)
+
+        def use_reference_model(self) -> contextlib.AbstractContextManager[None]: ...
+
+        def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict: ...
 
     def __init__(self, config: PolicyConfig | Mapping[str, Any], tokenizer: Any = None) -> None:
         self.cfg = PolicyConfig.coerce(config, path="policy")

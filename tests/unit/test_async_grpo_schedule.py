@@ -42,7 +42,7 @@ class FakeEngine:
 def fake_run(start: int, max_age: int) -> SimpleNamespace:
     engine = FakeEngine(start)
     grpo = SimpleNamespace(async_grpo=SimpleNamespace(max_trajectory_age_steps=max_age))
-    return SimpleNamespace(rollouts=engine, cfg=SimpleNamespace(grpo=grpo), trained_loader_state=None)
+    return SimpleNamespace(rollouts=engine, engine=engine, cfg=SimpleNamespace(grpo=grpo), trained_loader_state=None)
 
 
 #: (generation, training) seconds per step: the schedule must hold whichever side is slower.
