@@ -45,6 +45,7 @@ class AsyncGRPOConfig(ConfigModel):
     generate the rollouts of the next steps while the policy trains (core.algorithms.async_grpo)."""
 
     enabled: bool = False
+    """Generate the next steps' rollouts while the policy trains (vLLM engines of their own)."""
     max_trajectory_age_steps: int = Field(1, ge=0)
     """How many training steps older than the trained policy a rollout's weights may be: the
     rollouts of step k are generated with the weights of step k - 1 - max_trajectory_age_steps
