@@ -33,7 +33,7 @@ run: $(STAMP)
 
 # pytest exits 5 when it collected nothing: that must fail, not pass quietly.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu" -q; rc=$$?; \
+	$(BIN)/python -m pytest -m "not slow and not gpu" -q --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
 
 test-all: $(STAMP)

@@ -136,7 +136,7 @@ def test_loss_and_grads_match_torch(model_dir, mesh_shape):
 
 
 def test_three_adamw_steps_track_torch(model_dir):
-    from tests.torch_backends.test_torch_policy import _reference_adamw
+    from tests.hf_reference import reference_adamw
 
     cfg, mesh, mcfg, apply_fn, params, shardings = _setup(model_dir, 4, 2)
     loss_fn = ClippedPGLossFn(BASE_CFG)
@@ -159,7 +159,7 @@ def test_three_adamw_steps_track_torch(model_dir):
         )
         dev = _on_mesh(host, mesh)
         after = np.asarray(steps.make_logprob_step(apply_fn, 1.0)(params, dev["input_ids"], dev["input_lengths"]))
-    ref_losses, _, ref_model = _reference_adamw(model_dir, cfg, batches, loss_fn)
+    ref_losses, _, ref_model = reference_adamw(model_dir, cfg, batches, loss_fn)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-5)
     ref = hf_logprobs(ref_model, probe["input_ids"], probe["input_lengths"]).numpy()
     np.testing.assert_allclose(after[:, :SEQ], ref, rtol=0, atol=1e-4)

@@ -18,8 +18,8 @@ from core.distributed import RayVirtualCluster, WorkerGroupError
 from core.losses import ClippedPGLossFn, LossInputError, NLLLoss
 from core.policy import BatchError, Policy
 from core.testing.tiny_models import random_batch, tiny_tokenizer
+from tests.hf_reference import PG_CFG
 from tests.torch_backends.conftest import SEQ, VOCAB, count_collectives, hf_logprobs, pg_batch, policy_config
-from tests.torch_backends.test_torch_policy import PG_CFG
 
 TEMPERATURE = 0.7
 

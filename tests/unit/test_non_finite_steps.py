@@ -1,8 +1,8 @@
 """Skipped optimizer steps on the driver side (no Ray): the skip decision, the config field,
 the warning and metric the loops log, and the run loop's reaction to skip / error.
 
-The backends themselves: tests/torch_backends/test_non_finite_steps.py and
-tests/jax_backend/test_non_finite_steps.py.
+The backends themselves, on every layout: tests/backends/test_non_finite_steps.py (and the JAX
+jitted update's own skip: tests/jax_backend/test_non_finite_steps.py).
 """
 
 from __future__ import annotations
