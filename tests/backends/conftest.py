@@ -32,20 +32,34 @@ from tests.torch_backends.conftest import SEQ, VOCAB, policy_config
 #: Every layout the contract suite runs (``benchmarks.layouts`` grammar).  A JAX worker owns all
 #: of its host's devices, and the test session gives it 8 (tests/conftest.py: XLA_FLAGS), so the
 #: JAX meshes are 8 devices.
-LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp8", "jax-fsdp4-tp2"]
-#: Layouts behind ``@pytest.mark.slow`` (``make test-all``): a fast run keeps one layout per
-#: engine shape that the others do not cover.
-SLOW_LAYOUTS = {"dtensor-tp2", "jax-fsdp8"}
-#: The tiny model each layout's policy runs: Qwen2 (q/k/v bias), tied embeddings and plain
-#: Llama spread over the layouts, so the fast layouts cover every family in both engines.
+LAYOUTS = [
+    "fsdp1-dp2",
+    "dtensor-dp2",
+    "dtensor-tp2",
+    "dtensor-tp2-sp",
+    "dtensor-dp2-tp2-sp",
+    "jax-fsdp8",
+    "jax-fsdp4-tp2",
+]
+#: Layouts behind ``@pytest.mark.slow`` (``make test-all``).  The fast run keeps one layout per
+#: engine: FSDP1; FSDP2 sharding composed with tensor and sequence parallel (4 workers); a
+#: sharded JAX mesh with tensor parallel.  The slow ones take each apart.
+SLOW_LAYOUTS = {"dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp8"}
+#: The tiny model each layout's policy runs: Llama, Qwen2 (q/k/v bias) and tied embeddings spread
+#: over the layouts, so the fast ones cover every family (the padded-vocabulary policies run a
+#: tied Qwen2 on the fast torch and JAX layouts).
 MODEL_OF = {
-    "fsdp1-dp2": "qwen2",
-    "dtensor-dp2": "llama",
-    "dtensor-tp2": "llama_tied",
+    "fsdp1-dp2": "llama",
+    "dtensor-dp2": "llama_tied",
+    "dtensor-tp2": "llama",
     "dtensor-tp2-sp": "qwen2",
-    "jax-fsdp8": "llama_tied",
-    "jax-fsdp4-tp2": "qwen2",
+    "dtensor-dp2-tp2-sp": "qwen2",
+    "jax-fsdp8": "qwen2",
+    "jax-fsdp4-tp2": "llama_tied",
 }
+#: Logical CPUs of the test session's Ray (tests/conftest.py ``ray_session``): a torch worker
+#: takes 1, the JAX worker 2.
+RAY_CPUS = 4
 JAX_HOST_DEVICES = 8
 #: Rows per HF generate call / JAX decode chunk of every pooled policy (5-row batches: chunks).
 GENERATION_BATCH_SIZE = 2
@@ -81,6 +95,10 @@ def layout_config(layout: str | Layout, model_dir: Path, **overrides: Any) -> di
     for key, value in overrides.items():
         cfg[key] = value
     return cfg
+
+
+def cpus_of(layout: Layout) -> int:
+    return 2 if layout.is_jax else layout.workers
 
 
 def layout_cluster(layout: Layout, name: str):
@@ -221,6 +239,13 @@ class PolicyPool:
     def close(self) -> None:
         self.key = self.value = None
         self.stack.close()
+
+    def make_room(self, layout: Layout) -> None:
+        """Shut the pooled policy down if a second policy on ``layout`` would not fit Ray's CPUs
+        beside it (the pool starts it again for the next test that asks)."""
+        held = cpus_of(self.value.layout) if self.value is not None else 0
+        if held + cpus_of(layout) > RAY_CPUS:
+            self.close()
 
 
 @pytest.fixture(scope="package")

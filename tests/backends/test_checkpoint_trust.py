@@ -197,7 +197,7 @@ RESUME_INTO = {"fsdp1-dp2": "dtensor-tp2-sp"}
 
 
 @pytest.mark.parametrize("layout", layout_params(slow=set(LAYOUTS) - {"fsdp1-dp2"}), indirect=True)
-def test_a_new_policy_resumes_from_the_checkpoint(fresh_policy, tokenizer, tmp_path):
+def test_a_new_policy_resumes_from_the_checkpoint(fresh_policy, policies, tokenizer, tmp_path):
     lp = fresh_policy
     loss_fn = ClippedPGLossFn(PG_CFG)
     b1, b2, probe = pg_batch(4, seed=40), pg_batch(4, seed=41), ragged(4, seed=42)
@@ -208,6 +208,7 @@ def test_a_new_policy_resumes_from_the_checkpoint(fresh_policy, tokenizer, tmp_p
 
     into = RESUME_INTO.get(lp.name, lp.name)
     cfg = layout_config(into, lp.model_dir)
+    policies.make_room(parse_layout(into))
     with started_policy(
         parse_layout(into),
         cfg,
@@ -281,13 +282,14 @@ def test_a_mislabelled_checkpoint_is_refused_on_the_driver(layout_policy, foreig
 
 @pytest.mark.parametrize("layout", layout_params(slow=set(LAYOUTS)), indirect=True)
 def test_a_policy_refuses_another_models_checkpoint_in_its_workers(
-    layout, ray_session, foreign_checkpoints, model_dirs, tokenizer
+    layout, policies, foreign_checkpoints, model_dirs, tokenizer
 ):
     """The workers compare the checkpoint's metadata with the model before reading a shard,
     and name the key."""
     model = MODEL_OF[layout.name]
     other = "llama" if model == "qwen2" else "qwen2"  # q/k/v bias on one side only
     cfg = layout_config(layout, model_dirs[model])
+    policies.make_room(layout)
     with pytest.raises(Exception, match=r"q_proj.bias.*in the (checkpoint|model) but not in the (model|checkpoint)"):
         with started_policy(
             layout, cfg, tokenizer, "foreign", weights_path=foreign_checkpoints(FORMAT_OF[layout.name], other)

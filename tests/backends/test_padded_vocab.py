@@ -42,10 +42,11 @@ PADDED = {
     "dtensor-dp2": ("llama", 64, 320),  # tp=1: padded only because the config asks
     "dtensor-tp2": ("llama", 1, 302),
     "dtensor-tp2-sp": ("qwen2_tied", 1, 302),
+    "dtensor-dp2-tp2-sp": ("qwen2_tied", 1, 302),
     "jax-fsdp8": ("llama", 64, 320),
     "jax-fsdp4-tp2": ("qwen2_tied", 1, 302),
 }
-PADDED_PARAMS = layout_params([n for n in LAYOUTS if n in PADDED], slow={"dtensor-dp2", "dtensor-tp2", "jax-fsdp8"})
+PADDED_PARAMS = layout_params([n for n in LAYOUTS if n in PADDED])
 
 
 class FullLogitsPG:

@@ -99,8 +99,9 @@ OTHER_MODELS = [
 
 
 @pytest.mark.parametrize("layout, model", OTHER_MODELS, indirect=["layout"])
-def test_parity_with_the_other_models(layout, model, ray_session, model_dirs, tokenizer):
+def test_parity_with_the_other_models(layout, model, policies, model_dirs, tokenizer):
     cfg = layout_config(layout, model_dirs[model])
+    policies.make_room(layout)
     with started_policy(layout, cfg, tokenizer, f"parity_{model}") as policy:
         check_logprobs_match_hf(policy, model_dirs[model])
         check_three_adamw_steps(policy, cfg, model_dirs[model])

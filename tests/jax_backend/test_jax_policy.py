@@ -1,8 +1,10 @@
-"""What only the JAX worker has: compiled programs bounded by the shape buckets, its mesh
-checks, its device diagnostics and XLA profiles (in this process, on ``qwen2_worker``).
+"""What only the JAX worker has: compiled programs bounded by the shape buckets, its device
+diagnostics and XLA profiles (in this process, on ``qwen2_worker``), the driver's check of
+tp against the model's heads.
 
 Parity with HF, training, checkpoints, generation, refit and offload through the Policy on
-every layout: tests/backends.
+every layout: tests/backends; a mesh that does not fit the devices:
+tests/distributed/test_startup_errors.py.
 """
 
 from __future__ import annotations
@@ -49,15 +51,6 @@ def test_diagnostics_and_profiling(qwen2_worker, tmp_path, monkeypatch):
     trace_dir = qwen2_worker.stop_gpu_profiling()
     assert any(pathlib.Path(trace_dir).rglob("*.xplane.pb"))
     shutil.rmtree(trace_dir)
-
-
-def test_mesh_that_does_not_divide_the_devices_is_named(model_dirs, tokenizer):
-    from backends.jax_pjit.worker import JaxPolicyWorker
-
-    cfg = policy_config(model_dirs["llama"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=3, tensor_parallel_size=2)  # 6 of the host's 8 devices
-    with pytest.raises(ValueError, match="policy.jax_cfg"):
-        JaxPolicyWorker(cfg, tokenizer)
 
 
 def test_tp_that_does_not_divide_kv_heads_is_refused_on_the_driver(ray_session, model_dirs, tokenizer):

@@ -122,7 +122,8 @@ def _unmasked_last_logits(cfg, host_params, ids, lengths) -> np.ndarray:
     return logits[np.arange(len(ids)), lengths - 1]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# Tied (the padded row is the embedding's) in CI, untied (the lm_head's) with -m slow.
+@pytest.mark.parametrize("name", ["qwen2_tied", pytest.param("llama", marks=pytest.mark.slow)])
 def test_generate_never_emits_padded_ids(workers, name):
     """The padded row is made to win the argmax (checked on the unmasked logits): greedy
     and sampled decoding still stay below 301 -- the mask, not the zero weights, keeps
