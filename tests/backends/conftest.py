@@ -7,8 +7,9 @@ a parametrised case asserting the refusal by name, never a missing row.
 
 Cost: one policy per layout, not one per test.  The ``policies`` pool keeps one policy alive at
 a time; :func:`pytest_collection_modifyitems` orders this package's tests by layout, so each
-layout's policy starts once (the padded-vocabulary one once more) and the pool holds 2 of the
-session's 4 Ray CPUs, which leaves room for a test that starts a second policy.  Each pooled
+layout's policy starts once (the padded-vocabulary one once more).  A test that starts a second
+policy asks the pool to make room first (``PolicyPool.make_room``: the session's Ray has 4
+CPUs; a 2-worker layout leaves room, the 4-worker one does not).  Each pooled
 policy saves its initial state (weights, optimizer, LR schedule, step) right after it starts;
 ``fresh_policy`` restores that state when an earlier test trained, so a test that needs the
 initial weights never depends on which tests ran before it.
