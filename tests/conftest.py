@@ -46,3 +46,12 @@ def tokenizer():
     from core.testing.tiny_models import tiny_tokenizer
 
     return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def gen_model_dirs(tmp_path_factory):
+    """Tiny models vLLM's CPU attention accepts (head_dim 32)."""
+    from core.testing.tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("gen_models")
+    return {name: save_tiny_model(name, root / name) for name in ("llama_gen", "qwen2_gen")}

@@ -327,6 +327,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
             self.rows.check_rows_split(
                 mbs, "policy.train_micro_batch_size" if mbs == self.cfg.train_micro_batch_size else "mbs"
             )
+            if not hasattr(loss_fn, "loss_from_logprobs"):
+                raise ValueError(
+                    f"loss {type(loss_fn).__name__} has no loss_from_logprobs: the jax_pjit backend computes every "
+                    "loss from the token logprobs (it has no full-logits loss path); use a core.losses loss"
+                )
         self.prepare_for_training()
         host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
         bucket = self.rows.bucket(host["input_ids"].shape[1])

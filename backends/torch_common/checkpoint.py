@@ -103,7 +103,7 @@ def save_dcp(
     try:
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(temps[0]))
         if optimizer_path is not None and optimizer is not None:  # a path without one was refused above
-            dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(temps[1]))
+            dcp.save({"optim": _optimizer_state(model, optimizer)}, checkpoint_id=str(temps[1]))
             if rank0:
                 torch.save(dict(extra_state or {}), temps[1] / SCHEDULER_FILE)
         if _distributed():
@@ -121,6 +121,29 @@ def save_dcp(
         if rank0:
             pf.discard_temps(temps)
         raise
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``get_optimizer_state_dict``, without changing how the next optimizer step trains.
+
+    On an optimizer that has not stepped yet, torch materialises the state with one lr=0 step
+    on zero gradients (``torch.distributed.checkpoint.state_dict._init_optim_state``): AdamW's
+    ``step`` becomes 1, so the first real step would use the second step's bias correction and
+    a policy that saved before training would train differently from one that did not.  Such a
+    state is saved with its step counters at 0 (with zero moments: AdamW's own initial state)
+    and dropped from the live optimizer, which starts its first step as if nothing happened.
+    """
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(model, optimizer)
+    if fresh:
+        for per_param in state.get("state", {}).values():
+            step = per_param.get("step")
+            if isinstance(step, torch.Tensor):
+                per_param["step"] = torch.zeros_like(step)
+            elif step is not None:
+                per_param["step"] = 0
+        optimizer.state.clear()
+    return state
 
 
 def model_shapes(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

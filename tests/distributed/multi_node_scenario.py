@@ -149,9 +149,9 @@ def measure(bundles: list[int], num_cpus_per_bundle: int, backend: str, model_di
             return {
                 "worker_node_ids": worker_node_ids(policy),
                 "logprobs": logprobs.to(torch.float64).tolist(),
-                "loss": float(result["loss"][0]),
-                "grad_norm": float(result["grad_norm"][0]),
-                "micro_batch_loss_sum": float(sum(result["all_mb_metrics"]["loss"])),
+                "loss": float(result.loss[0]),
+                "grad_norm": float(result.grad_norm[0]),
+                "micro_batch_loss_sum": float(sum(result.all_mb_metrics["loss"])),
                 "logprobs_after_step": after.to(torch.float64).tolist(),
                 "seconds": time.monotonic() - start,
             }

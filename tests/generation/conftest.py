@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-import pytest
 import torch
 
 from core.data import BatchedDataDict
@@ -20,15 +19,6 @@ from tests.torch_backends.conftest import policy_config
 
 MAX_NEW = 6
 PROMPT_WIDTH = 8
-
-
-@pytest.fixture(scope="session")
-def gen_model_dirs(tmp_path_factory):
-    """Tiny models vLLM's CPU attention accepts (head_dim 32)."""
-    from core.testing.tiny_models import save_tiny_model
-
-    root = tmp_path_factory.mktemp("gen_models")
-    return {name: save_tiny_model(name, root / name) for name in ("llama_gen", "qwen2_gen")}
 
 
 def refit_config(

@@ -1,8 +1,8 @@
 """Refit from a padded-vocabulary policy (vocab 301 padded to 302: DTensor tp=2, and JAX on a
 4 x 2 mesh) into a vLLM engine: the stream carries the HF shapes and the engine serves the policy.
 
-In its own module, not in tests/torch_backends/test_padded_vocab.py: that module's
-module-scoped policies hold Ray CPU slots until it ends, and an engine plus a policy need 3.
+In its own module, not in tests/backends/test_padded_vocab.py: the contract suite's pooled
+policy holds Ray CPU slots until that package ends, and an engine plus a policy need 3.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
-from tests.torch_backends.test_padded_vocab import V, _hf, _ids_301, _pg_batch, save_v301_model
+from tests.padded_vocab import V, ids_301, pg_batch_301, save_v301_model
+from tests.padded_vocab import hf_model as _hf
 
 
 @pytest.mark.parametrize("backend", ["torch_dtensor", pytest.param("jax_pjit", marks=pytest.mark.slow)])
@@ -36,7 +37,7 @@ def test_refit_tp2_padded_policy_into_vllm(backend, ray_session, tokenizer, tmp_
 
     model_dir = save_v301_model("llama_gen", tmp_path / "llama_gen_v301")
     data = prompts(seed=3)
-    data["input_ids"] = _ids_301(data["input_ids"])
+    data["input_ids"] = ids_301(data["input_ids"])
     data["input_ids"][:, 0] = 1  # BOS
     with one_engine(model_dir, tokenizer, "vllm_v301") as engine:
         cfg = refit_config(model_dir, backend, tp=2, bucket_bytes=64 * 1024)  # JAX: fsdp 4 x tp 2
@@ -53,7 +54,9 @@ def test_refit_tp2_padded_policy_into_vllm(backend, ray_session, tokenizer, tmp_
             results = []
             for label, hf_model in (("initial", _hf(model_dir)), ("trained", None)):
                 if hf_model is None:
-                    policy.train(_pg_batch(4, seed=5), ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"]))
+                    policy.train(
+                        pg_batch_301(4, seed=5), ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"])
+                    )
                     refit_policy_generation(policy, engine, "collective")
                     hf_model = hf_model_from(policy, tmp_path / "trained")
                 out = engine.generate(data, greedy=True)

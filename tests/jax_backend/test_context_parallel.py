@@ -265,7 +265,7 @@ def check_jax_policy_against_hf_and_torch(cfg, name, model_dir, tokenizer, data,
     step on ``batch`` vs single-process torch AdamW (loss and grad norm, rel 1e-5)."""
     from core.distributed import RayVirtualCluster
     from core.policy import Policy
-    from tests.torch_backends.test_torch_policy import _reference_adamw
+    from tests.hf_reference import reference_adamw
 
     cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2)
     policy = Policy(cluster, cfg, tokenizer, name_prefix=name)
@@ -278,7 +278,7 @@ def check_jax_policy_against_hf_and_torch(cfg, name, model_dir, tokenizer, data,
         torch.testing.assert_close(policy.get_logprobs(data)["logprobs"], ref, rtol=0, atol=1e-5)
         loss_fn = ClippedPGLossFn(BASE_CFG)
         out = policy.train(batch, loss_fn)
-        ref_losses, ref_norm, _ = _reference_adamw(model_dir, cfg, [batch], loss_fn)
+        ref_losses, (ref_norm,), _ = reference_adamw(model_dir, cfg, [batch], loss_fn)
         assert math.isclose(float(out["loss"][0]), ref_losses[0], rel_tol=1e-5)
         assert math.isclose(float(out["grad_norm"][0]), ref_norm, rel_tol=1e-5)
     finally:

@@ -1,5 +1,6 @@
-"""``policy.generation_batch_size`` on the JAX backend: KV-cache decoding in chunks of at most
-that many rows, with the results of one pass over all rows and one compiled shape per call."""
+"""``policy.generation_batch_size`` in the JAX decoder (one process): KV-cache decoding in chunks
+of at most that many rows, with the results of one pass over all rows and one compiled shape
+per call.  Through the Policy on every layout: tests/backends/test_generation.py."""
 
 from __future__ import annotations
 
@@ -91,56 +92,3 @@ def test_unseeded_chunks_draw_from_different_keys():
 def test_a_bad_batch_size_is_refused(fns, prompts):
     with pytest.raises(ValueError, match="policy.generation_batch_size must be a positive int, got 0"):
         run(fns, prompts, gen_cfg(), batch_size=0)
-
-
-@pytest.mark.slow
-def test_the_policy_worker_generates_in_chunks(ray_session, model_dirs, tokenizer):
-    """Through ``Policy.generate`` (one JAX actor, fsdp 4 x tp 2): generation_batch_size=2
-    makes the worker decode at most 2 rows at a time, with the one-pass result."""
-    import ray
-    import torch
-
-    from core.data import BatchedDataDict
-    from core.distributed import RayVirtualCluster
-    from core.policy import Policy
-    from tests.torch_backends.conftest import policy_config
-
-    cfg = policy_config(model_dirs["llama"], "jax_pjit", generation_batch_size=2)
-    cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
-    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2)
-    policy = Policy(cluster, cfg, tokenizer, init_optimizer=False, init_reference_model=False)
-
-    def count_rows(worker):
-        from backends.jax_pjit import generate as module
-
-        call, worker.decoded_rows = module._Decoder.__call__, []
-
-        def counting(self, input_ids, *args):
-            worker.decoded_rows.append(input_ids.shape[0])
-            return call(self, input_ids, *args)
-
-        module._Decoder.__call__ = counting
-
-    try:
-        actor = policy.worker_group.workers[0]
-        ray.get(actor.__ray_call__.remote(count_rows))
-        ids, lengths = random_batch(ROWS, WIDTH, 256, seed=23)
-        data = BatchedDataDict(input_ids=ids, input_lengths=lengths)
-        out = policy.generate(data, greedy=True)
-        assert ray.get(actor.__ray_call__.remote(lambda w: w.decoded_rows)) == [2, 2, 2]
-        model, _, _ = from_pretrained(model_dirs["llama"])
-        expected = generate(
-            model,
-            None,
-            ids.numpy(),
-            lengths.numpy(),
-            cfg["generation"],
-            greedy=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_ids=[tokenizer.eos_token_id],
-        )
-        assert torch.equal(out["output_ids"], torch.from_numpy(expected["output_ids"]))
-        torch.testing.assert_close(out["logprobs"], torch.from_numpy(expected["logprobs"]), rtol=0, atol=1e-5)
-    finally:
-        policy.shutdown()
-        cluster.shutdown()

@@ -3,7 +3,7 @@
 ``make_apply_updates`` (fast, no Ray): an inf gradient, a NaN loss or ``valid=False`` leave
 params *and* optimizer state bit for bit as they were and return ``skipped``; the next
 finite update equals the one of a state that never saw the bad calls, and no call compiles a
-second program.  The Policy-level scenario is the torch one (``run_non_finite_scenario``).
+second program.  The Policy-level scenario on every layout: tests/backends/test_non_finite_steps.py.
 """
 
 from __future__ import annotations
@@ -13,15 +13,10 @@ import copy
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from backends.jax_pjit import steps
 from backends.jax_pjit.optim import build_optax, set_learning_rate
 from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
-from core.distributed import RayVirtualCluster
-from core.policy import Policy
-from tests.torch_backends.conftest import policy_config
-from tests.torch_backends.test_non_finite_steps import run_non_finite_scenario
 
 
 def _tx():
@@ -85,20 +80,3 @@ def test_apply_updates_skips_non_finite_and_masked_steps():
     _assert_same(opt_state, fresh_state)
     assert not np.allclose(np.asarray(params["w"]), np.asarray(_params()["w"]))  # a real step moved them
     assert apply._cache_size() == 1  # skipping or not, one program
-
-
-@pytest.mark.slow  # two JAX policies (8 devices each) compiling their steps: ~1 min on 2 cores
-def test_non_finite_and_masked_steps_are_skipped_jax(ray_session, model_dirs, tokenizer):
-    def make_policy(name, mode):
-        cfg = policy_config(model_dirs["llama"], "jax_pjit", non_finite_step=mode)
-        cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
-        cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2)
-        policy = Policy(cluster, cfg, tokenizer, name_prefix=f"jax_nonfinite_{name}")
-
-        def close():
-            policy.shutdown()
-            cluster.shutdown()
-
-        return policy, close
-
-    run_non_finite_scenario(make_policy)

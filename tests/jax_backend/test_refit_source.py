@@ -15,20 +15,13 @@ import pytest
 
 from backends.jax_pjit.hf_mapping import jax_to_hf_tensors
 from backends.jax_pjit.sharding import host_copy
-from core.config.validate import validate_policy_config
-from tests.torch_backends.conftest import policy_config
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) jax devices")
 
 
-@pytest.fixture(scope="module")
-def worker(model_dirs, tokenizer):
-    """Qwen2 (biases: every HF transform) on fsdp 4 x tp 2: every tensor is sharded."""
-    from backends.jax_pjit.worker import JaxPolicyWorker
-
-    cfg = policy_config(model_dirs["qwen2"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
-    return JaxPolicyWorker(validate_policy_config(cfg), tokenizer, init_reference_model=False)
+@pytest.fixture
+def worker(qwen2_worker):
+    return qwen2_worker
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", None])

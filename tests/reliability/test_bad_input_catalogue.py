@@ -584,8 +584,8 @@ def test_bad_input_is_refused_clearly_and_changes_nothing(case: Case, env: Env):
     start = time.monotonic()
     if case.error == "skipped":
         result = case.call(env)
-        assert result["skipped_steps"] == len(result["loss"]) >= 1, result["skip_reasons"]
-        assert all(r.startswith(case.match) for r in result["skip_reasons"]), result["skip_reasons"]
+        assert result.skipped_steps == len(result.loss) >= 1, result.skip_reasons
+        assert all(r.startswith(case.match) for r in result.skip_reasons), result.skip_reasons
     else:
         with pytest.raises(case.error, match=case.match):
             case.call(env)

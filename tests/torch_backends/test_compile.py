@@ -30,8 +30,8 @@ from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.testing.gloo_ranks import init_gloo, run_ranks
 from core.testing.tiny_models import build_tiny_model, random_batch
+from tests.hf_reference import PG_CFG
 from tests.torch_backends.conftest import SEQ, VOCAB, pg_batch, policy_config
-from tests.torch_backends.test_torch_policy import PG_CFG
 
 
 def test_compile_blocks_in_place_keeps_names():
@@ -168,7 +168,7 @@ def _run(cfg, tokenizer):
     finally:
         policy.shutdown()
         cluster.shutdown()
-    return before, float(out["loss"][0]), float(out["grad_norm"][0]), after
+    return before, float(out.loss[0]), float(out.grad_norm[0]), after
 
 
 @pytest.mark.slow  # ~65 s each on the 2-core CI machine (cold inductor cache), mostly compiling

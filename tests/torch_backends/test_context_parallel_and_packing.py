@@ -61,7 +61,7 @@ def _run(cfg, workers, tokenizer, steps=3):
         trace = []
         for _ in range(steps):
             out = policy.train(data, ClippedPGLossFn(BASE_CFG))
-            trace.append((float(out["loss"][0]), float(out["grad_norm"][0])))
+            trace.append((float(out.loss[0]), float(out.grad_norm[0])))
         after = policy.get_logprobs(data)["logprobs"]
     finally:
         policy.shutdown()

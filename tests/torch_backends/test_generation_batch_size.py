@@ -1,5 +1,7 @@
-"""``policy.generation_batch_size``: HF generation runs in chunks of at most that many rows per
-``model.generate`` call, with the results of one call over all rows."""
+"""``policy.generation_batch_size`` in ``hf_generate`` (one process): HF generation runs in chunks
+of at most that many rows per ``model.generate`` call, with the results of one call over all
+rows -- also when rows stop early and with per-row seeds.  Through the Policy on every layout:
+tests/backends/test_generation.py."""
 
 from __future__ import annotations
 
@@ -97,52 +99,3 @@ def test_top_k_minus_one_means_off_and_zero_is_refused():
         build_hf_generation_config(
             gen_cfg(top_k=0), greedy=False, max_new_tokens=2, stop_token_ids=[], pad_token_id=PAD_ID
         )
-
-
-@pytest.mark.slow
-def test_the_policy_workers_generate_in_chunks(ray_session, model_dirs, tokenizer):
-    """Through ``Policy.generate`` (torch_fsdp, one worker): generation_batch_size=2 makes the
-    worker call ``model.generate`` on at most 2 rows, with the one-call result."""
-    import ray
-
-    from core.distributed import RayVirtualCluster
-    from core.policy import Policy
-    from tests.torch_backends.conftest import policy_config
-
-    cfg = policy_config(model_dirs["llama"], "torch_fsdp", generation_batch_size=2)
-    cluster = RayVirtualCluster([1])
-    policy = Policy(cluster, cfg, tokenizer, init_optimizer=False, init_reference_model=False)
-
-    def count_rows(worker):
-        from backends.torch_common import generation
-
-        run, worker.generate_rows = generation._run_generate, []
-
-        def counting(model, left_ids, *args, **kwargs):
-            worker.generate_rows.append(left_ids.shape[0])
-            return run(model, left_ids, *args, **kwargs)
-
-        generation._run_generate = counting
-
-    try:
-        ray.get([w.__ray_call__.remote(count_rows) for w in policy.worker_group.workers])
-        ids, lengths = random_batch(ROWS, WIDTH, VOCAB, seed=12)
-        out = policy.generate(BatchedDataDict(input_ids=ids, input_lengths=lengths), greedy=True)
-        rows = ray.get(policy.worker_group.workers[0].__ray_call__.remote(lambda w: w.generate_rows))
-        assert rows == [2, 2, 1]
-        from transformers import AutoModelForCausalLM
-
-        reference = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
-        expected = hf_generate(
-            reference,
-            BatchedDataDict(input_ids=ids, input_lengths=lengths),
-            cfg["generation"],
-            greedy=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_ids=[tokenizer.eos_token_id],
-        )
-        assert torch.equal(out["output_ids"], expected["output_ids"])
-        torch.testing.assert_close(out["logprobs"], expected["logprobs"], rtol=0, atol=1e-5)
-    finally:
-        policy.shutdown()
-        cluster.shutdown()

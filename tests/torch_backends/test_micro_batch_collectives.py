@@ -9,7 +9,7 @@ The tiny Llama has 2 transformer blocks, so FSDP holds 3 units (2 blocks + the r
 embeddings, final norm and lm_head).  Each rank runs 4 micro batches of 1 row.
 
 The first step's loss and gradient norm at 4 accumulated micro batches must still match
-the single-process full-batch reference at the tolerance of ``test_torch_policy`` (1e-5).
+the single-process full-batch reference at the tolerance of ``tests/backends/test_parity.py`` (1e-5).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
 from core.testing.tiny_models import random_batch
+from tests.hf_reference import PG_CFG, reference_loss_and_norm
 from tests.torch_backends.conftest import SEQ, VOCAB, count_collectives, pg_batch, policy_config
-from tests.torch_backends.test_torch_policy import PG_CFG, _reference_loss_and_norm
 
 UNITS = 3  # 2 blocks + root
 MICRO = 4  # micro batches per rank: 8 rows, dp 2, 1 row each
@@ -69,13 +69,13 @@ def test_train_reduces_gradients_once_per_step(case):
     out = {}
     counts = count_collectives(case["policy"], lambda: out.update(case["policy"].train(data, loss_fn)))
     assert counts["reduce_scatter"] == UNITS, counts
-    ref_loss, ref_norm = _reference_loss_and_norm(case["model_dir"], data, loss_fn)
-    assert math.isclose(float(out["loss"][0]), ref_loss, rel_tol=1e-5, abs_tol=1e-6)
-    assert math.isclose(float(out["grad_norm"][0]), ref_norm, rel_tol=1e-5)
+    ref_loss, ref_norm = reference_loss_and_norm(case["model_dir"], data, loss_fn)
+    assert math.isclose(float(out.loss[0]), ref_loss, rel_tol=1e-5, abs_tol=1e-6)
+    assert math.isclose(float(out.grad_norm[0]), ref_norm, rel_tol=1e-5)
     # Every rank's micro batches are reported (read from the device once per step), and
     # their globally normalised losses add up to the step's loss.
-    per_mb = out["all_mb_metrics"]["loss"]
-    assert len(per_mb) == 2 * MICRO and math.isclose(sum(per_mb), float(out["loss"][0]), rel_tol=1e-5)
+    per_mb = out.all_mb_metrics["loss"]
+    assert len(per_mb) == 2 * MICRO and math.isclose(sum(per_mb), float(out.loss[0]), rel_tol=1e-5)
 
 
 def test_get_logprobs_gathers_each_unit_once(case):

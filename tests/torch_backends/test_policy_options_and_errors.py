@@ -18,8 +18,8 @@ from core.distributed import RayVirtualCluster, WorkerGroupError
 from core.losses import ClippedPGLossFn, LossInputError, NLLLoss
 from core.policy import BatchError, Policy
 from core.testing.tiny_models import random_batch, tiny_tokenizer
+from tests.hf_reference import PG_CFG
 from tests.torch_backends.conftest import SEQ, VOCAB, count_collectives, hf_logprobs, pg_batch, policy_config
-from tests.torch_backends.test_torch_policy import PG_CFG
 
 TEMPERATURE = 0.7
 
@@ -61,7 +61,7 @@ def test_dynamic_batching_train_loss_matches_full_batch(dynamic_policy):
     with torch.no_grad():
         logits = model(input_ids=data["input_ids"], attention_mask=mask).logits / TEMPERATURE
         ref = float(loss_fn(logits, data, None, None)[0])
-    got = float(dynamic_policy["policy"].train(data, loss_fn, eval_mode=True)["loss"][0])
+    got = float(dynamic_policy["policy"].train(data, loss_fn, eval_mode=True).loss[0])
     assert math.isclose(got, ref, rel_tol=1e-5, abs_tol=1e-6)
 
 
@@ -208,7 +208,7 @@ def test_bf16_with_activation_checkpointing_and_offload(backend, ray_session, mo
         first = {}
         counts = count_collectives(policy, lambda: first.update(policy.train(data, NLLLoss(), mbs=1)))
         assert counts["reduce_scatter"] == (6 if backend == "torch_fsdp" else 3), counts
-        losses = [float(first["loss"][0])] + [float(policy.train(data, NLLLoss(), mbs=1)["loss"][0]) for _ in range(2)]
+        losses = [float(first.loss[0])] + [float(policy.train(data, NLLLoss(), mbs=1).loss[0]) for _ in range(2)]
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     finally:
         policy.shutdown()

@@ -1,8 +1,8 @@
 """Skipped optimizer steps on the driver side (no Ray): the skip decision, the config field,
 the warning and metric the loops log, and the run loop's reaction to skip / error.
 
-The backends themselves: tests/torch_backends/test_non_finite_steps.py and
-tests/jax_backend/test_non_finite_steps.py.
+The backends themselves, on every layout: tests/backends/test_non_finite_steps.py (and the JAX
+jitted update's own skip: tests/jax_backend/test_non_finite_steps.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from core.policy.worker_base import PolicyWorkerBase, step_skip_reason
+from core.interfaces import TrainResult
+from core.policy.worker_base import PolicyWorkerBase, StepResult, step_skip_reason
 from tests.unit.test_grpo_parts import _loop
 
 
@@ -25,19 +26,13 @@ def test_step_skip_reason():
     assert step_skip_reason(4, 10, 0.1, math.nan) == "non_finite_grad_norm"
 
 
-def _result(reasons, losses, norms):
-    """A Policy.train result as the driver assembles it from a worker's _train_result."""
-    worker = PolicyWorkerBase._train_result(losses, norms, [{"loss": v} for v in losses], {}, 1e-3, reasons)
-    return {
-        "loss": worker["global_loss"],
-        "grad_norm": worker["grad_norm"],
-        "metrics": worker["metrics"],
-        "lr": worker["lr"],
-        "all_mb_metrics": {},
-        "skipped": worker["skipped"],
-        "skip_reasons": worker["skip_reasons"],
-        "skipped_steps": int(worker["skipped"].sum()),
-    }
+def _result(reasons, losses, norms) -> TrainResult:
+    """A Policy.train result as a worker assembles it from its steps."""
+    steps = [
+        StepResult(loss, norm, {"loss": loss}, reason, {"loss": [loss]})
+        for loss, norm, reason in zip(losses, norms, reasons, strict=True)
+    ]
+    return PolicyWorkerBase._train_steps_result(steps, 1e-3)
 
 
 def test_train_result_metrics_and_messages():
@@ -45,9 +40,10 @@ def test_train_result_metrics_and_messages():
     from core.policy.policy import _skip_message, describe_skipped_steps
 
     result = _result([None, "non_finite_grad_norm"], [0.5, -1e30], [1.0, math.inf])
-    assert result["skipped"].tolist() == [False, True] and result["skipped_steps"] == 1
+    assert result.skipped == [False, True] and result.skipped_steps == 1
+    assert result.metrics == {"loss": [0.5, -1e30]} and result.all_mb_metrics == {"loss": [0.5, -1e30]}
     assert train_metrics(result)["skipped_steps"] == 1.0
-    assert PolicyWorkerBase._train_result([0.1], [0.2], [{}], {}, None)["skipped"].tolist() == [False]
+    assert PolicyWorkerBase._train_steps_result([], None).skipped == []
     (phrase,) = describe_skipped_steps(result)
     assert (
         phrase
