@@ -147,9 +147,10 @@ class EnvironmentPool:
         chunks = _split(len(prompts), self.num_workers)
         # ray types an actor as ActorHandle | type[T] and gives methods a .remote only through
         # @ray.method (which would import ray with this module): the ignores below are that.
+        # Fewer samples than workers: the first len(chunks) workers score them, the rest idle.
         refs = [
             actor.score.remote(list(prompts[a:b]), list(completions[a:b]), list(metadata[a:b]), a)  # type: ignore[attr-defined]
-            for actor, (a, b) in zip(self._actors, chunks, strict=True)
+            for actor, (a, b) in zip(self._actors[: len(chunks)], chunks, strict=True)
         ]
         self._wait_or_time_out(refs, chunks)
         rewards: list[float] = []

@@ -25,10 +25,19 @@ from core.environments import (
 MODULE = "tests.environments.test_environment_pool"
 
 
+class UnbuildableEnv:
+    """A user environment whose constructor fails (in the pool's workers)."""
+
+    name = "unbuildable"
+
+    def __init__(self, cfg):
+        raise RuntimeError("cannot build")
+
+
 class FaultyEnv:
     """Reward 1.0, except for the completions that trigger a failure:
 
-    ``boom`` raises, ``nan`` returns NaN, ``slow`` sleeps ``env.faulty.sleep_s``, ``die``
+    ``boom`` raises, ``nan`` returns NaN, ``slow`` sleeps ``env.kwargs.sleep_s``, ``die``
     kills the worker process, ``short`` drops the last reward; a chunk of more than one
     sample containing ``pair`` raises (no single sample does).
     """
@@ -36,7 +45,7 @@ class FaultyEnv:
     name = "faulty"
 
     def __init__(self, cfg):
-        self.sleep_s = float(cfg.get("faulty", {}).get("sleep_s", 30.0))
+        self.sleep_s = float(cfg.kwargs.get("sleep_s", 30.0))
 
     def score(self, prompts, completions, metadata):
         if "pair" in completions and len(completions) > 1:
@@ -124,15 +133,19 @@ def test_nan_and_wrong_counts_are_reported_with_global_indices(faulty_pool):
 
 
 def test_bad_configs_fail_at_construction(ray_session):
-    startup_failure = r"worker 0 of 1 could not build the environment: ValueError: env\.arithmetic\.max_value"
-    with pytest.raises(EnvironmentPoolError, match=startup_failure):
+    # Refused on the driver, before any actor starts (the section is validated there).
+    with pytest.raises(ValueError, match=r"env\.arithmetic\.max_value: expected int, got str \('ten'\)"):
         EnvironmentPool({"name": "arithmetic", "arithmetic": {"max_value": "ten"}})
     with pytest.raises(ValueError, match=r"env\.name: unknown environment 'arith'"):
         EnvironmentPool({"name": "arith"})
-    with pytest.raises(ValueError, match=r"env\.num_workers must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"env\.num_workers: must be >= 1, got 0"):
         EnvironmentPool({"name": "arithmetic", "num_workers": 0})
-    with pytest.raises(ValueError, match=r"env\.timeout_s must be a number of seconds > 0, got -1"):
+    with pytest.raises(ValueError, match=r"env\.timeout_s: must be > 0\.0, got -1"):
         EnvironmentPool({"name": "arithmetic", "timeout_s": -1})
+    # A user environment whose constructor raises fails in the workers, named with its cause.
+    startup_failure = r"worker 0 of 1 could not build the environment: RuntimeError: cannot build"
+    with pytest.raises(EnvironmentPoolError, match=startup_failure):
+        EnvironmentPool({"name": f"{MODULE}:UnbuildableEnv", "num_workers": 1})
 
 
 @pytest.mark.parametrize("faulty_pool", [{"timeout_s": 0.5, "num_workers": 1}], indirect=True)
