@@ -9,12 +9,12 @@ can derive (the row padding context parallelism needs) it derives, and is not as
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import Field
 
-from core.config import ConfigModel, Problem, join_path
+from core.config import ConfigError, ConfigModel, Problem, join_path
 from core.data.sequence_packing import PackingAlgorithm
 from core.parallel_dims import ParallelDims
 from core.policy.generation_config import GenerationConfig
@@ -282,6 +282,16 @@ class PolicyConfig(ConfigModel):
         return vllm.precision if vllm is not None and vllm.precision else self.precision
 
     # ------------------------------------------------------------------ the device layout
+    @classmethod
+    def checked(cls, raw: PolicyConfig | Mapping[str, Any], world_size: int | None = None) -> PolicyConfig:
+        """``raw`` as a ``PolicyConfig`` and, given ``world_size``, its layout checked against
+        that many devices: :class:`ConfigError` (lines ``policy.<field>: ...``) otherwise."""
+        cfg = cls.coerce(raw, path="policy")
+        found = [f"{join_path('policy', p)}: {m}" for p, m in cfg.layout_problems(world_size)] if world_size else []
+        if found:
+            raise ConfigError(found)
+        return cfg
+
     def layout_problems(self, world_size: int) -> Iterable[Problem]:
         """Whether the backend's parallel sizes fit ``world_size`` devices, and whether the
         global batch splits into whole micro batches on every data-parallel rank."""

@@ -9,13 +9,12 @@ batch in the caller's row order.  Nothing here imports torch model code or jax.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Union
 
 import torch
 
 from core.checkpointing.policy_files import check_load_paths, check_save_paths, check_writable
-from core.config import ConfigError
 from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
@@ -68,13 +67,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         optimizer_path: PathLike | None = None,
         init_reference_model: bool = True,
     ) -> None:
-        cfg = PolicyConfig.coerce(config, path="policy")
-        spec = backend_spec(cfg.backend)
+        spec = backend_spec(PolicyConfig.coerce(config, path="policy").backend)
         n_workers = _world_size(cluster, workers_per_node)
         # Torch backends run one worker per device, so the mesh must fit the worker count;
         # a JAX worker owns all of its host's devices, and checks its mesh itself.
-        if spec.one_worker_per_device:
-            _raise_problems(cfg.layout_problems(n_workers))
+        cfg = PolicyConfig.checked(config, n_workers if spec.one_worker_per_device else None)
         self.cfg = absolute_model_paths(cfg)
         layout = spec.layout(self.cfg, n_workers)
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
@@ -391,9 +388,3 @@ def _pad_rows(data: BatchedDataDict, multiple: int) -> BatchedDataDict:
     if "sample_mask" in filler:
         filler["sample_mask"] = torch.zeros_like(filler["sample_mask"])
     return BatchedDataDict.from_batches([data, filler])
-
-
-def _raise_problems(found: Iterable[tuple[str, str]]) -> None:
-    lines = [f"policy.{field}: {message}" for field, message in found]
-    if lines:
-        raise ConfigError(lines)

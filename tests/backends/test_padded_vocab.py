@@ -22,8 +22,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from core.config.validate import ConfigError, validate_policy_config
+from core.config import ConfigError
 from core.losses import ClippedPGLossFn
+from core.policy.config import PolicyConfig
 from tests.backends.conftest import (
     LAYOUTS,
     layout_config,
@@ -128,19 +129,19 @@ def test_vocab_padding_is_configured_or_refused_by_name(layout, model_dirs, toke
     model_dir = model_dirs["llama"]
     cfg = layout_config(layout, model_dir, make_vocab_size_divisible_by=64)
     if layout.name in PADDED:
-        validate_policy_config(cfg)
+        PolicyConfig.checked(cfg)
     else:
         with pytest.raises(
             ConfigError,
             match=r"make_vocab_size_divisible_by: 64: the torch_fsdp \(FSDP1\) backend has no tensor parallelism",
         ):
             refused_on_driver(layout, cfg, tokenizer)
-    validate_policy_config(layout_config(layout, model_dir, make_vocab_size_divisible_by=1))
+    PolicyConfig.checked(layout_config(layout, model_dir, make_vocab_size_divisible_by=1))
     for bad in (0, -8):
         with pytest.raises(ConfigError, match=r"make_vocab_size_divisible_by: must be > 0"):
-            validate_policy_config(layout_config(layout, model_dir, make_vocab_size_divisible_by=bad))
+            PolicyConfig.checked(layout_config(layout, model_dir, make_vocab_size_divisible_by=bad))
     with pytest.raises(ConfigError, match="make_vocab_size_divisible_by"):
-        validate_policy_config(layout_config(layout, model_dir, make_vocab_size_divisible_by="8"))
+        PolicyConfig.checked(layout_config(layout, model_dir, make_vocab_size_divisible_by="8"))
 
 
 # ----------------------------------------------------------------------------- one padded policy per layout, in order

@@ -15,9 +15,9 @@ def qwen2_worker(model_dirs, tokenizer):
     if jax.device_count() < 8:
         pytest.skip("needs 8 (virtual) jax devices")
     from backends.jax_pjit.worker import JaxPolicyWorker
-    from core.config.validate import validate_policy_config
+    from core.policy.config import PolicyConfig
     from tests.torch_backends.conftest import policy_config
 
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit")
     cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
-    return JaxPolicyWorker(validate_policy_config(cfg), tokenizer, init_reference_model=False)
+    return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer, init_reference_model=False)

@@ -26,8 +26,8 @@ from backends.jax_pjit import steps
 from backends.jax_pjit.models import ModelConfig, abstract_model, make_apply_fn
 from backends.jax_pjit.models import layers as jax_layers
 from backends.jax_pjit.models.layers import attend, causal_attention
-from core.config.validate import validate_policy_config
 from core.losses import ClippedPGLossFn
+from core.policy.config import PolicyConfig
 from tests.torch_backends.conftest import pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
 
@@ -170,7 +170,7 @@ def _worker(model_dir, tokenizer, remat):
 
     cfg = policy_config(model_dir, "jax_pjit")
     cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2, activation_checkpointing=remat)
-    return JaxPolicyWorker(validate_policy_config(cfg), tokenizer)
+    return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer)
 
 
 def _grads(worker, loss_fn, data):

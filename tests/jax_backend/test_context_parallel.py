@@ -24,11 +24,11 @@ from backends.jax_pjit import steps
 from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
 from backends.jax_pjit.sharding import logical_to_mesh_spec, make_mesh
 from core.config import ConfigError
-from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict
 from core.data.context_parallel import load_balanced_columns
 from core.losses import ClippedPGLossFn
 from core.parallel_dims import ParallelDims
+from core.policy.config import PolicyConfig
 from core.testing.tiny_models import random_batch
 from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
@@ -44,7 +44,7 @@ def jax_worker(model_dir, tokenizer, fsdp, cp, tp, **overrides):
 
     cfg = policy_config(model_dir, "jax_pjit", **overrides)
     cfg["jax_cfg"].update(fsdp_size=fsdp, context_parallel_size=cp, tensor_parallel_size=tp)
-    return JaxPolicyWorker(validate_policy_config(cfg), tokenizer)
+    return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer)
 
 
 def _ragged(batch, seed):
@@ -86,7 +86,7 @@ def test_config_validation_names_context_parallel_size(model_dirs):
             "does not divide the world size (8)"
         ),
     ):
-        validate_policy_config(cfg, world_size=8)
+        PolicyConfig.checked(cfg, 8)
     cfg["jax_cfg"].update(fsdp_size=4, context_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(
         ConfigError,
@@ -94,12 +94,12 @@ def test_config_validation_names_context_parallel_size(model_dirs):
             "policy.jax_cfg.fsdp_size: fsdp_size (4) x context_parallel_size (2) x tensor_parallel_size (2) = 16"
         ),
     ):
-        validate_policy_config(cfg, world_size=8)
+        PolicyConfig.checked(cfg, 8)
     cfg["jax_cfg"]["context_parallel_size"] = 0
     with pytest.raises(ConfigError, match=r"policy\.jax_cfg\.context_parallel_size: must be >= 1"):
-        validate_policy_config(cfg)
+        PolicyConfig.checked(cfg)
     cfg["jax_cfg"].update(fsdp_size=2, context_parallel_size=2, tensor_parallel_size=2)
-    assert validate_policy_config(cfg, world_size=8)["jax_cfg"]["context_parallel_size"] == 2
+    assert PolicyConfig.checked(cfg, 8).jax_cfg.context_parallel_size == 2
 
 
 def test_width_ladder_must_split_into_2cp_chunks():

@@ -13,9 +13,9 @@ import pytest
 
 import backends.jax_pjit.worker as worker_module
 import core.policy.worker_base as worker_base
-from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict
 from core.losses import ClippedPGLossFn
+from core.policy.config import PolicyConfig
 from core.testing.tiny_models import random_batch
 from tests.torch_backends.conftest import SEQ, VOCAB, pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
@@ -29,7 +29,7 @@ def worker(model_dirs, tokenizer):
 
     cfg = policy_config(model_dirs["llama"], "jax_pjit", train_micro_batch_size=1, logprob_batch_size=1)
     cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
-    return JaxPolicyWorker(validate_policy_config(cfg), tokenizer, init_reference_model=False)
+    return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer, init_reference_model=False)
 
 
 def _recording(events: list[str], name: str, fn):

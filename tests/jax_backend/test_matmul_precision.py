@@ -17,9 +17,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from core.config.validate import validate_policy_config
 from core.data import BatchedDataDict
 from core.losses import ClippedPGLossFn
+from core.policy.config import PolicyConfig
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.testing.tiny_models import random_batch
 from tests.jax_backend.test_sequence_packing import packing
@@ -59,7 +59,7 @@ def _worker(model_dir, tokenizer, precision, **overrides):
 
     cfg = policy_config(model_dir, "jax_pjit", matmul_precision=precision, **overrides)
     cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
-    return JaxPolicyWorker(validate_policy_config(cfg), tokenizer)
+    return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer)
 
 
 def _prompts():

@@ -17,11 +17,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core.config.validate import ConfigError, validate_policy_config
+from core.config import ConfigError
 from core.data.sequence_packing import PackedRow, check_packing_budget, pack_bins, plan_packed_micro_batches
 from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
+from core.policy.config import PolicyConfig
 from tests.torch_backends.conftest import hf_logprobs, policy_config, uneven_pg_batch
 from tests.unit.test_losses import BASE_CFG
 
@@ -169,19 +170,19 @@ def test_modified_ffd_packs_no_worse_than_ffd_on_long_and_mid_mixes():
 def test_bad_cp_and_packing_settings_name_the_field(model_dirs):
     cfg = _layout_cfg(model_dirs["llama"], "torch_dtensor", 2, cp=2, multiple=1)
     with pytest.raises(ConfigError, match=r"make_sequence_length_divisible_by: 1 is not a multiple of 2 x context"):
-        validate_policy_config(cfg, world_size=2)
+        PolicyConfig.checked(cfg, 2)
     sp = _layout_cfg(model_dirs["llama"], "torch_dtensor", 4, cp=2, tp=2, sp=True, multiple=4)
     with pytest.raises(ConfigError, match=r"with sequence_parallel = 8"):
-        validate_policy_config(sp, world_size=4)
+        PolicyConfig.checked(sp, 4)
     with pytest.raises(ConfigError, match=r"context_parallel_size: .* does not divide the world size \(3\)"):
-        validate_policy_config(_layout_cfg(model_dirs["llama"], "torch_dtensor", 2, cp=2, multiple=4), world_size=3)
+        PolicyConfig.checked(_layout_cfg(model_dirs["llama"], "torch_dtensor", 2, cp=2, multiple=4), 3)
     small = _layout_cfg(model_dirs["llama"], "torch_fsdp", 2, packing={**PACKING, "train_mb_tokens": 16})
     with pytest.raises(ConfigError, match=r"sequence_packing.train_mb_tokens: 16 is smaller than max_total_sequence"):
-        validate_policy_config(small, world_size=2)
+        PolicyConfig.checked(small, 2)
     algo = copy.deepcopy(small)
     algo["sequence_packing"].update(train_mb_tokens=48, algorithm="best_fit")
     with pytest.raises(ConfigError, match=r"sequence_packing.algorithm: expected one of"):
-        validate_policy_config(algo, world_size=2)
+        PolicyConfig.checked(algo, 2)
     with pytest.raises(
         ValueError,
         match=r"policy.sequence_packing.train_mb_tokens=16 is smaller than sequence 0 "

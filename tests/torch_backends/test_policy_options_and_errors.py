@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from core.config.validate import ConfigError
+from core.config import ConfigError
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, WorkerGroupError
 from core.losses import ClippedPGLossFn, LossInputError, NLLLoss
