@@ -117,6 +117,7 @@ class VllmGenerationWorker:
                     max_new_tokens=args.max_new_tokens,
                     eos_token_ids=args.eos_token_ids,
                     seed=seeds[b],
+                    min_new_tokens=args.min_new_tokens,
                 )
             )
             for b in range(batch)
@@ -128,7 +129,7 @@ class VllmGenerationWorker:
             completion = out.outputs[0]
             row_tokens = list(completion.token_ids)
             row_lps = [entry[tok].logprob for tok, entry in zip(row_tokens, completion.logprobs, strict=True)]
-            hit = sampling.first_stop_string_hit(self.tokenizer, row_tokens, row_strings[b])
+            hit = sampling.first_stop_string_hit(self.tokenizer, row_tokens, row_strings[b], args.min_new_tokens)
             if hit is not None:
                 row_tokens, row_lps = row_tokens[:hit], row_lps[:hit]
             tokens.append(row_tokens)
