@@ -140,6 +140,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+import types
 from pathlib import Path
 
 from benchmarks.lib.trl import TRLRunner, gate, train_until_stopped, trl_version
@@ -582,7 +583,8 @@ def serve_trl_grpo(spec: dict) -> None:
     # fp32 weights whatever the precision (bf16 = autocast, fp32 master weights and AdamW state)
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     trainer_cls = _trainer_class()
-    use_template = {"use_chat_template": spec["use_chat_template"]}
+    # the rule reads data.use_chat_template off the typed data section: the one field it needs
+    use_template = types.SimpleNamespace(use_chat_template=spec["use_chat_template"])
     trainer_cls._bench_add_special_tokens = not chat_template_used(use_template, tokenizer)
     trainer_cls._bench_old_logprobs_pass = bool(spec["old_logprobs_pass"])
     rows = cycled_rows(spec["prompts"], spec["answers"], spec["prompts_per_step"])
