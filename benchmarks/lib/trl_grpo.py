@@ -67,9 +67,11 @@ Two patches on TRL (a subclass, private methods, as ``benchmarks.lib.trl_compare
 * prompt tokens: TRL tokenizes string prompts with ``add_special_tokens=True``; dualrl's
   ``core.datasets.prompts.tokenize_prompt`` adds them only when no chat template was applied.
   The child applies dualrl's rule (``chat_template_used`` on the spec's ``use_chat_template``).
-* ``old_logprobs_pass`` (default on): stock TRL skips the old-policy log-prob pass when the
+* ``old_logprobs_pass`` (default on; :func:`spec_from_dualrl` sets it as dualrl's step does:
+  off when dualrl takes the old log-probs from its training forward, ``grpo.fuse_old_logprobs``
+  with one optimizer step per step): stock TRL skips the old-policy log-prob pass when the
   samples are on-policy (one optimizer step per generation, ``num_iterations=1``: it uses
-  ``per_token_logps.detach()`` as the old log-probs), while dualrl's step always runs
+  ``per_token_logps.detach()`` as the old log-probs), while dualrl's unfused step runs
   ``policy.get_logprobs`` for ``prev_logprobs``.  With it on, the child runs the pass TRL runs
   in its off-policy case (``_get_per_token_logps_and_entropies`` of the policy, no grad, micro-batch
   chunks) and hands it to the loss as ``old_per_token_logps`` (equal to the detached values, so
@@ -249,7 +251,9 @@ def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_pa
         "importance_sampling_level": "sequence" if loss.get("sequence_level_importance_ratios") else "token",
         "env": dict(cfg.get("env") or {"name": "arithmetic"}),
         "use_chat_template": (cfg.get("data") or {}).get("use_chat_template", "auto"),
-        "old_logprobs_pass": True,
+        # dualrl's step runs a separate old-logprob pass only when it cannot fuse it into the
+        # training forward (core.algorithms.grpo.old_logprobs_source; one step per batch here)
+        "old_logprobs_pass": not g.get("fuse_old_logprobs", True),
         "foreach": opt.get("foreach"),
         "fused": opt.get("fused"),
         "gradient_checkpointing": _activation_checkpointing(policy),

@@ -42,7 +42,9 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert spec["micro_batch_size"] == policy.train_micro_batch_size == 32
     assert (spec["loss_type"], spec["scale_rewards"], spec["importance_sampling_level"]) == ("dapo", "group", "token")
     assert spec["env"]["name"] == "arithmetic" and spec["env"]["arithmetic"]["max_value"] == 49
-    assert spec["use_chat_template"] == "auto" and spec["old_logprobs_pass"] is True
+    # dualrl's step takes the old logprobs from its training forward (one optimizer step per
+    # batch, grpo.fuse_old_logprobs): TRL's stock on-policy step does the same, no extra pass
+    assert spec["use_chat_template"] == "auto" and spec["old_logprobs_pass"] is False
     assert spec["gradient_checkpointing"] is False
 
     kw = trl_grpo.grpo_config_kwargs(spec, "/out")
@@ -69,6 +71,9 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert kw["use_cpu"] is True and kw["bf16"] is False and kw["gradient_checkpointing"] is False
     assert kw["report_to"] == [] and kw["logging_strategy"] == kw["save_strategy"] == kw["eval_strategy"] == "no"
     assert kw["shuffle_dataset"] is False and kw["seed"] == 42
+    # an unfused dualrl step (grpo.fuse_old_logprobs: false) runs its old-logprob pass: TRL too
+    unfused = {**data, "grpo": {**data["grpo"], "fuse_old_logprobs": False}}
+    assert trl_grpo.spec_from_dualrl(unfused, ["1+1="], ["2"], "/m", "/t")["old_logprobs_pass"] is True
 
     # asymmetric clip, sequence-level loss, no normalisation, bf16, top-k, no clipping
     cfg2 = {
