@@ -3,6 +3,7 @@
     dualrl bench [--size tiny|small|1b] [--layouts L ...] [--model NAME|PATH] [--device cpu|cuda]
         [--sections throughput refit generation grpo] [--out DIR] [--json FILE]
         [--batch B] [--seq S] [--micro M] [--iters N] [--warmup W] [--precision P] [--threads T]
+        [--grpo-new-tokens N] [--grpo-prompts P] [--grpo-group G] [--[no-]grpo-full-length] [--grpo-async]
     python -m benchmarks.compare [same]
 
 For each layout (``benchmarks.lib.layouts``: ``fsdp1-dp2``, ``dtensor-dp2``, ``dtensor-tp2``,
@@ -27,7 +28,11 @@ budget, one layout alive at a time:
   logprobs / reference / train / refit / reward), and as ×TRL: TRL's ``GRPOTrainer`` on the same
   model, prompt set, group size, completion length and optimizer (``benchmarks.lib.trl_grpo``; needs
   the optional ``bench`` extra, ``pip install -e .[bench]``, else skipped with a note), its steps
-  interleaved with the layouts' steps like the HF calls.
+  interleaved with the layouts' steps like the HF calls.  ``--grpo-new-tokens`` / ``--grpo-prompts`` /
+  ``--grpo-group`` override the size's GRPO workload (the generation row's too);
+  ``--grpo-full-length`` makes every completion exactly N tokens on both sides;
+  ``--grpo-async`` adds an async GRPO row next to every layout's sync one (the engine on a
+  device / slot of its own, the policy on the layout's; ``benchmarks.lib.grpo_step``).
 
 Sizes: ``tiny`` (the built-in ~1M-parameter Llama's shape: a CI smoke, seconds per layout),
 ``small`` (a ~25M-parameter Llama: CPU minutes), ``1b`` (Llama-3.2-1B's shape, bf16: a GPU); all
@@ -54,7 +59,7 @@ from benchmarks.lib.compare.plot import plot
 from benchmarks.lib.compare.report import report
 from benchmarks.lib.compare.run import DEFAULT_LAYOUTS, GPU_LAYOUTS, SECTIONS, resolve_layouts, run_bench
 from benchmarks.lib.refit import TRANSPORTS
-from benchmarks.lib.sizes import SIZES
+from benchmarks.lib.sizes import SIZES, GRPOWorkload
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -83,7 +88,36 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--max-devices", type=int, help="devices a layout may use (default: cores on CPU, GPUs on cuda)"
     )
     parser.add_argument("--no-progress", action="store_true")
+    grpo = parser.add_argument_group("GRPO step (--sections grpo; the workload flags also set the generation row's)")
+    grpo.add_argument(
+        "--grpo-new-tokens",
+        type=int,
+        metavar="N",
+        help="completion length, policy.generation.max_new_tokens (default: the size's; "
+        + ", ".join(f"{k} {v.grpo.new_tokens}" for k, v in SIZES.items() if v.grpo)
+        + "); the sequence limit grows with it, the prompts keep their room",
+    )
+    grpo.add_argument("--grpo-prompts", type=int, metavar="P", help="prompts per step (default: the size's)")
+    grpo.add_argument("--grpo-group", type=int, metavar="G", help="generations per prompt, >= 2 (default: the size's)")
+    grpo.add_argument(
+        "--grpo-full-length",
+        action=argparse.BooleanOptionalAction,
+        help="every completion exactly max_new_tokens long on both sides: policy.generation.min_new_tokens = "
+        "max_new_tokens for dualrl, min_new_tokens in GRPOConfig.generation_kwargs for TRL (eos never sampled "
+        "before); default: on when --grpo-new-tokens is given, else off",
+    )
+    grpo.add_argument(
+        "--grpo-async",
+        action="store_true",
+        help="next to every layout's GRPO row, an async one: the same workload with grpo.async_grpo.enabled, "
+        "max_trajectory_age_steps=1, the loss's importance correction, the vLLM engine on a slot / GPU of its "
+        "own and the policy on the layout's devices; its step is the trainer's wall time (needs vLLM; on cuda "
+        "one GPU more than each layout has)",
+    )
     return parser
+
+
+GRPO_WORKLOAD_FLAGS = ("grpo_new_tokens", "grpo_prompts", "grpo_group", "grpo_full_length")
 
 
 def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
@@ -99,12 +133,71 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
         args.max_devices = _gpu_count() if args.device == "cuda" else (os.cpu_count() or 1)
     args.layouts = args.layouts or (GPU_LAYOUTS if args.device == "cuda" else DEFAULT_LAYOUTS)
     args.layout_objs, args.rejected = resolve_layouts(args.layouts, args)
+    args.grpo_work = grpo_workload(parser, args, size)
     # logical CPUs: a layout, the refit engine's bundle, a GRPO run's colocated slots (CPU slots
     # are processes sharing the cores, not a reservation of them)
     args.ray_cpus = 4 * max(args.threads, args.max_devices) + 4
     args.grpo_generation = "hf" if vllm_missing() else "vllm"
+    check_grpo_async(parser, args)
     args.transports, args.repeats, args.bucket_gb = TRANSPORTS, args.iters, None
     return args
+
+
+def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, size) -> GRPOWorkload | None:
+    """The size's GRPO workload with the ``--grpo-*`` overrides, refused with a clear error
+    (``parser.error``: exit 2, nothing started) when a value cannot run."""
+    given = [f"--{f.replace('_', '-')}" for f in GRPO_WORKLOAD_FLAGS if getattr(args, f) is not None]
+    if given and not {"grpo", "generation"} & set(args.sections):
+        parser.error(f"{' '.join(given)}: only --sections grpo and generation use the GRPO workload")
+    if args.grpo_async and "grpo" not in args.sections:
+        parser.error("--grpo-async adds rows to --sections grpo, which this run does not measure")
+    for flag, value, low in (
+        ("--grpo-new-tokens", args.grpo_new_tokens, 1),
+        ("--grpo-prompts", args.grpo_prompts, 1),
+        ("--grpo-group", args.grpo_group, 2),
+    ):
+        if value is not None and value < low:
+            why = " (GRPO's advantage compares a prompt's samples; TRL's GRPOTrainer needs 2)" if low == 2 else ""
+            parser.error(f"{flag} must be >= {low}{why}, got {value}")
+    if size.grpo is None:
+        return None
+    full = args.grpo_full_length if args.grpo_full_length is not None else args.grpo_new_tokens is not None
+    work = size.grpo.with_overrides(args.grpo_new_tokens, args.grpo_prompts, args.grpo_group, full)
+    positions = size.shape.get("max_position_embeddings")
+    if args.model is None and positions and work.seq > positions:
+        parser.error(
+            f"--grpo-new-tokens {work.new_tokens}: prompt room {work.prompt_room} + {work.new_tokens} new tokens = "
+            f"{work.seq} > the {args.size} model's {positions} positions"
+        )
+    if "grpo" in args.sections:
+        split = [lay.name for lay in args.layout_objs if work.samples % lay.dp]
+        if split:
+            parser.error(
+                f"{work.prompts} prompts x {work.group} generations = {work.samples} samples per step do not split "
+                f"over the data-parallel ranks of {', '.join(split)} (--grpo-prompts / --grpo-group)"
+            )
+    return work
+
+
+def check_grpo_async(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--grpo-async`` needs vLLM (async GRPO generates with engines of their own while the
+    policy trains; the policy's own HF generate cannot) and, on cuda, a GPU for the engine
+    beside every layout's."""
+    if not args.grpo_async:
+        return
+    missing = vllm_missing()
+    if missing:
+        parser.error(
+            f"--grpo-async needs vLLM: async GRPO generates with vLLM engines on devices of their own while the "
+            f"policy trains (the policy's own HF generate cannot run beside its training); {missing}"
+        )
+    if args.device == "cuda":
+        short = [lay.name for lay in args.layout_objs if lay.devices + 1 > args.max_devices]
+        if short:
+            parser.error(
+                f"--grpo-async --device cuda: the engine needs a GPU of its own beside the policy's; "
+                f"{', '.join(short)} leave none of the {args.max_devices} GPU(s) (--max-devices)"
+            )
 
 
 def _gpu_count() -> int:
@@ -122,7 +215,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    per_layout = ("throughput" in args.sections or "refit" in args.sections) + ("grpo" in args.sections)
+    grpo_rows = ("grpo" in args.sections) * (1 + args.grpo_async)
+    per_layout = ("throughput" in args.sections or "refit" in args.sections) + grpo_rows
     phases = len(args.layout_objs) * per_layout + ("generation" in args.sections)
     with tqdm(total=phases, disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as progress:
         results, bench = run_bench(args, progress)
@@ -133,7 +227,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(text)
     print(f"\n{results['seconds']:.0f} s; JSON {json_path}; chart {png}")
     failed = args.rejected or any(
-        "error" in r or "skipped" in r or "error" in (r.get("grpo") or {}) for r in results["layouts"]
+        "error" in r or "skipped" in r or any("error" in (r.get(k) or {}) for k in ("grpo", "grpo_async"))
+        for r in results["layouts"]
     )
     return 1 if failed else 0
 

@@ -31,9 +31,9 @@ b's t-th draw is a function of ``sample_seeds[b]`` and t only (not of the other 
 sharding or the call count).  The key's shape (scalar or [B]) picks the scheme when the
 programs are traced.
 
-Sampling knobs (temperature, top_k, top_p) and the pad id are traced scalars and the stop
-token ids a [V] bool mask, so changing them never recompiles; only the shapes (B, S, N),
-``greedy`` and the model's graph are part of the compile key.  A call compiles at most 2
+Sampling knobs (temperature, top_k, top_p, min_new_tokens) and the pad id are traced scalars
+and the stop token ids a [V] bool mask, so changing them never recompiles; only the shapes
+(B, S, N), ``greedy`` and the model's graph are part of the compile key.  A call compiles at most 2
 programs per such key.  As with ``steps``, the activation-constraint hook is read when a
 program is traced (the worker installs the same mesh's hook around every call); it is
 deliberately not a compile key, since the worker builds a fresh hook closure per call.
@@ -62,9 +62,10 @@ from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import logprobs_from_logits
 from core.policy.generation_args import (
     checked_sample_seeds,
+    effective_min_new_tokens,
     row_stop_strings,
+    stop_string_ends_row,
     stop_window,
-    tail_hits_stop_string,
     top_k_or_off,
 )
 from core.policy.generation_config import GenerationConfig
@@ -140,20 +141,26 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     return jnp.where(logits < threshold, neg_inf, logits)
 
 
-def sample_token(logits: jax.Array, key: jax.Array, knobs: Mapping[str, jax.Array], greedy: bool):
+def sample_token(
+    logits: jax.Array, key: jax.Array, knobs: Mapping[str, jax.Array], greedy: bool, banned: jax.Array | None = None
+):
     """Next token and its logprob from raw logits [B, V] (model compute dtype).
 
     ``key``: one key for the whole batch, or [B] keys (row b draws with ``key[b]`` only).
+    ``banned``: a [V] bool mask of tokens never drawn (the stop tokens while a row is shorter
+    than ``min_new_tokens``), applied before filtering as HF's ``min_new_tokens``.
     Returns (token [B] int32, logprob [B] float32).  The logprob is the ``get_logprobs``
-    one: ``apply_temperature`` in the logits' dtype, then an fp32 log-softmax, unfiltered.
+    one: ``apply_temperature`` in the logits' dtype, then an fp32 log-softmax, unfiltered
+    and unmasked.
     """
     temperature = knobs["temperature"]
     scaled = logits / temperature.astype(logits.dtype)  # as apply_temperature (a weak scalar)
+    drawn = logits if banned is None else jnp.where(banned[None, :], jnp.asarray(-jnp.inf, logits.dtype), logits)
     if greedy:
-        token = jnp.argmax(logits, axis=-1)
+        token = jnp.argmax(drawn, axis=-1)
     else:
         # HF samples in float32: temperature, then top-k, then top-p.
-        warped = filter_logits(logits.astype(jnp.float32) / temperature, knobs["top_k"], knobs["top_p"])
+        warped = filter_logits(drawn.astype(jnp.float32) / temperature, knobs["top_k"], knobs["top_p"])
         if key.ndim == 0:
             token = jax.random.categorical(key, warped, axis=-1)
         else:  # per-row keys: each row's Gumbel noise comes from its own key
@@ -255,6 +262,11 @@ def _prefill_last_hidden(model: CausalLM, input_ids, positions, cache, slot_mask
     return h_last, tuple(new_cache)
 
 
+def _banned(stop_mask: jax.Array, count: jax.Array, knobs: Mapping[str, jax.Array]) -> jax.Array:
+    """The stop tokens while ``count`` (tokens generated so far) < ``min_new_tokens``, else none."""
+    return stop_mask & (count < knobs["min_new_tokens"])
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "max_new_tokens"))
 def _prefill(
     params, rest, input_ids, input_lengths, stop_mask, knobs, key, *, graphdef, greedy: bool, max_new_tokens: int
@@ -272,7 +284,7 @@ def _prefill(
     h_last, cache = _prefill_last_hidden(model, ids, positions, cache, slot_mask, input_lengths - 1)
     logits = model._logits(h_last)[:, 0]  # (B, V)
     key, sub = _draw_keys(key, jnp.zeros((), jnp.int32))
-    token, logprob = sample_token(logits, sub, knobs, greedy)
+    token, logprob = sample_token(logits, sub, knobs, greedy, _banned(stop_mask, jnp.zeros((), jnp.int32), knobs))
     state = DecodeState(
         cache=cache,
         slot_mask=slot_mask,
@@ -299,7 +311,7 @@ def _step(params, rest, state: DecodeState, stop_mask, knobs, *, graphdef, greed
     positions = (state.input_lengths + state.count - 1)[:, None]  # (B, 1)
     logits, cache = model.decode(state.last_token[:, None], positions, state.cache, slot, slot_mask)
     key, sub = _draw_keys(state.key, state.count)
-    token, logprob = sample_token(logits[:, 0], sub, knobs, greedy)
+    token, logprob = sample_token(logits[:, 0], sub, knobs, greedy, _banned(stop_mask, state.count, knobs))
     return _record(state, token, logprob, knobs, stop_mask, cache, slot_mask, key)
 
 
@@ -364,7 +376,7 @@ def _check_inputs(input_ids, input_lengths) -> tuple[np.ndarray, np.ndarray]:
     return input_ids.astype(np.int64), input_lengths.astype(np.int64)
 
 
-def _knobs(gen_cfg: GenerationConfig, greedy: bool, pad_token_id: int) -> dict[str, np.generic]:
+def _knobs(gen_cfg: GenerationConfig, greedy: bool, pad_token_id: int, min_new: int = 0) -> dict[str, np.generic]:
     temperature = float(gen_cfg.temperature)
     if temperature <= 0:
         raise ValueError(f"generation temperature must be > 0 (use greedy=True for argmax), got {temperature}")
@@ -380,6 +392,7 @@ def _knobs(gen_cfg: GenerationConfig, greedy: bool, pad_token_id: int) -> dict[s
         top_k=np.int32(top_k),
         top_p=np.float32(top_p),
         pad_token_id=np.int32(pad_token_id),
+        min_new_tokens=np.int32(min_new),
     )
 
 
@@ -398,9 +411,10 @@ def _row_stop_strings(gen_cfg, stop_strings, batch: int) -> list[tuple[str, ...]
 class _StopStrings:
     """Host-side stop-string matching on the generated tokens (decoded tails, like vLLM)."""
 
-    def __init__(self, tokenizer, row_strings: list[tuple[str, ...]]):
+    def __init__(self, tokenizer, row_strings: list[tuple[str, ...]], min_new: int = 0):
         self.tokenizer = tokenizer
         self.row_strings = row_strings
+        self.min_new = min_new
         self.window = stop_window(row_strings)
         self.history: list[list[int]] = [[] for _ in row_strings]
         self.stopped_at = np.zeros(len(row_strings), np.int64)  # 0: never
@@ -411,7 +425,8 @@ class _StopStrings:
             if not strings or self.stopped_at[b] or done_before[b]:
                 continue
             self.history[b].append(int(tokens[b]))
-            if tail_hits_stop_string(self.tokenizer, self.history[b][-self.window :], strings):
+            tail = self.history[b][-self.window :]
+            if stop_string_ends_row(self.tokenizer, tail, strings, count, self.min_new):
                 self.stopped_at[b] = count
 
 
@@ -427,6 +442,7 @@ def generate(
     eos_token_ids: Sequence[int] = (),
     tokenizer=None,
     max_new_tokens: int | None = None,
+    min_new_tokens: int | None = None,
     rng: jax.Array | int = 0,
     stop_strings: Sequence[Sequence[str] | str | None] | None = None,
     sample_seeds: Sequence[int] | np.ndarray | None = None,
@@ -447,6 +463,9 @@ def generate(
         eos_token_ids: stop tokens added to ``gen_cfg.stop_token_ids``.
         tokenizer: required when stop strings are configured.
         max_new_tokens: overrides ``gen_cfg.max_new_tokens``.
+        min_new_tokens: overrides ``gen_cfg.min_new_tokens`` (both cut to the max): until a row
+            has that many tokens its stop token ids are masked before sampling (logprobs stay
+            the unmasked ones) and its stop strings do not end it.
         rng: a PRNG key or an int seed (same key -> same samples); unused with ``sample_seeds``.
         stop_strings: optional per-row extra stop strings (``data['stop_strings']``).
         sample_seeds: optional [B] ints (``data['sample_seeds']``): row b samples with its
@@ -471,7 +490,8 @@ def generate(
     if new_tokens is None or int(new_tokens) <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {new_tokens!r}")
     new_tokens = int(new_tokens)
-    knobs = _knobs(gen_cfg, greedy, pad_token_id)
+    min_new = effective_min_new_tokens(gen_cfg, new_tokens, min_new_tokens)
+    knobs = _knobs(gen_cfg, greedy, pad_token_id, min_new)
     stop_ids = list(dict.fromkeys([int(t) for t in (gen_cfg.stop_token_ids or [])] + [int(t) for t in eos_token_ids]))
     row_strings = _row_stop_strings(gen_cfg, stop_strings, batch)
     if any(row_strings) and tokenizer is None:
@@ -482,7 +502,7 @@ def generate(
     seeds = None if greedy or sample_seeds is None else checked_sample_seeds(sample_seeds, batch)
     chunks = _row_chunks(batch, batch_size)
     keys = _chunk_keys(rng, len(chunks)) if seeds is None else [None] * len(chunks)
-    decode = _Decoder(fns, params, knobs, _stop_mask(stop_ids, fns.vocab_size), greedy, new_tokens, tokenizer)
+    decode = _Decoder(fns, params, knobs, _stop_mask(stop_ids, fns.vocab_size), greedy, new_tokens, tokenizer, min_new)
     width = chunks[0].stop - chunks[0].start
     pieces = []
     for rows, key in zip(chunks, keys, strict=True):
@@ -534,12 +554,13 @@ class _Decoder:
     greedy: bool
     new_tokens: int
     tokenizer: PreTrainedTokenizerBase | None
+    min_new: int = 0
 
     def __call__(self, input_ids, input_lengths, row_strings, key):
         """Prefill + steps for these rows: (tokens [b, N] int64, logprobs [b, N] float32,
         generation lengths [b] int64) on the host."""
         fns, params, greedy = self.fns, self.params, self.greedy
-        matcher = _StopStrings(self.tokenizer, row_strings) if any(row_strings) else None
+        matcher = _StopStrings(self.tokenizer, row_strings, self.min_new) if any(row_strings) else None
         batch = input_ids.shape[0]
         state, aux = fns.prefill(
             params,

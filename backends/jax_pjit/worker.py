@@ -446,6 +446,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 eos_token_ids=args.eos_token_ids,
                 tokenizer=self.tokenizer,
                 max_new_tokens=args.max_new_tokens,
+                min_new_tokens=args.min_new_tokens,
                 rng=self._generate_calls,
                 stop_strings=data.get("stop_strings"),
                 sample_seeds=None if seeds is None else np.asarray(seeds),

@@ -134,8 +134,9 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     and dropped from the live optimizer, which starts its first step as if nothing happened.
     """
     fresh = not optimizer.state
-    state = get_optimizer_state_dict(model, optimizer)
+    state: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
     if fresh:
+        per_param: dict[str, Any]
         for per_param in state.get("state", {}).values():
             step = per_param.get("step")
             if isinstance(step, torch.Tensor):

@@ -48,7 +48,13 @@ from backends.torch_common.seeded_sampling import SeededRowSampler, row_sample_s
 from core.data import BatchedDataDict
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import apply_temperature, logprobs_from_logits
-from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
+from core.policy.generation_args import (
+    effective_min_new_tokens,
+    row_stop_strings,
+    stop_string_ends_row,
+    stop_window,
+    top_k_or_off,
+)
 from core.policy.generation_config import GenerationConfig as GenerationSection
 
 if TYPE_CHECKING:
@@ -95,6 +101,7 @@ def hf_generate(
     max_new_tokens: int | None = None,
     device: torch.device | str | None = None,
     batch_size: int | None = None,
+    min_new_tokens: int | None = None,
 ) -> BatchedDataDict:
     """Continue right-padded prompts with ``model.generate``; returns ``GenerationOutputSpec`` on CPU.
 
@@ -114,6 +121,9 @@ def hf_generate(
         synced_gpus: keep stepping after this rank's rows are done until every rank is;
             needed when the forward pass has collectives (FSDP), else ranks deadlock.
         max_new_tokens: overrides ``gen_cfg.max_new_tokens``.
+        min_new_tokens: overrides ``gen_cfg.min_new_tokens`` (both cut to the max): until a row
+            has that many tokens its stop token ids are masked (HF's ``min_new_tokens``) and
+            its stop strings do not end it; logprobs stay the unmasked ones.
         device: where to run; default the device of ``data['input_ids']``.
         batch_size: at most this many rows per ``model.generate`` call
             (``policy.generation_batch_size``); None = all rows in one call.  Greedy and
@@ -130,6 +140,7 @@ def hf_generate(
     input_ids, input_lengths = _check_inputs(data)
     batch = input_ids.shape[0]
     new_tokens = _resolve_max_new_tokens(gen_cfg, max_new_tokens)
+    min_new = effective_min_new_tokens(gen_cfg, new_tokens, min_new_tokens)
     temperature = _check_temperature(gen_cfg)
     stop_token_ids = _stop_token_ids(gen_cfg, eos_token_ids)
     row_strings = _row_stop_strings(data, gen_cfg, batch)
@@ -142,6 +153,7 @@ def hf_generate(
         build_hf_generation_config,
         gen_cfg,
         max_new_tokens=new_tokens,
+        min_new_tokens=min_new,
         stop_token_ids=stop_token_ids,
         pad_token_id=pad_token_id,
     )
@@ -154,6 +166,7 @@ def hf_generate(
         tokenizer=tokenizer,
         synced_gpus=synced_gpus,
         new_tokens=new_tokens,
+        min_new_tokens=min_new,
         pad_token_id=pad_token_id,
         device=torch.device(device) if device is not None else input_ids.device,
         # Every chunk is left-padded to the whole batch's prompt width, so a row sees the same
@@ -221,6 +234,7 @@ class _GenerateCall:
     tokenizer: PreTrainedTokenizerBase | None
     synced_gpus: bool
     new_tokens: int
+    min_new_tokens: int
     pad_token_id: int
     device: torch.device
     prompt_width: int
@@ -236,7 +250,11 @@ class _GenerateCall:
         sampler = None if seeds is None else SeededRowSampler(self.config(greedy=False), seeds, self.device)
         # With per-row seeds the sampler draws and HF only takes its argmax (see SeededRowSampler).
         hf_cfg = self.config(greedy=self.greedy or sampler is not None)
-        criterion = StopStringCriterion(self.tokenizer, row_strings, self.prompt_width) if any(row_strings) else None
+        criterion = (
+            StopStringCriterion(self.tokenizer, row_strings, self.prompt_width, self.min_new_tokens)
+            if any(row_strings)
+            else None
+        )
         out = _run_generate(self.model, left_ids, attention_mask, hf_cfg, criterion, self.synced_gpus, sampler)
         generated = out.sequences[:, self.prompt_width :]  # [b, T], T <= new_tokens
         with torch.no_grad():
@@ -322,6 +340,7 @@ def build_hf_generation_config(
     max_new_tokens: int,
     stop_token_ids: Sequence[int],
     pad_token_id: int,
+    min_new_tokens: int = 0,
 ):
     """A ``transformers.GenerationConfig`` with every decoding-relevant field explicit.
 
@@ -330,12 +349,15 @@ def build_hf_generation_config(
     top_k=0 and top_p=1.0 are "off" in HF.  Greedy sets temperature=1, top_p=1, top_k=50:
     HF applies them only when sampling, and these are the values its validation accepts
     with do_sample=False (inherited sampling values would make it log a warning).  Stop
-    strings are not HF's (see ``StopStringCriterion``); stop token ids become ``eos_token_id``.
+    strings are not HF's (see ``StopStringCriterion``); stop token ids become ``eos_token_id``,
+    which HF's ``min_new_tokens`` masks (in the scores it samples from, before any sampler of
+    ours; ``output_logits`` stay raw) until a row has that many tokens.
     """
     fields: dict[str, Any] = dict(
-        # min_new_tokens=0 overrides any inherited min_length (HF derives min_length from it).
+        # An explicit min_new_tokens (0 = off) overrides any inherited min_length (HF derives
+        # min_length from it).
         max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
+        min_new_tokens=int(min_new_tokens),
         num_beams=1,
         num_return_sequences=1,
         use_cache=True,
@@ -426,11 +448,13 @@ class StopStringCriterion(StoppingCriteria):
 
     ``stopped_at[b]`` records the number of generated tokens when row b first matched (0:
     never); HF evaluates criteria after appending each token, so the matching token is
-    counted.
+    counted.  With ``min_new_tokens`` no row matches before it has more tokens than that
+    (``stop_string_ends_row``).
     """
 
-    def __init__(self, tokenizer, row_strings: Sequence[tuple[str, ...]], prompt_width: int):
+    def __init__(self, tokenizer, row_strings: Sequence[tuple[str, ...]], prompt_width: int, min_new_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_new_tokens = int(min_new_tokens)
         self.row_strings = [tuple(r) for r in row_strings]
         self.prompt_width = prompt_width
         self.window = stop_window(self.row_strings)
@@ -441,10 +465,10 @@ class StopStringCriterion(StoppingCriteria):
         generated = input_ids[:, self.prompt_width :]
         step = generated.shape[1]
         pending = [b for b, strings in enumerate(self.row_strings) if strings and self.stopped_at[b] == 0]
-        if pending and step > 0:
+        if pending and step > self.min_new_tokens:
             tails = generated[pending, -self.window :].tolist()  # one device->host copy per step
             for b, tail in zip(pending, tails, strict=True):
-                if tail_hits_stop_string(self.tokenizer, tail, self.row_strings[b]):
+                if stop_string_ends_row(self.tokenizer, tail, self.row_strings[b], step, self.min_new_tokens):
                     self.stopped_at[b] = step
         return (self.stopped_at > 0).to(input_ids.device)
 

@@ -491,6 +491,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             tokenizer=self.tokenizer,
             synced_gpus=False,
             max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.min_new_tokens,
             batch_size=self.cfg.generation_batch_size,
         )
         return out.to("cpu")

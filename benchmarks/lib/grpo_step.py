@@ -7,6 +7,15 @@ policy: weights refit over ``ipc``) with the benchmark's model, layout and workl
 by dotted overrides -- so the row times what ``dualrl grpo`` runs, nothing re-implemented.
 Validation, checkpoints and every log sink are off.  Each step's ``timing/*`` metrics are
 its breakdown: refit, generation, reward, logprobs (``prev_logprobs``), reference, train.
+
+``async_grpo=True`` measures the same workload as async GRPO (:mod:`core.algorithms.async_grpo`,
+the loop ``dualrl grpo`` runs with ``grpo.async_grpo.enabled``): ``max_trajectory_age_steps=1``,
+the loss's importance correction on, the vLLM engine on a cluster of its own (one slot / GPU,
+``collective`` refit) and the policy on the layout's devices.  Its step is the trainer's wall
+time (``step_time_s``) and its ``timing/*`` phases are the trainer's -- ``wait_refit`` (waiting
+until the rollouts meant for the old weights exist, then the refit), ``wait_rollouts``, logprobs,
+reference, train -- while the producer thread's generation and reward seconds
+(``async/generation_s``, ``async/reward_s``) overlap them and are reported apart, never added.
 """
 
 from __future__ import annotations
@@ -22,6 +31,19 @@ if TYPE_CHECKING:
     from core.algorithms.config import GRPORunConfig
 
 PHASES = ("generation", "logprobs", "reference", "train", "refit", "reward")
+#: The async step's phases (the trainer's ``timing/*``): they add up to its step.
+ASYNC_PHASES = ("wait_refit", "wait_rollouts", "logprobs", "reference", "train")
+#: The async producer's phases (``async/*_s``): they overlap the trainer's.
+PRODUCER_PHASES = ("generation", "reward")
+#: What makes a GRPO run async (besides the layout's own devices for the policy).
+ASYNC_OVERRIDES = (
+    "grpo.async_grpo.enabled=true",
+    "grpo.async_grpo.max_trajectory_age_steps=1",
+    "loss_fn.use_importance_sampling_correction=true",
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.resources.gpus_per_node=1",
+    "policy.generation.colocated.resources.num_nodes=1",
+)
 
 
 def layout_overrides(layout: Layout, jax_cpu_slots: int | None = None) -> list[str]:
@@ -74,9 +96,13 @@ def grpo_overrides(
     log_dir: str,
     generation: str = "vllm",
     jax_cpu_slots: int | None = None,
+    async_grpo: bool = False,
 ) -> list[str]:
+    """The dotted overrides of the embedded GRPO config for this layout and workload;
+    ``work.full_length``: ``min_new_tokens = max_new_tokens``; ``async_grpo``:
+    :data:`ASYNC_OVERRIDES` (the module docstring)."""
     gbs = work.samples
-    mbs = min(work.micro_batch, gbs // layout.dp)
+    mbs = micro_batch(work, layout.dp)
     return [
         *layout_overrides(layout, jax_cpu_slots),
         f"policy.model_name={model_path}",
@@ -90,6 +116,7 @@ def grpo_overrides(
         f"policy.max_total_sequence_length={work.seq}",
         f"policy.generation.vllm_cfg.max_model_len={work.seq}",
         f"policy.generation.max_new_tokens={work.new_tokens}",
+        f"policy.generation.min_new_tokens={work.new_tokens if work.full_length else 0}",
         f"policy.generation.backend={generation}",
         # a constant lr: the default's 400-step decay schedule is no part of a step's cost
         "policy.scheduler=null",
@@ -109,7 +136,15 @@ def grpo_overrides(
         "logger.num_val_samples_to_print=0",
         f"checkpointing.checkpoint_dir={log_dir}/checkpoints",
         "checkpointing.enabled=false",
+        *(ASYNC_OVERRIDES if async_grpo else ()),
     ]
+
+
+def micro_batch(work: GRPOWorkload, dp: int) -> int:
+    """Rows per train / logprob micro batch and rank: the largest divisor of the rank's share
+    of the samples that is at most ``work.micro_batch``."""
+    local = work.samples // dp
+    return max(d for d in range(1, min(work.micro_batch, local) + 1) if local % d == 0)
 
 
 def grpo_config(
@@ -121,16 +156,16 @@ def grpo_config(
     log_dir: str,
     generation: str = "vllm",
     jax_cpu_slots: int | None = None,
+    async_grpo: bool = False,
 ) -> GRPORunConfig:
     """The embedded GRPO config on this layout, model and workload (``generation``: vllm | hf)."""
     from core.algorithms.config import GRPORunConfig
     from core.config import EMBEDDED_CONFIGS, load_config
 
-    return load_config(
-        EMBEDDED_CONFIGS["grpo"],
-        grpo_overrides(layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots),
-        schema=GRPORunConfig,
+    overrides = grpo_overrides(
+        layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo
     )
+    return load_config(EMBEDDED_CONFIGS["grpo"], overrides, schema=GRPORunConfig)
 
 
 def measure_grpo(
@@ -142,14 +177,19 @@ def measure_grpo(
     log_dir: str,
     generation: str = "vllm",
     jax_cpu_slots: int | None = None,
+    async_grpo: bool = False,
 ) -> dict[str, Any]:
     """Set up the run (timed as ``startup_s``), ``warmup`` untimed steps, ``steps`` timed ones;
-    the median of each phase and of the whole step, and the last step's rollout facts."""
+    the median of each phase and of the whole step, and the last step's rollout facts.  Async:
+    the steps of :func:`core.algorithms.async_grpo.async_grpo_loop` (the module docstring)."""
     from core.algorithms.grpo import grpo_step
     from core.algorithms.grpo_setup import setup_grpo
     from core.algorithms.warm_start import resolve_model
 
-    cfg = grpo_config(layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots)
+    cfg = grpo_config(
+        layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo
+    )
+    total = work.warmup + work.steps
     t0 = time.perf_counter()
     run = setup_grpo(cfg, log=lambda _msg: None, resolve=resolve_model)
     try:
@@ -157,20 +197,43 @@ def measure_grpo(
         mismatch = mesh_mismatch(run.policy, layout)
         if mismatch:
             raise RuntimeError(mismatch)
-        steps = [grpo_step(run, step) for step in range(1, work.warmup + work.steps + 1)]
+        if async_grpo:
+            from core.algorithms.async_grpo import async_grpo_loop
+
+            step_fn, _ = async_grpo_loop(run, 1, total)  # its producer stops with run.close()
+        else:
+            step_fn = lambda step: grpo_step(run, step)  # noqa: E731
+        steps = [step_fn(step) for step in range(1, total + 1)]
     finally:
         run.close()
+    return summarize(steps, work, startup, async_grpo)
+
+
+def summarize(steps: list[dict[str, float]], work: GRPOWorkload, startup: float, async_grpo: bool) -> dict[str, Any]:
+    """A GRPO row from its steps' metrics: medians over the timed steps (after ``work.warmup``)."""
+
+    def med(key: str) -> float:
+        return statistics.median(m.get(key, 0.0) for m in timed)
+
     timed = steps[work.warmup :]
-    out = {
+    phases = ASYNC_PHASES if async_grpo else PHASES
+    out: dict[str, Any] = {
+        "mode": "async" if async_grpo else "sync",
         "startup_s": startup,
-        "step_s": statistics.median(m["step_time_s"] for m in timed),
+        "step_s": med("step_time_s"),
         "steps": len(timed),
         "samples": work.samples,
-        "phases_s": {p: statistics.median(m.get(f"timing/{p}_s", 0.0) for m in timed) for p in PHASES},
+        "phases_s": {p: med(f"timing/{p}_s") for p in phases},
         "first_step_s": steps[0]["step_time_s"],
+        "response_length_mean": med("response_length_mean"),
     }
+    if async_grpo:
+        out["producer_s"] = {p: med(f"async/{p}_s") for p in PRODUCER_PHASES}
+        out["refit_s"] = med("refit/seconds")  # inside wait_refit
+        for key in ("trajectory_age_mean", "trainer_idle_s", "engine_idle_s"):
+            out[key] = med(f"async/{key}")
     last = timed[-1]
-    for key in ("reward_mean", "response_length_mean", "token_mult_prob_error", "refit_gb_per_s"):
+    for key in ("reward_mean", "token_mult_prob_error"):
         if key in last:
             out[key] = last[key]
     return out

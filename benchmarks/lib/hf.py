@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 
 from benchmarks.lib.child import Child, reply
 from benchmarks.lib.workload import default_policy_section, make_batch
@@ -84,7 +85,9 @@ def serve_hf(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     cfg = {**default_policy_section(), "precision": spec["precision"]}
-    apply_matmul_precision(cfg)
+    # the rule reads the typed policy section's two fields; this child has the raw YAML's
+    precision = types.SimpleNamespace(matmul_precision=cfg.get("matmul_precision"), precision=cfg["precision"])
+    apply_matmul_precision(precision)
     device = torch.device(spec["device"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).to(device)
     data = make_batch(spec["batch"], spec["seq"], model.config.vocab_size)

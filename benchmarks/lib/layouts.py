@@ -132,10 +132,10 @@ def jax_layout(name: str) -> Layout | None:
 def jax_model_problem(hf_config, model: str) -> str | None:
     """Why the JAX backend cannot run this model (the backend's own check of the HF config), or
     None -- asked on the driver, before any worker starts."""
-    from backends.jax_pjit.models import ModelConfig
+    from backends.jax_pjit.models import config_from_hf
 
     try:
-        ModelConfig.from_hf(hf_config)
+        config_from_hf(hf_config)
     except ValueError as err:
         return f"model {model!r} is not supported by the JAX backend (jax_pjit): {err}"
     return None

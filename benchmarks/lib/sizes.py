@@ -8,7 +8,7 @@ one its fp32 loss check uses.  Flags override each field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -21,10 +21,35 @@ class GRPOWorkload:
     micro_batch: int  # per-rank train / logprob micro batch (rows)
     steps: int  # timed steps
     warmup: int = 1  # untimed steps first (compile, first refit, allocator)
+    full_length: bool = False  # every completion exactly new_tokens long (min_new_tokens = new_tokens)
 
     @property
     def samples(self) -> int:
         return self.prompts * self.group
+
+    @property
+    def prompt_room(self) -> int:
+        """Tokens of ``seq`` left for the prompt."""
+        return self.seq - self.new_tokens
+
+    def with_overrides(
+        self,
+        new_tokens: int | None = None,
+        prompts: int | None = None,
+        group: int | None = None,
+        full_length: bool | None = None,
+    ) -> GRPOWorkload:
+        """This workload with the given fields replaced (``None``: kept); ``seq`` follows
+        ``new_tokens`` so that the prompts keep their room."""
+        new_tokens = self.new_tokens if new_tokens is None else new_tokens
+        return replace(
+            self,
+            new_tokens=new_tokens,
+            seq=self.prompt_room + new_tokens,
+            prompts=self.prompts if prompts is None else prompts,
+            group=self.group if group is None else group,
+            full_length=self.full_length if full_length is None else full_length,
+        )
 
 
 @dataclass(frozen=True)

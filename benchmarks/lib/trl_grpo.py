@@ -27,7 +27,8 @@ Spec (a JSON-able dict; :func:`check_spec` fills the optional keys and refuses b
   ``scale_rewards`` (``group``); ``importance_sampling_level`` (``token``); ``env`` (dualrl's
   ``env`` section, ``{"name": "arithmetic"}``); ``use_chat_template`` (``auto``, dualrl's
   ``data.use_chat_template``); ``old_logprobs_pass`` (``True``, see below); ``foreach`` / ``fused``
-  (AdamW's, ``None`` = torch's default); ``gradient_checkpointing`` (``False``).
+  (AdamW's, ``None`` = torch's default); ``gradient_checkpointing`` (``False``);
+  ``min_new_tokens`` (0: dualrl's ``policy.generation.min_new_tokens``).
 
 The GRPOConfig (:func:`grpo_config_kwargs`):
 
@@ -39,6 +40,10 @@ The GRPOConfig (:func:`grpo_config_kwargs`):
   length is a multiple of ``prompts_per_step``);
 * sampling: ``use_vllm=False`` (HF ``generate``), ``max_completion_length = max_new_tokens``,
   ``temperature``, ``top_p``, ``top_k`` (0 = off), nothing else (no min_p, repetition penalty 1);
+  ``min_new_tokens`` > 0 goes in ``generation_kwargs`` (TRL 1.16 passes them to HF's
+  ``GenerationConfig``: its eos ids are masked until a completion has that many tokens, as
+  dualrl's engines do), so ``min_new_tokens = max_new_tokens`` makes both sides generate
+  exactly that many tokens per sample;
 * loss: ``beta = kl_beta`` (k3 KL against a reference model), ``epsilon`` / ``epsilon_high`` =
   dualrl's ``ratio_clip_min`` / ``ratio_clip_max``, ``loss_type="dapo"`` = dualrl's
   ``token_level_loss: true`` (the sum over all completion tokens of the generation batch divided
@@ -67,9 +72,11 @@ Two patches on TRL (a subclass, private methods, as ``benchmarks.lib.trl_compare
 * prompt tokens: TRL tokenizes string prompts with ``add_special_tokens=True``; dualrl's
   ``core.datasets.prompts.tokenize_prompt`` adds them only when no chat template was applied.
   The child applies dualrl's rule (``chat_template_used`` on the spec's ``use_chat_template``).
-* ``old_logprobs_pass`` (default on): stock TRL skips the old-policy log-prob pass when the
+* ``old_logprobs_pass`` (default on; :func:`spec_from_dualrl` sets it as dualrl's step does:
+  off when dualrl takes the old log-probs from its training forward, ``grpo.fuse_old_logprobs``
+  with one optimizer step per step): stock TRL skips the old-policy log-prob pass when the
   samples are on-policy (one optimizer step per generation, ``num_iterations=1``: it uses
-  ``per_token_logps.detach()`` as the old log-probs), while dualrl's step always runs
+  ``per_token_logps.detach()`` as the old log-probs), while dualrl's unfused step runs
   ``policy.get_logprobs`` for ``prev_logprobs``.  With it on, the child runs the pass TRL runs
   in its off-policy case (``_get_per_token_logps_and_entropies`` of the policy, no grad, micro-batch
   chunks) and hands it to the loss as ``old_per_token_logps`` (equal to the detached values, so
@@ -140,6 +147,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+import types
 from pathlib import Path
 
 from benchmarks.lib.trl import TRLRunner, gate, train_until_stopped, trl_version
@@ -182,6 +190,7 @@ OPTIONAL_DEFAULTS = {
     "foreach": None,
     "fused": None,
     "gradient_checkpointing": False,
+    "min_new_tokens": 0,
 }
 PRECISIONS = ("float32", "bfloat16")
 #: TRL's metrics of one step reported by ``step()`` (our name: TRL's ``_metrics["train"]`` key).
@@ -248,7 +257,10 @@ def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_pa
         "importance_sampling_level": "sequence" if loss.get("sequence_level_importance_ratios") else "token",
         "env": dict(cfg.get("env") or {"name": "arithmetic"}),
         "use_chat_template": (cfg.get("data") or {}).get("use_chat_template", "auto"),
-        "old_logprobs_pass": True,
+        # dualrl's step runs a separate old-logprob pass only when it cannot fuse it into the
+        # training forward (core.algorithms.grpo.old_logprobs_source; one step per batch here)
+        "old_logprobs_pass": not g.get("fuse_old_logprobs", True),
+        "min_new_tokens": int(gen.get("min_new_tokens") or 0),
         "foreach": opt.get("foreach"),
         "fused": opt.get("fused"),
         "gradient_checkpointing": _activation_checkpointing(policy),
@@ -283,6 +295,11 @@ def check_spec(spec: dict) -> dict:
     for key in ("prompts_per_step", "max_new_tokens"):
         if not isinstance(out[key], int) or out[key] < 1:
             raise ValueError(f"TRL GRPO spec: {key} must be a positive int, got {out[key]!r}")
+    if not isinstance(out["min_new_tokens"], int) or not 0 <= out["min_new_tokens"] <= out["max_new_tokens"]:
+        raise ValueError(
+            f"TRL GRPO spec: min_new_tokens must be an int in [0, max_new_tokens={out['max_new_tokens']}], "
+            f"got {out['min_new_tokens']!r}"
+        )
     if not isinstance(out["group_size"], int) or out["group_size"] < 2:
         raise ValueError(
             f"TRL GRPO spec: group_size must be an int >= 2 (TRL needs 2 samples per group), got {out['group_size']!r}"
@@ -329,6 +346,8 @@ def grpo_config_kwargs(spec: dict, output_dir: str) -> dict:
         temperature=float(spec["temperature"]),
         top_p=float(spec["top_p"]),
         top_k=0 if top_k is None or top_k < 0 else int(top_k),
+        # HF GenerationConfig fields on top of TRL's own (eos masked until this many tokens)
+        generation_kwargs={"min_new_tokens": spec["min_new_tokens"]} if spec["min_new_tokens"] else None,
         # loss
         beta=float(spec["kl_beta"]),
         epsilon=float(spec["epsilon"]),
@@ -516,6 +535,7 @@ CONFIG_FIELDS = (
     "bf16",
     "use_vllm",
     "seed",
+    "generation_kwargs",
 )
 
 
@@ -582,7 +602,8 @@ def serve_trl_grpo(spec: dict) -> None:
     # fp32 weights whatever the precision (bf16 = autocast, fp32 master weights and AdamW state)
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     trainer_cls = _trainer_class()
-    use_template = {"use_chat_template": spec["use_chat_template"]}
+    # the rule reads data.use_chat_template off the typed data section: the one field it needs
+    use_template = types.SimpleNamespace(use_chat_template=spec["use_chat_template"])
     trainer_cls._bench_add_special_tokens = not chat_template_used(use_template, tokenizer)
     trainer_cls._bench_old_logprobs_pass = bool(spec["old_logprobs_pass"])
     rows = cycled_rows(spec["prompts"], spec["answers"], spec["prompts_per_step"])

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from core.policy.generation_args import row_stop_strings, stop_window, tail_hits_stop_string, top_k_or_off
+from core.policy.generation_args import row_stop_strings, stop_string_ends_row, stop_window, top_k_or_off
 from core.policy.generation_config import GenerationConfig
 
 if TYPE_CHECKING:
@@ -39,11 +39,17 @@ def sampling_kwargs(
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
     seed: int | None = None,
+    min_new_tokens: int = 0,
 ) -> dict[str, Any]:
-    """Arguments of ``vllm.SamplingParams`` for one request."""
+    """Arguments of ``vllm.SamplingParams`` for one request.  ``min_new_tokens`` (already cut to
+    ``max_new_tokens``) is vLLM's ``min_tokens``: the eos and stop token ids are masked until a
+    row has that many tokens.  vLLM's raw logprobs (temperature 1) are taken before that mask,
+    its processed ones (any other temperature) after it."""
     temperature = gen_cfg.temperature
     if temperature <= 0:
         raise ValueError(f"generation.temperature must be > 0 (ask for argmax with greedy=True), got {temperature}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}")
     if greedy and temperature != 1.0:
         warnings.warn(
             f"greedy vLLM generation reports logprobs at temperature 1.0, not generation.temperature="
@@ -59,6 +65,7 @@ def sampling_kwargs(
         top_p=1.0 if greedy else gen_cfg.top_p,
         top_k=top_k,
         max_tokens=int(max_new_tokens),
+        min_tokens=int(min_new_tokens),
         logprobs=0,  # the sampled token's own logprob
         stop_token_ids=stop_token_ids(gen_cfg, eos_token_ids),
         detokenize=False,
@@ -70,17 +77,21 @@ def sampling_kwargs(
 
 
 def first_stop_string_hit(
-    tokenizer: PreTrainedTokenizerBase | None, tokens: Sequence[int], strings: Sequence[str]
+    tokenizer: PreTrainedTokenizerBase | None,
+    tokens: Sequence[int],
+    strings: Sequence[str],
+    min_new_tokens: int = 0,
 ) -> int | None:
     """Number of generated tokens up to and including the one that completes a stop string
-    in the decoded generated text (the HF and JAX engines' rule), or None."""
+    in the decoded generated text (the HF and JAX engines' rule, ``stop_string_ends_row``:
+    none before ``min_new_tokens``), or None."""
     if not strings:
         return None
     if tokenizer is None:
         raise ValueError("stop strings are configured but there is no tokenizer to decode the generated tokens")
     window = stop_window([strings])
-    for count in range(1, len(tokens) + 1):
-        if tail_hits_stop_string(tokenizer, tokens[max(0, count - window) : count], strings):
+    for count in range(min_new_tokens + 1, len(tokens) + 1):
+        if stop_string_ends_row(tokenizer, tokens[max(0, count - window) : count], strings, count, min_new_tokens):
             return count
     return None
 

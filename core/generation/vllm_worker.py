@@ -122,6 +122,7 @@ class VllmGenerationWorker:
                     max_new_tokens=args.max_new_tokens,
                     eos_token_ids=args.eos_token_ids,
                     seed=seeds[b],
+                    min_new_tokens=args.min_new_tokens,
                 )
             )
             for b in range(batch)
@@ -138,7 +139,7 @@ class VllmGenerationWorker:
             # vLLM's FlatLogprobs is a MutableSequence of optional positions, though iterating
             # it yields none; a sampled token's position always has its logprob.
             row_lps = [entry[tok].logprob for tok, entry in zip(row_tokens, sample_lps, strict=True)]  # type: ignore[index]
-            hit = sampling.first_stop_string_hit(self.tokenizer, row_tokens, row_strings[b])
+            hit = sampling.first_stop_string_hit(self.tokenizer, row_tokens, row_strings[b], args.min_new_tokens)
             if hit is not None:
                 row_tokens, row_lps = row_tokens[:hit], row_lps[:hit]
             tokens.append(row_tokens)

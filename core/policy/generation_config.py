@@ -83,6 +83,12 @@ class GenerationConfig(ConfigModel):
     """vllm: vLLM engines fed by refit; hf: the policy's own generate on its workers."""
     max_new_tokens: int = Field(gt=0)
     """Longest completion, in tokens (cut to fit max_total_sequence_length)."""
+    min_new_tokens: int = Field(0, ge=0)
+    """Shortest completion, in tokens (HF's min_new_tokens, vLLM's min_tokens); 0 = off.  Until a
+    row has this many, eos and stop_token_ids are never sampled and stop strings do not end it.
+    Logprobs stay those of the unmasked distribution (what get_logprobs computes), except vLLM's
+    at temperature != 1 (its processed logprobs: stop tokens masked).  <= max_new_tokens; cut like
+    it to the room max_total_sequence_length leaves."""
     temperature: float = 1.0
     """> 0; greedy decoding is a per-call switch (greedy=True), not temperature 0."""
     top_p: float = 1.0
@@ -103,6 +109,12 @@ class GenerationConfig(ConfigModel):
 
     def check(self) -> Iterable[Problem]:
         yield from self._sampling_problems()
+        if self.min_new_tokens > self.max_new_tokens:
+            yield (
+                "min_new_tokens",
+                f"{self.min_new_tokens} > max_new_tokens ({self.max_new_tokens}): a completion cannot be longer "
+                "than max_new_tokens (min_new_tokens = max_new_tokens makes every completion full length)",
+            )
         for key in ("stop_token_ids", "pad_token_id"):
             value = getattr(self, key)
             for i, token in enumerate(value if isinstance(value, list) else [value]):

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from benchmarks.lib import machine, refit
-from benchmarks.lib.grpo_step import PHASES, layout_overrides
+from benchmarks.lib.grpo_step import ASYNC_PHASES, PHASES, layout_overrides
 from benchmarks.lib.layouts import LayoutError, check_fits, jax_layout, parse_layout
 from benchmarks.lib.pairing import ratio
 from benchmarks.lib.ray_session import device_count_of, with_device_count
@@ -87,7 +87,7 @@ def test_ratio_uses_the_paired_hf_calls_and_memcpy_baseline():
     assert copy["threads"] == 1 and copy["warm_s"] > 0
 
 
-def _bench(tmp_path, capsys, cli, layouts: list[str]) -> tuple[int, str, dict]:
+def _bench(tmp_path, capsys, cli, layouts: list[str], *extra: str) -> tuple[int, str, dict]:
     """One tiny run through ``dualrl bench`` on the test session's Ray; TRL's row is left out
     (``no_trl``: CI installs no ``bench`` extra; test_trl_grpo.py runs it)."""
     rc = cli(
@@ -108,6 +108,7 @@ def _bench(tmp_path, capsys, cli, layouts: list[str]) -> tuple[int, str, dict]:
             "--out",
             str(tmp_path),
             "--no-progress",
+            *extra,
         ]
     )
     out = capsys.readouterr().out
@@ -129,17 +130,27 @@ def _bench(tmp_path, capsys, cli, layouts: list[str]) -> tuple[int, str, dict]:
         assert "error" not in grpo, grpo
         assert grpo["step_s"] > 0 and set(grpo["phases_s"]) == set(PHASES)
         assert 1.0 <= grpo["token_mult_prob_error"] < 1.001, grpo
-        assert re.search(rf"\| {name} \| [\d.]+ \| - \| - \|", out)  # GRPO row, no TRL
+        assert re.search(rf"\| {name} \| sync \| [\d.]+ \| - \| - \|", out)  # GRPO row, no TRL
+        if "--grpo-async" in extra:
+            grpo = row["grpo_async"]
+            assert "error" not in grpo, grpo
+            assert grpo["step_s"] > 0 and set(grpo["phases_s"]) == set(ASYNC_PHASES)
+            assert grpo["producer_s"]["generation"] > 0 and grpo["trajectory_age_mean"] == 1.0
+            assert 1.0 <= grpo["token_mult_prob_error"] < 1.1, grpo  # age-1 rollouts vs the trained policy
+            assert re.search(rf"\| {name} \| async \| [\d.]+ \| - \| - \|", out)
     assert results["generation"]["tokens_per_s"] > 0
     assert "### vLLM generation:" in out and "TRL GRPOTrainer row skipped" in out
     assert results["machine"]["matmul_tflops"] > 0 and results["params"] > 1e6
     return rc, out, results
 
 
-# slow (~80 s): the whole bench on one layout; the layout grammar, errors and tables stay in CI above
+# slow (~80 s, ~30 s more for the async GRPO row): the whole bench on one layout; the layout grammar,
+# errors and tables stay in CI above (and the GRPO flags in test_bench_grpo_flags.py)
 @pytest.mark.slow
 def test_every_section_on_a_torch_layout_bad_layouts_named(ray_session, no_trl, tmp_path, capsys, cli):
-    _, out, _ = _bench(tmp_path, capsys, cli, ["fsdp1-dp2"])
+    # --threads 1: the shared refit engine's bundle takes 1 CPU, so the async row's own engine (1) and
+    # the policy (2) still fit the test session's 4 Ray CPUs
+    _, out, _ = _bench(tmp_path, capsys, cli, ["fsdp1-dp2"], "--grpo-async", "--threads", "1")
     assert re.search(r"\| fsdp1-dp2 \| 2 \| [\d.]+ \| [\d.]+ / [\d.]+ \| [\d,]+ \| [\d.]+ \|", out)
 
 

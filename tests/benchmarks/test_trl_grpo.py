@@ -42,7 +42,9 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert spec["micro_batch_size"] == policy.train_micro_batch_size == 32
     assert (spec["loss_type"], spec["scale_rewards"], spec["importance_sampling_level"]) == ("dapo", "group", "token")
     assert spec["env"]["name"] == "arithmetic" and spec["env"]["arithmetic"]["max_value"] == 49
-    assert spec["use_chat_template"] == "auto" and spec["old_logprobs_pass"] is True
+    # dualrl's step takes the old logprobs from its training forward (one optimizer step per
+    # batch, grpo.fuse_old_logprobs): TRL's stock on-policy step does the same, no extra pass
+    assert spec["use_chat_template"] == "auto" and spec["old_logprobs_pass"] is False
     assert spec["gradient_checkpointing"] is False
 
     kw = trl_grpo.grpo_config_kwargs(spec, "/out")
@@ -69,6 +71,18 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert kw["use_cpu"] is True and kw["bf16"] is False and kw["gradient_checkpointing"] is False
     assert kw["report_to"] == [] and kw["logging_strategy"] == kw["save_strategy"] == kw["eval_strategy"] == "no"
     assert kw["shuffle_dataset"] is False and kw["seed"] == 42
+    assert spec["min_new_tokens"] == 0 and kw["generation_kwargs"] is None  # TRL's generation untouched
+
+    # full-length completions: min_new_tokens into HF's GenerationConfig through generation_kwargs
+    full = {**data, "policy": {**data["policy"], "generation": {**data["policy"]["generation"], "min_new_tokens": 6}}}
+    spec_full = trl_grpo.spec_from_dualrl(full, ["1+1="], ["2"], "/m", "/t")
+    assert spec_full["min_new_tokens"] == 6
+    assert trl_grpo.grpo_config_kwargs(spec_full, "/out")["generation_kwargs"] == {"min_new_tokens": 6}
+    with pytest.raises(ValueError, match=r"min_new_tokens must be an int in \[0, max_new_tokens=6\], got 7"):
+        trl_grpo.check_spec({**spec_full, "min_new_tokens": 7})
+    # an unfused dualrl step (grpo.fuse_old_logprobs: false) runs its old-logprob pass: TRL too
+    unfused = {**data, "grpo": {**data["grpo"], "fuse_old_logprobs": False}}
+    assert trl_grpo.spec_from_dualrl(unfused, ["1+1="], ["2"], "/m", "/t")["old_logprobs_pass"] is True
 
     # asymmetric clip, sequence-level loss, no normalisation, bf16, top-k, no clipping
     cfg2 = {
@@ -121,6 +135,8 @@ def test_two_trl_grpo_steps_on_a_tiny_llama(tmp_path):
         "epsilon": 0.2,
         "seed": 0,
         "precision": "float32",
+        "min_new_tokens": 8,  # every completion full length (HF's min_new_tokens through generation_kwargs)
+        "old_logprobs_pass": True,
     }
     runner = trl_grpo.TRLGRPORunner(spec, tmp_path, threads=1)
     try:
@@ -130,6 +146,7 @@ def test_two_trl_grpo_steps_on_a_tiny_llama(tmp_path):
         assert config["gradient_accumulation_steps"] == config["steps_per_generation"] == 1
         assert config["num_generations"] == 2 and config["max_completion_length"] == 8
         assert config["use_vllm"] is False and config["beta"] == 0.01 and config["loss_type"] == "dapo"
+        assert config["generation_kwargs"] == {"min_new_tokens": 8}
         assert runner.ready["reference_model"] is True and runner.ready["add_special_tokens"] is True
         steps = [runner.step() for _ in range(2)]
     finally:
@@ -140,5 +157,5 @@ def test_two_trl_grpo_steps_on_a_tiny_llama(tmp_path):
         assert 0 < out["generation_s"] < out["rollout_s"] <= out["seconds"]
         assert out["reference_s"] > 0 and out["old_logprobs_s"] > 0
         assert 0.0 <= out["reward_mean"] <= 1.0
-        assert 1 <= out["completion_length_mean"] <= 8
+        assert out["completion_length_mean"] == 8
         assert math.isfinite(out["kl"]) and math.isfinite(out["entropy"])

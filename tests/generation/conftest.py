@@ -94,12 +94,14 @@ def hf_model_from(policy, path: Path):
 
 
 @contextlib.contextmanager
-def one_engine(model_dir: Path, tokenizer, name: str):
-    """A vLLM engine (dummy weights) for the tiny model on a one-bundle CPU cluster of its own."""
+def one_engine(model_dir: Path, tokenizer, name: str, generation: dict | None = None):
+    """A vLLM engine (dummy weights) for the tiny model on a one-bundle CPU cluster of its own;
+    ``generation``: settings of its ``policy.generation`` section besides ``refit_config``'s."""
     from core.distributed import RayVirtualCluster
     from core.generation import VllmGeneration
 
     cfg = refit_config(model_dir, "torch_fsdp")
+    cfg["generation"].update(generation or {})
     cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1, name=name)
     generation = VllmGeneration(cluster, cfg, tokenizer, name_prefix=name)
     try:

@@ -15,7 +15,9 @@ from core.distributed import RayVirtualCluster
 from core.policy import Policy
 from core.refit import RefitError, refit_policy_generation
 from core.refit.shm import ShmBucketWriter
+from core.testing.tiny_models import PAD_ID
 from tests.generation.conftest import (
+    MAX_NEW,
     generated_rows,
     hf_greedy,
     hf_model_from,
@@ -24,6 +26,7 @@ from tests.generation.conftest import (
     refit_config,
     rollout_agreement,
 )
+from tests.min_new_tokens_checks import assert_min_length, assert_stops_at_once, stop_heavy_ids
 from tests.torch_backends.conftest import pg_batch
 
 # Smaller than the largest tensor (embed/lm_head: 256 x 128 fp32 = 128 KiB): that tensor
@@ -196,6 +199,35 @@ def test_stop_strings_follow_the_same_rule_as_the_policy_generate(engine, fsdp_p
     assert torch.equal(out["output_ids"], reference["output_ids"])
     assert torch.equal(out["generation_lengths"], reference["generation_lengths"])
     torch.testing.assert_close(out["logprobs"], reference["logprobs"], atol=2e-4, rtol=0)
+
+
+def test_min_new_tokens_keeps_every_row_full_length(fsdp_policy, gen_model_dirs, tokenizer):
+    """An engine with ``min_new_tokens = max_new_tokens`` and nearly every id a stop token (HF
+    generate on the same weights stops at once without the minimum): every row is full length,
+    greedy (the tokens HF generate picks under the same minimum) and sampled, and the logprobs
+    are still the policy's (vLLM's raw logprobs at temperature 1 are taken before its mask)."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.torch_common.generation import hf_generate
+
+    stop = stop_heavy_ids()
+    settings = dict(min_new_tokens=MAX_NEW, stop_token_ids=stop)
+    data = prompts(seed=10)
+    data["sample_seeds"] = torch.tensor([1, 2, 3, 4])
+    model = AutoModelForCausalLM.from_pretrained(gen_model_dirs["llama_gen"], dtype=torch.float32).eval()
+    hf_cfg = {**refit_config(gen_model_dirs["llama_gen"], "torch_fsdp")["generation"], "backend": "hf"}
+    hf_cfg.update(stop_token_ids=stop, vllm_cfg=None)
+    assert_stops_at_once(hf_generate(model, data, hf_cfg, greedy=True, pad_token_id=PAD_ID))
+    reference = hf_generate(model, data, {**hf_cfg, **settings}, greedy=True, pad_token_id=PAD_ID)
+    with one_engine(gen_model_dirs["llama_gen"], tokenizer, "vllm_min_new", generation=settings) as full:
+        refit_policy_generation(fsdp_policy, full, "ipc")  # fsdp_policy holds the initial weights
+        greedy, sampled = full.generate(data, greedy=True), full.generate(data, greedy=False)
+    for out in (greedy, sampled):
+        assert_min_length(out, data["input_lengths"], MAX_NEW, MAX_NEW, stop)
+        assert (out["generation_lengths"] == MAX_NEW).all()
+        mult, _ = rollout_agreement(fsdp_policy, out, data)
+        assert 1.0 <= mult <= 1.001, mult
+    assert torch.equal(greedy["output_ids"], reference["output_ids"])
 
 
 def test_a_dead_engine_gives_a_clear_error_not_a_hang(engine, fsdp_policy):

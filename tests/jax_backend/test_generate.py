@@ -21,6 +21,7 @@ from backends.torch_common.generation import hf_generate
 from core.data import BatchedDataDict
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.testing.tiny_models import PAD_ID, random_batch, save_tiny_model
+from tests.min_new_tokens_checks import assert_min_length, assert_stops_at_once, stop_heavy_ids
 
 N_NEW = 8
 TEMPERATURE = 0.7
@@ -28,7 +29,13 @@ TEMPERATURE = 0.7
 
 def gen_cfg(**overrides):
     cfg = dict(
-        max_new_tokens=N_NEW, temperature=TEMPERATURE, top_p=1.0, top_k=None, stop_token_ids=None, stop_strings=None
+        backend="hf",  # the policy.generation section requires one; the JAX generate ignores it
+        max_new_tokens=N_NEW,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=None,
+        stop_token_ids=None,
+        stop_strings=None,
     )
     cfg.update(overrides)
     return cfg
@@ -210,6 +217,34 @@ def test_loop_stops_once_every_row_is_done(models, batch, monkeypatch):
     assert len(calls) <= 1
 
 
+def test_min_new_tokens_matches_hf_and_keeps_rows_full_length(models, batch):
+    """With nearly every id a stop token, rows end at once; ``min_new_tokens`` masks them
+    until a row has that many: greedy tokens equal HF generate's under the same minimum,
+    sampled rows (one key and per-row seeds) are full length, logprobs stay the unmasked
+    ``get_logprobs`` ones, 0 changes nothing, and the minimum is a traced knob (no recompile)."""
+    _, fns, hf = models("llama")
+    stop = stop_heavy_ids()
+    plain = run_jax(fns, batch, gen_cfg(), eos_token_ids=stop)
+    assert_stops_at_once(plain)
+    before = compile_cache_sizes()
+    assert_same_outputs(run_jax(fns, batch, gen_cfg(min_new_tokens=0), eos_token_ids=stop), plain)
+    for min_new in (3, N_NEW):
+        cfg = gen_cfg(min_new_tokens=min_new)
+        out = run_jax(fns, batch, cfg, eos_token_ids=stop)
+        assert_min_length(out, batch[1], min_new, N_NEW, stop)
+        ref = run_hf(hf, batch, cfg, eos_token_ids=stop)
+        np.testing.assert_array_equal(out["output_ids"], ref["output_ids"])
+        np.testing.assert_array_equal(out["generation_lengths"], ref["generation_lengths"])
+        check_logprobs(out, batch, hf, TEMPERATURE)
+    assert compile_cache_sizes() == before
+    cfg = gen_cfg(min_new_tokens=N_NEW, top_k=8)
+    for kw in (dict(rng=3), dict(sample_seeds=SEEDS)):
+        out = run_jax(fns, batch, cfg, greedy=False, eos_token_ids=stop, **kw)
+        assert_min_length(out, batch[1], N_NEW, N_NEW, stop)
+        check_spec(out, batch, [N_NEW] * len(batch[1]))
+        check_logprobs(out, batch, hf, TEMPERATURE)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
@@ -337,12 +372,12 @@ def backend_compiles():
 
 
 def test_second_call_compiles_nothing(models):
-    """One prefill and one step program per (B, S, N, greedy); knobs, stop ids, pad id and
-    the seed are traced, so later calls of the same shapes compile nothing."""
+    """One prefill and one step program per (B, S, N, greedy); knobs (min_new_tokens too), stop
+    ids, pad id and the seed are traced, so later calls of the same shapes compile nothing."""
     model, fns, _ = models("llama")
     ids, lengths = random_batch(2, 5, 256, seed=11)
     small = (ids.numpy(), lengths.numpy())
-    cfg = dict(max_new_tokens=3, temperature=0.7, top_k=None, top_p=1.0)
+    cfg = dict(backend="hf", max_new_tokens=3, temperature=0.7, top_k=None, top_p=1.0)
     start = compile_cache_sizes()
     with backend_compiles() as compiled:
         generate(fns, None, *small, cfg, greedy=False, pad_token_id=PAD_ID, rng=0)
@@ -354,7 +389,7 @@ def test_second_call_compiles_nothing(models):
             fns,
             None,
             *small,
-            dict(cfg, temperature=1.1, top_k=5, top_p=0.8, stop_token_ids=[3]),
+            dict(cfg, temperature=1.1, top_k=5, top_p=0.8, stop_token_ids=[3], min_new_tokens=2),
             greedy=False,
             pad_token_id=1,
             eos_token_ids=[2],

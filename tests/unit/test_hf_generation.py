@@ -21,6 +21,7 @@ from backends.torch_common.generation import (
 from core.data import BatchedDataDict
 from core.policy.generation_config import GenerationConfig
 from core.testing.tiny_models import PAD_ID, build_tiny_model, random_batch
+from tests.min_new_tokens_checks import assert_min_length, assert_stops_at_once, stop_heavy_ids
 
 N_NEW = 8
 TEMPERATURE = 0.7
@@ -217,6 +218,93 @@ def test_uninheritable_field_warns(batch):
     model.generation_config.forced_eos_token_id = 5
     with pytest.warns(UserWarning, match="forced_eos_token_id"):
         hf_generate(model, batch, gen_cfg(max_new_tokens=1), greedy=True, pad_token_id=PAD_ID)
+
+
+# ----------------------------------------------------------------------------- min_new_tokens
+
+
+@torch.no_grad()
+def masked_greedy_reference(model, prompt: torch.Tensor, steps: int, stop_ids, min_new: int) -> list[int]:
+    """Unbatched greedy decoding where the stop ids are masked while fewer than ``min_new``
+    tokens exist, ending at the first stop token after that."""
+    ids, new, banned = prompt[None, :], [], torch.tensor(sorted(stop_ids))
+    for _ in range(steps):
+        logits = model(ids).logits[0, -1].clone()
+        if len(new) < min_new:
+            logits[banned] = -float("inf")
+        token = int(logits.argmax())
+        new.append(token)
+        if token in stop_ids:
+            break
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return new
+
+
+def test_min_new_tokens_full_length_greedy_and_sampled(model, batch):
+    """With nearly every id a stop token, rows end at once; ``min_new_tokens`` keeps the stop
+    tokens out until a row has that many (greedy = the masked argmax, step by step), sampled
+    rows too (HF's own sampler and the per-row seeded one), while the logprobs stay the
+    unmasked ``get_logprobs`` ones; 0 changes nothing."""
+    stop = stop_heavy_ids()
+    plain = hf_generate(model, batch, gen_cfg(), greedy=True, pad_token_id=PAD_ID, eos_token_ids=stop)
+    assert_stops_at_once(plain)
+    zero = hf_generate(model, batch, gen_cfg(min_new_tokens=0), greedy=True, pad_token_id=PAD_ID, eos_token_ids=stop)
+    assert all(torch.equal(zero[k], plain[k]) for k in plain)
+    for min_new in (3, N_NEW):
+        cfg = gen_cfg(min_new_tokens=min_new)
+        out = hf_generate(model, batch, cfg, greedy=True, pad_token_id=PAD_ID, eos_token_ids=stop)
+        assert_min_length(out, batch["input_lengths"], min_new, N_NEW, stop)
+        check_layout(out, batch, model, TEMPERATURE)
+        if min_new < N_NEW:  # where the mask lifts: the step-by-step reference
+            for b, length in enumerate(batch["input_lengths"].tolist()):
+                ref = masked_greedy_reference(model, batch["input_ids"][b, :length], N_NEW, set(stop), min_new)
+                assert generated_rows(out, batch)[b] == ref
+    cfg = gen_cfg(min_new_tokens=N_NEW, top_k=8)
+    torch.manual_seed(0)
+    sampled = hf_generate(model, batch, cfg, greedy=False, pad_token_id=PAD_ID, eos_token_ids=stop)
+    data = BatchedDataDict({**batch.get_dict(), "sample_seeds": torch.tensor([5, 6, 7, 8])})
+    seeded = hf_generate(model, data, cfg, greedy=False, pad_token_id=PAD_ID, eos_token_ids=stop)
+    for out in (sampled, seeded):
+        assert (out["generation_lengths"] == N_NEW).all()
+        assert_min_length(out, batch["input_lengths"], N_NEW, N_NEW, stop)
+        check_layout(out, batch, model, TEMPERATURE)
+    # the argument overrides the config, and is cut to max_new_tokens
+    short = hf_generate(model, batch, gen_cfg(), greedy=True, pad_token_id=PAD_ID, eos_token_ids=stop, min_new_tokens=2)
+    assert_min_length(short, batch["input_lengths"], 2, N_NEW, stop)
+    capped = hf_generate(
+        model,
+        batch,
+        gen_cfg(min_new_tokens=N_NEW),
+        greedy=True,
+        pad_token_id=PAD_ID,
+        eos_token_ids=stop,
+        max_new_tokens=3,
+    )
+    assert (capped["generation_lengths"] == 3).all()
+
+
+def test_min_new_tokens_and_stop_strings(model, batch, baseline, tokenizer):
+    """A stop string completed before the minimum never ends the row, not even later; one
+    completed by a token after it does (``stop_string_ends_row``, the rule of every engine)."""
+    _, rows = baseline
+    b, k, word = pick_word(tokenizer, rows)  # row b generates `word` first at token k + 1
+    early = hf_generate(
+        model, batch, gen_cfg(stop_strings=[word]), greedy=True, pad_token_id=PAD_ID, tokenizer=tokenizer
+    )
+    assert early["generation_lengths"][b] == k + 1 < N_NEW
+    late = hf_generate(
+        model,
+        batch,
+        gen_cfg(stop_strings=[word], min_new_tokens=k + 1),
+        greedy=True,
+        pad_token_id=PAD_ID,
+        tokenizer=tokenizer,
+    )
+    expected = [
+        next((t for t in range(k + 2, N_NEW + 1) if word in tokenizer.decode(r[k + 1 : t])), N_NEW) for r in rows
+    ]
+    assert late["generation_lengths"][b] == expected[b] > k + 1
+    assert generated_rows(late, batch)[b] == rows[b][: expected[b]]
 
 
 # ----------------------------------------------------------------------------- stop strings

@@ -140,6 +140,7 @@ def test_sampling_kwargs_greedy():
         top_p=1.0,
         top_k=-1,
         max_tokens=12,
+        min_tokens=0,  # policy.generation.min_new_tokens' default: vLLM's own
         logprobs=0,
         stop_token_ids=[7, 2],
         detokenize=False,
@@ -155,6 +156,19 @@ def test_sampling_kwargs_sampling():
     kw = sampling_kwargs(gen(top_k=20), greedy=False, max_new_tokens=3, eos_token_ids=[])
     assert kw["temperature"] == 1.0 and kw["top_p"] == 1.0 and kw["top_k"] == 20
     assert "seed" not in kw and kw["stop_token_ids"] == []
+
+
+def test_min_new_tokens_is_vllm_min_tokens_and_is_checked():
+    kw = sampling_kwargs(gen(min_new_tokens=16), greedy=False, max_new_tokens=12, eos_token_ids=[2], min_new_tokens=12)
+    assert (kw["min_tokens"], kw["max_tokens"]) == (12, 12)
+    with pytest.raises(ValueError, match=r"min_new_tokens must be in \[0, max_new_tokens=3\], got 4"):
+        sampling_kwargs(gen(), greedy=False, max_new_tokens=3, eos_token_ids=[2], min_new_tokens=4)
+    # the section: >= 0 and <= max_new_tokens, each refused by name
+    with pytest.raises(ValueError, match=r"policy\.generation\.min_new_tokens: 17 > max_new_tokens \(16\)"):
+        gen(min_new_tokens=17)
+    with pytest.raises(ValueError, match=r"policy\.generation\.min_new_tokens"):
+        gen(min_new_tokens=-1)
+    assert gen().min_new_tokens == 0 and gen(min_new_tokens=16).min_new_tokens == 16
 
 
 @pytest.mark.parametrize("temperature", [0.0, -0.5])
@@ -214,6 +228,19 @@ def test_first_stop_string_hit(tokenizer):
     assert first_stop_string_hit(tokenizer, tokens, ["x"]) is None
     assert first_stop_string_hit(tokenizer, tokens, []) is None
     assert first_stop_string_hit(tokenizer, [], ["a"]) is None
+
+
+def test_first_stop_string_hit_after_min_new_tokens(tokenizer):
+    """No stop string ends a row before ``min_new_tokens``; after it, only one the newest token
+    completes (an occurrence inside the minimum never ends the row later): the rule HF and JAX
+    generate share (``stop_string_ends_row``)."""
+    tokens = ids(tokenizer, "a b c a d")
+    assert first_stop_string_hit(tokenizer, tokens, ["a"], min_new_tokens=0) == 1
+    assert first_stop_string_hit(tokenizer, tokens, ["a"], min_new_tokens=1) == 4
+    assert first_stop_string_hit(tokenizer, tokens, ["a"], min_new_tokens=4) is None
+    assert first_stop_string_hit(tokenizer, tokens, ["b c"], min_new_tokens=2) == 3
+    assert first_stop_string_hit(tokenizer, tokens, ["b c"], min_new_tokens=3) is None  # not "still in the text"
+    assert first_stop_string_hit(tokenizer, tokens, ["c a"], min_new_tokens=3) == 4  # spans the minimum
 
 
 def test_first_stop_string_hit_inside_a_token_and_far_in(tokenizer):

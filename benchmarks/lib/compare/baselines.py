@@ -16,7 +16,7 @@ from benchmarks.lib.grpo_step import grpo_config, training_prompts
 from benchmarks.lib.hf import HFRunner
 from benchmarks.lib.layouts import parse_layout
 from benchmarks.lib.pairing import Probe, new_result
-from benchmarks.lib.refit import Engine
+from benchmarks.lib.refit import Engine, engine_config
 
 if TYPE_CHECKING:
     from core.algorithms.config import GRPORunConfig
@@ -78,17 +78,30 @@ def start_trl(bench: Bench) -> None:
 
 
 def engine(bench: Bench) -> Engine:
-    """The shared vLLM engine (started on first use, replaced if it died)."""
+    """The shared vLLM engine (started on first use, replaced if it died), with the model's own
+    weights loaded at start (``load_format: auto``): the generation row can run on it without a
+    refit (a run of ``--sections generation`` alone, or after Ray restarted for a JAX layout);
+    the refit rows overwrite them."""
     if bench.engine is not None and not bench.engine.alive():
         bench.engine.close()
         bench.engine = None
     if bench.engine is None:
-        bench.engine = Engine(bench.model_path, bench.tokenizer_path, bench.tokenizer, bench.args)
+        cfg = engine_config(bench.model_path, bench.tokenizer_path, bench.args)
+        cfg["generation"]["vllm_cfg"]["load_format"] = "auto"
+        work = bench.size.grpo
+        if work is not None:  # the generation row samples the GRPO workload's completions
+            cfg["max_total_sequence_length"] = max(cfg["max_total_sequence_length"], work.seq)
+            vllm = cfg["generation"]["vllm_cfg"]
+            vllm["max_model_len"] = max(vllm["max_model_len"], cfg["max_total_sequence_length"])
+            cfg["generation"]["max_new_tokens"] = work.new_tokens
+            cfg["generation"]["min_new_tokens"] = work.new_tokens if work.full_length else 0
+        bench.engine = Engine(bench.model_path, bench.tokenizer_path, bench.tokenizer, bench.args, cfg=cfg)
     return bench.engine
 
 
 def generation_row(bench: Bench) -> dict:
-    """vLLM tokens/s on the GRPO workload's prompts x group (sampling, the engine's current weights)."""
+    """vLLM tokens/s on the GRPO workload's prompts x group and completion length (sampling, the
+    engine's current weights)."""
     from core.algorithms.rollouts import prompt_batch
 
     work = bench.size.grpo
@@ -109,7 +122,7 @@ def generation_row(bench: Bench) -> dict:
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
-        "max_new_tokens": cfg["policy"]["generation"]["max_new_tokens"],
+        "max_new_tokens": cfg.policy.generation.max_new_tokens,
     }
 
 

@@ -1,11 +1,13 @@
 """``bench.png`` of a ``dualrl bench`` run: one panel per section that measured something --
-tokens/s ×HF per layout (logprobs, train), the GRPO step's breakdown (TRL beside), refit GB/s.
+tokens/s ×HF per layout (logprobs, train), the GRPO step's breakdown (sync and async rows side
+by side, TRL beside), refit GB/s.
 Legends sit outside the axes, right of each panel, so no bar is hidden behind one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.lib.compare.report import grpo_rows
 from benchmarks.lib.grpo_step import PHASES
 from benchmarks.lib.pairing import OPS, median, ratio
 
@@ -23,17 +25,37 @@ def throughput_panel(ax, results: dict) -> None:
     ax.legend(**LEGEND)
 
 
+#: Stacked in the GRPO panel: the sync step's phases, then the async trainer's waits (each row
+#: has the ones its step is made of; the async refit is inside wait_refit, so not stacked twice).
+STACKED = (*PHASES, "wait_refit", "wait_rollouts")
+
+
 def grpo_panel(ax, results: dict) -> None:
-    grpo = [(r["case"], r["grpo"]) for r in results["layouts"] if "step_s" in (r.get("grpo") or {})]
+    """Sync and async rows of every layout side by side (stacked phases = the step), the async
+    producer's overlapped generation + reward as a thin hatched bar beside its row, TRL last."""
+    grpo = [(f"{name} {g.get('mode', 'sync')}", g) for name, g in grpo_rows(results) if "step_s" in g]
     trl_steps = [t for _, g in grpo for t in g.get("trl_step_s") or []]  # pooled over the layouts' pairs
     trl = [("TRL GRPOTrainer", {"phases_s": {"trl step": median(trl_steps)}})] if trl_steps else []
-    bottom = [0.0] * (len(grpo) + len(trl))
-    for phase in [*PHASES, *(["trl step"] if trl else [])]:
-        vals = [g["phases_s"].get(phase, 0.0) for _, g in grpo + trl]
-        ax.bar(range(len(vals)), vals, bottom=bottom, label=phase)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set(title="GRPO step seconds", xticks=range(len(bottom)))
-    ax.set_xticklabels([n for n, _ in grpo + trl], rotation=30, ha="right")
+    bars = grpo + trl
+    bottom = [0.0] * len(bars)
+    for phase in [*STACKED, *(["trl step"] if trl else [])]:
+        vals = [g["phases_s"].get(phase, 0.0) or 0.0 for _, g in bars]
+        if any(vals):
+            ax.bar(range(len(vals)), vals, width=0.6, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    overlapped = [(i, g["producer_s"]) for i, (_, g) in enumerate(grpo) if g.get("producer_s")]
+    if overlapped:
+        ax.bar(
+            [i + 0.4 for i, _ in overlapped],
+            [sum(v or 0.0 for v in p.values()) for _, p in overlapped],
+            width=0.18,
+            color="none",
+            edgecolor="gray",
+            hatch="///",
+            label="async producer: generation + reward (overlaps the step)",
+        )
+    ax.set(title="GRPO step seconds (sync and async per layout)", xticks=range(len(bars)))
+    ax.set_xticklabels([n for n, _ in bars], rotation=30, ha="right")
     ax.legend(**LEGEND)
 
 
@@ -61,7 +83,7 @@ def panels(results: dict) -> list:
         out.append(throughput_panel)
     if refit_transports(results):
         out.append(refit_panel)
-    if any("step_s" in (r.get("grpo") or {}) for r in layouts):
+    if any("step_s" in g for _, g in grpo_rows(results)):
         out.append(grpo_panel)
     return out
 

@@ -3,7 +3,7 @@ error, skip and note lines."""
 
 from __future__ import annotations
 
-from benchmarks.lib.grpo_step import PHASES
+from benchmarks.lib.grpo_step import PRODUCER_PHASES
 from benchmarks.lib.machine import flops_per_token, mfu
 from benchmarks.lib.markdown import cell, pct, table
 from benchmarks.lib.pairing import OPS, median, ratio
@@ -111,36 +111,81 @@ def refit_lines(results: dict) -> list[str]:
     ]
 
 
+#: The GRPO table's phase columns: the sync step's, then the async trainer's waits.
+GRPO_COLUMNS = ("refit", "generation", "reward", "logprobs", "reference", "train", "wait_refit", "wait_rollouts")
+
+
+def grpo_rows(results: dict) -> list[tuple[str, dict]]:
+    """(layout, row) of every GRPO row: each layout's sync row, then its async one (``--grpo-async``)."""
+    return [(r["case"], r[key]) for r in results["layouts"] for key in ("grpo", "grpo_async") if r.get(key)]
+
+
+def _grpo_cells(g: dict) -> list[str]:
+    """The phase columns of one row: a sync row's own phases; an async row's trainer phases,
+    its refit seconds (inside wait_refit) and its producer's overlapped seconds."""
+    phases = dict(g["phases_s"])
+    if g.get("mode") == "async":
+        phases["refit"] = g.get("refit_s")
+        producer = g.get("producer_s") or {}
+        overlapped = " / ".join(cell(producer.get(p), ".2f") for p in PRODUCER_PHASES)
+    else:
+        overlapped = "-"
+    return [cell(phases.get(p), ".2f") for p in GRPO_COLUMNS] + [overlapped]
+
+
 def grpo_lines(results: dict) -> list[str]:
     rows = []
-    for r in results["layouts"]:
-        g = r.get("grpo")
-        if not g:
-            continue
+    for name, g in grpo_rows(results):
+        mode = g.get("mode", "sync")
         if "error" in g:
-            rows.append([r["case"], g["error"]] + [""] * (len(PHASES) + 3))
+            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 5))
             continue
         trl = median(g.get("trl_step_s"))
+        trl_len = median([x for x in g.get("trl_completion_length") or [] if x is not None])
         rows.append(
             [
-                r["case"],
+                name,
+                mode,
                 cell(g["step_s"], ".2f"),
                 cell(trl / g["step_s"] if trl else None, ".2f"),
                 cell(trl, ".2f"),
-                *[cell(g["phases_s"][p], ".2f") for p in PHASES],
+                *_grpo_cells(g),
+                cell(g.get("response_length_mean"), ".1f") + " / " + cell(trl_len, ".1f"),
                 cell(g.get("token_mult_prob_error"), ".4f"),
             ]
         )
     if not rows:
         return []
     work = results["grpo_workload"]
-    return [
-        f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens, "
+    full = ", full length: min_new_tokens = max_new_tokens on both sides" if work.get("full_length") else ""
+    header = [
+        "layout",
+        "mode",
+        "step s",
+        "×TRL",
+        "TRL step s",
+        *[f"{p} s" for p in GRPO_COLUMNS],
+        "async producer generation / reward s",
+        "tokens / sample (dualrl / TRL)",
+        "token_mult_prob_error",
+    ]
+    lines = [
+        f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens{full}, "
         f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps)",
         "",
-        *table(["layout", "step s", "×TRL", "TRL step s", *[f"{p} s" for p in PHASES], "token_mult_prob_error"], rows),
+        *table(header, rows),
         "",
     ]
+    if any(g.get("mode") == "async" for _, g in grpo_rows(results)):
+        lines += [
+            "sync: step = refit + generation + reward + logprobs + reference + train (+ the driver's own work).  "
+            "async (grpo.async_grpo, max_trajectory_age_steps 1, the engine on a slot / GPU of its own): step = "
+            "the trainer's wall time = wait_refit (until the rollouts due from the old weights exist, then the "
+            "refit, whose seconds are in the refit column) + wait_rollouts + logprobs + reference + train; the "
+            "producer's generation and reward run beside it and are not part of the step.",
+            "",
+        ]
+    return lines
 
 
 def report(results: dict, config) -> str:

@@ -2,11 +2,13 @@
 
 Per layout: throughput (paired with HF eager) and refit (into the shared vLLM engine) on one
 Policy, closed afterwards; then the GRPO step on a run of its own (paired with TRL's
-``GRPOTrainer``).  A layout that fails is reported in its row and the others still run.
+``GRPOTrainer``), and with ``--grpo-async`` the async GRPO step on another (paired too).  A
+layout that fails is reported in its row and the others still run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -158,13 +160,15 @@ def bench_layout(bench: Bench, layout: Layout, progress) -> dict:
     if "throughput" in bench.args.sections or "refit" in bench.args.sections:
         policy_sections(bench, layout, row, progress)
     if "grpo" in bench.args.sections and "error" not in row:
-        progress.set_description(f"{layout.name}: GRPO step")
-        row["grpo"] = grpo_row(bench, layout)
-        progress.update(1)
+        for key, async_grpo in (("grpo", False), ("grpo_async", True))[: 1 + bool(bench.args.grpo_async)]:
+            progress.set_description(f"{layout.name}: GRPO step" + (" (async)" if async_grpo else ""))
+            row[key] = grpo_row(bench, layout, async_grpo)
+            progress.update(1)
     return row
 
 
-def grpo_row(bench: Bench, layout: Layout) -> dict:
+def grpo_row(bench: Bench, layout: Layout, async_grpo: bool = False) -> dict:
+    """One layout's GRPO step (sync or async) on a run of its own, then as many TRL steps."""
     work = bench.size.grpo
     try:
         out = measure_grpo(
@@ -173,15 +177,18 @@ def grpo_row(bench: Bench, layout: Layout) -> dict:
             bench.model_path,
             bench.tokenizer_path,
             bench.args.precision,
-            str(bench.tmp / f"grpo-{layout.name}"),
+            str(bench.tmp / (f"grpo-{layout.name}" + ("-async" if async_grpo else ""))),
             generation=bench.args.grpo_generation,
             jax_cpu_slots=None if bench.args.device == "cuda" else bench.args.threads,
+            async_grpo=async_grpo,
         )
     except Exception as err:  # noqa: BLE001
-        return {"error": error_text(err)}
+        return {"mode": "async" if async_grpo else "sync", "error": error_text(err)}
     if bench.trl is not None:
         try:
-            out["trl_step_s"] = [bench.trl.step()["seconds"] for _ in range(work.steps)]
+            trl = [bench.trl.step() for _ in range(work.steps)]
+            out["trl_step_s"] = [t["seconds"] for t in trl]
+            out["trl_completion_length"] = [t.get("completion_length_mean") for t in trl]
         except Exception as err:  # noqa: BLE001
             out["trl_error"] = error_text(err)
     return out
@@ -251,7 +258,10 @@ def run_bench(args, progress) -> tuple[dict, Bench]:
 
     wall = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dualrl-bench-") as tmp:
-        bench = Bench(args=args, size=SIZES[args.size], tmp=Path(tmp), device=args.device)
+        size = SIZES[args.size]
+        if getattr(args, "grpo_work", None) is not None:  # the --grpo-* overrides
+            size = dataclasses.replace(size, grpo=args.grpo_work)
+        bench = Bench(args=args, size=size, tmp=Path(tmp), device=args.device)
         try:
             results = run(bench, progress)
         finally:
@@ -260,7 +270,7 @@ def run_bench(args, progress) -> tuple[dict, Bench]:
     results.update(
         rejected=args.rejected,
         seconds=time.perf_counter() - wall,
-        grpo_workload=vars(bench.size.grpo),
+        grpo_workload=dataclasses.asdict(bench.size.grpo),
         grpo_generation=args.grpo_generation,
         load=os.getloadavg(),
     )

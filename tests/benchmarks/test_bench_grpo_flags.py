@@ -1,0 +1,179 @@
+"""``dualrl bench``'s GRPO flags (``--grpo-new-tokens``, ``--grpo-prompts``, ``--grpo-group``,
+``--[no-]grpo-full-length``, ``--grpo-async``): what they parse to, the run configs and TRL spec
+they produce, the refusals before anything starts, and the async rows in the report and chart.
+No benchmark runs here (test_bench_compare.py's smoke runs one with ``--grpo-async``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import compare
+from benchmarks.lib import trl_grpo
+from benchmarks.lib.grpo_step import (
+    ASYNC_OVERRIDES,
+    ASYNC_PHASES,
+    PHASES,
+    grpo_config,
+    grpo_overrides,
+    micro_batch,
+    summarize,
+)
+from benchmarks.lib.layouts import parse_layout
+from benchmarks.lib.sizes import SIZES, GRPOWorkload
+
+SMALL = ["--size", "small", "--sections", "grpo", "--layouts", "fsdp1-dp1", "dtensor-dp2", "jax-fsdp2"]
+
+
+@pytest.fixture
+def with_vllm(monkeypatch):
+    """As on a machine with vLLM (the CPU development machines have it; CI may not)."""
+    monkeypatch.setattr(compare, "vllm_missing", lambda: None)
+
+
+def parse(*flags: str):
+    return compare.parse([*SMALL, *flags])
+
+
+def test_defaults_are_the_size_workload_and_the_flags_override_it(with_vllm):
+    assert parse().grpo_work == SIZES["small"].grpo and not parse().grpo_async
+    work = parse("--grpo-new-tokens", "128").grpo_work
+    small = SIZES["small"].grpo
+    assert (work.new_tokens, work.seq, work.full_length) == (128, small.prompt_room + 128, True)
+    assert (work.prompts, work.group, work.micro_batch, work.steps) == (
+        small.prompts,
+        small.group,
+        small.micro_batch,
+        small.steps,
+    )
+    assert not parse("--grpo-new-tokens", "128", "--no-grpo-full-length").grpo_work.full_length
+    assert parse("--grpo-full-length").grpo_work.full_length  # at the size's own length too
+    other = parse("--grpo-prompts", "4", "--grpo-group", "2").grpo_work
+    assert (other.prompts, other.group, other.samples, other.new_tokens, other.full_length) == (4, 2, 8, 16, False)
+    assert parse("--grpo-async").grpo_async
+
+
+def test_the_overrides_the_workload_and_async_produce():
+    work = SIZES["small"].grpo.with_overrides(new_tokens=128, full_length=True)
+    layout = parse_layout("dtensor-dp2")
+    sync = grpo_overrides(layout, work, "m", "t", "float32", "/tmp/x")
+    for item in (
+        "policy.generation.max_new_tokens=128",
+        "policy.generation.min_new_tokens=128",
+        "policy.max_total_sequence_length=144",
+        "policy.generation.vllm_cfg.max_model_len=144",
+        "cluster.gpus_per_node=2",
+    ):
+        assert item in sync
+    assert not set(ASYNC_OVERRIDES) & set(sync)
+    assert "policy.generation.min_new_tokens=0" in grpo_overrides(layout, SIZES["small"].grpo, "m", "t", "f", "/x")
+    async_ = grpo_overrides(layout, work, "m", "t", "float32", "/tmp/x", async_grpo=True)
+    assert async_[: len(sync)] == sync and async_[len(sync) :] == list(ASYNC_OVERRIDES)
+    # the configs validate (async: engine apart, importance correction on) and feed TRL's spec
+    cfg = grpo_config(layout, work, "m", "t", "float32", "/tmp/x", async_grpo=True)
+    assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 1
+    assert cfg.loss_fn.use_importance_sampling_correction and not cfg.policy.generation.colocated.enabled
+    assert cfg.policy.generation.colocated.resources.gpus_per_node == 1 and cfg.cluster.gpus_per_node == 2
+    gen = cfg.policy.generation
+    assert (gen.max_new_tokens, gen.min_new_tokens) == (128, 128)
+    spec = trl_grpo.spec_from_dualrl(cfg.to_dict(), ["1+1="], ["2"], "m", "t")
+    assert trl_grpo.grpo_config_kwargs(spec, "/o")["generation_kwargs"] == {"min_new_tokens": 128}
+    # micro batches divide each rank's rows
+    odd = GRPOWorkload(prompts=6, group=8, new_tokens=16, seq=32, micro_batch=32, steps=1)
+    assert (micro_batch(odd, 1), micro_batch(odd, 2), micro_batch(SIZES["small"].grpo, 2)) == (24, 24, 32)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--grpo-new-tokens", "0"], "--grpo-new-tokens must be >= 1, got 0"),
+        (["--grpo-group", "1"], "--grpo-group must be >= 2 (GRPO's advantage compares a prompt's samples"),
+        (["--grpo-prompts", "0"], "--grpo-prompts must be >= 1, got 0"),
+        (["--grpo-new-tokens", "600"], "prompt room 16 + 600 new tokens = 616 > the small model's 512 positions"),
+        (["--grpo-prompts", "3", "--grpo-group", "3"], "9 samples per step do not split over the data-parallel"),
+        (["--grpo-async", "--sections", "throughput"], "--grpo-async adds rows to --sections grpo"),
+        (["--grpo-new-tokens", "8", "--sections", "refit"], "only --sections grpo and generation use"),
+        (
+            ["--grpo-async", "--device", "cuda", "--max-devices", "2"],
+            "the engine needs a GPU of its own beside the policy's; dtensor-dp2, jax-fsdp2 leave none",
+        ),
+    ],
+)
+def test_bad_values_are_refused_before_anything_starts(with_vllm, monkeypatch, capsys, flags, message):
+    def started(*_args, **_kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(compare, "run_bench", started)
+    with pytest.raises(SystemExit) as info:
+        compare.main([*SMALL, *flags], prog="dualrl bench")
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_async_without_vllm_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(compare, "vllm_missing", lambda: "vLLM is not installed on this machine")
+    with pytest.raises(SystemExit):
+        compare.parse([*SMALL, "--grpo-async"])
+    err = capsys.readouterr().err
+    assert "--grpo-async needs vLLM" in err and "vLLM is not installed on this machine" in err
+    assert not compare.parse(SMALL).grpo_async  # the sync rows still run on the policy's HF generate
+
+
+def test_help_says_when_full_length_is_on(capsys):
+    with pytest.raises(SystemExit):
+        compare.parse(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: on when --grpo-new-tokens is given, else off" in text
+    assert "--grpo-async" in text and "--grpo-prompts" in text and "--grpo-group" in text
+
+
+# ----------------------------------------------------------------------------- rows, report, chart
+
+
+def _steps(async_grpo: bool) -> list[dict]:
+    phases = ASYNC_PHASES if async_grpo else PHASES
+    steps = []
+    for i, step_s in enumerate((9.0, 2.0, 4.0)):  # the first is warm-up
+        m = {"step_time_s": step_s, "response_length_mean": 16.0, "token_mult_prob_error": 1.0}
+        m.update({f"timing/{p}_s": 0.1 * (i + 1) for p in phases})
+        if async_grpo:
+            m.update({"async/generation_s": 1.5, "async/reward_s": 0.01, "refit/seconds": 0.2})
+            m.update({"async/trajectory_age_mean": 1.0, "async/trainer_idle_s": 0.3, "async/engine_idle_s": 0.0})
+        steps.append(m)
+    return steps
+
+
+def test_async_rows_report_the_trainer_phases_and_the_producer_apart(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.lib.compare.plot import grpo_panel, panels
+    from benchmarks.lib.compare.report import grpo_lines
+
+    work = SIZES["tiny"].grpo.with_overrides(new_tokens=8, full_length=True)
+    sync, async_ = summarize(_steps(False), work, 1.0, False), summarize(_steps(True), work, 1.0, True)
+    assert (sync["mode"], sync["step_s"], set(sync["phases_s"])) == ("sync", 3.0, set(PHASES))
+    assert (async_["mode"], async_["step_s"], set(async_["phases_s"])) == ("async", 3.0, set(ASYNC_PHASES))
+    assert async_["producer_s"] == {"generation": 1.5, "reward": 0.01} and async_["refit_s"] == 0.2
+    assert async_["phases_s"]["train"] == pytest.approx(0.25)  # median of the timed steps only
+    for row in (sync, async_):
+        row.update(trl_step_s=[6.0], trl_completion_length=[8.0])
+    results = {
+        "size": "tiny",
+        "machine": {"device_name": "cpu"},
+        "layouts": [{"case": "fsdp1-dp1", "grpo": sync, "grpo_async": async_}],
+        "grpo_workload": vars(work),
+        "grpo_generation": "vllm",
+    }
+    text = "\n".join(grpo_lines(results))
+    assert "8 new tokens, full length: min_new_tokens = max_new_tokens on both sides" in text
+    assert "| fsdp1-dp1 | sync | 3.00 | 2.00 | 6.00 | 0.25 | 0.25 | 0.25 |" in text
+    assert "| - | - | - | 16.0 / 8.0 | 1.0000 |" in text  # sync: no waits, no producer
+    assert "| fsdp1-dp1 | async | 3.00 | 2.00 | 6.00 | 0.20 | - | - | 0.25 |" in text
+    assert "| 1.50 / 0.01 | 16.0 / 8.0 |" in text and "not part of the step" in text
+    assert panels(results) == [grpo_panel]
+    fig, ax = plt.subplots()
+    grpo_panel(ax, results)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["fsdp1-dp1 sync", "fsdp1-dp1 async", "TRL GRPOTrainer"]
+    plt.close(fig)
