@@ -51,6 +51,26 @@ class NonFiniteStepError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class CallTiming:
+    """Where the driver's seconds of one ``Policy.train`` call went (the step's overhead
+    breakdown: what is not the workers' own compute)."""
+
+    checks_s: float
+    """Driver-side input checks (config, shapes, values of the loss inputs)."""
+    shard_s: float
+    """Splitting the batch over the data-parallel ranks (packing / dynamic batching plans included)."""
+    call_s: float
+    """From sending the shards to holding every rank's result."""
+    worker_s: float
+    """The slowest rank's own seconds inside ``train`` (measured on the worker)."""
+
+    @property
+    def dispatch_s(self) -> float:
+        """``call_s`` not spent in the slowest worker: Ray serialisation, transfer, scheduling."""
+        return max(0.0, self.call_s - self.worker_s)
+
+
+@dataclass(frozen=True)
 class TrainResult:
     """What ``train`` returns: one entry per optimizer step (global batch) of the call.
 
@@ -70,6 +90,10 @@ class TrainResult:
     """The learning rate after the call (None without an optimizer)."""
     all_mb_metrics: dict[str, list[float]] = field(default_factory=dict)
     """Each loss metric per micro batch (and rank): a step's list sums to its whole-batch value."""
+    worker_s: float = 0.0
+    """Seconds this rank spent inside ``train`` (the driver's result: the slowest rank's)."""
+    timing: CallTiming | None = None
+    """The driver's breakdown of the call (set by ``Policy.train``; None on a worker)."""
 
     @property
     def skipped(self) -> list[bool]:

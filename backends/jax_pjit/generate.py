@@ -323,7 +323,7 @@ class DecodeFns:
     graphdef: Any
     rest: Any  # non-Param state (empty for CausalLM)
     params: Any  # the model's own params (used when ``generate`` gets params=None)
-    vocab_size: int
+    logits_width: int  # the padded vocabulary (padded ids get -inf logits in the model)
 
     def prefill(self, params, input_ids, input_lengths, stop_mask, knobs, key, *, greedy: bool, max_new_tokens: int):
         return _prefill(
@@ -348,7 +348,8 @@ def make_decode_fns(model: CausalLM) -> DecodeFns:
     # flax types a split by two filters as (graphdef, state, *states): here exactly one more.
     graphdef, params, *others = nnx.split(model, nnx.Param, ...)
     (rest,) = others
-    return DecodeFns(graphdef=graphdef, rest=rest, params=params, vocab_size=model.cfg.vocab_size)
+    width = model.cfg.padded_vocab_size or model.cfg.vocab_size  # __post_init__ fills it; None only in its type
+    return DecodeFns(graphdef=graphdef, rest=rest, params=params, logits_width=width)
 
 
 def compile_cache_sizes() -> dict[str, int]:
@@ -502,7 +503,8 @@ def generate(
     seeds = None if greedy or sample_seeds is None else checked_sample_seeds(sample_seeds, batch)
     chunks = _row_chunks(batch, batch_size)
     keys = _chunk_keys(rng, len(chunks)) if seeds is None else [None] * len(chunks)
-    decode = _Decoder(fns, params, knobs, _stop_mask(stop_ids, fns.vocab_size), greedy, new_tokens, tokenizer, min_new)
+    stop_mask = _stop_mask(stop_ids, fns.logits_width)
+    decode = _Decoder(fns, params, knobs, stop_mask, greedy, new_tokens, tokenizer, min_new)
     width = chunks[0].stop - chunks[0].start
     pieces = []
     for rows, key in zip(chunks, keys, strict=True):

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from pydantic import BaseModel
 
 from backends.jax_pjit.models.layers import constrain
 from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
@@ -149,12 +150,38 @@ def zero_grads(params: Any) -> Any:
 
 
 def loss_key(loss_fn: LossFunction) -> tuple:
-    """(class name, its scalar settings): equal for two copies of one configured loss, so a
-    grad step compiled for one serves the next (every ``Policy.train`` call ships a fresh,
-    unpickled copy of the same loss)."""
-    scalars = (bool, int, float, str, type(None), enum.Enum)
-    settings = tuple(sorted((k, v) for k, v in vars(loss_fn).items() if isinstance(v, scalars)))
-    return (type(loss_fn).__qualname__, settings)
+    """(class name, its settings): equal for two copies of one configured loss, so a grad step
+    compiled for one serves the next (every ``Policy.train`` call ships a fresh, unpickled copy
+    of the same loss), and different for any two configurations -- the compiled step closes
+    over the loss, so a key that missed a setting would train the next loss with the old one.
+    Settings are the loss's scalar attributes and its config sections (pydantic models or
+    mappings, compared by value); other attributes (helpers built from those) are left out."""
+    settings = []
+    for name, value in sorted(vars(loss_fn).items()):
+        frozen = _settings_value(value)
+        if frozen is not _NOT_A_SETTING:
+            settings.append((name, frozen))
+    return (type(loss_fn).__qualname__, tuple(settings))
+
+
+_NOT_A_SETTING = object()
+_SCALARS = (bool, int, float, str, type(None), enum.Enum)
+
+
+def _settings_value(value: Any) -> Any:
+    """A hashable copy of a setting (scalars, config models, mappings, sequences of them), or
+    ``_NOT_A_SETTING``."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="python")
+    if isinstance(value, Mapping):
+        items = [(k, _settings_value(v)) for k, v in sorted(value.items())]
+        return tuple(items) if all(v is not _NOT_A_SETTING for _, v in items) else _NOT_A_SETTING
+    if isinstance(value, (list, tuple)):
+        items = [_settings_value(v) for v in value]
+        return tuple(items) if all(v is not _NOT_A_SETTING for v in items) else _NOT_A_SETTING
+    return _NOT_A_SETTING
 
 
 def make_grad_step(

@@ -75,6 +75,7 @@ from core.policy.worker_base import (
     REFERENCE_MISSING,
     PolicyWorkerBase,
     StepResult,
+    reports_worker_seconds,
     step_skip_reason,
 )
 
@@ -304,6 +305,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             self.params = policy
 
     # ------------------------------------------------------------------ training
+    @reports_worker_seconds
     def train(
         self,
         data: BatchedDataDict,

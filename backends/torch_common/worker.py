@@ -70,6 +70,7 @@ from core.policy.worker_base import (
     REFERENCE_MISSING,
     PolicyWorkerBase,
     StepResult,
+    reports_worker_seconds,
     step_skip_reason,
 )
 from core.refit.manifest import tied_aliases
@@ -329,6 +330,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             yield
 
     # ------------------------------------------------------------------ training
+    @reports_worker_seconds
     def train(
         self,
         data: BatchedDataDict,

@@ -35,6 +35,8 @@ PHASES = ("generation", "logprobs", "reference", "train", "refit", "reward")
 ASYNC_PHASES = ("wait_refit", "wait_rollouts", "logprobs", "reference", "train")
 #: The async producer's phases (``async/*_s``): they overlap the trainer's.
 PRODUCER_PHASES = ("generation", "reward")
+#: Where the train phase's seconds go (``train_call/*_s``, ``core.interfaces.CallTiming``).
+TRAIN_CALL_PARTS = ("worker", "dispatch", "checks", "shard")
 #: What makes a GRPO run async (besides the layout's own devices for the policy).
 ASYNC_OVERRIDES = (
     "grpo.async_grpo.enabled=true",
@@ -227,6 +229,8 @@ def summarize(steps: list[dict[str, float]], work: GRPOWorkload, startup: float,
         "first_step_s": steps[0]["step_time_s"],
         "response_length_mean": med("response_length_mean"),
     }
+    if all("train_call/worker_s" in m for m in timed):
+        out["train_call_s"] = {p: med(f"train_call/{p}_s") for p in TRAIN_CALL_PARTS}
     if async_grpo:
         out["producer_s"] = {p: med(f"async/{p}_s") for p in PRODUCER_PHASES}
         out["refit_s"] = med("refit/seconds")  # inside wait_refit

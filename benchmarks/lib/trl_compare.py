@@ -52,13 +52,16 @@ def build_examples(tokenizer, algorithm: str, batch: int) -> list:
     :mod:`core.datasets.examples`, as ``dualrl sft`` / ``dualrl dpo`` encode them): SFT ``batch``
     ``SequenceDatum``s of "arithmetic", DPO ``batch // 2`` ``PreferenceDatum``s of
     "arithmetic-preferences" (rejected = a plausible slip), problems 0.. of seed ``SEED``."""
+    from core.datasets.config import DataConfig
     from core.datasets.examples import PreferenceEncoder, SFTEncoder
     from core.datasets.sources import builtin_task, problem_row
 
     if algorithm == "sft":
-        encoder, task, n = SFTEncoder({"response_key": "answer"}, tokenizer, 1 << 16), "arithmetic", batch
+        data = DataConfig(dataset_name="arithmetic", response_key="answer")
+        encoder, task, n = SFTEncoder(data, tokenizer, 1 << 16), "arithmetic", batch
     else:
-        encoder, task, n = PreferenceEncoder({}, tokenizer, 1 << 16), "arithmetic-preferences", batch // 2
+        data = DataConfig(dataset_name="arithmetic-preferences")
+        encoder, task, n = PreferenceEncoder(data, tokenizer, 1 << 16), "arithmetic-preferences", batch // 2
     source = builtin_task(task, None)
     return [encoder.encode(problem_row(source.problem(SEED, i)), i, f"built-in {task}") for i in range(n)]
 

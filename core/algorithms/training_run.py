@@ -230,6 +230,16 @@ def train_metrics(result: TrainResult) -> dict[str, float]:
     if result.lr is not None:
         out["lr"] = float(result.lr)
     out.update({key: _mean(values) for key, values in result.metrics.items() if key != "loss"})
+    if result.timing is not None:  # where the train phase's seconds went (not in timing/*: no double count)
+        t = result.timing
+        out.update(
+            {
+                "train_call/checks_s": t.checks_s,
+                "train_call/shard_s": t.shard_s,
+                "train_call/dispatch_s": t.dispatch_s,
+                "train_call/worker_s": t.worker_s,
+            }
+        )
     return out
 
 

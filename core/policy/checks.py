@@ -65,6 +65,21 @@ def check_loss_fn(loss_fn: Any) -> None:
         )
 
 
+def check_one_step_for_fused_old_logprobs(loss_fn: Any, rows: int, gbs: int, eval_mode: bool) -> None:
+    """A loss that takes the old policy's logprobs from its own training forward
+    (``old_logprobs="forward"``) is exact for one optimizer step only: after the first step the
+    weights being trained are no longer the ones that scored the batch."""
+    if eval_mode or getattr(loss_fn, "old_logprobs", "batch") != "forward" or rows <= gbs:
+        return
+    raise ValueError(
+        f"loss_fn takes the old logprobs from the training forward (old_logprobs='forward'), which is exact "
+        f"for one optimizer step, but this batch of {rows} rows is {rows // gbs} optimizer steps of "
+        f"train_global_batch_size={gbs}: pass prev_logprobs from a get_logprobs pass and "
+        f"ClippedPGLossFn(cfg, old_logprobs='batch') (GRPO does when grpo.num_prompts_per_step x "
+        f"num_generations_per_prompt != policy.train_global_batch_size)"
+    )
+
+
 def _as_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x

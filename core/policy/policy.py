@@ -9,7 +9,9 @@ batch in the caller's row order.  Nothing here imports torch model code or jax.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Union
 
 import torch
@@ -20,6 +22,7 @@ from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
 from core.interfaces import (
     SKIP_REASONS,
+    CallTiming,
     ColocatablePolicyInterface,
     GenerationInterface,
     NonFiniteStepError,
@@ -30,6 +33,7 @@ from core.policy.checks import (
     check_loss_fn,
     check_loss_inputs,
     check_model_inputs,
+    check_one_step_for_fused_old_logprobs,
     check_prompt_room,
     check_sequence_lengths,
     check_train_batch,
@@ -213,18 +217,24 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         """
         gbs = gbs or self.cfg.train_global_batch_size
         mbs = mbs or self.cfg.train_micro_batch_size
+        start = time.perf_counter()
         check_loss_fn(loss_fn)
+        check_one_step_for_fused_old_logprobs(loss_fn, data.size, gbs, eval_mode)
         check_train_batch(data, gbs, mbs, self.dp, self.cfg.max_total_sequence_length, local=False)
         check_model_inputs(data, self.model_config.vocab_size)
         # Only on the driver (the workers trust it): a bad key or shape must not reach the
         # workers, where one rank's exception would take the whole group down, and the value
         # scan over the batch runs once, not once per rank.
         check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
+        checked = time.perf_counter()
         shards, _ = self._shard(data, gbs, "train_mb_tokens")
+        sharded = time.perf_counter()
         results: list[TrainResult] = self._sharded(
             "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
         )
-        out = results[0].with_micro_batches_of(results)
+        worker_s = max(r.worker_s for r in results)
+        timing = CallTiming(checked - start, sharded - checked, time.perf_counter() - sharded, worker_s)
+        out = replace(results[0].with_micro_batches_of(results), worker_s=worker_s, timing=timing)
         if not eval_mode and out.skipped_steps and self.cfg.non_finite_step == "error":
             raise NonFiniteStepError(_skip_message(out))
         return out

@@ -18,10 +18,13 @@ Both workers' ``train`` has the same shape, helper for helper:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics, read_once
@@ -34,6 +37,22 @@ if TYPE_CHECKING:
 
 REFERENCE_MISSING = "this policy was built with init_reference_model=False: no reference weights"
 OPTIMIZER_MISSING = "train() needs an optimizer: this policy was built with init_optimizer=False"
+
+
+_Train = TypeVar("_Train", bound=Callable[..., TrainResult])
+
+
+def reports_worker_seconds(train: _Train) -> _Train:
+    """Decorates a worker's ``train``: its result carries the seconds the call took on this
+    rank (``TrainResult.worker_s``), from which the driver tells compute from dispatch."""
+
+    @functools.wraps(train)
+    def timed(*args: Any, **kwargs: Any) -> TrainResult:
+        start = time.perf_counter()
+        result = train(*args, **kwargs)
+        return replace(result, worker_s=time.perf_counter() - start)
+
+    return timed  # type: ignore[return-value]  # same signature: functools.wraps
 
 
 class StepResult(NamedTuple):

@@ -73,11 +73,11 @@ def test_step_one_is_the_same_on_every_backend(colocated_runs):
             assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), f"{backend}: {key}"
 
 
-# The collective refit of every backend into an engine of its own is tests/generation; here
-# the loop's separate placement on the default backend, the others in the slow run.
-@pytest.mark.parametrize(
-    "backend", [b if b == "torch_dtensor" else pytest.param(b, marks=pytest.mark.slow) for b in BACKENDS]
-)
+# The collective refit of every backend into an engine of its own is tests/generation; the
+# loop's separate placement runs fast in tests/algorithms/test_async_grpo_runs.py (the sync
+# run it compares async with), here on every backend in the slow run.
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_two_steps_with_a_separate_engine(ray_session, builtin_cache, tmp_path_factory, backend):
     run, _ = _run(tmp_path_factory, f"grpo-sep-{backend}", backend, *SEPARATE_ENGINE)
     _check_two_steps(run, "collective")

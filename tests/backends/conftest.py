@@ -1,6 +1,6 @@
 """The backend contract suite: what every backend must do, written once, run on every layout.
 
-``LAYOUTS`` names the layouts in the ``benchmarks.layouts`` grammar (test ids are these names);
+``LAYOUTS`` names the layouts in the ``benchmarks.lib.layouts`` grammar (test ids are these names);
 :func:`layout_config` turns one into a policy config (the one place that does), on top of
 ``tests/torch_backends/conftest.py: policy_config``.  A behaviour a backend does not have is
 a parametrised case asserting the refusal by name, never a missing row.
@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks.layouts import Layout, parse_layout
+from benchmarks.lib.layouts import Layout, parse_layout
 from core.testing.tiny_models import random_batch
 from tests.torch_backends.conftest import SEQ, VOCAB, policy_config
 
-#: Every layout the contract suite runs (``benchmarks.layouts`` grammar).  A JAX worker owns all
+#: Every layout the contract suite runs (``benchmarks.lib.layouts`` grammar).  A JAX worker owns all
 #: of its host's devices, and the test session gives it 8 (tests/conftest.py: XLA_FLAGS), so the
 #: JAX meshes are 8 devices.
 LAYOUTS = [

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.layouts import parse_layout
+from benchmarks.lib.layouts import parse_layout
 from core.checkpointing import policy_files as pf
 from core.checkpointing.manifest import MANIFEST_NAME, CheckpointError
 from core.losses import ClippedPGLossFn
@@ -101,7 +101,7 @@ class OrbaxFormat:
         import optax
 
         from backends.jax_pjit.hf_mapping import from_pretrained
-        from backends.jax_pjit.model import make_apply_fn
+        from backends.jax_pjit.models import make_apply_fn
 
         model, _, _ = from_pretrained(
             str(model_dir), dtype=jnp.float32, param_dtype=jnp.float32, tp=1, make_vocab_size_divisible_by=1

@@ -56,14 +56,14 @@ def test_non_finite_and_masked_steps_are_skipped(fresh_policy):
     assert expected.skipped_steps == 0 and expected.skip_reasons == [None]
     fresh_policy.reset()
 
-    policy.cfg["non_finite_step"] = "error"  # the driver's setting (reset() restores it)
+    policy.cfg.non_finite_step = "error"  # the driver's setting (reset() restores it)
     before = policy.get_logprobs(probe)["logprobs"]
     with pytest.raises(NonFiniteStepError, match=r"non-finite grad norm \(loss=.*grad_norm=(inf|nan)\)") as err:
         policy.train(huge_advantage_batch(), loss_fn)
     assert "policy.non_finite_step" in str(err.value) and "optimizer step 1 of 1" in str(err.value)
     assert torch.equal(policy.get_logprobs(probe)["logprobs"], before)  # still serves, nothing moved
 
-    policy.cfg["non_finite_step"] = "skip"  # the workers skip in both modes
+    policy.cfg.non_finite_step = "skip"  # the workers skip in both modes
     out = policy.train(huge_advantage_batch(), loss_fn)
     assert out.skipped == [True] and out.skip_reasons == ["non_finite_grad_norm"]
     assert out.skipped_steps == 1 and not math.isfinite(float(out.grad_norm[0]))

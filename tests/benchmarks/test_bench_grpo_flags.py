@@ -118,7 +118,10 @@ def test_async_without_vllm_is_refused(monkeypatch, capsys):
     assert not compare.parse(SMALL).grpo_async  # the sync rows still run on the policy's HF generate
 
 
-def test_help_says_when_full_length_is_on(capsys):
+def test_help_says_when_full_length_is_on(capsys, monkeypatch):
+    # argparse wraps the help at the terminal's width (COLUMNS) and may break a line after a
+    # hyphen ("--grpo-new-" / "tokens"): pin a width at which no flag name is split.
+    monkeypatch.setenv("COLUMNS", "200")
     with pytest.raises(SystemExit):
         compare.parse(["--help"])
     text = " ".join(capsys.readouterr().out.split())

@@ -276,6 +276,9 @@ def test_bad_layouts_and_an_unsupported_model_get_error_lines_the_rest_runs(acto
 # ----------------------------------------------------------------------------- the real matrix
 
 
+# slow (~75 s): three layouts, two vLLM engines; the fast tests above run the matrix's hf row,
+# its error lines and its report, and tests/backends checks every layout against HF
+@pytest.mark.slow
 def test_tiny_matrix_one_layout_per_backend_passes(actor_devices):
     # The session's Ray fixes the XLA host devices of its actors (8, tests/conftest.py): the
     # JAX layout uses all of them (a JAX actor's mesh must cover every device it sees).

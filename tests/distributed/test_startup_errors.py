@@ -294,11 +294,22 @@ def test_hub_ids_and_builtins_are_not_paths(name, monkeypatch, tmp_path):
     check_model_path(name, "policy.model_name")  # no error: left to transformers / the hub
 
 
-def test_hub_id_still_reaches_autoconfig(tokenizer, monkeypatch, tmp_path):
+def _policy_section(model_dirs, **changes):
+    """A valid ``policy`` section (``PolicyConfig``) with top-level ``changes`` applied."""
+    from core.policy.config import PolicyConfig
+
+    cfg = policy_config(model_dirs["llama"], "torch_fsdp")
+    cfg.update(changes)
+    return PolicyConfig.coerce(cfg, "policy")
+
+
+def test_hub_id_still_reaches_autoconfig(model_dirs, tokenizer, monkeypatch, tmp_path):
     """A hub id goes through the same code path as before (AutoConfig), offline here."""
     import transformers
 
     from core.policy.preflight import preflight_model_checks
+
+    policy = _policy_section(model_dirs, model_name="org/name")
 
     monkeypatch.chdir(tmp_path)
     seen = []
@@ -309,18 +320,24 @@ def test_hub_id_still_reaches_autoconfig(tokenizer, monkeypatch, tmp_path):
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake_from_pretrained)
     with pytest.raises(ValueError, match="policy.model_name='org/name': cannot read its HF config: offline"):
-        preflight_model_checks({"model_name": "org/name", "backend": "torch_fsdp"}, tokenizer)
+        preflight_model_checks(policy, tokenizer)
     assert seen == ["org/name"]
 
 
-def test_missing_tokenizer_and_model_paths_in_run_setup(monkeypatch, tmp_path):
-    from core.algorithms.run_setup import load_tokenizer, resolve_model
+def test_missing_tokenizer_and_model_paths_in_run_setup(model_dirs, monkeypatch, tmp_path):
+    from core.algorithms.config import ClusterConfig, MasterConfig
+    from core.algorithms.run_setup import load_tokenizer
+    from core.algorithms.warm_start import resolve_model
 
     monkeypatch.chdir(tmp_path)
+    no_tokenizer = _policy_section(model_dirs, tokenizer={"name": "./no_tokenizer"})
     with pytest.raises(FileNotFoundError, match="^policy.tokenizer.name: no such directory: ./no_tokenizer$"):
-        load_tokenizer({"tokenizer": {"name": "./no_tokenizer"}})
+        load_tokenizer(no_tokenizer)
+    run = MasterConfig(
+        policy=_policy_section(model_dirs, model_name="/no/such/model"), cluster=ClusterConfig(gpus_per_node=1)
+    )
     with pytest.raises(FileNotFoundError, match="^policy.model_name: no such directory: /no/such/model$"):
-        resolve_model({"policy": {"model_name": "/no/such/model"}}, exclude_prompts=[])
+        resolve_model(run, exclude_prompts=[])
 
 
 # ---------------------------------------------------------------------- vLLM engine actor

@@ -12,6 +12,7 @@ import ipaddress
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -179,11 +180,18 @@ def test_layout_validation_errors():
 def test_torch_layout_shards_data_over_dp_only():
     """The torch backends' layout (``core.policy.registry``): data shards are ``dp`` (the fsdp
     ranks), context- and tensor-parallel ranks share a shard, axes in device-mesh order."""
-    dtensor = {"backend": "torch_dtensor", "dtensor_cfg": {"tensor_parallel_size": 2, "context_parallel_size": 2}}
-    lay = torch_layout(dtensor, 8)
+    from core.policy.config import PolicyConfig
+    from tests.torch_backends.conftest import policy_config
+
+    def section(backend, **dtensor_cfg):  # the layout reads no model file: any path will do
+        cfg = policy_config(Path("unused-model"), backend)
+        cfg["dtensor_cfg"].update(dtensor_cfg)
+        return PolicyConfig.coerce(cfg, "policy")
+
+    lay = torch_layout(section("torch_dtensor", tensor_parallel_size=2, context_parallel_size=2), 8)
     assert lay.axis_names == ("dp", "cp", "tp") and lay.world_size == 8
     assert [lay.axis_size(a) for a in lay.axis_names] == [2, 2, 2]
-    fsdp_only = torch_layout({"backend": "torch_fsdp"}, 4)
+    fsdp_only = torch_layout(section("torch_fsdp"), 4)
     assert [fsdp_only.axis_size(a) for a in fsdp_only.axis_names] == [4, 1, 1]
 
 

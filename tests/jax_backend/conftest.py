@@ -21,3 +21,15 @@ def qwen2_worker(model_dirs, tokenizer):
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit")
     cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
     return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer, init_reference_model=False)
+
+
+def mesh_config(fsdp: int, tp: int, cp: int = 1, backend: str = "jax_pjit") -> dict:
+    """The test policy section on a JAX mesh, for what reads the layout only (``make_mesh``,
+    ``ParallelDims``): the model path is never opened."""
+    from pathlib import Path
+
+    from tests.torch_backends.conftest import policy_config
+
+    cfg = policy_config(Path("unused-model"), backend)
+    cfg["jax_cfg"].update(fsdp_size=fsdp, tensor_parallel_size=tp, context_parallel_size=cp)
+    return cfg

@@ -27,9 +27,9 @@ from core.config import ConfigError
 from core.data import BatchedDataDict
 from core.data.context_parallel import load_balanced_columns
 from core.losses import ClippedPGLossFn
-from core.parallel_dims import ParallelDims
 from core.policy.config import PolicyConfig
 from core.testing.tiny_models import random_batch
+from tests.jax_backend.conftest import mesh_config
 from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
 from tests.unit.test_losses import BASE_CFG
 
@@ -53,25 +53,18 @@ def _ragged(batch, seed):
 
 # ------------------------------------------------------------------------- config / mesh
 def test_mesh_has_cp_axis_between_fsdp_and_tp():
-    mesh = make_mesh(
-        {"backend": "jax_pjit", "jax_cfg": {"fsdp_size": -1, "context_parallel_size": 2, "tensor_parallel_size": 2}}
-    )
+    mesh = make_mesh(mesh_config(-1, 2, cp=2))
     assert mesh.axis_names == ("fsdp", "cp", "tp") and dict(mesh.shape) == {"fsdp": 2, "cp": 2, "tp": 2}
     assert logical_to_mesh_spec(("batch", "seq", "act_embed"), RULES) == P("fsdp", "cp", None)
     assert logical_to_mesh_spec(("batch", "kv_seq", "act_heads", "head_dim"), RULES) == P("fsdp", None, "tp", None)
     assert logical_to_mesh_spec(("batch", "seq", "act_vocab"), DECODE_RULES) == P("fsdp", None, "tp")
-    dims = ParallelDims.from_policy_config(
-        {"backend": "jax_pjit", "jax_cfg": {"fsdp_size": -1, "tensor_parallel_size": 2, "context_parallel_size": 2}}, 8
-    )
+    dims = PolicyConfig.checked(mesh_config(-1, 2, cp=2)).parallel_dims(8)
     assert (dims.fsdp, dims.cp, dims.tp, dims.dp) == (2, 2, 2, 2)
 
 
 @pytest.mark.parametrize("fsdp, cp, tp", [(-1, 3, 1), (2, 2, 1), (4, 4, 1)])
 def test_cp_that_does_not_fit_the_devices_is_named(fsdp, cp, tp):
-    cfg = {
-        "backend": "jax_pjit",
-        "jax_cfg": {"fsdp_size": fsdp, "context_parallel_size": cp, "tensor_parallel_size": tp},
-    }
+    cfg = mesh_config(fsdp, tp, cp=cp)
     with pytest.raises(ValueError, match=re.escape(f"policy.jax_cfg.context_parallel_size={cp}")):
         make_mesh(cfg)
 
@@ -159,10 +152,10 @@ def test_cp_loss_grad_norm_and_adamw_steps_equal_cp1(model_dirs, tokenizer, cp1_
     loss_fn = ClippedPGLossFn(BASE_CFG)
     ours = [worker.train(pg_batch(4, seed=10 + i), loss_fn) for i in range(3)]
     first, ref_first = ours[0], ref_results[0]
-    assert math.isclose(float(first["global_loss"][0]), float(ref_first["global_loss"][0]), rel_tol=1e-5, abs_tol=1e-7)
-    assert math.isclose(float(first["grad_norm"][0]), float(ref_first["grad_norm"][0]), rel_tol=1e-5)
+    assert math.isclose(float(first.loss[0]), float(ref_first.loss[0]), rel_tol=1e-5, abs_tol=1e-7)
+    assert math.isclose(float(first.grad_norm[0]), float(ref_first.grad_norm[0]), rel_tol=1e-5)
     for r, ref in zip(ours, ref_results, strict=True):
-        assert math.isclose(float(r["global_loss"][0]), float(ref["global_loss"][0]), rel_tol=1e-4, abs_tol=1e-5)
+        assert math.isclose(float(r.loss[0]), float(ref.loss[0]), rel_tol=1e-4, abs_tol=1e-5)
     torch.testing.assert_close(worker.get_logprobs(_ragged(4, seed=20))["logprobs"], ref_probe, rtol=0, atol=1e-4)
     grads = [v for k, v in worker.compile_counts.items() if k.startswith("grad")]
     assert grads == [1]  # three steps in one bucket: one program
@@ -184,12 +177,7 @@ def test_cp_gradients_equal_cp1_step_level(model_dirs):
     gseq, gtok = steps.global_valid_counts(host["sample_mask"], host["token_mask"], host["input_lengths"])
     grads, losses = [], []
     for fsdp, cp, tp in ((8, 1, 1), (2, 2, 2)):
-        mesh = make_mesh(
-            {
-                "backend": "jax_pjit",
-                "jax_cfg": {"fsdp_size": fsdp, "context_parallel_size": cp, "tensor_parallel_size": tp},
-            }
-        )
+        mesh = make_mesh(mesh_config(fsdp, tp, cp=cp))
         shardings = tree_shardings(logical_axes_tree(params), mesh)
         placed = jax.device_put(params, shardings)
         with mesh, activation_constraint(make_constraint(mesh)):
@@ -224,7 +212,7 @@ def test_cp_greedy_decode_matches_hf_generate(model_dirs, tokenizer):
     prompts = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, 6, VOCAB, seed=5), strict=True))
     out = worker.generate(prompts, greedy=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
-    ref = hf_generate(hf, prompts, worker.cfg["generation"], greedy=True, pad_token_id=0, eos_token_ids=[2])
+    ref = hf_generate(hf, prompts, worker.cfg.generation, greedy=True, pad_token_id=0, eos_token_ids=[2])
     assert torch.equal(out["output_ids"], ref["output_ids"])
     torch.testing.assert_close(out["logprobs"], ref["logprobs"], rtol=0, atol=1e-5)
 
@@ -279,8 +267,8 @@ def check_jax_policy_against_hf_and_torch(cfg, name, model_dir, tokenizer, data,
         loss_fn = ClippedPGLossFn(BASE_CFG)
         out = policy.train(batch, loss_fn)
         ref_losses, (ref_norm,), _ = reference_adamw(model_dir, cfg, [batch], loss_fn)
-        assert math.isclose(float(out["loss"][0]), ref_losses[0], rel_tol=1e-5)
-        assert math.isclose(float(out["grad_norm"][0]), ref_norm, rel_tol=1e-5)
+        assert math.isclose(float(out.loss[0]), ref_losses[0], rel_tol=1e-5)
+        assert math.isclose(float(out.grad_norm[0]), ref_norm, rel_tol=1e-5)
     finally:
         policy.shutdown()
         cluster.shutdown()

@@ -17,7 +17,10 @@ ROWS, WIDTH = 5, 7
 
 def gen_cfg(**overrides):
     # 7 new tokens: a length no other test decodes, so the compile counts below see only this module.
-    cfg = dict(max_new_tokens=7, temperature=0.7, top_p=1.0, top_k=None, stop_token_ids=None, stop_strings=None)
+    # backend "hf": the policy's own decoder (this one), not vLLM.
+    cfg = dict(
+        backend="hf", max_new_tokens=7, temperature=0.7, top_p=1.0, top_k=None, stop_token_ids=None, stop_strings=None
+    )
     cfg.update(overrides)
     return cfg
 

@@ -59,4 +59,4 @@ def test_train_reads_once_per_optimizer_step(worker, monkeypatch):
     monkeypatch.setattr(worker_base, "read_once", _recording(events, "read", worker_base.read_once))
     out = worker.train(pg_batch(4, seed=1), loss_fn)  # one global batch of 4 rows, micro batches of 1
     assert events == ["micro batch"] * 4 + ["update", "read"]
-    assert len(out["all_mb_metrics"]["loss"]) == 4 and out["grad_norm"][0] > 0
+    assert len(out.all_mb_metrics["loss"]) == 4 and out.grad_norm[0] > 0

@@ -74,8 +74,13 @@ def _run_everything(worker) -> None:
 
 
 def test_fp32_resolves_to_highest():
-    assert resolve_matmul_precision({"precision": "float32"}) == "highest"
-    assert resolve_matmul_precision({"precision": "bfloat16"}) == "default"
+    def section(precision):  # matmul_precision left out (null); the model path is never opened
+        return PolicyConfig.checked(
+            policy_config(Path("unused-model"), "jax_pjit", precision=precision, matmul_precision=None)
+        )
+
+    assert resolve_matmul_precision(section("float32")) == "highest"
+    assert resolve_matmul_precision(section("bfloat16")) == "default"
 
 
 def test_highest_reaches_every_step_of_the_worker(model_dirs, tokenizer, tmp_path):

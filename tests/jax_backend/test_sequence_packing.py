@@ -103,10 +103,10 @@ def test_packing_on_equals_off(model_dirs, tokenizer, unpacked, mesh):
     torch.testing.assert_close(worker.get_logprobs(shard).reorder_data(order)["logprobs"], before, rtol=0, atol=1e-5)
     result = worker.train(data, ClippedPGLossFn(BASE_CFG))
     for step in range(2):
-        assert math.isclose(float(result["global_loss"][step]), float(ref_result["global_loss"][step]), rel_tol=1e-5)
-        assert math.isclose(float(result["grad_norm"][step]), float(ref_result["grad_norm"][step]), rel_tol=1e-5)
+        assert math.isclose(float(result.loss[step]), float(ref_result.loss[step]), rel_tol=1e-5)
+        assert math.isclose(float(result.grad_norm[step]), float(ref_result.grad_norm[step]), rel_tol=1e-5)
     for key in ("num_valid_samples", "probs_ratio", "kl_penalty"):
-        torch.testing.assert_close(result["metrics"][key], ref_result["metrics"][key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result.metrics[key], ref_result.metrics[key], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(worker.get_logprobs(data)["logprobs"], ref_after, rtol=0, atol=1e-5)
     # One program per packed width: however the bins fall, at most the budget's ladder.
     worker.train(uneven_batch(LENGTHS[::-1], seed=4), ClippedPGLossFn(BASE_CFG))
@@ -123,10 +123,8 @@ def test_packed_nll_matches_unpacked(model_dirs, tokenizer):
     for enabled in (False, True):
         worker = jax_worker(model_dirs["llama"], tokenizer, 8, 1, 1, sequence_packing=packing(enabled))
         results.append(worker.train(data, NLLLoss(), eval_mode=True))
-    torch.testing.assert_close(results[1]["global_loss"], results[0]["global_loss"], rtol=1e-5, atol=0)
-    torch.testing.assert_close(
-        results[1]["metrics"]["num_unmasked_tokens"], results[0]["metrics"]["num_unmasked_tokens"]
-    )
+    torch.testing.assert_close(results[1].loss, results[0].loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(results[1].metrics["num_unmasked_tokens"], results[0].metrics["num_unmasked_tokens"])
 
 
 def test_packing_with_cp_needs_budget_widths_that_split(model_dirs, tokenizer):

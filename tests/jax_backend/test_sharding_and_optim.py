@@ -6,6 +6,7 @@ CPU only: tests/conftest.py asks XLA for 8 virtual host devices before jax is im
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +35,16 @@ from backends.jax_pjit.sharding import (
     tree_shardings,
 )
 from backends.torch_common.optim import build_optimizer, build_scheduler
+from tests.torch_backends.conftest import policy_config
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) jax devices")
 
 
-def _cfg(fsdp, tp):
-    return {"backend": "jax_pjit", "jax_cfg": {"fsdp_size": fsdp, "tensor_parallel_size": tp}}
+def _cfg(fsdp, tp, backend="jax_pjit"):
+    """The test policy section (no model is loaded: make_mesh reads the layout only)."""
+    cfg = policy_config(Path("unused-model"), backend)
+    cfg["jax_cfg"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
+    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,7 @@ def test_make_mesh_sizes(fsdp, tp, n_dev, expect):
 
 
 def test_make_mesh_defaults_to_all_devices():
-    mesh = make_mesh({"backend": "jax_pjit", "jax_cfg": {"fsdp_size": -1, "tensor_parallel_size": 2}})
+    mesh = make_mesh(_cfg(-1, 2))
     assert mesh.size == jax.device_count() == 8
 
 
@@ -77,7 +82,7 @@ def test_make_mesh_bad_sizes_name_the_field(fsdp, tp, field):
 
 def test_make_mesh_rejects_other_backend():
     with pytest.raises(ValueError, match="policy.backend"):
-        make_mesh({"backend": "torch_fsdp", "jax_cfg": {"fsdp_size": -1, "tensor_parallel_size": 1}})
+        make_mesh(_cfg(-1, 1, backend="torch_fsdp"))
 
 
 # ================================================================= logical -> specs

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from backends.jax_pjit import steps
 from backends.jax_pjit.hf_mapping import from_pretrained, jax_to_hf_tensors
-from backends.jax_pjit.model import activation_constraint, logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models.layers import activation_constraint
 from backends.jax_pjit.sharding import activation_constraint as make_constraint
 from backends.jax_pjit.sharding import make_mesh, tree_shardings
 from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config

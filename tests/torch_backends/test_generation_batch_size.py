@@ -10,14 +10,19 @@ import torch
 
 from backends.torch_common import generation as gen_mod
 from backends.torch_common.generation import build_hf_generation_config, hf_generate
+from core.config import ConfigError
 from core.data import BatchedDataDict
+from core.policy.generation_config import GenerationConfig
 from core.testing.tiny_models import PAD_ID, build_tiny_model, random_batch
 
 ROWS, WIDTH, VOCAB = 5, 7, 256
 
 
 def gen_cfg(**overrides):
-    cfg = dict(max_new_tokens=6, temperature=0.7, top_p=1.0, top_k=None, stop_token_ids=None, stop_strings=None)
+    """A raw ``policy.generation`` section (``hf_generate`` validates it)."""
+    cfg = dict(
+        backend="hf", max_new_tokens=6, temperature=0.7, top_p=1.0, top_k=None, stop_token_ids=None, stop_strings=None
+    )
     cfg.update(overrides)
     return cfg
 
@@ -91,11 +96,12 @@ def test_a_bad_batch_size_is_refused(model, prompts, bad):
 
 
 def test_top_k_minus_one_means_off_and_zero_is_refused():
-    config = build_hf_generation_config(
-        gen_cfg(top_k=-1), greedy=False, max_new_tokens=2, stop_token_ids=[], pad_token_id=PAD_ID
-    )
+    off = GenerationConfig.coerce(gen_cfg(top_k=-1), "policy.generation")
+    config = build_hf_generation_config(off, greedy=False, max_new_tokens=2, stop_token_ids=[], pad_token_id=PAD_ID)
     assert config.top_k == 0  # HF's "off"
+    with pytest.raises(ConfigError, match=r"policy\.generation\.top_k: 0: use -1 or null"):
+        GenerationConfig.coerce(gen_cfg(top_k=0), "policy.generation")
+    # A section built without validation is still refused where HF's config is built.
+    zero = off.model_copy(update={"top_k": 0})
     with pytest.raises(ValueError, match="top_k must be None or -1"):
-        build_hf_generation_config(
-            gen_cfg(top_k=0), greedy=False, max_new_tokens=2, stop_token_ids=[], pad_token_id=PAD_ID
-        )
+        build_hf_generation_config(zero, greedy=False, max_new_tokens=2, stop_token_ids=[], pad_token_id=PAD_ID)

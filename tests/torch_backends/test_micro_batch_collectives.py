@@ -66,9 +66,10 @@ def test_train_reduces_gradients_once_per_step(case):
     accumulated gradients are the full-batch ones: loss and norm equal the reference."""
     data = pg_batch(8, seed=80)
     loss_fn = ClippedPGLossFn(PG_CFG)
-    out = {}
-    counts = count_collectives(case["policy"], lambda: out.update(case["policy"].train(data, loss_fn)))
+    results = []  # the step's TrainResult
+    counts = count_collectives(case["policy"], lambda: results.append(case["policy"].train(data, loss_fn)))
     assert counts["reduce_scatter"] == UNITS, counts
+    (out,) = results
     ref_loss, ref_norm = reference_loss_and_norm(case["model_dir"], data, loss_fn)
     assert math.isclose(float(out.loss[0]), ref_loss, rel_tol=1e-5, abs_tol=1e-6)
     assert math.isclose(float(out.grad_norm[0]), ref_norm, rel_tol=1e-5)

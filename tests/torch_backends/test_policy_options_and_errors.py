@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from core.config import ConfigError
 from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster, WorkerGroupError
 from core.losses import ClippedPGLossFn, LossInputError, NLLLoss
@@ -159,18 +158,25 @@ def test_tp_must_divide_heads(ray_session, tmp_path, tokenizer):
         cluster.shutdown()
 
 
-def test_context_parallel_needs_a_sequence_multiple_before_any_worker_starts(ray_session, model_dirs, tokenizer):
+def test_context_parallel_derives_its_sequence_multiple(ray_session, model_dirs, tokenizer):
+    """Context parallelism splits every row into 2 x cp chunks: the torch_dtensor worker pads
+    the width to that multiple itself (make_sequence_length_divisible_by is not asked to say
+    so), so cp=2 with the default multiple of 1 starts and scores a width-11 batch as HF does."""
     cfg = policy_config(model_dirs["llama"], "torch_dtensor")
     cfg["dtensor_cfg"]["context_parallel_size"] = 2
+    assert cfg["make_sequence_length_divisible_by"] == 1
     cluster = RayVirtualCluster([2], use_gpus=False)
+    policy = None
     try:
-        with pytest.raises(
-            ConfigError,
-            match=r"make_sequence_length_divisible_by: 1 is not a multiple of 2 x "
-            r"context_parallel_size \(2\) = 4",
-        ):
-            Policy(cluster, cfg, tokenizer)
+        policy = Policy(cluster, cfg, tokenizer)
+        ids, lens = random_batch(4, 11, VOCAB, seed=5)  # 11: not a multiple of 2 x cp
+        out = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lens))["logprobs"]
+        ref = hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval(), ids, lens)
+        assert out.shape == ids.shape
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     finally:
+        if policy is not None:
+            policy.shutdown()
         cluster.shutdown()
 
 
@@ -205,10 +211,10 @@ def test_bf16_with_activation_checkpointing_and_offload(backend, ray_session, mo
         # 2 micro batches per rank.  FSDP2 holds the unreduced gradients back in fp32 (one
         # reduce-scatter per unit and step); FSDP1 would hold them in bf16, so it keeps one
         # reduce-scatter per micro batch (fp32 shard accumulation): 3 units x 2.
-        first = {}
-        counts = count_collectives(policy, lambda: first.update(policy.train(data, NLLLoss(), mbs=1)))
+        results = []  # the first step's TrainResult
+        counts = count_collectives(policy, lambda: results.append(policy.train(data, NLLLoss(), mbs=1)))
         assert counts["reduce_scatter"] == (6 if backend == "torch_fsdp" else 3), counts
-        losses = [float(first.loss[0])] + [float(policy.train(data, NLLLoss(), mbs=1).loss[0]) for _ in range(2)]
+        losses = [float(results[0].loss[0])] + [float(policy.train(data, NLLLoss(), mbs=1).loss[0]) for _ in range(2)]
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     finally:
         policy.shutdown()

@@ -130,7 +130,12 @@ def _grpo_cells(g: dict) -> list[str]:
         overlapped = " / ".join(cell(producer.get(p), ".2f") for p in PRODUCER_PHASES)
     else:
         overlapped = "-"
-    return [cell(phases.get(p), ".2f") for p in GRPO_COLUMNS] + [overlapped]
+    call = g.get("train_call_s")
+    split = "-"
+    if call:
+        driver = call["checks"] + call["shard"]
+        split = " / ".join([cell(call["worker"], ".2f"), cell(call["dispatch"], ".2f"), cell(driver, ".2f")])
+    return [cell(phases.get(p), ".2f") for p in GRPO_COLUMNS] + [split, overlapped]
 
 
 def grpo_lines(results: dict) -> list[str]:
@@ -138,7 +143,7 @@ def grpo_lines(results: dict) -> list[str]:
     for name, g in grpo_rows(results):
         mode = g.get("mode", "sync")
         if "error" in g:
-            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 5))
+            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 6))
             continue
         trl = median(g.get("trl_step_s"))
         trl_len = median([x for x in g.get("trl_completion_length") or [] if x is not None])
@@ -165,6 +170,7 @@ def grpo_lines(results: dict) -> list[str]:
         "×TRL",
         "TRL step s",
         *[f"{p} s" for p in GRPO_COLUMNS],
+        "train: workers / dispatch / driver checks s",
         "async producer generation / reward s",
         "tokens / sample (dualrl / TRL)",
         "token_mult_prob_error",
