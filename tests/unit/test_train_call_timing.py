@@ -42,5 +42,10 @@ def test_train_metrics_carry_the_breakdown_only_when_the_driver_measured_it():
     timed = replace(_result(), worker_s=1.0, timing=CallTiming(0.1, 0.2, 1.5, 1.0))
     metrics = train_metrics(timed)
     assert {k: v for k, v in metrics.items() if k.startswith("train_call/")} == pytest.approx(
-        {"train_call/checks_s": 0.1, "train_call/shard_s": 0.2, "train_call/dispatch_s": 0.5, "train_call/worker_s": 1.0}
+        {
+            "train_call/checks_s": 0.1,
+            "train_call/shard_s": 0.2,
+            "train_call/dispatch_s": 0.5,
+            "train_call/worker_s": 1.0,
+        }
     )
