@@ -144,10 +144,9 @@ def check_micro_batch_losses(result: dict, atol: float = ATOL) -> None:
 
 
 # ---------------------------------------------------------------------- tests
-@pytest.mark.parametrize(
-    "backend",
-    ["torch_dtensor", pytest.param("torch_fsdp", marks=pytest.mark.slow)],
-)
+# slow (~25 s each: a second Ray node of its own): CI's time budget; make test-all runs both
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch_dtensor", "torch_fsdp"])
 def test_torch_dp2_across_two_nodes_matches_one_node(backend, tmp_path):
     result = run_scenario(backend, tmp_path)
     check_placement(result)

@@ -181,6 +181,8 @@ def test_policy_optimizer_that_cannot_be_imported(ray_session, model_dirs, token
     assert "(at backends/torch_common/optim.py:" in line
 
 
+# slow (~5 s each): the optimizer import case above keeps the start-up failure path fast
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs, expected",
     [
@@ -199,6 +201,8 @@ def test_policy_bad_optimizer_kwargs(kwargs, expected, ray_session, model_dirs, 
     assert "(at backends/torch_common/optim.py:" in line
 
 
+# slow (~5 s: a worker starts to fail): the same start-up failure path as the optimizer import above
+@pytest.mark.slow
 def test_policy_unknown_scheduler(ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["llama"], "torch_fsdp")
     cfg["scheduler"] = [{"name": "torch.optim.lr_scheduler.NoSuchLR", "kwargs": {}}]
@@ -225,6 +229,8 @@ def test_policy_truncated_safetensors(ray_session, model_dirs, tokenizer, tmp_pa
     assert failure.first_line in line and failure.exc_type in line
 
 
+# slow (~5 s: a worker starts to fail): the same start-up failure path as the optimizer import above
+@pytest.mark.slow
 def test_policy_model_dir_without_weights(ray_session, model_dirs, tokenizer, tmp_path):
     model_dir = tmp_path / "no_weights"
     shutil.copytree(model_dirs["llama"], model_dir)

@@ -36,6 +36,8 @@ def _stop(clusters, policy, generation):
         c.shutdown()
 
 
+# slow (~19 s): the contract suite refits a tp2 + SP Qwen2 policy's stream fast (tests/backends/test_refit.py)
+@pytest.mark.slow
 def test_dtensor_tp2_qwen2_refit_both_transports_greedy_and_sampled(ray_session, gen_model_dirs, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -138,7 +138,7 @@ def _tp_compile_rank(rank, world, port, results, sp, ac):
 @pytest.mark.parametrize(
     "sp, ac",
     [
-        (False, False),
+        pytest.param(False, False, marks=pytest.mark.slow),  # tp2_sp-ac below compiles the same blocks
         pytest.param(False, True, marks=pytest.mark.slow),
         pytest.param(True, False, marks=pytest.mark.slow),
         (True, True),
