@@ -88,6 +88,14 @@ def panels(results: dict) -> list:
     return out
 
 
+def _panel_width(panel, results: dict) -> float:
+    """Inches for one panel: the GRPO panel grows with its bars (sync + async per layout, TRL),
+    so that its rotated labels do not overlap; the legend sits to its right."""
+    if panel is grpo_panel:
+        return max(6.2, 3.5 + 0.55 * (len(grpo_rows(results)) + 1))
+    return 6.2
+
+
 def plot(results: dict, path: Path) -> Path:
     import matplotlib
 
@@ -95,7 +103,10 @@ def plot(results: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     draw = panels(results)
-    fig, axes = plt.subplots(1, max(1, len(draw)), figsize=(6.2 * max(1, len(draw)), 4.5), squeeze=False)
+    widths = [_panel_width(panel, results) for panel in draw] or [6.2]
+    fig, axes = plt.subplots(
+        1, len(widths), figsize=(sum(widths), 4.5), squeeze=False, gridspec_kw={"width_ratios": widths}
+    )
     for ax, panel in zip(axes[0], draw, strict=False):
         panel(ax, results)
     if not draw:
