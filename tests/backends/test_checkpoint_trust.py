@@ -54,14 +54,9 @@ class DcpFormat:
     name = "torch-dcp"
 
     def state(self, model_dir: Path, seed: int = 0):
-        from transformers import AutoModelForCausalLM
+        from tests.torch_backends.test_checkpoint_trust import perturbed_model
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        torch.manual_seed(seed)
-        with torch.no_grad():  # distinct weights per seed: a stale load cannot pass for a fresh one
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.01)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = perturbed_model(model_dir, seed)
         ids = torch.randint(4, 256, (2, 8), generator=torch.Generator().manual_seed(seed))
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()  # moments and a step count to save

@@ -22,23 +22,7 @@ from core.data import BatchedDataDict
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.testing.tiny_models import PAD_ID, random_batch, save_tiny_model
 from tests.min_new_tokens_checks import assert_min_length, assert_stops_at_once, stop_heavy_ids
-
-N_NEW = 8
-TEMPERATURE = 0.7
-
-
-def gen_cfg(**overrides):
-    cfg = dict(
-        backend="hf",  # the policy.generation section requires one; the JAX generate ignores it
-        max_new_tokens=N_NEW,
-        temperature=TEMPERATURE,
-        top_p=1.0,
-        top_k=None,
-        stop_token_ids=None,
-        stop_strings=None,
-    )
-    cfg.update(overrides)
-    return cfg
+from tests.unit.test_hf_generation import N_NEW, TEMPERATURE, gen_cfg  # one generation section for HF and JAX
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,12 @@ from tests.torch_backends.conftest import SEQ, VOCAB
 
 
 # ----------------------------------------------------------------------------- helpers
-def _model(model_dir: Path, seed: int = 0):
+def perturbed_model(model_dir: Path, seed: int = 0):
+    """(model, AdamW) with the model's weights moved by a seeded perturbation: distinct weights
+    per seed, so a stale load cannot pass for a fresh one."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     torch.manual_seed(seed)
-    with torch.no_grad():  # distinct weights per seed: a stale load cannot pass for a fresh one
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -53,13 +55,13 @@ def _shard(path: Path) -> Path:
 
 
 def _fresh_load(model_dir: Path, weights: Path, optim: Path | None = None, **kw):
-    model, optimizer = _model(model_dir, seed=99)
+    model, optimizer = perturbed_model(model_dir, seed=99)
     extra = ckpt.load_dcp(model, weights, optimizer, optim, **kw)
     return model, extra
 
 
 def test_optimizer_without_scheduler_file_is_refused(model_dirs, tmp_path):
-    model, optimizer = _model(model_dirs["llama"])
+    model, optimizer = perturbed_model(model_dirs["llama"])
     weights, optim = _save(model, optimizer, tmp_path)
     assert ckpt.SCHEDULER_FILE in json.loads((optim / MANIFEST_NAME).read_text())["files"]
     (optim / ckpt.SCHEDULER_FILE).unlink()
@@ -69,7 +71,7 @@ def test_optimizer_without_scheduler_file_is_refused(model_dirs, tmp_path):
     manifest = json.loads((optim / MANIFEST_NAME).read_text())
     manifest["files"].pop(ckpt.SCHEDULER_FILE)
     (optim / MANIFEST_NAME).write_text(json.dumps(manifest))
-    model2, optimizer2 = _model(model_dirs["llama"], seed=5)
+    model2, optimizer2 = perturbed_model(model_dirs["llama"], seed=5)
     before = _logprobs(model2)
     with pytest.raises(CheckpointError, match=r"has no scheduler_and_step\.pt.*refusing"):
         ckpt.load_dcp(model2, weights, optimizer2, optim)
