@@ -40,9 +40,10 @@ def load_command_config(args: argparse.Namespace) -> Any:
     """The validated config of a parsed ``config`` / ``grpo`` / ``sft`` / ``dpo`` command line:
     everything the command checks before any worker starts -- the run config of the command
     (``dualrl config``: of the command whose section the file holds), then the preflight
-    against the model's files and the classes it names -- every error naming the file or
-    override at fault."""
+    against the model's files and the classes it names, and the packages of the enabled
+    trackers (W&B, MLflow) -- every error naming the file or override at fault."""
     from core.algorithms.config import RUN_CONFIGS, run_config_class
+    from core.logging import tracker_package_errors
     from core.policy.preflight import preflight_errors
 
     overrides = list(args.overrides) + (["checkpointing.resume=true"] if getattr(args, "resume", False) else [])
@@ -50,9 +51,8 @@ def load_command_config(args: argparse.Namespace) -> Any:
         schema = run_config_class(load_raw_config(args.config, overrides, backend=args.backend))
     else:
         schema = RUN_CONFIGS[args.command]
-    return load_config(
-        args.config, overrides, backend=args.backend, schema=schema, checks=[lambda cfg: preflight_errors(cfg.policy)]
-    )
+    checks = [lambda cfg: preflight_errors(cfg.policy), lambda cfg: tracker_package_errors(cfg.logger)]
+    return load_config(args.config, overrides, backend=args.backend, schema=schema, checks=checks)
 
 
 def _config_command(args: argparse.Namespace) -> int:

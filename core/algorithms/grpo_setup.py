@@ -79,7 +79,7 @@ def setup_grpo(
     try:
         _start_workers(run, log)
     except BaseException:
-        run.close()
+        run.close(failed=True)
         raise
     return run
 

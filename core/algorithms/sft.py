@@ -171,7 +171,7 @@ def start_workers(run: TrainingRun, log: Callable[[str], None]) -> None:
             f"{cluster.world_size()} slot(s)"
         )
     except BaseException:
-        run.close()
+        run.close(failed=True)
         raise
 
 

@@ -36,6 +36,7 @@ from core.logging import (
     format_summary,
     plot_run,
     read_metrics,
+    tracker_package_errors,
 )
 from core.policy.preflight import preflight_errors
 
@@ -61,6 +62,8 @@ class TrainingRun:
     policy: Any = None
     #: The prompt loader's position after the last trained step (None: the loader's own).
     trained_loader_state: dict[str, Any] | None = None
+    #: Set by ``close(failed=True)``: the trackers (W&B, MLflow) mark their runs failed.
+    failed: bool = False
     _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
@@ -77,7 +80,9 @@ class TrainingRun:
         step (the async GRPO loop draws the next steps' prompts ahead of training)."""
         return self.trained_loader_state if self.trained_loader_state is not None else self.loader.state_dict()
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the workers and close the sinks; ``failed``: the run ends in an error."""
+        self.failed = self.failed or failed
         self._exit.close()
 
 
@@ -90,12 +95,13 @@ def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: Literal["
 def check_run_config(cfg: MasterConfig | Mapping[str, Any], algorithm: str) -> MasterConfig:
     """``cfg`` as ``dualrl <algorithm>``'s run config (what the command accepts, every rule
     between its sections), then the preflight against the model's files and the classes it
-    names; :class:`ConfigError` listing every problem otherwise."""
+    names, and the packages of the enabled trackers; :class:`ConfigError` listing every
+    problem otherwise."""
     schema = RUN_CONFIGS[algorithm]
     if isinstance(cfg, MasterConfig) and not isinstance(cfg, schema):
         cfg = cfg.to_dict()
     run_cfg = schema.coerce(cfg)
-    errors = preflight_errors(run_cfg.policy)
+    errors = preflight_errors(run_cfg.policy) + tracker_package_errors(run_cfg.logger)
     if errors:
         raise ConfigError(errors)
     return run_cfg
@@ -124,7 +130,7 @@ def open_run(
     if resumed is not None:
         loader.load_state_dict(resumed.train_state["loader"])
         restore_rng_state(resumed.rng_state)
-    logger = MetricsLogger(cfg.logger, resume=resumed is not None)
+    logger = MetricsLogger(cfg.logger, resume=resumed is not None, run_config=cfg.to_dict())
     if resumed is not None:
         logger.truncate_after(resumed.step)
     progress = StepProgress(
@@ -147,7 +153,7 @@ def open_run(
         progress,
         **extra,
     )
-    run._exit.callback(logger.close)
+    run._exit.callback(lambda: logger.close(failed=run.failed))
     run._exit.callback(progress.close)
     return run
 
@@ -294,10 +300,12 @@ def execute(
     """Set up, train, report, shut down: what ``dualrl <algorithm>`` does.  Returns the (closed) run."""
     start = time.perf_counter()
     run = setup(cfg, log, **setup_kwargs)
+    done = False
     try:
         train(run)
         run.progress.close()
         log(finish_run(run, time.perf_counter() - start, report_extra(run)))
+        done = True
     finally:
-        run.close()
+        run.close(failed=not done)
     return run

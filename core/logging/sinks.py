@@ -1,4 +1,6 @@
-"""Metric sinks: a JSONL file, TensorBoard, and the fan-out the training loops call.
+"""Metric sinks: a JSONL file, TensorBoard, and the fan-out the training loops call (which
+also feeds the optional experiment trackers, :mod:`core.logging.wandb_sink` and
+:mod:`core.logging.mlflow_sink`).
 
 Every row the loop logs becomes one JSON object per line of ``<log_dir>/metrics.jsonl``::
 
@@ -9,12 +11,14 @@ JSON has no spelling for them (Python's ``NaN`` token breaks other readers such 
 and writing ``null`` would hide the fact that a loss diverged.  :func:`read_metrics` turns
 them back into floats.
 
-Importing this module needs neither torch nor tensorboard; TensorBoard's writer is
-imported when a :class:`TensorBoardSink` is created.
+TensorBoard, W&B and MLflow show a metric as ``<split>/<metric name>`` (:func:`scalar_tags`).
+Importing this module needs neither torch, tensorboard, wandb nor mlflow: each is imported
+when its sink is created.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging as _pylogging
 import math
@@ -25,9 +29,10 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from core.logging.config import LoggerConfig
+from core.logging.tracking import Tracker
 
 _log = _pylogging.getLogger(__name__)
 
@@ -37,6 +42,8 @@ PLOT_FILENAME = "curves.png"
 
 # Keys every row carries; a metric with one of these names would overwrite them.
 RESERVED_KEYS = ("step", "split", "time")
+
+V = TypeVar("V")
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -185,6 +192,11 @@ class JsonlSink:
         self._file.close()
 
 
+def scalar_tags(split: str, metrics: Mapping[str, V]) -> dict[str, V]:
+    """Metrics under the names TensorBoard, W&B and MLflow show: ``train/loss``, ``val/accuracy``."""
+    return {f"{split}/{name}": value for name, value in metrics.items()}
+
+
 class TensorBoardSink:
     """Scalars under ``<log_dir>/tensorboard`` as ``<split>/<metric name>``."""
 
@@ -198,10 +210,10 @@ class TensorBoardSink:
 
     def write(self, split: str, step: int, metrics: Mapping[str, Any]) -> None:
         """Add every numeric metric as a scalar; other values are skipped."""
-        for name, value in metrics.items():
-            number = to_float(value)
-            if number is not None and name not in RESERVED_KEYS:
-                self._writer.add_scalar(f"{split}/{name}", number, int(step))
+        numbers = {name: to_float(value) for name, value in metrics.items() if name not in RESERVED_KEYS}
+        for tag, number in scalar_tags(split, numbers).items():
+            if number is not None:
+                self._writer.add_scalar(tag, number, int(step))
 
     def flush(self) -> None:
         """Push pending events to disk."""
@@ -222,19 +234,59 @@ def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str
             yield key, value
 
 
+def open_trackers(
+    cfg: LoggerConfig, log_dir: Path, *, run_config: Mapping[str, Any] | None, resume: bool
+) -> list[Tracker]:
+    """The enabled experiment trackers (W&B, MLflow); their modules are imported only here,
+    and one that fails to start closes (as failed) those already started."""
+    trackers: list[Tracker] = []
+    try:
+        if cfg.wandb_enabled:
+            from core.logging.wandb_sink import WandbSink
+
+            trackers.append(WandbSink(cfg.wandb, log_dir, run_config=run_config, resume=resume))
+        if cfg.mlflow_enabled:
+            from core.logging.mlflow_sink import MLflowSink
+
+            trackers.append(MLflowSink(cfg.mlflow, log_dir, run_config=run_config, resume=resume))
+    except BaseException:
+        for tracker in trackers:
+            tracker.close(failed=True)
+        raise
+    return trackers
+
+
 class MetricsLogger:
     """What the training loops call: one ``log`` call fans out to the enabled sinks."""
 
-    def __init__(self, logger_cfg: LoggerConfig | Mapping[str, Any], *, resume: bool = False) -> None:
-        """Open the sinks under ``logger.log_dir``; ``resume`` appends to metrics.jsonl."""
+    def __init__(
+        self,
+        logger_cfg: LoggerConfig | Mapping[str, Any],
+        *,
+        resume: bool = False,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Open the sinks under ``logger.log_dir``; ``resume`` appends to metrics.jsonl and
+        continues the trackers' runs; ``run_config`` (the whole run's config) goes to the
+        trackers as their config / params."""
         self.config = LoggerConfig.coerce(logger_cfg, "logger")
         self.log_dir = Path(self.config.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.history: list[dict[str, Any]] = []
         self._dropped: set[str] = set()
         self._closed = False
-        self._jsonl = JsonlSink(self.metrics_path, append=resume) if self.config.jsonl_enabled else None
-        self._tb = TensorBoardSink(self.log_dir) if self.config.tensorboard_enabled else None
+        self._jsonl: JsonlSink | None = None
+        self._tb: TensorBoardSink | None = None
+        self._trackers: list[Tracker] = []
+        try:
+            # Trackers first: one that cannot start (a missing package, a server refusing)
+            # fails before a fresh run's metrics.jsonl is truncated.
+            self._trackers = open_trackers(self.config, self.log_dir, run_config=run_config, resume=resume)
+            self._jsonl = JsonlSink(self.metrics_path, append=resume) if self.config.jsonl_enabled else None
+            self._tb = TensorBoardSink(self.log_dir) if self.config.tensorboard_enabled else None
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     @property
     def metrics_path(self) -> Path:
@@ -270,6 +322,10 @@ class MetricsLogger:
             self._jsonl.write_row(row)
         if self._tb is not None:
             self._tb.write(split, row["step"], scalars)
+        if self._trackers:
+            tags = scalar_tags(split, scalars)
+            for tracker in self._trackers:
+                tracker.write(row["step"], tags)
 
     def truncate_after(self, step: int) -> None:
         """Forget rows with step > ``step``: call it when resuming from the checkpoint at ``step``.
@@ -278,6 +334,8 @@ class MetricsLogger:
         be run again, so their old rows are removed from metrics.jsonl (rewritten through a
         temporary file and ``os.replace``, so a crash here leaves the old or the new file)
         and TensorBoard is reopened with ``purge_step=step + 1`` to hide their events.
+        The trackers cannot forget logged points: see :class:`~core.logging.wandb_sink.WandbSink`
+        and :class:`~core.logging.mlflow_sink.MLflowSink` for what they show of those steps.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"truncate_after: step must be a non-negative int, got {step!r}")
@@ -291,19 +349,24 @@ class MetricsLogger:
             self._tb.close()
             self._tb = TensorBoardSink(self.log_dir, purge_step=step + 1)
 
-    def close(self) -> None:
-        """Close every sink (idempotent)."""
-        for sink in (self._jsonl, self._tb):
-            if sink is not None:
-                sink.close()
+    def close(self, *, failed: bool = False) -> None:
+        """Close every sink (idempotent); ``failed`` marks the trackers' runs failed.  Every
+        sink is closed even when one raises (the first error is raised after)."""
+        files = [sink for sink in (self._jsonl, self._tb) if sink is not None]
+        trackers, self._trackers = self._trackers, []
         self._jsonl = self._tb = None
         self._closed = True
+        with contextlib.ExitStack() as stack:
+            for sink in files:
+                stack.callback(sink.close)
+            for tracker in trackers:
+                stack.callback(tracker.close, failed=failed)
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def _rewrite_keeping(path: Path, max_step: int) -> None:
