@@ -1,9 +1,10 @@
-"""GRPO advantages: each sample's reward against the other samples of its prompt's group.
+"""Advantages: each sample's reward turned into how much better it was than expected.
 
 Rows are laid out group by group (``num_generations_per_prompt`` consecutive rows share a
 prompt), which is how the loop builds rollouts, so groups are a reshape, not a search.
 
-Conventions follow NeMo RL's ``calculate_baseline_and_std_per_prompt``:
+``grpo.advantage_estimator`` picks one of :data:`ESTIMATORS` (the formulas and papers are in
+their docstrings).  The group statistics follow NeMo RL's ``calculate_baseline_and_std_per_prompt``:
 
 * baseline: the group's mean reward, or with ``leave_one_out`` the mean of the *other*
   samples (an unbiased baseline: a sample's own reward does not pull its baseline);
@@ -12,23 +13,26 @@ Conventions follow NeMo RL's ``calculate_baseline_and_std_per_prompt``:
   the advantage as ``reward - baseline``: dividing by a tiny epsilon would blow a
   near-tie up into a huge step.
 
-A zero-variance group (all samples scored alike) gets advantage 0 everywhere, so it
-contributes nothing but the KL term; its share is reported as a metric because a run
-where most groups are all-right or all-wrong has stopped learning.
+With a group baseline (grpo, rloo, dr_grpo) a zero-variance group (all samples scored alike)
+gets advantage 0 everywhere, so it contributes nothing but the KL term; its share is reported
+as a metric because a run where most groups are all-right or all-wrong has stopped learning.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from core.algorithms.config import ESTIMATOR_SWITCHES
 
 
 @dataclass
 class Advantages:
     advantages: torch.Tensor  # [B] float32, one per sample
-    baseline: torch.Tensor  # [B]
-    std: torch.Tensor  # [B]
+    baseline: torch.Tensor  # [B] what was subtracted from each reward before any batch whitening
+    std: torch.Tensor  # [B] the group's reward std (over the samples the baseline averages)
     zero_variance_groups: int
     num_groups: int
 
@@ -39,6 +43,21 @@ class Advantages:
             "reward_group_std_mean": float(self.std.mean()),
             "zero_variance_group_fraction": self.zero_variance_groups / max(self.num_groups, 1),
         }
+
+
+@dataclass(frozen=True)
+class EstimatorInput:
+    """What an estimator reads: one step's rewards and how much each sample weighs."""
+
+    rewards: torch.Tensor  # [B] float32, finite, a whole number of groups
+    group_size: int
+    token_counts: torch.Tensor  # [B] the tokens each sample has in the loss (0: masked out)
+    leave_one_out: bool  # grpo's use_leave_one_out_baseline (fixed for the others)
+    normalize: bool  # grpo's normalize_rewards (fixed for the others)
+
+
+#: (advantages [B], baseline [B], group std [B]) of one estimator.
+Estimate = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def group_baseline_and_std(
@@ -61,23 +80,135 @@ def group_baseline_and_std(
     return mean.reshape(-1).float(), std.reshape(-1).float()
 
 
-def compute_advantages(rewards: torch.Tensor, group_size: int, *, leave_one_out: bool, normalize: bool) -> Advantages:
-    """GRPO advantages of ``rewards`` [B] (B a multiple of ``group_size``), one per sample."""
+# ----------------------------------------------------------------------------- estimators
+def grpo_advantages(x: EstimatorInput) -> Estimate:
+    """GRPO (Shao et al. 2024, "DeepSeekMath", outcome supervision)::
+
+        A_i = (r_i - mean(r_group)) / std(r_group)
+
+    ``normalize: false`` drops the division; ``leave_one_out`` takes mean and std over the
+    group's *other* samples (NeMo RL's ``use_leave_one_out_baseline``).  Tied groups: 0."""
+    baseline, std = group_baseline_and_std(x.rewards, x.group_size, x.leave_one_out)
+    advantages = x.rewards - baseline
+    if x.normalize:
+        spread = std > 0
+        advantages = torch.where(spread, advantages / torch.where(spread, std, 1.0), advantages)
+    return _zero_tied_groups(advantages, x.rewards, x.group_size), baseline, std
+
+
+def rloo_advantages(x: EstimatorInput) -> Estimate:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization
+    for Learning from Human Feedback in LLMs")::
+
+        A_i = r_i - 1/(G-1) * sum_{j != i} r_j
+
+    the leave-one-out baseline, no std normalisation."""
+    baseline, std = group_baseline_and_std(x.rewards, x.group_size, leave_one_out=True)
+    return _zero_tied_groups(x.rewards - baseline, x.rewards, x.group_size), baseline, std
+
+
+def reinforce_plus_plus_advantages(x: EstimatorInput) -> Estimate:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
+    Language Models"), outcome reward, KL in the loss::
+
+        A_i = (r_i - mu_B) / sigma_B
+
+    with mu_B, sigma_B the mean and (population) std over every valid *token* of the batch
+    (each sample weighs its token count), as verl's and OpenRLHF's ``reinforce_plus_plus``
+    whiten; no group baseline, so a tied group keeps a non-zero advantage."""
+    baseline = torch.zeros_like(x.rewards)
+    _, std = group_baseline_and_std(x.rewards, x.group_size, leave_one_out=False)
+    return _whiten(x.rewards, x.token_counts), baseline, std
+
+
+def reinforce_plus_plus_baseline_advantages(x: EstimatorInput) -> Estimate:
+    """REINFORCE++-baseline (Hu 2025, the group-baseline variant; verl's
+    ``reinforce_plus_plus_baseline``, OpenRLHF's ``reinforce_baseline``)::
+
+        a_i = r_i - mean(r_group);   A_i = (a_i - mu_B) / sigma_B
+
+    mu_B, sigma_B over the batch's valid tokens as in :func:`reinforce_plus_plus_advantages`."""
+    baseline, std = group_baseline_and_std(x.rewards, x.group_size, leave_one_out=False)
+    return _whiten(x.rewards - baseline, x.token_counts), baseline, std
+
+
+def dr_grpo_advantages(x: EstimatorInput) -> Estimate:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+    Perspective")::
+
+        A_i = r_i - mean(r_group)
+
+    no std division (it weighs too-easy and too-hard prompts up); the other half of the fix,
+    a loss summed over tokens and divided by a constant, is ``loss_fn.token_normalizer:
+    constant`` (the config requires it)."""
+    baseline, std = group_baseline_and_std(x.rewards, x.group_size, leave_one_out=False)
+    return _zero_tied_groups(x.rewards - baseline, x.rewards, x.group_size), baseline, std
+
+
+#: ``grpo.advantage_estimator`` -> its estimator (the names are config.AdvantageEstimatorName's).
+ESTIMATORS: dict[str, Callable[[EstimatorInput], Estimate]] = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_plus_plus": reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+    "dr_grpo": dr_grpo_advantages,
+}
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    estimator: str,
+    leave_one_out: bool,
+    normalize: bool,
+    token_counts: torch.Tensor | None = None,
+) -> Advantages:
+    """Advantages of ``rewards`` [B] (B a multiple of ``group_size``), one per sample.
+
+    ``token_counts`` [B] weigh the batch statistics of the REINFORCE++ estimators (None:
+    every sample weighs 1); a sample with 0 tokens (masked out of the loss) does not count."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if not torch.isfinite(rewards).all():
         bad = int(torch.nonzero(~torch.isfinite(rewards))[0])
         raise ValueError(f"reward of sample {bad} is {float(rewards[bad])}: advantages need finite rewards")
-    baseline, std = group_baseline_and_std(rewards, group_size, leave_one_out)
-    advantages = rewards - baseline
-    if normalize:
-        spread = std > 0
-        advantages = torch.where(spread, advantages / torch.where(spread, std, 1.0), advantages)
+    _check_switches(estimator, leave_one_out=leave_one_out, normalize=normalize)
     groups = _as_groups(rewards, group_size)
+    counts = torch.ones_like(rewards) if token_counts is None else torch.as_tensor(token_counts).float()
+    x = EstimatorInput(rewards, group_size, counts, leave_one_out, normalize)
+    advantages, baseline, std = ESTIMATORS[estimator](x)
     zero_var = int((groups.max(1).values == groups.min(1).values).sum())
-    # Exact zeros for tied groups (the leave-one-out arithmetic leaves ~1e-8 residues).
-    tied = (groups.max(1, keepdim=True).values == groups.min(1, keepdim=True).values).expand_as(groups).reshape(-1)
-    advantages = torch.where(tied, 0.0, advantages)
     return Advantages(advantages.float(), baseline, std, zero_var, groups.shape[0])
+
+
+# ----------------------------------------------------------------------------- helpers
+def _check_switches(estimator: str, *, leave_one_out: bool, normalize: bool) -> None:
+    """The estimator exists and the switches agree with it (GRPOConfig.check's rule)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
+    given = {"normalize_rewards": normalize, "use_leave_one_out_baseline": leave_one_out}
+    for switch, needed in ESTIMATOR_SWITCHES[estimator].items():
+        if needed is not None and given[switch] != needed:
+            raise ValueError(f"advantage estimator {estimator!r} needs {switch}={needed}, got {given[switch]}")
+
+
+def _zero_tied_groups(advantages: torch.Tensor, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Exact zeros for tied groups (the leave-one-out arithmetic leaves ~1e-8 residues)."""
+    groups = _as_groups(rewards, group_size)
+    tied = (groups.max(1, keepdim=True).values == groups.min(1, keepdim=True).values).expand_as(groups)
+    return torch.where(tied.reshape(-1), 0.0, advantages)
+
+
+def _whiten(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(values - mu) / sigma with the ``weights``-weighted mean and population std (a sigma of
+    0 leaves values - mu, as the group std does above; no weight at all leaves values as they are)."""
+    v, w = values.double(), weights.double()
+    total = w.sum()
+    if total <= 0:
+        return values
+    mean = (w * v).sum() / total
+    std = ((w * (v - mean).square()).sum() / total).sqrt()
+    return ((v - mean) / (std if std > 0 else 1.0)).float()
 
 
 def _as_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ file that belongs to no single command (e.g. core/configs/default.yaml).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -24,6 +24,7 @@ from core.logging.config import LoggerConfig
 from core.losses.config import ClippedPGLossConfig, DPOLossConfig
 from core.models.builtin import is_warm_started
 from core.policy.config import PolicyConfig
+from core.policy.generation_args import new_token_limit
 
 
 # ----------------------------------------------------------------------------- sections
@@ -55,6 +56,48 @@ class AsyncGRPOConfig(ConfigModel):
     otherwise: the off-policy gap would go uncorrected)."""
 
 
+#: The advantage estimators ``grpo.advantage_estimator`` names (core.algorithms.advantages has
+#: their formulas and papers).
+AdvantageEstimatorName = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo"]
+
+#: What each estimator fixes of the two GRPO switches (``normalize_rewards``,
+#: ``use_leave_one_out_baseline``): a value the config must hold, or None where the switch is
+#: the estimator's option.  A config that contradicts its estimator is refused by name (the
+#: switches are required keys, so a silent override would hide what the run does).
+ESTIMATOR_SWITCHES: dict[str, dict[str, bool | None]] = {
+    "grpo": {"normalize_rewards": None, "use_leave_one_out_baseline": None},
+    "rloo": {"normalize_rewards": False, "use_leave_one_out_baseline": True},
+    "reinforce_plus_plus": {"normalize_rewards": False, "use_leave_one_out_baseline": False},
+    "reinforce_plus_plus_baseline": {"normalize_rewards": False, "use_leave_one_out_baseline": False},
+    "dr_grpo": {"normalize_rewards": False, "use_leave_one_out_baseline": False},
+}
+
+#: Why an estimator fixes a switch (the refusal's explanation).
+_SWITCH_REASONS = {
+    "rloo": "RLOO's baseline is the mean of the other samples, and it does not divide by a std",
+    "reinforce_plus_plus": "REINFORCE++ has no group baseline and normalises by the whole batch's std itself",
+    "reinforce_plus_plus_baseline": (
+        "REINFORCE++-baseline subtracts the group mean, then normalises by the whole batch's std itself"
+    ),
+    "dr_grpo": "Dr. GRPO subtracts the group mean and divides by no std (its point: no difficulty bias)",
+}
+
+
+class RewardShapingConfig(ConfigModel):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; NeMo RL's ``grpo.reward_shaping``):
+    a response whose length |y| enters the last ``overlong_buffer_length`` tokens before the
+    longest allowed response L_max (the generation's max_new_tokens, as cut to fit
+    max_total_sequence_length) loses ``overlong_buffer_penalty x (|y| - (L_max - buffer)) / buffer``
+    of its reward, linearly up to the whole penalty at L_max."""
+
+    enabled: bool = False
+    """Add the length penalty to the environment's rewards before the advantages."""
+    overlong_buffer_length: int | None = Field(None, ge=1)
+    """The buffer L_cache, in tokens (required when enabled; < the generation's max_new_tokens)."""
+    overlong_buffer_penalty: float = Field(1.0, ge=0)
+    """The penalty at L_max (DAPO: 1, the size of its correct/incorrect reward gap)."""
+
+
 class GRPOConfig(ConfigModel):
     """The GRPO loop (NeMo RL's ``grpo`` section)."""
 
@@ -66,10 +109,34 @@ class GRPOConfig(ConfigModel):
     """Training steps of the run (one rollout batch each)."""
     max_num_epochs: int | None = Field(None, ge=1)
     """Stop after this many passes over a finite prompt set; null = no limit."""
+    advantage_estimator: AdvantageEstimatorName = "grpo"
+    """How rewards become advantages (core.algorithms.advantages): grpo (group mean baseline,
+    the two switches below), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, dr_grpo
+    (needs loss_fn.token_normalizer: constant).  Every estimator but grpo fixes the switches:
+    a config that contradicts it is refused, naming the switch."""
     normalize_rewards: bool
-    """Divide advantages by the group's reward std (groups with std 0 are left as is)."""
+    """Divide advantages by the group's reward std (groups with std 0 are left as is).  Only
+    grpo's option: the other estimators need false (reinforce_plus_plus* normalise by the batch's
+    std themselves)."""
     use_leave_one_out_baseline: bool
-    """Baseline = mean reward of the *other* samples of the group."""
+    """Baseline = mean reward of the *other* samples of the group.  grpo's option; rloo needs
+    true, the other estimators false."""
+    overlong_filtering: bool = False
+    """Mask out of the loss (sample_mask 0) every response that reached max_new_tokens without a
+    stop token (DAPO's overlong filtering): a truncated answer is not judged on an unfinished
+    text.  Its reward still counts in its group's baseline."""
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    use_dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the groups whose rewards (the environment's, before reward
+    shaping) are all equal, and generate from further prompts until the step has
+    num_prompts_per_step groups that are not, or dynamic_sampling_max_gen_batches is reached."""
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    """Most generate calls (of num_prompts_per_step prompts each) one step may make."""
+    dynamic_sampling_on_shortfall: Literal["train", "skip", "error"] = "train"
+    """At the cap with fewer informative groups than num_prompts_per_step: train (on those,
+    padded to whole policy.train_global_batch_size batches with rows of dropped groups whose
+    sample_mask is 0), skip (no update this step), or error (stop the run, as NeMo RL does).
+    Every case warns; a step with no informative group at all is skipped under train too."""
     val_period: int = Field(ge=0)
     """Validate every N steps; 0 = never (except val_at_start / the end)."""
     val_at_start: bool
@@ -95,6 +162,16 @@ class GRPOConfig(ConfigModel):
                 f"must be >= 2, got {self.num_generations_per_prompt}: GRPO's baseline is the mean reward of a "
                 "prompt's group, so a group of one sample has advantage 0 everywhere and nothing is learned",
             )
+        estimator = self.advantage_estimator
+        for switch, needed in ESTIMATOR_SWITCHES[estimator].items():
+            if needed is not None and getattr(self, switch) != needed:
+                yield (
+                    switch,
+                    f"must be {str(needed).lower()} with advantage_estimator: {estimator} "
+                    f"({_SWITCH_REASONS[estimator]})",
+                )
+        if self.reward_shaping.enabled and self.reward_shaping.overlong_buffer_length is None:
+            yield "reward_shaping.overlong_buffer_length", "required when reward_shaping.enabled is true"
 
 
 class SFTConfig(ConfigModel):
@@ -256,6 +333,46 @@ class GRPORunConfig(_AlgorithmRunConfig):
             yield "data.max_input_seq_length", "missing (dualrl grpo needs the longest prompt in tokens)"
         if self.grpo.async_grpo.enabled:
             yield from self._async_problems()
+        yield from self._estimator_problems()
+        yield from self._response_length_problems()
+
+    def response_token_limit(self) -> int | None:
+        """The longest response a rollout may have (DAPO's L_max, Dr. GRPO's default token
+        budget): policy.generation.max_new_tokens cut so that the longest prompt
+        (data.max_input_seq_length) fits with it in policy.max_total_sequence_length, the rule
+        the engines apply; None when a section it needs is missing."""
+        gen, prompt = self.policy.generation, self.data.max_input_seq_length
+        if gen is None or prompt is None:
+            return None
+        return new_token_limit(gen, self.policy.max_total_sequence_length, prompt)
+
+    def _estimator_problems(self) -> Iterable[Problem]:
+        if self.grpo.advantage_estimator != "dr_grpo":
+            return
+        why = "Dr. GRPO sums each response's token losses over a constant token budget, with no length normaliser"
+        if not self.loss_fn.token_level_loss:
+            yield (
+                "loss_fn.token_level_loss",
+                f"must be true with grpo.advantage_estimator: dr_grpo: a sequence-level loss divides each "
+                f"sequence by its own length ({why})",
+            )
+        if self.loss_fn.token_normalizer != "constant":
+            yield (
+                "loss_fn.token_normalizer",
+                f"must be constant with grpo.advantage_estimator: dr_grpo, got "
+                f"{self.loss_fn.token_normalizer!r} ({why})",
+            )
+
+    def _response_length_problems(self) -> Iterable[Problem]:
+        shaping, limit = self.grpo.reward_shaping, self.response_token_limit()
+        buffer = shaping.overlong_buffer_length
+        if shaping.enabled and buffer is not None and limit is not None and buffer >= limit:
+            yield (
+                "grpo.reward_shaping.overlong_buffer_length",
+                f"{buffer} must be < the longest response, {limit} tokens (policy.generation.max_new_tokens, cut to "
+                "fit policy.max_total_sequence_length after data.max_input_seq_length): the penalty starts "
+                "overlong_buffer_length tokens before it",
+            )
 
     def _async_problems(self) -> Iterable[Problem]:
         gen, where = self.policy.generation, "grpo.async_grpo.enabled"

@@ -6,7 +6,10 @@ One step::
       -> refit the engines if the policy changed        timing/refit_s
       -> sample rollouts (seeded per row)               timing/generation_s   } generate_rollout
       -> rewards from the environment pool              timing/reward_s       }
-      -> group advantages (core.algorithms.advantages)                        }
+         (dynamic sampling: more prompts until enough                         }
+         groups are informative, core.algorithms.dynamic_sampling)           }
+      -> overlong filtering / penalty (response_length)                       }
+      -> advantages (core.algorithms.advantages)                              }
       -> prev_logprobs (unless the training forward's   timing/logprobs_s     } train_on_rollout
          own are exact) and reference logprobs (with                          }
          a KL term), one call to the workers                                  }
@@ -27,12 +30,16 @@ from typing import Any
 import torch
 
 from core.algorithms.advantages import compute_advantages
+from core.algorithms.dynamic_sampling import DynamicSamplingError, GroupSelection, sample_until_informative
+from core.algorithms.response_length import shape_response_lengths
 from core.algorithms.rollouts import (
     decode_completions,
+    generation_mask,
     prompt_batch,
     rollout_metrics,
     sample_seeds,
     training_batch,
+    truncated_rows,
 )
 from core.algorithms.timing import StepTimer
 from core.algorithms.training_run import report_skipped_steps, train_metrics
@@ -55,6 +62,24 @@ class Rollout:
     """The training step whose weights generated them (0: the initial weights)."""
     loader_state: dict[str, Any] | None = None
     """The prompt loader's position right after this step's prompts (what a checkpoint saves)."""
+    skipped: bool = False
+    """No update this step: dynamic sampling found no informative group, or too few under
+    ``grpo.dynamic_sampling_on_shortfall: skip``."""
+
+
+@dataclass
+class ScoredBatch:
+    """One generate call's rollouts, scored: ``rows`` holds the engine's output
+    (``GenerationOutputSpec``) plus ``prompt_lengths``, ``rewards`` (the environment's) and
+    ``infos`` per row, group by group."""
+
+    rows: BatchedDataDict
+    version: int
+    """The training step whose weights generated them."""
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        return self.rows["rewards"]
 
 
 def grpo_step(run: Any, step: int) -> dict[str, float]:
@@ -70,14 +95,42 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
 
 
 def generate_rollout(run: Any, step: int) -> Rollout:
-    """Step ``step``'s prompts -> sampled rollouts (seeded per row) -> rewards -> group
-    advantages -> the training batch.  Draws the next prompts from ``run.loader``."""
-    g, timer = run.cfg.grpo, StepTimer()
+    """Step ``step``'s prompts -> sampled rollouts (seeded per row) -> rewards (with dynamic
+    sampling: more prompts until enough groups are informative) -> overlong rules ->
+    advantages -> the training batch.  Draws the prompts from ``run.loader``."""
+    timer = StepTimer()
+    batches, selection = _sample_groups(run, step, timer)
+    loader_state = run.loader.state_dict()
+    generated: BatchedDataDict = BatchedDataDict.from_batches(
+        [b.rows for b in batches], pad_value_dict={"output_ids": run.tokenizer.pad_token_id}
+    )
+    # What the policy produced this step (every generate call), then what it trains on.
+    mask = generation_mask(generated, generated["prompt_lengths"])
+    metrics = rollout_metrics(generated, mask, generated["rewards"], run.stop_token_ids, run.max_new_tokens)
+    chosen = generated if selection is None else generated.select_indices(selection.rows)
+    trained = torch.ones(chosen.size) if selection is None else selection.trained
+    data, batch_metrics = _training_data(run, chosen, trained)
+    if selection is not None and selection.train_rows < data.size:  # whole global batches only
+        data = data.select_indices(list(range(selection.train_rows)))
+    metrics.update(batch_metrics)
+    metrics.update(_accuracy(generated["infos"]))
+    skipped = False
+    if selection is not None:
+        skipped = _shortfall(run, step, selection)
+        metrics.update({**selection.metrics(), "dynamic_sampling/skipped_step": float(skipped)})
+    metrics.update({k: v for k, v in timer.metrics().items() if k.startswith("timing/")})
+    version = min(b.version for b in batches)  # one version in practice: refits wait for the step
+    return Rollout(step, data, metrics, version, loader_state, skipped)
+
+
+def sample_batch(run: Any, step: int, call: int, timer: StepTimer) -> ScoredBatch:
+    """Generate call ``call`` of step ``step``: the loader's next prompts, each sampled
+    ``num_generations_per_prompt`` times with the seeds of stream ``call``, scored."""
+    g = run.cfg.grpo
     group = g.num_generations_per_prompt
     prompts = run.loader.next_batch()
-    loader_state = run.loader.state_dict()
     batch = prompt_batch([p.input_ids for p in prompts], group, run.tokenizer.pad_token_id)
-    batch["sample_seeds"] = sample_seeds(g.seed, step, batch.size)
+    batch["sample_seeds"] = sample_seeds(g.seed, step, batch.size, stream=call)
     texts = [p.prompt for p in prompts for _ in range(group)]
     metadata = [p.metadata for p in prompts for _ in range(group)]
     with timer("generation"):
@@ -85,18 +138,77 @@ def generate_rollout(run: Any, step: int) -> Rollout:
     completions = decode_completions(run.tokenizer, out, batch["input_lengths"])
     with timer("reward"):
         scored = run.env.score(texts, completions, metadata)
-    rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-    adv = compute_advantages(rewards, group, leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
-    data = training_batch(out, batch["input_lengths"], adv.advantages)
-    metrics = rollout_metrics(out, data["token_mask"], rewards, run.stop_token_ids, run.max_new_tokens)
-    metrics.update(adv.metrics())
-    metrics.update(_accuracy(scored.infos))
-    metrics.update({k: v for k, v in timer.metrics().items() if k.startswith("timing/")})
-    return Rollout(step, data, metrics, version, loader_state)
+    rows: BatchedDataDict = BatchedDataDict(out)
+    rows["prompt_lengths"] = batch["input_lengths"]
+    rows["rewards"] = torch.tensor(scored.rewards, dtype=torch.float32)
+    rows["infos"] = list(scored.infos)
+    return ScoredBatch(rows, version)
+
+
+def _sample_groups(run: Any, step: int, timer: StepTimer) -> tuple[list[ScoredBatch], GroupSelection | None]:
+    """One generate call, or with dynamic sampling as many as it takes (None: train on all)."""
+    g = run.cfg.grpo
+
+    def sample(call: int) -> ScoredBatch:
+        return sample_batch(run, step, call, timer)
+
+    if not g.use_dynamic_sampling:
+        return [sample(0)], None
+    return sample_until_informative(
+        sample,
+        g.num_generations_per_prompt,
+        g.num_prompts_per_step,
+        g.dynamic_sampling_max_gen_batches,
+        run.cfg.policy.train_global_batch_size,
+    )
+
+
+def _training_data(run: Any, rows: BatchedDataDict, trained: torch.Tensor) -> tuple[BatchedDataDict, dict[str, float]]:
+    """The loss input of the rows a step trains on (``trained`` 0: masked filler rows), with the
+    overlong rules and the advantage metrics."""
+    g = run.cfg.grpo
+    truncated = truncated_rows(rows, run.stop_token_ids, run.max_new_tokens)
+    shaped = shape_response_lengths(rows["rewards"], rows["generation_lengths"], truncated, g, run.max_new_tokens)
+    sample_mask = trained * shaped.sample_mask
+    adv = compute_advantages(
+        shaped.rewards,
+        g.num_generations_per_prompt,
+        estimator=g.advantage_estimator,
+        leave_one_out=g.use_leave_one_out_baseline,
+        normalize=g.normalize_rewards,
+        token_counts=rows["generation_lengths"] * sample_mask,
+    )
+    # Masked rows train on nothing; a 0 keeps them out of the advantage metrics' signal too.
+    adv.advantages = torch.where(sample_mask > 0, adv.advantages, 0.0)
+    data = training_batch(rows, rows["prompt_lengths"], adv.advantages, sample_mask)
+    return data, {**adv.metrics(), **shaped.metrics(g)}
+
+
+def _shortfall(run: Any, step: int, selection: GroupSelection) -> bool:
+    """At the cap with too few informative groups: warn, then skip (True), train, or raise."""
+    if not selection.cap_hit:
+        return False
+    g = run.cfg.grpo
+    what = (
+        f"step {step}: dynamic sampling found {selection.informative} informative group(s) of the "
+        f"{g.num_prompts_per_step} wanted in {selection.gen_batches} generate call(s) "
+        "(grpo.dynamic_sampling_max_gen_batches)"
+    )
+    if g.dynamic_sampling_on_shortfall == "error":
+        raise DynamicSamplingError(f"{what}; grpo.dynamic_sampling_on_shortfall is error")
+    skip = g.dynamic_sampling_on_shortfall == "skip" or selection.informative == 0
+    action = "skipping the step (no update)" if skip else "training on those (the rest of the batch masked out)"
+    run.progress.write(f"WARNING {what}: {action}")
+    return skip
 
 
 def train_on_rollout(run: Any, rollout: Rollout, step: int, timer: StepTimer) -> dict[str, float]:
     """The old / reference logprobs the loss needs, then ``Policy.train``: the step's train metrics."""
+    if rollout.skipped:
+        # No update, but the step still counts as one of the weights' versions: the async
+        # schedule numbers versions by step (the engines refit the same weights once).
+        run.rollouts.mark_stale()
+        return {}
     data = rollout.data
     old_and_reference_logprobs(run, data, timer)
     run.policy.prepare_for_training()

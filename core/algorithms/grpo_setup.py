@@ -64,24 +64,24 @@ def setup_grpo(
     held_out = [val_set[i].metadata["raw_prompt"] for i in range(len(val_set))]
     resolved = resolve(cfg, held_out, log)
     loader = BatchLoader(train_set, g.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=g.seed)
-    from core.losses import ClippedPGLossFn
-
-    run = open_run(
-        GRPORun,
-        "grpo",
-        cfg,
-        resolved,
-        tokenizer,
-        loader,
-        val_set,
-        ClippedPGLossFn(cfg.loss_fn, old_logprobs=old_logprobs_source(cfg)),
-    )
+    run = open_run(GRPORun, "grpo", cfg, resolved, tokenizer, loader, val_set, grpo_loss_fn(cfg))
     try:
         _start_workers(run, log)
     except BaseException:
         run.close(failed=True)
         raise
     return run
+
+
+def grpo_loss_fn(cfg: GRPORunConfig) -> Any:
+    """The run's ``ClippedPGLossFn``: the constant normaliser's null budget is the longest
+    response the run generates (``GRPORunConfig.response_token_limit``)."""
+    from core.losses import ClippedPGLossFn
+
+    loss_cfg = cfg.loss_fn
+    if loss_cfg.token_normalizer == "constant" and loss_cfg.constant_token_budget is None:
+        loss_cfg = loss_cfg.model_copy(update={"constant_token_budget": cfg.response_token_limit()})
+    return ClippedPGLossFn(loss_cfg, old_logprobs=old_logprobs_source(cfg))
 
 
 def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:

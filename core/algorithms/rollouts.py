@@ -64,9 +64,15 @@ def generation_mask(out: BatchedDataDict, prompt_lengths: torch.Tensor) -> torch
     return ((cols >= prompt_lengths[:, None]) & (cols < out["unpadded_sequence_lengths"][:, None])).float()
 
 
-def training_batch(out: BatchedDataDict, prompt_lengths: torch.Tensor, advantages: torch.Tensor) -> BatchedDataDict:
+def training_batch(
+    out: BatchedDataDict,
+    prompt_lengths: torch.Tensor,
+    advantages: torch.Tensor,
+    sample_mask: torch.Tensor | None = None,
+) -> BatchedDataDict:
     """The rollouts as ``ClippedPGLossFn`` input (``prev_logprobs`` and
     ``reference_policy_logprobs`` are added by the loop once the policy computed them).
+    ``sample_mask`` [B] (default all 1) takes rows out of the loss.
 
     Columns past the longest rollout are dropped: they are padding in every row.
     """
@@ -76,7 +82,7 @@ def training_batch(out: BatchedDataDict, prompt_lengths: torch.Tensor, advantage
         input_ids=out["output_ids"][:, :width].clone(),
         input_lengths=out["unpadded_sequence_lengths"].clone(),
         token_mask=mask,
-        sample_mask=torch.ones(mask.shape[0]),
+        sample_mask=torch.ones(mask.shape[0]) if sample_mask is None else sample_mask.float().clone(),
         advantages=advantages[:, None].float() * mask,
         generation_logprobs=out["logprobs"][:, :width].float() * mask,
     )
@@ -87,13 +93,19 @@ def rollout_metrics(
 ) -> dict[str, float]:
     """What a researcher watches about the rollouts themselves."""
     lengths = out["generation_lengths"].float()
-    last = out["output_ids"].gather(1, (out["unpadded_sequence_lengths"] - 1).clamp_min(0)[:, None])[:, 0]
-    stopped = torch.isin(last, torch.tensor(list(stop_ids), dtype=last.dtype)) & (lengths > 0)
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
         "response_length_mean": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
-        "truncated_fraction": float(((lengths >= max_new_tokens) & ~stopped).float().mean()),
+        "truncated_fraction": float(truncated_rows(out, stop_ids, max_new_tokens).float().mean()),
         "generated_tokens": float(mask.sum()),
     }
+
+
+def truncated_rows(out: BatchedDataDict, stop_ids: Sequence[int], max_new_tokens: int) -> torch.Tensor:
+    """[B] bool: the rows that reached ``max_new_tokens`` without ending on a stop token."""
+    lengths = out["generation_lengths"]
+    last = out["output_ids"].gather(1, (out["unpadded_sequence_lengths"] - 1).clamp_min(0)[:, None])[:, 0]
+    stopped = torch.isin(last, torch.tensor(list(stop_ids), dtype=last.dtype)) & (lengths > 0)
+    return (lengths >= max_new_tokens) & ~stopped

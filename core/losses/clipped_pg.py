@@ -8,7 +8,9 @@ log pi(x_t) itself for REINFORCE when ``disable_ppo_ratio``), an optional dual c
 w_t the importance weight pi_old / pi_gen correcting for the trainer/generator mismatch
 (optionally truncated: tis / icepop / seq-mask-tis).
 
-Token-level loss averages over all valid tokens of the global batch; sequence-level loss
+Token-level loss averages over all valid tokens of the global batch (``token_normalizer:
+global_tokens``) or divides their sum by valid sequences x ``constant_token_budget``
+(``constant``, Dr. GRPO: no response length moves the denominator); sequence-level loss
 averages per sequence first, then over the valid sequences of the global batch.
 """
 
@@ -55,6 +57,11 @@ class ClippedPGLossFn:
         if old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"ClippedPGLossFn: old_logprobs must be one of {OLD_LOGPROBS}, got {old_logprobs!r}")
         self.cfg = ClippedPGLossConfig.coerce(cfg, path="loss_fn")
+        if self.cfg.token_normalizer == "constant" and self.cfg.constant_token_budget is None:
+            raise ValueError(
+                "ClippedPGLossFn: loss_fn.constant_token_budget is null; give the tokens per sequence the constant "
+                "normaliser divides by (dualrl grpo fills in the longest response it generates)"
+            )
         self.old_logprobs = old_logprobs
         self.loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
         keys = ["advantages", "generation_logprobs"]
@@ -100,9 +107,14 @@ class ClippedPGLossFn:
         if global_valid_seqs is None:
             global_valid_seqs = ops.sum(sample_mask)
 
+        token_norm = global_valid_toks
+        if self.cfg.token_normalizer == "constant":
+            # Dr. GRPO: sum_i sum_t loss_it / (N x budget); N = valid sequences of the global batch.
+            token_norm = global_valid_seqs * self.cfg.constant_token_budget
+
         def reduce(per_token, token_level=self.loss_type == LossType.TOKEN_LEVEL):
             if token_level:
-                return masked_mean(per_token, mask, global_normalization_factor=global_valid_toks)
+                return masked_mean(per_token, mask, global_normalization_factor=token_norm)
             per_seq = masked_mean(per_token, token_mask, axis=-1)
             return masked_mean(per_seq, sample_mask, global_normalization_factor=global_valid_seqs)
 

@@ -28,6 +28,15 @@ class ClippedPGLossConfig(ConfigModel):
     """Correct for the generation / training logprob mismatch."""
     token_level_loss: bool
     """Mean over tokens (true) or over sequences (false)."""
+    token_normalizer: Literal["global_tokens", "constant"] = "global_tokens"
+    """What a token-level loss divides the global batch's summed token losses by: global_tokens,
+    the count of valid tokens (DAPO's token-level mean); constant, valid sequences x
+    constant_token_budget, a denominator no response length moves (Dr. GRPO, Liu et al. 2025).
+    Needs token_level_loss: true."""
+    constant_token_budget: int | None = Field(None, ge=1)
+    """Tokens per sequence of the constant normaliser (Dr. GRPO's MAX_TOKENS); null = the longest
+    response dualrl grpo generates (policy.generation.max_new_tokens as cut to fit
+    max_total_sequence_length).  Only with token_normalizer: constant."""
     disable_ppo_ratio: bool = False
     """REINFORCE: no ratio, no clipping."""
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
@@ -49,10 +58,25 @@ class ClippedPGLossConfig(ConfigModel):
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
             yield "ratio_clip_c", f"must be > 1 (or null to disable dual clipping), got {self.ratio_clip_c!r}"
         yield from self._truncation_problems()
+        yield from self._normalizer_problems()
         if self.sequence_level_importance_ratios and self.token_level_loss:
             yield (
                 "sequence_level_importance_ratios",
                 "requires token_level_loss: false (GSPO's sequence-level ratios need a sequence-level loss)",
+            )
+
+    def _normalizer_problems(self) -> Iterable[Problem]:
+        if self.token_normalizer == "constant" and not self.token_level_loss:
+            yield (
+                "token_normalizer",
+                "constant needs token_level_loss: true (a sequence-level loss divides each sequence by its own "
+                "length, which is what the constant normaliser replaces)",
+            )
+        if self.constant_token_budget is not None and self.token_normalizer != "constant":
+            yield (
+                "constant_token_budget",
+                f"is set ({self.constant_token_budget}) but token_normalizer is {self.token_normalizer!r}; "
+                "only the constant normaliser reads it",
             )
 
     def _truncation_problems(self) -> Iterable[Problem]:

@@ -36,13 +36,20 @@ def resolve_generation_args(
     pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
     limit = policy_cfg.max_total_sequence_length
-    max_new = min(gen_cfg.max_new_tokens, limit - prompt_width)
+    max_new = new_token_limit(gen_cfg, limit, prompt_width)
     if max_new <= 0:
         raise ValueError(
             f"prompts of width {prompt_width} leave no room for new tokens within "
             f"policy.max_total_sequence_length={limit}"
         )
     return GenerationArgs(gen_cfg, pad, eos_ids, max_new, effective_min_new_tokens(gen_cfg, max_new))
+
+
+def new_token_limit(gen_cfg: GenerationConfig, max_total_sequence_length: int, prompt_width: int) -> int:
+    """How many tokens a call may generate after prompts ``prompt_width`` wide:
+    ``generation.max_new_tokens``, cut so that prompt + generation fit the sequence limit
+    (<= 0: no room).  GRPO's response-length settings use it with the widest prompt."""
+    return min(gen_cfg.max_new_tokens, max_total_sequence_length - prompt_width)
 
 
 def effective_min_new_tokens(gen_cfg: GenerationConfig, max_new: int, override: int | None = None) -> int:

@@ -38,20 +38,24 @@ def _reference(rewards: list[float], n: int, loo: bool, normalize: bool) -> list
 @pytest.mark.parametrize("normalize", [True, False])
 def test_advantages_match_the_per_sample_formulas(loo, normalize):
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.0, 2.0, 1.0]
-    adv = compute_advantages(torch.tensor(rewards), 4, leave_one_out=loo, normalize=normalize)
+    adv = compute_advantages(torch.tensor(rewards), 4, estimator="grpo", leave_one_out=loo, normalize=normalize)
     assert adv.advantages.tolist() == pytest.approx(_reference(rewards, 4, loo, normalize), abs=1e-6)
     assert adv.zero_variance_groups == 1 and adv.num_groups == 3
 
 
 def test_zero_variance_groups_give_exact_zero_advantages():
-    adv = compute_advantages(torch.tensor([0.3] * 4 + [0.0, 1.0, 0.0, 1.0]), 4, leave_one_out=True, normalize=True)
+    adv = compute_advantages(
+        torch.tensor([0.3] * 4 + [0.0, 1.0, 0.0, 1.0]), 4, estimator="grpo", leave_one_out=True, normalize=True
+    )
     assert adv.advantages[:4].tolist() == [0.0] * 4
     assert adv.metrics()["zero_variance_group_fraction"] == 0.5
 
 
 def test_group_mean_baseline_without_leave_one_out_balances_the_group():
     """With the group's own mean the advantages of a group sum to zero (normalised or not)."""
-    adv = compute_advantages(torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0]), 8, leave_one_out=False, normalize=True)
+    adv = compute_advantages(
+        torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0]), 8, estimator="grpo", leave_one_out=False, normalize=True
+    )
     assert float(adv.advantages.sum()) == pytest.approx(0.0, abs=1e-5)
     baseline, std = group_baseline_and_std(torch.tensor([1.0, 0, 0, 0]), 4, leave_one_out=False)
     assert baseline.tolist() == [0.25] * 4 and std.tolist() == pytest.approx([math.sqrt(0.1875)] * 4)
@@ -59,9 +63,11 @@ def test_group_mean_baseline_without_leave_one_out_balances_the_group():
 
 def test_advantage_input_errors():
     with pytest.raises(ValueError, match="do not split into groups of 4"):
-        compute_advantages(torch.zeros(6), 4, leave_one_out=False, normalize=False)
+        compute_advantages(torch.zeros(6), 4, estimator="grpo", leave_one_out=False, normalize=False)
     with pytest.raises(ValueError, match="reward of sample 2 is nan"):
-        compute_advantages(torch.tensor([0.0, 1.0, float("nan"), 0.0]), 2, leave_one_out=False, normalize=False)
+        compute_advantages(
+            torch.tensor([0.0, 1.0, float("nan"), 0.0]), 2, estimator="grpo", leave_one_out=False, normalize=False
+        )
 
 
 # ----------------------------------------------------------------------------- rollouts

@@ -52,6 +52,8 @@ PG_VARIANTS = {
         "use_importance_sampling_correction": True,
     },
     "no_kl": {"reference_policy_kl_penalty": 0.0},
+    # Dr. GRPO: token sums over valid sequences x a constant budget (KL term included).
+    "dr_grpo_constant": {"token_normalizer": "constant", "constant_token_budget": 9},
 }
 
 
@@ -100,6 +102,8 @@ def np_clipped_pg(logits, d, cfg, gseq=None, gtok=None):
     gtok = m.sum() if gtok is None else gtok
 
     def reduce(x):
+        if cfg.get("token_normalizer") == "constant":
+            return (x * m).sum() / (gseq * cfg["constant_token_budget"] + EPS)
         if cfg["token_level_loss"]:
             return (x * m).sum() / (gtok + EPS)
         per_seq = (x * tm).sum(-1) / (tm.sum(-1) + EPS)
@@ -302,7 +306,9 @@ def _split_sum(engine, loss_fn, logits, data, mbs):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("loss_name", ["ppo_token", "ppo_sequence", "gspo", "seq_mask_tis", "nll", "dpo"])
+@pytest.mark.parametrize(
+    "loss_name", ["ppo_token", "ppo_sequence", "gspo", "seq_mask_tis", "dr_grpo_constant", "nll", "dpo"]
+)
 def test_micro_batch_invariance(engine, loss_name):
     if loss_name == "nll":
         loss_fn = NLLLoss()
@@ -368,6 +374,13 @@ WORKED = {
         {"reference_policy_kl_penalty": 0.0, "ratio_clip_c": 3.0},
         dict(curr=np.log([0.5, 1, 10]) + np.array([-1, -1, -3]), prev=[-1, -1, -3], adv=[1, -1, -4]),
         4.166667,
+    ),
+    # ratio 1: token losses -A = [-1, 1, -2]; sum -2 over 1 sequence x a budget of 4 (the
+    # token mean would be -2/3)
+    "dr_grpo_constant": (
+        {"reference_policy_kl_penalty": 0.0, "token_normalizer": "constant", "constant_token_budget": 4},
+        dict(curr=[-0.5, -1, -1.5], adv=[1, -1, 2]),
+        -0.5,
     ),
 }
 
@@ -510,6 +523,19 @@ def test_bad_loss_config_names_the_field():
     assert errors(DPOLossFn, {**DPO_CFG, "sft_loss_weight": "high"}) == [
         "loss_fn.sft_loss_weight: expected float, got str ('high')"
     ]
+    assert errors(ClippedPGLossFn, {**BASE_CFG, "token_normalizer": "constant", "token_level_loss": False}) == [
+        "loss_fn.token_normalizer: constant needs token_level_loss: true (a sequence-level loss divides each "
+        "sequence by its own length, which is what the constant normaliser replaces)"
+    ]
+    assert errors(ClippedPGLossFn, {**BASE_CFG, "constant_token_budget": 64}) == [
+        "loss_fn.constant_token_budget: is set (64) but token_normalizer is 'global_tokens'; only the constant "
+        "normaliser reads it"
+    ]
+    assert errors(ClippedPGLossFn, {**BASE_CFG, "token_normalizer": "per_sequence"}) == [
+        "loss_fn.token_normalizer: expected one of 'global_tokens', 'constant', got 'per_sequence'"
+    ]
+    with pytest.raises(ValueError, match="loss_fn.constant_token_budget is null"):
+        ClippedPGLossFn({**BASE_CFG, "token_normalizer": "constant"})
 
 
 def test_loss_functions_take_the_typed_section_or_its_mapping():
