@@ -19,7 +19,7 @@ Files under ``log_dir``: ``metrics.jsonl`` (one JSON row per split and step),
 imports neither torch, jax, ray, matplotlib nor tensorboard (only tqdm).
 """
 
-from core.logging.plots import plot_run
+from core.logging.plots import plot_pass_at_k, plot_run
 from core.logging.progress import (
     PROGRESS_FIELDS,
     STEP_TIME_KEYS,
@@ -56,6 +56,7 @@ __all__ = [
     "format_postfix",
     "timing_keys_in",
     "plot_run",
+    "plot_pass_at_k",
     "format_summary",
     "format_val_samples",
 ]
