@@ -5,6 +5,11 @@
         (core/configs/grpo_arithmetic.yaml: a built-in tiny model on the arithmetic task).
     dualrl sft  [same options]   SFT (core/configs/sft_arithmetic.yaml: answers of the task)
     dualrl dpo  [same options]   DPO (core/configs/dpo_arithmetic.yaml: right vs wrong answers)
+    dualrl eval [--checkpoint DIR | --model PATH] [--k K ...] [--num-samples N] [--dataset NAME]
+                [--split S] [--max-prompts N] [--out DIR] [--config FILE] [--backend NAME] [key.path=value ...]
+        pass@k, maj@k, mean@k (and the greedy accuracy) of a run checkpoint or a model on held-out
+        prompts, with bootstrap intervals: a table, eval.json and pass_at_k.png (docs/evaluation.md).
+        The config is a GRPO run's: the checkpoint's own config.yaml, else the embedded default.
     dualrl config [--config FILE] [--backend NAME] [key.path=value ...]
         load a YAML config, apply dotted overrides and --backend, validate it, print it.
     dualrl parity [--layouts L ...] [--model NAME|PATH] [--json OUT] [--crossload ring|full] [--engine [L ...]]
@@ -53,6 +58,121 @@ def load_command_config(args: argparse.Namespace) -> Any:
         schema = RUN_CONFIGS[args.command]
     checks = [lambda cfg: preflight_errors(cfg.policy), lambda cfg: tracker_package_errors(cfg.logger)]
     return load_config(args.config, overrides, backend=args.backend, schema=schema, checks=checks)
+
+
+def load_eval_config(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(the validated GRPO run config, the checkpoint or None) of a parsed ``dualrl eval`` line:
+    ``--config``, else the checkpoint's own ``config.yaml``, else the embedded GRPO default;
+    ``--model`` / ``--k`` / ``--num-samples`` become overrides of the fields they set."""
+    from core.algorithms.config import GRPORunConfig
+    from core.checkpointing import CheckpointError, read_checkpoint
+    from core.policy.preflight import preflight_errors
+
+    ckpt = read_checkpoint(args.checkpoint) if args.checkpoint else None
+    path = args.config
+    if path is None and ckpt is not None:
+        if ckpt.identity.get("algorithm") != "grpo":
+            raise CheckpointError(
+                f"dualrl eval --checkpoint {ckpt.path}: written by dualrl {ckpt.identity.get('algorithm')}, whose "
+                "config has no prompts, environment or generation settings; give --config FILE, a GRPO config of "
+                "the same model"
+            )
+        path = ckpt.path / "config.yaml"
+    overrides = list(args.overrides)
+    if args.model is not None:
+        overrides.append(f"policy.model_name={args.model}")
+        if not any(o.startswith("policy.tokenizer.name=") for o in overrides):
+            overrides.append(f"policy.tokenizer.name={args.model}")
+    if args.k is not None:
+        overrides.append(f"grpo.val_pass_at_k={list(args.k)}")
+    if args.num_samples is not None:
+        overrides.append(f"grpo.val_num_samples={args.num_samples}")
+    cfg = load_config(
+        path or GRPO_DEFAULT_CONFIG_PATH,
+        overrides,
+        backend=args.backend,
+        schema=GRPORunConfig,
+        checks=[lambda c: preflight_errors(c.policy)],
+    )
+    return cfg, ckpt
+
+
+def _eval_command(args: argparse.Namespace) -> int:
+    from core.checkpointing import CheckpointError
+
+    try:
+        cfg, ckpt = load_eval_config(args)
+    except (ConfigError, CheckpointError, FileNotFoundError) as err:
+        print(f"dualrl eval: invalid input:\n{err}", file=sys.stderr)
+        return 2
+    from core.algorithms.commands import run_eval  # heavy imports only when evaluating
+    from core.algorithms.eval_run import EvalRequest
+    from core.environments import EnvironmentPoolError, RewardError
+    from core.generation.engine_health import EngineDeadError
+
+    request = EvalRequest(ckpt, args.dataset, args.split, args.max_prompts, Path(args.out) if args.out else None)
+    try:
+        run_eval(cfg, request, log=_console_line)
+    except (RewardError, EnvironmentPoolError, EngineDeadError) as err:
+        print(f"dualrl eval: evaluation failed: {err}", file=sys.stderr)
+        return 1
+    except _input_errors() as err:
+        print(f"dualrl eval: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_eval_parser(sub: Any) -> None:
+    cmd = sub.add_parser(
+        "eval",
+        help="pass@k / maj@k / mean@k of a run checkpoint or a model on held-out prompts (docs/evaluation.md)",
+        description="Evaluate a run checkpoint or a model as GRPO validates: the greedy accuracy, and with --k "
+        "pass@k, maj@k and mean@k from --num-samples samples per prompt, each with a bootstrap interval. "
+        "Overrides (key.path=value) go before --k, whose list would take them.",
+    )
+    what = cmd.add_mutually_exclusive_group()
+    what.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a run checkpoint step_N/, or a run's checkpoint "
+        "directory (its latest complete one); its config.yaml is the default --config",
+    )
+    what.add_argument(
+        "--model",
+        metavar="PATH",
+        help="an HF model directory (e.g. checkpointing.export_hf_dir) "
+        "or hub name: sets policy.model_name and policy.tokenizer.name",
+    )
+    cmd.add_argument(
+        "--k",
+        type=_positive_int,
+        nargs="+",
+        help="the k's of pass@k, maj@k, mean@k (grpo.val_pass_at_k); without: the greedy accuracy only",
+    )
+    cmd.add_argument(
+        "--num-samples",
+        type=_positive_int,
+        help="samples per prompt, >= every k (grpo.val_num_samples; default: the largest k)",
+    )
+    cmd.add_argument(
+        "--dataset",
+        help="a built-in task, a .jsonl/.json/.parquet file or a hub dataset, read "
+        "with the config's data keys (default: the config's validation prompts)",
+    )
+    cmd.add_argument("--split", help="the split of a file / hub --dataset (default: data.split)")
+    cmd.add_argument("--max-prompts", type=_positive_int, help="evaluate the first N prompts only")
+    cmd.add_argument("--out", metavar="DIR", help="where eval.json and pass_at_k.png go (default: runs/eval/<name>)")
+    cmd.add_argument("--config", help="a GRPO config (default: the checkpoint's config.yaml, else the embedded one)")
+    cmd.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
+    cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.generation.temperature=0.7")
+    cmd.set_defaults(func=_eval_command)
 
 
 def _config_command(args: argparse.Namespace) -> int:
@@ -159,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="continue from the latest complete checkpoint in checkpointing.checkpoint_dir",
         )
         cmd.set_defaults(func=_train_command)
+    _add_eval_parser(sub)
     cfg = sub.add_parser("config", help="validate a config (YAML + overrides) and print the resolved result")
     _add_config_args(cfg, DEFAULT_CONFIG_PATH)
     cfg.set_defaults(func=_config_command)

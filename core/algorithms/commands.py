@@ -1,6 +1,7 @@
 """What each ``dualrl`` training command does: check the config, make the model loadable
 (building a built-in one, which for ``builtin:arithmetic-llama`` is itself a warm-start SFT
-run), set up, train, report, shut down.
+run), set up, train, report, shut down; and ``dualrl eval`` (:func:`run_eval`), which
+evaluates a checkpoint or a model the same way GRPO validates.
 
 The set-up functions take the model resolver as an argument; this module is where the
 commands hand them :func:`core.algorithms.warm_start.resolve_model`, so the warm start sits
@@ -14,6 +15,8 @@ from typing import Any
 
 from core.algorithms.config import DPORunConfig, GRPORunConfig, SFTRunConfig
 from core.algorithms.dpo import dpo_train, setup_dpo
+from core.algorithms.eval_run import EvalRequest, EvalResult
+from core.algorithms.eval_run import run_eval as _run_eval
 from core.algorithms.grpo_setup import GRPORun, grpo_train, setup_grpo
 from core.algorithms.sft import setup_sft, sft_train
 from core.algorithms.training_run import TrainingRun, execute
@@ -37,6 +40,11 @@ def run_sft(
 def run_dpo(cfg: DPORunConfig | Mapping[str, Any], log: Log = print) -> TrainingRun:
     """What ``dualrl dpo`` does.  Returns the (closed) run."""
     return execute(setup_dpo, dpo_train, lambda run: {}, cfg, log, resolve=resolve_model)
+
+
+def run_eval(cfg: GRPORunConfig | Mapping[str, Any], request: EvalRequest, log: Log = print) -> EvalResult:
+    """What ``dualrl eval`` does: the report of a checkpoint or a model (core.algorithms.eval_run)."""
+    return _run_eval(cfg, request, log, resolve=resolve_model)
 
 
 #: The entry point of each training command.

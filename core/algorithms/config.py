@@ -144,9 +144,17 @@ class GRPOConfig(ConfigModel):
     val_at_end: bool = True
     """Validate after the last step."""
     max_val_samples: int = Field(ge=1)
-    """Held-out prompts per validation (greedy, one sample each)."""
+    """Held-out prompts per validation (greedy, one sample each; val_pass_at_k adds a sampled pass)."""
     val_batch_size: int | None = Field(None, ge=1)
     """Prompts per validation generate call; null = all at once."""
+    val_pass_at_k: list[int] | None = None
+    """Also estimate pass@k, maj@k and mean@k for these k's at every validation (and in dualrl
+    eval, whose --k sets it), from val_num_samples samples per held-out prompt drawn at
+    policy.generation's temperature, seeded the same at every validation; null = the greedy
+    accuracy only (docs/evaluation.md)."""
+    val_num_samples: int | None = Field(None, ge=1)
+    """Samples per held-out prompt of that sampled pass, >= every k (dualrl eval: --num-samples);
+    null = max(val_pass_at_k)."""
     seed: int
     """Data order, sampling seeds, task generation: a CPU fp32 run is repeatable."""
     fuse_old_logprobs: bool = True
@@ -155,7 +163,15 @@ class GRPOConfig(ConfigModel):
     weights); false forces the separate pass (an ablation)."""
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
+    @property
+    def val_samples_per_prompt(self) -> int:
+        """Samples per held-out prompt of the sampled validation pass (0: none)."""
+        if not self.val_pass_at_k:
+            return 0
+        return self.val_num_samples or max(self.val_pass_at_k)
+
     def check(self) -> Iterable[Problem]:
+        yield from self._pass_at_k_problems()
         if self.num_generations_per_prompt < 2:
             yield (
                 "num_generations_per_prompt",
@@ -172,6 +188,24 @@ class GRPOConfig(ConfigModel):
                 )
         if self.reward_shaping.enabled and self.reward_shaping.overlong_buffer_length is None:
             yield "reward_shaping.overlong_buffer_length", "required when reward_shaping.enabled is true"
+
+    def _pass_at_k_problems(self) -> Iterable[Problem]:
+        ks, flags = self.val_pass_at_k, "(dualrl eval: --k / --num-samples)"
+        if ks is None:
+            if self.val_num_samples is not None:
+                yield (
+                    "val_num_samples",
+                    "set without val_pass_at_k, which the sampled validation pass estimates; remove it",
+                )
+            return
+        if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
+            yield "val_pass_at_k", f"must be distinct k's >= 1 (or null for the greedy accuracy only), got {ks} {flags}"
+        elif max(ks) > self.val_samples_per_prompt:
+            yield (
+                "val_pass_at_k",
+                f"pass@{max(ks)} needs at least {max(ks)} samples per prompt, but val_num_samples is "
+                f"{self.val_num_samples}; raise val_num_samples or drop the k {flags}",
+            )
 
 
 class SFTConfig(ConfigModel):

@@ -31,6 +31,7 @@ import torch
 
 from core.algorithms.advantages import compute_advantages
 from core.algorithms.dynamic_sampling import DynamicSamplingError, GroupSelection, sample_until_informative
+from core.algorithms.evaluation import EvalPlan, evaluate
 from core.algorithms.response_length import shape_response_lengths
 from core.algorithms.rollouts import (
     decode_completions,
@@ -253,30 +254,14 @@ def old_logprobs_source(cfg: Any) -> str:
 
 
 def grpo_validate(run: Any, step: int) -> dict[str, float]:
-    """Greedy rollouts of every held-out prompt (on the policy's current weights), scored;
-    accuracy and mean reward."""
+    """:func:`core.algorithms.evaluation.evaluate` of the held-out prompts on the policy's
+    current weights: greedy accuracy, reward and response length, and with
+    ``grpo.val_pass_at_k`` the sampled pass's pass@k, maj@k and mean@k."""
     (run.sync_weights or run.rollouts.sync_weights)()
-    items = [run.val_dataset[i] for i in range(len(run.val_dataset))]
-    size = run.cfg.grpo.val_batch_size or len(items)
-    completions, rewards, infos, lengths = [], [], [], []
-    for start in range(0, len(items), size):
-        chunk = items[start : start + size]
-        batch = prompt_batch([p.input_ids for p in chunk], 1, run.tokenizer.pad_token_id)
-        out = run.rollouts.generate(batch, greedy=True)
-        texts = decode_completions(run.tokenizer, out, batch["input_lengths"])
-        scored = run.env.score([p.prompt for p in chunk], texts, [p.metadata for p in chunk])
-        completions += texts
-        rewards += scored.rewards
-        infos += scored.infos
-        lengths += out["generation_lengths"].tolist()
-    _print_samples(run, step, items, completions, rewards)
-    metrics = {
-        "reward_mean": sum(rewards) / len(rewards),
-        "response_length_mean": sum(lengths) / len(lengths),
-        "num_samples": float(len(items)),
-    }
-    metrics.update(_accuracy(infos))
-    return metrics
+    prompts = [run.val_dataset[i] for i in range(len(run.val_dataset))]
+    evaluation = evaluate(run.rollouts, run.env, run.tokenizer, prompts, EvalPlan.of_grpo(run.cfg.grpo, len(prompts)))
+    _print_samples(run, step, prompts, evaluation.greedy.completions, evaluation.greedy.rewards)
+    return evaluation.metrics()
 
 
 def _accuracy(infos: list[dict[str, Any]]) -> dict[str, float]:

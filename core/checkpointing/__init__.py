@@ -18,13 +18,14 @@ Layout of ``checkpointing.checkpoint_dir``::
     .trash-step_10-.../      a pruned checkpoint being deleted
 """
 
-from core.checkpointing.manager import CheckpointManager, LoadedCheckpoint
+from core.checkpointing.manager import CheckpointManager, LoadedCheckpoint, read_checkpoint
 from core.checkpointing.manifest import CheckpointError, verify_manifest, write_manifest
 from core.checkpointing.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
     "CheckpointManager",
     "LoadedCheckpoint",
+    "read_checkpoint",
     "CheckpointError",
     "write_manifest",
     "verify_manifest",

@@ -26,7 +26,7 @@ from core.checkpointing.config import CheckpointingConfig
 from core.checkpointing.manifest import CheckpointError
 from core.checkpointing.rng import load_rng_state, save_rng_state
 
-__all__ = ["CheckpointManager", "LoadedCheckpoint"]
+__all__ = ["CheckpointManager", "LoadedCheckpoint", "read_checkpoint"]
 
 _TMP_RE = re.compile(r"\.(tmp|trash)-step_[0-9]+-[0-9a-f]{8}")
 _OLD_RE = re.compile(r"\.old-step_([0-9]+)-[0-9a-f]{8}")
@@ -284,3 +284,29 @@ class CheckpointManager:
                 removed.append(child)
         mf.fsync_dir(root)
         return removed
+
+
+def read_checkpoint(path: Path | str) -> LoadedCheckpoint:
+    """A checkpoint read from outside its run (``dualrl eval``): ``path`` is a ``step_N``
+    directory, or a run's checkpoint directory (then its latest complete checkpoint).  Presence
+    and sizes are verified here (a policy checksums its own files when it loads them); no RNG
+    state is read and no identity matched: the caller compares ``identity`` with its own."""
+    path = Path(path).expanduser().absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+    if not (path / mf.MANIFEST_NAME).exists() and not mf.STEP_DIR_RE.fullmatch(path.name):
+        latest = CheckpointManager({"enabled": False, "checkpoint_dir": str(path)}, identity={}).latest_complete()
+        if latest is None:
+            raise CheckpointError(
+                f"{path} holds no complete run checkpoint (a step_N/ directory with a checkpoint.json)"
+            )
+        path = latest
+    manifest = mf.verify_manifest(path, checksums=False)
+    return LoadedCheckpoint(
+        step=manifest["step"],
+        path=path,
+        policy_dir=path / mf.POLICY_DIR,
+        rng_state={},
+        identity=manifest["identity"],
+        **mf.read_driver_state(path, manifest),
+    )

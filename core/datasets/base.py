@@ -179,6 +179,31 @@ def build_datasets(
     return train, _separate_val(data_cfg, task, encoder, num_val, seed)
 
 
+def build_eval_dataset(
+    data_cfg: DataConfig,
+    task_cfg: ArithmeticTaskConfig | None,
+    encoder,
+    name: str,
+    split: str | None,
+    *,
+    num_builtin: int,
+    seed: int,
+    key_path: str,
+    task_path: str = "env.arithmetic",
+) -> EncodedDataset:
+    """The examples of ``name`` alone, to evaluate on (no train source is read): a built-in
+    task's held-out problems -- the ``num_builtin`` a run seeded ``seed`` validates on -- or
+    every row of a file / hub dataset's ``split`` (None: ``data.split``).  ``key_path`` is
+    what errors name."""
+    if is_builtin(name):
+        if split is not None:
+            raise ValueError(f"{key_path}: the built-in task {name!r} has no splits (asked for {split!r})")
+        return _builtin_val(builtin_task(name, task_cfg, task_path), name, encoder, num_builtin, seed + 1)[0]
+    split = split or data_cfg.split
+    rows = load_rows(name, data_cfg.dataset_config, split, key_path=key_path)
+    return encode_rows(encoder, rows, f"dataset {name!r} (split {split!r})")
+
+
 def _builtin_datasets(task, name, encoder, num_val, seed, num_val_key, exclude):
     """Held-out validation problems (seed + 1) and the infinite train stream that avoids them."""
     space_fn = getattr(task, "num_distinct_problems", None)

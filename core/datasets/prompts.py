@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from core.datasets.base import EncodedDataset, build_datasets
+from core.datasets.base import EncodedDataset, build_datasets, build_eval_dataset
 from core.datasets.config import DataConfig
 from core.environments.config import ArithmeticTaskConfig
 
@@ -157,4 +157,30 @@ def build_prompt_datasets(
         num_val=num_val,
         seed=seed,
         num_val_key="grpo.max_val_samples",
+    )
+
+
+def build_prompt_eval_dataset(
+    data: DataConfig,
+    task: ArithmeticTaskConfig | None,
+    tokenizer,
+    name: str,
+    split: str | None,
+    *,
+    num_builtin: int,
+    seed: int,
+) -> EncodedDataset:
+    """The prompts of ``name`` to evaluate on (``dualrl eval --dataset``), encoded under the run's
+    ``data`` section: a built-in task's held-out problems (those a GRPO run of ``seed`` with
+    ``grpo.max_val_samples`` = ``num_builtin`` validates on) or every row of a file / hub split
+    (None: ``data.split``)."""
+    return build_eval_dataset(
+        data,
+        task,
+        PromptEncoder(data, tokenizer),
+        name,
+        split,
+        num_builtin=num_builtin,
+        seed=seed,
+        key_path="dualrl eval --dataset",
     )

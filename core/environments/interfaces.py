@@ -44,8 +44,11 @@ EXCERPT_CHARS = 60
 class EnvironmentReturn:
     """What :meth:`Environment.score` returns: one reward and one info dict per sample.
 
-    The built-in environments put ``{"correct": bool, "extracted": str | None}`` in each
-    info dict; user environments may put anything picklable there.
+    The built-in environments put ``{"correct": bool, "extracted": str | None, "answer": str |
+    None}`` in each info dict: whether the sample is right, the answer read from it, and that
+    answer in a comparable form (two samples give the same answer iff their ``answer`` is
+    equal; maj@k votes on it, None abstains).  User environments may put anything picklable
+    there; pass@k / mean@k need ``correct``, maj@k also ``answer``.
     """
 
     rewards: list[float] = field(default_factory=list)
@@ -79,6 +82,12 @@ class AnswerCheckingEnvironment(abc.ABC):
     def judge(self, completion: str, ground_truth: str) -> tuple[bool, str | None]:
         """(is the completion right, the answer read from it): each task has its own rule."""
 
+    def comparable(self, extracted: str | None) -> str | None:
+        """The extracted answer in the form two equal answers share (``info["answer"]``, what
+        maj@k votes on): here the answer itself; a task that accepts several spellings of one
+        answer (``1,000`` and ``1000``) maps them to one."""
+        return extracted
+
     def score(self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         check_batch_lengths(prompts, completions, metadata)
         rewards: list[float] = []
@@ -86,7 +95,7 @@ class AnswerCheckingEnvironment(abc.ABC):
         for i, (prompt, completion, meta) in enumerate(zip(prompts, completions, metadata, strict=True)):
             correct, extracted = self.judge(completion, ground_truth_of(meta, i, prompt, completion, self.name))
             rewards.append(1.0 if correct else 0.0)
-            infos.append({"correct": correct, "extracted": extracted})
+            infos.append({"correct": correct, "extracted": extracted, "answer": self.comparable(extracted)})
         return EnvironmentReturn(rewards=rewards, infos=infos)
 
 

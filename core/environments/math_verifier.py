@@ -124,6 +124,15 @@ class MathEnvironment(AnswerCheckingEnvironment):
         extracted = extract_answer(completion)
         return answers_match(extracted, ground_truth_answer(ground_truth), self.rel_tol), extracted
 
+    def comparable(self, extracted: str | None) -> str | None:
+        """A number as its float's repr (``1,000``, ``1000`` and ``\\frac{2000}{2}`` vote
+        together), anything else as its normalised text.  Two numbers within ``rel_tol`` but
+        not equal stay two answers: a vote counts spellings, not tolerances."""
+        if extracted is None:
+            return None
+        number = normalize_number(extracted)
+        return repr(number) if number is not None else _normalize_text(extracted)
+
 
 # ---------------------------------------------------------------------- helpers
 def _last_boxed(text: str) -> str | None:

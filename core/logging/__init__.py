@@ -23,7 +23,7 @@ imports neither torch, jax, ray, matplotlib, tensorboard, wandb nor mlflow (only
 """
 
 from core.logging.mlflow_sink import MLFLOW_RUN_ID_FILENAME, MLflowSink
-from core.logging.plots import plot_run
+from core.logging.plots import plot_pass_at_k, plot_run
 from core.logging.progress import (
     PROGRESS_FIELDS,
     STEP_TIME_KEYS,
@@ -69,6 +69,7 @@ __all__ = [
     "format_postfix",
     "timing_keys_in",
     "plot_run",
+    "plot_pass_at_k",
     "format_summary",
     "format_val_samples",
 ]

@@ -168,3 +168,50 @@ def plot_run(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, format="png", dpi=DPI)
     return out_path
+
+
+#: (value, low, high) of an estimate with its confidence interval.
+Interval = tuple[float, float, float]
+_CURVE_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple")
+
+
+def plot_pass_at_k(
+    curves: Mapping[str, Sequence[tuple[int, float, float, float]]],
+    out_path: Path | str,
+    *,
+    greedy: Interval | None = None,
+    title: str = "",
+) -> Path:
+    """``dualrl eval``'s PNG: each curve (``{"pass@k": [(k, value, low, high), ...]}``) against
+    k on a log2 axis with its interval as error bars, and the greedy accuracy (with its
+    interval) as a horizontal band; returns the path."""
+    out_path = Path(out_path)
+    if out_path.suffix.lower() != ".png":
+        raise ValueError(f"plot_pass_at_k: out_path must end in .png, got {out_path}")
+    if not curves and greedy is None:
+        raise ValueError("plot_pass_at_k: nothing to plot (no curve and no greedy accuracy)")
+    from matplotlib.figure import Figure  # lazy: see the module docstring
+
+    fig = Figure(figsize=(7.0, 4.5), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    ks = sorted({k for points in curves.values() for k, *_ in points}) or [1]
+    for (label, points), color in zip(curves.items(), _CURVE_COLORS, strict=False):
+        x = [k for k, *_ in points]
+        y = [v for _, v, _, _ in points]
+        err = [[v - lo for _, v, lo, _ in points], [hi - v for _, v, _, hi in points]]
+        ax.errorbar(x, y, yerr=err, color=color, marker="o", capsize=3, lw=1.5, label=label)
+    if greedy is not None:
+        value, low, high = greedy
+        ax.axhline(value, color="gray", ls="--", lw=1, label=f"greedy accuracy {value:.3f}")
+        ax.axhspan(low, high, color="gray", alpha=0.15)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("k (samples per prompt)")
+    ax.set_ylabel("score")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, format="png", dpi=DPI)
+    return out_path

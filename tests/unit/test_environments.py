@@ -189,8 +189,8 @@ def test_arithmetic_reward_is_exact_after_strip():
     completions = ["19", " 19\n", "19.0", "The answer is 19", "", "-19"]
     ret = env.score(["12+7="] * 6, completions, [{"ground_truth": "19"}] * 6)
     assert ret.rewards == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert ret.infos[1] == {"correct": True, "extracted": "19"}
-    assert ret.infos[4] == {"correct": False, "extracted": None}
+    assert ret.infos[1] == {"correct": True, "extracted": "19", "answer": "19"}
+    assert ret.infos[4] == {"correct": False, "extracted": None, "answer": None}
     # An integer ground truth (as data sets often store it) means the same text.
     assert env.score(["1+1="], ["2"], [{"ground_truth": 2}]).rewards == [1.0]
 
@@ -298,8 +298,12 @@ def test_math_environment_scores_final_answers():
     metadata = [{"ground_truth": "Work...\n#### 1000"}] * 3 + [{"ground_truth": "1000"}]
     ret = env.score(["q"] * 4, completions, metadata)
     assert ret.rewards == [1.0, 0.0, 1.0, 0.0]
-    assert ret.infos[0] == {"correct": True, "extracted": "1,000"}
-    assert ret.infos[3] == {"correct": False, "extracted": None}
+    assert ret.infos[0] == {"correct": True, "extracted": "1,000", "answer": "1000.0"}
+    assert ret.infos[3] == {"correct": False, "extracted": None, "answer": None}
+    # maj@k's votes: one answer however it is spelt, text answers normalised.
+    assert [info["answer"] for info in ret.infos[:3]] == ["1000.0", "999.0", "1000.0"]
+    texts = env.score(["q"] * 2, [r"\boxed{x + 1}", r"\boxed{x+1.}"], [{"ground_truth": "y"}] * 2)
+    assert [info["answer"] for info in texts.infos] == ["x+1", "x+1"]
 
 
 def test_math_environment_settings_are_validated():

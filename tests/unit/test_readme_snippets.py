@@ -174,7 +174,7 @@ def benchmark_parser(argv: list[str]):
 
 @pytest.mark.parametrize("snippet", [_case(s) for s in BASH])
 def test_every_bash_command_parses_and_its_config_is_accepted(snippet, monkeypatch):
-    from dualrl.cli import build_parser, load_command_config
+    from dualrl.cli import build_parser, load_command_config, load_eval_config
 
     monkeypatch.chdir(REPO)  # the commands use paths relative to the checkout
     makefile = (REPO / "Makefile").read_text()
@@ -200,6 +200,8 @@ def test_every_bash_command_parses_and_its_config_is_accepted(snippet, monkeypat
             pytest.fail(f"{where}: dualrl does not accept these arguments")
         if args.command in ("config", "grpo", "sft", "dpo") and Path(args.config).is_file():
             load_command_config(args)  # raises ConfigError naming the field (and the override)
+        if args.command == "eval" and not (args.checkpoint or args.model or args.config):
+            load_eval_config(args)  # the embedded config with the line's flags and overrides
         # (a --config file that is not in the checkout, like my_sft.yaml, stands for the reader's own)
 
 
