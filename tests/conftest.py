@@ -2,14 +2,30 @@
 
 XLA reads its flags when jax is first imported, so the 8 virtual CPU devices the JAX
 backend tests need are requested here, before any test module imports jax.
+
+The session shares one persistent JAX compilation cache (a temporary directory, empty at
+the start, removed at the end): every JAX policy is a fresh Ray actor that would otherwise
+compile the same programs (same tiny model, same mesh, same shapes) again; the cache key
+covers the program, its shardings and the compile options, so a hit is the same executable.
+It is on in the test session only (thresholds 0: the tiny programs compile in well under the
+default 1 s).  Set before Ray starts, so the actors inherit it.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _jax_cache = tempfile.mkdtemp(prefix="dualrl-test-jax-cache-")
+    atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 import pytest  # noqa: E402

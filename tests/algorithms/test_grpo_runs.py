@@ -74,8 +74,8 @@ def test_step_one_is_the_same_on_every_backend(colocated_runs):
 
 
 # The collective refit of every backend into an engine of its own is tests/generation; the
-# loop's separate placement runs fast in tests/algorithms/test_async_grpo_runs.py (the sync
-# run it compares async with), here on every backend in the slow run.
+# loop's separate placement runs fast in tests/algorithms/test_async_grpo_runs.py (the async
+# run at age 1), here on every backend in the slow run.
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_steps_with_a_separate_engine(ray_session, builtin_cache, tmp_path_factory, backend):

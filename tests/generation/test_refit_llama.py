@@ -201,6 +201,7 @@ def test_stop_strings_follow_the_same_rule_as_the_policy_generate(engine, fsdp_p
     torch.testing.assert_close(out["logprobs"], reference["logprobs"], atol=2e-4, rtol=0)
 
 
+@pytest.mark.slow  # ~14 s; min_new_tokens on HF and JAX generate runs fast (tests/min_new_tokens_checks.py)
 def test_min_new_tokens_keeps_every_row_full_length(fsdp_policy, gen_model_dirs, tokenizer):
     """An engine with ``min_new_tokens = max_new_tokens`` and nearly every id a stop token (HF
     generate on the same weights stops at once without the minimum): every row is full length,

@@ -71,6 +71,7 @@ def test_dtensor_tp2_qwen2_refit_both_transports_greedy_and_sampled(ray_session,
         _stop(clusters, policy, generation)
 
 
+@pytest.mark.slow  # ~20 s: an engine of its own; fp32 engines are refit in the fast run
 def test_bf16_generation_from_fp32_training_weights(ray_session, gen_model_dirs, tokenizer):
     model_dir = gen_model_dirs["llama_gen"]
     cfg = refit_config(model_dir, "torch_fsdp", engine_precision="bfloat16", bucket_bytes=64 * 1024)

@@ -141,6 +141,7 @@ def test_policy_generate_different_seeds_differ(policy):
 # ---------------------------------------------------------------------------- JAX generate (fsdp 4 x tp 2)
 
 
+@pytest.mark.slow  # ~12 s; seeded JAX decoding itself: tests/jax_backend/test_generate.py (fast)
 def test_jax_policy_generate_seeded_rows_ignore_call_count_and_order(ray_session, gen_model_dirs, tokenizer):
     """The worker passes the seeds through (``jax_generate`` itself is tested in
     tests/jax_backend/test_generate.py).  One CPU: the module's other actors hold three."""

@@ -274,6 +274,7 @@ def check_jax_policy_against_hf_and_torch(cfg, name, model_dir, tokenizer, data,
         cluster.shutdown()
 
 
+@pytest.mark.slow  # ~11 s through Ray; the CP step's equality in-process runs fast above
 def test_policy_with_cp_matches_hf_and_torch_step(ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit")
     cfg["jax_cfg"].update(fsdp_size=-1, context_parallel_size=2, tensor_parallel_size=2)

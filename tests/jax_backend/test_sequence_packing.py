@@ -140,6 +140,7 @@ def test_packing_with_cp_needs_budget_widths_that_split(model_dirs, tokenizer):
 
 
 # ------------------------------------------------------------------------- through Ray
+@pytest.mark.slow  # ~11 s through Ray; packing on == off in-process runs fast above
 def test_policy_with_packing_matches_hf_and_torch_step(ray_session, model_dirs, tokenizer):
     """The driver plans the bins (rows reordered by length, restored afterwards)."""
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit", sequence_packing=packing())

@@ -183,7 +183,7 @@ def test_context_parallel_derives_its_sequence_multiple(ray_session, model_dirs,
 # ----------------------------------------------------------------------------- precision and memory options
 
 
-@pytest.mark.parametrize("backend", ["torch_fsdp", "torch_dtensor"])
+@pytest.mark.parametrize("backend", ["torch_fsdp", pytest.param("torch_dtensor", marks=pytest.mark.slow)])
 def test_bf16_with_activation_checkpointing_and_offload(backend, ray_session, model_dirs, tokenizer):
     """bf16 compute over fp32 master weights with activation checkpointing: logprobs near the
     fp32 HF reference, training lowers the loss.  The offload flags are accepted; on CPU
