@@ -2,7 +2,9 @@
 
     dualrl grpo [--config FILE] [--backend NAME] [--resume] [key.path=value ...]
         GRPO on the chosen backend; with no arguments the embedded default
-        (core/configs/grpo_arithmetic.yaml: a built-in tiny model on the arithmetic task).
+        (core/configs/grpo_arithmetic.yaml: a built-in tiny model on the arithmetic task);
+        with grpo.async_grpo.enabled=true and no --config, its async form
+        (core/configs/grpo_arithmetic_async.yaml: the engine on a slot of its own).
     dualrl sft  [same options]   SFT (core/configs/sft_arithmetic.yaml: answers of the task)
     dualrl dpo  [same options]   DPO (core/configs/dpo_arithmetic.yaml: right vs wrong answers)
     dualrl eval [--checkpoint DIR | --model PATH] [--k K ...] [--num-samples N] [--dataset NAME]
@@ -34,11 +36,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from core.config import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config, load_raw_config
+from core.config import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config, load_raw_config, parse_override
 from core.policy.config import BACKENDS
 
 #: ``dualrl grpo``'s config when none is given: the embedded default.
 GRPO_DEFAULT_CONFIG_PATH = EMBEDDED_CONFIGS["grpo"]
+#: ... and with ``grpo.async_grpo.enabled=true`` among the overrides: the embedded default set
+#: up for async (the engine on a slot of its own, the importance-sampling correction on).  The
+#: switch alone cannot be enough on the synchronous file: its engine shares the policy's
+#: devices, which async refuses (core.algorithms.config: ``_async_problems``).
+GRPO_ASYNC_DEFAULT_CONFIG_PATH = GRPO_DEFAULT_CONFIG_PATH.with_name("grpo_arithmetic_async.yaml")
+ASYNC_SWITCH = ("grpo", "async_grpo", "enabled")
+
+
+def default_config_path(command: str, overrides: list[str]) -> Path:
+    """The config a command reads when no ``--config`` is given (see GRPO_ASYNC_DEFAULT_CONFIG_PATH)."""
+    if command == "config":
+        return DEFAULT_CONFIG_PATH
+    if command == "grpo" and any(_sets(o, ASYNC_SWITCH, True) for o in overrides):
+        return GRPO_ASYNC_DEFAULT_CONFIG_PATH
+    return EMBEDDED_CONFIGS[command]
+
+
+def _sets(override: str, key: tuple[str, ...], value: Any) -> bool:
+    try:
+        return parse_override(override) == (key, value)
+    except ConfigError:
+        return False  # reported, naming the override, when the config loads
 
 
 def load_command_config(args: argparse.Namespace) -> Any:
@@ -253,8 +277,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     return compare.main(args.forwarded, prog="dualrl bench")
 
 
-def _add_config_args(cmd: argparse.ArgumentParser, default_config: Path) -> None:
-    cmd.add_argument("--config", default=str(default_config), help="YAML file (default: %(default)s)")
+def _add_config_args(cmd: argparse.ArgumentParser, default_config: Path, note: str = "") -> None:
+    cmd.add_argument("--config", help=f"YAML file (default: {default_config}{note})")
     cmd.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
     cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.train_micro_batch_size=2")
 
@@ -270,9 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
         "sft": "supervised fine-tuning (no arguments: the built-in arithmetic answers, from random weights)",
         "dpo": "DPO (no arguments: built-in right-vs-wrong answer pairs, from builtin:arithmetic-llama)",
     }
+    async_note = f"; {GRPO_ASYNC_DEFAULT_CONFIG_PATH} with grpo.async_grpo.enabled=true"
     for algorithm, path in EMBEDDED_CONFIGS.items():
         cmd = sub.add_parser(algorithm, help=helps[algorithm])
-        _add_config_args(cmd, path)
+        _add_config_args(cmd, path, async_note if algorithm == "grpo" else "")
         cmd.add_argument(
             "--resume",
             action="store_true",
@@ -313,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if getattr(args, "config", "") is None and args.command != "eval":  # eval picks its own (load_eval_config)
+        args.config = str(default_config_path(args.command, list(args.overrides)))
+        if args.config == str(GRPO_ASYNC_DEFAULT_CONFIG_PATH):
+            print(f"grpo.async_grpo.enabled=true on the embedded default: reading {args.config}")
     return args.func(args)
 
 

@@ -424,7 +424,8 @@ class GRPORunConfig(_AlgorithmRunConfig):
                 (
                     "needs policy.generation.colocated.enabled: false: the engines generate while the policy "
                     "trains, so they need devices of their own (colocated.resources; the embedded default set "
-                    "up for async: core/configs/grpo_arithmetic_async.yaml)"
+                    "up for async, which `dualrl grpo grpo.async_grpo.enabled=true` reads when no --config "
+                    "is given: core/configs/grpo_arithmetic_async.yaml)"
                 ),
             )
         if (

@@ -1,7 +1,9 @@
 """The `dualrl` command line: config validation as a user runs it."""
 
+import pytest
 import yaml
 
+from core.config import ConfigError
 from dualrl.cli import main
 
 
@@ -47,3 +49,32 @@ def test_config_checks_a_run_config_as_its_command_would(capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "env: not used by dualrl sft" in err
+
+
+def test_the_async_switch_alone_reads_the_embedded_async_default():
+    """``dualrl grpo grpo.async_grpo.enabled=true`` (no --config) is the embedded default set up
+    for async; the same switch on the synchronous file is refused, naming what async needs."""
+    import argparse
+
+    from dualrl.cli import (
+        GRPO_ASYNC_DEFAULT_CONFIG_PATH,
+        GRPO_DEFAULT_CONFIG_PATH,
+        default_config_path,
+        load_command_config,
+    )
+
+    on = ["grpo.async_grpo.enabled=true"]
+    assert default_config_path("grpo", on) == GRPO_ASYNC_DEFAULT_CONFIG_PATH
+    assert default_config_path("grpo", ["grpo.async_grpo.enabled=false"]) == GRPO_DEFAULT_CONFIG_PATH
+    assert default_config_path("grpo", ["grpo.async_grpo.enabled"]) == GRPO_DEFAULT_CONFIG_PATH  # malformed
+    assert default_config_path("sft", on) != GRPO_ASYNC_DEFAULT_CONFIG_PATH
+
+    def load(path, overrides):
+        args = argparse.Namespace(command="grpo", config=str(path), overrides=overrides, backend="jax_pjit")
+        return load_command_config(args)
+
+    cfg = load(default_config_path("grpo", on), on)
+    assert cfg.grpo.async_grpo.enabled and not cfg.policy.generation.colocated.enabled
+    assert cfg.loss_fn.use_importance_sampling_correction and cfg.policy.backend == "jax_pjit"
+    with pytest.raises(ConfigError, match="grpo.async_grpo.enabled.*colocated.enabled: false"):
+        load(GRPO_DEFAULT_CONFIG_PATH, on)
