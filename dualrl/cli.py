@@ -338,11 +338,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if getattr(args, "config", "") is None and args.command != "eval":  # eval picks its own (load_eval_config)
-        args.config = str(default_config_path(args.command, list(args.overrides)))
-        if args.config == str(GRPO_ASYNC_DEFAULT_CONFIG_PATH):
-            print(f"grpo.async_grpo.enabled=true on the embedded default: reading {args.config}")
+    if fill_default_config(args) == GRPO_ASYNC_DEFAULT_CONFIG_PATH:
+        print(f"grpo.async_grpo.enabled=true on the embedded default: reading {args.config}")
     return args.func(args)
+
+
+def fill_default_config(args: argparse.Namespace) -> Path | None:
+    """Set ``args.config`` of a training or ``config`` command given no ``--config`` to its
+    default (:func:`default_config_path`) and return it; None when ``--config`` was given
+    (``dualrl eval`` picks its own: :func:`load_eval_config`)."""
+    if args.command not in EMBEDDED_CONFIGS and args.command != "config" or args.config is not None:
+        return None
+    path = default_config_path(args.command, list(args.overrides))
+    args.config = str(path)
+    return path
 
 
 if __name__ == "__main__":

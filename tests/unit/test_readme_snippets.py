@@ -174,7 +174,7 @@ def benchmark_parser(argv: list[str]):
 
 @pytest.mark.parametrize("snippet", [_case(s) for s in BASH])
 def test_every_bash_command_parses_and_its_config_is_accepted(snippet, monkeypatch):
-    from dualrl.cli import build_parser, load_command_config, load_eval_config
+    from dualrl.cli import build_parser, fill_default_config, load_command_config, load_eval_config
 
     monkeypatch.chdir(REPO)  # the commands use paths relative to the checkout
     makefile = (REPO / "Makefile").read_text()
@@ -198,6 +198,7 @@ def test_every_bash_command_parses_and_its_config_is_accepted(snippet, monkeypat
             args = build_parser().parse_args(argv)
         except SystemExit:
             pytest.fail(f"{where}: dualrl does not accept these arguments")
+        fill_default_config(args)  # as dualrl.cli.main does
         if args.command in ("config", "grpo", "sft", "dpo") and Path(args.config).is_file():
             load_command_config(args)  # raises ConfigError naming the field (and the override)
         if args.command == "eval" and not (args.checkpoint or args.model or args.config):
