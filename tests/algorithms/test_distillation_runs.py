@@ -16,7 +16,10 @@ from tests.algorithms.conftest import grpo_config
 
 TEACHER = ["grpo.distillation.enabled=true", "grpo.distillation.teacher_model_name=builtin:arithmetic-llama"]
 LOSS_MODE = ["grpo.distillation.mode=loss", "loss_fn.reference_policy_kl_penalty=0"]
-MODES = {"reward": [], "loss": [*LOSS_MODE, "loss_fn.reference_policy_kl_type=k2"]}
+MODES = {
+    "reward": [],
+    "loss": [*LOSS_MODE, "loss_fn.reference_policy_kl_type=k2", "loss_fn.kl_output_clamp_value=null"],
+}
 CASES = [("torch_fsdp", "reward"), ("jax_pjit", "loss"), ("torch_dtensor", "reward")]
 
 

@@ -115,7 +115,8 @@ def test_the_shipped_distillation_config_is_valid_and_its_loss_mode_takes_the_co
     assert cfg.grpo.distillation.enabled and cfg.grpo.distillation.mode == "reward"
     assert not grpo_loss_fn(cfg).uses_reference  # reward mode, no KL term
     loss = load_config(DISTILL, ["grpo.distillation.mode=loss", "loss_fn.reference_policy_kl_type=k2",
-                                 "grpo.distillation.coef=0.5"], schema=GRPORunConfig)  # fmt: skip
+                                 "loss_fn.kl_output_clamp_value=null", "grpo.distillation.coef=0.5"],
+                       schema=GRPORunConfig)  # fmt: skip
     assert grpo_loss_fn(loss).cfg.reference_policy_kl_penalty == 0.5
     assert (
         colocated_groups(cfg) == 3
@@ -138,6 +139,11 @@ def test_the_shipped_distillation_config_is_valid_and_its_loss_mode_takes_the_co
             "loss_fn.reference_policy_kl_penalty: must be 0 with grpo.distillation.mode: loss",
         ),
         (["grpo.distillation.mode=loss"], "loss_fn.reference_policy_kl_type: must be k2 with grpo.distillation.mode"),
+        (
+            ["grpo.distillation.mode=loss", "loss_fn.reference_policy_kl_type=k2"],
+            "loss_fn.kl_output_clamp_value: must be null with grpo.distillation.mode: loss, got 10.0: a clamped k2 "
+            "has no gradient on tokens whose log-ratio to the teacher exceeds sqrt(2 x 10.0) = 4.47",
+        ),
         (
             ["grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false",
              "loss_fn.use_importance_sampling_correction=true"],
