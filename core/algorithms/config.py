@@ -98,6 +98,40 @@ class RewardShapingConfig(ConfigModel):
     """The penalty at L_max (DAPO: 1, the size of its correct/incorrect reward gap)."""
 
 
+#: What the distillation term does: ``reward``, a dense per-token advantage; ``loss``, the loss's
+#: KL term against the teacher (core.algorithms.distillation has both formulas).
+DistillationMode = Literal["reward", "loss"]
+
+
+class DistillationConfig(ConfigModel):
+    """On-policy distillation (``grpo.distillation``; Agarwal et al. 2024, "On-Policy
+    Distillation of Language Models" (GKD); Thinking Machines 2025, "On-Policy Distillation"):
+    a frozen teacher -- a second ``Policy`` without an optimizer, on the student's backend and
+    layout -- scores the student's own samples, and the per-token reverse KL to it trains the
+    student (core.algorithms.distillation).  The teacher must share the student's tokenizer."""
+
+    enabled: bool = False
+    """Load the teacher and add the distillation term to every step."""
+    teacher_model_name: str | None = None
+    """The teacher: HF hub id, local path or built-in model (builtin:...); required when
+    enabled.  Its tokenizer must equal the student's (checked before any worker starts)."""
+    mode: DistillationMode = "reward"
+    """reward: per-token advantage coef x (log p_teacher - log p_student) on each sampled token,
+    no discounting (Thinking Machines' recipe); loss: coef x the reverse KL to the teacher as
+    the loss's KL term (the teacher takes the reference's place; loss_fn.reference_policy_kl_type
+    must be k2, whose gradient is the reverse KL's, and loss_fn.kl_output_clamp_value null)."""
+    coef: float = Field(1.0, gt=0)
+    """Weight of the distillation term (reward: the advantage's scale; loss: the KL coefficient)."""
+    task_advantages: bool = True
+    """Keep GRPO's group advantages from the environment's rewards next to the distillation
+    term; false trains on the teacher alone (pure on-policy distillation: the rewards are
+    still computed and logged, but move nothing)."""
+
+    def check(self) -> Iterable[Problem]:
+        if self.enabled and not self.teacher_model_name:
+            yield "teacher_model_name", "required when distillation.enabled is true (the teacher model to distil)"
+
+
 class GRPOConfig(ConfigModel):
     """The GRPO loop (NeMo RL's ``grpo`` section)."""
 
@@ -162,6 +196,7 @@ class GRPOConfig(ConfigModel):
     logprobs from the training forward itself instead of a separate pass (exact: the same
     weights); false forces the separate pass (an ablation)."""
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
 
     @property
     def val_samples_per_prompt(self) -> int:
@@ -367,6 +402,8 @@ class GRPORunConfig(_AlgorithmRunConfig):
             yield "data.max_input_seq_length", "missing (dualrl grpo needs the longest prompt in tokens)"
         if self.grpo.async_grpo.enabled:
             yield from self._async_problems()
+        if self.grpo.distillation.enabled:
+            yield from self._distillation_problems()
         yield from self._estimator_problems()
         yield from self._response_length_problems()
 
@@ -406,6 +443,39 @@ class GRPORunConfig(_AlgorithmRunConfig):
                 f"{buffer} must be < the longest response, {limit} tokens (policy.generation.max_new_tokens, cut to "
                 "fit policy.max_total_sequence_length after data.max_input_seq_length): the penalty starts "
                 "overlong_buffer_length tokens before it",
+            )
+
+    def _distillation_problems(self) -> Iterable[Problem]:
+        where = "grpo.distillation"
+        if self.grpo.async_grpo.enabled:
+            yield (
+                f"{where}.enabled",
+                "not supported with grpo.async_grpo.enabled yet (the teacher's placement beside a policy whose "
+                "engines have a cluster of their own is untested); use the synchronous loop",
+            )
+        if self.grpo.distillation.mode != "loss":
+            return
+        if self.loss_fn.reference_policy_kl_penalty != 0:
+            yield (
+                "loss_fn.reference_policy_kl_penalty",
+                f"must be 0 with {where}.mode: loss: the teacher takes the reference's place in the KL term, "
+                f"whose coefficient is {where}.coef",
+            )
+        if self.loss_fn.reference_policy_kl_type != "k2":
+            yield (
+                "loss_fn.reference_policy_kl_type",
+                f"must be k2 with {where}.mode: loss, got {self.loss_fn.reference_policy_kl_type!r}: on the "
+                "student's samples the gradient of k2 = (log p - log q)^2 / 2 is the reverse KL's; k3's is the "
+                "forward KL's and k1's is zero in expectation",
+            )
+        clamp = self.loss_fn.kl_output_clamp_value
+        if clamp is not None:
+            yield (
+                "loss_fn.kl_output_clamp_value",
+                f"must be null with {where}.mode: loss, got {clamp!r}: a clamped k2 has no gradient on tokens whose "
+                f"log-ratio to the teacher exceeds sqrt(2 x {clamp!r}) = {(2 * clamp) ** 0.5:.2f}, most tokens of a "
+                "student far from its teacher (measured on core/configs/distill_arithmetic.yaml: at the default 10 "
+                "the reverse KL did not fall in 150 steps)",
             )
 
     def _async_problems(self) -> Iterable[Problem]:

@@ -10,6 +10,9 @@ One step::
          groups are informative, core.algorithms.dynamic_sampling)           }
       -> overlong filtering / penalty (response_length)                       }
       -> advantages (core.algorithms.advantages)                              }
+      -> with grpo.distillation: the teacher's logprobs  timing/teacher_s     }
+         on the batch, as dense advantages or as the                          }
+         KL term's reference (core.algorithms.distillation)                   }
       -> prev_logprobs (unless the training forward's   timing/logprobs_s     } train_on_rollout
          own are exact) and reference logprobs (with                          }
          a KL term), one call to the workers                                  }
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from core.algorithms.advantages import compute_advantages
+from core.algorithms.distillation import apply_teacher, teacher_is_reference
 from core.algorithms.dynamic_sampling import DynamicSamplingError, GroupSelection, sample_until_informative
 from core.algorithms.evaluation import EvalPlan, evaluate
 from core.algorithms.response_length import shape_response_lengths
@@ -211,6 +215,9 @@ def train_on_rollout(run: Any, rollout: Rollout, step: int, timer: StepTimer) ->
         run.rollouts.mark_stale()
         return {}
     data = rollout.data
+    distilled: dict[str, float] = {}
+    if run.teacher is not None:  # before the reference pass: in loss mode the teacher is the reference
+        distilled = apply_teacher(run.cfg.grpo.distillation, run.teacher, data, timer)
     old_and_reference_logprobs(run, data, timer)
     run.policy.prepare_for_training()
     with timer("train"):
@@ -220,16 +227,18 @@ def train_on_rollout(run: Any, rollout: Rollout, step: int, timer: StepTimer) ->
     run.rollouts.mark_stale()
     metrics = train_metrics(result)
     metrics["old_logprobs_fused"] = float(run.loss_fn.old_logprobs == "forward")
-    return metrics
+    return {**metrics, **distilled}
 
 
 def old_and_reference_logprobs(run: Any, data: Any, timer: StepTimer) -> None:
     """What the loss needs besides the training forward, in one call to the workers: the old
     policy's logprobs (``prev_logprobs``; none when the loss takes them from its own forward,
     see ``old_logprobs_source``) and the reference's (``reference_policy_logprobs``; none
-    without a KL term).  ``timing/logprobs_s`` covers the call, reference pass included
-    (``timing/reference_s`` when only the reference's are needed)."""
-    need_old, need_ref = run.loss_fn.old_logprobs == "batch", run.loss_fn.uses_reference
+    without a KL term, or with the distillation teacher in the reference's place).
+    ``timing/logprobs_s`` covers the call, reference pass included (``timing/reference_s``
+    when only the reference's are needed)."""
+    need_old = run.loss_fn.old_logprobs == "batch"
+    need_ref = run.loss_fn.uses_reference and not teacher_is_reference(run.cfg)
     if not (need_old or need_ref):
         return
     run.policy.prepare_for_lp_inference()

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from core.algorithms.config import GRPORunConfig
+from core.algorithms.distillation import check_teacher, start_teacher, teacher_is_reference
 from core.algorithms.grpo import grpo_step, grpo_validate, old_logprobs_source
 from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
-from core.algorithms.training_run import TrainingRun, check_run_config, open_run, start_policy, train_loop
+from core.algorithms.training_run import (
+    TrainingRun,
+    check_run_config,
+    needs_reference,
+    open_run,
+    start_policy,
+    train_loop,
+)
 from core.config import ConfigError
 from core.datasets import BatchLoader, build_prompt_datasets
 
@@ -34,6 +42,8 @@ class GRPORun(TrainingRun):
     resolved_cfg: GRPORunConfig
     rollouts: RolloutEngine | None = None
     env: EnvironmentPool | None = None
+    #: The frozen distillation teacher (a Policy without an optimizer), with grpo.distillation.
+    teacher: Any = None
     stop_token_ids: list[int] = field(default_factory=list)
     max_new_tokens: int = 0
     #: Moves the engines to the policy's weights (the async loop's waits for its schedule first).
@@ -59,6 +69,7 @@ def setup_grpo(
     g = cfg.grpo
     seed_everything(g.seed)
     tokenizer = load_tokenizer(cfg.policy)
+    check_teacher(cfg, tokenizer)
     task = cfg.env.arithmetic
     train_set, val_set = build_prompt_datasets(cfg.data, task, tokenizer, num_val=g.max_val_samples, seed=g.seed)
     held_out = [val_set[i].metadata["raw_prompt"] for i in range(len(val_set))]
@@ -75,10 +86,13 @@ def setup_grpo(
 
 def grpo_loss_fn(cfg: GRPORunConfig) -> Any:
     """The run's ``ClippedPGLossFn``: the constant normaliser's null budget is the longest
-    response the run generates (``GRPORunConfig.response_token_limit``)."""
+    response the run generates (``GRPORunConfig.response_token_limit``); with
+    ``grpo.distillation.mode: loss`` the KL coefficient is ``grpo.distillation.coef``."""
     from core.losses import ClippedPGLossFn
 
     loss_cfg = cfg.loss_fn
+    if teacher_is_reference(cfg):  # the KL term against the teacher (mode loss; the config keeps the penalty 0)
+        loss_cfg = loss_cfg.model_copy(update={"reference_policy_kl_penalty": cfg.grpo.distillation.coef})
     if loss_cfg.token_normalizer == "constant" and loss_cfg.constant_token_budget is None:
         loss_cfg = loss_cfg.model_copy(update={"constant_token_budget": cfg.response_token_limit()})
     return ClippedPGLossFn(loss_cfg, old_logprobs=old_logprobs_source(cfg))
@@ -94,7 +108,11 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     if gen is None or max_prompt is None:  # GRPORunConfig.algorithm_problems refuses both
         raise ConfigError("dualrl grpo needs policy.generation and data.max_input_seq_length")
     start = time.perf_counter()
-    cluster = start_policy(run, log)
+    # With the teacher in the reference's place the student keeps no reference weights.
+    cluster = start_policy(run, log, reference=needs_reference(run) and not teacher_is_reference(cfg))
+    teacher = cfg.grpo.distillation.teacher_model_name
+    if cfg.grpo.distillation.enabled and teacher is not None:
+        run.teacher = start_teacher(run, cluster, teacher, log)
     env = run.env = EnvironmentPool(run.cfg.env)
     run._exit.callback(env.shutdown)
     rollouts = run.rollouts = RolloutEngine(

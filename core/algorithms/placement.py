@@ -89,15 +89,25 @@ def _has_gpu() -> bool:
 
 
 def policy_cluster(cfg: MasterConfig, name: str = "policy") -> RayVirtualCluster:
-    """The training cluster (shared with the engines when generation is colocated)."""
+    """The training cluster (shared with the engines when generation is colocated, and with
+    the distillation teacher's workers)."""
     cluster = cfg.cluster
     per_node, nodes = cluster.gpus_per_node, cluster.num_nodes
-    share = 2 if uses_vllm(cfg) and is_colocated(cfg) else 1
+    share = colocated_groups(cfg)
     if cfg.policy.backend == "jax_pjit":
         return RayVirtualCluster(
             [1] * nodes, num_cpus_per_bundle=per_node, max_colocated_worker_groups=share, name=name
         )
     return RayVirtualCluster([per_node] * nodes, max_colocated_worker_groups=share, name=name)
+
+
+def colocated_groups(cfg: MasterConfig) -> int:
+    """Worker groups sharing each training bundle: the policy's, colocated engines', and the
+    frozen distillation teacher's (``grpo.distillation``)."""
+    groups = 2 if uses_vllm(cfg) and is_colocated(cfg) else 1
+    if cfg.grpo is not None and cfg.grpo.distillation.enabled:
+        groups += 1
+    return groups
 
 
 def generation_cluster(cfg: MasterConfig, name: str = "generation") -> RayVirtualCluster:

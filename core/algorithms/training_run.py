@@ -158,9 +158,12 @@ def open_run(
     return run
 
 
-def start_policy(run: TrainingRun, log: Callable[[str], None], *, colocated_share: bool = False) -> Any:
+def start_policy(
+    run: TrainingRun, log: Callable[[str], None], *, colocated_share: bool = False, reference: bool | None = None
+) -> Any:
     """Ray, the training cluster and the Policy (from the resumed checkpoint if any); the
-    cluster is returned for engines that share it."""
+    cluster is returned for engines that share it.  ``reference``: whether the policy keeps
+    reference weights (None: :func:`needs_reference`)."""
     from core.algorithms.placement import policy_cluster, start_ray
     from core.distributed.worker_output import current_worker_log
     from core.policy import Policy
@@ -179,7 +182,7 @@ def start_policy(run: TrainingRun, log: Callable[[str], None], *, colocated_shar
         run.tokenizer,
         weights_path=None if ckpt is None else ckpt.policy_dir / "weights",
         optimizer_path=None if ckpt is None else ckpt.policy_dir / "optimizer",
-        init_reference_model=needs_reference(run),
+        init_reference_model=needs_reference(run) if reference is None else reference,
     )
     run._exit.callback(run.policy.shutdown)
     return cluster

@@ -48,18 +48,27 @@ M = TypeVar("M", bound=MasterConfig)
 
 
 def resolve_model(cfg: M, exclude_prompts: Iterable[str], log: Callable[[str], None] = print) -> M:
-    """A copy of ``cfg`` whose ``policy.model_name`` is loadable: a built-in model is built (or
-    found in the cache) for the run's task without the held-out ``exclude_prompts``."""
+    """A copy of ``cfg`` whose ``policy.model_name`` (and enabled distillation teacher,
+    ``grpo.distillation.teacher_model_name``) is loadable: a built-in model is built (or found
+    in the cache) for the run's task without the held-out ``exclude_prompts``."""
     cfg = cfg.model_copy(deep=True)
-    name = cfg.policy.model_name
+    exclude_prompts = list(exclude_prompts)
+    cfg.policy.model_name = _loadable(cfg, cfg.policy.model_name, "policy.model_name", exclude_prompts, log)
+    distill = cfg.grpo.distillation if cfg.grpo is not None else None
+    if distill is not None and distill.enabled and distill.teacher_model_name is not None:
+        key = "grpo.distillation.teacher_model_name"
+        distill.teacher_model_name = _loadable(cfg, distill.teacher_model_name, key, exclude_prompts, log)
+    return cfg
+
+
+def _loadable(cfg: MasterConfig, name: str, key: str, exclude: list[str], log: Callable[[str], None]) -> str:
     if is_builtin(name):
         task_cfg = cfg.env.arithmetic if cfg.env is not None else None
-        cfg.policy.model_name = str(resolve_builtin_model(name, task_cfg, exclude_prompts, log=log, run_cfg=cfg))
-    else:
-        from core.policy.preflight import check_model_path
+        return str(resolve_builtin_model(name, task_cfg, exclude, log=log, key=key, run_cfg=cfg))
+    from core.policy.preflight import check_model_path
 
-        check_model_path(name, "policy.model_name")
-    return cfg
+    check_model_path(name, key)
+    return name
 
 
 #: What the warm start changes in core/configs/sft_arithmetic.yaml: no validation (the GRPO /

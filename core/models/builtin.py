@@ -5,7 +5,9 @@ from a config here:
 
 * ``builtin:arithmetic-llama-base``: random weights (seeded) -- what ``dualrl sft`` starts from;
 * ``builtin:arithmetic-llama``: the base after a ``dualrl sft`` run on the run's own
-  arithmetic task -- what the GRPO and DPO defaults start from.  That run (the warm start) is
+  arithmetic task -- what the GRPO and DPO defaults start from;
+* ``builtin:arithmetic-llama-small-base``: a smaller Llama with random weights (seeded) and
+  the same tokenizer -- the student of the on-policy distillation demo.  That run (the warm start) is
   :mod:`core.algorithms.warm_start`'s; this module only describes the models (a leaf of the
   import graph: it imports nothing else of the project).
 """
@@ -35,12 +37,18 @@ ARITHMETIC_LLAMA = dict(
     tie_word_embeddings=True,
     max_position_embeddings=128,
 )
+#: A smaller student for the on-policy distillation demo (core/configs/distill_arithmetic.yaml):
+#: one layer, hidden 128 (head_dim still 32), ~0.15 M parameters (the teacher: ~1.2 M); the same vocabulary, so it
+#: shares the character tokenizer with the teacher.
+ARITHMETIC_LLAMA_SMALL = {**ARITHMETIC_LLAMA, "hidden_size": 128, "intermediate_size": 256,
+                          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 INIT_SEED = 1234
 
 #: name -> (shape, warm started by the SFT run?)
 BUILTIN_MODELS: dict[str, tuple[dict[str, Any], bool]] = {
     "arithmetic-llama-base": (ARITHMETIC_LLAMA, False),
     "arithmetic-llama": (ARITHMETIC_LLAMA, True),
+    "arithmetic-llama-small-base": (ARITHMETIC_LLAMA_SMALL, False),
 }
 
 
