@@ -38,6 +38,21 @@ def _grpo() -> dict:
     )
 
 
+def _fused() -> dict:
+    """A fused-step summary (one optimizer step; the ratio is 1 by construction)."""
+    return grpo_summary(
+        [-0.21],
+        [1.31],
+        {
+            "loss": [-0.21],
+            "actor_loss": [-0.21],
+            "kl_penalty": [9.1e-4],
+            "clip_fraction": [0.0],
+            "probs_ratio": [1.0],
+        },
+    )
+
+
 def _measurement(logprobs: torch.Tensor, losses=(5.5, 5.25, 5.0), norms=(2.0, 1.9, 1.8), moved=0.01) -> dict:
     trained = logprobs - moved
     return {
@@ -47,6 +62,7 @@ def _measurement(logprobs: torch.Tensor, losses=(5.5, 5.25, 5.0), norms=(2.0, 1.
         "grad_norm": list(norms),
         "trained_logprobs": trained,
         "grpo": _grpo(),
+        "grpo_fused": _fused(),
         "resumed": {"loss": 4.8, "grad_norm": 1.7, "logprobs": trained - moved},
     }
 
@@ -95,7 +111,8 @@ def _results(measured: dict, errors: dict | None = None, dcp: dict | None = None
 
 def _clean() -> dict:
     lp = -torch.rand(4, 6, generator=torch.Generator().manual_seed(0)) * 5
-    return {HF: _measurement(lp), "a": _measurement(lp.clone()), "b": _measurement(lp + 3e-7)}
+    hf = {**_measurement(lp), "grpo_fused_separate": _fused()}
+    return {HF: hf, "a": _measurement(lp.clone()), "b": _measurement(lp + 3e-7)}
 
 
 def _failed(results: dict) -> set[tuple]:
@@ -118,11 +135,15 @@ def test_fabricated_results_within_tolerance_pass():
         ("b", "a"),
     }
     assert sum(c["check"] == "grpo_step0" for c in results["checks"]) == 3  # hf, a, b: every pair
+    assert sum(c["check"] == "grpo_fused" for c in results["checks"]) == 3
+    # each layout's fused step (hf's too) against hf's separate-pass step on the same weights
+    assert {c["a"] for c in results["checks"] if c["check"] == "grpo_fused_vs_separate"} == {"hf", "a", "b"}
     assert {(c["a"], c["b"]) for c in results["checks"] if c["check"] in ("dcp_crossload", "dcp_resume")} == {
         ("a", "b"),
         ("b", "a"),
     }
     assert "GRPO step 0 (ClippedPGLossFn" in report and "DCP cross-load (torch)" in report
+    assert "fused GRPO step (old log-probs from the training forward" in report
     assert "vLLM engine" not in report  # no engine measurement, no engine table
 
 
@@ -188,6 +209,22 @@ def test_a_grpo_metric_out_of_tolerance_fails_its_pairs():
     # A measurement without a GRPO summary is left out of the GRPO pairs, not failed.
     del measured["b"]["grpo"]
     assert {(c["a"], c["b"]) for c in _results(measured)["checks"] if c["check"] == "grpo_step0"} == {("hf", "a")}
+
+
+def test_a_fused_step_off_the_separate_path_fails_both_checks():
+    measured = _clean()
+    measured["a"]["grpo_fused"]["metrics"]["kl_penalty"][0] += 1e-4  # 10x the tolerance (absolute below 1)
+    results = _results(measured)
+    assert _failed(results) == {
+        ("grpo_fused_vs_separate", "a", None),
+        ("grpo_fused", "hf", "a"),
+        ("grpo_fused", "a", "b"),
+    }
+    report = format_matrix(results)
+    assert "FAIL grpo_fused_vs_separate: a: 1.000e-04 (needs <= 1e-05)" in report
+    # Without hf's separate-pass step there is nothing to hold the fused step to: no check.
+    del measured[HF]["grpo_fused_separate"]
+    assert not any(c["check"] == "grpo_fused_vs_separate" for c in _results(measured)["checks"])
 
 
 def test_a_dcp_load_or_resume_out_of_tolerance_fails():
@@ -299,8 +336,9 @@ def test_tiny_matrix_one_layout_per_backend_passes(actor_devices):
     assert not results["passed"]  # the two bad layouts make the exit code 1
     assert list(results["measured"]) == ["hf", *layouts] and not results["skipped"]
     checks = results["checks"]
-    for check in ("logprobs", "grpo_step0"):
+    for check in ("logprobs", "grpo_step0", "grpo_fused"):
         assert sum(c["check"] == check for c in checks) == 6, check  # hf + 3 layouts, every pair
+    assert {c["a"] for c in checks if c["check"] == "grpo_fused_vs_separate"} == {"hf", *layouts}
     crossed = {(c["a"], c["b"]) for c in checks if c["check"] == "crossload"}
     assert crossed == {*((name, "hf") for name in layouts), *crossload_pairs(layouts, "ring")}
     for check in ("dcp_crossload", "dcp_resume"):

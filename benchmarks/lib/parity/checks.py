@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from benchmarks.lib.parity.measure import max_abs_diff
-from benchmarks.lib.parity.settings import GRPO_METRICS, PAIRWISE, TOLERANCES
+from benchmarks.lib.parity.settings import GRPO_CHECKS, GRPO_METRICS, HF, PAIRWISE, TOLERANCES
 
 
 def scalar_diff(a: float, b: float) -> float:
@@ -61,8 +61,8 @@ def pairwise_value(check: str, x: dict, y: dict) -> float:
         return scalar_diff(x["grad_norm"][0], y["grad_norm"][0])
     if check == "loss_curve":
         return max(scalar_diff(p, q) for p, q in zip(x["loss"], y["loss"], strict=True))
-    if check == "grpo_step0":
-        return max(grpo_diffs(x["grpo"], y["grpo"]).values())
+    if check in GRPO_CHECKS:
+        return max(grpo_diffs(x[GRPO_CHECKS[check]], y[GRPO_CHECKS[check]]).values())
     raise KeyError(check)
 
 
@@ -82,9 +82,10 @@ def evaluate(
     checks = []
     for check in PAIRWISE:
         for a, b in itertools.combinations(names, 2):
-            if check == "grpo_step0":
-                if "grpo" in measured[a] and "grpo" in measured[b]:
-                    diffs = grpo_diffs(measured[a]["grpo"], measured[b]["grpo"])
+            if check in GRPO_CHECKS:
+                key = GRPO_CHECKS[check]
+                if key in measured[a] and key in measured[b]:
+                    diffs = grpo_diffs(measured[a][key], measured[b][key])
                     checks.append(_record(check, a, b, max(diffs.values()), tolerances, per_quantity=diffs))
                 continue
             checks.append(_record(check, a, b, pairwise_value(check, measured[a], measured[b]), tolerances))
@@ -101,6 +102,12 @@ def evaluate(
                 bitwise={k: v == 0.0 for k, v in inv.items()},
             )
         )
+        separate = measured.get(HF, {}).get("grpo_fused_separate")
+        if separate is not None and "grpo_fused" in measured[name]:
+            diffs = grpo_diffs(measured[name]["grpo_fused"], separate)
+            checks.append(
+                _record("grpo_fused_vs_separate", name, None, max(diffs.values()), tolerances, per_quantity=diffs)
+            )
         moved = max_abs_diff(measured[name]["trained_logprobs"], measured[name]["logprobs"])
         checks.append(_record("weights_moved", name, None, moved, tolerances))
         if "engine" in measured[name]:
@@ -183,13 +190,17 @@ def collect(
     }
 
 
+#: What a measurement keeps in the results besides losses, norms and invariance.
+SUMMARY_KEYS = ("startup_s", "seconds", "grpo", "grpo_fused", "grpo_fused_separate", "grpo_s", "engine")
+
+
 def _summary(m: dict) -> dict:
     """The JSON-able numbers of one measurement (the logprob tensors stay out)."""
     out = {
         "loss": m["loss"],
         "grad_norm": m["grad_norm"],
         "invariance": m["invariance"],
-        **{k: m[k] for k in ("startup_s", "seconds", "grpo", "grpo_s", "engine") if k in m},
+        **{k: m[k] for k in SUMMARY_KEYS if k in m},
     }
     if "resumed" in m:
         out["resumed"] = {k: m["resumed"][k] for k in ("loss", "grad_norm")}

@@ -1,16 +1,19 @@
-"""GRPO step 0: the training part of a GRPO step on the same batch, per layout and on HF."""
+"""GRPO on the parity batch, per layout and on HF: step 0 (old log-probs from a separate pass,
+two optimizer steps) and then the fused step (old log-probs from the training forward itself,
+one optimizer step: what a GRPO run with one optimizer step per rollout batch does)."""
 
 from __future__ import annotations
 
 from benchmarks.lib.parity.settings import GRPO_METRICS, GRPO_SEED, GRPO_STEPS
 
 
-def grpo_loss_fn():
-    """``ClippedPGLossFn`` as ``core/configs/default.yaml``'s ``loss_fn`` section configures it."""
+def grpo_loss_fn(old_logprobs: str = "batch"):
+    """``ClippedPGLossFn`` as ``core/configs/default.yaml``'s ``loss_fn`` section configures it;
+    ``old_logprobs="forward"``: the fused path (``prev_logprobs`` = the forward's, detached)."""
     from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
     from core.losses import ClippedPGLossFn
 
-    return ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"])
+    return ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"], old_logprobs=old_logprobs)
 
 
 def grpo_batch(data, generation_logprobs, seed: int = GRPO_SEED):
@@ -47,6 +50,11 @@ def grpo_summary(losses, norms, metrics: dict[str, list[float]]) -> dict:
 
 
 def grpo_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
+    """``{"grpo": step 0, "grpo_fused": the fused step after it}`` on a layout's policy."""
+    return {"grpo": grpo_step0_policy(runner, base, steps), "grpo_fused": grpo_fused_policy(runner, base)}
+
+
+def grpo_step0_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
     """The training part of ``core.algorithms.grpo.grpo_step`` on a layout at its initial weights:
     prev and reference logprobs from the policy itself, then one ``train`` call of ``steps``
     global batches (``mbs`` = one micro batch per data-parallel rank)."""
@@ -63,5 +71,26 @@ def grpo_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
     data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
     policy.prepare_for_training()
     result = policy.train(data, grpo_loss_fn(), gbs=gbs, mbs=gbs // policy.dp)
+    policy.finish_training()
+    return grpo_summary(result.loss, result.grad_norm, result.metrics)
+
+
+def grpo_fused_policy(runner, base) -> dict:
+    """The fused GRPO step on a layout (after step 0's updates): the whole batch as one global
+    batch, no ``prev_logprobs`` in it -- the loss takes them from its own forward --, the
+    reference's logprobs from the policy (the initial weights).  ``hf`` computes this step
+    both ways on the same weights (``HFReference.grpo_fused``), so ``grpo_fused_vs_separate``
+    holds every layout's fused step to the separate-pass path."""
+    from core.data import BatchedDataDict
+
+    policy = runner.policy
+    rows = base["input_ids"].shape[0]
+    if rows % policy.dp:
+        raise ValueError(f"grpo_fused needs the batch ({rows}) divisible by dp {policy.dp}")
+    data = BatchedDataDict(dict(base))
+    policy.prepare_for_lp_inference()
+    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    policy.prepare_for_training()
+    result = policy.train(data, grpo_loss_fn("forward"), gbs=rows, mbs=rows // policy.dp)
     policy.finish_training()
     return grpo_summary(result.loss, result.grad_norm, result.metrics)

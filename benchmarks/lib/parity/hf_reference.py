@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
 
 from benchmarks.lib.parity.grpo import grpo_loss_fn, grpo_summary
 from benchmarks.lib.parity.measure import measure
@@ -77,12 +79,24 @@ class HFReference:
         return measure(self.logprobs, lambda: step()[:2], data, other, steps, grpo)
 
     def grpo(self, base, steps: int = GRPO_STEPS) -> dict:
-        """:func:`grpo_policy` in this process, at the current weights."""
+        """:func:`grpo_policy` in this process: step 0 at the current weights, then the fused
+        step computed both ways from the same weights and optimizer state
+        (``grpo_fused_separate``: old log-probs from a separate pass, today's path; then, kept,
+        ``grpo_fused``)."""
         data = dict(base)
-        data["prev_logprobs"] = data["reference_policy_logprobs"] = self.logprobs(
-            data["input_ids"], data["input_lengths"]
-        )
-        step = self.trainer(data, grpo_loss_fn())
+        initial = self.logprobs(data["input_ids"], data["input_lengths"])
+        data["prev_logprobs"] = data["reference_policy_logprobs"] = initial
+        out = {"grpo": self._grpo_steps(data, grpo_loss_fn(), steps)}
+        fused = {k: v for k, v in data.items() if k != "prev_logprobs"}
+        with self._restored_after():
+            separate = {**fused, "prev_logprobs": self.logprobs(data["input_ids"], data["input_lengths"])}
+            out["grpo_fused_separate"] = self._grpo_steps(separate, grpo_loss_fn(), 1)
+        out["grpo_fused"] = self._grpo_steps(fused, grpo_loss_fn("forward"), 1)
+        return out
+
+    def _grpo_steps(self, data: dict, loss_fn, steps: int) -> dict:
+        """``steps`` optimizer steps, one per equal slice of ``data``; their summary."""
+        step = self.trainer(data, loss_fn)
         gbs = len(data["input_ids"]) // steps
         losses, norms, metrics = [], [], {}
         for g in range(steps):
@@ -92,6 +106,18 @@ class HFReference:
             for k, v in m.items():
                 metrics.setdefault(k, []).append(v)
         return grpo_summary(losses, norms, metrics)
+
+    @contextlib.contextmanager
+    def _restored_after(self) -> Iterator[None]:
+        """Weights and AdamW state as they were on entry, whatever the body trained."""
+        weights = copy.deepcopy(self.model.state_dict())
+        opt = copy.deepcopy(self._opt.state_dict()) if self._opt is not None else None
+        try:
+            yield
+        finally:
+            self.model.load_state_dict(weights)
+            if opt is not None:
+                self._opt.load_state_dict(opt)
 
 
 def hf_export_logprobs(path: str, data, precision: str = "float32"):

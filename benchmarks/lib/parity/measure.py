@@ -55,14 +55,14 @@ def train_steps(step: Callable, steps: int) -> tuple[list[float], list[float]]:
 
 
 def measure(logprobs: Callable, step: Callable, data, other, steps: int, grpo: Callable | None = None) -> dict:
-    """Initial logprobs, batch invariance, GRPO step 0 (``grpo() -> summary``, if given),
-    ``steps`` NLL training steps, trained logprobs -- in this order, so the first three see the
-    initial weights (and GRPO a fresh optimizer)."""
+    """Initial logprobs, batch invariance, GRPO step 0 and the fused step (``grpo() -> {name:
+    summary}``, if given), ``steps`` NLL training steps, trained logprobs -- in this order, so
+    the first three see the initial weights (and GRPO step 0 a fresh optimizer)."""
     initial = logprobs(data["input_ids"], data["input_lengths"])
     out = {"logprobs": initial, "invariance": batch_invariance(logprobs, data, other, initial)}
-    if grpo is not None:
+    if grpo is not None:  # {"grpo": ..., "grpo_fused": ...[, "grpo_fused_separate": ...]}
         t0 = time.perf_counter()
-        out["grpo"] = grpo()
+        out.update(grpo())
         out["grpo_s"] = time.perf_counter() - t0
     out["loss"], out["grad_norm"] = train_steps(step, steps)
     out["trained_logprobs"] = logprobs(data["input_ids"], data["input_lengths"])

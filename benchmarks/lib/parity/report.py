@@ -7,6 +7,7 @@ from benchmarks.lib.parity.models import jax_devices
 from benchmarks.lib.parity.settings import (
     ENGINE_NEW_TOKENS,
     ENGINE_PROMPTS,
+    GRPO_CHECKS,
     GRPO_METRICS,
     HF,
     PAIRWISE,
@@ -22,6 +23,8 @@ TITLES = {
     "trained_logprobs": f"get_logprobs after {STEPS} steps: max |a - b|",
     "grpo_step0": f"GRPO step 0 (ClippedPGLossFn): max over {', '.join(GRPO_METRICS)}, grad_norm and the "
     "optimizer steps of |a - b| / max(1, |a|, |b|)",
+    "grpo_fused": "fused GRPO step (old log-probs from the training forward, one optimizer step, after step 0): "
+    "max over the same quantities",
 }
 
 
@@ -97,23 +100,36 @@ def _variant_table(results: dict) -> list[str]:
     return ["batch invariance per variant: max |row in variant - row in full batch| (0.0e+00 = bitwise)", *_table(rows)]
 
 
-def _grpo_table(results: dict) -> list[str]:
+def _grpo_table(results: dict, by_one: dict) -> list[str]:
+    """Per layout: GRPO step 0 and the fused step after it (and, for hf, that step computed
+    with a separate old-log-prob pass), with the fused step's distance to that separate path."""
     keys = [k for k in GRPO_METRICS if k != "loss"]
-    rows = [["layout", "loss (per step)", *keys, "grad norm", "seconds"]]
+    rows = [["layout", "step", "loss (per step)", *keys, "grad norm", "fused vs separate", "seconds"]]
+    steps = (("grpo", "0"), ("grpo_fused", "fused"), ("grpo_fused_separate", "separate"))
     for name, m in results["measured"].items():
-        g = m.get("grpo")
-        if g is None:
-            continue
-        rows.append(
-            [
-                name,
-                " ".join(f"{x:.6f}" for x in g["loss"]),
-                *(" ".join(f"{x:.3g}" for x in g["metrics"].get(k, [])) or "-" for k in keys),
-                " ".join(f"{x:.6f}" for x in g["grad_norm"]),
-                f"{m.get('grpo_s', 0):.1f}",
-            ]
-        )
-    return ["GRPO step 0 per layout (values per optimizer step; hf: in this process)", *_table(rows)]
+        for key, label in steps:
+            g = m.get(key)
+            if g is None:
+                continue
+            vs = _cell(by_one.get(("grpo_fused_vs_separate", name))) if key == "grpo_fused" else ""
+            rows.append(
+                [
+                    name,
+                    label,
+                    " ".join(f"{x:.6f}" for x in g["loss"]),
+                    *(" ".join(f"{x:.3g}" for x in g["metrics"].get(k, [])) or "-" for k in keys),
+                    " ".join(f"{x:.6f}" for x in g["grad_norm"]),
+                    vs,
+                    f"{m.get('grpo_s', 0):.1f}" if key == "grpo" else "",
+                ]
+            )
+    tol = _tolerance(results, "grpo_fused_vs_separate") if "grpo_fused_vs_separate" in results["tolerances"] else ""
+    return [
+        "GRPO per layout (values per optimizer step; hf: in this process): step 0, then the fused step; "
+        f"fused vs separate: the layout's fused step against hf's separate-pass step on the same weights "
+        f"(pass: {tol})",
+        *_table(rows),
+    ]
 
 
 def _engine_table(results: dict, checks: list[dict]) -> list[str]:
@@ -201,13 +217,13 @@ def format_matrix(results: dict) -> str:
     ]
     if len(names) > 1:
         for check in PAIRWISE:
-            if check == "grpo_step0" and not any(c["check"] == check for c in checks):
+            if check in GRPO_CHECKS and not any(c["check"] == check for c in checks):
                 continue
             lines += [*_pair_matrix(check, names, by_pair, _tolerance(results, check)), ""]
     if names:
         lines += [*_per_layout_table(results, by_one), "", *_variant_table(results), ""]
     if any("grpo" in m for m in results["measured"].values()):
-        lines += [*_grpo_table(results), ""]
+        lines += [*_grpo_table(results, by_one), ""]
     cross = [c for c in checks if c["check"] == "crossload"]
     if cross:
         lines += [

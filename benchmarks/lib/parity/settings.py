@@ -33,6 +33,8 @@ TOLERANCES: dict[str, tuple[str, float]] = {
     "dcp_crossload": ("<=", 1e-5),
     "dcp_resume": ("<=", 1e-4),
     "grpo_step0": ("<=", 1e-5),
+    "grpo_fused": ("<=", 1e-5),
+    "grpo_fused_vs_separate": ("<=", 1e-5),
     "token_mult_prob_error": ("<=", 1.0001),
 }
 #: ``--precision bfloat16`` (bf16 compute, fp32 master weights and AdamW state, HF reference under
@@ -56,8 +58,20 @@ BF16_TOLERANCES: dict[str, tuple[str, float]] = {
     "dcp_crossload": ("<=", 1.5e-2),
     "dcp_resume": ("<=", 1.5e-2),
     "grpo_step0": ("<=", 1e-2),
+    "grpo_fused": ("<=", 1e-2),
+    "grpo_fused_vs_separate": ("<=", 1e-2),
     "token_mult_prob_error": ("<=", 1.01),  # not measured in bf16 here (the engine is opt-in)
 }
 #: Checks between two layouts (every pair of ``hf`` + layouts), the rest are per layout.
-PAIRWISE = ("logprobs", "loss_step0", "grad_norm_step0", "loss_curve", "trained_logprobs", "grpo_step0")
+PAIRWISE = (
+    "logprobs",
+    "loss_step0",
+    "grad_norm_step0",
+    "loss_curve",
+    "trained_logprobs",
+    "grpo_step0",
+    "grpo_fused",
+)
+#: The pairwise GRPO checks -> the measurement each compares (a ``grpo_summary``).
+GRPO_CHECKS = {"grpo_step0": "grpo", "grpo_fused": "grpo_fused"}
 VARIANTS = ("alone", "alone_trimmed", "reversed", "mixed")
