@@ -183,17 +183,17 @@ class DTensorPolicyWorker(TorchPolicyWorker):
     def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         return clip_grad_norm_dtensor(self.model.parameters(), max_norm)
 
-    def iter_full_weights(
+    def _iter_stored_weights(
         self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
     ) -> Iterator[tuple[str, torch.Tensor]]:
         # One parameter at a time: peak extra memory is one full tensor, not the model.
         # ``skip``: names not gathered at all (every rank passes the same set).
         state = self.model.state_dict()
-        for name in (n for n in self.param_meta if n not in skip):
+        for name in (n for n in self._stored_meta if n not in skip):
             tensor = state[name]
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-            tensor = unpad_rows(tensor, self.param_meta[name][0])  # padded vocab rows never leave
+            tensor = unpad_rows(tensor, self._stored_meta[name][0])  # padded vocab rows never leave
             yield name, tensor if dtype is None else tensor.to(as_torch_dtype(dtype))
 
     def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:
