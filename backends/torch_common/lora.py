@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from core.models.lora import adapted_modules, init_adapter, lora_scale
+from core.models.lora import adapted_modules, init_adapter, is_adapter_name, lora_scale
 from core.policy.config import LoRAConfig
 
 
@@ -72,8 +72,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, rank: int = 0, device: t
     linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     modules = adapted_modules(linears, cfg.targets)
     scale = lora_scale(cfg.alpha, cfg.rank, cfg.use_rslora)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    freeze_all_but_adapters(model)  # none exist yet: everything frozen
     generator = None
     if cfg.dropout > 0:
         # On the device the forward runs on (the model moves there when it is sharded).
@@ -89,6 +88,14 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, rank: int = 0, device: t
         )
         setattr(parent, child, wrapped)
     return modules
+
+
+def freeze_all_but_adapters(model: torch.nn.Module) -> None:
+    """``requires_grad=False`` on every parameter but the adapters.  Again after tensor
+    parallelism: styles that re-wrap parameters (``SequenceParallel`` on the norms) create
+    them trainable."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_name(name))
 
 
 def trainable_parameters(model: torch.nn.Module) -> Iterator[torch.nn.Parameter]:

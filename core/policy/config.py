@@ -92,7 +92,7 @@ class LoRAConfig(ConfigModel):
     alpha: float = Field(16.0, gt=0)
     """Numerator of the scale (PEFT's lora_alpha)."""
     dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on the adapter's input (torch backends only; jax_pjit refuses > 0)."""
+    """Dropout on the adapter's input (torch backends; refused on jax_pjit and with DTensor TP)."""
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
@@ -298,12 +298,11 @@ class PolicyConfig(ConfigModel):
 
     def _lora_problems(self) -> Iterable[Problem]:
         """What LoRA does not combine with (``docs/lora.md``), refused by name."""
-        if self.backend == "torch_dtensor" and self.dtensor_cfg.tensor_parallel_size > 1:
+        if self.backend == "torch_dtensor" and self.dtensor_cfg.tensor_parallel_size > 1 and self.lora.dropout > 0:
             yield (
-                "lora.enabled",
-                f"LoRA with dtensor_cfg.tensor_parallel_size={self.dtensor_cfg.tensor_parallel_size} is not "
-                "supported on torch_dtensor (the TP plan does not shard adapters); use tensor_parallel_size 1 "
-                "or the jax_pjit backend",
+                "lora.dropout",
+                f"{self.lora.dropout}: adapter dropout with dtensor_cfg.tensor_parallel_size="
+                f"{self.dtensor_cfg.tensor_parallel_size} is not supported on torch_dtensor; set it to 0",
             )
         if self.backend == "jax_pjit" and self.lora.dropout > 0:
             yield "lora.dropout", f"{self.lora.dropout}: adapter dropout is not supported by jax_pjit; set it to 0"

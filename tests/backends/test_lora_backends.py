@@ -3,8 +3,8 @@ and gradient norm as a single-process torch LoRA model; the refit stream carries
 weights under the HF names; the HF export loads in transformers and matches the adapted
 policy, and its PEFT adapter directory loads with ``peft`` (skipped when peft is missing).
 
-DTensor tensor parallelism with LoRA is refused by name (``tests/unit/test_lora.py``), so the
-torch_dtensor case is dp2."""
+Tensor parallel layouts shard the adapters with their base (torch: ``LoRAColwiseParallel`` /
+``LoRARowwiseParallel``; JAX: the adapters' logical axes)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def _reference(model_dir, data, loss_fn):
     return model, float(loss.detach()), float(norm)
 
 
-@pytest.mark.parametrize("layout", ["fsdp1-dp2", "dtensor-dp2", "jax-fsdp8"])
+@pytest.mark.parametrize(
+    "layout", ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp8", "jax-fsdp4-tp2"]
+)
 def test_lora_same_init_same_step_merged_refit_and_export(layout, model_dirs, tokenizer, ray_session, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -48,15 +48,37 @@ def test_bad_lora_fields_are_refused_by_the_schema(lora, field):
 
 
 def test_unsupported_combinations_are_refused_by_name():
-    tp2 = _cfg("torch_dtensor")
+    tp2 = _cfg("torch_dtensor", dropout=0.1)
     tp2["dtensor_cfg"]["tensor_parallel_size"] = 2
-    with pytest.raises(ConfigError, match=r"policy.lora.enabled: .*tensor_parallel_size=2.*torch_dtensor"):
+    with pytest.raises(ConfigError, match=r"policy.lora.dropout: 0.1: .*tensor_parallel_size=2.*torch_dtensor"):
         PolicyConfig.checked(tp2)
+    tp2["lora"]["dropout"] = 0.0
+    assert PolicyConfig.checked(tp2).lora.enabled  # LoRA itself composes with TP
     with pytest.raises(ConfigError, match=r"policy.lora.dropout: 0.1: .*jax_pjit"):
         PolicyConfig.checked(_cfg("jax_pjit", dropout=0.1))
-    off = _cfg("torch_dtensor", enabled=False)
-    off["dtensor_cfg"]["tensor_parallel_size"] = 2
-    assert PolicyConfig.checked(off).lora.enabled is False  # refused only with LoRA on
+    assert PolicyConfig.checked(_cfg("torch_fsdp", dropout=0.1)).lora.dropout == 0.1
+
+
+def test_tp_plan_switches_adapted_entries_to_lora_styles():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+
+    from backends.torch_dtensor.tp_plans import (
+        LoRAColwiseParallel,
+        LoRARowwiseParallel,
+        llama_style_plan,
+        with_lora,
+    )
+
+    plan = llama_style_plan(sequence_parallel=True)
+    lora = with_lora(plan, ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"])
+    assert type(lora["model.layers.*.self_attn.q_proj"]) is LoRAColwiseParallel
+    assert type(lora["model.layers.*.mlp.down_proj"]) is LoRARowwiseParallel
+    assert lora["model.layers.*.mlp.down_proj"].output_layouts == (Shard(1),)  # layouts kept
+    assert type(lora["model.layers.*.self_attn.k_proj"]) is ColwiseParallel  # not adapted: unchanged
+    bad = {"model.layers.*.self_attn.q_proj": PrepareModuleInput()}
+    with pytest.raises(ValueError, match=r"policy.lora: module 'model.layers.0.self_attn.q_proj' .*PrepareModuleInput"):
+        with_lora(bad, ["model.layers.0.self_attn.q_proj"])
 
 
 def test_a_target_the_model_lacks_is_named_with_the_linears_it_has():
