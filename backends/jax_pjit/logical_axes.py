@@ -17,6 +17,7 @@ Parameters (storage layout):
     head_dim  -- per-head feature dimension                          -> replicated
     mlp       -- the MLP's intermediate dimension                    -> tp
     norm      -- the feature dimension of an RMSNorm scale           -> replicated
+    lora_rank -- the rank dimension of a LoRA adapter (A, B)         -> replicated
 Activations:
     batch     -- the batch dimension                                 -> fsdp (data parallel)
     seq       -- the sequence dimension (queries, residual stream)   -> cp (context parallel)
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from core.parallel_dims import CP, FSDP, TP
 
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "lora_rank")
 ACTIVATION_AXES = ("batch", "seq", "kv_seq", "act_embed", "act_heads", "act_mlp", "act_vocab")
 
 #: logical name -> mesh axis (None = replicated).  Names not listed are replicated.
@@ -43,6 +44,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("head_dim", None),
     ("mlp", TP),
     ("norm", None),
+    ("lora_rank", None),
     ("batch", FSDP),
     ("seq", CP),
     ("kv_seq", None),

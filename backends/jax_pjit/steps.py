@@ -184,14 +184,31 @@ def _settings_value(value: Any) -> Any:
     return _NOT_A_SETTING
 
 
+def value_and_grad_of(micro_loss: Callable, trainable: Any = None) -> Callable:
+    """``jax.value_and_grad(micro_loss, has_aux=True)`` with respect to the params (the first
+    argument), or -- ``trainable``: an nnx filter (LoRA's adapter type) -- to the params it
+    selects only: the others are closed over, get no gradient, and cost no weight-gradient work."""
+    if trainable is None:
+        return jax.value_and_grad(micro_loss, has_aux=True)
+    from flax import nnx
+
+    def grad_fn(params, *args):
+        train, frozen = nnx.split_state(params, trainable, ...)
+        return jax.value_and_grad(lambda t, *a: micro_loss(nnx.merge_state(t, frozen), *a), has_aux=True)(train, *args)
+
+    return grad_fn
+
+
 def make_grad_step(
-    apply_fn: ApplyFn, loss_fn: LossFunction, temperature: float, grad_shardings: Any = None
+    apply_fn: ApplyFn, loss_fn: LossFunction, temperature: float, grad_shardings: Any = None, trainable: Any = None
 ) -> Callable:
     """``(params, grads_acc, batch, global_valid_seqs, global_valid_toks) ->
     (grads_acc + d loss/d params, metrics)`` for one micro batch.
 
     ``grads_acc`` is donated: the accumulator is updated in place on the devices, and kept
     in ``grad_shardings`` (the params' shardings) so every call reuses one program.
+    ``trainable``: differentiate only the params this nnx filter selects (``grads_acc`` and
+    ``grad_shardings`` then hold those only).
     """
 
     def micro_loss(params, batch, gseq, gtok):
@@ -202,9 +219,11 @@ def make_grad_step(
 
     out_shardings = None if grad_shardings is None else (grad_shardings, None)
 
+    grad_fn = value_and_grad_of(micro_loss, trainable)
+
     @functools.partial(jax.jit, donate_argnums=(1,), out_shardings=out_shardings)
     def step(params, grads_acc, batch, gseq, gtok):
-        (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, batch, gseq, gtok)
+        (_, metrics), grads = grad_fn(params, batch, gseq, gtok)
         return jax.tree.map(jnp.add, grads_acc, grads), metrics
 
     return step
@@ -280,7 +299,12 @@ def make_layout_logprob_step(apply_fn: ApplyFn, temperature: float, cp: int) -> 
 
 
 def make_layout_grad_step(
-    apply_fn: ApplyFn, loss_fn: LossFunction, temperature: float, cp: int, grad_shardings: Any = None
+    apply_fn: ApplyFn,
+    loss_fn: LossFunction,
+    temperature: float,
+    cp: int,
+    grad_shardings: Any = None,
+    trainable: Any = None,
 ) -> Callable:
     """``(params, grads_acc, rows, batch, global_valid_seqs, global_valid_toks) ->
     (grads_acc + d loss/d params, metrics)``: ``make_grad_step`` for explicit row layouts.
@@ -301,9 +325,11 @@ def make_layout_grad_step(
 
     out_shardings = None if grad_shardings is None else (grad_shardings, None)
 
+    grad_fn = value_and_grad_of(micro_loss, trainable)
+
     @functools.partial(jax.jit, donate_argnums=(1,), out_shardings=out_shardings)
     def step(params, grads_acc, rows, batch, gseq, gtok):
-        (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, rows, batch, gseq, gtok)
+        (_, metrics), grads = grad_fn(params, rows, batch, gseq, gtok)
         return jax.tree.map(jnp.add, grads_acc, grads), metrics
 
     return step
@@ -362,7 +388,7 @@ def packed_micro_batch(
     return out, packs
 
 
-def make_apply_updates(tx, param_shardings: Any = None, opt_shardings: Any = None) -> Callable:
+def make_apply_updates(tx, param_shardings: Any = None, opt_shardings: Any = None, trainable: Any = None) -> Callable:
     """``(params, opt_state, grads, loss=0, valid=True) -> (params, opt_state, grad_norm,
     skipped)``; params and optimizer state are donated (updated in place) and kept in their
     shardings, so the steps that consume them next see the same layout and reuse their programs.
@@ -372,8 +398,11 @@ def make_apply_updates(tx, param_shardings: Any = None, opt_shardings: Any = Non
     not finite, or ``valid`` is false (the global batch has no valid token).  The choice is a
     ``jnp.where`` inside the program on globally reduced values, so every device and host
     makes the same one; the update computed from bad gradients is simply not selected.
+    ``trainable`` (an nnx filter): ``grads`` and ``opt_state`` cover those params only; the
+    others pass through unchanged.
     """
     import optax
+    from flax import nnx
 
     out = None if param_shardings is None else (param_shardings, opt_shardings, None, None)
 
@@ -381,14 +410,16 @@ def make_apply_updates(tx, param_shardings: Any = None, opt_shardings: Any = Non
     def apply(params, opt_state, grads, loss=0.0, valid=True):
         norm = optax.global_norm(grads)
         ok = jnp.isfinite(norm) & jnp.isfinite(loss) & jnp.asarray(valid, bool)
-        updates, new_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        train, frozen = (params, None) if trainable is None else nnx.split_state(params, trainable, ...)
+        updates, new_state = tx.update(grads, opt_state, train)
+        new_train = optax.apply_updates(train, updates)
 
         def keep(new, old):
             return jnp.where(ok, new, old)
 
+        kept = jax.tree.map(keep, new_train, train)
         return (
-            jax.tree.map(keep, new_params, params),
+            kept if trainable is None else nnx.merge_state(kept, frozen),
             jax.tree.map(keep, new_state, opt_state),
             norm,
             jnp.logical_not(ok),

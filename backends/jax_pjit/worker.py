@@ -48,6 +48,7 @@ from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
 from backends.jax_pjit.hf_mapping import expected_entries, flat_values, from_pretrained, hf_layout, save_hf_checkpoint
 from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
+from backends.jax_pjit.lora import LoRAParam, apply_lora, merged_flat, module_at, split_trainable
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
 from backends.jax_pjit.models.layers import activation_constraint
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
@@ -67,10 +68,12 @@ from core.data import BatchedDataDict
 from core.distributed.recoverable import before_collectives
 from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics
+from core.models.lora import adapter_names, lora_scale, write_peft_adapter
 from core.policy.generation_args import resolve_generation_args
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
 from core.policy.worker_base import (
+    LORA_ADAPTER_DIR,
     OPTIMIZER_MISSING,
     REFERENCE_MISSING,
     PolicyWorkerBase,
@@ -134,6 +137,10 @@ class JaxPolicyWorker(PolicyWorkerBase):
         )
         check_tokenizer_fits(tokenizer, self.hf_config, self.cfg.model_name)
         check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.jax_cfg.tensor_parallel_size")
+        # policy.lora: adapters on the targeted Dense layers; only they train (``self.trainable``).
+        self.lora = apply_lora(model, self.model_cfg, self.cfg.lora) if self.cfg.lora.enabled else []
+        self.lora_scale = lora_scale(self.cfg.lora.alpha, self.cfg.lora.rank, self.cfg.lora.use_rslora)
+        self.trainable = LoRAParam if self.lora else None
         self.model = model
         self.apply_fn, params = make_apply_fn(model)
         axes = logical_axes_tree(params)
@@ -149,9 +156,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
         if init_optimizer and self.cfg.optimizer:
             self.tx, self.schedule = build_optax(self.cfg.optimizer, self.cfg.scheduler, self.cfg.max_grad_norm)
             with self.mesh:
-                self.opt_state = init_optimizer_state(self.tx, self.params, self.shardings)
+                self.opt_state = init_optimizer_state(
+                    self.tx, self._trainable(self.params), self._trainable(self.shardings)
+                )
             opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-            self._apply_updates = steps.make_apply_updates(self.tx, self.shardings, opt_shardings)
+            self._apply_updates = steps.make_apply_updates(self.tx, self.shardings, opt_shardings, self.trainable)
         self.train_step = 0
         self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature)
         self._grad_steps: dict[tuple, Any] = {}
@@ -166,6 +175,10 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self._generate_calls = 0
         if weights_path:  # the Policy verified the manifests' checksums on the driver already
             self.load_checkpoint(weights_path, optimizer_path, checksums=not _.get("checkpoint_verified", False))
+
+    def _trainable(self, tree: Any) -> Any:
+        """The part of a params-shaped tree that trains: all of it, or with LoRA the adapters."""
+        return tree if self.trainable is None else split_trainable(tree, self.trainable)[0]
 
     # ------------------------------------------------------------------ identity
     def report_device_id(self) -> str:
@@ -389,7 +402,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         """Forward and backward of each micro batch (``RowLayouts.train_micro_batches``), the
         gradients accumulated on the device; returns them and the metrics (kept on the
         device: read once per step, in ``_read_step``)."""
-        acc = steps.zero_grads(self.params)
+        acc = steps.zero_grads(self._trainable(self.params))
         collected = MicroBatchMetrics()
         for args in self.rows.train_micro_batches(gb, plan, mbs, bucket):
             acc, metrics = grad_step(self.params, acc, *args, gseq, gtok)
@@ -412,11 +425,14 @@ class JaxPolicyWorker(PolicyWorkerBase):
         if key not in self._grad_steps:
             # Only the grad steps remat: a forward-only step has no backward to save memory for.
             apply_fn = functools.partial(self.apply_fn, remat=True) if self.remat else self.apply_fn
+            grad_shardings = self._trainable(self.shardings)
             if self.rows.plain:
-                self._grad_steps[key] = steps.make_grad_step(apply_fn, loss_fn, self.temperature, self.shardings)
+                self._grad_steps[key] = steps.make_grad_step(
+                    apply_fn, loss_fn, self.temperature, grad_shardings, self.trainable
+                )
             else:
                 self._grad_steps[key] = steps.make_layout_grad_step(
-                    apply_fn, loss_fn, self.temperature, self.rows.cp, self.shardings
+                    apply_fn, loss_fn, self.temperature, self.rows.cp, grad_shardings, self.trainable
                 )
         return self._grad_steps[key]
 
@@ -500,6 +516,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
         H100, plus as much again for ``prepare_refit_info``, which read the same stream)."""
         self._reload("params")
         flat = flat_values(self.params)
+        if self.lora:  # LoRA: each adapted kernel merged (W + scale * B @ A) before the layout
+            flat = merged_flat(flat, self.lora, self.lora_scale)
         cast = None if dtype is None else jnp.dtype(dtype)
         for e in expected_entries(self.model_cfg):
             full = self._hf_layout(flat[e.jax_path], e.transform, e.vocab_dim, self.model_cfg.vocab_size, cast)
@@ -552,10 +570,32 @@ class JaxPolicyWorker(PolicyWorkerBase):
         if self.rank == 0:
             from flax import nnx
 
-            nnx.update(self.model, params)
+            nnx.update(self.model, params)  # self.model is a scratch copy: the steps use self.params
+            if self.lora:
+                self._write_lora_export(params, path)
             save_hf_checkpoint(self.model, self.hf_config, path)
             if save_tokenizer and self.tokenizer is not None:
                 self.tokenizer.save_pretrained(path)
+
+    def _write_lora_export(self, params: Any, path: str) -> None:
+        """Merge the adapters into ``self.model``'s kernels (what ``save_hf_checkpoint`` writes)
+        and write the PEFT adapter directory beside them (``LORA_ADAPTER_DIR``)."""
+        import torch
+
+        flat = flat_values(params)
+        merged = merged_flat(flat, self.lora, self.lora_scale)
+        for item in self.lora:
+            module_at(self.model, item.kernel_path[:-1]).kernel.set_value(
+                jnp.asarray(np.asarray(merged[item.kernel_path]))
+            )
+        adapters = {}
+        for item in self.lora:
+            base = item.kernel_path[:-1]
+            a, b = np.asarray(flat[base + ("lora_a",)]), np.asarray(flat[base + ("lora_b",)])
+            name_a, name_b = adapter_names(item.module)
+            adapters[name_a] = torch.from_numpy(np.ascontiguousarray(a.reshape(-1, a.shape[-1]).T))  # [r, in]
+            adapters[name_b] = torch.from_numpy(np.ascontiguousarray(b.reshape(b.shape[0], -1).T))  # [out, r]
+        write_peft_adapter(os.path.join(path, LORA_ADAPTER_DIR), self._peft_config(), adapters)
 
     # ------------------------------------------------------------------ profiling
     def start_gpu_profiling(self) -> None:

@@ -5,7 +5,7 @@ A backend subclass supplies only what differs between the engines:
 * ``_parallel_dims()``      -- the (dp, cp, tp) split of the world,
 * ``_parallelize(model)``   -- wrap/shard the HF module; returns the module to call,
 * ``_clip_grad_norm(max)``  -- global gradient norm (FSDP1 flat params vs DTensors),
-* ``iter_full_weights()``   -- ``(hf_name, full tensor)`` pairs, gathered shard by shard,
+* ``_iter_stored_weights()`` -- ``(name, full tensor)`` pairs, gathered shard by shard,
 * ``_no_gradient_sync()`` / ``_keep_params_gathered()`` -- how the engine skips per-micro-
   batch collectives (gradient reduction, parameter re-gathering),
 * optionally ``_seq_multiple`` (sequence parallelism pads the width to a multiple of tp).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -49,8 +50,9 @@ from backends.torch_common.dist_env import (
     reset_peak_memory,
 )
 from backends.torch_common.generation import GenerationReplica, hf_generate
+from backends.torch_common.lora import apply_lora, trainable_parameters
 from backends.torch_common.memory_trade import full_copies_fit, weight_bytes
-from backends.torch_common.model_loading import hf_param_meta, load_hf_model, torch_dtype
+from backends.torch_common.model_loading import as_torch_dtype, hf_param_meta, load_hf_model, torch_dtype
 from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
 from backends.torch_common.precision import apply_matmul_precision, matmul_precision_state
 from backends.torch_common.reference import ReferenceWeights, local_shards
@@ -62,10 +64,12 @@ from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_to
 from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
 from core.losses.metrics import MicroBatchMetrics
+from core.models.lora import is_adapter_name, lora_scale, merge_adapter_stream, write_peft_adapter
 from core.parallel_dims import ParallelDims
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
 from core.policy.worker_base import (
+    LORA_ADAPTER_DIR,
     OPTIMIZER_MISSING,
     REFERENCE_MISSING,
     PolicyWorkerBase,
@@ -115,7 +119,13 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         hf_model = load_hf_model(self.cfg.model_name)
         check_tokenizer_fits(tokenizer, hf_model.config, self.cfg.model_name)
         self.model_config = hf_model.config
-        self.param_meta = hf_param_meta(hf_model)
+        # policy.lora: targeted linears become LoRALinear before any sharding; only adapters train.
+        self.lora_modules = apply_lora(hf_model, self.cfg.lora, self.rank, self.device) if self.cfg.lora.enabled else []
+        self.lora_scale = lora_scale(self.cfg.lora.alpha, self.cfg.lora.rank, self.cfg.lora.use_rslora)
+        # Every stored weight, adapters included, in state-dict order (a base weight, then its
+        # A and B); param_meta: the HF weights refit and export carry (merged).
+        self._stored_meta = hf_param_meta(hf_model)
+        self.param_meta = {n: m for n, m in self._stored_meta.items() if not is_adapter_name(n)}
         # Tied names (lm_head.weight of a tied model): in the state dict, not sent by refit.
         self._refit_skip = frozenset(tied_aliases(hf_model))
         self.hf_module = hf_model
@@ -129,7 +139,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         self.optimizer = None
         self.scheduler = None
         if init_optimizer and self.cfg.optimizer:
-            self.optimizer = build_optimizer(self.cfg.optimizer, self.model.parameters())
+            # Frozen parameters (LoRA's base weights) get no optimizer state.
+            self.optimizer = build_optimizer(self.cfg.optimizer, trainable_parameters(self.model))
             self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
         self.train_step = 0
         self._replica = GenerationReplica(self.model_config, self.device, self.compute_dtype)
@@ -162,10 +173,27 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         parameters once and keeps them until the block ends (then every copy is freed)."""
 
     @abc.abstractmethod
+    def _iter_stored_weights(
+        self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: ``(name, full tensor)`` of every stored weight (``_stored_meta``: with
+        LoRA the adapters too) not in ``skip``, on every rank."""
+
     def iter_full_weights(
         self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective: yield ``(hf_name, full tensor)`` for every weight, on every rank."""
+        """Collective: yield ``(hf_name, full tensor)`` for every HF weight, on every rank;
+        with LoRA each adapted weight merged (``W + scale * B @ A``, in the stored float32,
+        then cast) and the adapters left out."""
+        if not self.lora_modules:
+            yield from self._iter_stored_weights(dtype, skip)
+            return
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(as_torch_dtype(dtype)))
+        yield from merge_adapter_stream(self._iter_stored_weights(None, skip), self.lora_modules, self.lora_scale, cast)
+
+    def lora_adapter_weights(self) -> dict[str, torch.Tensor]:
+        """Collective: the full adapter weights by name (``<module>.lora_A.weight``), on the host."""
+        return {n: t.to("cpu") for n, t in self._iter_stored_weights(None, skip=frozenset(self.param_meta))}
 
     def _local_weight_shards(self) -> list[torch.Tensor]:
         """The tensors storing this rank's part of the weights (swapped for the reference).
@@ -570,6 +598,10 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
                 state[name] = tensor.detach().to("cpu", copy=True)
         if self.rank == 0:
             ckpt.write_hf_checkpoint(self.hf_module, state, path, self.tokenizer if save_tokenizer else None)
+        if self.lora_modules:
+            adapters = self.lora_adapter_weights()
+            if self.rank == 0:
+                write_peft_adapter(os.path.join(path, LORA_ADAPTER_DIR), self._peft_config(), adapters)
         dist.barrier()
 
     # ------------------------------------------------------------------ refit (source side)

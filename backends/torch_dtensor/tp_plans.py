@@ -15,11 +15,12 @@ full sequence length.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -89,3 +90,70 @@ def plan_for(model: torch.nn.Module, sequence_parallel: bool, custom: Any = None
             "set policy.dtensor_cfg.custom_parallel_plan"
         )
     return TP_PLANS[model_type](sequence_parallel)
+
+
+# ----------------------------------------------------------------------------- LoRA
+def _distribute(module: torch.nn.Module, name: str, placement: Any, mesh: Any, src_data_rank: Any) -> None:
+    param = getattr(module, name, None)
+    if param is None:
+        return
+    dist_param = torch.nn.Parameter(
+        distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank), requires_grad=param.requires_grad
+    )
+    module.register_parameter(name, dist_param)
+
+
+class LoRAColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a ``LoRALinear``: the base weight (and bias) ``Shard(0)`` as
+    usual; the adapter follows the base's output split -- B [out, r] ``Shard(0)``, A [r, in]
+    replicated -- so ``x A^T`` is computed whole on every rank and ``(x A^T) B^T`` lands in
+    the same column shard as ``x W^T``."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name:  # distribute_module visits lora_A / lora_B too: the LoRALinear ("") placed them
+            return
+        _distribute(module, "weight", Shard(0), device_mesh, self.src_data_rank)
+        _distribute(module, "bias", Shard(0), device_mesh, self.src_data_rank)
+        _distribute(module.lora_A, "weight", Replicate(), device_mesh, self.src_data_rank)
+        _distribute(module.lora_B, "weight", Shard(0), device_mesh, self.src_data_rank)
+
+
+class LoRARowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for a ``LoRALinear``: the base weight ``Shard(1)`` (bias
+    replicated); A [r, in] ``Shard(1)`` on the same input split, B replicated: both paths give
+    partial sums, added before the one reduction the style already does."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name:  # distribute_module visits lora_A / lora_B too: the LoRALinear ("") placed them
+            return
+        _distribute(module, "weight", Shard(1), device_mesh, self.src_data_rank)
+        _distribute(module, "bias", Replicate(), device_mesh, self.src_data_rank)
+        _distribute(module.lora_A, "weight", Shard(1), device_mesh, self.src_data_rank)
+        _distribute(module.lora_B, "weight", Replicate(), device_mesh, self.src_data_rank)
+
+
+_LORA_STYLES: dict[type, type[ParallelStyle]] = {
+    ColwiseParallel: LoRAColwiseParallel,
+    RowwiseParallel: LoRARowwiseParallel,
+}
+
+
+def with_lora(plan: Plan, lora_modules: list[str]) -> Plan:
+    """``plan`` with the column / row-wise entries that match LoRA-adapted modules switched to
+    their LoRA styles (same layouts).  An adapted module under any other style is refused:
+    its adapter would not be sharded consistently with the base."""
+    out = dict(plan)
+    for pattern, style in plan.items():
+        matched = [m for m in lora_modules if fnmatch.fnmatchcase(m, pattern)]
+        if not matched:
+            continue
+        lora_style = _LORA_STYLES.get(type(style))
+        if lora_style is None:
+            raise ValueError(
+                f"policy.lora: module {matched[0]!r} is adapted but the TP plan gives it {type(style).__name__} "
+                "(LoRA composes with ColwiseParallel / RowwiseParallel entries only)"
+            )
+        new = lora_style.__new__(lora_style)
+        new.__dict__.update(style.__dict__)
+        out[pattern] = new
+    return out

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from backends.torch_common.grad_clip import clip_grad_norm_dtensor
 from backends.torch_common.layers import decoder_layers
+from backends.torch_common.lora import freeze_all_but_adapters
 from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.optim import import_object
 from backends.torch_common.worker import TorchPolicyWorker
@@ -37,7 +38,7 @@ from backends.torch_dtensor.context_parallel import (
     install_allgather_attention,
     train_context,
 )
-from backends.torch_dtensor.tp_plans import plan_for
+from backends.torch_dtensor.tp_plans import plan_for, with_lora
 from backends.torch_dtensor.vocab_padding import OriginalVocabLoss, pad_vocab_, padded_vocab_size, unpad_rows
 from core.parallel_dims import ParallelDims
 from core.policy.preflight import check_tensor_parallel_fits
@@ -134,7 +135,12 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         if isinstance(custom, str):
             custom = import_object(custom, "policy.dtensor_cfg.custom_parallel_plan")
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        parallelize_module(model, self.mesh["tp"], plan_for(model, self.sequence_parallel, custom))
+        plan = plan_for(model, self.sequence_parallel, custom)
+        if self.lora_modules:
+            plan = with_lora(plan, self.lora_modules)
+        parallelize_module(model, self.mesh["tp"], plan)
+        if self.lora_modules:
+            freeze_all_but_adapters(model)  # SequenceParallel re-creates the norm weights trainable
         if tied:
             # Both styles shard the shared [V, H] weight as Shard(0), but each wraps it in its own
             # Parameter: re-tie so the embedding and the head keep one weight and one gradient.
@@ -183,17 +189,17 @@ class DTensorPolicyWorker(TorchPolicyWorker):
     def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         return clip_grad_norm_dtensor(self.model.parameters(), max_norm)
 
-    def iter_full_weights(
+    def _iter_stored_weights(
         self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
     ) -> Iterator[tuple[str, torch.Tensor]]:
         # One parameter at a time: peak extra memory is one full tensor, not the model.
         # ``skip``: names not gathered at all (every rank passes the same set).
         state = self.model.state_dict()
-        for name in (n for n in self.param_meta if n not in skip):
+        for name in (n for n in self._stored_meta if n not in skip):
             tensor = state[name]
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-            tensor = unpad_rows(tensor, self.param_meta[name][0])  # padded vocab rows never leave
+            tensor = unpad_rows(tensor, self._stored_meta[name][0])  # padded vocab rows never leave
             yield name, tensor if dtype is None else tensor.to(as_torch_dtype(dtype))
 
     def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:

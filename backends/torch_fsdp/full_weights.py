@@ -32,22 +32,22 @@ class UnitPlan:
 
     def __init__(self, model: FSDP, names: Mapping[str, object]) -> None:
         """``names``: every HF name the stream must carry (the model's state-dict keys)."""
-        self.units: list[tuple[FSDP, list[tuple[str, str]]]] = []
+        # Each unit's own weights (a nested unit's are its own) from its flat parameter's
+        # records, not ``named_parameters``: FSDP1 (use_orig_params) leaves a unit whose weights
+        # are all frozen (LoRA's root: embeddings, norm, head) holding plain-tensor views after
+        # a training forward, which ``named_parameters`` no longer lists.
+        self.units: list[tuple[FSDP, list[tuple[str, str, torch.nn.Module, str]]]] = []
         for path, module in model.named_modules():
             if isinstance(module, FSDP):
-                own = [
-                    (raw, hf_name(path, raw))
-                    for raw, _ in module.module.named_parameters(remove_duplicate=False)
-                    if WRAPPED not in raw.split(".")
-                ]  # a nested unit's weights are its own
-                self.units.append((module, own))
-        covered = {name for _, own in self.units for _, name in own}
+                own = [(hf_name(path, raw), raw, owner, attr) for raw, owner, attr in _unit_weights(module)]
+                self.units.append((module, [(raw, name, owner, attr) for name, raw, owner, attr in own]))
+        covered = {name for _, own in self.units for _, name, _, _ in own}
         # Weights FSDP does not shard (persistent buffers) are read where they live.
         self.buffers = {hf_name(n): b for n, b in model.named_buffers() if hf_name(n) in names}
         unknown = set(names) - covered - set(self.buffers)
         if unknown:
             raise RuntimeError(f"FSDP1 full-weight plan: state-dict names {sorted(unknown)} are held by no FSDP unit")
-        self.order = [name for _, own in self.units for _, name in own if name in names] + sorted(self.buffers)
+        self.order = [name for _, own in self.units for _, name, _, _ in own if name in names] + sorted(self.buffers)
 
     def iter_weights(
         self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
@@ -56,13 +56,24 @@ class UnitPlan:
         fresh copy (the gathered storage is freed when its unit is left)."""
         for unit, own in self.units:
             with FSDP.summon_full_params(unit, recurse=False, writeback=False):
-                params = dict(unit.module.named_parameters(remove_duplicate=False))
-                for raw, name in own:
+                for _, name, owner, attr in own:
                     if name not in skip:
-                        yield name, _copy(params[raw], dtype)
+                        yield name, _copy(getattr(owner, attr), dtype)
         for name in sorted(set(self.buffers) - skip):
             yield name, _copy(self.buffers[name], dtype)
 
 
 def _copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.detach().to(dtype=dtype or t.dtype, copy=True)
+
+
+def _unit_weights(unit: FSDP) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(name under the unit's module, owning module, attribute)`` of every original weight
+    the unit's flat parameter holds, tied aliases included (HF state-dict order)."""
+    handle = unit._handle
+    if handle is None:
+        return []
+    flat = handle.flat_param
+    infos = [(i.module_name, i.module, i.param_name) for i in flat._param_infos]
+    infos += [(i.module_name, i.module, i.param_name) for i in flat._shared_param_infos]
+    return [(f"{mod}.{attr}" if mod else attr, owner, attr) for mod, owner, attr in infos]

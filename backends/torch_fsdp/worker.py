@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -60,6 +61,13 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
             mixed = MixedPrecision(
                 param_dtype=self.compute_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32
             )
+        with warnings.catch_warnings():
+            # LoRA freezes the base weights inside every unit: FSDP1 warns that such a unit's
+            # frozen weights keep no memory saving (expected: they are a small share).
+            warnings.filterwarnings("ignore", message=".*requires_grad.*", category=UserWarning)
+            return self._wrap(model, mixed)
+
+    def _wrap(self, model: torch.nn.Module, mixed: MixedPrecision | None) -> FSDP:
         return FSDP(
             model,
             auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
@@ -79,15 +87,19 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
     @property
     def _unit_plan(self) -> UnitPlan:
         if getattr(self, "_plan", None) is None:
-            self._plan = UnitPlan(self.model, self.param_meta)
+            self._plan = UnitPlan(self.model, self._stored_meta)
         return self._plan
 
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Metadata only, in the order ``iter_full_weights`` gathers (unit by unit); tied
         aliases left out, as the refit stream leaves them out."""
-        return {name: self.param_meta[name] for name in self._unit_plan.order if name not in self._refit_skip}
+        return {
+            name: self.param_meta[name]
+            for name in self._unit_plan.order
+            if name in self.param_meta and name not in self._refit_skip
+        }
 
-    def iter_full_weights(
+    def _iter_stored_weights(
         self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
     ) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._unit_plan.iter_weights(None if dtype is None else as_torch_dtype(dtype), skip)

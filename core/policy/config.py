@@ -75,6 +75,51 @@ class JaxConfig(ConfigModel):
             yield "fsdp_size", f"must be >= 1, or -1 to use the remaining devices, got {self.fsdp_size}"
 
 
+#: The module names ``policy.lora.target_modules`` may list (PEFT's names for a Llama-style
+#: decoder's linears), or the single string ``"all-linear"``.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(ConfigModel):
+    """Low-rank adapters on the chosen linears; only they train (``docs/lora.md``).  The
+    adapted weight is ``W + scale * B @ A`` with ``scale = alpha / rank`` (``alpha /
+    sqrt(rank)`` with ``use_rslora``); refit and HF export send it merged, under the base names."""
+
+    enabled: bool = False
+    """Train adapters instead of the full model."""
+    rank: int = Field(8, gt=0)
+    """Inner dimension r of A [r, in] and B [out, r]."""
+    alpha: float = Field(16.0, gt=0)
+    """Numerator of the scale (PEFT's lora_alpha)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (torch backends; refused on jax_pjit and with DTensor TP)."""
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Module names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
+    "all-linear" (every decoder linear; lm_head never)."""
+    use_rslora: bool = False
+    """Rank-stabilised scale alpha / sqrt(rank) instead of alpha / rank."""
+    init_seed: int = 0
+    """Seed of A's initialisation (numpy, per module name): the policy section holds it, not the
+    run's seed, so every backend and every data seed starts from the same adapter arrays."""
+
+    def check(self) -> Iterable[Problem]:
+        if isinstance(self.target_modules, list):
+            if not self.target_modules:
+                yield "target_modules", 'empty: name at least one module, or "all-linear"'
+            for i, name in enumerate(self.target_modules):
+                if name not in LORA_TARGETS:
+                    yield f"target_modules[{i}]", f"{name!r} is not one of {list(LORA_TARGETS)} (or 'all-linear')"
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The module names adapted, ``all-linear`` expanded."""
+        if self.target_modules == "all-linear":
+            return LORA_TARGETS
+        return tuple(dict.fromkeys(self.target_modules))
+
+
 class DynamicBatchingConfig(ConfigModel):
     """Token-budget micro-batching (sort by length, fill up to N tokens)."""
 
@@ -231,6 +276,8 @@ class PolicyConfig(ConfigModel):
     """How rollouts are sampled (GRPO); null for SFT / DPO, which never generate."""
     refit_buffer_size_gb: float = Field(4.0, gt=0)
     """Staging buffer for policy -> generation weight refit."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """Low-rank adapters (``enabled: false`` = full fine-tuning)."""
 
     def check(self) -> Iterable[Problem]:
         if self.backend == "torch_fsdp" and self.make_vocab_size_divisible_by > 1:
@@ -246,6 +293,19 @@ class PolicyConfig(ConfigModel):
             yield from ((join_path("scheduler", p), m) for p, m in scheduler_problems(self.scheduler))
         if self.generation is not None:
             yield from self._engine_length_problems(self.generation)
+        if self.lora.enabled:
+            yield from self._lora_problems()
+
+    def _lora_problems(self) -> Iterable[Problem]:
+        """What LoRA does not combine with (``docs/lora.md``), refused by name."""
+        if self.backend == "torch_dtensor" and self.dtensor_cfg.tensor_parallel_size > 1 and self.lora.dropout > 0:
+            yield (
+                "lora.dropout",
+                f"{self.lora.dropout}: adapter dropout with dtensor_cfg.tensor_parallel_size="
+                f"{self.dtensor_cfg.tensor_parallel_size} is not supported on torch_dtensor; set it to 0",
+            )
+        if self.backend == "jax_pjit" and self.lora.dropout > 0:
+            yield "lora.dropout", f"{self.lora.dropout}: adapter dropout is not supported by jax_pjit; set it to 0"
 
     def _batching_problems(self) -> Iterable[Problem]:
         packing = self.sequence_packing

@@ -143,7 +143,20 @@ def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerB
         raise ValueError(f"policy.model_name={name!r}: cannot read its HF config: {err}") from err
     check_tokenizer_fits(tokenizer, model_config, name)
     check_tensor_parallel_fits(model_config, *tensor_parallel_field(policy))
+    check_lora_targets(policy, model_config)
     return model_config
+
+
+def check_lora_targets(policy: PolicyConfig, model_config: PreTrainedConfig) -> None:
+    """Every ``policy.lora.target_modules`` entry names linears of the model (read from its
+    modules on the meta device); else a ValueError naming the entry and the linears there are."""
+    if not policy.lora.enabled:
+        return
+    from core.models.lora import linear_module_names, target_errors
+
+    errors = target_errors(linear_module_names(model_config), policy.lora.targets, model_config.model_type)
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
 # ----------------------------------------------------------------------------- vocabulary

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 REFERENCE_MISSING = "this policy was built with init_reference_model=False: no reference weights"
 OPTIMIZER_MISSING = "train() needs an optimizer: this policy was built with init_optimizer=False"
+#: With policy.lora, the HF export's subdirectory holding the PEFT adapter (not the export
+#: directory itself: transformers would then load the adapter on top of the merged weights).
+LORA_ADAPTER_DIR = "lora_adapter"
 
 
 _Train = TypeVar("_Train", bound=Callable[..., TrainResult])
@@ -135,6 +138,15 @@ class PolicyWorkerBase(RefitSender):
     def _profile_root() -> Path:
         """Where profiler traces go: ``$DUALRL_PROFILE_DIR`` (default ``./profiles``), absolute."""
         return Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles")).resolve()
+
+    def _peft_config(self) -> dict[str, Any]:
+        """``adapter_config.json`` of this policy's adapters (``policy.lora``)."""
+        from core.models.lora import peft_adapter_config
+
+        lora = self.cfg.lora
+        return peft_adapter_config(
+            self.cfg.model_name, lora.rank, lora.alpha, lora.dropout, lora.targets, lora.use_rslora
+        )
 
     def _save_tokenizer(self, tokenizer_path: str | None) -> None:
         """Rank 0 writes the tokenizer files next to a checkpoint."""

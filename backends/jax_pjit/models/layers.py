@@ -174,6 +174,12 @@ class Dense(nnx.Module):
     kernel stores heads as their own axis and sharding never has to split a fused dim.
     """
 
+    # LoRA adapters: class-level None; ``backends.jax_pjit.lora.apply_lora`` sets them on the
+    # targeted layers' instances.
+    lora_a: nnx.Param | None = None
+    lora_b: nnx.Param | None = None
+    lora_scale: float = 0.0
+
     def __init__(self, in_shape, out_shape, in_axes, out_axes, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs):
         self.n_in = len(in_shape)
         self.dtype = dtype
@@ -186,6 +192,10 @@ class Dense(nnx.Module):
         y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=self.n_in)
         if self.bias is not None:
             y = per_feature(jnp.add, y, self.bias[...], self.dtype)
+        if self.lora_a is not None and self.lora_b is not None:
+            # LoRA, as the torch backends' LoRALinear: x A [.., r], then B [r, out..], scaled.
+            h = jnp.tensordot(x.astype(self.dtype), self.lora_a[...].astype(self.dtype), axes=self.n_in)
+            y = y + jnp.tensordot(h, self.lora_b[...].astype(self.dtype), axes=1) * self.lora_scale
         return y
 
 

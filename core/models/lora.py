@@ -1,0 +1,168 @@
+"""LoRA's math, once for every backend: initialisation, scale, merge, names, PEFT files.
+
+An adapted linear computes ``y = x W^T + scale * (x A^T) B^T`` with A [r, in] and B [out, r]
+(HF / PEFT layout, whatever a backend stores).  What must be identical on every backend
+lives here and imports no backend:
+
+* the initial adapters -- PEFT's default: A ~ kaiming-uniform(a=sqrt(5)) as ``nn.Linear``
+  initialises its weight, i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0 -- drawn with numpy from
+  ``(init_seed, module name)``, so torch_fsdp, torch_dtensor and jax_pjit start from the same
+  arrays whatever their ranks, meshes or parameter order;
+* the scale ``alpha / rank`` (``alpha / sqrt(rank)`` with rsLoRA);
+* the merge ``W' = W + scale * B @ A`` (in float32, cast once), and a stream transform that
+  merges ``(name, tensor)`` pairs on the fly for refit and export;
+* the names: a backend names an adapter ``<module>.lora_A.weight`` / ``.lora_B.weight`` (HF
+  module path); a PEFT adapter file names it ``base_model.model.<module>.lora_A.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+#: The suffixes of an adapter's two weights under its module's path.
+LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
+#: What PEFT puts before a module path in ``adapter_model.safetensors``.
+PEFT_PREFIX = "base_model.model."
+#: Modules LoRA never adapts, even under "all-linear" (PEFT leaves the output layer alone).
+NEVER_ADAPTED = ("lm_head",)
+
+
+def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
+    """PEFT's ``scaling``: ``alpha / rank``, or ``alpha / sqrt(rank)`` (rsLoRA)."""
+    return float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+
+
+def init_adapter(
+    module: str, in_features: int, out_features: int, rank: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(A [rank, in], B [out, rank])`` float32 of module ``module`` (its HF path, e.g.
+    ``model.layers.0.self_attn.q_proj``): A uniform in +-1/sqrt(in) (kaiming-uniform with
+    a=sqrt(5), PEFT's default), B zeros, so the adapted model starts as the base model.
+    The stream is seeded by ``seed`` and the name alone (crc32: stable across processes)."""
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, zlib.crc32(module.encode())]))
+    bound = 1.0 / math.sqrt(in_features)
+    a = rng.uniform(-bound, bound, size=(rank, in_features)).astype(np.float32)
+    return a, np.zeros((out_features, rank), np.float32)
+
+
+def merge(weight: Any, a: Any, b: Any, scale: float) -> Any:
+    """``W + scale * B @ A`` for torch tensors or numpy / jax arrays, in the weight's dtype."""
+    return weight + scale * (b @ a)
+
+
+# ----------------------------------------------------------------------------- names
+def adapter_names(module: str) -> tuple[str, str]:
+    """The backend (state-dict) names of a module's A and B."""
+    return f"{module}.{LORA_A}", f"{module}.{LORA_B}"
+
+
+def peft_name(name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.lora_A.weight`` -> PEFT's adapter-file key."""
+    return PEFT_PREFIX + name
+
+
+def split_adapter_name(name: str) -> tuple[str, str] | None:
+    """``(module, "A" | "B")`` of an adapter weight's name, None for any other name."""
+    for suffix, part in ((LORA_A, "A"), (LORA_B, "B")):
+        if name.endswith("." + suffix):
+            return name[: -len(suffix) - 1], part
+    return None
+
+
+def is_adapter_name(name: str) -> bool:
+    return split_adapter_name(name) is not None
+
+
+def adapted_modules(linear_names: Iterable[str], targets: Sequence[str]) -> list[str]:
+    """The module paths among ``linear_names`` whose last part is one of ``targets``."""
+    return [n for n in linear_names if n.rsplit(".", 1)[-1] in targets and n.rsplit(".", 1)[-1] not in NEVER_ADAPTED]
+
+
+def target_errors(linear_names: Iterable[str], targets: Sequence[str], model_type: str) -> list[str]:
+    """``policy.lora.target_modules`` entries that name no linear of the model, each listing the
+    linear module names the model does have."""
+    names = list(linear_names)
+    have = sorted({n.rsplit(".", 1)[-1] for n in names} - set(NEVER_ADAPTED))
+    return [
+        f"policy.lora.target_modules: {t!r} is not a linear module of model_type {model_type!r}; "
+        f"its linear modules are {have}"
+        for t in targets
+        if not adapted_modules(names, [t])
+    ]
+
+
+def linear_module_names(hf_config: Any) -> list[str]:
+    """Module paths of every ``nn.Linear`` of the HF causal LM ``hf_config`` describes, built
+    on the meta device (no memory, no weights read)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+# ----------------------------------------------------------------------------- merged streams
+def merge_adapter_stream(
+    stream: Iterable[tuple[str, Any]], modules: Iterable[str], scale: float, finish: Callable[[Any], Any]
+) -> Iterator[tuple[str, Any]]:
+    """The ``(hf_name, tensor)`` stream with every adapted ``<module>.weight`` replaced by its
+    merge and the adapter weights dropped.  ``finish`` casts each outgoing tensor (the merge
+    runs on what the stream carries: gather it in float32).  A base weight waits only for its
+    own A and B (the backends gather them together), so little is held at a time."""
+    modules = set(modules)
+    held: dict[str, dict[str, Any]] = {}
+    for name, tensor in stream:
+        split = split_adapter_name(name)
+        if split is None and not (name.endswith(".weight") and name[: -len(".weight")] in modules):
+            yield name, finish(tensor)
+            continue
+        module, part = split if split is not None else (name[: -len(".weight")], "W")
+        parts = held.setdefault(module, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            del held[module]
+            yield f"{module}.weight", finish(merge(parts["W"], parts["A"], parts["B"], scale))
+    if held:
+        raise RuntimeError(f"LoRA merge: incomplete adapters at the end of the stream: {sorted(held)}")
+
+
+# ----------------------------------------------------------------------------- PEFT files
+def peft_adapter_config(
+    base_model: str, rank: int, alpha: float, dropout: float, targets: Sequence[str], use_rslora: bool
+) -> dict[str, Any]:
+    """``adapter_config.json`` of a plain LoRA adapter on a causal LM (PEFT's field names)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "lora_dropout": float(dropout),
+        "target_modules": sorted(targets),
+        "use_rslora": bool(use_rslora),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+
+
+def write_peft_adapter(path: str | os.PathLike, config: dict[str, Any], adapters: dict[str, Any]) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT key names) into
+    ``path``; ``adapters`` maps backend names (``<module>.lora_A.weight``) to torch tensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    tensors = {peft_name(n): t.detach().to("cpu").contiguous() for n, t in adapters.items()}
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
