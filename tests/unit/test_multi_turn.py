@@ -280,3 +280,20 @@ def test_multi_turn_config_refusals(overrides, fragment):
 def test_multi_turn_config_accepted():
     cfg = _grpo("env.name=tool_arithmetic", "grpo.max_rollout_turns=3", "env.on_episode_error=end_episode")
     assert cfg.is_multi_turn() and cfg.grpo.max_rollout_turns == 3 and cfg.env.on_episode_error == "end_episode"
+
+
+def test_a_single_turn_environment_runs_as_one_step_episodes():
+    from core.environments import ArithmeticEnvironment
+    from core.environments.multi_turn import SingleTurnEpisodes
+
+    tok = _tokenizer(False)
+    env = SingleTurnEpisodes(ArithmeticEnvironment())
+    engine = ScriptedEngine({ids("a")[0]: [ids("b")], ids("d")[0]: [ids("c")]})
+    runner = _runner(tok, env)
+    metadata = [{"ground_truth": "b", "raw_prompt": "a"}, {"ground_truth": "b", "raw_prompt": "d"}]
+    episodes = runner.run([ids("a"), ids("d")], metadata, engine, greedy=True, seed=0, step=0)
+    rows = episodes_to_rows(episodes, tok.pad_token_id)
+    assert rows["rewards"].tolist() == [1.0, 0.0] and rows["turns"].tolist() == [1, 1]
+    assert [i["correct"] for i in rows["infos"]] == [True, False] and [i["ended"] for i in rows["infos"]] == [
+        "done"
+    ] * 2
