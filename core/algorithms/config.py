@@ -413,18 +413,19 @@ class GRPORunConfig(_AlgorithmRunConfig):
         yield from self._multi_turn_problems()
 
     def is_multi_turn(self) -> bool:
-        """Whether env.name is a multi-turn environment (False when it cannot be resolved:
-        the environment's own start-up reports that, naming the import error)."""
+        """Whether env.name is a multi-turn environment (a ValueError naming env.name when
+        its class cannot be imported)."""
         from core.environments.registry import environment_is_multi_turn
 
-        try:
-            return environment_is_multi_turn(self.env.name)
-        except ValueError:
-            return False
+        return environment_is_multi_turn(self.env.name)
 
     def _multi_turn_problems(self) -> Iterable[Problem]:
         g, name = self.grpo, self.env.name
-        if not self.is_multi_turn():
+        try:
+            multi_turn = self.is_multi_turn()
+        except ValueError:  # an unimportable user class: the environment's start-up names the import error
+            return
+        if not multi_turn:
             if g.max_rollout_turns is not None:
                 yield "grpo.max_rollout_turns", f"set, but env.name {name!r} is single-turn (score); remove it"
             if self.env.on_episode_error != "fail":  # a single-turn environment's errors always fail the step

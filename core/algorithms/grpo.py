@@ -177,7 +177,9 @@ def _sample_episodes(run: Any, step: int, call: int, timer: StepTimer, prompts: 
             step=step,
             stream=call,
         )
-    return ScoredBatch(episodes_to_rows(episodes, run.tokenizer.pad_token_id), min(versions))
+    # No generate call at all when every episode ended at reset (env.on_episode_error: end_episode).
+    version = min(versions, default=run.rollouts.version)
+    return ScoredBatch(episodes_to_rows(episodes, run.tokenizer.pad_token_id), version)
 
 
 def _sample_groups(run: Any, step: int, timer: StepTimer) -> tuple[list[ScoredBatch], GroupSelection | None]:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from core.environments.config import EnvConfig, ToolsConfig
-from core.environments.interfaces import env_subsection, ground_truth_of
+from core.environments.interfaces import env_subsection
 from core.environments.multi_turn import StepResult
 from core.environments.tools.base import Tool, run_tool
 from core.environments.tools.calculator import CALCULATOR
@@ -85,5 +85,6 @@ class ToolArithmeticEnvironment(ToolEnvironment):
         self._answers = ArithmeticEnvironment(cfg)  # validates env.arithmetic now, not mid-run
 
     def judge(self, answer: str, metadata: dict[str, Any]) -> tuple[bool, str | None]:
-        truth = ground_truth_of(metadata, 0, metadata.get("raw_prompt", ""), answer, self.name)
-        return self._answers.judge(answer, truth)
+        if "ground_truth" not in metadata:
+            raise ValueError(f"metadata has no 'ground_truth' (got {sorted(metadata)})")
+        return self._answers.judge(answer, str(metadata["ground_truth"]))
