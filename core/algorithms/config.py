@@ -195,6 +195,10 @@ class GRPOConfig(ConfigModel):
     """When a step's samples are one global batch (one optimizer step), take the old policy's
     logprobs from the training forward itself instead of a separate pass (exact: the same
     weights); false forces the separate pass (an ablation)."""
+    max_rollout_turns: int | None = Field(None, ge=1)
+    """Most assistant turns of one episode of a multi-turn environment (env.name: tool_arithmetic
+    or a user class with reset/step; docs/multi-turn.md): required with one, refused with a
+    single-turn environment (whose episodes are one completion)."""
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
 
@@ -406,6 +410,45 @@ class GRPORunConfig(_AlgorithmRunConfig):
             yield from self._distillation_problems()
         yield from self._estimator_problems()
         yield from self._response_length_problems()
+        yield from self._multi_turn_problems()
+
+    def is_multi_turn(self) -> bool:
+        """Whether env.name is a multi-turn environment (a ValueError naming env.name when
+        its class cannot be imported)."""
+        from core.environments.registry import environment_is_multi_turn
+
+        return environment_is_multi_turn(self.env.name)
+
+    def _multi_turn_problems(self) -> Iterable[Problem]:
+        g, name = self.grpo, self.env.name
+        try:
+            multi_turn = self.is_multi_turn()
+        except ValueError:  # an unimportable user class: the environment's start-up names the import error
+            return
+        if not multi_turn:
+            if g.max_rollout_turns is not None:
+                yield "grpo.max_rollout_turns", f"set, but env.name {name!r} is single-turn (score); remove it"
+            if self.env.on_episode_error != "fail":  # a single-turn environment's errors always fail the step
+                yield (
+                    "env.on_episode_error",
+                    f"end_episode is only supported by multi-turn environments; {name!r} is single-turn",
+                )
+            return
+        if g.max_rollout_turns is None:
+            yield "grpo.max_rollout_turns", f"required with the multi-turn environment {name!r} (e.g. 4)"
+        refused = {
+            "grpo.async_grpo.enabled": (g.async_grpo.enabled, "async GRPO does not run multi-turn rollouts yet"),
+            "grpo.distillation.enabled": (g.distillation.enabled, "distillation on multi-turn rows is untested"),
+            "grpo.overlong_filtering": (
+                g.overlong_filtering,
+                "it judges one response's length against max_new_tokens; a multi-turn episode has several "
+                "(episodes cut by the sequence limit are counted in multi_turn/truncated instead)",
+            ),
+            "grpo.reward_shaping.enabled": (g.reward_shaping.enabled, "its length penalty is per single response"),
+        }
+        for key, (on, why) in refused.items():
+            if on:
+                yield key, f"not supported with the multi-turn environment {name!r}: {why}; set it to false"
 
     def response_token_limit(self) -> int | None:
         """The longest response a rollout may have (DAPO's L_max, Dr. GRPO's default token

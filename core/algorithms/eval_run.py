@@ -156,8 +156,14 @@ def _start_workers(
         cluster, cfg.policy, tokenizer, weights_path=weights, init_optimizer=False, init_reference_model=False
     )
     stack.callback(policy.shutdown)
-    env = EnvironmentPool(cfg.env)
-    stack.callback(env.shutdown)
+    env: Any
+    if cfg.is_multi_turn():  # episodes stepped on the driver, as in training
+        from core.algorithms.grpo_setup import episode_runner
+
+        env = episode_runner(cfg, tokenizer, policy.model_config.eos_token_id)
+    else:
+        env = EnvironmentPool(cfg.env)
+        stack.callback(env.shutdown)
     engine = RolloutEngine(cfg, policy, tokenizer, cluster, cfg.grpo.seed, start_version=ckpt.step if ckpt else 0)
     stack.callback(engine.shutdown)
     log(f"workers up in {time.perf_counter() - start:.1f} s: {cfg.policy.backend} policy, {engine.kind} generation")

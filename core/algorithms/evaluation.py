@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from core.algorithms.estimators import maj_at_k, mean_at_k, pass_at_k
+from core.algorithms.multi_turn import EpisodeRunner, decode_conversations, episodes_to_rows
 from core.algorithms.rollouts import decode_completions, prompt_batch, sample_seeds
 
 if TYPE_CHECKING:
@@ -130,6 +131,8 @@ def sample_and_score(
     """``num_samples`` samples of every prompt, ``plan.batch_size`` prompts per generate call,
     scored by ``env``; sampled rows seeded by (``plan.seed``, row index)."""
     n = num_samples
+    if isinstance(env, EpisodeRunner):
+        return _play_episodes(engine, env, tokenizer, prompts, plan, num_samples=n, greedy=greedy)
     seeds = None if greedy else sample_seeds(plan.seed, 0, len(prompts) * n, stream=VALIDATION_STREAM)
     out = Samples(n)
     for start in range(0, len(prompts), plan.batch_size):
@@ -145,6 +148,40 @@ def sample_and_score(
         out.rewards += scored.rewards
         out.infos += scored.infos
         out.lengths += generated["generation_lengths"].tolist()
+    return out
+
+
+def _play_episodes(
+    engine: Any,
+    runner: EpisodeRunner,
+    tokenizer: Any,
+    prompts: Sequence[PromptDatum],
+    plan: EvalPlan,
+    *,
+    num_samples: int,
+    greedy: bool,
+) -> Samples:
+    """:func:`sample_and_score` for a multi-turn environment: each sample is a whole episode
+    (its reward the sum of its steps', its length the generated tokens of all its turns);
+    sampled turns seeded by (``plan.seed``, row, turn) on the validation stream."""
+    n, out = num_samples, Samples(num_samples)
+    for start in range(0, len(prompts), plan.batch_size):
+        chunk = [p for p in prompts[start : start + plan.batch_size] for _ in range(n)]
+        episodes = runner.run(
+            [p.input_ids for p in chunk],
+            [p.metadata for p in chunk],
+            lambda batch, greedy: engine.generate(batch, greedy=greedy),
+            greedy=greedy,
+            seed=plan.seed,
+            step=0,
+            stream=VALIDATION_STREAM,
+            row_offset=start * n,
+        )
+        rows = episodes_to_rows(episodes, tokenizer.pad_token_id)
+        out.completions += decode_conversations(tokenizer, rows)
+        out.rewards += rows["rewards"].tolist()
+        out.infos += rows["infos"]
+        out.lengths += rows["generation_lengths"].tolist()
     return out
 
 

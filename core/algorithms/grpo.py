@@ -36,6 +36,7 @@ from core.algorithms.advantages import compute_advantages
 from core.algorithms.distillation import apply_teacher, teacher_is_reference
 from core.algorithms.dynamic_sampling import DynamicSamplingError, GroupSelection, sample_until_informative
 from core.algorithms.evaluation import EvalPlan, evaluate
+from core.algorithms.multi_turn import episodes_to_rows, multi_turn_metrics
 from core.algorithms.response_length import shape_response_lengths
 from core.algorithms.rollouts import (
     decode_completions,
@@ -119,6 +120,8 @@ def generate_rollout(run: Any, step: int) -> Rollout:
         data = data.select_indices(list(range(selection.train_rows)))
     metrics.update(batch_metrics)
     metrics.update(_accuracy(generated["infos"]))
+    if getattr(run, "episodes", None) is not None:
+        metrics.update(multi_turn_metrics(generated))
     skipped = False
     if selection is not None:
         skipped = _shortfall(run, step, selection)
@@ -134,6 +137,8 @@ def sample_batch(run: Any, step: int, call: int, timer: StepTimer) -> ScoredBatc
     g = run.cfg.grpo
     group = g.num_generations_per_prompt
     prompts = run.loader.next_batch()
+    if getattr(run, "episodes", None) is not None:
+        return _sample_episodes(run, step, call, timer, prompts)
     batch = prompt_batch([p.input_ids for p in prompts], group, run.tokenizer.pad_token_id)
     batch["sample_seeds"] = sample_seeds(g.seed, step, batch.size, stream=call)
     texts = [p.prompt for p in prompts for _ in range(group)]
@@ -148,6 +153,33 @@ def sample_batch(run: Any, step: int, call: int, timer: StepTimer) -> ScoredBatc
     rows["rewards"] = torch.tensor(scored.rewards, dtype=torch.float32)
     rows["infos"] = list(scored.infos)
     return ScoredBatch(rows, version)
+
+
+def _sample_episodes(run: Any, step: int, call: int, timer: StepTimer, prompts: list[Any]) -> ScoredBatch:
+    """:func:`sample_batch` for a multi-turn environment: every prompt's group played as
+    episodes (core.algorithms.multi_turn), their rows carrying an explicit ``token_mask``.
+    ``timing/generation_s`` covers the whole episodes, environment steps included."""
+    group = run.cfg.grpo.num_generations_per_prompt
+    versions: list[int] = []
+
+    def generate(batch: BatchedDataDict, greedy: bool) -> BatchedDataDict:
+        out, version = run.rollouts.generate_tagged(batch, greedy=greedy)
+        versions.append(version)
+        return out
+
+    with timer("generation"):
+        episodes = run.episodes.run(
+            [p.input_ids for p in prompts for _ in range(group)],
+            [p.metadata for p in prompts for _ in range(group)],
+            generate,
+            greedy=False,
+            seed=run.cfg.grpo.seed,
+            step=step,
+            stream=call,
+        )
+    # No generate call at all when every episode ended at reset (env.on_episode_error: end_episode).
+    version = min(versions, default=run.rollouts.version)
+    return ScoredBatch(episodes_to_rows(episodes, run.tokenizer.pad_token_id), version)
 
 
 def _sample_groups(run: Any, step: int, timer: StepTimer) -> tuple[list[ScoredBatch], GroupSelection | None]:
@@ -268,7 +300,10 @@ def grpo_validate(run: Any, step: int) -> dict[str, float]:
     ``grpo.val_pass_at_k`` the sampled pass's pass@k, maj@k and mean@k."""
     (run.sync_weights or run.rollouts.sync_weights)()
     prompts = [run.val_dataset[i] for i in range(len(run.val_dataset))]
-    evaluation = evaluate(run.rollouts, run.env, run.tokenizer, prompts, EvalPlan.of_grpo(run.cfg.grpo, len(prompts)))
+    scorer = (
+        run.env if getattr(run, "episodes", None) is None else run.episodes
+    )  # a multi-turn run plays validation episodes
+    evaluation = evaluate(run.rollouts, scorer, run.tokenizer, prompts, EvalPlan.of_grpo(run.cfg.grpo, len(prompts)))
     _print_samples(run, step, prompts, evaluation.greedy.completions, evaluation.greedy.rewards)
     return evaluation.metrics()
 

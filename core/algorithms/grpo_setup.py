@@ -30,6 +30,7 @@ from core.config import ConfigError
 from core.datasets import BatchLoader, build_prompt_datasets
 
 if TYPE_CHECKING:
+    from core.algorithms.multi_turn import EpisodeRunner
     from core.algorithms.rollout_engine import RolloutEngine
     from core.environments import EnvironmentPool
 
@@ -42,6 +43,8 @@ class GRPORun(TrainingRun):
     resolved_cfg: GRPORunConfig
     rollouts: RolloutEngine | None = None
     env: EnvironmentPool | None = None
+    #: A multi-turn environment's episodes, stepped on the driver (None: single-turn, the pool scores).
+    episodes: EpisodeRunner | None = None
     #: The frozen distillation teacher (a Policy without an optimizer), with grpo.distillation.
     teacher: Any = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -113,8 +116,11 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     teacher = cfg.grpo.distillation.teacher_model_name
     if cfg.grpo.distillation.enabled and teacher is not None:
         run.teacher = start_teacher(run, cluster, teacher, log)
-    env = run.env = EnvironmentPool(run.cfg.env)
-    run._exit.callback(env.shutdown)
+    if cfg.is_multi_turn():
+        run.episodes = episode_runner(cfg, run.tokenizer, run.policy.model_config.eos_token_id)
+    else:
+        env = run.env = EnvironmentPool(run.cfg.env)
+        run._exit.callback(env.shutdown)
     rollouts = run.rollouts = RolloutEngine(
         cfg, run.policy, run.tokenizer, cluster, run.cfg.grpo.seed, start_version=run.start_step
     )
@@ -126,6 +132,32 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
         f"workers up in {time.perf_counter() - start:.1f} s: {cfg.policy.backend} policy on "
         f"{cluster.world_size()} slot(s), {rollouts.kind} generation"
         + (f" ({rollouts.transport} refit)" if rollouts.kind == "vllm" else "")
+    )
+
+
+def episode_runner(cfg: GRPORunConfig, tokenizer: Any, model_eos: Any) -> EpisodeRunner:
+    """The multi-turn environment, built on the driver where its episodes are stepped (the
+    Ray pool scores single-turn environments only, for now), with the run's limits."""
+    from core.algorithms.multi_turn import EpisodeRunner
+    from core.algorithms.observation_tokens import ObservationTokens
+    from core.datasets.prompts import chat_template_used
+    from core.environments.registry import make_multi_turn_environment
+    from core.policy.generation_args import resolve_generation_args
+
+    turns = cfg.grpo.max_rollout_turns
+    if turns is None:  # GRPORunConfig refuses it
+        raise ConfigError("grpo.max_rollout_turns is required with a multi-turn environment")
+    args = resolve_generation_args(cfg.policy, tokenizer, model_eos, 0)
+    stops = list(args.eos_token_ids) + list(args.gen_cfg.stop_token_ids or [])
+    observations = ObservationTokens(tokenizer, chat_template_used(cfg.data, tokenizer), stops)
+    return EpisodeRunner(
+        make_multi_turn_environment(cfg.env),
+        tokenizer,
+        observations,
+        max_turns=turns,
+        max_total_tokens=cfg.policy.max_total_sequence_length,
+        step_timeout_s=cfg.env.timeout_s,
+        on_error=cfg.env.on_episode_error,
     )
 
 

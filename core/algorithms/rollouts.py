@@ -3,7 +3,8 @@
 Layout (the ``get_logprobs`` convention of ``core.interfaces``): a rollout row is the
 prompt's tokens followed directly by the generated tokens, right-padded.  ``token_mask``
 is 1 exactly on the generated tokens (the stop token included: the policy must learn to
-stop), so the loss never trains on the prompt or the padding.
+stop), so the loss never trains on the prompt or the padding.  Multi-turn rows
+(core.algorithms.multi_turn) interleave turns and observations and bring their own mask.
 """
 
 from __future__ import annotations
@@ -59,7 +60,11 @@ def decode_completions(
 
 
 def generation_mask(out: BatchedDataDict, prompt_lengths: torch.Tensor) -> torch.Tensor:
-    """[B, S'] float: 1 on the generated positions of each row."""
+    """[B, S'] float: 1 on the generated positions of each row; multi-turn rows
+    (core.algorithms.multi_turn) carry their own ``token_mask`` (observations between the
+    turns are not generated), which is returned as is."""
+    if "token_mask" in out:
+        return out["token_mask"].float()
     cols = torch.arange(out["output_ids"].shape[1])[None]
     return ((cols >= prompt_lengths[:, None]) & (cols < out["unpadded_sequence_lengths"][:, None])).float()
 
@@ -104,7 +109,10 @@ def rollout_metrics(
 
 
 def truncated_rows(out: BatchedDataDict, stop_ids: Sequence[int], max_new_tokens: int) -> torch.Tensor:
-    """[B] bool: the rows that reached ``max_new_tokens`` without ending on a stop token."""
+    """[B] bool: the rows that reached ``max_new_tokens`` without ending on a stop token
+    (multi-turn rows: the episodes cut by the sequence limit, their own ``truncated``)."""
+    if "truncated" in out:
+        return out["truncated"].bool()
     lengths = out["generation_lengths"]
     last = out["output_ids"].gather(1, (out["unpadded_sequence_lengths"] - 1).clamp_min(0)[:, None])[:, 0]
     stopped = torch.isin(last, torch.tensor(list(stop_ids), dtype=last.dtype)) & (lengths > 0)

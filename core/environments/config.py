@@ -16,7 +16,12 @@ from pydantic import Field
 from core.config import ConfigModel, Problem
 
 #: The built-in environments (core.environments.registry.BUILTIN_ENVIRONMENTS).
-BUILTIN_ENVIRONMENT_NAMES = ("arithmetic", "math")
+BUILTIN_ENVIRONMENT_NAMES = ("arithmetic", "math", "tool_arithmetic")
+#: The built-in environments that are multi-turn (core.environments.multi_turn).
+BUILTIN_MULTI_TURN_NAMES = ("tool_arithmetic",)
+#: What a multi-turn rollout does when a step raises, overruns env.timeout_s or returns an
+#: invalid result: stop the run (fail) or end that episode with the reward it has (end_episode).
+EpisodeErrorPolicy = Literal["fail", "end_episode"]
 ArithmeticOperation = Literal["+", "-", "*"]
 SUPPORTED_OPERATIONS: tuple[ArithmeticOperation, ...] = ("+", "-", "*")
 
@@ -61,17 +66,34 @@ class MathEnvConfig(ConfigModel):
             yield "rel_tol", f"must be a finite number >= 0, got {self.rel_tol!r}"
 
 
+class ToolsConfig(ConfigModel):
+    """The tools of a tool environment (``env.tools``; core.environments.tools)."""
+
+    timeout_s: float = Field(5.0, gt=0)
+    """Time limit of one tool call; a call over it gets an observation saying so."""
+
+    def check(self) -> Iterable[Problem]:
+        if not math.isfinite(self.timeout_s):
+            yield "timeout_s", f"must be a number of seconds > 0, got {self.timeout_s!r}"
+
+
 class EnvConfig(ConfigModel):
     """The reward environment, run in a pool of Ray actors."""
 
     name: str = Field(min_length=1)
-    """"arithmetic" | "math" | "package.module:ClassName"."""
+    """"arithmetic" | "math" | "tool_arithmetic" (multi-turn) | "package.module:ClassName"."""
     num_workers: int = Field(1, ge=1)
     """Reward actors."""
     timeout_s: float = Field(60.0, gt=0)
-    """Deadline of one scoring call."""
+    """Deadline of one scoring call (a multi-turn environment: of one episode's step)."""
+    on_episode_error: EpisodeErrorPolicy = "fail"
+    """Multi-turn only: a step that raises, overruns timeout_s or returns an invalid result
+    stops the run (fail) or ends its episode with the reward so far, counted in
+    multi_turn/episode_errors (end_episode)."""
     arithmetic: ArithmeticTaskConfig | None = None
     math: MathEnvConfig | None = None
+    tools: ToolsConfig | None = None
+    """Tool settings of a tool environment (tool_arithmetic, or a user's ToolEnvironment)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Free-form settings of a user's own environment class."""
 
@@ -83,7 +105,9 @@ class EnvConfig(ConfigModel):
                 f"{self.kwargs!r}: not read by the built-in environment {self.name!r} (it is for a "
                 "user's own class, env.name: package.module:ClassName); remove it",
             )
-        if self.name == "arithmetic" and self.math is not None:
-            yield "math", "not read by env.name 'arithmetic' (these are the math verifier's settings); remove it"
+        if self.name in ("arithmetic", "tool_arithmetic") and self.math is not None:
+            yield "math", f"not read by env.name {self.name!r} (these are the math verifier's settings); remove it"
+        if self.name in ("arithmetic", "math") and self.tools is not None:
+            yield "tools", f"not read by env.name {self.name!r}, which has no tools; remove it"
         if not math.isfinite(self.timeout_s):
             yield "timeout_s", f"must be a number of seconds > 0, got {self.timeout_s!r}"

@@ -18,12 +18,21 @@ from core.environments.arithmetic import ArithmeticEnvironment
 from core.environments.config import EnvConfig
 from core.environments.interfaces import Environment
 from core.environments.math_verifier import MathEnvironment
+from core.environments.multi_turn import MultiTurnEnvironment, is_multi_turn
+from core.environments.tools.environment import ToolArithmeticEnvironment
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "make_environment", "resolve_environment_class"]
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "environment_is_multi_turn",
+    "make_environment",
+    "make_multi_turn_environment",
+    "resolve_environment_class",
+]
 
 BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "arithmetic": ArithmeticEnvironment,
     "math": MathEnvironment,
+    "tool_arithmetic": ToolArithmeticEnvironment,
 }
 
 
@@ -57,9 +66,31 @@ def make_environment(env_cfg: EnvConfig | Mapping[str, Any]) -> Environment:
     cfg = EnvConfig.coerce(env_cfg, "env")
     cls = resolve_environment_class(cfg.name)
     env = cls(cfg)
+    if is_multi_turn(env) and not isinstance(env, Environment):
+        raise ValueError(
+            f"env.name: {cfg.name!r} is a multi-turn environment (reset/step), which `dualrl grpo` steps on "
+            "the driver (grpo.max_rollout_turns); it has no score() for a reward pool"
+        )
     if not isinstance(env, Environment):
         raise ValueError(
             f"env.name: {cfg.name!r} built a {type(env).__name__}, which is not an "
             f"Environment (it needs a `name` attribute and a `score(prompts, completions, metadata)` method)"
+        )
+    return env
+
+
+def environment_is_multi_turn(name: Any) -> bool:
+    """Whether ``env.name``'s class follows the multi-turn protocol (``reset`` / ``step``)."""
+    return is_multi_turn(resolve_environment_class(name))
+
+
+def make_multi_turn_environment(env_cfg: EnvConfig | Mapping[str, Any]) -> MultiTurnEnvironment:
+    """Build the multi-turn environment ``env.name`` names (the whole ``env`` section passed)."""
+    cfg = EnvConfig.coerce(env_cfg, "env")
+    env = resolve_environment_class(cfg.name)(cfg)
+    if not is_multi_turn(env) or not isinstance(getattr(env, "name", None), str):
+        raise ValueError(
+            f"env.name: {cfg.name!r} built a {type(env).__name__}, which is not a multi-turn environment "
+            "(it needs a `name` attribute and `reset(metadata)` / `step(state, assistant_message)` methods)"
         )
     return env
