@@ -66,11 +66,34 @@ def llama_style_plan(sequence_parallel: bool) -> Plan:
     return plan
 
 
+def gemma3_plan(sequence_parallel: bool) -> Plan:
+    """Plan for Gemma 3 text (``Gemma3ForCausalLM``): Llama's module names plus sandwich norms.
+
+    The projections shard as in Llama; q_norm / k_norm act per head on each rank's own heads
+    (left replicated).  With sequence parallelism every norm runs on sequence shards: the
+    attention and MLP outputs leave o_proj / down_proj reduce-scattered (``Shard(1)``) into
+    ``post_attention_layernorm`` / ``post_feedforward_layernorm``, and
+    ``pre_feedforward_layernorm`` feeds the MLP's gather.  The scaled embedding multiplies its
+    partial output by a scalar (linear: exact before the reduction), the final-logit cap is
+    elementwise on vocabulary shards.
+    """
+    plan = llama_style_plan(sequence_parallel)
+    if sequence_parallel:
+        plan.update(
+            {
+                "model.layers.*.pre_feedforward_layernorm": SequenceParallel(),
+                "model.layers.*.post_feedforward_layernorm": SequenceParallel(),
+            }
+        )
+    return plan
+
+
 #: model_type (HF config) -> plan builder.
 TP_PLANS: dict[str, Callable[[bool], Plan]] = {
     "llama": llama_style_plan,
     "qwen2": llama_style_plan,
     "mistral": llama_style_plan,
+    "gemma3_text": gemma3_plan,
 }
 
 
