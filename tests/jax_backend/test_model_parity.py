@@ -123,7 +123,8 @@ def test_logits_match_hf(checkpoint, name):
 
 def test_gemma3_window_and_softcap_bind(checkpoint):
     """The tiny Gemma3's sliding window and final-logit cap change its logits (so the HF
-    comparisons above test them): without either, the logits move by far more than 1e-5."""
+    comparisons above test them): without either, the logits move by far more than 1e-5.
+    A padded vocabulary leaves the real logits unchanged."""
     model, cfg, _ = hf_mapping.from_pretrained(checkpoint("gemma3")[0])
     ids, mask = _batch()
     valid = mask.numpy().astype(bool)
@@ -132,6 +133,12 @@ def test_gemma3_window_and_softcap_bind(checkpoint):
         other = abstract_model(dataclasses.replace(cfg, **change))
         nnx.update(other, nnx.state(model, nnx.Param))
         assert np.abs(_jax_logits(other, ids, mask) - ref)[valid].max() > 1e-3, change
+    # a padded vocabulary is masked after the cap (capped padding would read -cap, not "never")
+    padded, padded_cfg, _ = hf_mapping.from_pretrained(checkpoint("gemma3")[0], make_vocab_size_divisible_by=384)
+    out = _jax_logits(padded, ids, mask)
+    assert out.shape[-1] == padded_cfg.padded_vocab_size == 384
+    np.testing.assert_allclose(out[..., : cfg.vocab_size][valid], ref[valid], atol=1e-6, rtol=0)
+    assert (out[..., cfg.vocab_size :] == np.finfo(np.float32).min).all()
 
 
 def test_fully_masked_rows_are_finite(checkpoint):
@@ -159,6 +166,7 @@ def test_bf16_compute_close_to_fp32(checkpoint):
     assert np.abs(out - ref)[valid].max() <= 5e-2 * np.abs(ref[valid]).max()
 
 
+@pytest.mark.slow  # ~6 s: two more eager traces of the model with explicit masks
 def test_gemma3_window_exact_in_packed_and_cp_layouts(checkpoint):
     """Sliding layers band by token positions, so the explicit-mask layouts keep the window:
     two sequences packed into one row (positions restarting) and a context-parallel column
@@ -411,7 +419,7 @@ def test_logical_axes_tree_matches_params():
     assert specs["layers"][0]["mlp"]["down_proj"]["kernel"].get_value() == PartitionSpec("tp", "fsdp")
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])  # gemma3: ~4 s
 def test_sharded_forward_matches_unsharded(checkpoint, name):
     """Params placed by the rules table on a 4 (fsdp) x 2 (tp) CPU mesh, activations
     constrained through the hook: same logits as the single-device forward."""

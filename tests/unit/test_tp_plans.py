@@ -1,5 +1,7 @@
 """Tensor-parallel plans are data: built-in per model family, or a custom plan from config."""
 
+import fnmatch
+
 import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
@@ -14,7 +16,7 @@ def custom_plan_fn(model, sequence_parallel):
     return {"model.layers.*.mlp.up_proj": ColwiseParallel()}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
 def test_builtin_plan_covers_every_projection(name):
     model = build_tiny_model(name)
     plan = plan_for(model, sequence_parallel=True)
@@ -24,6 +26,23 @@ def test_builtin_plan_covers_every_projection(name):
         assert f"model.layers.*.mlp.{proj}" in plan
     assert isinstance(plan["model.norm"], SequenceParallel)
     assert "model.norm" not in plan_for(model, sequence_parallel=False)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_sequence_parallel_shards_every_residual_norm(name):
+    """Every norm on the residual stream (Gemma 3's pre/post feed-forward norms included) runs on
+    sequence shards; the per-head q/k norms act inside attention, on gathered rows."""
+    model = build_tiny_model(name)
+    plan = plan_for(model, sequence_parallel=True)
+    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    per_head = [n for n in norms if n.endswith(("q_norm", "k_norm"))]
+    residual = [n for n in norms if n not in per_head]
+    assert len(residual) == 1 + model.config.num_hidden_layers * (4 if name == "gemma3" else 2)
+    for n in residual:
+        assert any(
+            fnmatch.fnmatchcase(n, key) and isinstance(style, SequenceParallel) for key, style in plan.items()
+        ), n
+    assert not any(fnmatch.fnmatchcase(n, key) for n in per_head for key in plan)
 
 
 def test_custom_plan_from_config_path():
