@@ -28,21 +28,32 @@ def test_builtin_plan_covers_every_projection(name):
     assert "model.norm" not in plan_for(model, sequence_parallel=False)
 
 
+def _style_of(plan, module_name):
+    styles = [style for key, style in plan.items() if fnmatch.fnmatchcase(module_name, key)]
+    assert len(styles) <= 1, (module_name, styles)
+    return styles[0] if styles else None
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_sequence_parallel_shards_every_residual_norm(name):
     """Every norm on the residual stream (Gemma 3's pre/post feed-forward norms included) runs on
-    sequence shards; the per-head q/k norms act inside attention, on gathered rows."""
+    sequence shards (dim 1 of [B, S, E]); Gemma's per-head q/k norms, with or without sequence
+    parallelism, get replicated weights over head-sharded inputs (dim 1 of [B, heads, S, D]),
+    so their gradients are reduced over the TP group."""
     model = build_tiny_model(name)
-    plan = plan_for(model, sequence_parallel=True)
     norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
     per_head = [n for n in norms if n.endswith(("q_norm", "k_norm"))]
     residual = [n for n in norms if n not in per_head]
     assert len(residual) == 1 + model.config.num_hidden_layers * (4 if name == "gemma3" else 2)
-    for n in residual:
-        assert any(
-            fnmatch.fnmatchcase(n, key) and isinstance(style, SequenceParallel) for key, style in plan.items()
-        ), n
-    assert not any(fnmatch.fnmatchcase(n, key) for n in per_head for key in plan)
+    assert len(per_head) == (2 * model.config.num_hidden_layers if name == "gemma3" else 0)
+    for sequence_parallel in (True, False):
+        plan = plan_for(model, sequence_parallel=sequence_parallel)
+        for n in residual:
+            style = _style_of(plan, n)
+            assert isinstance(style, SequenceParallel) if sequence_parallel else style is None, n
+        for n in per_head:
+            style = _style_of(plan, n)
+            assert isinstance(style, SequenceParallel) and style.sequence_sharding[0].dim == 1, n
 
 
 def test_custom_plan_from_config_path():
