@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from backends.jax_pjit.models.layers import KVCache, constrain, rope_cos_sin
+from backends.jax_pjit.models.layers import KVCache, constrain
 from backends.jax_pjit.models.llama import CausalLM
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import logprobs_from_logits
@@ -248,18 +248,9 @@ def _prefill_last_hidden(model: CausalLM, input_ids, positions, cache, slot_mask
     Same computation as ``decode`` up to the LM head, which is then applied to B rows
     instead of B x S (the [B, S, V] prefill logits would dominate memory).
     """
-    t = input_ids.shape[1]
-    max_len = cache[0][0].shape[1]
-    causal = jnp.arange(max_len)[None, :] <= jnp.arange(t)[:, None]  # (T, L)
-    allowed = causal[None] & slot_mask.astype(bool)[:, None, :]  # (B, T, L)
-    cos, sin = rope_cos_sin(model.cfg, positions, model.dtype)
-    h = model._embed(input_ids)
-    new_cache = []
-    for layer, layer_cache in zip(model.layers, cache, strict=True):
-        h, layer_cache = layer(h, cos, sin, allowed, layer_cache, 0)
-        new_cache.append(layer_cache)
+    h, new_cache = model.decode_hidden(input_ids, positions, cache, 0, slot_mask)  # (B, T, E)
     h_last = jnp.take_along_axis(h, last_index[:, None, None].astype(jnp.int32), axis=1)  # (B, 1, E)
-    return h_last, tuple(new_cache)
+    return h_last, new_cache
 
 
 def _banned(stop_mask: jax.Array, count: jax.Array, knobs: Mapping[str, jax.Array]) -> jax.Array:

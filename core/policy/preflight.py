@@ -144,6 +144,7 @@ def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerB
     check_tokenizer_fits(tokenizer, model_config, name)
     check_tensor_parallel_fits(model_config, *tensor_parallel_field(policy))
     check_lora_targets(policy, model_config)
+    check_sliding_window_layouts(model_config, policy)
     return model_config
 
 
@@ -157,6 +158,32 @@ def check_lora_targets(policy: PolicyConfig, model_config: PreTrainedConfig) -> 
     errors = target_errors(linear_module_names(model_config), policy.lora.targets, model_config.model_type)
     if errors:
         raise ValueError("; ".join(errors))
+
+
+def check_sliding_window_layouts(model_config: PreTrainedConfig, policy: PolicyConfig) -> None:
+    """Refuse the torch row layouts that would drop a model's sliding window.
+
+    Packed rows and context-parallel rows reach HF as one explicit 4-D mask, which HF uses
+    as is for every layer (its per-layer-type masks are built only from a 2-D mask), so
+    sliding-window layers (``layer_types`` "sliding_attention", e.g. Gemma 3) would attend
+    past their window.  The JAX model bands its sliding layers by token positions in every
+    layout, so jax_pjit is not refused.
+    """
+    if policy.backend == "jax_pjit" or "sliding_attention" not in (getattr(model_config, "layer_types", None) or ()):
+        return
+    model_type = getattr(model_config, "model_type", None)
+    why = f"model_type {model_type!r} has sliding-window layers (layer_types 'sliding_attention'), which"
+    if policy.sequence_packing.enabled:
+        raise ValueError(
+            f"policy.sequence_packing.enabled: {why} the {policy.backend} backend's packed rows would attend "
+            "past the window; disable packing (jax_pjit packs them exactly)"
+        )
+    if policy.backend == "torch_dtensor" and policy.dtensor_cfg.context_parallel_size > 1:
+        raise ValueError(
+            f"policy.dtensor_cfg.context_parallel_size={policy.dtensor_cfg.context_parallel_size}: {why} "
+            "context-parallel rows would attend past the window; use context_parallel_size=1 "
+            "(jax_pjit's context parallelism keeps the window)"
+        )
 
 
 # ----------------------------------------------------------------------------- vocabulary

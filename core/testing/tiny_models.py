@@ -12,9 +12,15 @@ Sizes are chosen so that tensor parallelism of 2 divides every sharded dimension
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
+
+_GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+}
 
 #: Named model shapes: ``family`` picks the HF config class, the rest are config fields.
 TINY_MODELS: dict[str, dict[str, Any]] = {
@@ -71,6 +77,44 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         initializer_range=0.2,
     ),
+    # Gemma 3 text: sandwich norms, q/k norms, GeGLU, tied embeddings; sliding (window 4, shorter
+    # than the test sequences, so it binds) and full layers with their own RoPE (the full
+    # layers' "linear"-scaled), Gemma's query scale, and a final-logit cap that binds at this
+    # init (logits ~1).  attn_logit_softcapping stays unset: HF's Gemma3 never applies it.
+    "gemma3": dict(
+        family="gemma3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=1.0,
+        rope_parameters=_GEMMA3_ROPE,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+    ),
+    # Gemma 3 that vLLM's CPU attention serves (head_dim 32); a window of 8 binds in the
+    # generation tests' prompt + completion lengths.
+    "gemma3_gen": dict(
+        family="gemma3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=32,
+        final_logit_softcapping=30.0,
+        rope_parameters=_GEMMA3_ROPE,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+    ),
     # Benchmark size (~20M parameters): big enough that compute, not Python, dominates.
     "llama_bench": dict(
         family="llama",
@@ -92,14 +136,16 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
 def tiny_config(name: str):
     """The HF config of the named tiny model (see ``TINY_MODELS``)."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     if name not in TINY_MODELS:
         raise KeyError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}")
     fields = dict(TINY_MODELS[name])
     family = fields.pop("family")
     fields.setdefault("vocab_size", TINY_VOCAB_SIZE)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig}[family]
+    if "rope_parameters" in fields:  # nested dicts: a fresh copy per config
+        fields["rope_parameters"] = copy.deepcopy(fields["rope_parameters"])
     return cls(
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=BOS_ID,
@@ -141,11 +187,15 @@ def build_tiny_model(name: str, seed: int = 0, dtype=None):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=dtype or torch.float32)
-    # Small random biases so the Qwen2 q/k/v bias path is actually exercised (HF inits them to 0).
+    # Small random biases so the Qwen2 q/k/v bias path is actually exercised (HF inits them to 0),
+    # and random Gemma norm weights (HF inits them to 0, which would hide a swapped norm).
+    gemma = TINY_MODELS[name]["family"] == "gemma3"
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("_proj.bias"):
                 p.normal_(0.0, 0.02)
+            elif gemma and pname.endswith("norm.weight"):
+                p.normal_(0.0, 0.1)
     return model.eval()
 
 

@@ -1,4 +1,4 @@
-"""The flax Llama/Qwen2 model against HF transformers (torch), and the HF <-> JAX mapping.
+"""The flax Llama/Qwen2/Gemma3 models against HF transformers (torch), and the HF <-> JAX mapping.
 
 All on CPU in float32: logits must agree with HF within 1e-5 on ragged right-padded
 batches, KV-cache decoding must reproduce the full forward, and checkpoints must
@@ -6,6 +6,8 @@ round-trip exactly through ``save_hf_checkpoint`` / ``transformers.from_pretrain
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +20,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from backends.jax_pjit import hf_mapping
 from backends.jax_pjit.logical_axes import PARAM_AXES, RULES
-from backends.jax_pjit.models import abstract_model, config_from_hf, logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models import abstract_model, config_from_hf, gemma3, logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models.gemma3 import Gemma3Config
 from backends.jax_pjit.models.layers import activation_constraint, rope_inv_freq
 from backends.jax_pjit.models.llama import CausalLM
+from core.data.context_parallel import attention_allowed, load_balanced_columns, row_segments
 from core.testing.tiny_models import random_batch, save_tiny_model, tiny_config
 
 LLAMA3_ROPE = {
@@ -31,7 +35,7 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
     "rope_theta": 10000.0,
 }
-ALL_MODELS = ["llama", "qwen2", "llama_tied", "llama3_rope", "mistral"]
+ALL_MODELS = ["llama", "qwen2", "llama_tied", "llama3_rope", "mistral", "gemma3"]
 BATCH, SEQ = 3, 12
 
 
@@ -108,7 +112,33 @@ def test_logits_match_hf(checkpoint, name):
     assert out.shape == ref.shape and out.dtype == np.float32
     assert np.isfinite(out).all()  # padding positions included
     np.testing.assert_allclose(out[valid], ref[valid], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(rope_inv_freq(cfg), hf_model.model.rotary_emb.inv_freq.numpy(), rtol=1e-6)
+    rotary = hf_model.model.rotary_emb
+    if isinstance(cfg, Gemma3Config):  # one inv_freq per layer type
+        for layer_type in set(cfg.layer_types):
+            theirs = getattr(rotary, f"{layer_type}_inv_freq").numpy()
+            np.testing.assert_allclose(gemma3.rope_inv_freq(cfg.rope_of(layer_type), cfg.head_dim), theirs, rtol=1e-6)
+    else:
+        np.testing.assert_allclose(rope_inv_freq(cfg), rotary.inv_freq.numpy(), rtol=1e-6)
+
+
+def test_gemma3_window_and_softcap_bind(checkpoint):
+    """The tiny Gemma3's sliding window and final-logit cap change its logits (so the HF
+    comparisons above test them): without either, the logits move by far more than 1e-5.
+    A padded vocabulary leaves the real logits unchanged."""
+    model, cfg, _ = hf_mapping.from_pretrained(checkpoint("gemma3")[0])
+    ids, mask = _batch()
+    valid = mask.numpy().astype(bool)
+    ref = _jax_logits(model, ids, mask)
+    for change in (dict(sliding_window=10**6), dict(final_logit_softcapping=None)):
+        other = abstract_model(dataclasses.replace(cfg, **change))
+        nnx.update(other, nnx.state(model, nnx.Param))
+        assert np.abs(_jax_logits(other, ids, mask) - ref)[valid].max() > 1e-3, change
+    # a padded vocabulary is masked after the cap (capped padding would read -cap, not "never")
+    padded, padded_cfg, _ = hf_mapping.from_pretrained(checkpoint("gemma3")[0], make_vocab_size_divisible_by=384)
+    out = _jax_logits(padded, ids, mask)
+    assert out.shape[-1] == padded_cfg.padded_vocab_size == 384
+    np.testing.assert_allclose(out[..., : cfg.vocab_size][valid], ref[valid], atol=1e-6, rtol=0)
+    assert (out[..., cfg.vocab_size :] == np.finfo(np.float32).min).all()
 
 
 def test_fully_masked_rows_are_finite(checkpoint):
@@ -136,16 +166,46 @@ def test_bf16_compute_close_to_fp32(checkpoint):
     assert np.abs(out - ref)[valid].max() <= 5e-2 * np.abs(ref[valid]).max()
 
 
+@pytest.mark.slow  # ~6 s: two more eager traces of the model with explicit masks
+def test_gemma3_window_exact_in_packed_and_cp_layouts(checkpoint):
+    """Sliding layers band by token positions, so the explicit-mask layouts keep the window:
+    two sequences packed into one row (positions restarting) and a context-parallel column
+    permutation give the logits of the plain rows."""
+    model, cfg, _ = hf_mapping.from_pretrained(checkpoint("gemma3")[0])
+    ids, mask = _batch(batch=2)
+    lengths = mask.numpy().sum(1)
+    assert min(lengths) > cfg.sliding_window
+    ref = _jax_logits(model, ids, mask)
+    # packed: row 0's tokens then row 1's in one row, positions restarting at 0
+    packed = np.concatenate([ids[0, : lengths[0]].numpy(), ids[1, : lengths[1]].numpy()])[None]
+    positions = np.concatenate([np.arange(lengths[0]), np.arange(lengths[1])])[None]
+    segments = np.repeat([0, 1], lengths)[None]
+    cols = np.arange(packed.shape[1])
+    allowed = attention_allowed(cols, cols, segments)
+    out = np.asarray(model(jnp.asarray(packed), None, jnp.asarray(positions), jnp.asarray(allowed)))[0]
+    np.testing.assert_allclose(out[: lengths[0]], ref[0, : lengths[0]], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out[lengths[0] :], ref[1, : lengths[1]], atol=1e-5, rtol=0)
+    # context parallel (cp=2): columns in load-balanced order, the mask built from them
+    order = load_balanced_columns(SEQ, 2).reshape(-1)
+    segs = row_segments(lengths, SEQ)
+    allowed = attention_allowed(order, order, segs)
+    pos = np.broadcast_to(order, (2, SEQ))
+    out = np.asarray(model(jnp.asarray(ids.numpy()[:, order]), None, jnp.asarray(pos), jnp.asarray(allowed)))
+    valid = mask.numpy().astype(bool)
+    np.testing.assert_allclose(out[:, np.argsort(order)][valid], ref[valid], atol=1e-5, rtol=0)
+
+
 # --------------------------------------------------------------------------- KV cache
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
 def test_kv_cache_decode_matches_full_forward(checkpoint, name):
     """Prefill a right-padded ragged prompt batch, then decode N tokens one at a time.
 
     Row b's prompt has length L_b inside a width-P prefill; its n-th new token sits in cache
     slot P + n with RoPE position L_b + n.  Every logit must equal the full forward over the
-    contiguous sequence prompt_b + new tokens.
+    contiguous sequence prompt_b + new tokens (gemma3: sequences up to 10 tokens, past its
+    sliding window of 4, with a gap of prompt padding inside the window).
     """
     model, _, _ = hf_mapping.from_pretrained(checkpoint(name)[0])
     prompt_width, steps = 6, 4
@@ -190,7 +250,7 @@ def test_kv_cache_decode_matches_full_forward(checkpoint, name):
 # --------------------------------------------------------------------------- checkpoint round trips
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied", "gemma3"])
 def test_export_loads_in_transformers(checkpoint, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
@@ -207,7 +267,7 @@ def test_export_loads_in_transformers(checkpoint, tmp_path, name):
         np.testing.assert_array_equal(value, original[key])
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied", "gemma3"])
 def test_hf_jax_conversion_is_exact_inverse(checkpoint, name):
     path, _ = checkpoint(name)
     cfg = config_from_hf(checkpoint(name)[1].config)
@@ -359,12 +419,13 @@ def test_logical_axes_tree_matches_params():
     assert specs["layers"][0]["mlp"]["down_proj"]["kernel"].get_value() == PartitionSpec("tp", "fsdp")
 
 
-def test_sharded_forward_matches_unsharded(checkpoint):
+@pytest.mark.parametrize("name", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])  # gemma3: ~4 s
+def test_sharded_forward_matches_unsharded(checkpoint, name):
     """Params placed by the rules table on a 4 (fsdp) x 2 (tp) CPU mesh, activations
     constrained through the hook: same logits as the single-device forward."""
     if jax.device_count() < 8:
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    model, _, _ = hf_mapping.from_pretrained(checkpoint("llama")[0])
+    model, _, _ = hf_mapping.from_pretrained(checkpoint(name)[0])
     ids, mask = _batch(batch=4)
     ref = _jax_logits(model, ids, mask)
 

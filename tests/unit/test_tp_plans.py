@@ -1,5 +1,7 @@
 """Tensor-parallel plans are data: built-in per model family, or a custom plan from config."""
 
+import fnmatch
+
 import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
@@ -14,7 +16,7 @@ def custom_plan_fn(model, sequence_parallel):
     return {"model.layers.*.mlp.up_proj": ColwiseParallel()}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
 def test_builtin_plan_covers_every_projection(name):
     model = build_tiny_model(name)
     plan = plan_for(model, sequence_parallel=True)
@@ -24,6 +26,34 @@ def test_builtin_plan_covers_every_projection(name):
         assert f"model.layers.*.mlp.{proj}" in plan
     assert isinstance(plan["model.norm"], SequenceParallel)
     assert "model.norm" not in plan_for(model, sequence_parallel=False)
+
+
+def _style_of(plan, module_name):
+    styles = [style for key, style in plan.items() if fnmatch.fnmatchcase(module_name, key)]
+    assert len(styles) <= 1, (module_name, styles)
+    return styles[0] if styles else None
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_sequence_parallel_shards_every_residual_norm(name):
+    """Every norm on the residual stream (Gemma 3's pre/post feed-forward norms included) runs on
+    sequence shards (dim 1 of [B, S, E]); Gemma's per-head q/k norms, with or without sequence
+    parallelism, get replicated weights over head-sharded inputs (dim 1 of [B, heads, S, D]),
+    so their gradients are reduced over the TP group."""
+    model = build_tiny_model(name)
+    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    per_head = [n for n in norms if n.endswith(("q_norm", "k_norm"))]
+    residual = [n for n in norms if n not in per_head]
+    assert len(residual) == 1 + model.config.num_hidden_layers * (4 if name == "gemma3" else 2)
+    assert len(per_head) == (2 * model.config.num_hidden_layers if name == "gemma3" else 0)
+    for sequence_parallel in (True, False):
+        plan = plan_for(model, sequence_parallel=sequence_parallel)
+        for n in residual:
+            style = _style_of(plan, n)
+            assert isinstance(style, SequenceParallel) if sequence_parallel else style is None, n
+        for n in per_head:
+            style = _style_of(plan, n)
+            assert isinstance(style, SequenceParallel) and style.sequence_sharding[0].dim == 1, n
 
 
 def test_custom_plan_from_config_path():

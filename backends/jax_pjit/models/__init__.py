@@ -4,6 +4,7 @@
 * ``layers``   -- what families share: RMSNorm, RoPE, attention, MLP, embedding, the
   activation-sharding hook (``constrain``);
 * ``llama``    -- the Llama-family decoder (llama, qwen2, mistral);
+* ``gemma3``   -- the Gemma 3 text decoder (gemma3_text: sliding/full layers, sandwich norms);
 * ``hf_table`` -- the row type of a family's HF name table.
 
 A new family is one new module plus one row of ``MODEL_TYPES``.  A family module provides
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from backends.jax_pjit.models import llama
+from backends.jax_pjit.models import gemma3, llama
 from backends.jax_pjit.models.config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 
@@ -46,7 +47,10 @@ MODEL_TYPES: dict[str, ModelFamily] = {
     "llama": ModelFamily("llama", llama),
     "qwen2": ModelFamily("qwen2", llama),
     "mistral": ModelFamily("llama", llama),
+    "gemma3_text": ModelFamily("gemma3", gemma3),
 }
+#: HF ``model_type``s refused with a reason (near misses of a supported type).
+REFUSED_MODEL_TYPES: dict[str, str] = {"gemma3": gemma3.MULTIMODAL_REFUSAL}
 #: HF ``model_type`` -> our family.
 SUPPORTED_MODEL_TYPES = {model_type: family.name for model_type, family in MODEL_TYPES.items()}
 #: Our family -> the module that builds it.
@@ -56,6 +60,8 @@ FAMILY_MODULES = {family.name: family.module for family in MODEL_TYPES.values()}
 def config_from_hf(hf_config: Any) -> ModelConfig:
     """``ModelConfig.from_hf``: the ``model_type`` looked up here, the rest read by its family's module."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported model_type {model_type!r}; the JAX backend supports {sorted(SUPPORTED_MODEL_TYPES)}"

@@ -8,7 +8,7 @@ the checks that hold for every family (RoPE type, head grouping, padded vocabula
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 #: RoPE variants ``layers.rope_inv_freq`` implements (HF ``rope_parameters["rope_type"]``).
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -33,6 +33,9 @@ class ModelConfig:
     the type's parameters).  A dict may be passed; it is stored as sorted ``(key, value)``
     pairs to keep the dataclass hashable, and read back with ``rope_parameters``.
     """
+
+    #: RoPE types this family's model implements (a family subclass may widen it).
+    supported_rope_types: ClassVar[tuple[str, ...]] = SUPPORTED_ROPE_TYPES
 
     family: str
     vocab_size: int
@@ -66,9 +69,10 @@ class ModelConfig:
         rope.setdefault("rope_theta", self.rope_theta)
         object.__setattr__(self, "rope_scaling", tuple(sorted((k, _freeze(v)) for k, v in rope.items())))
         object.__setattr__(self, "rope_theta", float(rope["rope_theta"]))
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+        if self.rope_type not in self.supported_rope_types:
             raise ValueError(
-                f"unsupported rope_type {self.rope_type!r}; the JAX model implements {SUPPORTED_ROPE_TYPES}"
+                f"unsupported rope_type {self.rope_type!r}; the JAX {self.family} model implements "
+                f"{self.supported_rope_types}"
             )
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor != 1.0 is not supported by the JAX model")

@@ -305,6 +305,10 @@ class Attention(nnx.Module):
         self.scale = d**-0.5
         self.dtype = dtype
 
+    def project_qk(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Queries [B, T, H, D] and keys [B, T, KV, D], rotated (a family may normalise them first)."""
+        return apply_rope(self.q_proj(x), cos, sin), apply_rope(self.k_proj(x), cos, sin)
+
     def __call__(self, x, cos, sin, allowed, cache=None, cache_index=None):
         """x [B, T, E] -> ([B, T, E], new (k, v) cache or None).
 
@@ -314,8 +318,8 @@ class Attention(nnx.Module):
         ``cache_index .. cache_index + T - 1`` and the queries read all L slots
         (``allowed`` [B, T, L]).
         """
-        q = constrain(apply_rope(self.q_proj(x), cos, sin), HEADS_AXES)  # (B, T, H, D)
-        k = apply_rope(self.k_proj(x), cos, sin)  # (B, T, KV, D)
+        q, k = self.project_qk(x, cos, sin)  # (B, T, H, D), (B, T, KV, D)
+        q = constrain(q, HEADS_AXES)
         v = self.v_proj(x)  # (B, T, KV, D)
         new_cache = None
         if cache is not None:
@@ -334,6 +338,9 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    #: The gate's activation (SwiGLU; a family may swap it, e.g. Gemma's tanh-GELU).
+    activation: Callable[[jax.Array], jax.Array] = staticmethod(jax.nn.silu)
+
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         e, m = cfg.hidden_size, cfg.intermediate_size
         kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -342,8 +349,17 @@ class MLP(nnx.Module):
         self.down_proj = Dense((m,), (e,), ("mlp",), ("embed",), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), MLP_AXES)  # (B, T, M)
+        h = constrain(self.activation(self.gate_proj(x)) * self.up_proj(x), MLP_AXES)  # (B, T, M)
         return self.down_proj(h)
+
+
+def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """Logits [..., Vp] with the padding columns (ids >= ``vocab_size``) at the dtype's lowest
+    finite value: no probability after any softmax (exp underflows to exactly 0), never sampled,
+    and ``where`` sends them zero gradient (so the zero padding rows stay zero under AdamW).
+    Finite, not -inf, so p * log p (entropy) stays 0 instead of NaN."""
+    real = jnp.arange(logits.shape[-1]) < vocab_size  # (Vp,)
+    return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
 
 
 class Embed(nnx.Module):
@@ -383,5 +399,6 @@ __all__ = [
     "attend",
     "Attention",
     "MLP",
+    "mask_padded_vocab",
     "Embed",
 ]

@@ -42,6 +42,7 @@ from backends.jax_pjit.models.layers import (
     RightPadded,
     RMSNorm,
     constrain,
+    mask_padded_vocab,
     rope_cos_sin,
 )
 
@@ -166,12 +167,7 @@ class CausalLM(nnx.Module):
         h = self.norm(h)
         logits = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)  # (B, S, Vp)
         if self.cfg.is_vocab_padded:
-            # Padding columns (ids >= vocab_size) -> the dtype's lowest finite value: no
-            # probability after any softmax (exp underflows to exactly 0), never sampled, and
-            # `where` sends them zero gradient (so the zero padding rows stay zero under AdamW).
-            # Finite, not -inf, so p * log p (entropy) stays 0 instead of NaN.
-            real = jnp.arange(logits.shape[-1]) < self.cfg.vocab_size  # (Vp,)
-            logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
+            logits = mask_padded_vocab(logits, self.cfg.vocab_size)
         return constrain(logits, LOGITS_AXES)
 
     def __call__(
@@ -226,6 +222,13 @@ class CausalLM(nnx.Module):
     def decode(
         self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index, attention_mask_full: jax.Array
     ) -> tuple[jax.Array, KVCache]:
+        """``decode_hidden`` through the LM head: (logits [B, T, V], new cache)."""
+        h, new_cache = self.decode_hidden(input_ids, positions, cache, cache_index, attention_mask_full)
+        return self._logits(h), new_cache
+
+    def decode_hidden(
+        self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index, attention_mask_full: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
         """Run T new tokens per row against the cache: prefill (T = prompt width) or a step (T = 1).
 
         Args:
@@ -238,7 +241,7 @@ class CausalLM(nnx.Module):
                 the slots written by this call; 0 for prompt padding and unwritten slots.
 
         Returns:
-            (logits [B, T, V], new cache).  Query slot ``cache_index + t`` reads slots
+            (hidden states [B, T, E] before the final norm, new cache).  Query slot ``cache_index + t`` reads slots
             ``<= cache_index + t`` that the mask marks valid; shapes are static, so one
             compiled program serves every step.
         """
@@ -253,7 +256,7 @@ class CausalLM(nnx.Module):
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h, layer_cache = layer(h, cos, sin, allowed, layer_cache, cache_index)
             new_cache.append(layer_cache)
-        return self._logits(h), tuple(new_cache)
+        return h, tuple(new_cache)
 
 
 # --------------------------------------------------------------------------- HF names
