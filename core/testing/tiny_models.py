@@ -38,6 +38,18 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         tie_word_embeddings=False,
     ),
+    # Qwen3: per-head q/k RMSNorm before RoPE, and a head_dim (32) that is not hidden / heads
+    # (64 / 4 = 16): the projections map 64 -> 4 x 32, o_proj 128 -> 64.  GQA as above.
+    "qwen3": dict(
+        family="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
     # Llama with the output projection tied to the input embedding.
     "llama_tied": dict(
         family="llama",
@@ -71,6 +83,17 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         initializer_range=0.2,
     ),
+    "qwen3_gen": dict(
+        family="qwen3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
     # Benchmark size (~20M parameters): big enough that compute, not Python, dominates.
     "llama_bench": dict(
         family="llama",
@@ -92,14 +115,14 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
 def tiny_config(name: str):
     """The HF config of the named tiny model (see ``TINY_MODELS``)."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if name not in TINY_MODELS:
         raise KeyError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}")
     fields = dict(TINY_MODELS[name])
     family = fields.pop("family")
     fields.setdefault("vocab_size", TINY_VOCAB_SIZE)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     return cls(
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=BOS_ID,
@@ -141,11 +164,15 @@ def build_tiny_model(name: str, seed: int = 0, dtype=None):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=dtype or torch.float32)
-    # Small random biases so the Qwen2 q/k/v bias path is actually exercised (HF inits them to 0).
+    # Small random biases so the Qwen2 q/k/v bias path is actually exercised (HF inits them to 0),
+    # and Qwen3's q/k norm scales away from HF's init of ones (else a swapped or dropped scale
+    # would go unseen).
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("_proj.bias"):
                 p.normal_(0.0, 0.02)
+            elif pname.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     return model.eval()
 
 

@@ -93,7 +93,7 @@ def test_three_adamw_steps_track_single_process(fresh_policy):
 OTHER_MODELS = [
     pytest.param(name, model, id=f"{name}-{model}", marks=pytest.mark.slow)
     for name in [p.values[0] for p in layout_params()]
-    for model in ("llama", "qwen2", "llama_tied")
+    for model in ("llama", "qwen2", "qwen3", "llama_tied")
     if model != MODEL_OF[name]
 ]
 

@@ -1,4 +1,4 @@
-"""The flax Llama/Qwen2 model against HF transformers (torch), and the HF <-> JAX mapping.
+"""The flax Llama/Qwen2/Qwen3 model against HF transformers (torch), and the HF <-> JAX mapping.
 
 All on CPU in float32: logits must agree with HF within 1e-5 on ragged right-padded
 batches, KV-cache decoding must reproduce the full forward, and checkpoints must
@@ -31,7 +31,7 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
     "rope_theta": 10000.0,
 }
-ALL_MODELS = ["llama", "qwen2", "llama_tied", "llama3_rope", "mistral"]
+ALL_MODELS = ["llama", "qwen2", "qwen3", "llama_tied", "llama3_rope", "mistral"]
 BATCH, SEQ = 3, 12
 
 
@@ -139,7 +139,9 @@ def test_bf16_compute_close_to_fp32(checkpoint):
 # --------------------------------------------------------------------------- KV cache
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+# Qwen3 runs the Llama decoder plus q/k norms: the llama case adds no fast-suite coverage
+# beyond it (CI budget), so it runs with the slow tests.
+@pytest.mark.parametrize("name", [pytest.param("llama", marks=pytest.mark.slow), "qwen2", "qwen3"])
 def test_kv_cache_decode_matches_full_forward(checkpoint, name):
     """Prefill a right-padded ragged prompt batch, then decode N tokens one at a time.
 
@@ -190,7 +192,7 @@ def test_kv_cache_decode_matches_full_forward(checkpoint, name):
 # --------------------------------------------------------------------------- checkpoint round trips
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama_tied"])
 def test_export_loads_in_transformers(checkpoint, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
@@ -207,7 +209,7 @@ def test_export_loads_in_transformers(checkpoint, tmp_path, name):
         np.testing.assert_array_equal(value, original[key])
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama_tied"])
 def test_hf_jax_conversion_is_exact_inverse(checkpoint, name):
     path, _ = checkpoint(name)
     cfg = config_from_hf(checkpoint(name)[1].config)
@@ -255,10 +257,13 @@ def test_reads_sharded_and_bf16_checkpoints(checkpoint, tmp_path):
 
 
 def test_unsupported_model_type_is_named():
-    from transformers import GPT2Config
+    from transformers import GPT2Config, Qwen3MoeConfig
 
     with pytest.raises(ValueError, match="gpt2"):
         config_from_hf(GPT2Config(n_layer=1, n_embd=32, n_head=2))
+    # Qwen3-MoE is not served (no router / experts): refused, not read as dense Qwen3.
+    with pytest.raises(ValueError, match="'qwen3_moe'"):
+        config_from_hf(Qwen3MoeConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_experts=4))
 
 
 def test_unsupported_rope_type_is_named():
@@ -280,6 +285,55 @@ def test_mistral_with_binding_window_is_rejected():
 
     with pytest.raises(ValueError, match="sliding_window"):
         config_from_hf(MistralConfig(num_hidden_layers=1, sliding_window=16, max_position_embeddings=512))
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding_window=16"),
+        (
+            dict(use_sliding_window=True, layer_types=["full_attention", "sliding_attention"], sliding_window=16),
+            "1 sliding_attention",
+        ),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+    ],
+)
+def test_qwen3_unsupported_options_are_named(fields, named):
+    from transformers import Qwen3Config
+
+    base = dict(
+        vocab_size=256,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    with pytest.raises(ValueError, match=rf"'qwen3'.*{named}"):
+        config_from_hf(Qwen3Config(**base, **fields))
+
+
+def test_qwen3_window_that_never_binds_is_accepted():
+    """A window of max_position_embeddings tokens masks nothing: the full-attention model."""
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(
+        vocab_size=256,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=32,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=512,
+        max_window_layers=0,
+    )
+    assert "sliding_attention" in hf.layer_types
+    assert config_from_hf(hf).qk_norm
 
 
 def _corrupt_dir(src, dst, edit) -> None:
@@ -359,12 +413,14 @@ def test_logical_axes_tree_matches_params():
     assert specs["layers"][0]["mlp"]["down_proj"]["kernel"].get_value() == PartitionSpec("tp", "fsdp")
 
 
-def test_sharded_forward_matches_unsharded(checkpoint):
+# As the KV-cache test: qwen3 (Llama + q/k norms, head_dim != hidden / heads) in the fast suite.
+@pytest.mark.parametrize("name", [pytest.param("llama", marks=pytest.mark.slow), "qwen3"])
+def test_sharded_forward_matches_unsharded(checkpoint, name):
     """Params placed by the rules table on a 4 (fsdp) x 2 (tp) CPU mesh, activations
     constrained through the hook: same logits as the single-device forward."""
     if jax.device_count() < 8:
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    model, _, _ = hf_mapping.from_pretrained(checkpoint("llama")[0])
+    model, _, _ = hf_mapping.from_pretrained(checkpoint(name)[0])
     ids, mask = _batch(batch=4)
     ref = _jax_logits(model, ids, mask)
 

@@ -3,7 +3,7 @@
 * ``config``   -- ``ModelConfig``, the architecture every family is built from;
 * ``layers``   -- what families share: RMSNorm, RoPE, attention, MLP, embedding, the
   activation-sharding hook (``constrain``);
-* ``llama``    -- the Llama-family decoder (llama, qwen2, mistral);
+* ``llama``    -- the Llama-family decoder (llama, qwen2, qwen3, mistral);
 * ``hf_table`` -- the row type of a family's HF name table.
 
 A new family is one new module plus one row of ``MODEL_TYPES``.  A family module provides
@@ -41,10 +41,12 @@ class ModelFamily(NamedTuple):
 
 
 #: HF ``model_type`` -> the family that serves it.  Mistral is Llama with a sliding window; it
-#: is accepted only when the window never binds (checked in ``llama.config_from_hf``).
+#: is accepted only when the window never binds (checked in ``llama.config_from_hf``); so is
+#: Qwen3's.  Qwen3 (dense) is the Llama decoder with per-head q/k norms (``ModelConfig.qk_norm``).
 MODEL_TYPES: dict[str, ModelFamily] = {
     "llama": ModelFamily("llama", llama),
     "qwen2": ModelFamily("qwen2", llama),
+    "qwen3": ModelFamily("qwen3", llama),
     "mistral": ModelFamily("llama", llama),
 }
 #: HF ``model_type`` -> our family.

@@ -8,7 +8,8 @@ agree with HF torch to ~1e-6:
 * Rotate-half RoPE, ``inv_freq`` computed exactly like ``modeling_rope_utils`` (float32
   numpy mirroring the torch expression) for ``rope_type`` "default" and "llama3".
 * Grouped-query attention (query head ``h`` reads kv head ``h // (heads // kv_heads)``, as
-  HF ``repeat_kv``), scores and softmax in float32; optional q/k/v biases (Qwen2).  Plain
+  HF ``repeat_kv``), scores and softmax in float32; optional q/k/v biases (Qwen2) and
+  per-head q/k RMSNorm over ``head_dim`` before RoPE (Qwen3).  Plain
   right-padded rows go through ``jax.nn.dot_product_attention`` (cuDNN flash attention on
   NVIDIA GPUs in bf16/fp16); packed rows, context parallelism and KV-cache decoding through
   ``attend`` with an explicit mask.
@@ -292,6 +293,10 @@ class Attention(nnx.Module):
         self.k_proj = Dense((e,), (kv, d), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, **kw)
         self.v_proj = Dense((e,), (kv, d), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, **kw)
         self.o_proj = Dense((h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=False, **kw)
+        # Qwen3: one [head_dim] scale shared by every head of the layer (so replicated, "norm").
+        norm_kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **norm_kw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **norm_kw) if cfg.qk_norm else None
         self.scale = d**-0.5
         self.dtype = dtype
 
@@ -304,8 +309,11 @@ class Attention(nnx.Module):
         ``cache_index .. cache_index + T - 1`` and the queries read all L slots
         (``allowed`` [B, T, L]).
         """
-        q = constrain(apply_rope(self.q_proj(x), cos, sin), HEADS_AXES)  # (B, T, H, D)
-        k = apply_rope(self.k_proj(x), cos, sin)  # (B, T, KV, D)
+        q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H, D), (B, T, KV, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, before RoPE (as HF Qwen3)
+        q = constrain(apply_rope(q, cos, sin), HEADS_AXES)  # (B, T, H, D)
+        k = apply_rope(k, cos, sin)  # (B, T, KV, D)
         v = self.v_proj(x)  # (B, T, KV, D)
         new_cache = None
         if cache is not None:

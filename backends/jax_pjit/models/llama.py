@@ -1,9 +1,16 @@
-"""The Llama-family decoder: ``model_type`` llama, qwen2 and (window-free) mistral.
+"""The Llama-family decoder: ``model_type`` llama, qwen2, qwen3 and (window-free) mistral.
 
 Pre-norm decoder layers (RMSNorm -> grouped-query attention with RoPE -> residual,
 RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm and an output projection (or the tied
 embedding), built from ``layers``.  Qwen2 is the same decoder with q/k/v biases; Mistral
 is Llama with a sliding window, accepted only where the window never binds.
+
+Qwen3 (dense) is this decoder plus a per-head RMSNorm of queries and keys over ``head_dim``
+before RoPE (``ModelConfig.qk_norm``), with ``head_dim`` read from the config rather than
+``hidden / heads``.  It is served here, as its own family (own HF table: two more rows),
+rather than by a new module: a copy of the layer stack, cache and decode for two norms
+would be the drifting duplicate the design warns about.  Its sliding window (``use_sliding_window``
+/ ``layer_types``) and ``attention_bias`` (which biases o_proj too) are refused by name.
 
 What a family module provides (the registry in ``backends.jax_pjit.models`` reads it):
 ``config_from_hf`` (HF config -> ``ModelConfig``, refusing what the model does not
@@ -16,6 +23,7 @@ Layouts (logical axes):
     *.o_proj.kernel              [heads, head_dim, embed]
     *.gate_proj, up_proj .kernel [embed, mlp];  down_proj.kernel [mlp, embed]
     *_layernorm.scale, norm.scale [norm]
+    *.q_norm.scale, k_norm.scale [norm]   (qwen3: over head_dim, shared by the heads)
     lm_head.kernel               [embed, vocab]   (absent when tied: logits = h @ embedding.T)
 The stored vocab dim is ``cfg.padded_vocab_size`` (zero-padded for tensor parallelism; the
 padded logits are masked in ``CausalLM._logits``).
@@ -45,32 +53,24 @@ from backends.jax_pjit.models.layers import (
     rope_cos_sin,
 )
 
-__all__ = ["config_from_hf", "CausalLM", "DecoderLayer", "HF_TABLES", "LLAMA_TABLE", "QWEN2_TABLE"]
+__all__ = ["config_from_hf", "CausalLM", "DecoderLayer", "HF_TABLES", "LLAMA_TABLE", "QWEN2_TABLE", "QWEN3_TABLE"]
 
 
 # --------------------------------------------------------------------------- the HF config
 
 
 def config_from_hf(hf_config: Any, model_type: str, family: str) -> ModelConfig:
-    """Read a transformers 5.x ``LlamaConfig`` / ``Qwen2Config`` (/ window-free ``MistralConfig``)
+    """Read a transformers 5.x ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (/ window-free ``MistralConfig``)
     whose ``model_type`` the registry maps to ``family``; ``ValueError`` naming the
     ``model_type`` and the option for options this model does not implement."""
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"model_type {model_type!r} with hidden_act={act!r} is not supported (only 'silu')")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError(f"model_type {model_type!r} with attention_bias/mlp_bias is not supported")
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, field, False):
+            raise ValueError(f"model_type {model_type!r} with {field}=True is not supported")
     max_pos = int(hf_config.max_position_embeddings)
-    layer_types = getattr(hf_config, "layer_types", None) or ()
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"model_type {model_type!r} with sliding-window layers {set(layer_types)} is not supported")
-    if model_type == "mistral":
-        window = getattr(hf_config, "sliding_window", None)
-        if window is not None and window < max_pos:
-            raise ValueError(
-                f"model_type 'mistral' with sliding_window={window} < max_position_embeddings={max_pos} "
-                "is not supported (the window would change attention)"
-            )
+    _check_no_binding_window(hf_config, model_type, max_pos)
     heads = int(hf_config.num_attention_heads)
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     if "rope_theta" not in rope:  # pre-5.x style configs kept the theta outside
@@ -90,8 +90,32 @@ def config_from_hf(hf_config: Any, model_type: str, family: str) -> ModelConfig:
         rope_scaling=rope,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
         max_position_embeddings=max_pos,
     )
+
+
+def _check_no_binding_window(hf_config: Any, model_type: str, max_pos: int) -> None:
+    """Refuse a sliding window that would change attention; accept one that never binds.
+
+    HF marks windowed layers in ``layer_types`` ("sliding_attention"; Qwen2/Qwen3 derive them
+    from ``use_sliding_window`` and ``max_window_layers``); Mistral windows every layer
+    through ``sliding_window`` alone.  A window of at least ``max_position_embeddings``
+    tokens masks nothing, so the full-attention model computes the same thing.
+    """
+    layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"model_type {model_type!r} with layer_types {sorted(unknown)} is not supported")
+    windowed = "sliding_attention" in layer_types or model_type == "mistral"
+    window = getattr(hf_config, "sliding_window", None)
+    if windowed and window is not None and window < max_pos:
+        raise ValueError(
+            f"model_type {model_type!r} with sliding_window={window} < max_position_embeddings={max_pos} "
+            f"(use_sliding_window={getattr(hf_config, 'use_sliding_window', None)}, layer_types has "
+            f"{layer_types.count('sliding_attention')} sliding_attention layers) is not supported "
+            "(the window would change attention)"
+        )
 
 
 # --------------------------------------------------------------------------- the model
@@ -124,7 +148,7 @@ _remat_block = nnx.remat(_block)
 
 
 class CausalLM(nnx.Module):
-    """Llama / Qwen2 decoder-only LM.
+    """Llama / Qwen2 / Qwen3 decoder-only LM.
 
     ``dtype`` is the compute dtype (activations, matmuls; logits are returned in it),
     ``param_dtype`` the storage dtype of the parameters.
@@ -282,5 +306,10 @@ QWEN2_TABLE: tuple[Row, ...] = LLAMA_TABLE + (
     Row(_LAYER + "self_attn.v_proj.bias", _JLAYER + "self_attn/v_proj/bias", "bias_heads"),
 )
 
+QWEN3_TABLE: tuple[Row, ...] = LLAMA_TABLE + (
+    Row(_LAYER + "self_attn.q_norm.weight", _JLAYER + "self_attn/q_norm/scale", "norm"),
+    Row(_LAYER + "self_attn.k_norm.weight", _JLAYER + "self_attn/k_norm/scale", "norm"),
+)
+
 #: Family -> its HF name table (``hf_mapping``: import, export, refit).
-HF_TABLES: dict[str, tuple[Row, ...]] = {"llama": LLAMA_TABLE, "qwen2": QWEN2_TABLE}
+HF_TABLES: dict[str, tuple[Row, ...]] = {"llama": LLAMA_TABLE, "qwen2": QWEN2_TABLE, "qwen3": QWEN3_TABLE}
