@@ -101,7 +101,7 @@ Bad input.  Each layout is checked before it starts, and a layout that cannot ru
 checked (the exit code is then 1): an unknown name; a layout that does not fit; a batch its
 data-parallel size does not divide; a model the JAX backend does not support (for a JAX layout:
 ``backends.jax_pjit.models.ModelConfig.from_hf`` on the model's config, which names the
-``model_type`` and the supported ones -- llama, qwen2, qwen3 and mistral without a binding window --;
+``model_type`` and the supported ones -- llama, qwen2, qwen3, qwen3_moe and mistral without a binding window --;
 ``--model tiny-gpt2`` builds a tiny GPT-2 locally to try it).  *Fits*: a torch layout of W
 workers gets ``--threads // W`` CPUs per worker (``benchmarks.lib.policy.PolicyRunner``), so it fits
 when W <= ``--threads`` (every worker a thread of its own) and W x (``--threads`` // W) <= the

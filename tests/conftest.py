@@ -54,7 +54,7 @@ def model_dirs(tmp_path_factory):
     from core.testing.tiny_models import save_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
-    return {name: save_tiny_model(name, root / name) for name in ("llama", "qwen2", "qwen3", "llama_tied")}
+    return {name: save_tiny_model(name, root / name) for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "llama_tied")}
 
 
 @pytest.fixture(scope="session")

@@ -50,6 +50,23 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         head_dim=32,
         tie_word_embeddings=False,
     ),
+    # Qwen3-MoE: 8 experts of width 32, 2 per token (renormalised); layer 0 dense
+    # (mlp_only_layers), layer 1 sparse.  tp 2 / fsdp 4 or 8 divide the experts.
+    "qwen3_moe": dict(
+        family="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        tie_word_embeddings=False,
+    ),
     # Llama with the output projection tied to the input embedding.
     "llama_tied": dict(
         family="llama",
@@ -115,14 +132,14 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
 def tiny_config(name: str):
     """The HF config of the named tiny model (see ``TINY_MODELS``)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if name not in TINY_MODELS:
         raise KeyError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}")
     fields = dict(TINY_MODELS[name])
     family = fields.pop("family")
     fields.setdefault("vocab_size", TINY_VOCAB_SIZE)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
     return cls(
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=BOS_ID,
@@ -173,6 +190,10 @@ def build_tiny_model(name: str, seed: int = 0, dtype=None):
                 p.normal_(0.0, 0.02)
             elif pname.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
+            elif pname.endswith("mlp.gate.weight"):
+                # MoE router: logits far apart, so no token's top-k choice is a near tie that a
+                # rounding difference between two implementations could flip.
+                p.normal_(0.0, 0.5)
     return model.eval()
 
 

@@ -1,7 +1,8 @@
 """Tiny Qwen3 (q/k norms, head_dim 32 != hidden / heads) refit into a vLLM CPU engine from an
 FSDP1 and a JAX policy: the engine then serves the policy (greedy tokens equal to HF, its
 logprobs the policy's).  The refit stream carries ``self_attn.q_norm`` / ``k_norm`` under
-their HF names, which vLLM's Qwen3 ``load_weights`` takes as they are.
+their HF names, which vLLM's Qwen3 ``load_weights`` takes as they are.  (Qwen3-MoE refit is
+refused by the engine: tests/unit/test_refit.py ``test_manifest_refuses_fused_experts``.)
 
 Slow (an engine of its own and two policies); the fast run refits Llama / Qwen2 engines
 (tests/generation/test_refit_llama.py) and checks the Qwen3 name table in process

@@ -49,3 +49,6 @@ def test_unknown_family_needs_a_custom_plan():
     with pytest.raises(ValueError, match="no tensor-parallel plan for model_type 'gpt_neox'"):
         plan_for(model, False)
     assert {"llama", "qwen2", "qwen3"} <= set(TP_PLANS)
+    # Qwen3-MoE's experts have no plan (the JAX backend serves it; torch without tp does too).
+    with pytest.raises(ValueError, match="no tensor-parallel plan for model_type 'qwen3_moe'"):
+        plan_for(build_tiny_model("qwen3_moe"), False)

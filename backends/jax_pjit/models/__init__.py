@@ -4,6 +4,7 @@
 * ``layers``   -- what families share: RMSNorm, RoPE, attention, MLP, embedding, the
   activation-sharding hook (``constrain``);
 * ``llama``    -- the Llama-family decoder (llama, qwen2, qwen3, mistral);
+* ``qwen3_moe`` -- that decoder with mixture-of-experts MLPs (qwen3_moe);
 * ``hf_table`` -- the row type of a family's HF name table.
 
 A new family is one new module plus one row of ``MODEL_TYPES``.  A family module provides
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from backends.jax_pjit.models import llama
+from backends.jax_pjit.models import llama, qwen3_moe
 from backends.jax_pjit.models.config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 
@@ -47,6 +48,7 @@ MODEL_TYPES: dict[str, ModelFamily] = {
     "llama": ModelFamily("llama", llama),
     "qwen2": ModelFamily("qwen2", llama),
     "qwen3": ModelFamily("qwen3", llama),
+    "qwen3_moe": ModelFamily("qwen3_moe", qwen3_moe),
     "mistral": ModelFamily("llama", llama),
 }
 #: HF ``model_type`` -> our family.

@@ -31,6 +31,7 @@ padded logits are masked in ``CausalLM._logits``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -99,15 +100,17 @@ def _check_no_binding_window(hf_config: Any, model_type: str, max_pos: int) -> N
     """Refuse a sliding window that would change attention; accept one that never binds.
 
     HF marks windowed layers in ``layer_types`` ("sliding_attention"; Qwen2/Qwen3 derive them
-    from ``use_sliding_window`` and ``max_window_layers``); Mistral windows every layer
-    through ``sliding_window`` alone.  A window of at least ``max_position_embeddings``
+    from ``use_sliding_window`` and ``max_window_layers``); Mistral and Qwen3-MoE window every
+    layer through ``sliding_window`` alone (Qwen's configs set it to None unless
+    ``use_sliding_window``).  A window of at least ``max_position_embeddings``
     tokens masks nothing, so the full-attention model computes the same thing.
     """
     layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
     unknown = set(layer_types) - {"full_attention", "sliding_attention"}
     if unknown:
         raise ValueError(f"model_type {model_type!r} with layer_types {sorted(unknown)} is not supported")
-    windowed = "sliding_attention" in layer_types or model_type == "mistral"
+    # Without layer_types (Mistral, Qwen3-MoE) a window, when set, applies to every layer.
+    windowed = "sliding_attention" in layer_types or not layer_types
     window = getattr(hf_config, "sliding_window", None)
     if windowed and window is not None and window < max_pos:
         raise ValueError(
@@ -122,12 +125,15 @@ def _check_no_binding_window(hf_config: Any, model_type: str, max_pos: int) -> N
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    """``mlp`` builds the layer's MLP from ``(cfg, dtype=, param_dtype=, rngs=)``: the dense
+    SwiGLU ``MLP`` here, a mixture of experts on Qwen3-MoE's sparse layers."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mlp: Callable[..., nnx.Module] = MLP):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.self_attn = Attention(cfg, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = MLP(cfg, rngs=rngs, **kw)
+        self.mlp = mlp(cfg, rngs=rngs, **kw)
 
     def __call__(self, x, cos, sin, allowed, cache=None, cache_index=None):
         h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, allowed, cache, cache_index)
@@ -172,7 +178,9 @@ class CausalLM(nnx.Module):
         # (hidden 64, batch 2 x 64) traced + compiled in 1.1 / 1.2 / 1.5 / 2.3 / 4.7 / 10.6 s
         # for 2 / 4 / 8 / 16 / 32 / 64 layers on 2 CPU cores (~0.14 s per layer; remat: 2.8 s
         # at 2 layers, 4.7 s at 16, 15.9 s at 64 on a busier machine).  A 1B Llama has 16.
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, rngs=rngs, mlp=self.mlp_class(cfg, i), **kw) for i in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         # Tied models have no lm_head: logits = h @ embedding.T.
         self.lm_head = (
@@ -180,6 +188,12 @@ class CausalLM(nnx.Module):
             if cfg.tie_word_embeddings
             else Dense((cfg.hidden_size,), (stored_vocab,), ("embed",), ("vocab",), use_bias=False, rngs=rngs, **kw)
         )
+
+    @staticmethod
+    def mlp_class(cfg: ModelConfig, layer: int) -> Callable[..., nnx.Module]:
+        """The MLP of decoder layer ``layer``: dense SwiGLU in every layer (a family with
+        sparse layers overrides this)."""
+        return MLP
 
     # -- pieces shared by the full forward and decoding
 
