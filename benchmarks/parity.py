@@ -1,7 +1,7 @@
 """Numerical parity of the backend layouts: a pass/fail matrix against stated tolerances.
 
     python -m benchmarks.parity [--layouts fsdp1-dp2 dtensor-dp2 dtensor-tp2 jax-fsdp2 jax-tp2]
-        [--model llama | tiny-llama-hd32 | tiny-qwen2 | tiny-gpt2 | PATH | HUB_ID] [--json OUT]
+        [--model llama | tiny-llama-hd32 | tiny-qwen2 | qwen3 | tiny-gpt2 | PATH | HUB_ID] [--json OUT]
         [--crossload ring|full] [--engine [LAYOUT ...]] [--batch 8] [--seq 24] [--lr 1e-3] [--threads 2]
     dualrl parity [--layouts ...] [--model ...] [--json OUT] [--crossload ...]
 
@@ -114,7 +114,8 @@ Bad input.  Each layout is checked before it starts, and a layout that cannot ru
 checked (the exit code is then 1): an unknown name; a layout that does not fit; a batch its
 data-parallel size does not divide; a model the JAX backend does not support (for a JAX layout:
 ``backends.jax_pjit.models.ModelConfig.from_hf`` on the model's config, which names the
-``model_type`` and the supported ones -- llama, qwen2, mistral without a binding window, gemma3_text --;
+``model_type`` and the supported ones -- llama, qwen2, qwen3, qwen3_moe, mistral without a
+binding window, gemma3_text --;
 ``--model tiny-gpt2`` builds a tiny GPT-2 locally to try it).  *Fits*: a torch layout of W
 workers gets ``--threads // W`` CPUs per worker (``benchmarks.lib.policy.PolicyRunner``), so it fits
 when W <= ``--threads`` (every worker a thread of its own) and W x (``--threads`` // W) <= the
@@ -223,7 +224,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default="llama",
-        help="a core.testing tiny model (llama, qwen2, tiny-qwen2, ...), tiny-llama-hd32, "
+        help="a core.testing tiny model (llama, qwen2, qwen3, tiny-qwen2, ...), tiny-llama-hd32, "
         "tiny-gpt2 (built here), a local HF path or a hub id",
     )
     parser.add_argument("--json", help="write every number to this file")

@@ -54,7 +54,7 @@ def model_dirs(tmp_path_factory):
     from core.testing.tiny_models import save_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
-    return {name: save_tiny_model(name, root / name) for name in ("llama", "qwen2", "llama_tied")}
+    return {name: save_tiny_model(name, root / name) for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "llama_tied")}
 
 
 @pytest.fixture(scope="session")
@@ -70,4 +70,4 @@ def gen_model_dirs(tmp_path_factory):
     from core.testing.tiny_models import save_tiny_model
 
     root = tmp_path_factory.mktemp("gen_models")
-    return {name: save_tiny_model(name, root / name) for name in ("llama_gen", "qwen2_gen")}
+    return {name: save_tiny_model(name, root / name) for name in ("llama_gen", "qwen2_gen", "qwen3_gen")}

@@ -7,6 +7,9 @@ stands for the layer index.  The same rows drive checkpoint import (``load_hf_we
 yields HF names and layouts).  Transforms are exact (transposes and reshapes only), so
 ``jax_to_hf_tensors(hf_to_jax_state(x, cfg), cfg) == x`` bit for bit.
 
+Mixtures of experts: a row with ``{j}`` maps the checkpoint's one tensor per expert to row
+``j`` of the stacked JAX kernel (``Entry.expert``; ``entry_value`` reads it).
+
 Padded vocabulary: when ``cfg.padded_vocab_size > cfg.vocab_size`` (tensor parallelism
 over a vocabulary it does not divide), the rows with a ``vocab_dim`` (embedding, lm_head)
 are zero-padded along that JAX dim on import and cut back to ``vocab_size`` on export and
@@ -90,9 +93,17 @@ class Entry(NamedTuple):
     hf_name: str
     jax_path: tuple  # e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
     transform: str
-    jax_shape: tuple  # as stored (vocab dim padded to cfg.padded_vocab_size)
+    jax_shape: tuple  # as stored (vocab dim padded to cfg.padded_vocab_size); an expert's slice
     hf_shape: tuple  # as in the checkpoint (vocab dim = cfg.vocab_size)
     vocab_dim: int | None = None  # JAX dim padded from cfg.vocab_size to cfg.padded_vocab_size
+    expert: int | None = None  # this HF tensor is row ``expert`` of the stacked JAX parameter
+
+
+def entry_value(flat: Mapping[tuple, Any], e: Entry) -> Any:
+    """The (numpy or jax) array ``e`` maps from a ``flat_values`` dict: the parameter, or its
+    expert's row of a stacked expert kernel."""
+    value = flat[e.jax_path]
+    return value if e.expert is None else value[e.expert]
 
 
 def _jax_path(pattern: str, i: int | None) -> tuple:
@@ -140,16 +151,30 @@ def hf_layout(value: Any, transform: str, vocab_dim: int | None, vocab_size: int
     return value if dtype is None else value.astype(dtype)
 
 
+def _layers(row: Row, cfg: ModelConfig) -> Iterator[int | None]:
+    """The layer indices ``row`` applies to (None once for a row outside the layers)."""
+    if "{i}" not in row.hf:
+        yield None
+        return
+    layer_kind = getattr(family_module(cfg.family), "layer_kind", None)
+    for i in range(cfg.num_layers):
+        if row.layers is None or (layer_kind is not None and layer_kind(cfg, i) == row.layers):
+            yield i
+
+
 def expected_entries(cfg: ModelConfig) -> list[Entry]:
-    """Every parameter of ``cfg``'s model: HF name, JAX path, transform and both shapes."""
+    """Every parameter of ``cfg``'s model: HF name, JAX path, transform and both shapes (one
+    entry per expert for the rows of stacked expert kernels)."""
     shapes = param_shapes(cfg)
     entries = []
     for row in table_for(cfg):
-        for i in range(cfg.num_layers) if "{i}" in row.hf else (None,):
+        for i in _layers(row, cfg):
             path = _jax_path(row.jax, i)
-            jax_shape = shapes[path]
-            hf_shape = TRANSFORMS[row.transform].hf_shape(_unpadded_shape(jax_shape, row.vocab_dim, cfg))
-            entries.append(Entry(row.hf.format(i=i), path, row.transform, jax_shape, tuple(hf_shape), row.vocab_dim))
+            for j in range(getattr(cfg, "num_experts", 0)) if "{j}" in row.hf else (None,):
+                jax_shape = shapes[path] if j is None else shapes[path][1:]
+                hf_shape = TRANSFORMS[row.transform].hf_shape(_unpadded_shape(jax_shape, row.vocab_dim, cfg))
+                name = row.hf.format(i=i, j=j)
+                entries.append(Entry(name, path, row.transform, jax_shape, tuple(hf_shape), row.vocab_dim, j))
     mapped = {e.jax_path for e in entries}
     if mapped != set(shapes):  # the table and the model must describe the same parameters
         raise AssertionError(
@@ -207,12 +232,17 @@ def hf_to_jax_state(hf_tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> d
     Values are numpy arrays in the checkpoint's dtype (validated by ``check_hf_tensors``).
     """
     out: dict = {}
+    shapes = param_shapes(cfg)
     for e in check_hf_tensors(hf_tensors, cfg):
         value = _to_jax(e, np.asarray(hf_tensors[e.hf_name]), cfg)
         node = out
         for key in e.jax_path[:-1]:
             node = node.setdefault(key, {})
-        node[e.jax_path[-1]] = value
+        if e.expert is None:
+            node[e.jax_path[-1]] = value
+        else:  # stack the experts' tensors (check_hf_tensors saw every one of them)
+            stacked = node.setdefault(e.jax_path[-1], np.empty(shapes[e.jax_path], value.dtype))
+            stacked[e.expert] = value
     return out
 
 
@@ -252,7 +282,7 @@ def iter_hf_tensors(state: Any, cfg: ModelConfig) -> Iterator[tuple[str, np.ndar
     for e in expected_entries(cfg):
         if e.jax_path not in flat:
             raise ValueError(f"JAX state has no parameter {'/'.join(map(str, e.jax_path))} (HF {e.hf_name!r})")
-        value = np.asarray(flat[e.jax_path])
+        value = np.asarray(entry_value(flat, e))
         if tuple(value.shape) != e.jax_shape:
             raise ValueError(
                 f"JAX parameter {'/'.join(map(str, e.jax_path))} has shape {value.shape}, "
@@ -374,6 +404,7 @@ def from_pretrained(
 __all__ = [
     "TRANSFORMS",
     "Entry",
+    "entry_value",
     "table_for",
     "expected_entries",
     "check_hf_tensors",

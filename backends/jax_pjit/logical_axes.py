@@ -18,6 +18,8 @@ Parameters (storage layout):
     mlp       -- the MLP's intermediate dimension                    -> tp
     norm      -- the feature dimension of an RMSNorm scale           -> replicated
     lora_rank -- the rank dimension of a LoRA adapter (A, B)         -> replicated
+    expert    -- the experts of a stacked MoE kernel / the router     -> fsdp (each rank holds whole experts)
+    expert_embed -- the model dimension of MoE expert / router weights -> replicated (fsdp holds the experts)
 Activations:
     batch     -- the batch dimension                                 -> fsdp (data parallel)
     seq       -- the sequence dimension (queries, residual stream)   -> cp (context parallel)
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 from core.parallel_dims import CP, FSDP, TP
 
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "lora_rank")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "lora_rank", "expert", "expert_embed")
 ACTIVATION_AXES = ("batch", "seq", "kv_seq", "act_embed", "act_heads", "act_mlp", "act_vocab")
 
 #: logical name -> mesh axis (None = replicated).  Names not listed are replicated.
@@ -45,6 +47,10 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("mlp", TP),
     ("norm", None),
     ("lora_rank", None),
+    # The mesh has no expert-parallel axis: experts are sharded over fsdp (ZeRO-3 style, whole
+    # experts per rank), so their model dim cannot be fsdp too (one mesh axis per tensor).
+    ("expert", FSDP),
+    ("expert_embed", None),
     ("batch", FSDP),
     ("seq", CP),
     ("kv_seq", None),

@@ -46,7 +46,14 @@ from backends.jax_pjit import checkpoint as jax_ckpt
 from backends.jax_pjit import steps
 from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
-from backends.jax_pjit.hf_mapping import expected_entries, flat_values, from_pretrained, hf_layout, save_hf_checkpoint
+from backends.jax_pjit.hf_mapping import (
+    entry_value,
+    expected_entries,
+    flat_values,
+    from_pretrained,
+    hf_layout,
+    save_hf_checkpoint,
+)
 from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
 from backends.jax_pjit.lora import LoRAParam, apply_lora, merged_flat, module_at, split_trainable
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
@@ -520,7 +527,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             flat = merged_flat(flat, self.lora, self.lora_scale)
         cast = None if dtype is None else jnp.dtype(dtype)
         for e in expected_entries(self.model_cfg):
-            full = self._hf_layout(flat[e.jax_path], e.transform, e.vocab_dim, self.model_cfg.vocab_size, cast)
+            full = self._hf_layout(entry_value(flat, e), e.transform, e.vocab_dim, self.model_cfg.vocab_size, cast)
             yield e.hf_name, off_device(full)
 
     def _refit_devices(self) -> list:

@@ -8,9 +8,14 @@ RPC unchanged and means the same thing to torch and JAX senders.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+#: transformers 5 state-dict names of experts fused into one tensor (``mlp.experts.gate_up_proj``:
+#: no expert index), where checkpoints name one tensor per expert (``mlp.experts.3.gate_proj.weight``).
+FUSED_EXPERTS = re.compile(r"\.experts\.[A-Za-z_]+$")
 
 # Bytes per element of every dtype a refit stream may carry.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -158,6 +163,13 @@ def manifest_for_hf_config(hf_config: Any, dtype: Any) -> RefitManifest:
     Built on the meta device (no memory): the names and shapes an HF checkpoint of this
     model has, which is what an engine loading checkpoint-format weights expects.  Tied
     aliases (in the state dict but not separate parameters) are optional.
+
+    Refused (``RefitError`` naming the model_type): models whose experts transformers fuses in
+    memory (Qwen3-MoE and the other ``qwen2_moe``-style conversions).  Their state dict is
+    then *not* the checkpoint format: the torch backends stream the fused tensors, which
+    vLLM's ``reload_weights`` took without error and then generated from wrong weights (tiny
+    Qwen3-MoE from FSDP1: greedy tokens unlike HF's, token_mult_prob_error 4.7); the JAX
+    backend streams per-expert checkpoint names, which this manifest does not list.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -165,6 +177,13 @@ def manifest_for_hf_config(hf_config: Any, dtype: Any) -> RefitManifest:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     state = model.state_dict(keep_vars=True)
+    fused = [n for n in state if FUSED_EXPERTS.search(n)]
+    if fused:
+        raise RefitError(
+            f"refit of model_type {getattr(hf_config, 'model_type', None)!r} into vLLM is not supported: "
+            f"transformers holds its experts fused ({fused[0]!r}) where checkpoints and vLLM name one "
+            "tensor per expert"
+        )
     name = dtype_name(dtype)
     specs = {n: TensorSpec(tuple(t.shape), name) for n, t in state.items()}
     params = dict(model.named_parameters())

@@ -44,6 +44,35 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         tie_word_embeddings=False,
     ),
+    # Qwen3: per-head q/k RMSNorm before RoPE, and a head_dim (32) that is not hidden / heads
+    # (64 / 4 = 16): the projections map 64 -> 4 x 32, o_proj 128 -> 64.  GQA as above.
+    "qwen3": dict(
+        family="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3-MoE: 8 experts of width 32, 2 per token (renormalised); layer 0 dense
+    # (mlp_only_layers), layer 1 sparse.  tp 2 / fsdp 4 or 8 divide the experts.
+    "qwen3_moe": dict(
+        family="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        tie_word_embeddings=False,
+    ),
     # Llama with the output projection tied to the input embedding.
     "llama_tied": dict(
         family="llama",
@@ -115,6 +144,17 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         initializer_range=0.2,
         tie_word_embeddings=True,
     ),
+    "qwen3_gen": dict(
+        family="qwen3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
     # Benchmark size (~20M parameters): big enough that compute, not Python, dominates.
     "llama_bench": dict(
         family="llama",
@@ -136,14 +176,20 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
 def tiny_config(name: str):
     """The HF config of the named tiny model (see ``TINY_MODELS``)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if name not in TINY_MODELS:
         raise KeyError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}")
     fields = dict(TINY_MODELS[name])
     family = fields.pop("family")
     fields.setdefault("vocab_size", TINY_VOCAB_SIZE)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig}[family]
+    cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "gemma3": Gemma3TextConfig,
+    }[family]
     if "rope_parameters" in fields:  # nested dicts: a fresh copy per config
         fields["rope_parameters"] = copy.deepcopy(fields["rope_parameters"])
     return cls(
@@ -188,7 +234,9 @@ def build_tiny_model(name: str, seed: int = 0, dtype=None):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=dtype or torch.float32)
     # Small random biases so the Qwen2 q/k/v bias path is actually exercised (HF inits them to 0),
-    # and random Gemma norm weights (HF inits them to 0, which would hide a swapped norm).
+    # random Gemma norm weights (HF inits them to 0, which would hide a swapped norm), and
+    # Qwen3's q/k norm scales away from HF's init of ones (else a swapped or dropped scale
+    # would go unseen).
     gemma = TINY_MODELS[name]["family"] == "gemma3"
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -196,6 +244,12 @@ def build_tiny_model(name: str, seed: int = 0, dtype=None):
                 p.normal_(0.0, 0.02)
             elif gemma and pname.endswith("norm.weight"):
                 p.normal_(0.0, 0.1)
+            elif pname.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+            elif pname.endswith("mlp.gate.weight"):
+                # MoE router: logits far apart, so no token's top-k choice is a near tie that a
+                # rounding difference between two implementations could flip.
+                p.normal_(0.0, 0.5)
     return model.eval()
 
 

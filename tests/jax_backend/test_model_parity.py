@@ -1,4 +1,4 @@
-"""The flax Llama/Qwen2/Gemma3 models against HF transformers (torch), and the HF <-> JAX mapping.
+"""The flax Llama/Qwen2/Qwen3/Qwen3-MoE/Gemma3 models against HF transformers (torch), and the HF <-> JAX mapping.
 
 All on CPU in float32: logits must agree with HF within 1e-5 on ragged right-padded
 batches, KV-cache decoding must reproduce the full forward, and checkpoints must
@@ -35,7 +35,7 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
     "rope_theta": 10000.0,
 }
-ALL_MODELS = ["llama", "qwen2", "llama_tied", "llama3_rope", "mistral", "gemma3"]
+ALL_MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_tied", "llama3_rope", "mistral", "gemma3"]
 BATCH, SEQ = 3, 12
 
 
@@ -198,7 +198,12 @@ def test_gemma3_window_exact_in_packed_and_cp_layouts(checkpoint):
 # --------------------------------------------------------------------------- KV cache
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
+# The tiny Qwen3-MoE is a Qwen3 layer (the Llama decoder plus q/k norms) and a sparse one: the
+# llama and qwen3 cases add no fast-suite coverage beyond it (CI budget), so they run with the
+# slow tests.
+@pytest.mark.parametrize(
+    "name", [*(pytest.param(n, marks=pytest.mark.slow) for n in ("llama", "qwen3")), "qwen2", "qwen3_moe", "gemma3"]
+)
 def test_kv_cache_decode_matches_full_forward(checkpoint, name):
     """Prefill a right-padded ragged prompt batch, then decode N tokens one at a time.
 
@@ -250,7 +255,7 @@ def test_kv_cache_decode_matches_full_forward(checkpoint, name):
 # --------------------------------------------------------------------------- checkpoint round trips
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_tied", "gemma3"])
 def test_export_loads_in_transformers(checkpoint, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
@@ -267,7 +272,7 @@ def test_export_loads_in_transformers(checkpoint, tmp_path, name):
         np.testing.assert_array_equal(value, original[key])
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_tied", "gemma3"])
 def test_hf_jax_conversion_is_exact_inverse(checkpoint, name):
     path, _ = checkpoint(name)
     cfg = config_from_hf(checkpoint(name)[1].config)
@@ -340,6 +345,106 @@ def test_mistral_with_binding_window_is_rejected():
 
     with pytest.raises(ValueError, match="sliding_window"):
         config_from_hf(MistralConfig(num_hidden_layers=1, sliding_window=16, max_position_embeddings=512))
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding_window=16"),
+        (
+            dict(use_sliding_window=True, layer_types=["full_attention", "sliding_attention"], sliding_window=16),
+            "1 sliding_attention",
+        ),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+    ],
+)
+def test_qwen3_unsupported_options_are_named(fields, named):
+    from transformers import Qwen3Config
+
+    base = dict(
+        vocab_size=256,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    with pytest.raises(ValueError, match=rf"'qwen3'.*{named}"):
+        config_from_hf(Qwen3Config(**base, **fields))
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(output_router_logits=True), "output_router_logits"),
+        (dict(use_sliding_window=True, sliding_window=16), "sliding_window=16"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
+        (dict(attention_bias=True), "attention_bias"),
+    ],
+)
+def test_qwen3_moe_unsupported_options_are_named(fields, named):
+    from transformers import Qwen3MoeConfig
+
+    from core.testing.tiny_models import TINY_MODELS
+
+    base = {k: v for k, v in TINY_MODELS["qwen3_moe"].items() if k != "family"} | dict(vocab_size=256)
+    with pytest.raises(ValueError, match=named):
+        config_from_hf(Qwen3MoeConfig(**(base | fields)))
+
+
+def test_qwen3_moe_sparse_layers_follow_hf():
+    """decoder_sparse_step and mlp_only_layers pick the same sparse layers as HF's model."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from backends.jax_pjit.models.qwen3_moe import layer_kind
+
+    hf = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
+    cfg = config_from_hf(hf)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf)
+    hf_sparse = [hasattr(layer.mlp, "experts") for layer in hf_model.model.layers]
+    assert hf_sparse == [False, True, False, False, False, True]
+    assert [layer_kind(cfg, i) == "moe" for i in range(6)] == hf_sparse
+    shapes = {e.hf_name: e.hf_shape for e in hf_mapping.expected_entries(cfg)}
+    assert shapes["model.layers.5.mlp.experts.3.down_proj.weight"] == (64, 32)
+    assert shapes["model.layers.3.mlp.down_proj.weight"] == (64, 128)
+    assert "model.layers.3.mlp.gate.weight" not in shapes
+
+
+def test_qwen3_window_that_never_binds_is_accepted():
+    """A window of max_position_embeddings tokens masks nothing: the full-attention model."""
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(
+        vocab_size=256,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=32,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=512,
+        max_window_layers=0,
+    )
+    assert "sliding_attention" in hf.layer_types
+    assert config_from_hf(hf).qk_norm
 
 
 def _corrupt_dir(src, dst, edit) -> None:
@@ -419,7 +524,11 @@ def test_logical_axes_tree_matches_params():
     assert specs["layers"][0]["mlp"]["down_proj"]["kernel"].get_value() == PartitionSpec("tp", "fsdp")
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])  # gemma3: ~4 s
+# As the KV-cache test: qwen3_moe (a Qwen3 layer -- Llama + q/k norms, head_dim != hidden /
+# heads -- and a sparse one, its experts sharded over fsdp) in the fast suite.
+@pytest.mark.parametrize(
+    "name", [*(pytest.param(n, marks=pytest.mark.slow) for n in ("llama", "qwen3", "gemma3")), "qwen3_moe"]
+)
 def test_sharded_forward_matches_unsharded(checkpoint, name):
     """Params placed by the rules table on a 4 (fsdp) x 2 (tp) CPU mesh, activations
     constrained through the hook: same logits as the single-device forward."""

@@ -207,7 +207,9 @@ def test_check_against_caps_messages_per_kind():
     assert msg.count("more like it") == 1
 
 
-@pytest.mark.parametrize("name, optional", [("llama_tied", {"lm_head.weight"}), ("llama", set()), ("qwen2", set())])
+@pytest.mark.parametrize(
+    "name, optional", [("llama_tied", {"lm_head.weight"}), ("llama", set()), ("qwen2", set()), ("qwen3", set())]
+)
 def test_manifest_for_hf_config_matches_hf_state_dict(name, optional):
     manifest = manifest_for_hf_config(tiny_config(name), "float32")
     state = AutoModelForCausalLM.from_config(tiny_config(name)).state_dict()
@@ -224,6 +226,13 @@ def test_manifest_for_hf_config_matches_hf_state_dict(name, optional):
     # The torch workers leave exactly the optional aliases out of their stream.
     assert tied_aliases(model) == manifest.aliases
     assert set(tied_aliases(model)) == optional
+
+
+def test_manifest_refuses_fused_experts():
+    """Qwen3-MoE: transformers fuses the experts in memory (not the checkpoint format vLLM
+    loads), so the engine refuses the refit, naming the model_type and a fused tensor."""
+    with pytest.raises(RefitError, match=r"'qwen3_moe'.*mlp\.experts\.gate_up_proj"):
+        manifest_for_hf_config(tiny_config("qwen3_moe"), "float32")
 
 
 def _policy(precision: str, generation=None) -> PolicyConfig:

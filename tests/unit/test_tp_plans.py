@@ -16,7 +16,7 @@ def custom_plan_fn(model, sequence_parallel):
     return {"model.layers.*.mlp.up_proj": ColwiseParallel()}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_builtin_plan_covers_every_projection(name):
     model = build_tiny_model(name)
     plan = plan_for(model, sequence_parallel=True)
@@ -26,6 +26,12 @@ def test_builtin_plan_covers_every_projection(name):
         assert f"model.layers.*.mlp.{proj}" in plan
     assert isinstance(plan["model.norm"], SequenceParallel)
     assert "model.norm" not in plan_for(model, sequence_parallel=False)
+    # Qwen3's per-head q/k norms: DTensors over the heads dim with or without SP, so their
+    # scales' gradients are summed over tp (tests/backends/test_parity.py, dtensor-tp2*-qwen3).
+    for sp in (True, False):
+        norms = {k: v for k, v in plan_for(model, sp).items() if k.endswith(("q_norm", "k_norm"))}
+        assert len(norms) == (2 if name == "qwen3" else 0)
+        assert all(isinstance(v, SequenceParallel) and v.sequence_sharding[0].dim == 2 for v in norms.values())
 
 
 def _style_of(plan, module_name):
@@ -72,4 +78,7 @@ def test_unknown_family_needs_a_custom_plan():
     model.config.model_type = "gpt_neox"
     with pytest.raises(ValueError, match="no tensor-parallel plan for model_type 'gpt_neox'"):
         plan_for(model, False)
-    assert {"llama", "qwen2"} <= set(TP_PLANS)
+    assert {"llama", "qwen2", "qwen3"} <= set(TP_PLANS)
+    # Qwen3-MoE's experts have no plan (the JAX backend serves it; torch without tp does too).
+    with pytest.raises(ValueError, match="no tensor-parallel plan for model_type 'qwen3_moe'"):
+        plan_for(build_tiny_model("qwen3_moe"), False)

@@ -3,7 +3,8 @@
 * ``config``   -- ``ModelConfig``, the architecture every family is built from;
 * ``layers``   -- what families share: RMSNorm, RoPE, attention, MLP, embedding, the
   activation-sharding hook (``constrain``);
-* ``llama``    -- the Llama-family decoder (llama, qwen2, mistral);
+* ``llama``    -- the Llama-family decoder (llama, qwen2, qwen3, mistral);
+* ``qwen3_moe`` -- that decoder with mixture-of-experts MLPs (qwen3_moe);
 * ``gemma3``   -- the Gemma 3 text decoder (gemma3_text: sliding/full layers, sandwich norms);
 * ``hf_table`` -- the row type of a family's HF name table.
 
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from backends.jax_pjit.models import gemma3, llama
+from backends.jax_pjit.models import gemma3, llama, qwen3_moe
 from backends.jax_pjit.models.config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 
@@ -42,10 +43,13 @@ class ModelFamily(NamedTuple):
 
 
 #: HF ``model_type`` -> the family that serves it.  Mistral is Llama with a sliding window; it
-#: is accepted only when the window never binds (checked in ``llama.config_from_hf``).
+#: is accepted only when the window never binds (checked in ``llama.config_from_hf``); so is
+#: Qwen3's.  Qwen3 (dense) is the Llama decoder with per-head q/k norms (``ModelConfig.qk_norm``).
 MODEL_TYPES: dict[str, ModelFamily] = {
     "llama": ModelFamily("llama", llama),
     "qwen2": ModelFamily("qwen2", llama),
+    "qwen3": ModelFamily("qwen3", llama),
+    "qwen3_moe": ModelFamily("qwen3_moe", qwen3_moe),
     "mistral": ModelFamily("llama", llama),
     "gemma3_text": ModelFamily("gemma3", gemma3),
 }

@@ -50,6 +50,9 @@ class ModelConfig:
     rope_scaling: Any = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    #: Qwen3: RMSNorm over ``head_dim`` of every query / key head (own scales per layer),
+    #: applied after the projection and before RoPE (HF ``q_norm`` / ``k_norm``).
+    qk_norm: bool = False
     max_position_embeddings: int = 2048
     #: Embedding rows / lm_head columns the model *stores* (>= ``vocab_size``; None =
     #: ``vocab_size``): tensor parallelism shards the vocabulary, so a vocabulary ``tp`` does

@@ -8,7 +8,8 @@ agree with HF torch to ~1e-6:
 * Rotate-half RoPE, ``inv_freq`` computed exactly like ``modeling_rope_utils`` (float32
   numpy mirroring the torch expression) for ``rope_type`` "default" and "llama3".
 * Grouped-query attention (query head ``h`` reads kv head ``h // (heads // kv_heads)``, as
-  HF ``repeat_kv``), scores and softmax in float32; optional q/k/v biases (Qwen2).  Plain
+  HF ``repeat_kv``), scores and softmax in float32; optional q/k/v biases (Qwen2) and
+  per-head q/k RMSNorm over ``head_dim`` before RoPE (Qwen3).  Plain
   right-padded rows go through ``jax.nn.dot_product_attention`` (cuDNN flash attention on
   NVIDIA GPUs in bf16/fp16); packed rows, context parallelism and KV-cache decoding through
   ``attend`` with an explicit mask.
@@ -302,12 +303,25 @@ class Attention(nnx.Module):
         self.k_proj = Dense((e,), (kv, d), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, **kw)
         self.v_proj = Dense((e,), (kv, d), ("embed",), ("kv_heads", "head_dim"), use_bias=cfg.qkv_bias, **kw)
         self.o_proj = Dense((h, d), (e,), ("heads", "head_dim"), ("embed",), use_bias=False, **kw)
+        # Qwen3: one [head_dim] scale shared by every head of the layer (so replicated, "norm").
+        norm_kw = dict(dtype=dtype, param_dtype=param_dtype)
+        # Typed as a callable module: a family's own norm may take the slot (Gemma 3's 1 + w).
+        self.q_norm: Callable[[jax.Array], jax.Array] | None = (
+            RMSNorm(d, cfg.rms_norm_eps, **norm_kw) if cfg.qk_norm else None
+        )
+        self.k_norm: Callable[[jax.Array], jax.Array] | None = (
+            RMSNorm(d, cfg.rms_norm_eps, **norm_kw) if cfg.qk_norm else None
+        )
         self.scale = d**-0.5
         self.dtype = dtype
 
     def project_qk(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Queries [B, T, H, D] and keys [B, T, KV, D], rotated (a family may normalise them first)."""
-        return apply_rope(self.q_proj(x), cos, sin), apply_rope(self.k_proj(x), cos, sin)
+        """Queries [B, T, H, D] and keys [B, T, KV, D], rotated; with ``q_norm`` / ``k_norm``
+        normalised over head_dim first, as HF Qwen3 does (a family may override this)."""
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def __call__(self, x, cos, sin, allowed, cache=None, cache_index=None):
         """x [B, T, E] -> ([B, T, E], new (k, v) cache or None).

@@ -1,9 +1,16 @@
-"""The Llama-family decoder: ``model_type`` llama, qwen2 and (window-free) mistral.
+"""The Llama-family decoder: ``model_type`` llama, qwen2, qwen3 and (window-free) mistral.
 
 Pre-norm decoder layers (RMSNorm -> grouped-query attention with RoPE -> residual,
 RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm and an output projection (or the tied
 embedding), built from ``layers``.  Qwen2 is the same decoder with q/k/v biases; Mistral
 is Llama with a sliding window, accepted only where the window never binds.
+
+Qwen3 (dense) is this decoder plus a per-head RMSNorm of queries and keys over ``head_dim``
+before RoPE (``ModelConfig.qk_norm``), with ``head_dim`` read from the config rather than
+``hidden / heads``.  It is served here, as its own family (own HF table: two more rows),
+rather than by a new module: a copy of the layer stack, cache and decode for two norms
+would be the drifting duplicate the design warns about.  Its sliding window (``use_sliding_window``
+/ ``layer_types``) and ``attention_bias`` (which biases o_proj too) are refused by name.
 
 What a family module provides (the registry in ``backends.jax_pjit.models`` reads it):
 ``config_from_hf`` (HF config -> ``ModelConfig``, refusing what the model does not
@@ -16,6 +23,7 @@ Layouts (logical axes):
     *.o_proj.kernel              [heads, head_dim, embed]
     *.gate_proj, up_proj .kernel [embed, mlp];  down_proj.kernel [mlp, embed]
     *_layernorm.scale, norm.scale [norm]
+    *.q_norm.scale, k_norm.scale [norm]   (qwen3: over head_dim, shared by the heads)
     lm_head.kernel               [embed, vocab]   (absent when tied: logits = h @ embedding.T)
 The stored vocab dim is ``cfg.padded_vocab_size`` (zero-padded for tensor parallelism; the
 padded logits are masked in ``CausalLM._logits``).
@@ -23,6 +31,7 @@ padded logits are masked in ``CausalLM._logits``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,32 +55,24 @@ from backends.jax_pjit.models.layers import (
     rope_cos_sin,
 )
 
-__all__ = ["config_from_hf", "CausalLM", "DecoderLayer", "HF_TABLES", "LLAMA_TABLE", "QWEN2_TABLE"]
+__all__ = ["config_from_hf", "CausalLM", "DecoderLayer", "HF_TABLES", "LLAMA_TABLE", "QWEN2_TABLE", "QWEN3_TABLE"]
 
 
 # --------------------------------------------------------------------------- the HF config
 
 
 def config_from_hf(hf_config: Any, model_type: str, family: str) -> ModelConfig:
-    """Read a transformers 5.x ``LlamaConfig`` / ``Qwen2Config`` (/ window-free ``MistralConfig``)
+    """Read a transformers 5.x ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (/ window-free ``MistralConfig``)
     whose ``model_type`` the registry maps to ``family``; ``ValueError`` naming the
     ``model_type`` and the option for options this model does not implement."""
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"model_type {model_type!r} with hidden_act={act!r} is not supported (only 'silu')")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError(f"model_type {model_type!r} with attention_bias/mlp_bias is not supported")
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, field, False):
+            raise ValueError(f"model_type {model_type!r} with {field}=True is not supported")
     max_pos = int(hf_config.max_position_embeddings)
-    layer_types = getattr(hf_config, "layer_types", None) or ()
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"model_type {model_type!r} with sliding-window layers {set(layer_types)} is not supported")
-    if model_type == "mistral":
-        window = getattr(hf_config, "sliding_window", None)
-        if window is not None and window < max_pos:
-            raise ValueError(
-                f"model_type 'mistral' with sliding_window={window} < max_position_embeddings={max_pos} "
-                "is not supported (the window would change attention)"
-            )
+    _check_no_binding_window(hf_config, model_type, max_pos)
     heads = int(hf_config.num_attention_heads)
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     if "rope_theta" not in rope:  # pre-5.x style configs kept the theta outside
@@ -91,20 +92,49 @@ def config_from_hf(hf_config: Any, model_type: str, family: str) -> ModelConfig:
         rope_scaling=rope,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
         max_position_embeddings=max_pos,
     )
+
+
+def _check_no_binding_window(hf_config: Any, model_type: str, max_pos: int) -> None:
+    """Refuse a sliding window that would change attention; accept one that never binds.
+
+    HF marks windowed layers in ``layer_types`` ("sliding_attention"; Qwen2/Qwen3 derive them
+    from ``use_sliding_window`` and ``max_window_layers``); Mistral and Qwen3-MoE window every
+    layer through ``sliding_window`` alone (Qwen's configs set it to None unless
+    ``use_sliding_window``).  A window of at least ``max_position_embeddings``
+    tokens masks nothing, so the full-attention model computes the same thing.
+    """
+    layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"model_type {model_type!r} with layer_types {sorted(unknown)} is not supported")
+    # Without layer_types (Mistral, Qwen3-MoE) a window, when set, applies to every layer.
+    windowed = "sliding_attention" in layer_types or not layer_types
+    window = getattr(hf_config, "sliding_window", None)
+    if windowed and window is not None and window < max_pos:
+        raise ValueError(
+            f"model_type {model_type!r} with sliding_window={window} < max_position_embeddings={max_pos} "
+            f"(use_sliding_window={getattr(hf_config, 'use_sliding_window', None)}, layer_types has "
+            f"{layer_types.count('sliding_attention')} sliding_attention layers) is not supported "
+            "(the window would change attention)"
+        )
 
 
 # --------------------------------------------------------------------------- the model
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    """``mlp`` builds the layer's MLP from ``(cfg, dtype=, param_dtype=, rngs=)``: the dense
+    SwiGLU ``MLP`` here, a mixture of experts on Qwen3-MoE's sparse layers."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mlp: Callable[..., nnx.Module] = MLP):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.self_attn = Attention(cfg, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = MLP(cfg, rngs=rngs, **kw)
+        self.mlp = mlp(cfg, rngs=rngs, **kw)
 
     def __call__(self, x, cos, sin, allowed, cache=None, cache_index=None):
         h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, allowed, cache, cache_index)
@@ -125,7 +155,7 @@ _remat_block = nnx.remat(_block)
 
 
 class CausalLM(nnx.Module):
-    """Llama / Qwen2 decoder-only LM.
+    """Llama / Qwen2 / Qwen3 decoder-only LM.
 
     ``dtype`` is the compute dtype (activations, matmuls; logits are returned in it),
     ``param_dtype`` the storage dtype of the parameters.
@@ -149,7 +179,9 @@ class CausalLM(nnx.Module):
         # (hidden 64, batch 2 x 64) traced + compiled in 1.1 / 1.2 / 1.5 / 2.3 / 4.7 / 10.6 s
         # for 2 / 4 / 8 / 16 / 32 / 64 layers on 2 CPU cores (~0.14 s per layer; remat: 2.8 s
         # at 2 layers, 4.7 s at 16, 15.9 s at 64 on a busier machine).  A 1B Llama has 16.
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, rngs=rngs, mlp=self.mlp_class(cfg, i), **kw) for i in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         # Tied models have no lm_head: logits = h @ embedding.T.
         self.lm_head = (
@@ -157,6 +189,12 @@ class CausalLM(nnx.Module):
             if cfg.tie_word_embeddings
             else Dense((cfg.hidden_size,), (stored_vocab,), ("embed",), ("vocab",), use_bias=False, rngs=rngs, **kw)
         )
+
+    @staticmethod
+    def mlp_class(cfg: ModelConfig, layer: int) -> Callable[..., nnx.Module]:
+        """The MLP of decoder layer ``layer``: dense SwiGLU in every layer (a family with
+        sparse layers overrides this)."""
+        return MLP
 
     # -- pieces shared by the full forward and decoding
 
@@ -285,5 +323,10 @@ QWEN2_TABLE: tuple[Row, ...] = LLAMA_TABLE + (
     Row(_LAYER + "self_attn.v_proj.bias", _JLAYER + "self_attn/v_proj/bias", "bias_heads"),
 )
 
+QWEN3_TABLE: tuple[Row, ...] = LLAMA_TABLE + (
+    Row(_LAYER + "self_attn.q_norm.weight", _JLAYER + "self_attn/q_norm/scale", "norm"),
+    Row(_LAYER + "self_attn.k_norm.weight", _JLAYER + "self_attn/k_norm/scale", "norm"),
+)
+
 #: Family -> its HF name table (``hf_mapping``: import, export, refit).
-HF_TABLES: dict[str, tuple[Row, ...]] = {"llama": LLAMA_TABLE, "qwen2": QWEN2_TABLE}
+HF_TABLES: dict[str, tuple[Row, ...]] = {"llama": LLAMA_TABLE, "qwen2": QWEN2_TABLE, "qwen3": QWEN3_TABLE}

@@ -1,0 +1,180 @@
+"""Qwen3-MoE (``model_type`` qwen3_moe): the Qwen3 decoder of ``llama`` whose sparse layers'
+MLP is a mixture of experts.
+
+Layer ``i`` is sparse unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``
+is not 0 (HF ``Qwen3MoeDecoderLayer``); the other layers keep the dense SwiGLU MLP of
+``intermediate_size``.  A sparse MLP (HF ``Qwen3MoeSparseMoeBlock``):
+
+* router: logits = x @ gate [embed, experts]; softmax in float32; the ``num_experts_per_tok``
+  largest probabilities (renormalised to sum 1 when ``norm_topk_prob``), cast back to the
+  compute dtype, are the token's expert weights, every other expert's weight is 0;
+* experts: SwiGLU MLPs of ``moe_intermediate_size``, their kernels stacked
+  ``gate_proj`` / ``up_proj`` [experts, embed, mlp], ``down_proj`` [experts, mlp, embed];
+  out = sum over experts of weight x down(silu(gate(x)) * up(x)).
+
+Dispatch is dense: every expert runs on every token and the zero weights drop the experts a
+token was not routed to.  Exact (the same sum as HF's per-expert gather / index_add, up to
+rounding) and shardable by plain einsums, but it costs ``num_experts / num_experts_per_tok``
+times the routed FLOPs and a [B, S, experts, mlp] activation: right for tests and small
+models, not for Qwen3-30B-A3B's 128 experts (a grouped ``ragged_dot`` dispatch is the way
+there).  Experts are sharded over ``fsdp`` (``logical_axes``: the mesh has no expert axis).
+
+The router's auxiliary load-balancing loss is not implemented: ``output_router_logits=True``
+is refused by name (HF adds the loss only then; ``router_aux_loss_coef`` is unused without it).
+
+Parameters beyond the Qwen3 decoder (logical axes):
+    *.mlp.gate.kernel                       [expert_embed, expert]   (the router)
+    *.mlp.experts.gate_proj / up_proj       [expert, expert_embed, mlp]
+    *.mlp.experts.down_proj                 [expert, mlp, expert_embed]
+HF checkpoints hold one tensor per expert (``mlp.experts.{j}.gate_proj.weight``, as vLLM
+loads them; transformers 5 fuses them in memory and splits them again on save).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from backends.jax_pjit.models import llama
+from backends.jax_pjit.models.config import ModelConfig
+from backends.jax_pjit.models.hf_table import Row
+from backends.jax_pjit.models.layers import MLP, Dense, _param
+
+__all__ = ["MoEConfig", "config_from_hf", "layer_kind", "SparseMoE", "CausalLM", "HF_TABLES", "QWEN3_MOE_TABLE"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(ModelConfig):
+    """``ModelConfig`` plus the Qwen3-MoE fields (HF names)."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+
+    def is_sparse(self, layer: int) -> bool:
+        """HF ``Qwen3MoeDecoderLayer``'s choice of a sparse MLP for layer ``layer``."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+def config_from_hf(hf_config: Any, model_type: str, family: str) -> MoEConfig:
+    """A transformers ``Qwen3MoeConfig`` -> ``MoEConfig``: the decoder read (and its options
+    refused) by ``llama.config_from_hf``, the MoE fields added here."""
+    if getattr(hf_config, "output_router_logits", False):
+        raise ValueError(
+            f"model_type {model_type!r} with output_router_logits=True is not supported "
+            "(the router's auxiliary load-balancing loss is not implemented)"
+        )
+    num_experts = int(hf_config.num_experts)
+    if num_experts < 1:
+        raise ValueError(f"model_type {model_type!r} with num_experts={num_experts} is not supported (no experts)")
+    base = llama.config_from_hf(hf_config, model_type, family)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+    return MoEConfig(
+        **(fields | {"qk_norm": True}),
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        moe_intermediate_size=int(hf_config.moe_intermediate_size),
+        norm_topk_prob=bool(hf_config.norm_topk_prob),
+        decoder_sparse_step=int(hf_config.decoder_sparse_step),
+        mlp_only_layers=tuple(hf_config.mlp_only_layers or ()),
+    )
+
+
+def layer_kind(cfg: ModelConfig, layer: int) -> str:
+    """ "moe" or "dense": which ``Row.layers`` rows of the HF table apply to ``layer``."""
+    return "moe" if isinstance(cfg, MoEConfig) and cfg.is_sparse(layer) else "dense"
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class SparseMoE(nnx.Module):
+    """Router + stacked experts (see the module docstring); x [B, S, E] -> [B, S, E]."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        assert isinstance(cfg, MoEConfig), cfg
+        e, m, x = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate = Dense((e,), (x,), ("expert_embed",), ("expert",), use_bias=False, **kw)
+        self.experts = Experts(x, e, m, param_dtype=param_dtype, rngs=rngs)
+
+    def routing_weights(self, x: jax.Array) -> jax.Array:
+        """[B, S, experts]: the top-k softmax probabilities of the router, 0 elsewhere."""
+        logits = self.gate(x)  # (B, S, X) compute dtype
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        top, index = jax.lax.top_k(probs, self.top_k)  # (B, S, K)
+        if self.norm_topk_prob:
+            top = top / jnp.sum(top, axis=-1, keepdims=True)
+        top = top.astype(logits.dtype)
+        chosen = jax.nn.one_hot(index, probs.shape[-1], dtype=top.dtype)  # (B, S, K, X)
+        return jnp.einsum("bsk,bskx->bsx", top, chosen)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(self.dtype)
+        weights = self.routing_weights(x)  # (B, S, X)
+        gate, up, down = (self.experts.kernel(n, self.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+        h = jax.nn.silu(jnp.einsum("bse,xem->bsxm", x, gate)) * jnp.einsum("bse,xem->bsxm", x, up)
+        # Weight before the down projection (linear): no [B, S, X, E] intermediate.
+        return jnp.einsum("bsxm,xme->bse", h * weights[..., None], down)  # (B, S, E)
+
+
+class Experts(nnx.Module):
+    """The experts' stacked SwiGLU kernels (paths ``experts/gate_proj`` ...)."""
+
+    def __init__(self, experts: int, embed: int, mlp: int, *, param_dtype, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(0.02)
+        in_axes, out_axes = ("expert", "expert_embed", "mlp"), ("expert", "mlp", "expert_embed")
+        self.gate_proj = _param(init(rngs.params(), (experts, embed, mlp), param_dtype), in_axes)
+        self.up_proj = _param(init(rngs.params(), (experts, embed, mlp), param_dtype), in_axes)
+        self.down_proj = _param(init(rngs.params(), (experts, mlp, embed), param_dtype), out_axes)
+
+    def kernel(self, name: str, dtype) -> jax.Array:
+        return getattr(self, name)[...].astype(dtype)
+
+
+class CausalLM(llama.CausalLM):
+    """The Qwen3 decoder with ``SparseMoE`` in the sparse layers (``MoEConfig.is_sparse``)."""
+
+    @staticmethod
+    def mlp_class(cfg: ModelConfig, layer: int) -> Callable[..., nnx.Module]:
+        return SparseMoE if layer_kind(cfg, layer) == "moe" else MLP
+
+
+# --------------------------------------------------------------------------- HF names
+
+_LAYER = "model.layers.{i}."
+_JLAYER = "layers/{i}/"
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+QWEN3_MOE_TABLE: tuple[Row, ...] = tuple(
+    row._replace(layers="dense") if row.hf.removeprefix(_LAYER) in _DENSE_MLP else row for row in llama.QWEN3_TABLE
+) + (
+    Row(_LAYER + "mlp.gate.weight", _JLAYER + "mlp/gate/kernel", "linear", layers="moe"),
+    Row(_LAYER + "mlp.experts.{j}.gate_proj.weight", _JLAYER + "mlp/experts/gate_proj", "linear", layers="moe"),
+    Row(_LAYER + "mlp.experts.{j}.up_proj.weight", _JLAYER + "mlp/experts/up_proj", "linear", layers="moe"),
+    Row(_LAYER + "mlp.experts.{j}.down_proj.weight", _JLAYER + "mlp/experts/down_proj", "linear", layers="moe"),
+)
+
+#: Family -> its HF name table (``hf_mapping``: import, export, refit).
+HF_TABLES: dict[str, tuple[Row, ...]] = {"qwen3_moe": QWEN3_MOE_TABLE}
