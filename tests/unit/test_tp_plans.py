@@ -26,12 +26,15 @@ def test_builtin_plan_covers_every_projection(name):
         assert f"model.layers.*.mlp.{proj}" in plan
     assert isinstance(plan["model.norm"], SequenceParallel)
     assert "model.norm" not in plan_for(model, sequence_parallel=False)
-    # Qwen3's per-head q/k norms: DTensors over the heads dim with or without SP, so their
-    # scales' gradients are summed over tp (tests/backends/test_parity.py, dtensor-tp2*-qwen3).
+    # Per-head q/k norms (Qwen3, Gemma 3): DTensors over the heads dim with or without SP, so
+    # their scales' gradients are summed over tp (tests/backends/test_parity.py,
+    # dtensor-tp2*-qwen3; tests/torch_backends/test_gemma3_tp.py).  The heads dim: 2 in Qwen3's
+    # [B, S, H, D] (normed before the transpose), 1 in Gemma 3's [B, H, S, D] (after it).
+    heads_dim = {"qwen3": 2, "gemma3": 1}.get(name)
     for sp in (True, False):
         norms = {k: v for k, v in plan_for(model, sp).items() if k.endswith(("q_norm", "k_norm"))}
-        assert len(norms) == (2 if name == "qwen3" else 0)
-        assert all(isinstance(v, SequenceParallel) and v.sequence_sharding[0].dim == 2 for v in norms.values())
+        assert len(norms) == (0 if heads_dim is None else 2)
+        assert all(isinstance(v, SequenceParallel) and v.sequence_sharding[0].dim == heads_dim for v in norms.values())
 
 
 def _style_of(plan, module_name):

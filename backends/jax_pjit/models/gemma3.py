@@ -221,8 +221,9 @@ class GemmaAttention(Attention):
 
     def __init__(self, cfg: Gemma3Config, *, dtype, param_dtype, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        # nnx.data: the base class left these slots None (static) -- its q/k norms are Qwen3's.
+        self.q_norm = nnx.data(GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype))
+        self.k_norm = nnx.data(GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype))
         self.scale = cfg.query_pre_attn_scalar**-0.5
 
     def project_qk(self, x, cos, sin):
