@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.lib.layouts import Layout
+from benchmarks.lib.layouts import Layout, LayoutError
 from benchmarks.lib.sizes import GRPOWorkload
 
 if TYPE_CHECKING:
@@ -63,6 +63,8 @@ def layout_overrides(layout: Layout, jax_cpu_slots: int | None = None) -> list[s
             f"policy.jax_cfg.tensor_parallel_size={layout.tp}",
             *_sequence_overrides(layout),
         ]
+    if layout.lora:  # no LoRA settings here: the layout would run the base model
+        raise LayoutError(f"layout {layout.name!r}: -lora (policy.lora) is measured by dualrl parity only")
     out = [f"policy.backend={layout.backend}", f"cluster.gpus_per_node={layout.devices}", "cluster.num_nodes=1"]
     if layout.is_jax:
         out += [f"policy.jax_cfg.fsdp_size={layout.dp}", f"policy.jax_cfg.tensor_parallel_size={layout.tp}"]

@@ -9,6 +9,9 @@ Grammar (``D``, ``C``, ``T``, ``F``: positive integers; bracketed parts optional
   mesh ``(fsdp=F, cp=C, tp=T)``;
 * any of them with ``-packed``: sequence packing on (rows of at most one padded micro
   batch's tokens);
+* any of them with ``-lora`` (after ``-packed``): ``policy.lora.enabled`` at the settings the
+  caller passes (``dualrl parity``: ``benchmarks.lib.parity.settings.LORA``); a benchmark that
+  passes none refuses the layout by name (:func:`benchmarks.lib.workload.policy_config`);
 * a ``dtensor-`` layout with ``-compiled`` (last): ``policy.dtensor_cfg.compile`` on (each
   transformer block under ``torch.compile``), so ``dtensor-dp2 dtensor-dp2-compiled`` measures
   eager against compiled side by side in one run.
@@ -23,12 +26,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-sp)?(-packed)?(-compiled)?")
-_JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-packed)?")
+_TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-sp)?(-packed)?(-lora)?(-compiled)?")
+_JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-packed)?(-lora)?")
 BACKEND_OF = {"fsdp1": "torch_fsdp", "dtensor": "torch_dtensor", "jax": "jax_pjit"}
 GRAMMAR = (
-    "fsdp1-dp<D>[-packed], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed][-compiled], "
-    "jax-[fsdp<F>][-cp<C>][-tp<T>][-packed]"
+    "fsdp1-dp<D>[-packed][-lora], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed][-lora][-compiled], "
+    "jax-[fsdp<F>][-cp<C>][-tp<T>][-packed][-lora]"
 )
 
 
@@ -50,6 +53,7 @@ class Layout:
     cp: int = 1  # context parallel: the sequence split over this many devices
     packed: bool = False  # sequence packing on
     compiled: bool = False  # torch_dtensor: policy.dtensor_cfg.compile on
+    lora: bool = False  # policy.lora.enabled (at the caller's LoRA settings)
 
     @property
     def is_jax(self) -> bool:
@@ -74,9 +78,17 @@ def parse_layout(name: str) -> Layout:
     """``dtensor-tp2-sp`` -> ``Layout("dtensor-tp2-sp", "torch_dtensor", 1, 2, True)``."""
     torch_match, jax_match = _TORCH.fullmatch(name), _JAX.fullmatch(name)
     if torch_match and any(torch_match.group(i) for i in (2, 3, 4)):
-        kind, dp, cp, tp, sp, packed, compiled = torch_match.groups()
+        kind, dp, cp, tp, sp, packed, lora, compiled = torch_match.groups()
         layout = Layout(
-            name, BACKEND_OF[kind], int(dp or 1), int(tp or 1), bool(sp), int(cp or 1), bool(packed), bool(compiled)
+            name,
+            BACKEND_OF[kind],
+            int(dp or 1),
+            int(tp or 1),
+            bool(sp),
+            int(cp or 1),
+            bool(packed),
+            bool(compiled),
+            bool(lora),
         )
         if kind == "fsdp1" and layout.compiled:
             raise LayoutError(
@@ -88,8 +100,10 @@ def parse_layout(name: str) -> Layout:
         if layout.sp and layout.tp < 2:
             raise LayoutError(f"layout {name!r}: sequence parallel (-sp) needs tensor parallel tp >= 2")
     elif jax_match and any(jax_match.group(i) for i in (1, 2, 3)):
-        fsdp, cp, tp, packed = jax_match.groups()
-        layout = Layout(name, "jax_pjit", int(fsdp or 1), int(tp or 1), False, int(cp or 1), bool(packed))
+        fsdp, cp, tp, packed, lora = jax_match.groups()
+        layout = Layout(
+            name, "jax_pjit", int(fsdp or 1), int(tp or 1), False, int(cp or 1), bool(packed), lora=bool(lora)
+        )
     else:
         raise LayoutError(f"unknown layout {name!r}: expected one of {GRAMMAR}")
     if layout.dp < 1 or layout.tp < 1 or layout.cp < 1:

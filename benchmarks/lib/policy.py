@@ -124,7 +124,8 @@ class PolicyRunner:
     """A layout's Policy on its own cluster; each call timed on the driver (Ray dispatch included).
 
     ``args``: ``batch``, ``seq``, ``precision``, ``threads`` and optionally ``micro``, ``packing``,
-    ``device``, ``tag`` (tells apart two Policies of one layout).  ``settings`` edits the policy
+    ``device``, ``tag`` (tells apart two Policies of one layout), ``lora`` (the ``policy.lora``
+    settings of ``-lora`` layouts).  ``settings`` edits the policy
     section; ``policy_kwargs`` go to :class:`core.policy.Policy` (e.g. ``weights_path``)."""
 
     def __init__(
@@ -150,6 +151,7 @@ class PolicyRunner:
             args.precision,
             getattr(args, "micro", None),
             getattr(args, "packing", None),
+            getattr(args, "lora", None),
         )
         cfg = settings(cfg) if settings else cfg
         self.data = make_batch(args.batch, args.seq, vocab_size(cfg["model_name"]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 
-from benchmarks.lib.layouts import Layout
+from benchmarks.lib.layouts import Layout, LayoutError
 
 #: RNG seed of the batches: every process that builds one builds the same.
 SEED = 0
@@ -72,10 +72,12 @@ def policy_config(
     precision: str,
     micro: int | None = None,
     packing: dict | None = None,
+    lora: dict | None = None,
 ) -> dict:
     """The default policy section on this model and layout, width ``seq``; micro batches of
     ``micro`` rows per data-parallel rank (default: one micro batch of all the rank's rows);
-    ``packing`` updates ``sequence_packing`` (``benchmarks.packing``).
+    ``packing`` updates ``sequence_packing`` (``benchmarks.packing``); ``lora``: the
+    ``policy.lora`` settings of a ``-lora`` layout (one without them is refused by name).
 
     A JAX layout is one worker whose micro batch holds every rank's rows (split over the mesh's
     fsdp axis inside the worker): ``micro x fsdp`` rows, by default the whole batch."""
@@ -104,4 +106,8 @@ def policy_config(
         cfg["sequence_packing"].update(enabled=True, train_mb_tokens=local * seq, logprob_mb_tokens=local * seq)
     if packing:
         cfg["sequence_packing"].update(packing)
+    if layout.lora:
+        if lora is None:  # a benchmark with no LoRA settings of its own would run the base model
+            raise LayoutError(f"layout {layout.name!r}: -lora (policy.lora) is measured by dualrl parity only")
+        cfg["lora"].update(enabled=True, **lora)
     return cfg

@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from benchmarks import parity as parity_cli
-from benchmarks.lib.layouts import torch_layout
+from benchmarks.lib.layouts import LayoutError, parse_layout, torch_layout
 from benchmarks.lib.models import save_tiny_gpt2
 from benchmarks.lib.parity.checks import collect, crossload_pairs, judge
 from benchmarks.lib.parity.grpo import grpo_summary
+from benchmarks.lib.parity.hf_reference import HFReference
 from benchmarks.lib.parity.models import jax_model_problem, layout_problem
 from benchmarks.lib.parity.report import format_matrix
-from benchmarks.lib.parity.run import run_parity
-from benchmarks.lib.parity.settings import BF16_TOLERANCES, ENGINE_TRANSPORTS, HF, VARIANTS
+from benchmarks.lib.parity.run import dcp_ring, run_parity
+from benchmarks.lib.parity.settings import BF16_TOLERANCES, ENGINE_TRANSPORTS, HF, HF_LORA, LORA, VARIANTS
+from benchmarks.lib.workload import default_policy_section, policy_config
 from dualrl.cli import main as cli_main
 
 # ----------------------------------------------------------------------------- fabricated results
@@ -78,7 +80,7 @@ def _engine(value: float) -> dict:
 def _results(measured: dict, errors: dict | None = None, dcp: dict | None = None) -> dict:
     """``collect`` on fabricated measurements; every layout's export loaded by the next one, and
     (unless ``dcp`` is given) its DCP checkpoint too, exactly."""
-    names = [n for n in measured if n != HF]
+    names = [n for n in measured if n not in (HF, HF_LORA)]
     crossloaded = {
         (src, tgt): measured[src]["trained_logprobs"].clone()
         for src, tgt in [(n, HF) for n in names] + crossload_pairs(names, "ring")
@@ -357,3 +359,77 @@ def test_bf16_bands_are_used_for_bf16_runs_and_are_tighter_than_a_real_error():
     assert not judge("logprobs", 0.1, BF16_TOLERANCES)  # a tenth of a nat: a real error
     with pytest.raises(ValueError, match="precision must be float32 or bfloat16"):
         run_parity(["fsdp1-dp2"], precision="float16")
+
+
+# ----------------------------------------------------------------------------- -lora layouts
+
+
+def test_lora_layouts_parse_and_only_parity_runs_them(tmp_path):
+    layout = parse_layout("dtensor-tp2-sp-packed-lora-compiled")
+    assert (layout.lora, layout.packed, layout.compiled, layout.tp) == (True, True, True, 2)
+    assert parse_layout("jax-fsdp2-lora").lora and not parse_layout("fsdp1-dp2").lora
+    with pytest.raises(LayoutError, match="unknown layout"):
+        parse_layout("fsdp1-dp2-lora-packed")  # -lora comes after -packed
+    args = (tmp_path, tmp_path, parse_layout("fsdp1-dp2-lora"), 4, 6, "float32")
+    with pytest.raises(LayoutError, match="-lora"):  # a benchmark without LoRA settings
+        policy_config(*args)
+    assert policy_config(*args, lora=LORA)["lora"] == {**default_policy_section()["lora"], "enabled": True, **LORA}
+
+
+def _lora_run(b0_offset: float = 0.0) -> dict:
+    """hf + one plain layout, hf-lora + two LoRA layouts; LoRA trains differently (other losses,
+    norms, trained logprobs, GRPO metrics) but starts at the base logprobs."""
+    lp = -torch.rand(4, 6, generator=torch.Generator().manual_seed(0)) * 5
+    lora = {"losses": (5.5, 5.4, 5.3), "norms": (0.3, 0.29, 0.28), "moved": 0.002}
+    separate = _fused()
+    lora_separate = grpo_summary([-0.2], [0.3], {k: v for k, v in separate["metrics"].items()})
+
+    def lora_measurement(logprobs):
+        return {**_measurement(logprobs, **lora), "grpo_fused": lora_separate}
+
+    return {
+        HF: {**_measurement(lp), "grpo_fused_separate": separate},
+        HF_LORA: {**lora_measurement(lp.clone()), "grpo_fused_separate": lora_separate, "base_logprobs": lp.clone()},
+        "fsdp1-dp2": _measurement(lp.clone()),
+        "fsdp1-dp2-lora": lora_measurement(lp.clone()),
+        "jax-fsdp2-lora": lora_measurement(lp + b0_offset),
+    }
+
+
+def test_a_mixed_run_compares_lora_with_lora_and_full_with_full():
+    results = _results(_lora_run())
+    assert results["passed"], _failed(results)
+    lora = {HF_LORA, "fsdp1-dp2-lora", "jax-fsdp2-lora"}
+    pairs = {(c["a"], c["b"]) for c in results["checks"] if c["check"] == "loss_curve"}
+    assert pairs == {(HF, "fsdp1-dp2"), (HF_LORA, "fsdp1-dp2-lora"), (HF_LORA, "jax-fsdp2-lora"),
+                     ("fsdp1-dp2-lora", "jax-fsdp2-lora")}  # fmt: skip
+    b0 = {c["a"] for c in results["checks"] if c["check"] == "lora_b0_is_base"}
+    assert b0 == lora
+    assert "lora B=0 vs base" in format_matrix(results)
+    # DCP only within a kind: one plain torch layout has no partner, the two LoRA ones load each other
+    names = ["fsdp1-dp2", "dtensor-dp2-lora", "jax-fsdp2", "fsdp1-dp2-lora"]
+    assert dcp_ring(names) == [("dtensor-dp2-lora", "fsdp1-dp2-lora"), ("fsdp1-dp2-lora", "dtensor-dp2-lora")]
+
+
+def test_lora_off_the_base_model_at_init_fails_lora_b0_is_base():
+    results = _results(_lora_run(b0_offset=2e-5))
+    failed = _failed(results)
+    assert ("lora_b0_is_base", "jax-fsdp2-lora", None) in failed
+    assert ("lora_b0_is_base", "fsdp1-dp2-lora", None) not in failed
+    assert "FAIL lora_b0_is_base: jax-fsdp2-lora" in format_matrix(results)
+
+
+def test_the_hf_lora_reference_starts_as_the_base_model_and_trains_adapters_only(model_dirs):
+    cfg = default_policy_section()
+    plain, lora = HFReference(str(model_dirs["llama"]), cfg), HFReference(str(model_dirs["llama"]), cfg, lora=LORA)
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([6, 4])
+    assert torch.equal(lora.logprobs(ids, lengths), plain.logprobs(ids, lengths))  # B = 0, exactly
+    before = {k: v.clone() for k, v in lora.model.state_dict().items()}
+    lora.trainer({"input_ids": ids, "input_lengths": lengths, "token_mask": torch.ones_like(ids),
+                  "sample_mask": torch.ones(2)})()  # fmt: skip
+    moved = {k for k, v in lora.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved and all(".lora_" in k for k in moved)
+    assert {id(p) for g in lora._opt.param_groups for p in g["params"]} == {
+        id(p) for n, p in lora.model.named_parameters() if ".lora_" in n
+    }

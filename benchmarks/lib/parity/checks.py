@@ -5,8 +5,25 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from benchmarks.lib.layouts import LayoutError, parse_layout
 from benchmarks.lib.parity.measure import max_abs_diff
-from benchmarks.lib.parity.settings import GRPO_CHECKS, GRPO_METRICS, HF, PAIRWISE, TOLERANCES
+from benchmarks.lib.parity.settings import GRPO_CHECKS, GRPO_METRICS, HF, HF_LORA, PAIRWISE, TOLERANCES
+
+
+def is_lora(name: str) -> bool:
+    """Whether ``name`` (``hf``, ``hf-lora`` or a layout) trains LoRA adapters."""
+    if name in (HF, HF_LORA):
+        return name == HF_LORA
+    try:
+        return parse_layout(name).lora
+    except LayoutError:
+        return False
+
+
+def same_kind(a: str, b: str) -> bool:
+    """Pairwise checks compare only LoRA with LoRA and full with full: from step 0 on, the two
+    train different parameters, so their losses, norms and trained logprobs differ by design."""
+    return is_lora(a) == is_lora(b)
 
 
 def scalar_diff(a: float, b: float) -> float:
@@ -76,12 +93,16 @@ def evaluate(
     (``hf`` first; with ``grpo`` / ``engine`` / ``resumed`` entries where those ran),
     ``crossloaded[(source, target)]`` the target's logprobs of the source's export,
     ``dcp[(source, target)]`` the target's ``logprobs`` after loading the source's DCP
-    checkpoint and its ``resumed`` measurement after one more step."""
+    checkpoint and its ``resumed`` measurement after one more step.  ``measured["hf-lora"]``
+    carries ``base_logprobs`` (the plain HF model's at the initial weights): every LoRA
+    measurement's initial logprobs are held to them (``lora_b0_is_base``)."""
     tolerances = tolerances or TOLERANCES
     names = list(measured)
     checks = []
     for check in PAIRWISE:
         for a, b in itertools.combinations(names, 2):
+            if not same_kind(a, b):
+                continue
             if check in GRPO_CHECKS:
                 key = GRPO_CHECKS[check]
                 if key in measured[a] and key in measured[b]:
@@ -102,12 +123,16 @@ def evaluate(
                 bitwise={k: v == 0.0 for k, v in inv.items()},
             )
         )
-        separate = measured.get(HF, {}).get("grpo_fused_separate")
+        separate = measured.get(HF_LORA if is_lora(name) else HF, {}).get("grpo_fused_separate")
         if separate is not None and "grpo_fused" in measured[name]:
             diffs = grpo_diffs(measured[name]["grpo_fused"], separate)
             checks.append(
                 _record("grpo_fused_vs_separate", name, None, max(diffs.values()), tolerances, per_quantity=diffs)
             )
+        if is_lora(name):
+            base = measured[HF_LORA]["base_logprobs"] if HF_LORA in measured else None
+            value = max_abs_diff(measured[name]["logprobs"], base) if base is not None else float("nan")
+            checks.append(_record("lora_b0_is_base", name, None, value, tolerances))
         moved = max_abs_diff(measured[name]["trained_logprobs"], measured[name]["logprobs"])
         checks.append(_record("weights_moved", name, None, moved, tolerances))
         if "engine" in measured[name]:

@@ -1,4 +1,6 @@
-"""The HF reference every layout is held to: plain ``AutoModelForCausalLM`` in this process."""
+"""The HF reference every layout is held to: plain ``AutoModelForCausalLM`` in this process
+(``hf``), or, for the ``-lora`` layouts, the same model with the torch backends' ``LoRALinear``
+and the seeded adapters of ``core.models.lora`` (``hf-lora``)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,22 @@ from benchmarks.lib.parity.settings import GRPO_STEPS
 
 
 class HFReference:
-    """Single-process ``AutoModelForCausalLM`` in fp32: the reference every layout is held to."""
+    """Single-process ``AutoModelForCausalLM`` in fp32: the reference every layout is held to.
 
-    def __init__(self, model_path: str, cfg: dict, precision: str = "float32") -> None:
+    ``lora``: ``policy.lora`` settings (``settings.LORA``) -- every targeted linear becomes a
+    ``LoRALinear`` with the initial adapters every backend draws, everything else frozen, so
+    the AdamW below holds the adapters only, as the backends' optimizers do."""
+
+    def __init__(self, model_path: str, cfg: dict, precision: str = "float32", lora: dict | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        if lora is not None:
+            from backends.torch_common.lora import apply_lora
+            from core.policy.config import LoRAConfig
+
+            apply_lora(self.model, LoRAConfig(enabled=True, **lora))
         self.cfg = cfg
         # bf16: the workers' recipe (bf16 compute over fp32 weights) as CPU autocast does it
         self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
@@ -45,7 +56,7 @@ class HFReference:
         from core.losses import NLLLoss
 
         loss_fn = loss_fn or NLLLoss()
-        params = list(self.model.parameters())
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         if self._opt is None:
             kwargs = dict(self.cfg["optimizer"]["kwargs"])
             kwargs["betas"] = tuple(kwargs["betas"])

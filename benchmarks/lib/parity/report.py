@@ -10,6 +10,7 @@ from benchmarks.lib.parity.settings import (
     GRPO_CHECKS,
     GRPO_METRICS,
     HF,
+    HF_LORA,
     PAIRWISE,
     STEPS,
     VARIANTS,
@@ -67,6 +68,7 @@ def _per_layout_table(results: dict, by_one: dict) -> list[str]:
             "invariance max dev",
             "bitwise variants",
             "moved",
+            "lora B=0 vs base",
             "seconds",
         ]
     ]
@@ -82,15 +84,22 @@ def _per_layout_table(results: dict, by_one: dict) -> list[str]:
                 _cell(inv),
                 ",".join(bitwise) or "none",
                 _cell(moved),
+                _cell(by_one.get(("lora_b0_is_base", name))),
                 f"{results['seconds'].get(name, 0):.1f}",
             ]
         )
     return [
         f"per layout: losses, step-0 gradient norm, batch invariance (pass: "
         f"{_tolerance(results, 'batch_invariance')}; max over the variants below), logprob change over "
-        f"the steps (pass: {_tolerance(results, 'weights_moved')})",
+        f"the steps (pass: {_tolerance(results, 'weights_moved')})" + _lora_note(results, by_one),
         *_table(rows),
     ]
+
+
+def _lora_note(results: dict, by_one: dict) -> str:
+    if not any(check == "lora_b0_is_base" for check, _ in by_one):
+        return ""
+    return f", LoRA's initial logprobs vs the base model's (pass: {_tolerance(results, 'lora_b0_is_base')})"
 
 
 def _variant_table(results: dict) -> list[str]:
@@ -187,7 +196,7 @@ def _dcp_table(results: dict, checks: list[dict]) -> list[str]:
             "one more step from the loaded optimizer state)",
             *_table(rows),
         ]
-    names = [n for n in results["measured"] if n != HF]
+    names = [n for n in results["measured"] if n not in (HF, HF_LORA)]
     torch_names = [n for n in names if torch_layout(n) is not None]
     jax_names = [n for n in names if jax_devices(n) is not None]
     if torch_names and jax_names:

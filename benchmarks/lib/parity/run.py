@@ -13,7 +13,7 @@ from typing import Any
 from benchmarks.lib.errors import error_text
 from benchmarks.lib.layouts import torch_layout
 from benchmarks.lib.models import load_tokenizer, prepare_model, vocab_size
-from benchmarks.lib.parity.checks import collect, crossload_pairs
+from benchmarks.lib.parity.checks import collect, crossload_pairs, is_lora
 from benchmarks.lib.parity.engine import engine_check, engine_prompts, parity_engine
 from benchmarks.lib.parity.grpo import grpo_batch
 from benchmarks.lib.parity.hf_reference import HFReference, hf_export_logprobs
@@ -31,7 +31,9 @@ from benchmarks.lib.parity.settings import (
     DEFAULT_LAYOUTS,
     GRPO_STEPS,
     HF,
+    HF_LORA,
     LEARNING_RATE,
+    LORA,
     OTHER_SEED,
     STEPS,
     TOLERANCES,
@@ -243,9 +245,15 @@ class ParityRun:
 
 
 def dcp_ring(names: list[str]) -> list[tuple[str, str]]:
-    """(source, target) DCP pairs: a ring over the torch layouts (none with fewer than two)."""
+    """(source, target) DCP pairs: a ring over the torch layouts of each kind, full and ``-lora``
+    apart (none with fewer than two): a LoRA checkpoint holds adapters and their AdamW state
+    that a full fine-tuning target has no place for, and the reverse."""
     torch_names = [n for n in names if torch_layout(n) is not None]
-    return crossload_pairs(torch_names, "ring")
+    return [
+        pair
+        for lora in (False, True)
+        for pair in crossload_pairs([n for n in torch_names if is_lora(n) == lora], "ring")
+    ]
 
 
 def _ray_cpus() -> float | None:
@@ -283,7 +291,7 @@ def run_parity(
     if precision not in ("float32", "bfloat16"):
         raise ValueError(f"precision must be float32 or bfloat16, got {precision!r}")
     tolerances = tolerances or (BF16_TOLERANCES if precision == "bfloat16" else TOLERANCES)
-    args = argparse.Namespace(batch=batch, seq=seq, precision=precision, threads=threads, lr=lr, steps=steps)
+    args = argparse.Namespace(batch=batch, seq=seq, precision=precision, threads=threads, lr=lr, steps=steps, lora=LORA)
     # Ray (when started here) sized for a policy plus, with the engine, its bundle of --threads CPUs.
     torch_layouts = [layout for layout in map(torch_layout, layouts) if layout is not None]
     num_cpus = max(ray_cpus(torch_layouts, threads), threads * (2 if engine_layouts else 1))
@@ -300,11 +308,18 @@ def run_parity(
         run = ParityRun(args, model_path, tokenizer_path, tokenizer, session, Path(tmp))
         t0 = time.perf_counter()
         hf = HFReference(model_path, cfg, precision)
-        # GRPO's batch: hf's initial logprobs stand in for the engine's
-        base = grpo_batch(data, hf.logprobs(data["input_ids"], data["input_lengths"]))
+        initial = hf.logprobs(data["input_ids"], data["input_lengths"])
+        base = grpo_batch(data, initial)  # GRPO's batch: hf's initial logprobs stand in for the engine's
         grpo_steps = GRPO_STEPS if batch % GRPO_STEPS == 0 else 1
-        run.measured[HF] = hf.measure(data, other, steps, base, grpo_steps)
-        run.timings[HF] = time.perf_counter() - t0
+        kinds = {is_lora(n) for n in layouts}
+        if False in kinds:
+            run.measured[HF] = hf.measure(data, other, steps, base, grpo_steps)
+            run.timings[HF] = time.perf_counter() - t0
+        if True in kinds:
+            t0 = time.perf_counter()
+            hf_lora = HFReference(model_path, cfg, precision, lora=LORA)
+            run.measured[HF_LORA] = {**hf_lora.measure(data, other, steps, base, grpo_steps), "base_logprobs": initial}
+            run.timings[HF_LORA] = time.perf_counter() - t0
         prompts = engine_prompts(vocab, getattr(tokenizer, "bos_token_id", None)) if engine_layouts else None
         try:
             first_jax = next((jax_devices(n) for n in layouts if jax_devices(n)), None)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 HF = "hf"
+#: The reference of the ``-lora`` layouts: the same HF model with the same seeded adapters.
+HF_LORA = "hf-lora"
+#: ``policy.lora`` of every ``-lora`` layout (and of ``hf-lora``): every linear but lm_head
+#: adapted, so a wrong shard of any adapter shows; rank 4 divides every tp of the grammar's
+#: tiny models' dimensions.  B = 0 at init: the adapted model starts as the base model.
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": "all-linear", "init_seed": 0}
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "jax-fsdp2", "jax-tp2"]
 STEPS = 3
 LEARNING_RATE = 1e-3
@@ -36,6 +42,7 @@ TOLERANCES: dict[str, tuple[str, float]] = {
     "grpo_fused": ("<=", 1e-5),
     "grpo_fused_vs_separate": ("<=", 1e-5),
     "token_mult_prob_error": ("<=", 1.0001),
+    "lora_b0_is_base": ("<=", 1e-5),
 }
 #: ``--precision bfloat16`` (bf16 compute, fp32 master weights and AdamW state, HF reference under
 #: CPU autocast).  What differs between layouts is where bf16 rounds a matmul's *inputs*
@@ -61,6 +68,7 @@ BF16_TOLERANCES: dict[str, tuple[str, float]] = {
     "grpo_fused": ("<=", 1e-2),
     "grpo_fused_vs_separate": ("<=", 1e-2),
     "token_mult_prob_error": ("<=", 1.01),  # not measured in bf16 here (the engine is opt-in)
+    "lora_b0_is_base": ("<=", 1e-2),  # a layout against base hf: the logprobs band
 }
 #: Checks between two layouts (every pair of ``hf`` + layouts), the rest are per layout.
 PAIRWISE = (
