@@ -7,8 +7,8 @@
 
 Every layout (``benchmarks.lib.layouts.TORCH_LAYOUTS``, or any name of the ``benchmarks.lib.layouts``
 grammar: ``fsdp1-dp<D>``, ``dtensor-[dp<D>][-cp<C>][-tp<T>][-sp]``, ``jax-[fsdp<F>][-cp<C>][-tp<T>]``,
-each optionally ``-packed`` -- so context parallelism and sequence packing are checked against
-the plain layouts like any other layout) runs
+each optionally ``-packed`` and then ``-lora`` (item 9) -- so context parallelism and sequence
+packing are checked against the plain layouts like any other layout) runs
 one :class:`core.policy.Policy`, started by the benchmarks' runner (``benchmarks.lib.policy``: same
 cluster shapes, thread budget, Ray/XLA set-up), on one fixed ragged batch (``benchmarks.lib.workload.make_batch``:
 right-padded random ids of different lengths, seed 0, loss on every real token).  ``hf`` is a
@@ -109,6 +109,27 @@ What is compared (every layout against ``hf`` and against every other layout):
    ``trained_logprobs``).  Measured (tiny llama, fp32, fsdp1-dp2 / dtensor-tp2 / jax-fsdp2 /
    jax-tp2, 2-core CPU, 2026-11-26): fused vs separate <= 1.2e-7 on every layout.
 
+9. ``-lora`` layouts (``fsdp1-dp2-lora``, ``dtensor-tp2-lora``, ``jax-fsdp2-lora``, ...): the
+   layout's policy trains LoRA adapters, ``policy.lora`` at ``settings.LORA`` (rank 4, alpha 8,
+   all-linear, init_seed 0; one place).  Their reference is ``hf-lora``: the same HF model in
+   this process with the torch backends' ``LoRALinear`` on every target and the seeded initial
+   adapters of ``core.models.lora`` (B = 0), every other weight frozen and the AdamW over the
+   adapters only -- so ``hf-lora`` and every ``-lora`` layout compute the same thing, and every
+   check above holds them to it at the same tolerances.  ``lora_b0_is_base`` (per LoRA layout,
+   ``hf-lora`` included): the initial logprobs against the *plain* HF model's (B = 0 must give
+   the base model; <= 1e-5).  The HF export of a LoRA policy is the merged model, so ``src ->
+   hf`` (a plain model loading it) and the ring into the next layout (a LoRA target re-adds
+   B = 0 adapters on the merged weights) must both give the source's trained logprobs.
+   *Mixing* ``-lora`` and plain layouts in one run: two references (``hf`` only when a plain
+   layout runs, ``hf-lora`` only when a LoRA one does) and the pairwise checks only within a
+   kind -- after step 0 the two train different parameters, so their losses and trained
+   logprobs differ by design, while the cross-load ring may cross kinds (both directions must
+   reproduce the source's logprobs: the export is merged).  Two references rather than a refusal:
+   the comparison rule is one predicate (``checks.same_kind``) and one run can still prove that
+   plain and LoRA layouts load each other's exports.  The DCP ring runs per kind (a LoRA
+   checkpoint holds adapters and their AdamW state a full fine-tuning target has no place for).
+   Measured: see "LoRA, measured" below.
+
 Bad input.  Each layout is checked before it starts, and a layout that cannot run gets an
 ``ERROR <layout>: ...`` line naming it and why while every other layout still runs and is
 checked (the exit code is then 1): an unknown name; a layout that does not fit; a batch its
@@ -143,6 +164,7 @@ grpo_step0               max over metrics and steps of the measure     <= 1e-5
 grpo_fused               max over metrics of the measure               <= 1e-5
 grpo_fused_vs_separate   same, layout's fused vs hf's separate pass    <= 1e-5
 token_mult_prob_error    mean exp|lp_policy - lp_engine|               <= 1.0001
+lora_b0_is_base          max |LoRA at init - plain hf| logprobs         <= 1e-5
 =======================  ===========================================  =========
 
 ``--precision bfloat16`` runs every layout in bf16 compute over fp32 master weights (HF under
@@ -166,6 +188,13 @@ still fails a refit that missed or mangled a tensor (the engine would serve othe
 step moves this batch's logprobs by ~0.25, the metric by far more than 1e-4) -- NeMo RL flags
 runs above ~1.05, tests/generation hold it to 1.001.  (``llama_gen`` itself is no parity model:
 its large logits push the TP layouts' fp32 logprob differences past the 1e-5 / 1e-4 above.)
+
+LoRA, measured (``--layouts fsdp1-dp2-lora dtensor-tp2-lora jax-fsdp2-lora``, tiny llama, 2-core
+AMD EPYC CPU, fp32, 2026-11-26; PASS, 68 of 68 checks, 144 s), largest differences: logprobs at
+start 9.5e-7, ``lora_b0_is_base`` 4.8e-7 (0 on ``hf-lora``), loss step 0 1.7e-7, grad norm 6.0e-8,
+loss curve 1.7e-7, trained logprobs 3.3e-6, ``grpo_step0`` 1.2e-7, ``grpo_fused`` 1.2e-7,
+``grpo_fused_vs_separate`` 1.2e-7, cross-load 9.5e-7 (into ``hf`` 4.8e-7), DCP cross-load
+fsdp1-dp2-lora <-> dtensor-tp2-lora 9.5e-7 and ``dcp_resume`` 9.5e-7, batch invariance 4.8e-7.
 
 Batch invariance, measured (2-core CPU, fp32, torch 2.13 / jax 0.10; tiny llama on every default
 layout plus jax-fsdp8, tiny qwen2 on fsdp1-dp2 / dtensor-tp2-sp / jax-tp2; batch 8 x 24):

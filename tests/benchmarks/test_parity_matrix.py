@@ -433,3 +433,20 @@ def test_the_hf_lora_reference_starts_as_the_base_model_and_trains_adapters_only
     assert {id(p) for g in lora._opt.param_groups for p in g["params"]} == {
         id(p) for n, p in lora.model.named_parameters() if ".lora_" in n
     }
+
+
+# slow (~60 s): two torch layouts, one plain and one LoRA; the fast tests above check the rules
+# on fabricated results, tests/backends/test_lora_backends.py each backend's LoRA step
+@pytest.mark.slow
+def test_a_real_mixed_run_passes_with_two_references(ray_session):
+    results = run_parity(["fsdp1-dp2", "dtensor-tp2-lora"], "llama")
+    report = format_matrix(results)
+    assert results["passed"], report
+    assert list(results["measured"]) == [HF, HF_LORA, "fsdp1-dp2", "dtensor-tp2-lora"]
+    pairs = {(c["a"], c["b"]) for c in results["checks"] if c["check"] == "trained_logprobs"}
+    assert pairs == {(HF, "fsdp1-dp2"), (HF_LORA, "dtensor-tp2-lora")}
+    assert {c["a"] for c in results["checks"] if c["check"] == "lora_b0_is_base"} == {HF_LORA, "dtensor-tp2-lora"}
+    # the merged export crosses kinds both ways; no DCP pair (one torch layout per kind)
+    crossed = {(c["a"], c["b"]) for c in results["checks"] if c["check"] == "crossload"}
+    assert ("fsdp1-dp2", "dtensor-tp2-lora") in crossed and ("dtensor-tp2-lora", "fsdp1-dp2") in crossed
+    assert not any(c["check"] == "dcp_crossload" for c in results["checks"])

@@ -7,9 +7,9 @@ In the order a run goes:
     runners.py       the Policies measured (benchmarks.lib.policy.PolicyRunner with the parity settings)
     measure.py       logprobs, batch invariance, NLL steps, the step after a load
     grpo.py          GRPO step 0 on a layout and on HF
-    hf_reference.py  the HF reference in this process
+    hf_reference.py  the HF references in this process (hf; hf-lora for -lora layouts)
     engine.py        the vLLM token_mult_prob_error check
     checks.py        measurements -> pass/fail checks and the results
     report.py        the text report
-    settings.py      steps, seeds and the tolerances of every check
+    settings.py      steps, seeds, the LoRA settings and the tolerances of every check
 """

@@ -221,7 +221,8 @@ def format_matrix(results: dict) -> str:
         f"parity: {results['model']}, {precision}, batch {results['batch']} x seq {results['seq']} "
         f"({results['real_tokens']} real tokens), {results['steps']} AdamW steps at lr {results['lr']:g} "
         f"(max_grad_norm {results['max_grad_norm']}); hf = single-process AutoModelForCausalLM; "
-        "cells: the value, marked FAIL when outside its tolerance",
+        + ("hf-lora = the same with the seeded LoRA adapters (pairs within a kind only); " if HF_LORA in names else "")
+        + "cells: the value, marked FAIL when outside its tolerance",
         "",
     ]
     if len(names) > 1:
