@@ -26,7 +26,7 @@ ENGINE_NEW_TOKENS = 8
 ENGINE_SEED = 3
 ENGINE_TRANSPORTS = ("ipc", "collective")
 
-#: ``check -> (comparison, threshold)``; see the table in the package docstring (``__init__.py``).
+#: ``check -> (comparison, threshold)``; see the table in the ``benchmarks/parity.py`` docstring.
 TOLERANCES: dict[str, tuple[str, float]] = {
     "logprobs": ("<=", 1e-5),
     "loss_step0": ("<=", 1e-5),
