@@ -166,6 +166,19 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         vocab_size=8192,
     ),
+    # Qwen3 at the benchmark size (llama_bench's shape plus per-head q/k norms): the JAX Qwen3
+    # speed against HF eager (``dualrl bench --model qwen3_bench``).
+    "qwen3_bench": dict(
+        family="qwen3",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=False,
+        vocab_size=8192,
+    ),
 }
 
 TINY_VOCAB_SIZE = 256
