@@ -47,6 +47,7 @@ from backends.jax_pjit.models.layers import (
     MLP,
     RESIDUAL_AXES,
     Attention,
+    CachedDecoding,
     Dense,
     Embed,
     KVCache,
@@ -55,6 +56,7 @@ from backends.jax_pjit.models.layers import (
     apply_rope,
     constrain,
     mask_padded_vocab,
+    positions_and_mask,
 )
 
 __all__ = ["Gemma3Config", "config_from_hf", "CausalLM", "DecoderLayer", "HF_TABLES", "GEMMA3_TABLE"]
@@ -276,7 +278,7 @@ def _in_window(query_pos: jax.Array, key_pos: jax.Array, window: int) -> jax.Arr
 # --------------------------------------------------------------------------- the model
 
 
-class CausalLM(nnx.Module):
+class CausalLM(CachedDecoding, nnx.Module):
     """Gemma 3 decoder-only LM (tied embeddings unless the config unties them).
 
     Same interface as ``llama.CausalLM`` (``__call__``, ``init_cache``, ``decode``,
@@ -328,38 +330,16 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids, attention_mask, positions=None, allowed=None, remat: bool = False) -> jax.Array:
         """Logits [B, S, V]; the arguments are ``llama.CausalLM.__call__``'s.  Sliding layers
         read keys whose position is within ``sliding_window`` of the query's."""
-        b, s = input_ids.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))  # (B, S)
-        mask: jax.Array | RightPadded
-        if allowed is not None:
-            mask = allowed
-        elif attention_mask is None:
-            raise ValueError("CausalLM: pass attention_mask or allowed")
-        else:
-            mask = RightPadded(jnp.sum(attention_mask.astype(jnp.int32), axis=-1))  # (B,)
+        positions, mask = positions_and_mask(input_ids, attention_mask, positions, allowed)
         sliding = None
         if SLIDING in self.cfg.layer_types:
-            sliding = _explicit(mask, s) & _in_window(positions, positions, self.cfg.sliding_window)
+            sliding = _explicit(mask, input_ids.shape[1]) & _in_window(positions, positions, self.cfg.sliding_window)
         per_type = self._per_type(positions, mask, sliding)
         h = self._embed(input_ids)
         block = _remat_block if remat else _block
         for layer, layer_type in zip(self.layers, self.cfg.layer_types, strict=True):
             h = block(layer, h, *per_type[layer_type])
         return self._logits(h)
-
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """Zeroed cache: one (k, v) pair per layer, each [B, max_len, kv_heads, head_dim]."""
-        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
-        dtype = dtype or self.dtype
-        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.cfg.num_layers))
-
-    def decode(
-        self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index, attention_mask_full: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
-        """``decode_hidden`` through the LM head: (logits [B, T, V], new cache)."""
-        h, new_cache = self.decode_hidden(input_ids, positions, cache, cache_index, attention_mask_full)
-        return self._logits(h), new_cache
 
     def decode_hidden(
         self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index, attention_mask_full: jax.Array

@@ -32,7 +32,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -416,3 +416,57 @@ __all__ = [
     "mask_padded_vocab",
     "Embed",
 ]
+
+
+# --------------------------------------------------------------------------- what every CausalLM shares
+
+
+def positions_and_mask(
+    input_ids: jax.Array, attention_mask: jax.Array | None, positions: jax.Array | None, allowed: jax.Array | None
+) -> tuple[jax.Array, jax.Array | RightPadded]:
+    """A family ``CausalLM.__call__``'s ``positions`` (default 0..S-1 on every row) and mask:
+    ``allowed`` [B, S, S] when given, else the right-padded rows' key counts (``RightPadded``)."""
+    b, s = input_ids.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))  # (B, S)
+    if allowed is not None:
+        return positions, allowed
+    if attention_mask is None:
+        raise ValueError("CausalLM: pass attention_mask or allowed")
+    return positions, RightPadded(jnp.sum(attention_mask.astype(jnp.int32), axis=-1))  # (B,)
+
+
+class _DecodingLM(Protocol):
+    """What :class:`CachedDecoding` needs of the ``CausalLM`` it is mixed into."""
+
+    cfg: Any
+    dtype: Any
+
+    def decode_hidden(
+        self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index, attention_mask_full: jax.Array
+    ) -> tuple[jax.Array, KVCache]: ...
+
+    def _logits(self, h: jax.Array) -> jax.Array: ...
+
+
+class CachedDecoding:
+    """``init_cache`` and ``decode`` of a family's ``CausalLM`` (which provides ``cfg``,
+    ``dtype``, ``decode_hidden`` and ``_logits``): the same for every family."""
+
+    def init_cache(self: _DecodingLM, batch: int, max_len: int, dtype=None) -> KVCache:
+        """Zeroed cache: one (k, v) pair per layer, each [B, max_len, kv_heads, head_dim]."""
+        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+        dtype = dtype or self.dtype
+        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.cfg.num_layers))
+
+    def decode(
+        self: _DecodingLM,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        cache_index,
+        attention_mask_full: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """``decode_hidden`` through the LM head: (logits [B, T, V], new cache)."""
+        h, new_cache = self.decode_hidden(input_ids, positions, cache, cache_index, attention_mask_full)
+        return self._logits(h), new_cache

@@ -45,13 +45,14 @@ from backends.jax_pjit.models.layers import (
     MLP,
     RESIDUAL_AXES,
     Attention,
+    CachedDecoding,
     Dense,
     Embed,
     KVCache,
-    RightPadded,
     RMSNorm,
     constrain,
     mask_padded_vocab,
+    positions_and_mask,
     rope_cos_sin,
 )
 
@@ -154,7 +155,7 @@ def _block(layer: DecoderLayer, h, cos, sin, allowed) -> jax.Array:
 _remat_block = nnx.remat(_block)
 
 
-class CausalLM(nnx.Module):
+class CausalLM(CachedDecoding, nnx.Module):
     """Llama / Qwen2 / Qwen3 decoder-only LM.
 
     ``dtype`` is the compute dtype (activations, matmuls; logits are returned in it),
@@ -232,16 +233,7 @@ class CausalLM(nnx.Module):
         ``remat``: recompute each decoder layer in the backward pass instead of keeping its
         activations (``jax.checkpoint``; ``policy.jax_cfg.activation_checkpointing``).
         """
-        b, s = input_ids.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))  # (B, S)
-        mask: jax.Array | RightPadded
-        if allowed is not None:
-            mask = allowed
-        elif attention_mask is None:
-            raise ValueError("CausalLM: pass attention_mask or allowed")
-        else:
-            mask = RightPadded(jnp.sum(attention_mask.astype(jnp.int32), axis=-1))  # (B,)
+        positions, mask = positions_and_mask(input_ids, attention_mask, positions, allowed)
         cos, sin = rope_cos_sin(self.cfg, positions, self.dtype)
         h = self._embed(input_ids)
         block = _remat_block if remat else _block
@@ -250,19 +242,6 @@ class CausalLM(nnx.Module):
         return self._logits(h)
 
     # -- KV-cache decoding
-
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """Zeroed cache: one (k, v) pair per layer, each [B, max_len, kv_heads, head_dim]."""
-        shape = (batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
-        dtype = dtype or self.dtype
-        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.cfg.num_layers))
-
-    def decode(
-        self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index, attention_mask_full: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
-        """``decode_hidden`` through the LM head: (logits [B, T, V], new cache)."""
-        h, new_cache = self.decode_hidden(input_ids, positions, cache, cache_index, attention_mask_full)
-        return self._logits(h), new_cache
 
     def decode_hidden(
         self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index, attention_mask_full: jax.Array
