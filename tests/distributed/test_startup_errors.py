@@ -361,6 +361,9 @@ def test_vllm_missing_model_path_fails_on_the_driver(model_dirs, tokenizer, monk
         vllm_generation.VllmGeneration(cluster, cfg, tokenizer)
 
 
+# slow (9 s: a vLLM import in a fresh actor): the same path -- an exception Ray cannot pickle,
+# read off the traceback -- stays fast in test_unpicklable_constructor_error_is_read_off_the_traceback.
+@pytest.mark.slow
 def test_vllm_engine_constructor_error_names_rank_and_cause(ray_session, tokenizer, tmp_path):
     """``max_model_len`` beyond the model's 512 positions: vLLM refuses it in the engine
     actor's constructor (an exception Ray cannot pickle; its text is read off the traceback)."""

@@ -158,6 +158,9 @@ def test_tp_must_divide_heads(ray_session, tmp_path, tokenizer):
         cluster.shutdown()
 
 
+# slow (one more CP policy start): CP's equality with the plain path stays fast in
+# tests/torch_backends/test_context_parallel_and_packing.py (dtensor-cp2-llama).
+@pytest.mark.slow
 def test_context_parallel_derives_its_sequence_multiple(ray_session, model_dirs, tokenizer):
     """Context parallelism splits every row into 2 x cp chunks: the torch_dtensor worker pads
     the width to that multiple itself (make_sequence_length_divisible_by is not asked to say
