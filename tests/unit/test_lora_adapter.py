@@ -235,3 +235,14 @@ def test_missing_pickled_and_unset_adapters_are_named(llama, tmp_path):
     off["lora"] = {"enabled": False, "adapter_path": str(pickled)}
     with pytest.raises(ConfigError, match=r"policy.lora.adapter_path: .* policy.lora.enabled is false"):
         PolicyConfig.checked(off)
+
+
+def test_the_policy_refuses_a_bad_adapter_before_any_worker(llama, tokenizer, tmp_path):
+    from benchmarks.lib.layouts import parse_layout
+    from tests.backends.conftest import layout_config, refused_on_driver
+
+    model_dir, hf_config = llama
+    path = _peft_dir(tmp_path, model_dir, hf_config, r=8)
+    cfg = layout_config("fsdp1-dp2", model_dir, lora={**LORA, "adapter_path": str(path)})
+    with pytest.raises(ValueError, match=r"policy.lora.rank=4 but .*adapter_config.json has r=8"):
+        refused_on_driver(parse_layout("fsdp1-dp2"), cfg, tokenizer)
