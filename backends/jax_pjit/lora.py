@@ -21,8 +21,9 @@ from flax import nnx
 
 from backends.jax_pjit.hf_mapping import expected_entries
 from backends.jax_pjit.models.config import ModelConfig
-from core.models.lora import adapted_modules, init_adapter, lora_scale
+from core.models.lora import adapted_modules, lora_scale
 from core.policy.config import LoRAConfig
+from core.policy.lora_adapter import starting_adapters
 
 
 class LoRAParam(nnx.Param):
@@ -36,10 +37,12 @@ class Adapted(NamedTuple):
     kernel_path: tuple
 
 
-def apply_lora(model: nnx.Module, cfg: ModelConfig, lora: LoRAConfig) -> list[Adapted]:
-    """Attach the initial adapters of ``core.models.lora`` to every targeted Dense of ``model``."""
+def apply_lora(model: nnx.Module, cfg: ModelConfig, lora: LoRAConfig, resume: bool = False) -> list[Adapted]:
+    """Attach the starting adapters (``policy.lora.adapter_path``'s, else the seeded init;
+    ``resume``: the seeded init, a checkpoint overwrites it) to every targeted Dense of ``model``."""
     entries = {e.hf_name[: -len(".weight")]: e for e in expected_entries(cfg) if e.hf_name.endswith(".weight")}
     scale = lora_scale(lora.alpha, lora.rank, lora.use_rslora)
+    source = starting_adapters(lora, resume)
     adapted = []
     for module in adapted_modules(entries, lora.targets):
         e = entries[module]
@@ -49,7 +52,7 @@ def apply_lora(model: nnx.Module, cfg: ModelConfig, lora: LoRAConfig) -> list[Ad
         n_in = dense.n_in
         in_dims, out_dims = e.jax_shape[:n_in], e.jax_shape[n_in:]
         out_flat, in_flat = e.hf_shape
-        a, b = init_adapter(module, in_flat, out_flat, lora.rank, lora.init_seed)
+        a, b = source(module, in_flat, out_flat)
         dtype = kernel[...].dtype
         dense.lora_a = LoRAParam(
             jnp.asarray(a.T.reshape(*in_dims, lora.rank), dtype), out_sharding=axes[:n_in] + ("lora_rank",),

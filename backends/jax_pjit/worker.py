@@ -145,7 +145,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
         check_tokenizer_fits(tokenizer, self.hf_config, self.cfg.model_name)
         check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.jax_cfg.tensor_parallel_size")
         # policy.lora: adapters on the targeted Dense layers; only they train (``self.trainable``).
-        self.lora = apply_lora(model, self.model_cfg, self.cfg.lora) if self.cfg.lora.enabled else []
+        # A resumed run (weights_path) takes them from its checkpoint, not policy.lora.adapter_path.
+        lora = self.cfg.lora
+        self.lora = apply_lora(model, self.model_cfg, lora, resume=bool(weights_path)) if lora.enabled else []
         self.lora_scale = lora_scale(self.cfg.lora.alpha, self.cfg.lora.rank, self.cfg.lora.use_rslora)
         self.trainable = LoRAParam if self.lora else None
         self.model = model

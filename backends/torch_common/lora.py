@@ -17,8 +17,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from core.models.lora import adapted_modules, init_adapter, is_adapter_name, lora_scale
+from core.models.lora import adapted_modules, is_adapter_name, lora_scale
 from core.policy.config import LoRAConfig
+from core.policy.lora_adapter import starting_adapters
 
 
 class LoRALinear(torch.nn.Linear):
@@ -65,13 +66,21 @@ class LoRALinear(torch.nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scale={self.scale}"
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, rank: int = 0, device: torch.device | None = None) -> list[str]:
-    """Replace every targeted ``nn.Linear`` of ``model`` by a ``LoRALinear`` with the initial
-    adapters of ``core.models.lora`` and freeze every other parameter.  Returns the adapted
+def apply_lora(
+    model: torch.nn.Module,
+    cfg: LoRAConfig,
+    rank: int = 0,
+    device: torch.device | None = None,
+    resume: bool = False,
+) -> list[str]:
+    """Replace every targeted ``nn.Linear`` of ``model`` by a ``LoRALinear`` with the starting
+    adapters (``policy.lora.adapter_path``'s, else the seeded init; ``resume``: the seeded
+    init, a checkpoint overwrites it) and freeze every other parameter.  Returns the adapted
     module paths (HF names)."""
     linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     modules = adapted_modules(linears, cfg.targets)
     scale = lora_scale(cfg.alpha, cfg.rank, cfg.use_rslora)
+    source = starting_adapters(cfg, resume)
     freeze_all_but_adapters(model)  # none exist yet: everything frozen
     generator = None
     if cfg.dropout > 0:
@@ -81,7 +90,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, rank: int = 0, device: t
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         base = getattr(parent, child)
-        a, b = init_adapter(name, base.in_features, base.out_features, cfg.rank, cfg.init_seed)
+        a, b = source(name, base.in_features, base.out_features)
         dev, dtype = base.weight.device, base.weight.dtype
         wrapped = LoRALinear(
             base, torch.from_numpy(a).to(dev, dtype), torch.from_numpy(b).to(dev, dtype), scale, cfg.dropout, generator

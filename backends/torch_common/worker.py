@@ -120,7 +120,12 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         check_tokenizer_fits(tokenizer, hf_model.config, self.cfg.model_name)
         self.model_config = hf_model.config
         # policy.lora: targeted linears become LoRALinear before any sharding; only adapters train.
-        self.lora_modules = apply_lora(hf_model, self.cfg.lora, self.rank, self.device) if self.cfg.lora.enabled else []
+        # A resumed run (weights_path) takes them from its checkpoint, not policy.lora.adapter_path.
+        self.lora_modules = (
+            apply_lora(hf_model, self.cfg.lora, self.rank, self.device, resume=bool(weights_path))
+            if self.cfg.lora.enabled
+            else []
+        )
         self.lora_scale = lora_scale(self.cfg.lora.alpha, self.cfg.lora.rank, self.cfg.lora.use_rslora)
         # Every stored weight, adapters included, in state-dict order (a base weight, then its
         # A and B); param_meta: the HF weights refit and export carry (merged).

@@ -101,12 +101,31 @@ def target_errors(linear_names: Iterable[str], targets: Sequence[str], model_typ
 def linear_module_names(hf_config: Any) -> list[str]:
     """Module paths of every ``nn.Linear`` of the HF causal LM ``hf_config`` describes, built
     on the meta device (no memory, no weights read)."""
+    return list(linear_module_shapes(hf_config))
+
+
+def linear_module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
+    """``{module path: (out_features, in_features)}`` of every ``nn.Linear`` of the HF causal
+    LM ``hf_config`` describes, built on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def adapter_shapes(
+    linears: dict[str, tuple[int, int]], targets: Sequence[str], rank: int
+) -> dict[str, tuple[int, ...]]:
+    """``{backend name: shape}`` of every adapter weight a model with these linears has: A
+    ``[rank, in]`` and B ``[out, rank]`` of each targeted module."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for module in adapted_modules(linears, targets):
+        out_features, in_features = linears[module]
+        name_a, name_b = adapter_names(module)
+        shapes[name_a], shapes[name_b] = (rank, in_features), (out_features, rank)
+    return shapes
 
 
 # ----------------------------------------------------------------------------- merged streams

@@ -103,8 +103,18 @@ class LoRAConfig(ConfigModel):
     init_seed: int = 0
     """Seed of A's initialisation (numpy, per module name): the policy section holds it, not the
     run's seed, so every backend and every data seed starts from the same adapter arrays."""
+    adapter_path: str | None = None
+    """A PEFT adapter to start from instead of the seeded init: a local directory
+    (adapter_config.json + adapter_model.safetensors) or a hub id.  Its r, lora_alpha,
+    target_modules and use_rslora must equal this section's; a resumed run takes the adapter
+    from its checkpoint instead (``docs/lora.md``, "Starting from an adapter")."""
+    adapter_check_base_model: bool = True
+    """Refuse an adapter whose base_model_name_or_path is not policy.model_name; false loads it
+    on any model whose adapted linears have its shapes."""
 
     def check(self) -> Iterable[Problem]:
+        if self.adapter_path is not None and not self.enabled:
+            yield "adapter_path", f"{self.adapter_path!r} is set but policy.lora.enabled is false"
         if isinstance(self.target_modules, list):
             if not self.target_modules:
                 yield "target_modules", 'empty: name at least one module, or "all-linear"'

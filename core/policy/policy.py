@@ -39,6 +39,7 @@ from core.policy.checks import (
     check_train_batch,
 )
 from core.policy.config import PolicyConfig
+from core.policy.lora_adapter import check_lora_adapter
 from core.policy.preflight import absolute_model_paths, preflight_model_checks
 from core.policy.registry import backend_spec
 from core.refit.cuda_ipc import merge_handles
@@ -81,6 +82,8 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
         self.model_config = preflight_model_checks(self.cfg, tokenizer)
+        if weights_path is None:  # a resumed run's adapters come from its checkpoint
+            check_lora_adapter(self.cfg, self.model_config)
         if weights_path is not None or optimizer_path is not None:
             # Before any worker starts: a missing, partial, corrupt or mislabelled checkpoint is
             # a CheckpointError naming the path and file here, not a rank's failure killing the group.

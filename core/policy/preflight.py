@@ -46,6 +46,9 @@ def absolute_model_paths(policy: PolicyConfig) -> PolicyConfig:
     cfg.tokenizer.name = _absolute(cfg.tokenizer.name)
     if cfg.generation is not None and cfg.generation.model_name:
         cfg.generation.model_name = _absolute(cfg.generation.model_name)
+    adapter = cfg.lora.adapter_path
+    if adapter is not None and os.path.isdir(os.path.expanduser(adapter)):  # a directory here, even "adapter"
+        cfg.lora.adapter_path = os.path.abspath(os.path.expanduser(adapter))
     return cfg
 
 

@@ -9,6 +9,7 @@ Tensor parallel layouts shard the adapters with their base (torch: ``LoRAColwise
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -85,3 +86,32 @@ def test_lora_same_init_same_step_merged_refit_and_export(layout, model_dirs, to
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir
     ).eval()
     torch.testing.assert_close(hf_logprobs(peft_model, ids, lens), after, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["fsdp1-dp2", "dtensor-tp2", "jax-fsdp4-tp2"])
+def test_a_run_starts_from_its_exported_adapter_and_resumes_from_its_checkpoint(
+    layout, model_dirs, tokenizer, ray_session, tmp_path
+):
+    """policy.lora.adapter_path: the HF export's ``lora_adapter/`` starts a new run exactly
+    where the exporting run ended (TP layouts shard the loaded A / B like the seeded ones);
+    a resumed run takes its adapters from its checkpoint and does not read adapter_path."""
+    model_dir = model_dirs["llama"]
+    lay, name = parse_layout(layout), f"lora_from_{layout.replace('-', '_')}"
+    probe, loss_fn = ragged(4, seed=21), ClippedPGLossFn(PG_CFG)
+    with started_policy(lay, layout_config(layout, model_dir, lora=LORA), tokenizer, name) as policy:
+        policy.train(pg_batch(4, seed=11), loss_fn)
+        trained = policy.get_logprobs(probe)["logprobs"]
+        policy.save_hf_checkpoint(str(tmp_path / "hf"))
+    from_adapter = layout_config(
+        layout, model_dir, lora={**LORA, "adapter_path": str(tmp_path / "hf" / LORA_ADAPTER_DIR)}
+    )
+    weights, optimizer = str(tmp_path / "ckpt" / "weights"), str(tmp_path / "ckpt" / "optimizer")
+    with started_policy(lay, from_adapter, tokenizer, name + "_2") as policy:
+        torch.testing.assert_close(policy.get_logprobs(probe)["logprobs"], trained, rtol=0, atol=1e-5)
+        policy.train(pg_batch(4, seed=12), loss_fn)
+        again = policy.get_logprobs(probe)["logprobs"]
+        assert (again - trained).abs().max() > 1e-4  # the step moved the adapters away from the file's
+        policy.save_checkpoint(weights, optimizer)
+    shutil.rmtree(tmp_path / "hf" / LORA_ADAPTER_DIR)  # neither the driver nor a worker reads it on resume
+    with started_policy(lay, from_adapter, tokenizer, name + "_3", weights_path=weights, optimizer_path=optimizer) as p:
+        torch.testing.assert_close(p.get_logprobs(probe)["logprobs"], again, rtol=0, atol=1e-5)
