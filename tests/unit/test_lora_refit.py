@@ -105,3 +105,24 @@ def test_driver_sends_the_base_once_then_adapters_only():
     assert _parts(*_fakes(True, "adapter", holds=True, valid=False), "adapter") == ("base", "adapter")
     with pytest.raises(RefitError, match="refits LoRA adapters only .* no policy.lora"):
         _parts(*_fakes(False, "adapter", holds=False), "adapter")
+
+
+def test_bench_refit_rows_of_lora_layouts():
+    """``dualrl bench``: -lora only with the refit section; adapter rows use their own memcpy."""
+    from benchmarks.lib.compare.report import refit_lines
+    from benchmarks.lib.compare.run import policy_sections
+    from benchmarks.lib.layouts import parse_layout
+
+    row: dict = {}
+    bench = SimpleNamespace(args=SimpleNamespace(sections=["throughput", "refit"]))
+    policy_sections(bench, parse_layout("fsdp1-dp2-lora"), row, progress=None)
+    assert "-lora is measured by --sections refit" in row["error"]
+    transports = {
+        "ipc merged": {"seconds": [1.0], "bytes": 4e9},
+        "ipc adapter": {"seconds": [0.5], "bytes": 1e9, "memcpy_s": 0.1},
+    }
+    lines = refit_lines(
+        {"layouts": [{"case": "x-lora", "refit": {"transports": transports, "memcpy": {"warm_s": 2.0}}}]}
+    )
+    merged, adapter = (next(line for line in lines if f"| {t} |" in line) for t in transports)
+    assert "| 2.00 |" in merged and "| 10.00 |" in adapter  # memcpy GB/s: 4 GB / 2 s, 1 GB / 0.1 s
