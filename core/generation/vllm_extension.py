@@ -159,15 +159,27 @@ class VllmRefitExtension:
     def _dualrl_adapter_finish(self, rx: RefitReceiver, tensors: dict[str, Any], peft_config: dict[str, Any]) -> dict:
         """Every adapter tensor arrived: install the adapter in place of the previous one."""
         self._dualrl_adapter = None
-        count = rx.finish()  # raises (nothing installed, the previous adapter kept) if incomplete
-        install_adapter(self.model_runner, tensors, peft_config)
+        try:
+            count = rx.finish()  # raises if incomplete: nothing installed
+            install_adapter(self.model_runner, tensors, peft_config)
+        except BaseException as exc:
+            self._dualrl_adapter_failed(exc)
+            raise
         self._dualrl_adapters_installed = getattr(self, "_dualrl_adapters_installed", 0) + 1
         return {"tensors": count, "bytes": rx.bytes_received}
+
+    def _dualrl_adapter_failed(self, exc: BaseException) -> None:
+        """An adapter refit failed: no request sees a half-received adapter, and none the
+        previous one as if it were current -- the engine is stale until a complete refit
+        (which then sends the base again)."""
+        self._dualrl_adapter = None
+        self._dualrl_receiver().invalidate(f"the last LoRA adapter refit failed ({type(exc).__name__}: {exc})")
 
     def _dualrl_abandon(self, group: collective.RefitGroup, reason: str) -> None:
         """A stream that can never finish: make the model whole again (stale weights, marked
         so) and drop the broken group; a later refit forms a new one."""
-        self._dualrl_adapter = None  # a half-received adapter is dropped; the installed one stays
+        if getattr(self, "_dualrl_adapter", None) is not None:  # a half-received adapter is dropped
+            self._dualrl_adapter_failed(RuntimeError(reason))
         self._dualrl_finalize()
         self._dualrl_receiver().abandon(reason)
         collective.destroy(group)
@@ -180,8 +192,8 @@ class VllmRefitExtension:
             adapter_rx, tensors, _ = adapter
             try:
                 adapter_rx.check_bucket(items)
-            except BaseException:
-                self._dualrl_adapter = None
+            except BaseException as exc:
+                self._dualrl_adapter_failed(exc)
                 raise
             tensors.update((name, tensor.clone()) for name, tensor in items)
             adapter_rx.mark_loaded(items)

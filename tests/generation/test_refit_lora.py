@@ -16,7 +16,7 @@ from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
 from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
 from core.policy import Policy
-from core.refit import refit_policy_generation
+from core.refit import RefitError, refit_policy_generation
 from tests.generation.conftest import prompts, refit_config, rollout_agreement
 from tests.torch_backends.conftest import pg_batch
 
@@ -95,6 +95,12 @@ def test_fsdp1_adapter_refit(engines, gen_model_dirs, tokenizer):
     policy = Policy(cluster, lora_config(model_dir, "torch_fsdp", "auto"), tokenizer, name_prefix="lora_refit_fsdp1")
     try:
         _run(policy, engines, model_dir, 11, ("ipc", "collective"), "fsdp1-dp2")
+        # An adapter of another rank is refused by name before anything changes.
+        policy.set_refit_part("adapter")
+        wrong = {n: ((5, *s[1:]) if ".lora_A." in n else s, d) for n, (s, d) in policy.prepare_refit_info().items()}
+        with pytest.raises(RefitError, match="lora_A.weight.*stream shape \\[5"):
+            engines[0].prepare_adapter_refit(wrong)
+        assert engines[0].weights_valid()
     finally:
         policy.shutdown()
         cluster.shutdown()
