@@ -75,7 +75,7 @@ from core.data import BatchedDataDict
 from core.distributed.recoverable import before_collectives
 from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics
-from core.models.lora import adapter_names, lora_scale, write_peft_adapter
+from core.models.lora import adapter_names, lora_scale, peft_name, write_peft_adapter
 from core.policy.generation_args import resolve_generation_args
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
@@ -88,6 +88,7 @@ from core.policy.worker_base import (
     reports_worker_seconds,
     step_skip_reason,
 )
+from core.refit.manifest import RefitError
 
 if TYPE_CHECKING:
     import optax
@@ -514,7 +515,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         if name in self._host_copies:
             setattr(self, name, unstash(*self._host_copies.pop(name)))
 
-    def iter_full_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+    def iter_full_weights(self, dtype: Any = None, merged: bool = True) -> Iterator[tuple[str, Any]]:
         """``(hf_name, full tensor)`` in the HF layout and ``dtype`` (None: the params'), one
         tensor at a time, in ``expected_entries`` order.
 
@@ -525,12 +526,43 @@ class JaxPolicyWorker(PolicyWorkerBase):
         H100, plus as much again for ``prepare_refit_info``, which read the same stream)."""
         self._reload("params")
         flat = flat_values(self.params)
-        if self.lora:  # LoRA: each adapted kernel merged (W + scale * B @ A) before the layout
+        if self.lora and merged:  # LoRA: each adapted kernel merged (W + scale * B @ A) before the layout
             flat = merged_flat(flat, self.lora, self.lora_scale)
         cast = None if dtype is None else jnp.dtype(dtype)
         for e in expected_entries(self.model_cfg):
             full = self._hf_layout(entry_value(flat, e), e.transform, e.vocab_dim, self.model_cfg.vocab_size, cast)
             yield e.hf_name, off_device(full)
+
+    # LoRA adapter-only refit: the base unmerged, the adapters under PEFT's names.
+    def _iter_base_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+        return self.iter_full_weights(dtype, merged=False)
+
+    def _adapter_refit_info(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """A [r, in] and B [out, r] per adapted module (HF layout), in ``self.lora`` order."""
+        dtype, rank = jnp.dtype(self.model.param_dtype).name, self.cfg.lora.rank
+        shapes = {e.hf_name[: -len(".weight")]: e.hf_shape for e in expected_entries(self.model_cfg)}
+        info: dict[str, tuple[tuple[int, ...], str]] = {}
+        for item in self.lora:
+            out_flat, in_flat = shapes[item.module]
+            name_a, name_b = adapter_names(item.module)
+            info[peft_name(name_a)] = ((rank, in_flat), dtype)
+            info[peft_name(name_b)] = ((out_flat, rank), dtype)
+        return info
+
+    def _iter_adapter_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+        """``lora_a`` [*in, r] -> A [r, in] and ``lora_b`` [r, *out] -> B [out, r] (what the HF
+        export writes), cast and moved off the devices one at a time."""
+        if not self.lora:
+            raise RefitError("adapter-only refit of a policy without policy.lora")
+        self._reload("params")
+        flat = flat_values(self.params)
+        cast = jnp.dtype(dtype) if dtype is not None else None
+        for item in self.lora:
+            base = item.kernel_path[:-1]
+            a, b = flat[base + ("lora_a",)], flat[base + ("lora_b",)]
+            name_a, name_b = adapter_names(item.module)
+            for name, hf in ((name_a, a.reshape(-1, a.shape[-1]).T), (name_b, b.reshape(b.shape[0], -1).T)):
+                yield peft_name(name), off_device(hf if cast is None else hf.astype(cast))
 
     def _refit_devices(self) -> list:
         """IPC buckets go to every local GPU (each colocated engine worker reads its own);

@@ -64,7 +64,7 @@ from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_to
 from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
 from core.losses.metrics import MicroBatchMetrics
-from core.models.lora import is_adapter_name, lora_scale, merge_adapter_stream, write_peft_adapter
+from core.models.lora import is_adapter_name, lora_scale, merge_adapter_stream, peft_name, write_peft_adapter
 from core.parallel_dims import ParallelDims
 from core.policy.generation_args import resolve_generation_args
 from core.policy.preflight import check_tokenizer_fits
@@ -77,7 +77,7 @@ from core.policy.worker_base import (
     reports_worker_seconds,
     step_skip_reason,
 )
-from core.refit.manifest import tied_aliases
+from core.refit.manifest import RefitError, tied_aliases
 
 if TYPE_CHECKING:
     from backends.torch_dtensor.context_parallel import ContextParallelRows
@@ -617,6 +617,25 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
     def _refit_weights(self, dtype: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
         return self.iter_full_weights(dtype, skip=self._refit_skip)
+
+    # LoRA adapter-only refit: the base unmerged, the adapters under PEFT's names.
+    def _stored_order(self) -> list[str]:
+        """Stored weight names in the order ``_iter_stored_weights`` yields them."""
+        return list(self._stored_meta)
+
+    def _iter_base_weights(self, dtype: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        adapters = frozenset(n for n in self._stored_meta if is_adapter_name(n))
+        return self._iter_stored_weights(None if dtype is None else as_torch_dtype(dtype), self._refit_skip | adapters)
+
+    def _adapter_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {peft_name(n): self._stored_meta[n] for n in self._stored_order() if is_adapter_name(n)}
+
+    def _iter_adapter_weights(self, dtype: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.lora_modules:
+            raise RefitError("adapter-only refit of a policy without policy.lora")
+        cast = None if dtype is None else as_torch_dtype(dtype)
+        for name, tensor in self._iter_stored_weights(cast, skip=frozenset(self.param_meta)):
+            yield peft_name(name), tensor
 
     # ------------------------------------------------------------------ profiling
     def start_gpu_profiling(self) -> None:

@@ -99,6 +99,9 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
             if name in self.param_meta and name not in self._refit_skip
         }
 
+    def _stored_order(self) -> list[str]:
+        return list(self._unit_plan.order)
+
     def _iter_stored_weights(
         self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
     ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -38,6 +38,7 @@ class Bench:
     hf_row: dict | None = None
     trl: Any = None
     engine: Any = None
+    lora_engine: Any = None  # the adapter-refit engine of -lora layouts (refit section)
     refit_skipped: str | None = None
 
     def load_model(self, model: str | None = None, model_dir: str | None = None) -> None:

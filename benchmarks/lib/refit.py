@@ -31,6 +31,10 @@ Methodology:
   copies, measured right after each layout's refits.  ×memcpy = refit seconds / memcpy
   seconds: what a refit costs over one copy of its bytes.  A "cold" copy (``dst`` freshly
   allocated each time, page faults included) is recorded too, for reference.
+* ``-lora`` layouts (``REFIT_LORA``): the same rounds twice, "merged" into the plain engine
+  (``W + scale * B @ A`` under the base names) and "adapter" into a second engine started
+  with LoRA (``policy.lora.refit: adapter``): its first warm-up refit carries the base too
+  (its seconds are "first s"), the timed ones A and B only; memcpy per row of its own bytes.
 * Start-up (policy, engine) is reported but is part of no timing.  On a 2-core machine the
   policy's workers and the engine share the same cores (Ray's logical CPUs are sized for
   a policy plus the engine).
@@ -48,6 +52,9 @@ from benchmarks.lib.policy import on_cuda
 from benchmarks.lib.workload import policy_config
 
 TRANSPORTS = ("ipc", "collective")
+#: ``policy.lora`` of ``-lora`` layouts in the refit section: merged rows (into the plain
+#: engine) beside adapter-only rows (into an engine started with LoRA).
+REFIT_LORA = {"rank": 8, "alpha": 16.0, "target_modules": "all-linear"}
 #: Copies the memcpy baseline takes the median of.
 MEMCPY_COPIES = 7
 

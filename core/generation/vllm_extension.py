@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from core.refit import collective, cuda_ipc, shm
+from core.refit.adapter import adapter_manifest, install_adapter
 from core.refit.manifest import RefitError, manifest_for_hf_config
 from core.refit.receiver import RefitReceiver
 
@@ -37,6 +38,10 @@ class VllmRefitExtension:
     _dualrl_rx: RefitReceiver
     _dualrl_layerwise: bool
     _dualrl_group: collective.RefitGroup | None
+    # Adapter-only LoRA refit: the stream in progress (receiver, tensors so far, PEFT config)
+    # and how many adapters were installed since the base weights last changed.
+    _dualrl_adapter: tuple[RefitReceiver, dict[str, Any], dict[str, Any]] | None
+    _dualrl_adapters_installed: int
 
     # ------------------------------------------------------------------ state
     def _dualrl_receiver(self) -> RefitReceiver:
@@ -55,6 +60,12 @@ class VllmRefitExtension:
 
     def dualrl_require_valid(self) -> None:
         self._dualrl_receiver().require_valid()
+        if self.model_runner.lora_config is not None and not getattr(self, "_dualrl_adapters_installed", 0):
+            # An adapter-refit engine without its adapter would serve the bare base model.
+            raise RefitError(
+                "the vLLM engine (LoRA adapter refit) refuses to generate: it holds no adapter for its "
+                "current base weights; run a complete refit (refit_policy_generation) first"
+            )
 
     # ------------------------------------------------------------------ protocol
     def dualrl_refit_begin(self, info: dict[str, Any]) -> int:
@@ -62,10 +73,29 @@ class VllmRefitExtension:
         rx = self._dualrl_receiver()
         if self._dualrl_layerwise:  # an abandoned refit: restore a consistent model first
             self._dualrl_finalize()
+        self._dualrl_adapter = None
         rx.begin(info)
         if rx.manifest is None:  # begin() sets it
             raise RefitError("the refit receiver has no manifest after begin()")
         return len(rx.manifest)
+
+    def dualrl_adapter_begin(self, info: dict[str, Any], peft_config: dict[str, Any]) -> int:
+        """Start an adapter stream (``core.refit.adapter``): checked against the adapters of
+        this engine's model for the rank and targets of ``peft_config``; nothing changes
+        until the whole adapter has arrived (``dualrl_refit_finish`` installs it)."""
+        from core.refit.manifest import RefitManifest
+
+        self._dualrl_receiver()  # the base receiver (and its state) exists
+        if self._dualrl_layerwise:
+            self._dualrl_finalize()
+        config = self.model_runner.model_config
+        expected = adapter_manifest(
+            config.hf_config, int(peft_config["r"]), peft_config["target_modules"], config.dtype
+        )
+        rx = RefitReceiver(expected, weights_valid=True, engine=f"vLLM engine's LoRA adapter (worker {self.rank})")
+        rx.begin(info)
+        self._dualrl_adapter = (rx, {}, dict(peft_config))
+        return len(RefitManifest.from_info(info))
 
     def dualrl_load_ipc(self, handle: dict[str, Any]) -> int:
         """Load one bucket from a shared-memory segment (CPU) or CUDA IPC handles (GPU)."""
@@ -80,6 +110,9 @@ class VllmRefitExtension:
 
     def dualrl_refit_finish(self) -> dict[str, Any]:
         """Close the stream: finalize loading, then require that every tensor arrived."""
+        adapter = getattr(self, "_dualrl_adapter", None)
+        if adapter is not None:
+            return self._dualrl_adapter_finish(*adapter)
         rx = self._dualrl_receiver()
         self._dualrl_finalize()
         count = rx.finish()
@@ -123,9 +156,30 @@ class VllmRefitExtension:
                 raise
         return self.dualrl_refit_finish()
 
+    def _dualrl_adapter_finish(self, rx: RefitReceiver, tensors: dict[str, Any], peft_config: dict[str, Any]) -> dict:
+        """Every adapter tensor arrived: install the adapter in place of the previous one."""
+        self._dualrl_adapter = None
+        try:
+            count = rx.finish()  # raises if incomplete: nothing installed
+            install_adapter(self.model_runner, tensors, peft_config)
+        except BaseException as exc:
+            self._dualrl_adapter_failed(exc)
+            raise
+        self._dualrl_adapters_installed = getattr(self, "_dualrl_adapters_installed", 0) + 1
+        return {"tensors": count, "bytes": rx.bytes_received}
+
+    def _dualrl_adapter_failed(self, exc: BaseException) -> None:
+        """An adapter refit failed: no request sees a half-received adapter, and none the
+        previous one as if it were current -- the engine is stale until a complete refit
+        (which then sends the base again)."""
+        self._dualrl_adapter = None
+        self._dualrl_receiver().invalidate(f"the last LoRA adapter refit failed ({type(exc).__name__}: {exc})")
+
     def _dualrl_abandon(self, group: collective.RefitGroup, reason: str) -> None:
         """A stream that can never finish: make the model whole again (stale weights, marked
         so) and drop the broken group; a later refit forms a new one."""
+        if getattr(self, "_dualrl_adapter", None) is not None:  # a half-received adapter is dropped
+            self._dualrl_adapter_failed(RuntimeError(reason))
         self._dualrl_finalize()
         self._dualrl_receiver().abandon(reason)
         collective.destroy(group)
@@ -133,6 +187,17 @@ class VllmRefitExtension:
 
     # ------------------------------------------------------------------ internals
     def _dualrl_load(self, items: list) -> None:
+        adapter = getattr(self, "_dualrl_adapter", None)
+        if adapter is not None:  # collected (copied: bucket views die with the bucket), installed at the end
+            adapter_rx, tensors, _ = adapter
+            try:
+                adapter_rx.check_bucket(items)
+            except BaseException as exc:
+                self._dualrl_adapter_failed(exc)
+                raise
+            tensors.update((name, tensor.clone()) for name, tensor in items)
+            adapter_rx.mark_loaded(items)
+            return
         rx = self._dualrl_receiver()
         try:
             rx.check_bucket(items)
@@ -159,6 +224,7 @@ class VllmRefitExtension:
 
         self._dualrl_layerwise = False
         finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.model_config)
+        self._dualrl_adapters_installed = 0  # reset_lora_state below drops the adapter
         # State derived from the old weights (what vLLM's reload_weights also resets).
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)

@@ -17,6 +17,7 @@ engine that died, hung past ``call_timeout_s`` or failed the probe is killed and
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CALL_TIMEOUT_S = 600.0
+logger = logging.getLogger(__name__)
 
 
 class VllmGeneration(RefittableGenerationInterface):
@@ -91,6 +93,14 @@ class VllmGeneration(RefittableGenerationInterface):
             raise
         #: The engine model's vocabulary and context (what generate's inputs are checked against).
         self.vocab_size, self.max_model_len = limits[0]["vocab_size"], limits[0]["max_model_len"]
+        #: How a refit reaches the engines: "merged" weights, or "adapter" (LoRA: the base
+        #: once, then A and B only; ``core.refit.adapter``), and why (``policy.lora.refit``).
+        self.refit_mode: str = limits[0]["refit_mode"]
+        self.refit_mode_reason: str = limits[0]["refit_mode_reason"]
+        #: Adapter mode: the policy (``refit_token``) whose base weights the engines hold.
+        self.base_weights_of: str | None = None
+        if self.cfg.lora.enabled:
+            logger.info("vLLM refit mode: %s (%s)", self.refit_mode, self.refit_mode_reason)
 
     @property
     def num_engines(self) -> int:
@@ -134,6 +144,12 @@ class VllmGeneration(RefittableGenerationInterface):
     def prepare_refit_info(self, state_dict_info: Mapping[str, Any]) -> None:
         """Check the coming stream against every engine's model before anything is loaded."""
         self._get([e.prepare_refit_info.remote(dict(state_dict_info)) for e in self.engines], "prepare_refit_info")
+
+    def prepare_adapter_refit(self, state_dict_info: Mapping[str, Any]) -> None:
+        """Adapter mode: check the coming adapter stream (PEFT names) against every engine."""
+        self._get(
+            [e.prepare_adapter_refit.remote(dict(state_dict_info)) for e in self.engines], "prepare_adapter_refit"
+        )
 
     def update_weights_from_ipc_handles(self, ipc_handles: Mapping[str, Any]) -> bool:
         self._get(

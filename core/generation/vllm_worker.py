@@ -16,9 +16,12 @@ import numpy as np
 
 import core.generation.sampling as sampling
 from core.distributed.recoverable import before_collectives
+from core.models.lora import peft_adapter_config
 from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
-from core.policy.config import PolicyConfig
+from core.policy.config import PolicyConfig, vllm_max_lora_rank
 from core.policy.generation_args import checked_sample_seeds, resolve_generation_args
+from core.refit.adapter import ADAPTER_ID, ADAPTER_NAME, ADAPTER_PATH
+from core.refit.manifest import RefitError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -26,8 +29,9 @@ if TYPE_CHECKING:
 EXTENSION = "core.generation.vllm_extension.VllmRefitExtension"
 
 
-def engine_kwargs(policy_cfg: PolicyConfig, seed: int, on_gpu: bool) -> dict[str, Any]:
-    """``vllm.LLM`` arguments from ``policy.generation`` (its ``vllm_cfg`` is required)."""
+def engine_kwargs(policy_cfg: PolicyConfig, seed: int, on_gpu: bool, adapter_refit: bool = False) -> dict[str, Any]:
+    """``vllm.LLM`` arguments from ``policy.generation`` (its ``vllm_cfg`` is required);
+    ``adapter_refit``: LoRA on, one adapter of ``policy.lora.rank`` (``core.refit.adapter``)."""
     gen = policy_cfg.generation
     assert gen is not None and gen.vllm_cfg is not None, "checked by VllmGeneration"
     vcfg = gen.vllm_cfg
@@ -48,7 +52,35 @@ def engine_kwargs(policy_cfg: PolicyConfig, seed: int, on_gpu: bool) -> dict[str
         kwargs.update(gpu_memory_utilization=vcfg.gpu_memory_utilization, enable_sleep_mode=True)
     if vcfg.world_size > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    if adapter_refit:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(policy_cfg.lora.rank))
     return kwargs
+
+
+def adapter_refit_mode(policy_cfg: PolicyConfig, hf_config: Any) -> tuple[str, str]:
+    """``(mode, why)``: ``policy.lora.refit`` resolved for this engine -- the config's answer,
+    then whether vLLM has LoRA for the model's architecture.  An explicit "adapter" that vLLM
+    cannot serve is refused by name; "auto" falls back to "merged"."""
+    mode, why = policy_cfg.lora_refit_mode()
+    if mode != "adapter":
+        return mode, why
+    model_type = getattr(hf_config, "model_type", None)
+    blocker = None
+    if any(getattr(hf_config, key, None) for key in ("num_experts", "num_local_experts")):
+        blocker = f"model_type {model_type!r} is a mixture of experts (no LoRA refit for MoE here)"
+    else:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_lora
+
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        classes = [ModelRegistry._try_load_model_cls(a) for a in archs]
+        if not any(c is not None and supports_lora(c) for c in classes):
+            blocker = f"vLLM has no LoRA support for model_type {model_type!r} (architectures {archs})"
+    if blocker is None:
+        return "adapter", why
+    if policy_cfg.lora.refit == "adapter":
+        raise ValueError(f"policy.lora.refit: 'adapter' is not possible: {blocker}; use 'merged' or 'auto'")
+    return "merged", blocker
 
 
 class VllmGenerationWorker:
@@ -66,19 +98,25 @@ class VllmGenerationWorker:
         self.tokenizer = tokenizer
         self.on_gpu = torch.cuda.is_available()
         self.seed = seed
-        self.llm = LLM(**engine_kwargs(policy_cfg, seed, self.on_gpu))
+        self.refit_mode, self.refit_mode_reason = adapter_refit_mode(policy_cfg, _model_hf_config(policy_cfg))
+        self.llm = LLM(**engine_kwargs(policy_cfg, seed, self.on_gpu, self.refit_mode == "adapter"))
         self.hf_config = self.llm.llm_engine.model_config.hf_config
+        #: What every request carries in adapter-refit mode (the adapter the refits replace).
+        self.lora_request = _lora_request() if self.refit_mode == "adapter" else None
         self.sleeping = False
         self._calls = 0
 
     def is_alive(self) -> bool:
         return True
 
-    def limits(self) -> dict[str, int]:
-        """What the driver checks prompts against: the model's vocabulary and context."""
+    def limits(self) -> dict[str, Any]:
+        """What the driver checks prompts against: the model's vocabulary and context; and how
+        a refit reaches this engine (``refit_mode``: "merged" or "adapter", and why)."""
         return {
             "vocab_size": int(self.hf_config.vocab_size),
             "max_model_len": int(self.llm.llm_engine.model_config.max_model_len),
+            "refit_mode": self.refit_mode,
+            "refit_mode_reason": self.refit_mode_reason,
         }
 
     def probe(self) -> bool:
@@ -128,7 +166,7 @@ class VllmGenerationWorker:
             for b in range(batch)
         ]
         prompts = [TokensPrompt(prompt_token_ids=input_ids[b, : int(input_lengths[b])].tolist()) for b in range(batch)]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         tokens, logprobs = [], []
         for b, out in enumerate(outputs):
             completion = out.outputs[0]
@@ -187,6 +225,18 @@ class VllmGenerationWorker:
     def prepare_refit_info(self, info: Mapping[str, Any]) -> list[int]:
         return self.llm.collective_rpc("dualrl_refit_begin", args=(dict(info),))
 
+    def prepare_adapter_refit(self, info: Mapping[str, Any]) -> list[int]:
+        """Start an adapter-only stream (``policy.lora``'s A and B under PEFT names)."""
+        if self.refit_mode != "adapter":
+            raise RefitError(
+                f"adapter refit into an engine in {self.refit_mode!r} refit mode ({self.refit_mode_reason})"
+            )
+        lora = self.policy_cfg.lora
+        peft = peft_adapter_config(
+            self.policy_cfg.model_name, lora.rank, lora.alpha, 0.0, lora.targets, lora.use_rslora
+        )
+        return self.llm.collective_rpc("dualrl_adapter_begin", args=(dict(info), peft))
+
     def update_weights_from_ipc_handles(self, handle: Mapping[str, Any]) -> list[int]:
         return self.llm.collective_rpc("dualrl_load_ipc", args=(dict(handle),))
 
@@ -209,6 +259,19 @@ class VllmGenerationWorker:
     def shutdown(self) -> bool:
         del self.llm
         return True
+
+
+def _model_hf_config(policy_cfg: PolicyConfig) -> Any:
+    from transformers import AutoConfig
+
+    gen = policy_cfg.generation
+    return AutoConfig.from_pretrained((gen.model_name if gen is not None else None) or policy_cfg.model_name)
+
+
+def _lora_request() -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(ADAPTER_NAME, ADAPTER_ID, lora_path=ADAPTER_PATH)
 
 
 def default_env(on_gpu: bool) -> dict[str, str]:

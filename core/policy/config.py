@@ -78,12 +78,25 @@ class JaxConfig(ConfigModel):
 #: The module names ``policy.lora.target_modules`` may list (PEFT's names for a Llama-style
 #: decoder's linears), or the single string ``"all-linear"``.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: ``policy.lora.refit``: how a LoRA policy's weights reach the vLLM engine (docs/lora.md).
+LoRARefit = Literal["auto", "merged", "adapter"]
+#: The values vLLM 0.32 accepts for ``max_lora_rank`` (its ``MaxLoRARanks``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"policy.lora.rank={rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
 
 
 class LoRAConfig(ConfigModel):
     """Low-rank adapters on the chosen linears; only they train (``docs/lora.md``).  The
     adapted weight is ``W + scale * B @ A`` with ``scale = alpha / rank`` (``alpha /
-    sqrt(rank)`` with ``use_rslora``); refit and HF export send it merged, under the base names."""
+    sqrt(rank)`` with ``use_rslora``); HF export writes it merged (and the adapter), refit sends
+    it merged or adapter-only (``refit``)."""
 
     enabled: bool = False
     """Train adapters instead of the full model."""
@@ -100,6 +113,10 @@ class LoRAConfig(ConfigModel):
     "all-linear" (every decoder linear; lm_head never)."""
     use_rslora: bool = False
     """Rank-stabilised scale alpha / sqrt(rank) instead of alpha / rank."""
+    refit: LoRARefit = "auto"
+    """How refit reaches vLLM: "merged" (W + scale * B @ A under the base names, every refit),
+    "adapter" (the base once, then only A and B through vLLM's LoRA support), "auto" (adapter
+    where the engine supports LoRA for this model, else merged)."""
     init_seed: int = 0
     """Seed of A's initialisation (numpy, per module name): the policy section holds it, not the
     run's seed, so every backend and every data seed starts from the same adapter arrays."""
@@ -305,6 +322,8 @@ class PolicyConfig(ConfigModel):
             yield from self._engine_length_problems(self.generation)
         if self.lora.enabled:
             yield from self._lora_problems()
+        elif self.lora.refit == "adapter":
+            yield "lora.refit", "'adapter' needs policy.lora.enabled (there is no adapter to refit)"
 
     def _lora_problems(self) -> Iterable[Problem]:
         """What LoRA does not combine with (``docs/lora.md``), refused by name."""
@@ -316,6 +335,36 @@ class PolicyConfig(ConfigModel):
             )
         if self.backend == "jax_pjit" and self.lora.dropout > 0:
             yield "lora.dropout", f"{self.lora.dropout}: adapter dropout is not supported by jax_pjit; set it to 0"
+        if self.lora.refit == "adapter":
+            blocker = self._adapter_refit_blocker()
+            if blocker is not None:
+                yield "lora.refit", f"'adapter' is not possible: {blocker}; use 'merged' or 'auto'"
+
+    def _adapter_refit_blocker(self) -> str | None:
+        """Why this section cannot refit adapters only (None: it can, as far as the config
+        tells; the engine checks that vLLM has LoRA for the model)."""
+        gen = self.generation
+        if not self.lora.enabled:
+            return "policy.lora.enabled is false"
+        if gen is None or gen.backend != "vllm" or gen.vllm_cfg is None:
+            backend = None if gen is None else gen.backend
+            return f"generation.backend is {backend!r} (only a vLLM engine is refit; hf generates with the policy)"
+        if gen.vllm_cfg.world_size > 1:
+            return (
+                f"generation.vllm_cfg tensor_parallel_size x pipeline_parallel_size = {gen.vllm_cfg.world_size}: "
+                "adapter-only refit is implemented and tested for one-worker engines only"
+            )
+        if self.lora.rank > VLLM_LORA_RANKS[-1]:
+            return f"lora.rank {self.lora.rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
+        return None
+
+    def lora_refit_mode(self) -> tuple[Literal["merged", "adapter"], str]:
+        """``(mode, why)`` as far as the config decides (``policy.lora.refit``, "auto" resolved);
+        the engine may still fall back from "auto" to "merged" (vLLM without LoRA for the model)."""
+        if self.lora.refit == "merged" or not self.lora.enabled:
+            return "merged", "policy.lora.refit is 'merged'" if self.lora.enabled else "policy.lora is off"
+        blocker = self._adapter_refit_blocker()
+        return ("merged", blocker) if blocker is not None else ("adapter", f"policy.lora.refit is {self.lora.refit!r}")
 
     def _batching_problems(self) -> Iterable[Problem]:
         packing = self.sequence_packing

@@ -59,6 +59,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
 
     #: The engine the refit broadcast group was formed with (``core.refit.driver``; unset until then).
     _refit_peer: RefittableGenerationInterface
+    _refit_token: str | None = None
 
     def __init__(
         self,
@@ -296,6 +297,21 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
 
     def offload_after_refit(self) -> None:
         self._all("offload_after_refit")
+
+    def set_refit_part(self, part: str) -> None:
+        """What the next refit streams (``core.refit.manifest.REFIT_PARTS``): every weight
+        with LoRA merged (``full``), or for adapter-only refit the unmerged ``base`` / the
+        ``adapter``.  The refit driver sets it before each stream."""
+        self._all("set_refit_part", part)
+
+    @property
+    def refit_token(self) -> str:
+        """Names this policy to an engine that holds its base weights (adapter-only refit)."""
+        if self._refit_token is None:
+            import uuid
+
+            self._refit_token = uuid.uuid4().hex
+        return self._refit_token
 
     def prepare_refit_info(self) -> dict[str, Any]:
         """HF name -> (full shape, dtype name) of every tensor a refit carries, in the

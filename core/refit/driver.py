@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import RayError
 
 from core.refit.buckets import bucket_budget, plan_buckets
-from core.refit.manifest import RefitError, RefitManifest
+from core.refit.manifest import RefitError, RefitManifest, RefitPart
 
 if TYPE_CHECKING:
     from core.generation import VllmGeneration
@@ -41,6 +41,10 @@ class RefitStats:
     bytes: int
     tensors: int
     buckets: int
+    #: "merged" (every weight, LoRA merged) or "adapter" (LoRA: A and B, plus the base
+    #: weights on the first refit into an engine; ``parts`` says which streams ran).
+    mode: str = "merged"
+    parts: tuple[str, ...] = ("full",)
 
     @property
     def gb_per_s(self) -> float:
@@ -52,6 +56,7 @@ class RefitStats:
             f"{prefix}bytes": float(self.bytes),
             f"{prefix}gb_per_s": self.gb_per_s,
             f"{prefix}buckets": float(self.buckets),
+            f"{prefix}adapter_only": float(self.parts == ("adapter",)),
         }
 
 
@@ -73,23 +78,60 @@ def refit_policy_generation(
         raise ValueError(f"refit transport must be one of {TRANSPORTS}, got {transport!r}")
     generation.check_alive()
     start = time.perf_counter()
+    mode = getattr(generation, "refit_mode", "merged")
+    parts = _parts(policy, generation, mode)
+    if offload:
+        policy.offload_before_refit()
+        generation.prepare_for_generation(tags=["weights"])  # a sleeping GPU engine needs its weight memory back
+    moved = [_refit_part(policy, generation, part, transport, refit_buffer_size_gb, timeout_s) for part in parts]
+    if mode == "adapter":
+        generation.base_weights_of = policy.refit_token
+    if offload:
+        policy.offload_after_refit()
+        generation.prepare_for_generation(tags=["kv_cache"])
+    nbytes, tensors, buckets = (sum(m[i] for m in moved) for i in range(3))
+    return RefitStats(transport, time.perf_counter() - start, nbytes, tensors, buckets, mode, parts)
+
+
+def _parts(policy: Policy, generation: VllmGeneration, mode: str) -> tuple[RefitPart, ...]:
+    """The streams of this refit: ``full`` (merged) mode, or for an adapter-refit engine the
+    adapter -- after the unmerged base if the engine does not hold this policy's base yet."""
+    if mode != "adapter":
+        return ("full",)
+    if not policy.cfg.lora.enabled:
+        raise RefitError(
+            f"the engine refits LoRA adapters only ({generation.refit_mode_reason}) but the policy has no "
+            "policy.lora: start the engine from this policy's config"
+        )
+    holds_base = getattr(generation, "base_weights_of", None) == policy.refit_token and generation.weights_valid()
+    return ("adapter",) if holds_base else ("base", "adapter")
+
+
+def _refit_part(
+    policy: Policy,
+    generation: VllmGeneration,
+    part: RefitPart,
+    transport: Transport,
+    refit_buffer_size_gb: float | None,
+    timeout_s: float,
+) -> tuple[int, int, int]:
+    """One stream, checked, sent and finished: ``(bytes, tensors, buckets)``."""
+    if part != "full" or policy.cfg.lora.enabled:  # "full" too: an earlier adapter refit left another part set
+        policy.set_refit_part(part)
     info = policy.prepare_refit_info()
     if info is None:
         raise RefitError("the policy reported no refit info")
     manifest = RefitManifest.from_info(info)
-    generation.prepare_refit_info(info)
-    if offload:
-        policy.offload_before_refit()
-        generation.prepare_for_generation(tags=["weights"])  # a sleeping GPU engine needs its weight memory back
+    if part == "adapter":
+        generation.prepare_adapter_refit(info)
+    else:
+        generation.prepare_refit_info(info)
     if transport == "ipc":
         buckets = _refit_ipc(policy, generation, refit_buffer_size_gb)
     else:
         _refit_collective(policy, generation, refit_buffer_size_gb, timeout_s)
         buckets = len(plan_buckets(manifest, bucket_budget(policy.cfg.refit_buffer_size_gb, refit_buffer_size_gb)))
-    if offload:
-        policy.offload_after_refit()
-        generation.prepare_for_generation(tags=["kv_cache"])
-    return RefitStats(transport, time.perf_counter() - start, manifest.nbytes, len(manifest), buckets)
+    return manifest.nbytes, len(manifest), buckets
 
 
 def _refit_ipc(policy: Policy, generation: VllmGeneration, refit_buffer_size_gb: float | None) -> int:

@@ -11,11 +11,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 #: transformers 5 state-dict names of experts fused into one tensor (``mlp.experts.gate_up_proj``:
 #: no expert index), where checkpoints name one tensor per expert (``mlp.experts.3.gate_proj.weight``).
 FUSED_EXPERTS = re.compile(r"\.experts\.[A-Za-z_]+$")
+
+#: What one refit stream carries: every weight (LoRA merged), or -- adapter-only LoRA refit --
+#: the unmerged base weights (once per engine) or the adapters alone.
+RefitPart = Literal["full", "base", "adapter"]
+REFIT_PARTS = ("full", "base", "adapter")
 
 # Bytes per element of every dtype a refit stream may carry.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}

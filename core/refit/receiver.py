@@ -121,6 +121,11 @@ class RefitReceiver:
             self._mark_stale(f"the last refit broke off after loading part of the weights: {reason}")
         self.manifest, self.loaded_any = None, False
 
+    def invalidate(self, reason: str) -> None:
+        """The engine no longer serves the policy's weights (an adapter refit failed after the
+        base was in place): refuse to generate until a complete refit."""
+        self._mark_stale(reason)
+
     # ------------------------------------------------------------------ internals
     def _fail(self, message: str) -> RefitError:
         if self.loaded_any:

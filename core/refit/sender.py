@@ -22,7 +22,7 @@ import core.refit.collective as collective
 from core.distributed.recoverable import RefitPeerLostError
 from core.refit.buckets import bucket_budget, plan_buckets, take_bucket
 from core.refit.cuda_ipc import CudaIpcBucketWriter, merge_handles
-from core.refit.manifest import RefitError, RefitManifest, dtype_name
+from core.refit.manifest import REFIT_PARTS, RefitError, RefitManifest, RefitPart, dtype_name
 from core.refit.packing import as_torch
 from core.refit.shm import ShmBucketWriter
 
@@ -37,6 +37,7 @@ class RefitSender(abc.ABC):
     cfg: PolicyConfig
     rank: int
     # Set by the methods below (read with getattr until they are).
+    _refit_part: RefitPart
     _refit_stream: Iterator[tuple[str, torch.Tensor]] | None
     _refit_group: collective.RefitGroup | None
 
@@ -54,6 +55,35 @@ class RefitSender(abc.ABC):
         of its weights out (torch: tied aliases, which the receiver fills in)."""
         return self.iter_full_weights(dtype)
 
+    # LoRA adapter-only refit (``policy.lora.refit``): the engine holds the unmerged base once
+    # and then receives only the adapters.  A backend that has LoRA implements both.
+    def _iter_base_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+        """Collective: the refit stream's names with the base (unmerged) weights."""
+        raise RefitError(f"{type(self).__name__} cannot send unmerged base weights (adapter-only refit)")
+
+    def _adapter_refit_info(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """PEFT adapter name (``base_model.model.<module>.lora_A.weight``) -> (shape, dtype)."""
+        raise RefitError(f"{type(self).__name__} has no LoRA adapters to refit")
+
+    def _iter_adapter_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+        """Collective: ``(PEFT adapter name, full A [r, in] or B [out, r])`` in ``dtype``."""
+        raise RefitError(f"{type(self).__name__} has no LoRA adapters to refit")
+
+    def set_refit_part(self, part: RefitPart) -> None:
+        """What the next refit streams: ``full`` (every weight, LoRA merged: the default),
+        ``base`` (LoRA's frozen base weights, unmerged) or ``adapter`` (A and B only)."""
+        if part not in REFIT_PARTS:
+            raise ValueError(f"refit part must be one of {REFIT_PARTS}, got {part!r}")
+        if part != "full" and not self.cfg.lora.enabled:
+            raise RefitError(f"refit part {part!r} needs policy.lora.enabled (adapter-only refit)")
+        self._refit_part = part
+
+    def _part_stream(self, dtype: Any) -> Iterator[tuple[str, Any]]:
+        part = getattr(self, "_refit_part", "full")
+        if part == "adapter":
+            return self._iter_adapter_weights(dtype)
+        return self._iter_base_weights(dtype) if part == "base" else self._refit_weights(dtype)
+
     def _refit_devices(self) -> list[torch.device]:
         """Devices whose colocated engine workers read this rank's IPC buckets."""
         return [getattr(self, "device", torch.device("cpu"))]
@@ -61,12 +91,14 @@ class RefitSender(abc.ABC):
     # -- manifest ----------------------------------------------------------------------------
     def refit_manifest(self) -> RefitManifest:
         """The stream in the generation dtype (``generation.vllm_cfg.precision``)."""
-        return RefitManifest.from_info(self.prepare_refit_info()).cast(dtype_name(self.cfg.generation_dtype))
+        part = getattr(self, "_refit_part", "full")
+        info = self._adapter_refit_info() if part == "adapter" else self.prepare_refit_info()
+        return RefitManifest.from_info(info).cast(dtype_name(self.cfg.generation_dtype))
 
     def _start_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._close_stream()
         dtype = dtype_name(self.cfg.generation_dtype)
-        self._refit_stream = ((n, as_torch(t)) for n, t in self._refit_weights(dtype))
+        self._refit_stream = ((n, as_torch(t)) for n, t in self._part_stream(dtype))
         return self._refit_stream
 
     def _close_stream(self) -> None:

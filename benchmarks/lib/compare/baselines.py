@@ -16,7 +16,7 @@ from benchmarks.lib.grpo_step import grpo_config, training_prompts
 from benchmarks.lib.hf import HFRunner
 from benchmarks.lib.layouts import parse_layout
 from benchmarks.lib.pairing import Probe, new_result
-from benchmarks.lib.refit import Engine, engine_config
+from benchmarks.lib.refit import REFIT_LORA, Engine, engine_config
 
 if TYPE_CHECKING:
     from core.algorithms.config import GRPORunConfig
@@ -99,6 +99,21 @@ def engine(bench: Bench) -> Engine:
     return bench.engine
 
 
+def lora_engine(bench: Bench) -> Engine:
+    """The engine of ``-lora`` layouts' adapter rows: LoRA enabled (``policy.lora.refit:
+    adapter`` at ``refit.REFIT_LORA``), started on first use, replaced if it died."""
+    if bench.lora_engine is not None and not bench.lora_engine.alive():
+        bench.lora_engine.close()
+        bench.lora_engine = None
+    if bench.lora_engine is None:
+        cfg = engine_config(bench.model_path, bench.tokenizer_path, bench.args)
+        cfg["lora"].update(enabled=True, refit="adapter", **REFIT_LORA)
+        bench.lora_engine = Engine(
+            bench.model_path, bench.tokenizer_path, bench.tokenizer, bench.args, cfg=cfg, name="bench-refit-vllm-lora"
+        )
+    return bench.lora_engine
+
+
 def generation_row(bench: Bench) -> dict:
     """vLLM tokens/s on the GRPO workload's prompts x group and completion length (sampling, the
     engine's current weights)."""
@@ -127,6 +142,6 @@ def generation_row(bench: Bench) -> dict:
 
 
 def close_baselines(bench: Bench) -> None:
-    for part in (bench.hf, bench.trl, bench.engine):
+    for part in (bench.hf, bench.trl, bench.engine, bench.lora_engine):
         if part is not None:
             part.close()

@@ -97,7 +97,7 @@ def refit_lines(results: dict) -> list[str]:
                     cell(gb, ".3f"),
                     cell(med, ".3f"),
                     cell(gb / med if med else None, ".2f"),
-                    cell(gb / copy if copy else None, ".2f"),
+                    cell(gb / t.get("memcpy_s", copy) if t.get("memcpy_s", copy) else None, ".2f"),
                     t.get("error", ""),
                 ]
             )

@@ -8,6 +8,7 @@ layout that fails is reported in its row and the others still run.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import tempfile
@@ -21,6 +22,7 @@ from benchmarks.lib.compare.baselines import (
     close_baselines,
     engine,
     generation_row,
+    lora_engine,
     start_baselines,
     vllm_missing,
 )
@@ -74,9 +76,11 @@ def ray_for(bench: Bench, layout: Layout) -> str | None:
     devices = bench.session.devices_for(layout)
     if not bench.session.fits(devices):
         return f"needs {devices} XLA host devices per actor; the caller's Ray gives {bench.session.devices}"
-    if bench.session.restarts_for(devices) and bench.engine is not None:
-        bench.engine.close()  # Ray restarts for another device count: the engine goes with it
-        bench.engine = None
+    if bench.session.restarts_for(devices):  # Ray restarts for another device count: the engines go with it
+        for key in ("engine", "lora_engine"):
+            if getattr(bench, key) is not None:
+                getattr(bench, key).close()
+                setattr(bench, key, None)
     bench.session.start(devices)
     return None
 
@@ -110,19 +114,34 @@ def refit_rows(bench: Bench, probe: Probe) -> dict:
     eng = engine(bench)
     per_transport = refit.measure(probe.policy, eng, refit.TRANSPORTS, bench.args)
     nbytes = next((r["bytes"] for r in per_transport.values() if r.get("bytes")), None)
-    return {
+    rows = {
         "transports": per_transport,
         "memcpy": refit.memcpy_seconds(nbytes) if nbytes else {},
         "engine_startup_s": eng.startup_s,
     }
+    if probe.runner.layout.lora:  # merged rows above; adapter-only rows beside them
+        rows["transports"] = {f"{t} merged": v for t, v in per_transport.items()}
+        lora = lora_engine(bench)
+        for t, v in refit.measure(probe.policy, lora, refit.TRANSPORTS, bench.args).items():
+            if v.get("bytes"):
+                v["memcpy_s"] = refit.memcpy_seconds(v["bytes"])["warm_s"]
+            rows["transports"][f"{t} adapter"] = v
+        rows["lora_engine_startup_s"] = lora.startup_s
+    return rows
 
 
 def policy_sections(bench: Bench, layout: Layout, row: dict, progress) -> None:
     """Throughput and refit on one Policy, closed afterwards."""
     sections = bench.args.sections
+    args = bench.args
+    if layout.lora:  # only the refit section has LoRA settings (and merged-vs-adapter rows)
+        if "throughput" in sections:
+            row["error"] = f"layout {layout.name!r}: -lora is measured by --sections refit (and dualrl parity) only"
+            return
+        args = argparse.Namespace(**{**vars(bench.args), "lora": refit.REFIT_LORA})
     progress.set_description(f"{layout.name}: start")
     try:
-        probe = Probe(PolicyRunner(layout, bench.model_path, bench.tokenizer_path, bench.tokenizer, bench.args))
+        probe = Probe(PolicyRunner(layout, bench.model_path, bench.tokenizer_path, bench.tokenizer, args))
     except Exception as err:  # noqa: BLE001 -- reported in its row; the other layouts go on
         row["error"] = error_text(err)
         return
