@@ -130,7 +130,7 @@ def cp1_reference(model_dirs, tokenizer):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", ["llama", "qwen2", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_cp_logprobs_match_hf(model_dirs, tokenizer, model, mesh):
     worker = jax_worker(model_dirs[model], tokenizer, *mesh)
     data = _ragged(8, seed=1)

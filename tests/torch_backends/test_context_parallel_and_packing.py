@@ -112,6 +112,21 @@ LAYOUTS = [
         id="dtensor-cp2-packed-llama",
         marks=pytest.mark.slow,
     ),
+    # Qwen3's per-head q/k norms under CP (sharded sequence) and packing (position ids restart)
+    pytest.param(
+        ("torch_dtensor", "qwen3", 2, dict(cp=2, multiple=4)),
+        id="dtensor-cp2-qwen3",
+        # Measured 2026-11-26: logprobs, step-1 loss and grad norm equal the plain path (4.8e-7,
+        # 1e-7), but after 3 clipped-PG AdamW steps the logprobs are 1.26e-4 off (llama under
+        # the same CP: 6.2e-6), over this test's 1e-4.  Not explained yet; dualrl parity's NLL
+        # steps on qwen3 dtensor-cp2 stay within 4.8e-7.  strict: passing again flags it.
+        marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason="qwen3 DTensor CP: PG-step drift 1.3e-4")],
+    ),
+    pytest.param(
+        ("torch_dtensor", "qwen3", 2, dict(tp=2, packing=PACKING)),
+        id="dtensor-tp2-packed-qwen3",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
