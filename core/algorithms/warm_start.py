@@ -3,7 +3,9 @@
 ``builtin:arithmetic-llama`` is the tiny built-in Llama after a ``dualrl sft`` run on the
 run's own arithmetic task (``core/configs/sft_arithmetic.yaml`` with validation and
 checkpoints off, see ``WARM_START_OVERRIDES``); its training stream never shows the prompts
-the run holds out for validation.
+the run holds out for validation.  ``builtin:arithmetic-llama-small``, the distillation demo's
+student, is built the same way with its own base and fewer steps
+(``core.models.builtin.WARM_START_SFT_OVERRIDES``).
 
 A built model is saved as an ordinary local HF checkpoint under a cache directory: the
 policy workers, vLLM and the JAX importer load it by path, exactly as they load a hub model.
@@ -38,6 +40,7 @@ from core.models.builtin import (
     FORMAT_VERSION,
     INIT_SEED,
     PREFIX,
+    WARM_START_SFT_OVERRIDES,
     cache_root,
     is_builtin,
     spec_name,
@@ -86,14 +89,17 @@ WARM_START_OVERRIDES = (
 )
 
 
-def warm_start_config(task_cfg: ArithmeticTaskConfig | Mapping[str, Any], out_dir: Path | None = None) -> SFTRunConfig:
-    """The ``dualrl sft`` config that warm-starts ``builtin:arithmetic-llama`` for a task
-    (``out_dir``: where its export and logs go; None gives the path-free form the cache key
-    hashes)."""
+def warm_start_config(
+    task_cfg: ArithmeticTaskConfig | Mapping[str, Any], out_dir: Path | None = None, short: str = "arithmetic-llama"
+) -> SFTRunConfig:
+    """The ``dualrl sft`` config that warm-starts built-in model ``short`` (default
+    ``arithmetic-llama``) for a task (``out_dir``: where its export and logs go; None gives the
+    path-free form the cache key hashes)."""
     out = Path(out_dir) if out_dir is not None else Path("<build>")
     cfg = load_config(
         EMBEDDED_CONFIGS["sft"],
         list(WARM_START_OVERRIDES)
+        + list(WARM_START_SFT_OVERRIDES.get(short, ()))
         + [
             f"logger.log_dir={out / 'warm_start'}",
             f"checkpointing.checkpoint_dir={out / 'checkpoints'}",
@@ -109,7 +115,9 @@ def cache_key(short: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any], ex
     shape, warm = BUILTIN_MODELS[short]
     payload = {"version": FORMAT_VERSION, "model": shape, "init_seed": INIT_SEED}
     if warm:  # the SFT config without what cannot change the weights (where logs and files go)
-        sft = warm_start_config(task_cfg).model_dump(exclude={"logger", "checkpointing"}, exclude_none=True)
+        sft = warm_start_config(task_cfg, short=short).model_dump(
+            exclude={"logger", "checkpointing"}, exclude_none=True
+        )
         payload.update(warm_start=sft, exclude=sorted(exclude))
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -156,7 +164,7 @@ def _build(
         return
     from core.algorithms.placement import start_ray
 
-    cfg = warm_start_config(settings, out)
+    cfg = warm_start_config(settings, out, short)
     cfg.policy.model_name = str(resolve_builtin_model(cfg.policy.model_name, settings, (), log))
     log(
         f"building the built-in model {PREFIX}{short} (once; cached in {out.parent}): a `dualrl sft` run of "

@@ -174,6 +174,13 @@ def test_builtin_model_names_and_cache_key(tmp_path, monkeypatch):
     assert key == cache_key("arithmetic-llama", dict(task), ["1+1="])
     assert key != cache_key("arithmetic-llama", {**task, "max_value": 21}, ["1+1="])
     assert key != cache_key("arithmetic-llama", task, ["1+2="])  # another held-out set: another model
+    # the distillation student: its own base and a shorter warm start, so another model
+    from core.algorithms.warm_start import warm_start_config
+
+    small = warm_start_config(task, short="arithmetic-llama-small")
+    assert small.policy.model_name == "builtin:arithmetic-llama-small-base" and small.sft.max_num_steps == 100
+    assert warm_start_config(task).policy.model_name == "builtin:arithmetic-llama-base"
+    assert cache_key("arithmetic-llama-small", task, ["1+1="]) not in (key, base)
 
 
 def test_char_tokenizer_round_trips_and_the_sft_batch_masks_the_answer():
