@@ -311,7 +311,12 @@ def test_the_multi_turn_episodes_come_from_the_tool_environment_and_mask_the_scr
     assert tok.decode(data["input_ids"][2].tolist()).count("<tool_response> ") == 2  # 690, then 702
     advantages = data["advantages"].sum(1) / data["token_mask"].sum(1)
     assert torch.allclose(advantages, torch.tensor([1.0, -1.0, 0.0, 0.0, 1.0, -1.0, 0.0, 0.0]))
-    # --seq too small for the scripts: refused by name, never trained on a cut conversation
+    # --seq too small for the scripts, or a vocabulary too small: refused by name before anything starts
+    with pytest.raises(ValueError, match="the scripted conversations are 19 tokens long, --seq is 18"):
+        mt.MultiTurnWorkload.build(256, 18)
+    with pytest.raises(ValueError, match=r"tokenizer has \d+ ids, the model's vocabulary 20"):
+        mt.MultiTurnWorkload.build(20, 24)
+    # ... and played anyway (no dry run): an episode cut short is never trained on
     with pytest.raises(ValueError, match=r"turn 1: 5 live episodes, scripted 6 .*\(cut by --seq 16\?\)"):
         mt.MultiTurnWorkload(tok, 16, workload.cfg).batch(lambda ids, lengths: torch.zeros(ids.shape))
     with pytest.raises(ValueError, match="episode 2, turn 2: the scripted turn does not fit within 18 tokens"):

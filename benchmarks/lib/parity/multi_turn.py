@@ -186,7 +186,18 @@ class MultiTurnWorkload:
             f"policy.train_micro_batch_size={rows // 2}",  # the config's 2 GPUs as 2 data-parallel ranks
         ]
         path = DEFAULT_CONFIG_PATH.with_name("grpo_tool_arithmetic.yaml")
-        return cls(tokenizer, max_total_tokens, load_config(path, overrides, schema=GRPORunConfig))
+        workload = cls(tokenizer, max_total_tokens, load_config(path, overrides, schema=GRPORunConfig))
+        # Refused before anything starts: a --seq the conversations do not fit (a dry run, no model).
+        unbounded = cls(tokenizer, 1 << 30, workload.cfg)
+        width = int(
+            unbounded.batch(lambda ids, lengths: ids.new_zeros(ids.shape, dtype=float))[0]["input_lengths"].max()
+        )
+        if width > max_total_tokens:
+            raise ValueError(
+                f"grpo_multi_turn_step0: the scripted conversations are {width} tokens long, "
+                f"--seq is {max_total_tokens}"
+            )
+        return workload
 
     def prompts(self) -> list[list[int]]:
         bos = self.tokenizer.bos_token_id
