@@ -23,6 +23,7 @@ The model is the run's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,13 +69,13 @@ def workload_tokenizer():
 
     from core.environments.tools import calculate
 
-    words = {w for problem, _, episodes in SCRIPTS for w in (problem, "=")}
-    for _, truth, episodes in SCRIPTS:
-        words.add(truth)
-        for turns in episodes:
-            for turn in turns:
-                words.update(turn.split())
-    words.update(str(calculate(turn.split('"expression":"')[1].split('"')[0])) for turn in _calls())
+    words = {"="}
+    for problem, truth, episodes in SCRIPTS:
+        words.update((problem, truth))
+        for turn in (turn for turns in episodes for turn in turns):
+            words.update(turn.split())
+            # the calculator's responses, so the observations carry the numbers, not <unk>
+            words.update(str(calculate(e)) for e in re.findall(r'"expression":"([^"]+)"', turn))
     vocab = {w: i for i, w in enumerate(SPECIALS + RESPONSE_WORDS + tuple(sorted(words - set(SPECIALS))))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -82,10 +83,6 @@ def workload_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
-
-
-def _calls() -> list[str]:
-    return [t for _, _, eps in SCRIPTS for turns in eps for t in turns if '"expression":"' in t]
 
 
 LogprobsFn = Callable[[Any, Any], Any]
