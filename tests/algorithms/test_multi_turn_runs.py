@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 MULTI_TURN = ["grpo.max_rollout_turns=2", "policy.max_total_sequence_length=32"]
 TOOL_ARITHMETIC = DEFAULT_CONFIG_PATH.with_name("grpo_tool_arithmetic.yaml")
+EASY_PROBLEMS = ["env.arithmetic.max_value=49", "env.arithmetic.num_operands=2", "env.arithmetic.operations=[+,-]"]
 
 
 class RetryOnceEnv:
@@ -56,8 +57,12 @@ def _run(tmp_path_factory, name, *overrides):
 
 @pytest.mark.parametrize("backend", ["torch_fsdp", "torch_dtensor", "jax_pjit"])
 def test_tool_arithmetic_two_steps(ray_session, builtin_cache, tmp_path_factory, backend):
-    # core/configs/grpo_tool_arithmetic.yaml itself, shrunk as every run test shrinks the default
-    config = grpo_config(tmp_path_factory.mktemp(f"tool-arith-{backend}"), backend, path=TOOL_ARITHMETIC)
+    # core/configs/grpo_tool_arithmetic.yaml itself, shrunk as every run test shrinks the default,
+    # with the embedded task's problems: the built-in model gets none of the config's own
+    # (three operands up to 999) right, so every advantage and torch's gradient would be 0
+    config = grpo_config(
+        tmp_path_factory.mktemp(f"tool-arith-{backend}"), backend, *EASY_PROBLEMS, path=TOOL_ARITHMETIC
+    )
     run = run_grpo(config, log=lambda _msg: None)
     rows = _train_rows(run)
     assert [r["step"] for r in rows] == [1, 2]

@@ -147,7 +147,7 @@ def test_num_distinct_problems_of_the_tool_arithmetic_config_is_counted_quickly(
     task = ArithmeticTask({"num_operands": 3, "operations": ["+", "-", "*"], "min_value": 0, "max_value": 999})
     start = time.perf_counter()
     assert task.num_distinct_problems() == 6_501_009_552
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 60  # 0.4 s on a quiet 2-core CPU; the old programme: > 8 min
 
 
 def test_format_prompt():

@@ -23,6 +23,7 @@ The model is the run's.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,6 +155,25 @@ class ScriptedEngine:
         )
 
 
+@functools.cache
+def tool_arithmetic_config():
+    """``core/configs/grpo_tool_arithmetic.yaml`` with this workload's group and batch sizes
+    (a ``GRPORunConfig``; loaded once: the YAML files take ~0.3 s)."""
+    from core.algorithms.config import GRPORunConfig
+    from core.config import load_config
+    from core.config.loader import DEFAULT_CONFIG_PATH
+
+    rows = len(SCRIPTS) * GROUP
+    overrides = [
+        f"grpo.num_prompts_per_step={len(SCRIPTS)}",
+        f"grpo.num_generations_per_prompt={GROUP}",
+        f"grpo.max_rollout_turns={MAX_TURNS}",
+        f"policy.train_global_batch_size={rows}",
+        f"policy.train_micro_batch_size={rows // 2}",  # the config's 2 GPUs as 2 data-parallel ranks
+    ]
+    return load_config(DEFAULT_CONFIG_PATH.with_name("grpo_tool_arithmetic.yaml"), overrides, schema=GRPORunConfig)
+
+
 @dataclass
 class MultiTurnWorkload:
     """The episodes' fixed parts: tokenizer, prompts, environment, GRPO config, sequence limit."""
@@ -164,26 +184,13 @@ class MultiTurnWorkload:
 
     @classmethod
     def build(cls, vocab_size: int, max_total_tokens: int) -> MultiTurnWorkload:
-        from core.algorithms.config import GRPORunConfig
-        from core.config import load_config
-        from core.config.loader import DEFAULT_CONFIG_PATH
-
         tokenizer = workload_tokenizer()
         if len(tokenizer) > vocab_size:
             raise ValueError(
                 f"grpo_multi_turn_step0: the episodes' tokenizer has {len(tokenizer)} ids, "
                 f"the model's vocabulary {vocab_size}"
             )
-        rows = len(SCRIPTS) * GROUP
-        overrides = [
-            f"grpo.num_prompts_per_step={len(SCRIPTS)}",
-            f"grpo.num_generations_per_prompt={GROUP}",
-            f"grpo.max_rollout_turns={MAX_TURNS}",
-            f"policy.train_global_batch_size={rows}",
-            f"policy.train_micro_batch_size={rows // 2}",  # the config's 2 GPUs as 2 data-parallel ranks
-        ]
-        path = DEFAULT_CONFIG_PATH.with_name("grpo_tool_arithmetic.yaml")
-        workload = cls(tokenizer, max_total_tokens, load_config(path, overrides, schema=GRPORunConfig))
+        workload = cls(tokenizer, max_total_tokens, tool_arithmetic_config())
         # Refused before anything starts: a --seq the conversations do not fit (a dry run, no model).
         unbounded = cls(tokenizer, 1 << 30, workload.cfg)
         width = int(
