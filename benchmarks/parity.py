@@ -24,9 +24,9 @@ What is compared (every layout against ``hf`` and against every other layout):
    same loss code on full-batch HF logits, ``clip_grad_norm_`` and ``torch.optim.AdamW``.
    ``loss_curve``: the loss of 3 such steps on the same batch (each loss is taken before its
    step's update).  ``trained_logprobs``: ``get_logprobs`` after the 3 steps.  These steps
-   follow the GRPO step of item 7 in the same start (no extra Policy start for it): they
-   continue from the weights and the AdamW state its 2 updates left -- in ``hf`` too, which
-   keeps one AdamW for both --, so "step 0" is the first NLL step, the run's third update.
+   follow the GRPO steps of items 7, 8 and 10 in the same start (no extra Policy start for
+   them): they continue from the weights and the AdamW state their 5 updates left -- in ``hf``
+   too, which keeps one AdamW for all --, so "step 0" is the first NLL step, the run's sixth update.
 3. ``batch_invariance`` (per layout, ``hf`` included): a row's logprobs must not depend on the
    other rows of its batch / micro batch.  Variants, each against the row in the full batch:
    ``alone`` (the longest and the last row, each as a batch of one, same width),
@@ -129,6 +129,26 @@ What is compared (every layout against ``hf`` and against every other layout):
    plain and LoRA layouts load each other's exports.  The DCP ring runs per kind (a LoRA
    checkpoint holds adapters and their AdamW state a full fine-tuning target has no place for).
    Measured: see "LoRA, measured" below.
+10. ``grpo_multi_turn_step0`` / ``grpo_multi_turn_logprobs`` / ``multi_turn_episodes`` (pairwise,
+   ``hf`` included): right after the fused step, one multi-turn GRPO step
+   (``benchmarks.lib.parity.multi_turn``).  8 scripted tool-use episodes (4 problems x 2, 1-3
+   assistant turns: calculator calls, an unknown tool, right and wrong final answers) are played
+   by the code path training uses -- ``EpisodeRunner`` against the built-in ``tool_arithmetic``
+   ``ToolEnvironment``, ``ObservationTokens``, ``episodes_to_rows``, then
+   ``core.algorithms.grpo.training_data`` with ``core/configs/grpo_tool_arithmetic.yaml``'s
+   ``grpo`` section -- driven by a scripted engine: each turn's ids are a fixed text's ids plus
+   the stop token, their logprobs the layout's own ``get_logprobs`` (``hf``: its own), so the
+   episodes depend on no sampling.  Then, as item 7: old log-probs from the policy, reference
+   log-probs from its reference model (``hf``: a copy of its initial weights), one ``train``
+   call of 2 optimizer steps; then ``get_logprobs`` of the episodes.  ``multi_turn_episodes``:
+   ids, lengths, ``token_mask``, ``sample_mask``, advantages, rewards and turns must be bitwise
+   equal; ``grpo_multi_turn_step0``: item 7's quantities and the episodes' generation logprobs;
+   ``grpo_multi_turn_logprobs``: the logprobs after the step.  The parity tiny tokenizer has no
+   word for a tool call: the episodes use a word-level tokenizer of their own words (ids < 64)
+   on the run's model; a model with a smaller vocabulary, or a ``--seq`` the conversations do
+   not fit (19 tokens), is refused naming the row (exit 2, before any layout starts).
+   Measured (tiny llama, fsdp1-dp2 / dtensor-tp2 / jax-fsdp2, fp32, 2-core AMD EPYC CPU,
+   2026-11-26): episodes bitwise equal, step <= 9.5e-7, logprobs after it <= 1.9e-6.
 
 Bad input.  Each layout is checked before it starts, and a layout that cannot run gets an
 ``ERROR <layout>: ...`` line naming it and why while every other layout still runs and is
@@ -165,6 +185,9 @@ grpo_fused               max over metrics of the measure               <= 1e-5
 grpo_fused_vs_separate   same, layout's fused vs hf's separate pass    <= 1e-5
 token_mult_prob_error    mean exp|lp_policy - lp_engine|               <= 1.0001
 lora_b0_is_base          max |LoRA at init - plain hf| logprobs         <= 1e-5
+grpo_multi_turn_step0    as grpo_step0, + the generation logprobs       <= 1e-5
+grpo_multi_turn_logprobs max |a - b| after the multi-turn step          <= 1e-4
+multi_turn_episodes      max |a - b| of ids, masks, rewards, advantages <= 0
 =======================  ===========================================  =========
 
 ``--precision bfloat16`` runs every layout in bf16 compute over fp32 master weights (HF under

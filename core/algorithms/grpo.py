@@ -115,7 +115,7 @@ def generate_rollout(run: Any, step: int) -> Rollout:
     metrics = rollout_metrics(generated, mask, generated["rewards"], run.stop_token_ids, run.max_new_tokens)
     chosen = generated if selection is None else generated.select_indices(selection.rows)
     trained = torch.ones(chosen.size) if selection is None else selection.trained
-    data, batch_metrics = _training_data(run, chosen, trained)
+    data, batch_metrics = training_data(run, chosen, trained)
     if selection is not None and selection.train_rows < data.size:  # whole global batches only
         data = data.select_indices(list(range(selection.train_rows)))
     metrics.update(batch_metrics)
@@ -200,9 +200,10 @@ def _sample_groups(run: Any, step: int, timer: StepTimer) -> tuple[list[ScoredBa
     )
 
 
-def _training_data(run: Any, rows: BatchedDataDict, trained: torch.Tensor) -> tuple[BatchedDataDict, dict[str, float]]:
+def training_data(run: Any, rows: BatchedDataDict, trained: torch.Tensor) -> tuple[BatchedDataDict, dict[str, float]]:
     """The loss input of the rows a step trains on (``trained`` 0: masked filler rows), with the
-    overlong rules and the advantage metrics."""
+    overlong rules and the advantage metrics.  ``run`` needs ``cfg`` (its ``grpo`` section),
+    ``stop_token_ids`` and ``max_new_tokens`` (``dualrl parity``'s multi-turn row calls this too)."""
     g = run.cfg.grpo
     truncated = truncated_rows(rows, run.stop_token_ids, run.max_new_tokens)
     shaped = shape_response_lengths(rows["rewards"], rows["generation_lengths"], truncated, g, run.max_new_tokens)

@@ -13,10 +13,13 @@ prompt without its ``=`` gives the answer.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from core.environments.config import SUPPORTED_OPERATIONS, ArithmeticTaskConfig, EnvConfig
 from core.environments.interfaces import AnswerCheckingEnvironment, env_subsection
@@ -136,25 +139,16 @@ class ArithmeticTask:
     def _count_problems(self) -> int:
         """Exact size of the problem space (one prompt per operand/operator sequence)."""
         values = range(self.min_value, self.max_value + 1)
-        sequences = len(self.operations) ** (self.num_operands - 1)
         if self.allow_negative or "-" not in self.operations:
-            return sequences * len(values) ** self.num_operands
-        # Dynamic programme over (committed total, sign of the open term, open term's value):
-        # a term is checked when it closes, exactly as _draw checks it.
-        states: dict[tuple[int, str, int], int] = {(0, "+", v): 1 for v in values}
-        for _ in range(self.num_operands - 1):
-            following: dict[tuple[int, str, int], int] = {}
-            for (committed, sign, term), count in states.items():
-                for op in self.operations:
-                    if op == "*":
-                        nexts = [(committed, sign, term * v) for v in values]
-                    else:
-                        closed = _close(committed, sign, term)
-                        nexts = [] if closed < 0 else [(closed, op, v) for v in values]
-                    for key in nexts:
-                        following[key] = following.get(key, 0) + count
-            states = following
-        return sum(count for (c, sign, term), count in states.items() if _close(c, sign, term) >= 0)
+            return len(self.operations) ** (self.num_operands - 1) * len(values) ** self.num_operands
+        total = 0
+        for ops in itertools.product(self.operations, repeat=self.num_operands - 1):
+            terms = _terms(list(ops))
+            if all(sign == "+" for sign, _ in terms):
+                total += len(values) ** self.num_operands
+            else:
+                total += _count_nonnegative(terms, values)
+        return total
 
 
 class ArithmeticEnvironment(AnswerCheckingEnvironment):
@@ -196,8 +190,43 @@ def _terms(ops: list[str]) -> list[tuple[str, int]]:
     return list(zip(signs, sizes, strict=True))
 
 
-def _close(committed: int, sign: str, term: int) -> int:
-    return committed + term if sign == "+" else committed - term
+def _count_nonnegative(terms: list[tuple[str, int]], values: range) -> int:
+    """How many operand sequences of one operator sequence (its product ``terms``) keep the
+    running total >= 0 at every term's close, exactly as ``_draw`` checks it (operands >= 0).
+
+    The distribution of the running total is a count per value (a dense array: totals are
+    >= 0), each term's a count per product value; a closing term convolves them (``-``: with
+    the totals it would make negative dropped).  The last term is only summed (a suffix sum for
+    ``-``), so three operands up to 999 count in well under a second -- a dynamic programme over
+    (total, open term) states had not finished after 8 minutes there."""
+    counts = _product_counts(terms[0][1], values)
+    for k, (sign, size) in enumerate(terms[1:], start=1):
+        term = _product_counts(size, values)
+        last = k == len(terms) - 1
+        if sign == "+":
+            if last:
+                return int(counts.sum()) * int(term.sum())
+            counts = np.convolve(counts, term)
+        elif last:  # pairs (total T, term t) with t <= T: sum_t term[t] * #(T >= t)
+            at_least = np.cumsum(counts[::-1])[::-1]
+            n = min(len(term), len(at_least))
+            return int((term[:n] * at_least[:n]).sum())
+        else:  # new[v] = sum_t counts[v + t] * term[t], v >= 0
+            counts = np.convolve(counts, term[::-1])[len(term) - 1 : len(term) - 1 + len(counts)]
+    return int(counts.sum())
+
+
+def _product_counts(size: int, values: range) -> np.ndarray:
+    """``out[p]`` = how many sequences of ``size`` operands multiply to ``p`` (int64, dense)."""
+    products, counts = np.array([1], dtype=np.int64), np.array([1], dtype=np.int64)
+    factors = np.arange(values.start, values.stop, dtype=np.int64)
+    for _ in range(size):
+        products, inverse = np.unique(np.outer(products, factors).ravel(), return_inverse=True)
+        counts = np.bincount(inverse, weights=np.repeat(counts, len(factors)), minlength=len(products))
+        counts = counts.astype(np.int64)
+    out = np.zeros(int(products[-1]) + 1, dtype=np.int64)
+    out[products] = counts
+    return out
 
 
 def _format_operand(value: int) -> str:

@@ -61,11 +61,11 @@ def builtin_cache(ray_session, tmp_path_factory):
         os.environ["DUALRL_CACHE_DIR"] = old
 
 
-def grpo_config(run_dir: Path, backend: str, *overrides: str) -> GRPORunConfig:
-    """The embedded default on ``backend``, small, logging under ``run_dir``."""
+def grpo_config(run_dir: Path, backend: str, *overrides: str, path: Path = GRPO_DEFAULT_CONFIG_PATH) -> GRPORunConfig:
+    """The embedded default (or the config at ``path``) on ``backend``, small, logging under ``run_dir``."""
     paths = [f"logger.log_dir={run_dir / 'logs'}", f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}"]
     return load_config(
-        GRPO_DEFAULT_CONFIG_PATH,
+        path,
         SMALL_RUN + LAYOUTS[backend] + paths + list(overrides),
         backend=backend,
         schema=GRPORunConfig,

@@ -247,6 +247,82 @@ def test_a_dcp_load_or_resume_out_of_tolerance_fails():
     assert re.search(r"b -> a +2\.0e-05 FAIL +0\.0e\+00", report)  # the table row: loaded FAIL, resumed OK
 
 
+def _multi_turn(seed: int = 0) -> dict:
+    """The multi-turn row's measurement keys as ``multi_turn_step`` makes them (2 rows)."""
+    lp = -torch.rand(2, 5, generator=torch.Generator().manual_seed(seed)) * 5
+    mask = [[0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0]]
+    return {
+        "grpo_multi_turn": _grpo(),
+        "multi_turn_episodes": {
+            "input_ids": [[1, 7, 8, 9, 10], [1, 7, 8, 0, 0]],
+            "token_mask": mask,
+            "advantages": [[a * m for m in row] for a, row in zip((1.0, -1.0), mask, strict=True)],
+            "rewards": [1.0, 0.0],
+        },
+        "multi_turn_generation_logprobs": lp * torch.tensor(mask),
+        "multi_turn_logprobs": lp - 0.1,
+    }
+
+
+def test_the_multi_turn_row_holds_episodes_exactly_and_the_step_to_its_tolerances():
+    measured = {name: {**m, **_multi_turn()} for name, m in _clean().items()}
+    results = _results(measured)
+    assert results["passed"], format_matrix(results)
+    for check in ("grpo_multi_turn_step0", "grpo_multi_turn_logprobs", "multi_turn_episodes"):
+        assert sum(c["check"] == check for c in results["checks"]) == 3, check  # hf, a, b: every pair
+    json.dumps(results)
+    measured["a"]["multi_turn_episodes"]["token_mask"][1][4] = 1.0  # one observation token trained on
+    measured["b"]["multi_turn_generation_logprobs"][0, 1] += 2e-5  # 2x the tolerance
+    measured["b"]["multi_turn_logprobs"][1, 2] += 5e-5  # within 1e-4 after training
+    measured["hf"]["grpo_multi_turn"]["metrics"]["probs_ratio"][1] += 1e-6  # within 1e-5
+    results = _results(measured)
+    assert _failed(results) == {
+        ("multi_turn_episodes", "hf", "a"),
+        ("multi_turn_episodes", "a", "b"),
+        ("grpo_multi_turn_step0", "hf", "b"),
+        ("grpo_multi_turn_step0", "a", "b"),
+    }
+    mask = next(c for c in results["checks"] if (c["check"], c["a"], c["b"]) == ("multi_turn_episodes", "hf", "a"))
+    assert mask["per_quantity"]["token_mask"] == 1.0 and mask["per_quantity"]["rewards"] == 0.0
+    report = format_matrix(results)
+    assert "FAIL multi_turn_episodes: hf vs a: 1.000e+00 (needs <= 0)" in report
+    assert "multi-turn GRPO step (scripted tool-use episodes" in report
+    del measured["b"]["multi_turn_episodes"]["rewards"]  # a field one side lacks: NaN, never a pass
+    assert ("multi_turn_episodes", "a", "b") in _failed(_results(measured))
+
+
+def test_the_multi_turn_episodes_come_from_the_tool_environment_and_mask_the_scripted_turns():
+    import benchmarks.lib.parity.multi_turn as mt
+
+    workload = mt.MultiTurnWorkload.build(vocab_size=256, max_total_tokens=24)
+    data, exact = workload.batch(lambda ids, lengths: -torch.ones(ids.shape))
+    tok = workload.tokenizer
+    scripted = [turns for _, _, episodes in mt.SCRIPTS for turns in episodes]
+    assert exact["turns"] == [len(t) for t in scripted] == [2, 1, 3, 2, 2, 2, 2, 1]
+    assert exact["rewards"] == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0]  # the environment's judge
+    for row, turns in enumerate(scripted):
+        ids = data["input_ids"][row, : int(data["input_lengths"][row])]
+        trained = ids[data["token_mask"][row, : len(ids)] == 1].tolist()
+        want = [i for t in turns for i in [*tok.encode(t, add_special_tokens=False), tok.eos_token_id]]
+        assert trained == want, row  # exactly the generated ids, every turn's stop token included
+        assert (data["generation_logprobs"][row] == -data["token_mask"][row]).all()
+    text = tok.decode(data["input_ids"][3].tolist())  # the unknown tool's error came back as an observation
+    assert "<tool_response> <unk>" in text and text.count("<tool_call>") == 1
+    assert tok.decode(data["input_ids"][2].tolist()).count("<tool_response> ") == 2  # 690, then 702
+    advantages = data["advantages"].sum(1) / data["token_mask"].sum(1)
+    assert torch.allclose(advantages, torch.tensor([1.0, -1.0, 0.0, 0.0, 1.0, -1.0, 0.0, 0.0]))
+    # --seq too small for the scripts, or a vocabulary too small: refused by name before anything starts
+    with pytest.raises(ValueError, match="the scripted conversations are 19 tokens long, --seq is 18"):
+        mt.MultiTurnWorkload.build(256, 18)
+    with pytest.raises(ValueError, match=r"tokenizer has \d+ ids, the model's vocabulary 20"):
+        mt.MultiTurnWorkload.build(20, 24)
+    # ... and played anyway (no dry run): an episode cut short is never trained on
+    with pytest.raises(ValueError, match=r"turn 1: 5 live episodes, scripted 6 .*\(cut by --seq 16\?\)"):
+        mt.MultiTurnWorkload(tok, 16, workload.cfg).batch(lambda ids, lengths: torch.zeros(ids.shape))
+    with pytest.raises(ValueError, match="episode 2, turn 2: the scripted turn does not fit within 18 tokens"):
+        mt.MultiTurnWorkload(tok, 18, workload.cfg).batch(lambda ids, lengths: torch.zeros(ids.shape))
+
+
 def test_token_mult_prob_error_band():
     measured = _clean()
     measured["a"]["engine"] = _engine(1.0000026)  # what vLLM on CPU measures
@@ -315,7 +391,7 @@ def test_bad_layouts_and_an_unsupported_model_get_error_lines_the_rest_runs(acto
 # ----------------------------------------------------------------------------- the real matrix
 
 
-# slow (~75 s): three layouts, two vLLM engines; the fast tests above run the matrix's hf row,
+# slow (~90 s): three layouts, two vLLM engines; the fast tests above run the matrix's hf row,
 # its error lines and its report, and tests/backends checks every layout against HF
 @pytest.mark.slow
 def test_tiny_matrix_one_layout_per_backend_passes(actor_devices):
@@ -338,8 +414,12 @@ def test_tiny_matrix_one_layout_per_backend_passes(actor_devices):
     assert not results["passed"]  # the two bad layouts make the exit code 1
     assert list(results["measured"]) == ["hf", *layouts] and not results["skipped"]
     checks = results["checks"]
-    for check in ("logprobs", "grpo_step0", "grpo_fused"):
+    # ... the multi-turn GRPO step among them: the same scripted tool-use episodes (bitwise
+    # equal ids, masks, rewards, advantages), the step and its updated logprobs on every backend
+    multi_turn = ("grpo_multi_turn_step0", "grpo_multi_turn_logprobs", "multi_turn_episodes")
+    for check in ("logprobs", "grpo_step0", "grpo_fused", *multi_turn):
         assert sum(c["check"] == check for c in checks) == 6, check  # hf + 3 layouts, every pair
+    assert results["measured"]["hf"]["multi_turn_episodes"]["turns"] == [2, 1, 3, 2, 2, 2, 2, 1]
     assert {c["a"] for c in checks if c["check"] == "grpo_fused_vs_separate"} == {"hf", *layouts}
     crossed = {(c["a"], c["b"]) for c in checks if c["check"] == "crossload"}
     assert crossed == {*((name, "hf") for name in layouts), *crossload_pairs(layouts, "ring")}

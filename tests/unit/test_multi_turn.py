@@ -15,6 +15,7 @@ from core.algorithms.observation_tokens import ObservationTokens
 from core.algorithms.rollouts import training_batch, truncated_rows
 from core.data import BatchedDataDict
 from core.environments.multi_turn import EpisodeError, StepResult, check_step_result
+from core.environments.tools import Tool, ToolEnvironment
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "tool", "question"]
 WORDS += [chr(c) for c in range(ord("a"), ord("z") + 1)]
@@ -280,6 +281,31 @@ def test_multi_turn_config_refusals(overrides, fragment):
 def test_multi_turn_config_accepted():
     cfg = _grpo("env.name=tool_arithmetic", "grpo.max_rollout_turns=3", "env.on_episode_error=end_episode")
     assert cfg.is_multi_turn() and cfg.grpo.max_rollout_turns == 3 and cfg.env.on_episode_error == "end_episode"
+
+
+class UpperEnv(ToolEnvironment):
+    """A user's tool environment, named ``env.name: tests.unit.test_multi_turn:UpperEnv``."""
+
+    name = "upper"
+    tools = (Tool("upper", "upper-cases a word", lambda arguments, state: arguments["word"].upper(), {"word": str}),)
+
+    def judge(self, answer, metadata):
+        return answer.strip() == metadata["ground_truth"], answer.strip()
+
+
+def test_a_user_tool_environment_is_named_by_module_and_class():
+    from core.environments.registry import environment_is_multi_turn, make_multi_turn_environment
+
+    name = "tests.unit.test_multi_turn:UpperEnv"
+    assert environment_is_multi_turn(name)
+    cfg = _grpo(f"env.name={name}", "grpo.max_rollout_turns=2", "env.tools.timeout_s=2")
+    assert cfg.is_multi_turn()
+    env = make_multi_turn_environment(cfg.env)
+    assert isinstance(env, ToolEnvironment) and env.timeout_s == 2
+    state = env.reset({"ground_truth": "AB"})
+    call = '<tool_call>{"name": "upper", "arguments": {"word": "ab"}}</tool_call>'
+    assert env.step(state, call).observation == "<tool_response>\nAB\n</tool_response>"
+    assert env.step(state, "AB").reward == 1.0
 
 
 def test_a_single_turn_environment_runs_as_one_step_episodes():

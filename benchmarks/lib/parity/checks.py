@@ -7,7 +7,15 @@ from typing import Any
 
 from benchmarks.lib.layouts import LayoutError, parse_layout
 from benchmarks.lib.parity.measure import max_abs_diff
-from benchmarks.lib.parity.settings import GRPO_CHECKS, GRPO_METRICS, HF, HF_LORA, PAIRWISE, TOLERANCES
+from benchmarks.lib.parity.settings import (
+    GRPO_CHECKS,
+    GRPO_METRICS,
+    HF,
+    HF_LORA,
+    MULTI_TURN_CHECKS,
+    PAIRWISE,
+    TOLERANCES,
+)
 
 
 def is_lora(name: str) -> bool:
@@ -69,6 +77,30 @@ def grpo_diffs(x: dict, y: dict) -> dict[str, float]:
     return out
 
 
+def multi_turn_diffs(check: str, x: dict, y: dict) -> dict[str, float]:
+    """Per compared quantity of two layouts' multi-turn measurements: ``grpo_multi_turn_step0``
+    the GRPO step's (as :func:`grpo_diffs`) and the episodes' generation logprobs (max |a - b|),
+    ``grpo_multi_turn_logprobs`` the updated logprobs, ``multi_turn_episodes`` every exact
+    per-row field (max |a - b|: 0 when bitwise equal; NaN for a field of another shape)."""
+    if check == "grpo_multi_turn_step0":
+        diffs = grpo_diffs(x["grpo_multi_turn"], y["grpo_multi_turn"])
+        a, b = x["multi_turn_generation_logprobs"], y["multi_turn_generation_logprobs"]
+        diffs["generation_logprobs"] = max_abs_diff(a, b) if a.shape == b.shape else float("nan")
+        return diffs
+    if check == "grpo_multi_turn_logprobs":
+        a, b = x["multi_turn_logprobs"], y["multi_turn_logprobs"]
+        return {"logprobs": max_abs_diff(a, b) if a.shape == b.shape else float("nan")}
+    import torch
+
+    ex, ey = x["multi_turn_episodes"], y["multi_turn_episodes"]
+    out = {}
+    for key in sorted(set(ex) | set(ey)):
+        a, b = (torch.tensor(e[key], dtype=torch.float64) if key in e else None for e in (ex, ey))
+        same = a is not None and b is not None and a.shape == b.shape
+        out[key] = max_abs_diff(a, b) if same else float("nan")
+    return out
+
+
 def pairwise_value(check: str, x: dict, y: dict) -> float:
     if check in ("logprobs", "trained_logprobs"):
         return max_abs_diff(x[check], y[check])
@@ -102,6 +134,11 @@ def evaluate(
     for check in PAIRWISE:
         for a, b in itertools.combinations(names, 2):
             if not same_kind(a, b):
+                continue
+            if check in MULTI_TURN_CHECKS:
+                if MULTI_TURN_CHECKS[check] in measured[a] and MULTI_TURN_CHECKS[check] in measured[b]:
+                    diffs = multi_turn_diffs(check, measured[a], measured[b])
+                    checks.append(_record(check, a, b, max(diffs.values()), tolerances, per_quantity=diffs))
                 continue
             if check in GRPO_CHECKS:
                 key = GRPO_CHECKS[check]
@@ -216,7 +253,17 @@ def collect(
 
 
 #: What a measurement keeps in the results besides losses, norms and invariance.
-SUMMARY_KEYS = ("startup_s", "seconds", "grpo", "grpo_fused", "grpo_fused_separate", "grpo_s", "engine")
+SUMMARY_KEYS = (
+    "startup_s",
+    "seconds",
+    "grpo",
+    "grpo_fused",
+    "grpo_fused_separate",
+    "grpo_multi_turn",
+    "multi_turn_episodes",
+    "grpo_s",
+    "engine",
+)
 
 
 def _summary(m: dict) -> dict:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 from benchmarks.lib.parity.grpo import grpo_loss_fn, grpo_summary
 from benchmarks.lib.parity.measure import measure
+from benchmarks.lib.parity.multi_turn import multi_turn_hf
 from benchmarks.lib.parity.settings import GRPO_STEPS
 
 
@@ -20,7 +21,14 @@ class HFReference:
     ``LoRALinear`` with the initial adapters every backend draws, everything else frozen, so
     the AdamW below holds the adapters only, as the backends' optimizers do."""
 
-    def __init__(self, model_path: str, cfg: dict, precision: str = "float32", lora: dict | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg: dict,
+        precision: str = "float32",
+        lora: dict | None = None,
+        keep_reference: bool = True,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -31,21 +39,30 @@ class HFReference:
 
             apply_lora(self.model, LoRAConfig(enabled=True, **lora))
         self.cfg = cfg
+        # The initial weights, as a Policy's reference model (the multi-turn step's KL term).
+        self.reference = copy.deepcopy(self.model) if keep_reference else None
         # bf16: the workers' recipe (bf16 compute over fp32 weights) as CPU autocast does it
         self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
         self._opt = None  # one AdamW for every train step (GRPO's, then NLL's), as a Policy has
 
-    def logprobs(self, ids, lengths):
+    def logprobs(self, ids, lengths, model=None):
         """``[0, logp...]``, padding 0; log_softmax in float64 as tests/torch_backends does."""
         import torch
 
+        model = model or self.model
         mask = torch.arange(ids.shape[1])[None] < lengths[:, None]
-        self.model.eval()
+        model.eval()
         with torch.no_grad(), self.autocast():
-            logits = self.model(input_ids=ids, attention_mask=mask.long()).logits.double()
+            logits = model(input_ids=ids, attention_mask=mask.long()).logits.double()
         lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
         lp = torch.cat([torch.zeros(lp.shape[0], 1, dtype=lp.dtype), lp], 1)
         return (lp * mask).float()
+
+    def reference_logprobs(self, ids, lengths):
+        """:meth:`logprobs` of the initial weights (``get_reference_policy_logprobs``)."""
+        if self.reference is None:
+            raise ValueError("HFReference(keep_reference=False) has no reference model")
+        return self.logprobs(ids, lengths, self.reference)
 
     def trainer(self, data, loss_fn=None) -> Callable[[], tuple[float, float, dict]]:
         """One step = full-batch forward, the workers' loss code (``NLLLoss`` by default),
@@ -84,28 +101,30 @@ class HFReference:
 
         return step
 
-    def measure(self, data, other, steps: int, grpo_base=None, grpo_steps: int = GRPO_STEPS) -> dict:
+    def measure(self, data, other, steps: int, grpo_base=None, grpo_steps: int = GRPO_STEPS, multi_turn=None) -> dict:
         step = self.trainer(data)
-        grpo = None if grpo_base is None else (lambda: self.grpo(grpo_base, grpo_steps))
+        grpo = None if grpo_base is None else (lambda: self.grpo(grpo_base, grpo_steps, multi_turn))
         return measure(self.logprobs, lambda: step()[:2], data, other, steps, grpo)
 
-    def grpo(self, base, steps: int = GRPO_STEPS) -> dict:
+    def grpo(self, base, steps: int = GRPO_STEPS, multi_turn=None) -> dict:
         """:func:`grpo_policy` in this process: step 0 at the current weights, then the fused
         step computed both ways from the same weights and optimizer state
         (``grpo_fused_separate``: old log-probs from a separate pass, today's path; then, kept,
-        ``grpo_fused``)."""
+        ``grpo_fused``); then, given a ``MultiTurnWorkload``, the multi-turn step."""
         data = dict(base)
         initial = self.logprobs(data["input_ids"], data["input_lengths"])
         data["prev_logprobs"] = data["reference_policy_logprobs"] = initial
-        out = {"grpo": self._grpo_steps(data, grpo_loss_fn(), steps)}
+        out = {"grpo": self.grpo_steps(data, grpo_loss_fn(), steps)}
         fused = {k: v for k, v in data.items() if k != "prev_logprobs"}
         with self._restored_after():
             separate = {**fused, "prev_logprobs": self.logprobs(data["input_ids"], data["input_lengths"])}
-            out["grpo_fused_separate"] = self._grpo_steps(separate, grpo_loss_fn(), 1)
-        out["grpo_fused"] = self._grpo_steps(fused, grpo_loss_fn("forward"), 1)
+            out["grpo_fused_separate"] = self.grpo_steps(separate, grpo_loss_fn(), 1)
+        out["grpo_fused"] = self.grpo_steps(fused, grpo_loss_fn("forward"), 1)
+        if multi_turn is not None:
+            out.update(multi_turn_hf(self, multi_turn, steps))
         return out
 
-    def _grpo_steps(self, data: dict, loss_fn, steps: int) -> dict:
+    def grpo_steps(self, data: dict, loss_fn, steps: int) -> dict:
         """``steps`` optimizer steps, one per equal slice of ``data``; their summary."""
         step = self.trainer(data, loss_fn)
         gbs = len(data["input_ids"]) // steps
@@ -133,4 +152,4 @@ class HFReference:
 
 def hf_export_logprobs(path: str, data, precision: str = "float32"):
     """Logprobs of an HF export loaded in this process (the ``hf`` cross-load target)."""
-    return HFReference(path, {}, precision).logprobs(data["input_ids"], data["input_lengths"])
+    return HFReference(path, {}, precision, keep_reference=False).logprobs(data["input_ids"], data["input_lengths"])

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from benchmarks.lib.parity.grpo import grpo_policy
+from benchmarks.lib.parity.multi_turn import multi_turn_policy
 from benchmarks.lib.parity.settings import GRPO_STEPS
 
 
@@ -81,18 +82,27 @@ def nll_step(runner, data) -> tuple[float, float]:
     return out.loss[0], out.grad_norm[0]
 
 
-def measure_policy(runner, data, other, steps: int, grpo_base=None, grpo_steps: int = GRPO_STEPS) -> dict:
+def measure_policy(
+    runner, data, other, steps: int, grpo_base=None, grpo_steps: int = GRPO_STEPS, multi_turn=None
+) -> dict:
     """:func:`measure` on a runner's Policy: ``NLLLoss``, the runner's gbs/mbs (one micro batch
-    per data-parallel rank, one optimizer step per ``train`` call); GRPO on ``grpo_base``."""
+    per data-parallel rank, one optimizer step per ``train`` call); GRPO on ``grpo_base``, then
+    (given a ``MultiTurnWorkload``) the multi-turn GRPO step."""
     policy = runner.policy
-    grpo = None if grpo_base is None else (lambda: grpo_policy(runner, grpo_base, grpo_steps))
+
+    def grpo() -> dict:
+        out = grpo_policy(runner, grpo_base, grpo_steps)
+        if multi_turn is not None:
+            out.update(multi_turn_policy(runner, multi_turn, grpo_steps))
+        return out
+
     return measure(
         lambda ids, lengths: policy_logprobs(policy, ids, lengths),
         lambda: nll_step(runner, data),
         data,
         other,
         steps,
-        grpo,
+        None if grpo_base is None else grpo,
     )
 
 

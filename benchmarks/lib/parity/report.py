@@ -11,6 +11,7 @@ from benchmarks.lib.parity.settings import (
     GRPO_METRICS,
     HF,
     HF_LORA,
+    MULTI_TURN_CHECKS,
     PAIRWISE,
     STEPS,
     VARIANTS,
@@ -26,6 +27,11 @@ TITLES = {
     "optimizer steps of |a - b| / max(1, |a|, |b|)",
     "grpo_fused": "fused GRPO step (old log-probs from the training forward, one optimizer step, after step 0): "
     "max over the same quantities",
+    "grpo_multi_turn_step0": "multi-turn GRPO step (scripted tool-use episodes, after the fused step): max over "
+    "the same quantities and the episodes' generation logprobs",
+    "grpo_multi_turn_logprobs": "get_logprobs of the multi-turn episodes after that step: max |a - b|",
+    "multi_turn_episodes": "multi-turn episodes (ids, lengths, token_mask, sample_mask, advantages, rewards, "
+    "turns): max |a - b|",
 }
 
 
@@ -111,10 +117,16 @@ def _variant_table(results: dict) -> list[str]:
 
 def _grpo_table(results: dict, by_one: dict) -> list[str]:
     """Per layout: GRPO step 0 and the fused step after it (and, for hf, that step computed
-    with a separate old-log-prob pass), with the fused step's distance to that separate path."""
+    with a separate old-log-prob pass), with the fused step's distance to that separate path;
+    then the multi-turn step."""
     keys = [k for k in GRPO_METRICS if k != "loss"]
     rows = [["layout", "step", "loss (per step)", *keys, "grad norm", "fused vs separate", "seconds"]]
-    steps = (("grpo", "0"), ("grpo_fused", "fused"), ("grpo_fused_separate", "separate"))
+    steps = (
+        ("grpo", "0"),
+        ("grpo_fused", "fused"),
+        ("grpo_fused_separate", "separate"),
+        ("grpo_multi_turn", "multi-turn"),
+    )
     for name, m in results["measured"].items():
         for key, label in steps:
             g = m.get(key)
@@ -134,7 +146,8 @@ def _grpo_table(results: dict, by_one: dict) -> list[str]:
             )
     tol = _tolerance(results, "grpo_fused_vs_separate") if "grpo_fused_vs_separate" in results["tolerances"] else ""
     return [
-        "GRPO per layout (values per optimizer step; hf: in this process): step 0, then the fused step; "
+        "GRPO per layout (values per optimizer step; hf: in this process): step 0, then the fused step, "
+        "then (where it ran) the multi-turn step; "
         f"fused vs separate: the layout's fused step against hf's separate-pass step on the same weights "
         f"(pass: {tol})",
         *_table(rows),
@@ -227,7 +240,8 @@ def format_matrix(results: dict) -> str:
     ]
     if len(names) > 1:
         for check in PAIRWISE:
-            if check in GRPO_CHECKS and not any(c["check"] == check for c in checks):
+            optional = check in GRPO_CHECKS or check in MULTI_TURN_CHECKS
+            if optional and not any(c["check"] == check for c in checks):
                 continue
             lines += [*_pair_matrix(check, names, by_pair, _tolerance(results, check)), ""]
     if names:

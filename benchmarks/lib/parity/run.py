@@ -25,6 +25,7 @@ from benchmarks.lib.parity.models import (
     layout_problem,
     parity_settings,
 )
+from benchmarks.lib.parity.multi_turn import MultiTurnWorkload
 from benchmarks.lib.parity.runners import new_runner, parity_runner
 from benchmarks.lib.parity.settings import (
     BF16_TOLERANCES,
@@ -63,6 +64,8 @@ class ParityRun:
         self.engine: Engine | None = None
         self.engine_error: str | None = None
         self.engine_startup_s: list[float] = []
+        #: The episodes of ``grpo_multi_turn_step0`` (a ``MultiTurnWorkload``; None: not run).
+        self.multi_turn = None
 
     # ------------------------------------------------------------------ Ray / engine
     def start(self, name: str, model_path: str | None = None):
@@ -108,7 +111,7 @@ class ParityRun:
         runner = self.start(name)
         try:
             startup = time.perf_counter() - t0
-            out = measure_policy(runner, data, other, self.args.steps, grpo_base, grpo_steps)
+            out = measure_policy(runner, data, other, self.args.steps, grpo_base, grpo_steps, self.multi_turn)
             export = self.tmp / f"export-{name}"
             runner.policy.save_hf_checkpoint(str(export))
             out.update(startup_s=startup, export=str(export))
@@ -311,14 +314,16 @@ def run_parity(
         initial = hf.logprobs(data["input_ids"], data["input_lengths"])
         base = grpo_batch(data, initial)  # GRPO's batch: hf's initial logprobs stand in for the engine's
         grpo_steps = GRPO_STEPS if batch % GRPO_STEPS == 0 else 1
+        run.multi_turn = multi_turn = MultiTurnWorkload.build(vocab, seq)
         kinds = {is_lora(n) for n in layouts}
         if False in kinds:
-            run.measured[HF] = hf.measure(data, other, steps, base, grpo_steps)
+            run.measured[HF] = hf.measure(data, other, steps, base, grpo_steps, multi_turn)
             run.timings[HF] = time.perf_counter() - t0
         if True in kinds:
             t0 = time.perf_counter()
             hf_lora = HFReference(model_path, cfg, precision, lora=LORA)
-            run.measured[HF_LORA] = {**hf_lora.measure(data, other, steps, base, grpo_steps), "base_logprobs": initial}
+            measured = hf_lora.measure(data, other, steps, base, grpo_steps, multi_turn)
+            run.measured[HF_LORA] = {**measured, "base_logprobs": initial}
             run.timings[HF_LORA] = time.perf_counter() - t0
         prompts = engine_prompts(vocab, getattr(tokenizer, "bos_token_id", None)) if engine_layouts else None
         try:

@@ -43,6 +43,9 @@ TOLERANCES: dict[str, tuple[str, float]] = {
     "grpo_fused_vs_separate": ("<=", 1e-5),
     "token_mult_prob_error": ("<=", 1.0001),
     "lora_b0_is_base": ("<=", 1e-5),
+    "grpo_multi_turn_step0": ("<=", 1e-5),
+    "grpo_multi_turn_logprobs": ("<=", 1e-4),
+    "multi_turn_episodes": ("<=", 0.0),
 }
 #: ``--precision bfloat16`` (bf16 compute, fp32 master weights and AdamW state, HF reference under
 #: CPU autocast).  What differs between layouts is where bf16 rounds a matmul's *inputs*
@@ -69,6 +72,8 @@ BF16_TOLERANCES: dict[str, tuple[str, float]] = {
     "grpo_fused_vs_separate": ("<=", 1e-2),
     "token_mult_prob_error": ("<=", 1.01),  # not measured in bf16 here (the engine is opt-in)
     "lora_b0_is_base": ("<=", 1e-2),  # a layout against base hf: the logprobs band
+    "grpo_multi_turn_step0": ("<=", 1e-2),  # the GRPO band (its generation logprobs: the logprobs band)
+    "grpo_multi_turn_logprobs": ("<=", 3e-2),  # the trained-logprobs band
 }
 #: Checks between two layouts (every pair of ``hf`` + layouts), the rest are per layout.
 PAIRWISE = (
@@ -79,7 +84,16 @@ PAIRWISE = (
     "trained_logprobs",
     "grpo_step0",
     "grpo_fused",
+    "grpo_multi_turn_step0",
+    "grpo_multi_turn_logprobs",
+    "multi_turn_episodes",
 )
 #: The pairwise GRPO checks -> the measurement each compares (a ``grpo_summary``).
 GRPO_CHECKS = {"grpo_step0": "grpo", "grpo_fused": "grpo_fused"}
+#: The pairwise multi-turn checks (benchmarks.lib.parity.multi_turn) -> the measurement each compares.
+MULTI_TURN_CHECKS = {
+    "grpo_multi_turn_step0": "grpo_multi_turn",
+    "grpo_multi_turn_logprobs": "multi_turn_logprobs",
+    "multi_turn_episodes": "multi_turn_episodes",
+}
 VARIANTS = ("alone", "alone_trimmed", "reversed", "mixed")
