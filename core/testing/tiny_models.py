@@ -179,6 +179,41 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         vocab_size=8192,
     ),
+    # Gemma 3 text at the benchmark size: llama_bench's widths, gemma-3-1b's layout (sliding
+    # layers then a global one, query_pre_attn_scalar = head_dim, no soft-capping, tied
+    # embeddings); a window of 128 binds at the bench's --seq 256.
+    "gemma3_bench": dict(
+        family="gemma3",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        sliding_window=128,
+        query_pre_attn_scalar=64,
+        rope_parameters=_GEMMA3_ROPE,
+        tie_word_embeddings=True,
+        vocab_size=8192,
+    ),
+    # Qwen3-MoE at the benchmark size: 8 experts, top 2, every layer sparse (as 30B-A3B); each
+    # token's two experts hold llama_bench's 1408 MLP width between them.
+    "qwen3_moe_bench": dict(
+        family="qwen3_moe",
+        hidden_size=512,
+        intermediate_size=1408,
+        moe_intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        vocab_size=8192,
+    ),
 }
 
 TINY_VOCAB_SIZE = 256
