@@ -1,10 +1,10 @@
 """Adapter-only LoRA refit (``policy.lora.refit: adapter``) into a real vLLM engine.
 
 Two fp32 engines for the tiny Llama: one started with LoRA (adapter refit), one without
-(merged refit).  From FSDP1 and from JAX: the first refit sends the base and the adapter,
-later ones the adapter alone (its bytes only); after LoRA train steps the engine's logprobs
-match the policy's (token_mult_prob_error in [1, 1.001)) and the adapter engine's logprobs
-equal the merged engine's.
+(merged refit).  From FSDP1, DTensor (tp2: A/B sharded with their base layers) and JAX: the
+first refit sends the base and the adapter, later ones the adapter alone (its bytes only);
+after LoRA train steps the engine's logprobs match the policy's (token_mult_prob_error in
+[1, 1.001)) and the adapter engine's logprobs equal the merged engine's.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": "all-linear", "init_seed": 0}
 
 
-def lora_config(model_dir, backend: str, refit: str) -> dict:
-    cfg = refit_config(model_dir, backend)
+def lora_config(model_dir, backend: str, refit: str, tp: int = 1) -> dict:
+    cfg = refit_config(model_dir, backend, tp=tp)
     cfg["lora"] = dict(LORA, refit=refit)
     return cfg
 
@@ -101,6 +101,19 @@ def test_fsdp1_adapter_refit(engines, gen_model_dirs, tokenizer):
         with pytest.raises(RefitError, match="lora_A.weight.*stream shape \\[5"):
             engines[0].prepare_adapter_refit(wrong)
         assert engines[0].weights_valid()
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+
+
+def test_dtensor_tp2_adapter_refit(engines, gen_model_dirs, tokenizer):
+    model_dir = gen_model_dirs["llama_gen"]
+    cfg = lora_config(model_dir, "torch_dtensor", "auto", tp=2)
+    cluster = RayVirtualCluster([2], use_gpus=False, num_cpus_per_bundle=1, name="lora_refit_dtensor")
+    policy = Policy(cluster, cfg, tokenizer, name_prefix="lora_refit_dtensor")
+    try:
+        # The engine holds another policy's base (or none): this one sends its own base first.
+        _run(policy, engines, model_dir, 31, ("collective", "ipc"), "dtensor-tp2")
     finally:
         policy.shutdown()
         cluster.shutdown()
