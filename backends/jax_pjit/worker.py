@@ -88,7 +88,6 @@ from core.policy.worker_base import (
     reports_worker_seconds,
     step_skip_reason,
 )
-from core.refit.manifest import RefitError
 
 if TYPE_CHECKING:
     import optax
@@ -552,8 +551,6 @@ class JaxPolicyWorker(PolicyWorkerBase):
     def _iter_adapter_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]:
         """``lora_a`` [*in, r] -> A [r, in] and ``lora_b`` [r, *out] -> B [out, r] (what the HF
         export writes), cast and moved off the devices one at a time."""
-        if not self.lora:
-            raise RefitError("adapter-only refit of a policy without policy.lora")
         self._reload("params")
         flat = flat_values(self.params)
         cast = jnp.dtype(dtype) if dtype is not None else None

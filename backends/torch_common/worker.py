@@ -77,7 +77,7 @@ from core.policy.worker_base import (
     reports_worker_seconds,
     step_skip_reason,
 )
-from core.refit.manifest import RefitError, tied_aliases
+from core.refit.manifest import tied_aliases
 
 if TYPE_CHECKING:
     from backends.torch_dtensor.context_parallel import ContextParallelRows
@@ -631,8 +631,6 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         return {peft_name(n): self._stored_meta[n] for n in self._stored_order() if is_adapter_name(n)}
 
     def _iter_adapter_weights(self, dtype: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-        if not self.lora_modules:
-            raise RefitError("adapter-only refit of a policy without policy.lora")
         cast = None if dtype is None else as_torch_dtype(dtype)
         for name, tensor in self._iter_stored_weights(cast, skip=frozenset(self.param_meta)):
             yield peft_name(name), tensor
