@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from core.policy.config import OptimizerConfig, SchedulerEntry
+from core.policy.config import OptimizerConfig, SchedulerEntry, scheduler_chain
 
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
@@ -324,27 +324,11 @@ def build_schedule(
     entries = list(scheduler_cfg or [])
     if not entries:
         return lambda n: base_lr
-    factors, milestones = [], None
-    for i, raw in enumerate(entries):
-        entry = SchedulerEntry.coerce(raw, f"policy.scheduler[{i}]")
-        if entry.milestones is not None:
-            milestones = list(entry.milestones)
-            continue
-        factors.append(_factor_fn(i, entry))
-    if not factors:
-        raise ValueError("policy.scheduler: a milestones entry needs schedulers to chain")
+    chain, milestones = scheduler_chain(entries)
+    factors = [_factor_fn(i, entry) for i, entry in chain]
     if len(factors) == 1:
         only = factors[0]
         return lambda n: base_lr * only(_check_step(n))
-    if milestones is None or len(milestones) != len(factors) - 1:
-        raise ValueError(
-            f"policy.scheduler: {len(factors)} schedulers need a {{milestones: [...]}} entry with "
-            f"{len(factors) - 1} step(s), got {milestones}"
-        )
-    if any(isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in milestones) or milestones != sorted(
-        milestones
-    ):
-        raise ValueError(f"policy.scheduler milestones must be non-negative increasing integers, got {milestones}")
     starts = [0, *milestones]
 
     def schedule(n: int) -> float:

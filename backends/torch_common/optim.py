@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from core.policy.config import OptimizerConfig, SchedulerEntry
+from core.policy.config import OptimizerConfig, SchedulerEntry, scheduler_chain
 
 
 def import_object(path: str, what: str) -> Any:
@@ -74,23 +74,14 @@ def build_scheduler(
     """The schedule of ``policy.scheduler``; ``None``/empty gives a constant learning rate."""
     if not entries:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
-    schedulers, milestones = [], None
-    for i, raw in enumerate(entries):
-        entry = SchedulerEntry.coerce(raw, f"policy.scheduler[{i}]")
-        if entry.milestones is not None:
-            milestones = list(entry.milestones)
-            continue
-        if entry.name is None:  # SchedulerEntry.check: a name or milestones, exactly one
-            raise ValueError(f"policy.scheduler[{i}]: an entry needs a name or milestones")
-        cls = import_object(entry.name, f"policy.scheduler[{i}].name")
-        schedulers.append(cls(optimizer, **entry.kwargs))
+    chain, milestones = scheduler_chain(entries)
+    schedulers = [
+        import_object(entry.name, f"policy.scheduler[{i}].name")(optimizer, **entry.kwargs)
+        for i, entry in chain
+        if entry.name is not None  # scheduler_chain: every chained entry has a name
+    ]
     if len(schedulers) == 1:
         return schedulers[0]
-    if milestones is None or len(milestones) != len(schedulers) - 1:
-        raise ValueError(
-            f"policy.scheduler: {len(schedulers)} schedulers need a {{milestones: [...]}} entry with "
-            f"{len(schedulers) - 1} step(s), got {milestones}"
-        )
     return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones=milestones)
 
 

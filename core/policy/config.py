@@ -248,6 +248,23 @@ def scheduler_problems(entries: list[SchedulerEntry]) -> Iterable[Problem]:
             yield where, f"must be >= 0, got {ms}"
 
 
+def scheduler_chain(
+    entries: Iterable[SchedulerEntry | Mapping[str, Any]],
+) -> tuple[list[tuple[int, SchedulerEntry]], list[int]]:
+    """``policy.scheduler`` split for a backend to build: the schedulers (with their list
+    index, for error messages) in order and SequentialLR's milestones ([] for one scheduler).
+
+    Both backends build from this, so a raw list (a caller outside the validated config)
+    is refused with the same messages as the config's own check (:func:`scheduler_problems`).
+    """
+    coerced = [SchedulerEntry.coerce(raw, f"policy.scheduler[{i}]") for i, raw in enumerate(entries)]
+    for where, message in scheduler_problems(coerced):
+        raise ValueError(f"policy.scheduler{where}: {message}")
+    schedulers = [(i, e) for i, e in enumerate(coerced) if e.milestones is None]
+    milestones = next((list(e.milestones) for e in coerced if e.milestones is not None), [])
+    return schedulers, milestones if len(schedulers) > 1 else []
+
+
 class PolicyConfig(ConfigModel):
     """The trained policy: model, batch sizes, precision and the backend-specific blocks."""
 

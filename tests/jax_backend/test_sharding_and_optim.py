@@ -269,7 +269,9 @@ def test_schedule_errors():
     with pytest.raises(ValueError, match="milestones"):
         build_schedule([_lin(0.1, 1.0, 3), _const(1.0, 5)], 1e-3)
     with pytest.raises(ValueError, match=r"policy.scheduler\[1\].kwargs"):
-        build_schedule([_lin(0.1, 1.0, 3), {"name": _TORCH + "ConstantLR", "kwargs": {"gamma": 2}}], 1e-3)
+        build_schedule(
+            [_lin(0.1, 1.0, 3), {"name": _TORCH + "ConstantLR", "kwargs": {"gamma": 2}}, {"milestones": [3]}], 1e-3
+        )
     with pytest.raises(ValueError, match="start_factor"):
         build_schedule([_lin(0.0, 1.0, 3)], 1e-3)
 
