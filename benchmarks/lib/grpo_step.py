@@ -35,6 +35,9 @@ PHASES = ("generation", "logprobs", "reference", "train", "refit", "reward")
 ASYNC_PHASES = ("wait_refit", "wait_rollouts", "logprobs", "reference", "train")
 #: The async producer's phases (``async/*_s``): they overlap the trainer's.
 PRODUCER_PHASES = ("generation", "reward")
+#: TRL GRPOTrainer's step, split (``benchmarks.lib.trl_grpo``'s step reply): HF generate, the
+#: reference pass, the old-logprob pass (0 when off, as dualrl's fused step), the rest (train).
+TRL_PHASES = ("generation_s", "reference_s", "old_logprobs_s", "train_s")
 #: Where the train phase's seconds go (``train_call/*_s``, ``core.interfaces.CallTiming``).
 TRAIN_CALL_PARTS = ("worker", "dispatch", "checks", "shard")
 #: What makes a GRPO run async (besides the layout's own devices for the policy).

@@ -3,7 +3,7 @@ error, skip and note lines."""
 
 from __future__ import annotations
 
-from benchmarks.lib.grpo_step import PRODUCER_PHASES
+from benchmarks.lib.grpo_step import PRODUCER_PHASES, TRL_PHASES
 from benchmarks.lib.machine import flops_per_token, mfu
 from benchmarks.lib.markdown import cell, pct, table
 from benchmarks.lib.pairing import OPS, median, ratio
@@ -143,10 +143,14 @@ def grpo_lines(results: dict) -> list[str]:
     for name, g in grpo_rows(results):
         mode = g.get("mode", "sync")
         if "error" in g:
-            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 6))
+            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 7))
             continue
         trl = median(g.get("trl_step_s"))
         trl_len = median([x for x in g.get("trl_completion_length") or [] if x is not None])
+        trl_phases = g.get("trl_phases_s") or {}
+        trl_split = " / ".join(
+            cell(median([x for x in trl_phases.get(k) or [] if x is not None]), ".2f") for k in TRL_PHASES
+        )
         rows.append(
             [
                 name,
@@ -154,6 +158,7 @@ def grpo_lines(results: dict) -> list[str]:
                 cell(g["step_s"], ".2f"),
                 cell(trl / g["step_s"] if trl else None, ".2f"),
                 cell(trl, ".2f"),
+                trl_split if trl_phases else "-",
                 *_grpo_cells(g),
                 cell(g.get("response_length_mean"), ".1f") + " / " + cell(trl_len, ".1f"),
                 cell(g.get("token_mult_prob_error"), ".4f"),
@@ -169,6 +174,7 @@ def grpo_lines(results: dict) -> list[str]:
         "step s",
         "×TRL",
         "TRL step s",
+        "TRL " + " / ".join(k.removesuffix("_s") for k in TRL_PHASES) + " s",
         *[f"{p} s" for p in GRPO_COLUMNS],
         "train: workers / dispatch / driver checks s",
         "async producer generation / reward s",

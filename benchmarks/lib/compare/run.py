@@ -27,7 +27,7 @@ from benchmarks.lib.compare.baselines import (
     vllm_missing,
 )
 from benchmarks.lib.errors import error_text
-from benchmarks.lib.grpo_step import measure_grpo
+from benchmarks.lib.grpo_step import TRL_PHASES, measure_grpo
 from benchmarks.lib.layouts import Layout, LayoutError, check_batch, check_fits, jax_model_problem, parse_layout
 from benchmarks.lib.machine import machine_facts
 from benchmarks.lib.models import param_count
@@ -208,6 +208,8 @@ def grpo_row(bench: Bench, layout: Layout, async_grpo: bool = False) -> dict:
             trl = [bench.trl.step() for _ in range(work.steps)]
             out["trl_step_s"] = [t["seconds"] for t in trl]
             out["trl_completion_length"] = [t.get("completion_length_mean") for t in trl]
+            # where TRL's step goes, next to dualrl's phases (TRL_PHASES)
+            out["trl_phases_s"] = {k: [t.get(k) for t in trl] for k in TRL_PHASES}
         except Exception as err:  # noqa: BLE001
             out["trl_error"] = error_text(err)
     return out
