@@ -27,7 +27,9 @@ naming episode, turn and field) or ends its episode with the reward so far (``en
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,12 @@ __all__ = ["Episode", "EpisodeRunner", "GenerateFn", "episodes_to_rows", "multi_
 
 #: The engine's generate: (right-padded prompts with sample_seeds, greedy) -> GenerationOutputSpec.
 GenerateFn = Callable[[BatchedDataDict, bool], BatchedDataDict]
+#: ``with timer(phase): ...`` (core.algorithms.timing.StepTimer).
+PhaseTimer = Callable[[str], AbstractContextManager[Any]]
+
+
+def _untimed(phase: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -131,8 +139,12 @@ class EpisodeRunner:
         step: int,
         stream: int = 0,
         row_offset: int = 0,
+        timer: PhaseTimer | None = None,
     ) -> list[Episode]:
-        """One episode per prompt, played to the end (see the module docstring)."""
+        """One episode per prompt, played to the end (see the module docstring).  ``timer``
+        (GRPO's StepTimer) gets the generate calls as ``generation`` and the environment's
+        reset / step calls as ``reward``."""
+        timer = timer or _untimed
         episodes = [Episode(row_offset + i, len(ids), list(ids)) for i, ids in enumerate(prompt_ids)]
         for ep in episodes:
             if len(ep.ids) >= self.max_total_tokens:
@@ -141,7 +153,8 @@ class EpisodeRunner:
                     f"policy.max_total_sequence_length={self.max_total_tokens}"
                 )
         try:
-            outcomes = self.executor.reset_episodes([ep.row for ep in episodes], list(metadata))
+            with timer("reward"):
+                outcomes = self.executor.reset_episodes([ep.row for ep in episodes], list(metadata))
             for ep, outcome in zip(episodes, outcomes, strict=True):
                 self._checked(ep, 0, outcome, "reset")
             for turn in range(self.max_turns):
@@ -151,7 +164,9 @@ class EpisodeRunner:
                 batch = prompt_batch([ep.ids for ep in live], 1, self.tokenizer.pad_token_id)
                 if not greedy:
                     batch["sample_seeds"] = turn_seeds(seed, step, stream, [ep.row for ep in live], turn)
-                self._play_turn(live, generate(batch, greedy), turn)
+                with timer("generation"):
+                    out = generate(batch, greedy)
+                self._play_turn(live, out, turn, timer)
         finally:
             self.executor.end_rollout()
         for ep in episodes:
@@ -159,7 +174,7 @@ class EpisodeRunner:
                 ep.ended = "max_turns"
         return episodes
 
-    def _play_turn(self, live: list[Episode], out: BatchedDataDict, turn: int) -> None:
+    def _play_turn(self, live: list[Episode], out: BatchedDataDict, turn: int, timer: PhaseTimer) -> None:
         """Append each live episode's new tokens, step them all in one executor call, then
         take each result and append its observation."""
         turns = [_turn_tokens(out, j, ep, turn) for j, ep in enumerate(live)]
@@ -169,7 +184,8 @@ class EpisodeRunner:
             ep.turns += 1
             ep.generated_tokens += len(new)
             messages.append(str(self.tokenizer.decode(new, skip_special_tokens=True)))
-        outcomes = self.executor.step_episodes([ep.row for ep in live], messages)
+        with timer("reward"):
+            outcomes = self.executor.step_episodes([ep.row for ep in live], messages)
         for ep, (new, _), outcome in zip(live, turns, outcomes, strict=True):
             result = self._checked(ep, turn, outcome, "step")
             if result is not None:
@@ -269,6 +285,8 @@ def multi_turn_metrics(rows: BatchedDataDict) -> dict[str, float]:
         f"multi_turn/{key}_mean": float(rows[key].float().mean())
         for key in ("turns", "tool_calls", "malformed_tool_calls", "observation_tokens")
     }
+    # = the generate calls of one rollout (every live episode is in each turn's call)
+    out["multi_turn/turns_max"] = float(rows["turns"].max())
     for key in ("truncated", "episode_errors", "max_turns_reached"):
         out[f"multi_turn/{key}"] = float(rows[key].sum())
     return out
