@@ -36,7 +36,7 @@ budget, one layout alive at a time:
   device / slot of its own, the policy on the layout's; ``benchmarks.lib.grpo_step``);
   ``--grpo-multi-turn N`` adds a multi-turn GRPO row next to every layout's sync one: the same
   prompts as N-turn episodes of a scripted environment (``benchmarks.lib.multi_turn_env``: a
-  fixed observation between turns, so every episode plays N turns of exactly N new tokens each)
+  fixed observation between turns, so every episode plays N turns of exactly max_new_tokens each)
   in the EpisodePool's Ray actor, with generation per turn, environment step seconds, turns per
   episode and generated / observation tokens.  TRL has no multi-turn GRPO: the row has no ×TRL.
 

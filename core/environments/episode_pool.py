@@ -106,8 +106,11 @@ class EpisodePool(ActorPool):
         super().__init__(cfg)
         import ray
 
-        # errors name the environment as in-process ones do: by its `name`, not env.name's import path
-        self.name = str(ray.get(self._actors[0].env_name.remote(), timeout=self.call_grace_s))
+        try:  # errors name the environment as in-process ones do: by its `name`, not env.name's import path
+            self.name = str(ray.get(self._actors[0].env_name.remote(), timeout=self.call_grace_s))
+        except BaseException:
+            self.shutdown()
+            raise
         self._home: dict[int, int] = {}
         """Episode row -> the worker holding its state (this rollout)."""
         self._tainted: set[int] = set()
@@ -148,6 +151,8 @@ class EpisodePool(ActorPool):
         once; the outcomes in ``rows``' order."""
         import ray
 
+        if not rows:
+            return []
         by_worker: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_worker.setdefault(self._home[row], []).append(i)
