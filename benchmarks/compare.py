@@ -4,6 +4,7 @@
         [--sections throughput refit generation grpo] [--out DIR] [--json FILE]
         [--batch B] [--seq S] [--micro M] [--iters N] [--warmup W] [--precision P] [--threads T]
         [--grpo-new-tokens N] [--grpo-prompts P] [--grpo-group G] [--[no-]grpo-full-length] [--grpo-async]
+        [--grpo-multi-turn N]
     python -m benchmarks.compare [same]
 
 For each layout (``benchmarks.lib.layouts``: ``fsdp1-dp2``, ``dtensor-dp2``, ``dtensor-tp2``,
@@ -32,7 +33,12 @@ budget, one layout alive at a time:
   ``--grpo-group`` override the size's GRPO workload (the generation row's too);
   ``--grpo-full-length`` makes every completion exactly N tokens on both sides;
   ``--grpo-async`` adds an async GRPO row next to every layout's sync one (the engine on a
-  device / slot of its own, the policy on the layout's; ``benchmarks.lib.grpo_step``).
+  device / slot of its own, the policy on the layout's; ``benchmarks.lib.grpo_step``);
+  ``--grpo-multi-turn N`` adds a multi-turn GRPO row next to every layout's sync one: the same
+  prompts as N-turn episodes of a scripted environment (``benchmarks.lib.multi_turn_env``: a
+  fixed observation between turns, so every episode plays N turns of exactly max_new_tokens each)
+  in the EpisodePool's Ray actor, with generation per turn, environment step seconds, turns per
+  episode and generated / observation tokens.  TRL has no multi-turn GRPO: the row has no ×TRL.
 
 Sizes: ``tiny`` (the built-in ~1M-parameter Llama's shape: a CI smoke, seconds per layout),
 ``small`` (a ~25M-parameter Llama: CPU minutes), ``1b`` (Llama-3.2-1B's shape, bf16: a GPU); all
@@ -57,7 +63,14 @@ from pathlib import Path
 from benchmarks.lib.compare.baselines import vllm_missing
 from benchmarks.lib.compare.plot import plot
 from benchmarks.lib.compare.report import report
-from benchmarks.lib.compare.run import DEFAULT_LAYOUTS, GPU_LAYOUTS, SECTIONS, resolve_layouts, run_bench
+from benchmarks.lib.compare.run import (
+    DEFAULT_LAYOUTS,
+    GPU_LAYOUTS,
+    GRPO_ROW_KEYS,
+    SECTIONS,
+    resolve_layouts,
+    run_bench,
+)
 from benchmarks.lib.refit import TRANSPORTS
 from benchmarks.lib.sizes import SIZES, GRPOWorkload
 
@@ -114,6 +127,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "own and the policy on the layout's devices; its step is the trainer's wall time (needs vLLM; on cuda "
         "one GPU more than each layout has)",
     )
+    grpo.add_argument(
+        "--grpo-multi-turn",
+        type=int,
+        metavar="N",
+        help="next to every layout's GRPO row, a multi-turn one: the same prompts as N-turn episodes (N >= 2) of a "
+        "scripted environment (a fixed 12-token observation between turns, every turn max_new_tokens long) stepped "
+        "in the EpisodePool's Ray actor; no ×TRL (TRL has no multi-turn GRPO); built-in character tokenizer only",
+    )
     return parser
 
 
@@ -151,6 +172,7 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         parser.error(f"{' '.join(given)}: only --sections grpo and generation use the GRPO workload")
     if args.grpo_async and "grpo" not in args.sections:
         parser.error("--grpo-async adds rows to --sections grpo, which this run does not measure")
+    check_grpo_multi_turn(parser, args)
     for flag, value, low in (
         ("--grpo-new-tokens", args.grpo_new_tokens, 1),
         ("--grpo-prompts", args.grpo_prompts, 1),
@@ -177,6 +199,23 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
                 f"over the data-parallel ranks of {', '.join(split)} (--grpo-prompts / --grpo-group)"
             )
     return work
+
+
+def check_grpo_multi_turn(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--grpo-multi-turn N``: N >= 2 turns, the grpo section, the built-in tokenizer (the
+    scripted observation's length, which the sequence limit counts on, is in its tokens)."""
+    turns = args.grpo_multi_turn
+    if turns is None:
+        return
+    if turns < 2:
+        parser.error(f"--grpo-multi-turn must be >= 2 (turns per episode; 1 is the sync row), got {turns}")
+    if "grpo" not in args.sections:
+        parser.error("--grpo-multi-turn adds rows to --sections grpo, which this run does not measure")
+    if args.model is not None:
+        parser.error(
+            "--grpo-multi-turn with --model: the scripted observation is sized in the built-in character "
+            "tokenizer's tokens (benchmarks.lib.multi_turn_env); run it on the size's random Llama"
+        )
 
 
 def check_grpo_async(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -215,7 +254,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    grpo_rows = ("grpo" in args.sections) * (1 + args.grpo_async)
+    grpo_rows = ("grpo" in args.sections) * (1 + args.grpo_async + bool(args.grpo_multi_turn))
     per_layout = ("throughput" in args.sections or "refit" in args.sections) + grpo_rows
     phases = len(args.layout_objs) * per_layout + ("generation" in args.sections)
     with tqdm(total=phases, disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as progress:
@@ -227,7 +266,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(text)
     print(f"\n{results['seconds']:.0f} s; JSON {json_path}; chart {png}")
     failed = args.rejected or any(
-        "error" in r or "skipped" in r or any("error" in (r.get(k) or {}) for k in ("grpo", "grpo_async"))
+        "error" in r or "skipped" in r or any("error" in (r.get(k) or {}) for k in GRPO_ROW_KEYS)
         for r in results["layouts"]
     )
     return 1 if failed else 0

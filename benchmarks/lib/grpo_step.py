@@ -16,6 +16,14 @@ time (``step_time_s``) and its ``timing/*`` phases are the trainer's -- ``wait_r
 until the rollouts meant for the old weights exist, then the refit), ``wait_rollouts``, logprobs,
 reference, train -- while the producer thread's generation and reward seconds
 (``async/generation_s``, ``async/reward_s``) overlap them and are reported apart, never added.
+
+``multi_turn=N`` measures the same workload as multi-turn GRPO (``dualrl bench --grpo-multi-turn N``):
+the scripted environment of :mod:`benchmarks.lib.multi_turn_env` (every episode exactly N turns,
+a fixed 12-token observation between turns) stepped in the EpisodePool's Ray actor as a run
+steps any multi-turn environment, ``grpo.max_rollout_turns=N``, every turn exactly
+``new_tokens`` long (min_new_tokens) and the sequence limit grown to fit the whole
+conversation.  Its ``generation`` phase is the N generate calls, ``reward`` the environment's
+reset / step calls; the row adds turns per episode and generated / observation tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.lib.layouts import Layout, LayoutError
+from benchmarks.lib.multi_turn_env import ENV_NAME, OBSERVATION_TOKENS
 from benchmarks.lib.sizes import GRPOWorkload
 
 if TYPE_CHECKING:
@@ -49,6 +58,26 @@ ASYNC_OVERRIDES = (
     "policy.generation.colocated.resources.gpus_per_node=1",
     "policy.generation.colocated.resources.num_nodes=1",
 )
+
+
+def multi_turn_sequence(work: GRPOWorkload, turns: int) -> int:
+    """The sequence limit of an N-turn conversation: the prompt's room, N turns of
+    ``new_tokens``, N - 1 observations."""
+    return work.prompt_room + turns * work.new_tokens + (turns - 1) * OBSERVATION_TOKENS
+
+
+def multi_turn_overrides(work: GRPOWorkload, turns: int) -> list[str]:
+    """What makes the workload an N-turn one (the module docstring); after the others (last wins)."""
+    seq = multi_turn_sequence(work, turns)
+    return [
+        f"env.name={ENV_NAME}",
+        f"env.kwargs.turns={turns}",
+        "env.num_workers=1",
+        f"grpo.max_rollout_turns={turns}",
+        f"policy.generation.min_new_tokens={work.new_tokens}",
+        f"policy.max_total_sequence_length={seq}",
+        f"policy.generation.vllm_cfg.max_model_len={seq}",
+    ]
 
 
 def layout_overrides(layout: Layout, jax_cpu_slots: int | None = None) -> list[str]:
@@ -104,10 +133,13 @@ def grpo_overrides(
     generation: str = "vllm",
     jax_cpu_slots: int | None = None,
     async_grpo: bool = False,
+    multi_turn: int | None = None,
 ) -> list[str]:
     """The dotted overrides of the embedded GRPO config for this layout and workload;
     ``work.full_length``: ``min_new_tokens = max_new_tokens``; ``async_grpo``:
-    :data:`ASYNC_OVERRIDES` (the module docstring)."""
+    :data:`ASYNC_OVERRIDES`; ``multi_turn``: :func:`multi_turn_overrides` (the module docstring)."""
+    if async_grpo and multi_turn:
+        raise ValueError("async GRPO does not run multi-turn rollouts yet (grpo.async_grpo.enabled)")
     gbs = work.samples
     mbs = micro_batch(work, layout.dp)
     return [
@@ -144,6 +176,7 @@ def grpo_overrides(
         f"checkpointing.checkpoint_dir={log_dir}/checkpoints",
         "checkpointing.enabled=false",
         *(ASYNC_OVERRIDES if async_grpo else ()),
+        *(multi_turn_overrides(work, multi_turn) if multi_turn else ()),
     ]
 
 
@@ -164,13 +197,14 @@ def grpo_config(
     generation: str = "vllm",
     jax_cpu_slots: int | None = None,
     async_grpo: bool = False,
+    multi_turn: int | None = None,
 ) -> GRPORunConfig:
     """The embedded GRPO config on this layout, model and workload (``generation``: vllm | hf)."""
     from core.algorithms.config import GRPORunConfig
     from core.config import EMBEDDED_CONFIGS, load_config
 
     overrides = grpo_overrides(
-        layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo
+        layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo, multi_turn
     )
     return load_config(EMBEDDED_CONFIGS["grpo"], overrides, schema=GRPORunConfig)
 
@@ -185,16 +219,18 @@ def measure_grpo(
     generation: str = "vllm",
     jax_cpu_slots: int | None = None,
     async_grpo: bool = False,
+    multi_turn: int | None = None,
 ) -> dict[str, Any]:
     """Set up the run (timed as ``startup_s``), ``warmup`` untimed steps, ``steps`` timed ones;
     the median of each phase and of the whole step, and the last step's rollout facts.  Async:
-    the steps of :func:`core.algorithms.async_grpo.async_grpo_loop` (the module docstring)."""
+    the steps of :func:`core.algorithms.async_grpo.async_grpo_loop`; multi-turn: N-turn
+    episodes (the module docstring)."""
     from core.algorithms.grpo import grpo_step
     from core.algorithms.grpo_setup import setup_grpo
     from core.algorithms.warm_start import resolve_model
 
     cfg = grpo_config(
-        layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo
+        layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo, multi_turn
     )
     total = work.warmup + work.steps
     t0 = time.perf_counter()
@@ -213,7 +249,8 @@ def measure_grpo(
         steps = [step_fn(step) for step in range(1, total + 1)]
     finally:
         run.close()
-    return summarize(steps, work, startup, async_grpo)
+    out = summarize(steps, work, startup, async_grpo)
+    return {**out, **multi_turn_facts(steps[work.warmup :], multi_turn)} if multi_turn else out
 
 
 def summarize(steps: list[dict[str, float]], work: GRPOWorkload, startup: float, async_grpo: bool) -> dict[str, Any]:
@@ -246,6 +283,27 @@ def summarize(steps: list[dict[str, float]], work: GRPOWorkload, startup: float,
         if key in last:
             out[key] = last[key]
     return out
+
+
+def multi_turn_facts(timed: list[dict[str, float]], turns: int) -> dict[str, Any]:
+    """What a multi-turn row adds (medians over the timed steps): turns per episode, generate
+    calls, seconds per generate call, generated and observation tokens per episode, and the
+    episodes that did not play every turn (truncated or failed: 0 when the workload is fair)."""
+
+    def med(key: str) -> float:
+        return statistics.median(m.get(key, 0.0) for m in timed)
+
+    calls = med("multi_turn/turns_max")
+    return {
+        "mode": f"multi-turn {turns}",
+        "turns": turns,
+        "turns_mean": med("multi_turn/turns_mean"),
+        "generate_calls": calls,
+        "generation_per_turn_s": med("timing/generation_s") / calls if calls else None,
+        "generated_tokens_mean": med("response_length_mean"),
+        "observation_tokens_mean": med("multi_turn/observation_tokens_mean"),
+        "short_episodes": med("multi_turn/truncated") + med("multi_turn/episode_errors"),
+    }
 
 
 def mesh_mismatch(policy, layout: Layout) -> str | None:

@@ -433,6 +433,12 @@ class GRPORunConfig(_AlgorithmRunConfig):
                     "env.on_episode_error",
                     f"end_episode is only supported by multi-turn environments; {name!r} is single-turn",
                 )
+            if self.env.num_workers == 0:  # the pool scores single-turn batches; 0 is for stepping episodes
+                yield (
+                    "env.num_workers",
+                    f"0 (in-process) is only supported by multi-turn environments; {name!r} is scored by "
+                    "the Ray pool: set it >= 1",
+                )
             return
         if g.max_rollout_turns is None:
             yield "grpo.max_rollout_turns", f"required with the multi-turn environment {name!r} (e.g. 4)"

@@ -157,10 +157,11 @@ def _start_workers(
     )
     stack.callback(policy.shutdown)
     env: Any
-    if cfg.is_multi_turn():  # episodes stepped on the driver, as in training
+    if cfg.is_multi_turn():  # episodes stepped where training steps them (env.num_workers)
         from core.algorithms.grpo_setup import episode_runner
 
         env = episode_runner(cfg, tokenizer, policy.model_config.eos_token_id)
+        stack.callback(env.executor.shutdown)
     else:
         env = EnvironmentPool(cfg.env)
         stack.callback(env.shutdown)

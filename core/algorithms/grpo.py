@@ -158,7 +158,8 @@ def sample_batch(run: Any, step: int, call: int, timer: StepTimer) -> ScoredBatc
 def _sample_episodes(run: Any, step: int, call: int, timer: StepTimer, prompts: list[Any]) -> ScoredBatch:
     """:func:`sample_batch` for a multi-turn environment: every prompt's group played as
     episodes (core.algorithms.multi_turn), their rows carrying an explicit ``token_mask``.
-    ``timing/generation_s`` covers the whole episodes, environment steps included."""
+    ``timing/generation_s`` is the generate calls of every turn, ``timing/reward_s`` the
+    environment's reset / step calls (as for a single-turn environment's scoring)."""
     group = run.cfg.grpo.num_generations_per_prompt
     versions: list[int] = []
 
@@ -167,16 +168,16 @@ def _sample_episodes(run: Any, step: int, call: int, timer: StepTimer, prompts: 
         versions.append(version)
         return out
 
-    with timer("generation"):
-        episodes = run.episodes.run(
-            [p.input_ids for p in prompts for _ in range(group)],
-            [p.metadata for p in prompts for _ in range(group)],
-            generate,
-            greedy=False,
-            seed=run.cfg.grpo.seed,
-            step=step,
-            stream=call,
-        )
+    episodes = run.episodes.run(
+        [p.input_ids for p in prompts for _ in range(group)],
+        [p.metadata for p in prompts for _ in range(group)],
+        generate,
+        greedy=False,
+        seed=run.cfg.grpo.seed,
+        step=step,
+        stream=call,
+        timer=timer,
+    )
     # No generate call at all when every episode ended at reset (env.on_episode_error: end_episode).
     version = min(versions, default=run.rollouts.version)
     return ScoredBatch(episodes_to_rows(episodes, run.tokenizer.pad_token_id), version)

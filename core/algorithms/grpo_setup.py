@@ -43,7 +43,8 @@ class GRPORun(TrainingRun):
     resolved_cfg: GRPORunConfig
     rollouts: RolloutEngine | None = None
     env: EnvironmentPool | None = None
-    #: A multi-turn environment's episodes, stepped on the driver (None: single-turn, the pool scores).
+    #: A multi-turn environment's episodes, stepped in the EpisodePool's actors (env.num_workers
+    #: >= 1) or on the driver (0); None: single-turn, the EnvironmentPool scores.
     episodes: EpisodeRunner | None = None
     #: The frozen distillation teacher (a Policy without an optimizer), with grpo.distillation.
     teacher: Any = None
@@ -117,7 +118,8 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     if cfg.grpo.distillation.enabled and teacher is not None:
         run.teacher = start_teacher(run, cluster, teacher, log)
     if cfg.is_multi_turn():
-        run.episodes = episode_runner(cfg, run.tokenizer, run.policy.model_config.eos_token_id)
+        runner = run.episodes = episode_runner(cfg, run.tokenizer, run.policy.model_config.eos_token_id)
+        run._exit.callback(runner.executor.shutdown)
     else:
         env = run.env = EnvironmentPool(run.cfg.env)
         run._exit.callback(env.shutdown)
@@ -136,12 +138,13 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
 
 
 def episode_runner(cfg: GRPORunConfig, tokenizer: Any, model_eos: Any) -> EpisodeRunner:
-    """The multi-turn environment, built on the driver where its episodes are stepped (the
-    Ray pool scores single-turn environments only, for now), with the run's limits."""
+    """The multi-turn environment's episodes with the run's limits, stepped where
+    ``env.num_workers`` says (:func:`~core.environments.episode_pool.episode_executor`: Ray
+    actors, or 0: the driver); the caller shuts ``.executor`` down."""
     from core.algorithms.multi_turn import EpisodeRunner
     from core.algorithms.observation_tokens import ObservationTokens
     from core.datasets.prompts import chat_template_used
-    from core.environments.registry import make_multi_turn_environment
+    from core.environments.episode_pool import episode_executor
     from core.policy.generation_args import resolve_generation_args
 
     turns = cfg.grpo.max_rollout_turns
@@ -150,15 +153,19 @@ def episode_runner(cfg: GRPORunConfig, tokenizer: Any, model_eos: Any) -> Episod
     args = resolve_generation_args(cfg.policy, tokenizer, model_eos, 0)
     stops = list(args.eos_token_ids) + list(args.gen_cfg.stop_token_ids or [])
     observations = ObservationTokens(tokenizer, chat_template_used(cfg.data, tokenizer), stops)
-    return EpisodeRunner(
-        make_multi_turn_environment(cfg.env),
-        tokenizer,
-        observations,
-        max_turns=turns,
-        max_total_tokens=cfg.policy.max_total_sequence_length,
-        step_timeout_s=cfg.env.timeout_s,
-        on_error=cfg.env.on_episode_error,
-    )
+    executor = episode_executor(cfg.env)
+    try:
+        return EpisodeRunner(
+            executor,
+            tokenizer,
+            observations,
+            max_turns=turns,
+            max_total_tokens=cfg.policy.max_total_sequence_length,
+            on_error=cfg.env.on_episode_error,
+        )
+    except BaseException:
+        executor.shutdown()
+        raise
 
 
 def grpo_train(run: GRPORun) -> int:

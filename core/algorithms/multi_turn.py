@@ -16,17 +16,20 @@ those tokens (0 elsewhere), the reward (the SUM of the step rewards), the last s
 and counts (turns, tool calls, malformed calls, generated and observation tokens).
 
 Seeds: turn t of rollout row r is sampled with ``SeedSequence([seed, step, stream, r, t])``,
-so a CPU fp32 run repeats.  Steps run on the driver, one at a time, each in a thread with the
-``env.timeout_s`` deadline; a step that raises, overruns or returns an invalid result stops
-the run (``env.on_episode_error: fail``, an :class:`EpisodeError` naming episode, turn and
-field) or ends its episode with the reward so far (``end_episode``).
+so a CPU fp32 run repeats.  The episodes' states live in an executor
+(:mod:`core.environments.episodes`): the Ray actors of an ``EpisodePool`` (``env.num_workers
+>= 1``, each episode pinned to one actor, one call per actor and turn) or the driver itself
+(``env.num_workers: 0``); either way each step has the ``env.timeout_s`` deadline and the
+same outcome, and its result is checked here.  A step that raises, overruns or returns an
+invalid result stops the run (``env.on_episode_error: fail``, an :class:`EpisodeError`
+naming episode, turn and field) or ends its episode with the reward so far (``end_episode``).
 """
 
 from __future__ import annotations
 
-import functools
-import threading
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +39,7 @@ import torch
 from core.algorithms.observation_tokens import ObservationTokens
 from core.algorithms.rollouts import prompt_batch
 from core.data import BatchedDataDict
+from core.environments.episodes import EpisodeExecutor, InProcessEpisodes, Outcome
 from core.environments.multi_turn import EpisodeError, MultiTurnEnvironment, StepResult, check_step_result
 
 if TYPE_CHECKING:
@@ -45,6 +49,12 @@ __all__ = ["Episode", "EpisodeRunner", "GenerateFn", "episodes_to_rows", "multi_
 
 #: The engine's generate: (right-padded prompts with sample_seeds, greedy) -> GenerationOutputSpec.
 GenerateFn = Callable[[BatchedDataDict, bool], BatchedDataDict]
+#: ``with timer(phase): ...`` (core.algorithms.timing.StepTimer).
+PhaseTimer = Callable[[str], AbstractContextManager[Any]]
+
+
+def _untimed(phase: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -88,26 +98,35 @@ def turn_seeds(seed: int, step: int, stream: int, rows: Sequence[int], turn: int
 
 
 class EpisodeRunner:
-    """Runs episodes of one multi-turn environment (the settings of a run, bound once)."""
+    """Runs episodes of one multi-turn environment (the settings of a run, bound once).
+
+    ``env`` is where the episodes live: an :class:`EpisodeExecutor` (e.g. the Ray
+    :class:`~core.environments.episode_pool.EpisodePool`), or the environment itself, then
+    stepped in-process (:class:`InProcessEpisodes`, under ``step_timeout_s``)."""
 
     def __init__(
         self,
-        env: MultiTurnEnvironment,
+        env: MultiTurnEnvironment | EpisodeExecutor,
         tokenizer: PreTrainedTokenizerBase,
         observations: ObservationTokens,
         *,
         max_turns: int,
         max_total_tokens: int,
-        step_timeout_s: float,
+        step_timeout_s: float | None = None,
         on_error: str = "fail",
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"grpo.max_rollout_turns must be >= 1, got {max_turns}")
         if on_error not in ("fail", "end_episode"):
             raise ValueError(f"env.on_episode_error must be fail or end_episode, got {on_error!r}")
-        self.env, self.tokenizer, self.observations = env, tokenizer, observations
-        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
-        self.step_timeout_s, self.on_error = step_timeout_s, on_error
+        if not isinstance(env, EpisodeExecutor):
+            if step_timeout_s is None:
+                raise ValueError(
+                    "EpisodeRunner: an environment stepped in-process needs step_timeout_s (env.timeout_s)"
+                )
+            env = InProcessEpisodes(env, step_timeout_s)
+        self.executor, self.tokenizer, self.observations = env, tokenizer, observations
+        self.max_turns, self.max_total_tokens, self.on_error = max_turns, max_total_tokens, on_error
 
     def run(
         self,
@@ -120,39 +139,61 @@ class EpisodeRunner:
         step: int,
         stream: int = 0,
         row_offset: int = 0,
+        timer: PhaseTimer | None = None,
     ) -> list[Episode]:
-        """One episode per prompt, played to the end (see the module docstring)."""
+        """One episode per prompt, played to the end (see the module docstring).  ``timer``
+        (GRPO's StepTimer) gets the generate calls as ``generation`` and the environment's
+        reset / step calls as ``reward``."""
+        timer = timer or _untimed
         episodes = [Episode(row_offset + i, len(ids), list(ids)) for i, ids in enumerate(prompt_ids)]
-        for ep, meta in zip(episodes, metadata, strict=True):
+        for ep in episodes:
             if len(ep.ids) >= self.max_total_tokens:
                 raise ValueError(
                     f"episode {ep.row}: prompt of {len(ep.ids)} tokens leaves no room within "
                     f"policy.max_total_sequence_length={self.max_total_tokens}"
                 )
-            self._guarded(ep, 0, "reset", functools.partial(self.env.reset, meta), _set_state)
-        for turn in range(self.max_turns):
-            live = [ep for ep in episodes if ep.ended is None]
-            if not live:
-                break
-            batch = prompt_batch([ep.ids for ep in live], 1, self.tokenizer.pad_token_id)
-            if not greedy:
-                batch["sample_seeds"] = turn_seeds(seed, step, stream, [ep.row for ep in live], turn)
-            out = generate(batch, greedy)
-            for j, ep in enumerate(live):
-                self._play_turn(ep, out, j, turn)
+        try:
+            with timer("reward"):
+                outcomes = self.executor.reset_episodes([ep.row for ep in episodes], list(metadata))
+            for ep, outcome in zip(episodes, outcomes, strict=True):
+                self._checked(ep, 0, outcome, "reset")
+            for turn in range(self.max_turns):
+                live = [ep for ep in episodes if ep.ended is None]
+                if not live:
+                    break
+                batch = prompt_batch([ep.ids for ep in live], 1, self.tokenizer.pad_token_id)
+                if not greedy:
+                    batch["sample_seeds"] = turn_seeds(seed, step, stream, [ep.row for ep in live], turn)
+                with timer("generation"):
+                    out = generate(batch, greedy)
+                self._play_turn(live, out, turn, timer)
+        finally:
+            self.executor.end_rollout()
         for ep in episodes:
             if ep.ended is None:
                 ep.ended = "max_turns"
         return episodes
 
-    def _play_turn(self, ep: Episode, out: BatchedDataDict, j: int, turn: int) -> None:
-        new, logprobs = _turn_tokens(out, j, ep, turn)
-        ep.append(new, logprobs)
-        ep.turns += 1
-        ep.generated_tokens += len(new)
-        text = str(self.tokenizer.decode(new, skip_special_tokens=True))
-        result = self._guarded(ep, turn, "step", lambda: self.env.step(ep.state, text), self._take_result)
-        if result is None or ep.ended is not None or turn == self.max_turns - 1:
+    def _play_turn(self, live: list[Episode], out: BatchedDataDict, turn: int, timer: PhaseTimer) -> None:
+        """Append each live episode's new tokens, step them all in one executor call, then
+        take each result and append its observation."""
+        turns = [_turn_tokens(out, j, ep, turn) for j, ep in enumerate(live)]
+        messages = []
+        for ep, (new, logprobs) in zip(live, turns, strict=True):
+            ep.append(new, logprobs)
+            ep.turns += 1
+            ep.generated_tokens += len(new)
+            messages.append(str(self.tokenizer.decode(new, skip_special_tokens=True)))
+        with timer("reward"):
+            outcomes = self.executor.step_episodes([ep.row for ep in live], messages)
+        for ep, (new, _), outcome in zip(live, turns, outcomes, strict=True):
+            result = self._checked(ep, turn, outcome, "step")
+            if result is not None:
+                self._take_result(ep, result)
+                self._observe(ep, result, new, turn)
+
+    def _observe(self, ep: Episode, result: StepResult, new: list[int], turn: int) -> None:
+        if ep.ended is not None or turn == self.max_turns - 1:
             return
         obs = self.observations.tokens(result.observation or "", new)
         if len(ep.ids) + len(obs) >= self.max_total_tokens:  # no room for the observation and one more token
@@ -169,56 +210,23 @@ class EpisodeRunner:
         if result.done:
             ep.ended = "done"
 
-    def _guarded(self, ep: Episode, turn: int, what: str, call: Callable[[], Any], take: Callable[..., None]) -> Any:
-        """``call()`` under the deadline, its result checked (a step's) and taken; on a
-        failure: raise, or end the episode (``env.on_episode_error``) and return None."""
+    def _checked(self, ep: Episode, turn: int, outcome: Outcome, what: str) -> StepResult | None:
+        """A step's checked result (reset: None); on a failure: raise, or end the episode
+        (``env.on_episode_error``) and return None."""
+        name = self.executor.name
         try:
-            value = _with_deadline(call, self.step_timeout_s, f"{what}()")
-            if what == "step":
-                value = check_step_result(value, ep.row, turn, self.env.name)
-        except Exception as err:
-            where = f"environment {self.env.name!r}: episode {ep.row}, turn {turn}"
-            if isinstance(err, EpisodeError):
-                message = str(err)
-            elif isinstance(err, _Deadline):
-                message = f"{where}: {err}"
-            else:
-                message = f"{where}: {what}() raised {type(err).__name__}: {err}"
+            if outcome.error is not None:
+                raise EpisodeError(f"environment {name!r}: episode {ep.row}, turn {turn}: {outcome.error}")
+            if what == "reset":
+                return None
+            return check_step_result(outcome.value, ep.row, turn, name)
+        except EpisodeError as err:
             if self.on_error == "fail":
-                raise EpisodeError(message) from err
-            ep.ended, ep.info = "error", {**ep.info, "error": message}
+                if outcome.cause is not None:
+                    raise err from outcome.cause
+                raise
+            ep.ended, ep.info = "error", {**ep.info, "error": str(err)}
             return None
-        take(ep, value)
-        return value
-
-
-def _set_state(ep: Episode, state: Any) -> None:
-    ep.state = state
-
-
-class _Deadline(Exception):
-    pass
-
-
-def _with_deadline(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """``call()`` in a daemon thread, or an exception after ``timeout_s`` (the thread cannot
-    be killed and finishes in the background)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as err:  # re-raised on the caller's thread
-            box["error"] = err
-
-    thread = threading.Thread(target=target, name="episode-step", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise _Deadline(f"{what} ran past env.timeout_s={timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _turn_tokens(out: BatchedDataDict, j: int, ep: Episode, turn: int) -> tuple[list[int], list[float]]:
@@ -277,6 +285,8 @@ def multi_turn_metrics(rows: BatchedDataDict) -> dict[str, float]:
         f"multi_turn/{key}_mean": float(rows[key].float().mean())
         for key in ("turns", "tool_calls", "malformed_tool_calls", "observation_tokens")
     }
+    # = the generate calls of one rollout (every live episode is in each turn's call)
+    out["multi_turn/turns_max"] = float(rows["turns"].max())
     for key in ("truncated", "episode_errors", "max_turns_reached"):
         out[f"multi_turn/{key}"] = float(rows[key].sum())
     return out

@@ -82,8 +82,9 @@ class EnvConfig(ConfigModel):
 
     name: str = Field(min_length=1)
     """"arithmetic" | "math" | "tool_arithmetic" (multi-turn) | "package.module:ClassName"."""
-    num_workers: int = Field(1, ge=1)
-    """Reward actors."""
+    num_workers: int = Field(1, ge=0)
+    """Reward actors (Ray, num_cpus=0).  A multi-turn environment's episodes are pinned to
+    them; 0 steps them in-process on the driver instead (multi-turn only)."""
     timeout_s: float = Field(60.0, gt=0)
     """Deadline of one scoring call (a multi-turn environment: of one episode's step)."""
     on_episode_error: EpisodeErrorPolicy = "fail"

@@ -37,7 +37,7 @@ from core.environments.interfaces import (
 )
 from core.environments.registry import make_environment, resolve_environment_class
 
-__all__ = ["EnvironmentPool", "EnvironmentPoolError", "EnvironmentWorker"]
+__all__ = ["ActorPool", "EnvironmentPool", "EnvironmentPoolError", "EnvironmentWorker"]
 
 #: Seconds the workers get to import and build their environment (imports are slow on a
 #: loaded 2-core machine, and a user environment may load a model).
@@ -109,12 +109,16 @@ class EnvironmentWorker:
         )
 
 
-class EnvironmentPool:
-    """``env.num_workers`` Ray actors running the environment ``env.name``.
+class ActorPool:
+    """``env.num_workers`` Ray actors whose body is :attr:`worker_body` built from the ``env``
+    section: started, awaited, replaced and killed here; what they are asked is the subclass's.
 
     ``env_cfg`` is the whole ``env`` section (:class:`EnvConfig` or its plain mapping).  Ray
     must be initialised (``core.distributed.init_ray``) before the pool is built.
     """
+
+    #: The actor's class: ``worker_body(env_cfg)``, with ``startup_error() -> str | None``.
+    worker_body: type = EnvironmentWorker
 
     def __init__(self, env_cfg: EnvConfig | Mapping[str, Any]) -> None:
         import ray
@@ -123,67 +127,33 @@ class EnvironmentPool:
         self.name, self.num_workers, self.timeout_s = _pool_settings(self._env_cfg)
         if not ray.is_initialized():
             raise EnvironmentPoolError("Ray is not initialised: call core.distributed.init_ray() first")
-        self._actor_cls = ray.remote(num_cpus=0)(EnvironmentWorker)
+        # ray types an actor as ActorHandle | type[T] and gives methods a .remote only through
+        # @ray.method (which would import ray with this module): the actors are Any here.
+        self._actor_cls: Any = ray.remote(num_cpus=0)(self.worker_body)
         self._broken: str | None = None
-        self._actors = [self._actor_cls.remote(self._env_cfg) for _ in range(self.num_workers)]
+        self._actors: list[Any] = [self._actor_cls.remote(self._env_cfg) for _ in range(self.num_workers)]
         try:
             self._await_startup()
         except BaseException:
             self.shutdown()
             raise
 
-    # ------------------------------------------------------------------ public
-    def score(
-        self,
-        prompts: Sequence[str],
-        completions: Sequence[str],
-        metadata: Sequence[dict[str, Any]],
-    ) -> EnvironmentReturn:
-        """Rewards and infos for every sample, in the caller's order."""
-        check_batch_lengths(prompts, completions, metadata)
-        self._check_usable()
-        if len(prompts) == 0:
-            return EnvironmentReturn(rewards=[], infos=[])
-        chunks = _split(len(prompts), self.num_workers)
-        # ray types an actor as ActorHandle | type[T] and gives methods a .remote only through
-        # @ray.method (which would import ray with this module): the ignores below are that.
-        # Fewer samples than workers: the first len(chunks) workers score them, the rest idle.
-        refs = [
-            actor.score.remote(list(prompts[a:b]), list(completions[a:b]), list(metadata[a:b]), a)  # type: ignore[attr-defined]
-            for actor, (a, b) in zip(self._actors[: len(chunks)], chunks, strict=True)
-        ]
-        self._wait_or_time_out(refs, chunks)
-        rewards: list[float] = []
-        infos: list[dict[str, Any]] = []
-        for worker, (ref, (a, b)) in enumerate(zip(refs, chunks, strict=True)):
-            result = self._fetch(ref, worker, a, b)
-            checked = check_environment_return(result, prompts[a:b], completions[a:b], self.name, offset=a)
-            rewards.extend(checked.rewards)
-            infos.extend(checked.infos)
-        return EnvironmentReturn(rewards=rewards, infos=infos)
-
     def shutdown(self) -> None:
-        """Kill the workers (idempotent); the pool cannot score afterwards."""
+        """Kill the workers (idempotent); the pool cannot be used afterwards."""
         import ray
 
         for actor in self._actors:
             try:
-                ray.kill(actor, no_restart=True)  # type: ignore[arg-type]  # an ActorHandle (see score)
+                ray.kill(actor, no_restart=True)
             except Exception:  # already dead, or Ray already shut down: nothing to free
                 pass
         self._actors = []
         if self._broken is None:
             self._broken = "the pool was shut down"
 
-    def __enter__(self) -> EnvironmentPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
-
     def __repr__(self) -> str:
         settings = f"name={self.name!r}, num_workers={self.num_workers}, timeout_s={self.timeout_s}"
-        return f"EnvironmentPool({settings})"
+        return f"{type(self).__name__}({settings})"
 
     # ------------------------------------------------------------------ internals
     def _await_startup(self, workers: list[int] | None = None) -> None:
@@ -193,7 +163,7 @@ class EnvironmentPool:
         from ray.exceptions import GetTimeoutError, RayError
 
         workers = list(range(len(self._actors))) if workers is None else workers
-        refs = [self._actors[worker].startup_error.remote() for worker in workers]  # type: ignore[attr-defined]
+        refs = [self._actors[worker].startup_error.remote() for worker in workers]
         for worker, ref in zip(workers, refs, strict=True):
             where = f"environment {self.name!r}: worker {worker} of {self.num_workers}"
             try:
@@ -207,6 +177,75 @@ class EnvironmentPool:
                 raise EnvironmentPoolError(f"{where} died while starting: {cause}") from None
             if error is not None:
                 raise EnvironmentPoolError(f"{where} could not build the environment: {error}")
+
+    def _replace_workers(self, workers: list[int]) -> None:
+        """Kill hung workers and start fresh ones in their place.  Awaited, so that the next
+        batch's ``timeout_s`` does not have to cover a worker's start-up."""
+        import ray
+
+        for worker in workers:
+            ray.kill(self._actors[worker], no_restart=True)
+            self._actors[worker] = self._actor_cls.remote(self._env_cfg)
+        try:
+            self._await_startup(workers)
+        except EnvironmentPoolError as err:
+            self._broken = f"a replacement worker failed: {err}"
+            self.shutdown()
+            raise
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise EnvironmentPoolError(
+                f"environment {self.name!r}: the pool is unusable ({self._broken}); build a new {type(self).__name__}"
+            )
+
+
+class EnvironmentPool(ActorPool):
+    """``env.num_workers`` Ray actors scoring the single-turn environment ``env.name`` in chunks."""
+
+    worker_body = EnvironmentWorker
+
+    def __init__(self, env_cfg: EnvConfig | Mapping[str, Any]) -> None:
+        cfg = EnvConfig.coerce(env_cfg, "env")
+        if cfg.num_workers < 1:  # 0 is for a multi-turn environment's episodes, stepped in-process
+            raise ValueError(
+                f"env.num_workers: 0 runs a multi-turn environment in-process on the driver; env.name "
+                f"{cfg.name!r} is scored by the Ray pool: set env.num_workers >= 1"
+            )
+        super().__init__(cfg)
+
+    def score(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        metadata: Sequence[dict[str, Any]],
+    ) -> EnvironmentReturn:
+        """Rewards and infos for every sample, in the caller's order."""
+        check_batch_lengths(prompts, completions, metadata)
+        self._check_usable()
+        if len(prompts) == 0:
+            return EnvironmentReturn(rewards=[], infos=[])
+        chunks = _split(len(prompts), self.num_workers)
+        # Fewer samples than workers: the first len(chunks) workers score them, the rest idle.
+        refs = [
+            actor.score.remote(list(prompts[a:b]), list(completions[a:b]), list(metadata[a:b]), a)
+            for actor, (a, b) in zip(self._actors[: len(chunks)], chunks, strict=True)
+        ]
+        self._wait_or_time_out(refs, chunks)
+        rewards: list[float] = []
+        infos: list[dict[str, Any]] = []
+        for worker, (ref, (a, b)) in enumerate(zip(refs, chunks, strict=True)):
+            result = self._fetch(ref, worker, a, b)
+            checked = check_environment_return(result, prompts[a:b], completions[a:b], self.name, offset=a)
+            rewards.extend(checked.rewards)
+            infos.extend(checked.infos)
+        return EnvironmentReturn(rewards=rewards, infos=infos)
+
+    def __enter__(self) -> EnvironmentPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def _wait_or_time_out(self, refs: list[Any], chunks: list[tuple[int, int]]) -> None:
         """Return when every chunk is done; after ``timeout_s``, replace the hung workers and
@@ -241,27 +280,6 @@ class EnvironmentPool:
         if status != "ok":
             raise RewardError(value)
         return value
-
-    def _replace_workers(self, workers: list[int]) -> None:
-        """Kill hung workers and start fresh ones in their place.  Awaited, so that the next
-        batch's ``timeout_s`` does not have to cover a worker's start-up."""
-        import ray
-
-        for worker in workers:
-            ray.kill(self._actors[worker], no_restart=True)  # type: ignore[arg-type]  # see score
-            self._actors[worker] = self._actor_cls.remote(self._env_cfg)
-        try:
-            self._await_startup(workers)
-        except EnvironmentPoolError as err:
-            self._broken = f"a replacement worker failed: {err}"
-            self.shutdown()
-            raise
-
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise EnvironmentPoolError(
-                f"environment {self.name!r}: the pool is unusable ({self._broken}); build a new EnvironmentPool"
-            )
 
 
 # ---------------------------------------------------------------------- helpers

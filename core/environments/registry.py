@@ -68,8 +68,8 @@ def make_environment(env_cfg: EnvConfig | Mapping[str, Any]) -> Environment:
     env = cls(cfg)
     if is_multi_turn(env) and not isinstance(env, Environment):
         raise ValueError(
-            f"env.name: {cfg.name!r} is a multi-turn environment (reset/step), which `dualrl grpo` steps on "
-            "the driver (grpo.max_rollout_turns); it has no score() for a reward pool"
+            f"env.name: {cfg.name!r} is a multi-turn environment (reset/step), which `dualrl grpo` plays as "
+            "episodes (grpo.max_rollout_turns); it has no score() for a reward pool"
         )
     if not isinstance(env, Environment):
         raise ValueError(

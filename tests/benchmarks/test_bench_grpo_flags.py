@@ -92,6 +92,9 @@ def test_the_overrides_the_workload_and_async_produce():
         (["--grpo-prompts", "3", "--grpo-group", "3"], "9 samples per step do not split over the data-parallel"),
         (["--grpo-async", "--sections", "throughput"], "--grpo-async adds rows to --sections grpo"),
         (["--grpo-new-tokens", "8", "--sections", "refit"], "only --sections grpo and generation use"),
+        (["--grpo-multi-turn", "1"], "--grpo-multi-turn must be >= 2 (turns per episode"),
+        (["--grpo-multi-turn", "2", "--sections", "throughput"], "--grpo-multi-turn adds rows to --sections grpo"),
+        (["--grpo-multi-turn", "2", "--model", "m"], "the scripted observation is sized in the built-in character"),
         (
             ["--grpo-async", "--device", "cuda", "--max-devices", "2"],
             "the engine needs a GPU of its own beside the policy's; dtensor-dp2, jax-fsdp2 leave none",
@@ -182,3 +185,56 @@ def test_async_rows_report_the_trainer_phases_and_the_producer_apart(tmp_path):
     grpo_panel(ax, results)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["fsdp1-dp1 sync", "fsdp1-dp1 async", "TRL GRPOTrainer"]
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- multi-turn row
+
+
+def test_the_multi_turn_row_runs_scripted_episodes_that_fit_the_sequence():
+    from benchmarks.lib.grpo_step import multi_turn_facts, multi_turn_sequence
+    from benchmarks.lib.multi_turn_env import ENV_NAME, OBSERVATION_TOKENS, ScriptedTurnsEnv
+    from core.environments.config import EnvConfig
+
+    work = SIZES["tiny"].grpo.with_overrides(new_tokens=8)
+    cfg = grpo_config(parse_layout("fsdp1-dp1"), work, "m", "t", "float32", "/tmp/x", "hf", multi_turn=3)
+    seq = work.prompt_room + 3 * 8 + 2 * OBSERVATION_TOKENS
+    assert multi_turn_sequence(work, 3) == seq == cfg.policy.max_total_sequence_length
+    assert cfg.is_multi_turn() and cfg.grpo.max_rollout_turns == 3 and cfg.env.name == ENV_NAME
+    assert cfg.policy.generation.min_new_tokens == 8 and cfg.env.num_workers == 1
+    with pytest.raises(ValueError, match="async GRPO does not run multi-turn rollouts"):
+        grpo_overrides(parse_layout("fsdp1-dp1"), work, "m", "t", "float32", "/x", async_grpo=True, multi_turn=2)
+    # every episode: exactly `turns` turns, the fixed observation between them, the last one checked
+    env = ScriptedTurnsEnv(EnvConfig.coerce({"name": ENV_NAME, "kwargs": {"turns": 3}}, "env"))
+    state = env.reset({"ground_truth": "12"})
+    first, second, last = env.step(state, "1"), env.step(state, "9"), env.step(state, " 12")
+    assert not first.done and first.observation == second.observation and len(first.observation) == 12
+    assert (last.done, last.reward, last.observation) == (True, 1.0, None)
+    with pytest.raises(ValueError, match="env.kwargs.turns"):
+        ScriptedTurnsEnv(EnvConfig.coerce({"name": ENV_NAME}, "env"))
+    steps = [{"multi_turn/turns_max": 3.0, "timing/generation_s": 0.6, "multi_turn/turns_mean": 3.0}]
+    facts = multi_turn_facts(steps, 3)
+    assert facts["generation_per_turn_s"] == pytest.approx(0.2) and facts["short_episodes"] == 0.0
+
+
+def test_the_multi_turn_table_has_no_trl_column_and_sits_beside_the_sync_step():
+    from benchmarks.lib.compare.report import multi_turn_lines
+    from benchmarks.lib.grpo_step import multi_turn_facts
+
+    work = SIZES["tiny"].grpo
+    sync = summarize(_steps(False), work, 1.0, False)
+    steps = _steps(False)
+    for m in steps:
+        m.update(
+            {"multi_turn/turns_max": 2.0, "multi_turn/turns_mean": 2.0, "multi_turn/observation_tokens_mean": 12.0}
+        )
+    multi = {**summarize(steps, work, 1.0, False), **multi_turn_facts(steps[1:], 2)}
+    results = {
+        "layouts": [{"case": "fsdp1-dp1", "grpo": sync, "grpo_multi_turn": multi}],
+        "grpo_workload": vars(work),
+        "grpo_generation": "vllm",
+        "grpo_multi_turn": 2,
+    }
+    text = "\n".join(multi_turn_lines(results))
+    assert "scripted episodes of 2 turns x 6 new tokens" in text and "no ×TRL" in text
+    assert "| fsdp1-dp1 | multi-turn 2 | 3.00 | 3.00 | 0.25 | 0.25 | 0.25 | 0.25 | 0.25 | 0.25 | 0.12 | 2.00 |" in text
+    assert "| 16.0 / 12.0 | 0 |" in text

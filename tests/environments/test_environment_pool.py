@@ -138,7 +138,10 @@ def test_bad_configs_fail_at_construction(ray_session):
         EnvironmentPool({"name": "arithmetic", "arithmetic": {"max_value": "ten"}})
     with pytest.raises(ValueError, match=r"env\.name: unknown environment 'arith'"):
         EnvironmentPool({"name": "arith"})
-    with pytest.raises(ValueError, match=r"env\.num_workers: must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"env\.num_workers: must be >= 0, got -1"):
+        EnvironmentPool({"name": "arithmetic", "num_workers": -1})
+    # 0 steps a multi-turn environment's episodes in-process; a score() environment needs the pool
+    with pytest.raises(ValueError, match=r"env\.num_workers: 0 runs a multi-turn environment in-process"):
         EnvironmentPool({"name": "arithmetic", "num_workers": 0})
     with pytest.raises(ValueError, match=r"env\.timeout_s: must be > 0\.0, got -1"):
         EnvironmentPool({"name": "arithmetic", "timeout_s": -1})

@@ -93,11 +93,11 @@ class EchoEnv:
         return StepResult("o k", 0.25, False, {"correct": False, "tool_calls": 1, "malformed_tool_calls": 1})
 
 
-def _runner(tok, env=None, max_turns=3, max_total=64, **kw):
+def _runner(tok, env=None, max_turns=3, max_total=64, step_timeout_s=5, **kw):
     stops = [tok.eos_token_id]
     obs = ObservationTokens(tok, use_chat_template=bool(tok.chat_template), stop_token_ids=stops)
     return EpisodeRunner(
-        env or EchoEnv(), tok, obs, max_turns=max_turns, max_total_tokens=max_total, step_timeout_s=5, **kw
+        env or EchoEnv(), tok, obs, max_turns=max_turns, max_total_tokens=max_total, step_timeout_s=step_timeout_s, **kw
     )
 
 
@@ -217,13 +217,11 @@ class BrokenEnv(EchoEnv):
 def test_episode_errors_fail_or_end_the_episode(how, fragment):
     tok = _tokenizer(False)
     script = {ids("a")[0]: [ids("b")], ids("d")[0]: [ids("b")]}
-    runner = _runner(tok, BrokenEnv(how))
-    runner.step_timeout_s = 0.05
+    runner = _runner(tok, BrokenEnv(how), step_timeout_s=0.05)
     with pytest.raises(EpisodeError) as err:
         _play(runner, ScriptedEngine(script), [ids("a")])
     assert str(err.value).startswith("environment 'broken': episode 0, turn 0: ") and fragment in str(err.value)
-    lenient = _runner(tok, BrokenEnv(how), on_error="end_episode")
-    lenient.step_timeout_s = 0.05
+    lenient = _runner(tok, BrokenEnv(how), on_error="end_episode", step_timeout_s=0.05)
     episodes = _play(lenient, ScriptedEngine(script), [ids("a"), ids("d")])
     assert [e.ended for e in episodes] == ["error", "error"] and fragment in episodes[1].info["error"]
     assert "episode 1, turn 0" in episodes[1].info["error"]
@@ -263,6 +261,7 @@ def _grpo(*overrides):
         (["env.name=tool_arithmetic"], "grpo.max_rollout_turns: required with the multi-turn environment"),
         (["grpo.max_rollout_turns=3"], "grpo.max_rollout_turns: set, but env.name 'arithmetic' is single-turn"),
         (["env.on_episode_error=end_episode"], "env.on_episode_error: end_episode is only supported by multi-turn"),
+        (["env.num_workers=0"], "env.num_workers: 0 (in-process) is only supported by multi-turn"),
         (["env.tools.timeout_s=1"], "env.tools: not read by env.name 'arithmetic'"),
         (
             ["env.name=tool_arithmetic", "grpo.max_rollout_turns=2", "grpo.overlong_filtering=true"],
@@ -279,8 +278,42 @@ def test_multi_turn_config_refusals(overrides, fragment):
 
 
 def test_multi_turn_config_accepted():
+    from core.environments.episode_pool import episode_executor
+    from core.environments.episodes import InProcessEpisodes
+
     cfg = _grpo("env.name=tool_arithmetic", "grpo.max_rollout_turns=3", "env.on_episode_error=end_episode")
     assert cfg.is_multi_turn() and cfg.grpo.max_rollout_turns == 3 and cfg.env.on_episode_error == "end_episode"
+    assert cfg.env.num_workers == 1  # the default: episodes in the Ray pool (tests/environments/test_episode_pool.py)
+    in_process = _grpo("env.name=tool_arithmetic", "grpo.max_rollout_turns=3", "env.num_workers=0")
+    executor = episode_executor(in_process.env)
+    assert isinstance(executor, InProcessEpisodes) and executor.name == "tool_arithmetic"
+
+
+def test_one_executor_call_per_turn_steps_every_live_episode():
+    """The runner hands the executor all live episodes of a turn at once (what makes the
+    pool's one call per actor and turn possible), and drops the states at the end."""
+    from core.environments.episodes import InProcessEpisodes
+
+    class Recording(InProcessEpisodes):
+        def __init__(self):
+            super().__init__(EchoEnv(), 5)
+            self.calls = []
+
+        def step_episodes(self, rows, messages):
+            self.calls.append(list(rows))
+            return super().step_episodes(rows, messages)
+
+        def end_rollout(self):
+            self.calls.append("end")
+            super().end_rollout()
+
+    tok = _tokenizer(False)
+    executor = Recording()
+    engine = ScriptedEngine({ids("a")[0]: [ids("b"), ids("z")], ids("d")[0]: [ids("z")], ids("e")[0]: [ids("b")] * 2})
+    runner = EpisodeRunner(executor, tok, _runner(tok).observations, max_turns=2, max_total_tokens=64)
+    episodes = runner.run([ids("a"), ids("d"), ids("e")], [{}] * 3, engine, greedy=True, seed=0, step=0, row_offset=4)
+    assert executor.calls == [[4, 5, 6], [4, 6], "end"] and executor._states.states == {}
+    assert [ep.ended for ep in episodes] == ["done", "done", "max_turns"]
 
 
 class UpperEnv(ToolEnvironment):

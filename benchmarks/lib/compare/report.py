@@ -200,6 +200,66 @@ def grpo_lines(results: dict) -> list[str]:
     return lines
 
 
+#: The multi-turn table's phase columns (generation: every turn's generate call; reward: the
+#: environment's reset / step calls through the EpisodePool's actor).
+MULTI_TURN_COLUMNS = ("refit", "generation", "reward", "logprobs", "reference", "train")
+
+
+def multi_turn_lines(results: dict) -> list[str]:
+    """The ``--grpo-multi-turn`` rows, each beside its layout's sync single-turn step (the same
+    prompts, one turn of the same length): no ×TRL, TRL has no multi-turn GRPO."""
+    rows = []
+    for r in results["layouts"]:
+        g = r.get("grpo_multi_turn")
+        if not g:
+            continue
+        if "error" in g:
+            rows.append([r["case"], g.get("mode", ""), g["error"]] + [""] * (len(MULTI_TURN_COLUMNS) + 6))
+            continue
+        single = (r.get("grpo") or {}).get("step_s")
+        tokens = cell(g.get("generated_tokens_mean"), ".1f") + " / " + cell(g.get("observation_tokens_mean"), ".1f")
+        rows.append(
+            [
+                r["case"],
+                g["mode"],
+                cell(g["step_s"], ".2f"),
+                cell(single, ".2f"),
+                *[cell(g["phases_s"].get(p), ".2f") for p in MULTI_TURN_COLUMNS],
+                cell(g.get("generation_per_turn_s"), ".2f"),
+                cell(g.get("turns_mean"), ".2f"),
+                tokens,
+                cell(g.get("short_episodes"), ".0f"),
+            ]
+        )
+    if not rows:
+        return []
+    work = results["grpo_workload"]
+    header = [
+        "layout",
+        "mode",
+        "step s",
+        "single-turn step s",
+        *[f"{p} s" for p in MULTI_TURN_COLUMNS],
+        "generation / turn s",
+        "turns / episode",
+        "tokens / episode (generated / observation)",
+        "short episodes",
+    ]
+    return [
+        f"### Multi-turn GRPO step ({work['prompts']} prompts x {work['group']}, scripted episodes of "
+        f"{results.get('grpo_multi_turn')} turns x {work['new_tokens']} new tokens, a fixed observation between turns; "
+        f"{results['grpo_generation']} generation; no ×TRL: TRL has no multi-turn GRPO)",
+        "",
+        *table(header, rows),
+        "",
+        "generation: the generate calls of every turn (one per turn, all live episodes); reward: the environment's "
+        "reset / step calls in the EpisodePool's Ray actor (one call per actor and turn); single-turn step: the "
+        "layout's sync row (the same prompts, one turn); short episodes: truncated or failed (0: every episode "
+        "played every turn).",
+        "",
+    ]
+
+
 def report(results: dict, config) -> str:
     """The markdown report; ``config``: the model's HF config (its FLOPs per token for MFU)."""
     m = results["machine"]
@@ -224,6 +284,7 @@ def report(results: dict, config) -> str:
     elif gen:
         lines += [f"vLLM generation: {gen.get('skipped') or gen.get('error')}", ""]
     lines += grpo_lines(results)
+    lines += multi_turn_lines(results)
     for r in [results.get("hf") or {}] + results["layouts"]:
         for key in ("error", "skipped"):
             if key in r:

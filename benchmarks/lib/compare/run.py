@@ -39,6 +39,8 @@ from benchmarks.lib.sizes import SIZES
 from benchmarks.lib.workload import make_batch
 
 SECTIONS = ("throughput", "refit", "generation", "grpo")
+#: A layout's GRPO rows: sync, async (--grpo-async), multi-turn (--grpo-multi-turn).
+GRPO_ROW_KEYS = ("grpo", "grpo_async", "grpo_multi_turn")
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp2", "jax-tp2"]
 GPU_LAYOUTS = ["fsdp1-dp1", "dtensor-dp1", "jax-fsdp1"]
 
@@ -179,16 +181,23 @@ def bench_layout(bench: Bench, layout: Layout, progress) -> dict:
     if "throughput" in bench.args.sections or "refit" in bench.args.sections:
         policy_sections(bench, layout, row, progress)
     if "grpo" in bench.args.sections and "error" not in row:
-        for key, async_grpo in (("grpo", False), ("grpo_async", True))[: 1 + bool(bench.args.grpo_async)]:
-            progress.set_description(f"{layout.name}: GRPO step" + (" (async)" if async_grpo else ""))
-            row[key] = grpo_row(bench, layout, async_grpo)
+        turns = getattr(bench.args, "grpo_multi_turn", None)
+        rows = [("grpo", False, None)]
+        rows += [("grpo_async", True, None)] if bench.args.grpo_async else []
+        rows += [("grpo_multi_turn", False, turns)] if turns else []
+        for key, async_grpo, multi_turn in rows:
+            what = " (async)" if async_grpo else f" ({multi_turn} turns)" if multi_turn else ""
+            progress.set_description(f"{layout.name}: GRPO step{what}")
+            row[key] = grpo_row(bench, layout, async_grpo, multi_turn)
             progress.update(1)
     return row
 
 
-def grpo_row(bench: Bench, layout: Layout, async_grpo: bool = False) -> dict:
-    """One layout's GRPO step (sync or async) on a run of its own, then as many TRL steps."""
+def grpo_row(bench: Bench, layout: Layout, async_grpo: bool = False, multi_turn: int | None = None) -> dict:
+    """One layout's GRPO step (sync, async or multi-turn) on a run of its own, then as many TRL
+    steps (not beside a multi-turn row: TRL has no multi-turn GRPO)."""
     work = bench.size.grpo
+    mode = "async" if async_grpo else f"multi-turn {multi_turn}" if multi_turn else "sync"
     try:
         out = measure_grpo(
             layout,
@@ -196,14 +205,15 @@ def grpo_row(bench: Bench, layout: Layout, async_grpo: bool = False) -> dict:
             bench.model_path,
             bench.tokenizer_path,
             bench.args.precision,
-            str(bench.tmp / (f"grpo-{layout.name}" + ("-async" if async_grpo else ""))),
+            str(bench.tmp / f"grpo-{layout.name}-{mode.replace(' ', '')}"),
             generation=bench.args.grpo_generation,
             jax_cpu_slots=None if bench.args.device == "cuda" else bench.args.threads,
             async_grpo=async_grpo,
+            multi_turn=multi_turn,
         )
     except Exception as err:  # noqa: BLE001
-        return {"mode": "async" if async_grpo else "sync", "error": error_text(err)}
-    if bench.trl is not None:
+        return {"mode": mode, "error": error_text(err)}
+    if bench.trl is not None and not multi_turn:
         try:
             trl = [bench.trl.step() for _ in range(work.steps)]
             out["trl_step_s"] = [t["seconds"] for t in trl]
@@ -293,6 +303,7 @@ def run_bench(args, progress) -> tuple[dict, Bench]:
         seconds=time.perf_counter() - wall,
         grpo_workload=dataclasses.asdict(bench.size.grpo),
         grpo_generation=args.grpo_generation,
+        grpo_multi_turn=getattr(args, "grpo_multi_turn", None),
         load=os.getloadavg(),
     )
     return results, bench
