@@ -31,7 +31,7 @@ from typing import Any
 
 from core.environments.config import EnvConfig
 from core.environments.episodes import EpisodeExecutor, EpisodeStates, InProcessEpisodes, Outcome
-from core.environments.pool import ActorPool, EnvironmentPoolError, _describe_exception, _describe_ray_error, _split
+from core.environments.pool import ActorPool, EnvironmentPoolError, describe_exception, describe_ray_error, split_rows
 from core.environments.registry import make_multi_turn_environment
 
 __all__ = ["CALL_GRACE_S", "EpisodePool", "EpisodeWorker", "episode_executor"]
@@ -63,7 +63,7 @@ class EpisodeWorker:
             cfg = EnvConfig.coerce(env_cfg, "env")
             self._episodes = EpisodeStates(make_multi_turn_environment(cfg), cfg.timeout_s)
         except Exception as err:  # reported by startup_error(), where the driver waits
-            self._startup_error = _describe_exception(err)
+            self._startup_error = describe_exception(err)
 
     def startup_error(self) -> str | None:
         return self._startup_error
@@ -118,7 +118,7 @@ class EpisodePool(ActorPool):
 
     def reset_episodes(self, rows: Sequence[int], metadata: Sequence[dict[str, Any]]) -> list[Outcome]:
         self._check_usable()
-        for worker, (a, b) in enumerate(_split(len(rows), self.num_workers) if rows else []):
+        for worker, (a, b) in enumerate(split_rows(len(rows), self.num_workers) if rows else []):
             self._home.update((row, worker) for row in rows[a:b])
         return self._call("reset", rows, list(metadata))
 
@@ -142,7 +142,7 @@ class EpisodePool(ActorPool):
         except EnvironmentPoolError:
             pass  # _replace_workers recorded it in self._broken
         except Exception as err:  # a worker that cannot even clear: the pool is not to be trusted
-            self._broken = f"clearing the episode states failed: {_describe_ray_error(err)}"
+            self._broken = f"clearing the episode states failed: {describe_ray_error(err)}"
             self.shutdown()
 
     # ------------------------------------------------------------------ internals
@@ -179,9 +179,9 @@ class EpisodePool(ActorPool):
         try:
             outcomes, timed_out = ray.get(ref)
         except RayActorError as err:
-            return self._lose(worker, count, f"died: {_describe_ray_error(err)}")
+            return self._lose(worker, count, f"died: {describe_ray_error(err)}")
         except RayError as err:  # e.g. a step's return value could not be sent back
-            error = f"worker {worker}'s results could not be received: {_describe_ray_error(err)}"
+            error = f"worker {worker}'s results could not be received: {describe_ray_error(err)}"
             return [Outcome(error=error) for _ in range(count)]
         if timed_out:
             self._tainted.add(worker)

@@ -62,7 +62,7 @@ class EnvironmentWorker:
         try:
             self._env = make_environment(env_cfg)
         except Exception as err:  # reported by startup_error(), where the driver waits
-            self._startup_error = _describe_exception(err)
+            self._startup_error = describe_exception(err)
 
     def startup_error(self) -> str | None:
         """``None`` once the environment is built, else why it could not be."""
@@ -101,11 +101,11 @@ class EnvironmentWorker:
                 env.score([prompt], [completion], [meta])
             except Exception as err:
                 sample = describe_sample(offset + i, prompt, completion)
-                return f"environment {name!r}: {sample}: score() raised {_describe_exception(err)}"
+                return f"environment {name!r}: {sample}: score() raised {describe_exception(err)}"
         last = offset + len(prompts) - 1
         return (
             f"environment {name!r}: samples {offset}..{last}: score() raised "
-            f"{_describe_exception(chunk_error)}\n(no single sample of this chunk raises on its own)"
+            f"{describe_exception(chunk_error)}\n(no single sample of this chunk raises on its own)"
         )
 
 
@@ -173,7 +173,7 @@ class ActorPool:
                     f"{where} did not build its environment within {STARTUP_TIMEOUT_S:.0f} s"
                 ) from None
             except RayError as err:
-                cause = _describe_ray_error(err)
+                cause = describe_ray_error(err)
                 raise EnvironmentPoolError(f"{where} died while starting: {cause}") from None
             if error is not None:
                 raise EnvironmentPoolError(f"{where} could not build the environment: {error}")
@@ -225,7 +225,7 @@ class EnvironmentPool(ActorPool):
         self._check_usable()
         if len(prompts) == 0:
             return EnvironmentReturn(rewards=[], infos=[])
-        chunks = _split(len(prompts), self.num_workers)
+        chunks = split_rows(len(prompts), self.num_workers)
         # Fewer samples than workers: the first len(chunks) workers score them, the rest idle.
         refs = [
             actor.score.remote(list(prompts[a:b]), list(completions[a:b]), list(metadata[a:b]), a)
@@ -272,11 +272,11 @@ class EnvironmentPool(ActorPool):
         try:
             status, value = ray.get(ref)
         except RayActorError as err:
-            self._broken = f"worker {worker} died while scoring {chunk}: {_describe_ray_error(err)}"
+            self._broken = f"worker {worker} died while scoring {chunk}: {describe_ray_error(err)}"
             self.shutdown()
             raise EnvironmentPoolError(f"environment {self.name!r}: {self._broken}") from None
         except RayError as err:  # e.g. the result could not be serialised
-            raise RewardError(f"environment {self.name!r}: {chunk}: {_describe_ray_error(err)}") from None
+            raise RewardError(f"environment {self.name!r}: {chunk}: {describe_ray_error(err)}") from None
         if status != "ok":
             raise RewardError(value)
         return value
@@ -292,7 +292,7 @@ def _pool_settings(env_cfg: EnvConfig | Mapping[str, Any]) -> tuple[str, int, fl
     return cfg.name, cfg.num_workers, cfg.timeout_s
 
 
-def _split(n: int, workers: int) -> list[tuple[int, int]]:
+def split_rows(n: int, workers: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` chunks of ``n`` samples over at most ``workers`` workers,
     sizes differing by at most one."""
     count = min(n, workers)
@@ -305,14 +305,14 @@ def _split(n: int, workers: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _describe_exception(err: BaseException) -> str:
+def describe_exception(err: BaseException) -> str:
     """``ValueError: message`` followed by the traceback (indented), for remote errors."""
     trace = "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
     indented = "\n".join("    " + line for line in trace.splitlines())
     return f"{type(err).__name__}: {err}\n  remote traceback:\n{indented}"
 
 
-def _describe_ray_error(err: BaseException) -> str:
+def describe_ray_error(err: BaseException) -> str:
     """The worker's own exception when Ray wrapped one, else Ray's own explanation."""
     from ray.exceptions import RayTaskError
 
