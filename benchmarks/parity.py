@@ -24,9 +24,9 @@ What is compared (every layout against ``hf`` and against every other layout):
    same loss code on full-batch HF logits, ``clip_grad_norm_`` and ``torch.optim.AdamW``.
    ``loss_curve``: the loss of 3 such steps on the same batch (each loss is taken before its
    step's update).  ``trained_logprobs``: ``get_logprobs`` after the 3 steps.  These steps
-   follow the GRPO steps of items 7, 8 and 10 in the same start (no extra Policy start for
-   them): they continue from the weights and the AdamW state their 5 updates left -- in ``hf``
-   too, which keeps one AdamW for all --, so "step 0" is the first NLL step, the run's sixth update.
+   follow the GRPO steps of items 7, 8, 10 and 11 in the same start (no extra Policy start for
+   them): they continue from the weights and the AdamW state their 9 updates left -- in ``hf``
+   too, which keeps one AdamW for all --, so "step 0" is the first NLL step, the run's tenth update.
 3. ``batch_invariance`` (per layout, ``hf`` included): a row's logprobs must not depend on the
    other rows of its batch / micro batch.  Variants, each against the row in the full batch:
    ``alone`` (the longest and the last row, each as a batch of one, same width),
@@ -149,6 +149,19 @@ What is compared (every layout against ``hf`` and against every other layout):
    not fit (19 tokens), is refused naming the row (exit 2, before any layout starts).
    Measured (tiny llama, fsdp1-dp2 / dtensor-tp2 / jax-fsdp2, fp32, 2-core AMD EPYC CPU,
    2026-11-26): episodes bitwise equal, step <= 9.5e-7, logprobs after it <= 1.9e-6.
+11. ``grpo_dr_grpo_step`` / ``grpo_rloo_step`` (pairwise, ``hf`` included; the estimator rows,
+   ``benchmarks.lib.parity.estimators``): right after the multi-turn step, one GRPO ``train``
+   call of 2 optimizer steps per row on item 7's batch with the advantages of a registered
+   estimator (``core.algorithms.advantages``: ``dr_grpo``, group mean subtracted, no std;
+   ``rloo``, leave-one-out baseline) of seeded rewards in groups of 4 rows, and the last row's
+   ``sample_mask`` at 0 (a sample ``grpo.overlong_filtering`` dropped).  ``grpo_dr_grpo_step``
+   trains with ``loss_fn.token_normalizer: constant`` (Dr. GRPO: the token sum divided by the
+   global batch's valid sequences x ``constant_token_budget``, here the batch width), so every
+   backend's count of valid sequences over ranks and micro batches enters the loss;
+   ``grpo_rloo_step`` with the default per-token normaliser.  Old and reference log-probs as in
+   item 7; compared: item 7's quantities.  A ``--batch`` below 2 is refused (RLOO needs two
+   samples per group).  Measured (tiny llama, fsdp1-dp2 / dtensor-tp2 / jax-fsdp2, fp32, 2-core
+   AMD EPYC CPU, loaded, 2026-11-26): ``grpo_dr_grpo_step`` <= 1.2e-7, ``grpo_rloo_step`` <= 2.0e-7.
 
 Bad input.  Each layout is checked before it starts, and a layout that cannot run gets an
 ``ERROR <layout>: ...`` line naming it and why while every other layout still runs and is
@@ -188,6 +201,8 @@ lora_b0_is_base          max |LoRA at init - plain hf| logprobs         <= 1e-5
 grpo_multi_turn_step0    as grpo_step0, + the generation logprobs       <= 1e-5
 grpo_multi_turn_logprobs max |a - b| after the multi-turn step          <= 1e-4
 multi_turn_episodes      max |a - b| of ids, masks, rewards, advantages <= 0
+grpo_dr_grpo_step        as grpo_step0 (Dr. GRPO advantages + loss)     <= 1e-5
+grpo_rloo_step           as grpo_step0 (RLOO advantages)                <= 1e-5
 =======================  ===========================================  =========
 
 ``--precision bfloat16`` runs every layout in bf16 compute over fp32 master weights (HF under
@@ -242,7 +257,7 @@ The ``bitwise variants`` column of the report says what the run at hand measured
 
 Exit code 1 when any check fails or a layout (or a part of one: a cross-load, a DCP save or
 load, the engine) could not run; 2 for bad arguments (no layouts, a layout given twice, ``--engine``
-naming a layout not in ``--layouts``, a bad ``--crossload``, ``--seq`` < 2).  ``--json`` writes
+naming a layout not in ``--layouts``, a bad ``--crossload``, ``--seq`` < 2, ``--batch`` < 2).  ``--json`` writes
 every number (all compared values, losses, norms, GRPO metrics, per-variant deviations,
 engine metrics per transport, timings).  Layouts that need a different XLA host device count
 than a Ray started by the caller provides are listed as skipped (as in

@@ -13,12 +13,22 @@ from benchmarks import parity as parity_cli
 from benchmarks.lib.layouts import LayoutError, parse_layout, torch_layout
 from benchmarks.lib.models import save_tiny_gpt2
 from benchmarks.lib.parity.checks import collect, crossload_pairs, judge
-from benchmarks.lib.parity.grpo import grpo_summary
+from benchmarks.lib.parity.estimators import estimator_batch, estimator_loss_fn, group_size
+from benchmarks.lib.parity.grpo import grpo_batch, grpo_summary
 from benchmarks.lib.parity.hf_reference import HFReference
 from benchmarks.lib.parity.models import jax_model_problem, layout_problem
 from benchmarks.lib.parity.report import format_matrix
 from benchmarks.lib.parity.run import dcp_ring, run_parity
-from benchmarks.lib.parity.settings import BF16_TOLERANCES, ENGINE_TRANSPORTS, HF, HF_LORA, LORA, VARIANTS
+from benchmarks.lib.parity.settings import (
+    BF16_TOLERANCES,
+    ENGINE_TRANSPORTS,
+    ESTIMATOR_ROWS,
+    ESTIMATOR_SEED,
+    HF,
+    HF_LORA,
+    LORA,
+    VARIANTS,
+)
 from benchmarks.lib.workload import default_policy_section, policy_config
 from dualrl.cli import main as cli_main
 
@@ -229,6 +239,42 @@ def test_a_fused_step_off_the_separate_path_fails_both_checks():
     assert not any(c["check"] == "grpo_fused_vs_separate" for c in _results(measured)["checks"])
 
 
+def test_the_estimator_rows_are_pairwise_grpo_checks_in_the_report():
+    keys = {check: key for check, (key, _, _) in ESTIMATOR_ROWS.items()}
+    assert set(keys) == {"grpo_dr_grpo_step", "grpo_rloo_step"}
+    measured = {name: {**m, **{key: _grpo() for key in keys.values()}} for name, m in _clean().items()}
+    results = _results(measured)
+    assert results["passed"], format_matrix(results)
+    for check in keys:
+        assert sum(c["check"] == check for c in results["checks"]) == 3, check  # hf, a, b: every pair
+    measured["a"]["grpo_dr_grpo"]["loss"][1] += 2e-5  # 2x the tolerance
+    results = _results(measured)
+    assert _failed(results) == {("grpo_dr_grpo_step", "hf", "a"), ("grpo_dr_grpo_step", "a", "b")}
+    report = format_matrix(results)
+    assert "FAIL grpo_dr_grpo_step: hf vs a: 2.000e-05 (needs <= 1e-05)" in report
+    assert "loss / (valid sequences x constant_token_budget)" in report  # the row's title
+    assert re.search(r"^a +dr_grpo +0\.170000 -0\.579980", report, re.M)  # its line in the GRPO table
+    assert results["measured"]["a"]["grpo_rloo"] == _grpo()  # kept in the JSON
+
+
+def test_the_estimator_batch_has_the_estimators_advantages_and_one_sample_masked_out():
+    ids = torch.arange(48).reshape(8, 6)
+    lengths = torch.tensor([6, 5, 6, 4, 6, 3, 6, 5])
+    base = grpo_batch({"input_ids": ids, "input_lengths": lengths}, -torch.ones(8, 6))
+    rewards = torch.rand(8, generator=torch.Generator().manual_seed(ESTIMATOR_SEED))
+    groups = rewards.reshape(2, 4)
+    dr_grpo = estimator_batch(base, "dr_grpo")
+    assert dr_grpo["sample_mask"].tolist() == [1.0] * 7 + [0.0]
+    hand = (groups - groups.mean(1, keepdim=True)).reshape(-1)  # no std division
+    torch.testing.assert_close(dr_grpo["advantages"], hand[:, None] * base["token_mask"])
+    loo = (groups - (groups.sum(1, keepdim=True) - groups) / 3).reshape(-1)  # the other 3 samples' mean
+    torch.testing.assert_close(estimator_batch(base, "rloo")["advantages"], loo[:, None] * base["token_mask"])
+    constant = estimator_loss_fn({"token_normalizer": "constant"}, width=6).cfg
+    assert (constant.token_normalizer, constant.constant_token_budget) == ("constant", 6)
+    assert estimator_loss_fn({}, width=6).cfg.constant_token_budget is None
+    assert (group_size(8), group_size(6), group_size(3)) == (4, 2, 3)
+
+
 def test_a_dcp_load_or_resume_out_of_tolerance_fails():
     measured = _clean()
     bad_load = {"logprobs": measured["b"]["trained_logprobs"] + 2e-5, "resumed": dict(measured["b"]["resumed"])}
@@ -369,6 +415,8 @@ def test_bad_arguments_are_named_before_anything_starts(capsys):
         run_parity(["fsdp1-dp2"], engine=["jax-tp2"])
     with pytest.raises(ValueError, match="crossload mode 'star'"):
         run_parity(["fsdp1-dp2"], crossload="star")
+    with pytest.raises(ValueError, match="batch must be >= 2 \\(grpo_rloo_step's leave-one-out"):
+        run_parity(["fsdp1-dp2"], batch=1)
     assert cli_main(["parity", "--layouts", "fsdp1-dp2", "fsdp1-dp2"]) == 2
     assert "given twice" in capsys.readouterr().err
 
@@ -417,7 +465,8 @@ def test_tiny_matrix_one_layout_per_backend_passes(actor_devices):
     # ... the multi-turn GRPO step among them: the same scripted tool-use episodes (bitwise
     # equal ids, masks, rewards, advantages), the step and its updated logprobs on every backend
     multi_turn = ("grpo_multi_turn_step0", "grpo_multi_turn_logprobs", "multi_turn_episodes")
-    for check in ("logprobs", "grpo_step0", "grpo_fused", *multi_turn):
+    # ... and the estimator rows (Dr. GRPO's constant normaliser, RLOO) on every backend
+    for check in ("logprobs", "grpo_step0", "grpo_fused", *multi_turn, *ESTIMATOR_ROWS):
         assert sum(c["check"] == check for c in checks) == 6, check  # hf + 3 layouts, every pair
     assert results["measured"]["hf"]["multi_turn_episodes"]["turns"] == [2, 1, 3, 2, 2, 2, 2, 1]
     assert {c["a"] for c in checks if c["check"] == "grpo_fused_vs_separate"} == {"hf", *layouts}

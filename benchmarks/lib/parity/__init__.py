@@ -7,6 +7,7 @@ In the order a run goes:
     runners.py       the Policies measured (benchmarks.lib.policy.PolicyRunner with the parity settings)
     measure.py       logprobs, batch invariance, NLL steps, the step after a load
     grpo.py          GRPO step 0 on a layout and on HF
+    estimators.py    the estimator rows (Dr. GRPO with its constant normaliser, RLOO) on a layout and on HF
     hf_reference.py  the HF references in this process (hf; hf-lora for -lora layouts)
     engine.py        the vLLM token_mult_prob_error check
     checks.py        measurements -> pass/fail checks and the results

@@ -8,6 +8,7 @@ from typing import Any
 from benchmarks.lib.layouts import LayoutError, parse_layout
 from benchmarks.lib.parity.measure import max_abs_diff
 from benchmarks.lib.parity.settings import (
+    ESTIMATOR_ROWS,
     GRPO_CHECKS,
     GRPO_METRICS,
     HF,
@@ -263,6 +264,7 @@ SUMMARY_KEYS = (
     "multi_turn_episodes",
     "grpo_s",
     "engine",
+    *(key for key, _, _ in ESTIMATOR_ROWS.values()),
 )
 
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 from benchmarks.lib.parity.settings import GRPO_METRICS, GRPO_SEED, GRPO_STEPS
 
 
-def grpo_loss_fn(old_logprobs: str = "batch"):
-    """``ClippedPGLossFn`` as ``core/configs/default.yaml``'s ``loss_fn`` section configures it;
-    ``old_logprobs="forward"``: the fused path (``prev_logprobs`` = the forward's, detached)."""
+def grpo_loss_fn(old_logprobs: str = "batch", overrides: dict | None = None):
+    """``ClippedPGLossFn`` as ``core/configs/default.yaml``'s ``loss_fn`` section configures it
+    (with ``overrides`` of its keys); ``old_logprobs="forward"``: the fused path
+    (``prev_logprobs`` = the forward's, detached)."""
     from core.config.loader import DEFAULT_CONFIG_PATH, load_raw_config
     from core.losses import ClippedPGLossFn
 
-    return ClippedPGLossFn(load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"], old_logprobs=old_logprobs)
+    cfg = {**load_raw_config(DEFAULT_CONFIG_PATH)["loss_fn"], **(overrides or {})}
+    return ClippedPGLossFn(cfg, old_logprobs=old_logprobs)
 
 
 def grpo_batch(data, generation_logprobs, seed: int = GRPO_SEED):
@@ -54,10 +56,11 @@ def grpo_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
     return {"grpo": grpo_step0_policy(runner, base, steps), "grpo_fused": grpo_fused_policy(runner, base)}
 
 
-def grpo_step0_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
+def grpo_step0_policy(runner, base, steps: int = GRPO_STEPS, loss_fn=None) -> dict:
     """The training part of ``core.algorithms.grpo.grpo_step`` on a layout at its initial weights:
     prev and reference logprobs from the policy itself, then one ``train`` call of ``steps``
-    global batches (``mbs`` = one micro batch per data-parallel rank)."""
+    global batches (``mbs`` = one micro batch per data-parallel rank) with ``loss_fn``
+    (default: :func:`grpo_loss_fn`)."""
     from core.data import BatchedDataDict
 
     policy = runner.policy
@@ -70,7 +73,7 @@ def grpo_step0_policy(runner, base, steps: int = GRPO_STEPS) -> dict:
     data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
     data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
     policy.prepare_for_training()
-    result = policy.train(data, grpo_loss_fn(), gbs=gbs, mbs=gbs // policy.dp)
+    result = policy.train(data, loss_fn or grpo_loss_fn(), gbs=gbs, mbs=gbs // policy.dp)
     policy.finish_training()
     return grpo_summary(result.loss, result.grad_norm, result.metrics)
 

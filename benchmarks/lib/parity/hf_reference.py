@@ -8,6 +8,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator
 
+from benchmarks.lib.parity.estimators import estimator_rows_hf
 from benchmarks.lib.parity.grpo import grpo_loss_fn, grpo_summary
 from benchmarks.lib.parity.measure import measure
 from benchmarks.lib.parity.multi_turn import multi_turn_hf
@@ -110,7 +111,8 @@ class HFReference:
         """:func:`grpo_policy` in this process: step 0 at the current weights, then the fused
         step computed both ways from the same weights and optimizer state
         (``grpo_fused_separate``: old log-probs from a separate pass, today's path; then, kept,
-        ``grpo_fused``); then, given a ``MultiTurnWorkload``, the multi-turn step."""
+        ``grpo_fused``); then, given a ``MultiTurnWorkload``, the multi-turn step; then the
+        estimator rows."""
         data = dict(base)
         initial = self.logprobs(data["input_ids"], data["input_lengths"])
         data["prev_logprobs"] = data["reference_policy_logprobs"] = initial
@@ -122,6 +124,7 @@ class HFReference:
         out["grpo_fused"] = self.grpo_steps(fused, grpo_loss_fn("forward"), 1)
         if multi_turn is not None:
             out.update(multi_turn_hf(self, multi_turn, steps))
+        out.update(estimator_rows_hf(self, base, steps))
         return out
 
     def grpo_steps(self, data: dict, loss_fn, steps: int) -> dict:

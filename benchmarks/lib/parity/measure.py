@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from benchmarks.lib.parity.estimators import estimator_rows_policy
 from benchmarks.lib.parity.grpo import grpo_policy
 from benchmarks.lib.parity.multi_turn import multi_turn_policy
 from benchmarks.lib.parity.settings import GRPO_STEPS
@@ -61,7 +62,7 @@ def measure(logprobs: Callable, step: Callable, data, other, steps: int, grpo: C
     the first three see the initial weights (and GRPO step 0 a fresh optimizer)."""
     initial = logprobs(data["input_ids"], data["input_lengths"])
     out = {"logprobs": initial, "invariance": batch_invariance(logprobs, data, other, initial)}
-    if grpo is not None:  # {"grpo": ..., "grpo_fused": ...[, "grpo_fused_separate": ...]}
+    if grpo is not None:  # {"grpo": ..., "grpo_fused": ...[, "grpo_fused_separate": ...], multi-turn, estimators}
         t0 = time.perf_counter()
         out.update(grpo())
         out["grpo_s"] = time.perf_counter() - t0
@@ -87,13 +88,14 @@ def measure_policy(
 ) -> dict:
     """:func:`measure` on a runner's Policy: ``NLLLoss``, the runner's gbs/mbs (one micro batch
     per data-parallel rank, one optimizer step per ``train`` call); GRPO on ``grpo_base``, then
-    (given a ``MultiTurnWorkload``) the multi-turn GRPO step."""
+    (given a ``MultiTurnWorkload``) the multi-turn GRPO step, then the estimator rows."""
     policy = runner.policy
 
     def grpo() -> dict:
         out = grpo_policy(runner, grpo_base, grpo_steps)
         if multi_turn is not None:
             out.update(multi_turn_policy(runner, multi_turn, grpo_steps))
+        out.update(estimator_rows_policy(runner, grpo_base, grpo_steps))
         return out
 
     return measure(

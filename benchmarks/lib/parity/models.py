@@ -17,7 +17,7 @@ def jax_devices(name: str) -> int | None:
     return layout.devices if layout else None
 
 
-def check_arguments(layouts: list[str], engine: Any, crossload: str, seq: int, steps: int) -> None:
+def check_arguments(layouts: list[str], engine: Any, crossload: str, seq: int, steps: int, batch: int = 8) -> None:
     """``ValueError`` for what makes the whole run meaningless (before anything starts); a bad
     *layout* is not one of them (:func:`layout_problem`: that layout gets an error line)."""
     if not layouts:
@@ -29,6 +29,8 @@ def check_arguments(layouts: list[str], engine: Any, crossload: str, seq: int, s
     crossload_pairs(layouts, crossload)
     if seq < 2 or steps < 1:
         raise ValueError(f"seq must be >= 2 and steps >= 1, got seq={seq}, steps={steps}")
+    if batch < 2:
+        raise ValueError(f"batch must be >= 2 (grpo_rloo_step's leave-one-out baseline needs groups of 2), got {batch}")
 
 
 def layout_problem(name: str, batch: int, threads: int, ray_cpus: float | None) -> str | None:

@@ -7,6 +7,7 @@ from benchmarks.lib.parity.models import jax_devices
 from benchmarks.lib.parity.settings import (
     ENGINE_NEW_TOKENS,
     ENGINE_PROMPTS,
+    ESTIMATOR_ROWS,
     GRPO_CHECKS,
     GRPO_METRICS,
     HF,
@@ -32,6 +33,12 @@ TITLES = {
     "grpo_multi_turn_logprobs": "get_logprobs of the multi-turn episodes after that step: max |a - b|",
     "multi_turn_episodes": "multi-turn episodes (ids, lengths, token_mask, sample_mask, advantages, rewards, "
     "turns): max |a - b|",
+    **{
+        check: f"GRPO step with the {estimator} estimator's advantages, one sample masked out"
+        + (", loss / (valid sequences x constant_token_budget)" if overrides.get("token_normalizer") else "")
+        + " (after the multi-turn step): max over the grpo_step0 quantities"
+        for check, (_, estimator, overrides) in ESTIMATOR_ROWS.items()
+    },
 }
 
 
@@ -126,6 +133,7 @@ def _grpo_table(results: dict, by_one: dict) -> list[str]:
         ("grpo_fused", "fused"),
         ("grpo_fused_separate", "separate"),
         ("grpo_multi_turn", "multi-turn"),
+        *((key, estimator) for key, estimator, _ in ESTIMATOR_ROWS.values()),
     )
     for name, m in results["measured"].items():
         for key, label in steps:
@@ -147,7 +155,7 @@ def _grpo_table(results: dict, by_one: dict) -> list[str]:
     tol = _tolerance(results, "grpo_fused_vs_separate") if "grpo_fused_vs_separate" in results["tolerances"] else ""
     return [
         "GRPO per layout (values per optimizer step; hf: in this process): step 0, then the fused step, "
-        "then (where it ran) the multi-turn step; "
+        "then (where they ran) the multi-turn step and the estimator rows; "
         f"fused vs separate: the layout's fused step against hf's separate-pass step on the same weights "
         f"(pass: {tol})",
         *_table(rows),

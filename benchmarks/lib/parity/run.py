@@ -285,7 +285,7 @@ def run_parity(
     ones.  A layout that cannot run is reported (``errors``) and the others still run;
     ``ValueError`` only for arguments that make the whole run meaningless."""
     layouts = list(DEFAULT_LAYOUTS if layouts is None else layouts)
-    check_arguments(layouts, engine, crossload, seq, steps)
+    check_arguments(layouts, engine, crossload, seq, steps, batch)
     engine_layouts = list(layouts) if engine is True else list(engine or [])
     import ray
 

@@ -17,6 +17,17 @@ OTHER_SEED = 1
 #: GRPO step 0: optimizer steps of the one ``train`` call, seed of the advantages.
 GRPO_STEPS = 2
 GRPO_SEED = 2
+#: The estimator rows (``benchmarks.lib.parity.estimators``): check -> (measurement key,
+#: ``grpo.advantage_estimator``, ``loss_fn`` overrides of ``core/configs/default.yaml``'s).  Dr.
+#: GRPO's constant normaliser divides by valid sequences x budget, a count each backend must
+#: gather over its ranks and micro batches; RLOO keeps the default per-token normaliser.
+ESTIMATOR_ROWS: dict[str, tuple[str, str, dict]] = {
+    "grpo_dr_grpo_step": ("grpo_dr_grpo", "dr_grpo", {"token_normalizer": "constant"}),
+    "grpo_rloo_step": ("grpo_rloo", "rloo", {}),
+}
+#: Seed of the estimator rows' rewards; their group size (``estimators.group_size``: the batch's gcd with it).
+ESTIMATOR_SEED = 4
+ESTIMATOR_GROUP_SIZE = 4
 #: What ``grpo_step0`` compares besides the gradient norms (``ClippedPGLossFn`` metrics).
 GRPO_METRICS = ("loss", "actor_loss", "kl_penalty", "clip_fraction", "probs_ratio")
 #: The engine check: prompts x width, tokens sampled per prompt, seed of the prompts and samples.
@@ -46,6 +57,7 @@ TOLERANCES: dict[str, tuple[str, float]] = {
     "grpo_multi_turn_step0": ("<=", 1e-5),
     "grpo_multi_turn_logprobs": ("<=", 1e-4),
     "multi_turn_episodes": ("<=", 0.0),
+    **{check: ("<=", 1e-5) for check in ESTIMATOR_ROWS},
 }
 #: ``--precision bfloat16`` (bf16 compute, fp32 master weights and AdamW state, HF reference under
 #: CPU autocast).  What differs between layouts is where bf16 rounds a matmul's *inputs*
@@ -74,6 +86,7 @@ BF16_TOLERANCES: dict[str, tuple[str, float]] = {
     "lora_b0_is_base": ("<=", 1e-2),  # a layout against base hf: the logprobs band
     "grpo_multi_turn_step0": ("<=", 1e-2),  # the GRPO band (its generation logprobs: the logprobs band)
     "grpo_multi_turn_logprobs": ("<=", 3e-2),  # the trained-logprobs band
+    **{check: ("<=", 1e-2) for check in ESTIMATOR_ROWS},  # the GRPO band
 }
 #: Checks between two layouts (every pair of ``hf`` + layouts), the rest are per layout.
 PAIRWISE = (
@@ -87,9 +100,14 @@ PAIRWISE = (
     "grpo_multi_turn_step0",
     "grpo_multi_turn_logprobs",
     "multi_turn_episodes",
+    *ESTIMATOR_ROWS,
 )
 #: The pairwise GRPO checks -> the measurement each compares (a ``grpo_summary``).
-GRPO_CHECKS = {"grpo_step0": "grpo", "grpo_fused": "grpo_fused"}
+GRPO_CHECKS = {
+    "grpo_step0": "grpo",
+    "grpo_fused": "grpo_fused",
+    **{check: key for check, (key, _, _) in ESTIMATOR_ROWS.items()},
+}
 #: The pairwise multi-turn checks (benchmarks.lib.parity.multi_turn) -> the measurement each compares.
 MULTI_TURN_CHECKS = {
     "grpo_multi_turn_step0": "grpo_multi_turn",
