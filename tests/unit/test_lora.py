@@ -92,6 +92,32 @@ def test_a_target_the_model_lacks_is_named_with_the_linears_it_has():
         check_lora_targets(cfg, phi)
     assert "['dense', 'fc1', 'fc2', 'k_proj', 'q_proj', 'v_proj']" in str(err.value)
     check_lora_targets(PolicyConfig.checked(_cfg(target_modules=["q_proj"])), phi)  # q_proj exists
+    with pytest.raises(
+        ValueError, match=r"'all-linear' on model_type 'phi' cannot adapt its linears \['dense', 'fc1', 'fc2'\]"
+    ):
+        check_lora_targets(PolicyConfig.checked(_cfg()), phi)  # PEFT's all-linear would adapt them
+
+
+def test_moe_experts_are_refused_by_name_and_all_linear_means_the_linears_there_are():
+    """Qwen3-MoE's experts are fused 3-D tensors in transformers 5: naming an MLP projection is
+    refused (naming the tensors), attention and "all-linear" pass -- also without dense layers,
+    where "all-linear" is attention only -- and an expert's per-expert checkpoint name (what the
+    JAX weight table lists) is never adapted."""
+    from core.models.lora import adapted_modules
+    from core.policy.preflight import check_lora_targets
+    from core.testing.tiny_models import tiny_config
+
+    moe = tiny_config("qwen3_moe")  # layer 0 dense (mlp_only_layers), layer 1 sparse
+    for targets in (["q_proj", "gate_proj"], ["down_proj"]):
+        with pytest.raises(ValueError, match=r"model_type 'qwen3_moe', a mixture of experts") as err:
+            check_lora_targets(PolicyConfig.checked(_cfg(target_modules=targets)), moe)
+        assert "model.layers.1.mlp.experts.gate_up_proj [8, 64, 64]" in str(err.value)
+    check_lora_targets(PolicyConfig.checked(_cfg(target_modules=["q_proj", "o_proj"])), moe)
+    check_lora_targets(PolicyConfig.checked(_cfg()), moe)
+    moe.mlp_only_layers = []  # every layer sparse, as the released Qwen3-MoE models
+    check_lora_targets(PolicyConfig.checked(_cfg()), moe)
+    names = ["model.layers.0.mlp.gate_proj", "model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.gate"]
+    assert adapted_modules(names, ["gate_proj", "up_proj"]) == ["model.layers.0.mlp.gate_proj"]
 
 
 # ----------------------------------------------------------------------------- core math
