@@ -57,6 +57,16 @@ def test_unsupported_combinations_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"policy.lora.dropout: 0.1: .*jax_pjit"):
         PolicyConfig.checked(_cfg("jax_pjit", dropout=0.1))
     assert PolicyConfig.checked(_cfg("torch_fsdp", dropout=0.1)).lora.dropout == 0.1
+    for backend, section, key in (
+        ("torch_fsdp", None, "activation_checkpointing_enabled"),
+        ("torch_dtensor", "dtensor_cfg", "activation_checkpointing"),
+    ):
+        cfg = _cfg(backend, dropout=0.1)
+        (cfg[section] if section else cfg)[key] = True
+        with pytest.raises(ConfigError, match=rf"policy.lora.dropout: 0.1: .*{key}=true.*another mask"):
+            PolicyConfig.checked(cfg)
+        cfg["lora"]["dropout"] = 0.0
+        assert PolicyConfig.checked(cfg).lora.enabled  # LoRA itself composes with checkpointing
 
 
 def test_tp_plan_switches_adapted_entries_to_lora_styles():
