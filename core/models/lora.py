@@ -36,7 +36,7 @@ NEVER_ADAPTED = ("lm_head",)
 #: fuses each layer's experts into 3-D parameters (Qwen3-MoE: ``mlp.experts.gate_up_proj``
 #: [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]), not linears, so the torch backends cannot
 #: wrap them; HF checkpoints -- and so the JAX backend's weight table -- still name them per
-#: expert (``mlp.experts.0.gate_proj``), which without this rule would adapt them on JAX alone.
+#: expert (``mlp.experts.0.gate_proj``): without this rule JAX alone picked those as targets.
 EXPERTS = ".experts."
 #: The MLP projections a user who names them on a mixture of experts means the experts by.
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -110,12 +110,15 @@ def target_errors(
     have = sorted({n.rsplit(".", 1)[-1] for n in names if EXPERTS not in n} - set(NEVER_ADAPTED))
     if all_linear:
         left = [h for h in have if h not in targets]
-        if not left:
-            return []
-        return [
-            f"policy.lora.target_modules: 'all-linear' on model_type {model_type!r} cannot adapt its linears "
-            f"{left} (LoRA adapts {list(targets)}); list the modules to adapt"
-        ]
+        if left:
+            return [
+                f"policy.lora.target_modules: 'all-linear' on model_type {model_type!r} cannot adapt its linears "
+                f"{left} (LoRA adapts {list(targets)}); list the modules to adapt"
+            ]
+        if not adapted_modules(names, targets):  # GPT-2: Conv1D layers, no nn.Linear but lm_head
+            return [f"policy.lora.target_modules: 'all-linear' adapts nothing in model_type {model_type!r}: "
+                    f"it has no linear module but lm_head"]  # fmt: skip
+        return []
     return [
         f"policy.lora.target_modules: {t!r} is not a linear module of model_type {model_type!r}; "
         f"its linear modules are {have}"
@@ -126,7 +129,7 @@ def target_errors(
 
 def expert_errors(experts: dict[str, tuple[int, ...]], targets: Sequence[str], model_type: str) -> list[str]:
     """Refuse naming an MLP projection on a model whose experts are fused (``experts``: the
-    fused tensors by name, from :func:`fused_expert_shapes`): the user means the experts, which
+    fused tensors by name, from :func:`model_parts`): the user means the experts, which
     LoRA cannot adapt here, and adapting only the dense layers' MLPs instead would be a silent
     change of meaning.  "all-linear" is not refused (PEFT's meaning: the linears there are)."""
     asked = [t for t in targets if t in EXPERT_PROJECTIONS]
@@ -154,15 +157,10 @@ def linear_module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     return model_parts(hf_config)[0]
 
 
-def fused_expert_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    """``{parameter name: shape}`` of the fused expert tensors (3-D parameters under
-    ``.experts``) of the HF causal LM ``hf_config`` describes; empty for a dense model."""
-    return model_parts(hf_config)[1]
-
-
 def model_parts(hf_config: Any) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, ...]]]:
-    """``(linear_module_shapes, fused_expert_shapes)`` of one meta-device build (no memory,
-    no weights read)."""
+    """``({linear module path: (out, in)}, {fused expert tensor name: shape})`` of the HF causal
+    LM ``hf_config`` describes, from one meta-device build (no memory, no weights read); the
+    second is empty for a dense model."""
     import torch
     from transformers import AutoModelForCausalLM
 

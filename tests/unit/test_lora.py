@@ -92,7 +92,7 @@ def test_tp_plan_switches_adapted_entries_to_lora_styles():
 
 
 def test_a_target_the_model_lacks_is_named_with_the_linears_it_has():
-    from transformers import PhiConfig
+    from transformers import GPT2Config, PhiConfig
 
     from core.policy.preflight import check_lora_targets
 
@@ -106,6 +106,9 @@ def test_a_target_the_model_lacks_is_named_with_the_linears_it_has():
         ValueError, match=r"'all-linear' on model_type 'phi' cannot adapt its linears \['dense', 'fc1', 'fc2'\]"
     ):
         check_lora_targets(PolicyConfig.checked(_cfg()), phi)  # PEFT's all-linear would adapt them
+    gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64)  # Conv1D layers: no linear but lm_head
+    with pytest.raises(ValueError, match=r"'all-linear' adapts nothing in model_type 'gpt2'"):
+        check_lora_targets(PolicyConfig.checked(_cfg()), gpt2)
 
 
 def test_moe_experts_are_refused_by_name_and_all_linear_means_the_linears_there_are():
