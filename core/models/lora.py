@@ -32,6 +32,14 @@ LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
 PEFT_PREFIX = "base_model.model."
 #: Modules LoRA never adapts, even under "all-linear" (PEFT leaves the output layer alone).
 NEVER_ADAPTED = ("lm_head",)
+#: Module paths inside a mixture of experts' expert container are never adapted: transformers 5
+#: fuses each layer's experts into 3-D parameters (Qwen3-MoE: ``mlp.experts.gate_up_proj``
+#: [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]), not linears, so the torch backends cannot
+#: wrap them; HF checkpoints -- and so the JAX backend's weight table -- still name them per
+#: expert (``mlp.experts.0.gate_proj``): without this rule JAX alone picked those as targets.
+EXPERTS = ".experts."
+#: The MLP projections a user who names them on a mixture of experts means the experts by.
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
@@ -81,20 +89,59 @@ def is_adapter_name(name: str) -> bool:
 
 
 def adapted_modules(linear_names: Iterable[str], targets: Sequence[str]) -> list[str]:
-    """The module paths among ``linear_names`` whose last part is one of ``targets``."""
-    return [n for n in linear_names if n.rsplit(".", 1)[-1] in targets and n.rsplit(".", 1)[-1] not in NEVER_ADAPTED]
+    """The module paths among ``linear_names`` whose last part is one of ``targets`` (never an
+    expert's: see ``EXPERTS``)."""
+    return [
+        n
+        for n in linear_names
+        if n.rsplit(".", 1)[-1] in targets and n.rsplit(".", 1)[-1] not in NEVER_ADAPTED and EXPERTS not in n
+    ]
 
 
-def target_errors(linear_names: Iterable[str], targets: Sequence[str], model_type: str) -> list[str]:
+def target_errors(
+    linear_names: Iterable[str], targets: Sequence[str], model_type: str, all_linear: bool = False
+) -> list[str]:
     """``policy.lora.target_modules`` entries that name no linear of the model, each listing the
-    linear module names the model does have."""
+    linear module names the model does have.  ``all_linear``: "all-linear" means every linear
+    of the model (PEFT's meaning: lm_head and fused experts aside), so a model that lacks some
+    of ``targets`` passes (Qwen3-MoE without dense layers: attention only) and one with a
+    linear outside ``targets`` (Phi's ``fc1``) is refused, naming it."""
     names = list(linear_names)
-    have = sorted({n.rsplit(".", 1)[-1] for n in names} - set(NEVER_ADAPTED))
+    have = sorted({n.rsplit(".", 1)[-1] for n in names if EXPERTS not in n} - set(NEVER_ADAPTED))
+    if all_linear:
+        left = [h for h in have if h not in targets]
+        if left:
+            return [
+                f"policy.lora.target_modules: 'all-linear' on model_type {model_type!r} cannot adapt its linears "
+                f"{left} (LoRA adapts {list(targets)}); list the modules to adapt"
+            ]
+        if not adapted_modules(names, targets):  # GPT-2: Conv1D layers, no nn.Linear but lm_head
+            return [f"policy.lora.target_modules: 'all-linear' adapts nothing in model_type {model_type!r}: "
+                    f"it has no linear module but lm_head"]  # fmt: skip
+        return []
     return [
         f"policy.lora.target_modules: {t!r} is not a linear module of model_type {model_type!r}; "
         f"its linear modules are {have}"
         for t in targets
         if not adapted_modules(names, [t])
+    ]
+
+
+def expert_errors(experts: dict[str, tuple[int, ...]], targets: Sequence[str], model_type: str) -> list[str]:
+    """Refuse naming an MLP projection on a model whose experts are fused (``experts``: the
+    fused tensors by name, from :func:`model_parts`): the user means the experts, which
+    LoRA cannot adapt here, and adapting only the dense layers' MLPs instead would be a silent
+    change of meaning.  "all-linear" is not refused (PEFT's meaning: the linears there are)."""
+    asked = [t for t in targets if t in EXPERT_PROJECTIONS]
+    if not experts or not asked:
+        return []
+    first = next(iter(experts)).split(EXPERTS)[0]  # the first sparse layer's block: one example
+    shown = ", ".join(f"{n} {list(shape)}" for n, shape in experts.items() if n.startswith(first + EXPERTS))
+    return [
+        f"policy.lora.target_modules: {asked} on model_type {model_type!r}, a mixture of experts: its experts "
+        f"are fused 3-D parameters ({shown}, and so on per layer), not linears, so LoRA cannot adapt them; "
+        "target the attention projections (q_proj, k_proj, v_proj, o_proj), or 'all-linear' (PEFT's meaning: "
+        "attention and any dense MLP layers; experts and router are not adapted)"
     ]
 
 
@@ -107,12 +154,21 @@ def linear_module_names(hf_config: Any) -> list[str]:
 def linear_module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """``{module path: (out_features, in_features)}`` of every ``nn.Linear`` of the HF causal
     LM ``hf_config`` describes, built on the meta device."""
+    return model_parts(hf_config)[0]
+
+
+def model_parts(hf_config: Any) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, ...]]]:
+    """``({linear module path: (out, in)}, {fused expert tensor name: shape})`` of the HF causal
+    LM ``hf_config`` describes, from one meta-device build (no memory, no weights read); the
+    second is empty for a dense model."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    experts = {n: tuple(p.shape) for n, p in model.named_parameters() if p.ndim == 3 and EXPERTS in n}
+    return linears, experts
 
 
 def adapter_shapes(

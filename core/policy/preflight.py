@@ -153,12 +153,17 @@ def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerB
 
 def check_lora_targets(policy: PolicyConfig, model_config: PreTrainedConfig) -> None:
     """Every ``policy.lora.target_modules`` entry names linears of the model (read from its
-    modules on the meta device); else a ValueError naming the entry and the linears there are."""
+    modules on the meta device), and none names a mixture of experts' fused expert
+    projections; else a ValueError naming the entry and what the model has."""
     if not policy.lora.enabled:
         return
-    from core.models.lora import linear_module_names, target_errors
+    from core.models.lora import expert_errors, model_parts, target_errors
 
-    errors = target_errors(linear_module_names(model_config), policy.lora.targets, model_config.model_type)
+    linears, experts = model_parts(model_config)
+    all_linear = policy.lora.target_modules == "all-linear"
+    model_type = model_config.model_type
+    errors = [] if all_linear else expert_errors(experts, policy.lora.targets, model_type)
+    errors = errors or target_errors(linears, policy.lora.targets, model_type, all_linear)
     if errors:
         raise ValueError("; ".join(errors))
 

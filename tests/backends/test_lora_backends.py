@@ -115,3 +115,36 @@ def test_a_run_starts_from_its_exported_adapter_and_resumes_from_its_checkpoint(
     shutil.rmtree(tmp_path / "hf" / LORA_ADAPTER_DIR)  # neither the driver nor a worker reads it on resume
     with started_policy(lay, from_adapter, tokenizer, name + "_3", weights_path=weights, optimizer_path=optimizer) as p:
         torch.testing.assert_close(p.get_logprobs(probe)["logprobs"], again, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["dtensor-dp2", "jax-fsdp8"])
+def test_lora_on_a_mixture_of_experts_adapts_the_same_linears(layout, model_dirs, tokenizer, ray_session, tmp_path):
+    """Tiny Qwen3-MoE (layer 0 dense, layer 1 sparse), "all-linear": attention and the dense
+    MLP are adapted, the fused experts are not (the JAX weight table lists them per expert; it
+    must pick the torch backends' linears): B = 0 is the base model, one step's loss and
+    gradient norm equal the single-process torch LoRA model's, the merged HF export loads
+    with the trained logprobs, and the experts and router did not move."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs["qwen3_moe"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    probe, batch, loss_fn = ragged(4, seed=20), pg_batch(4, seed=10), ClippedPGLossFn(PG_CFG)
+    reference, ref_loss, ref_norm = _reference(model_dir, batch, loss_fn)
+    adapted = sorted(n for n, p in reference.named_parameters() if p.requires_grad)
+    assert len(adapted) == 2 * (4 + 4 + 3) and not any(".experts." in n or ".mlp.gate." in n for n in adapted)
+    ids, lens = probe["input_ids"], probe["input_lengths"]
+    cfg = layout_config(layout, model_dir, lora=LORA)
+    with started_policy(parse_layout(layout), cfg, tokenizer, f"lora_moe_{layout.replace('-', '_')}") as policy:
+        before = policy.get_logprobs(probe)["logprobs"]
+        torch.testing.assert_close(before, hf_logprobs(base, ids, lens), rtol=0, atol=1e-5)
+        result = policy.train(batch, loss_fn)
+        assert math.isclose(result.loss[0], ref_loss, rel_tol=1e-5), (result.loss, ref_loss)
+        assert math.isclose(result.grad_norm[0], ref_norm, rel_tol=1e-5), (result.grad_norm, ref_norm)
+        after = policy.get_logprobs(probe)["logprobs"]
+        assert (after - before).abs().max() > 1e-4  # the adapters moved
+        policy.save_hf_checkpoint(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    torch.testing.assert_close(hf_logprobs(exported, ids, lens), after, rtol=0, atol=1e-5)
+    for name, value in exported.state_dict().items():
+        if ".experts." in name or ".mlp.gate." in name:
+            torch.testing.assert_close(value, base.state_dict()[name], rtol=0, atol=0)

@@ -172,15 +172,22 @@ def _run(cfg, tokenizer):
 
 
 @pytest.mark.slow  # ~65 s each on the 2-core CI machine (cold inductor cache), mostly compiling
-@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)], ids=["dp2", "tp2", "tp2_sp"])
-def test_compiled_blocks_match_eager(ray_session, model_dirs, tokenizer, tp, sp):
+@pytest.mark.parametrize(
+    "tp, sp, lora",
+    [(1, False, False), (2, False, False), (2, True, False), (1, False, True)],
+    ids=["dp2", "tp2", "tp2_sp", "dp2_lora"],
+)
+def test_compiled_blocks_match_eager(ray_session, model_dirs, tokenizer, tp, sp, lora):
     """Inductor, with activation checkpointing, against the same policy uncompiled: dp2 with 2
     micro batches per rank (gradient accumulation without sync), and tp2 with and without
     sequence parallelism (the embedding's gradient through the blocks, see compile.py: before
-    the fix tp2 gave grad norm 0.285 instead of 0.339)."""
+    the fix tp2 gave grad norm 0.285 instead of 0.339); dp2 with LoRA on every linear (the
+    LoRALinear forward inside the compiled blocks, only the adapters training)."""
     # two micro batches per rank either way: dp2 holds 2 of the 4 rows per rank, tp2 all 4
     cfg = policy_config(model_dirs["llama"], "torch_dtensor", tp=tp, sp=sp, train_micro_batch_size=tp)
     cfg["dtensor_cfg"]["activation_checkpointing"] = True
+    if lora:
+        cfg["lora"] = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": "all-linear", "init_seed": 3}
     eager = _run(cfg, tokenizer)
     cfg["dtensor_cfg"]["compile"] = True
     compiled = _run(cfg, tokenizer)

@@ -57,6 +57,16 @@ def test_unsupported_combinations_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"policy.lora.dropout: 0.1: .*jax_pjit"):
         PolicyConfig.checked(_cfg("jax_pjit", dropout=0.1))
     assert PolicyConfig.checked(_cfg("torch_fsdp", dropout=0.1)).lora.dropout == 0.1
+    for backend, section, key in (
+        ("torch_fsdp", None, "activation_checkpointing_enabled"),
+        ("torch_dtensor", "dtensor_cfg", "activation_checkpointing"),
+    ):
+        cfg = _cfg(backend, dropout=0.1)
+        (cfg[section] if section else cfg)[key] = True
+        with pytest.raises(ConfigError, match=rf"policy.lora.dropout: 0.1: .*{key}=true.*another mask"):
+            PolicyConfig.checked(cfg)
+        cfg["lora"]["dropout"] = 0.0
+        assert PolicyConfig.checked(cfg).lora.enabled  # LoRA itself composes with checkpointing
 
 
 def test_tp_plan_switches_adapted_entries_to_lora_styles():
@@ -82,7 +92,7 @@ def test_tp_plan_switches_adapted_entries_to_lora_styles():
 
 
 def test_a_target_the_model_lacks_is_named_with_the_linears_it_has():
-    from transformers import PhiConfig
+    from transformers import GPT2Config, PhiConfig
 
     from core.policy.preflight import check_lora_targets
 
@@ -92,6 +102,35 @@ def test_a_target_the_model_lacks_is_named_with_the_linears_it_has():
         check_lora_targets(cfg, phi)
     assert "['dense', 'fc1', 'fc2', 'k_proj', 'q_proj', 'v_proj']" in str(err.value)
     check_lora_targets(PolicyConfig.checked(_cfg(target_modules=["q_proj"])), phi)  # q_proj exists
+    with pytest.raises(
+        ValueError, match=r"'all-linear' on model_type 'phi' cannot adapt its linears \['dense', 'fc1', 'fc2'\]"
+    ):
+        check_lora_targets(PolicyConfig.checked(_cfg()), phi)  # PEFT's all-linear would adapt them
+    gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64)  # Conv1D layers: no linear but lm_head
+    with pytest.raises(ValueError, match=r"'all-linear' adapts nothing in model_type 'gpt2'"):
+        check_lora_targets(PolicyConfig.checked(_cfg()), gpt2)
+
+
+def test_moe_experts_are_refused_by_name_and_all_linear_means_the_linears_there_are():
+    """Qwen3-MoE's experts are fused 3-D tensors in transformers 5: naming an MLP projection is
+    refused (naming the tensors), attention and "all-linear" pass -- also without dense layers,
+    where "all-linear" is attention only -- and an expert's per-expert checkpoint name (what the
+    JAX weight table lists) is never adapted."""
+    from core.models.lora import adapted_modules
+    from core.policy.preflight import check_lora_targets
+    from core.testing.tiny_models import tiny_config
+
+    moe = tiny_config("qwen3_moe")  # layer 0 dense (mlp_only_layers), layer 1 sparse
+    for targets in (["q_proj", "gate_proj"], ["down_proj"]):
+        with pytest.raises(ValueError, match=r"model_type 'qwen3_moe', a mixture of experts") as err:
+            check_lora_targets(PolicyConfig.checked(_cfg(target_modules=targets)), moe)
+        assert "model.layers.1.mlp.experts.gate_up_proj [8, 64, 64]" in str(err.value)
+    check_lora_targets(PolicyConfig.checked(_cfg(target_modules=["q_proj", "o_proj"])), moe)
+    check_lora_targets(PolicyConfig.checked(_cfg()), moe)
+    moe.mlp_only_layers = []  # every layer sparse, as the released Qwen3-MoE models
+    check_lora_targets(PolicyConfig.checked(_cfg()), moe)
+    names = ["model.layers.0.mlp.gate_proj", "model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.gate"]
+    assert adapted_modules(names, ["gate_proj", "up_proj"]) == ["model.layers.0.mlp.gate_proj"]
 
 
 # ----------------------------------------------------------------------------- core math
