@@ -50,3 +50,13 @@ def test_demonstrations_are_what_the_environment_answers():
     assert all(len(r["messages"]) == 2 for r in ToolDemoTask(task, 0.0).problems(0, 0, 4))
     with pytest.raises(ValueError, match=r"data\.tool_demo_fraction: .*'tool-arithmetic'"):
         ToolDemoTask(task, None)
+
+
+def test_the_embedded_models_cache_keys_did_not_move():
+    # Adding the tools model (its tokenizer, data.tool_demo_fraction) must not rebuild the
+    # embedded default's cached models: their keys, as computed before it existed.
+    from core.algorithms.warm_start import cache_key
+    from core.environments.config import ArithmeticTaskConfig
+
+    assert cache_key("arithmetic-llama", ArithmeticTaskConfig(), ["1+2="]) == "75e09adbe821cb07"
+    assert cache_key("arithmetic-llama-small", ArithmeticTaskConfig(), ["1+2="]) == "1f4f367eff91d920"
