@@ -594,7 +594,12 @@ class SFTRunConfig(_TrainOnlyRunConfig):
     """``dualrl sft``."""
 
     algorithm: ClassVar[str] = "sft"
-    data_keys: ClassVar[tuple[str, ...]] = (*_SUPERVISED_DATA_KEYS, "response_key", "messages_key")
+    data_keys: ClassVar[tuple[str, ...]] = (
+        *_SUPERVISED_DATA_KEYS,
+        "response_key",
+        "messages_key",
+        "tool_demo_fraction",
+    )
 
     sft: SFTConfig
     data: DataConfig

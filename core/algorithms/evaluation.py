@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from core.algorithms.estimators import maj_at_k, mean_at_k, pass_at_k
-from core.algorithms.multi_turn import EpisodeRunner, decode_conversations, episodes_to_rows
+from core.algorithms.multi_turn import EpisodeRunner, decode_conversations, episode_summaries, episodes_to_rows
 from core.algorithms.rollouts import decode_completions, prompt_batch, sample_seeds
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ class Samples:
     rewards: list[float] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    episodes: list[dict[str, float]] = field(default_factory=list)
+    """Multi-turn only: each sample's :func:`~core.algorithms.multi_turn.episode_summaries`."""
 
     def by_prompt(self, values: Sequence[Any]) -> list[list[Any]]:
         n = self.num_samples
@@ -92,6 +94,11 @@ class Evaluation:
         correct = greedy.info_values("correct")
         if correct is not None:
             out["accuracy"] = [float(bool(c)) for c in correct]
+        if greedy.episodes:  # multi-turn: how the greedy episodes used their tools
+            for key in ("turns", "tool_calls", "malformed_tool_calls"):
+                out[f"{key}_mean"] = [e[key] for e in greedy.episodes]
+            for key in ("tool_use", "correct_with_tool"):
+                out[f"{key}_rate"] = [e[key] for e in greedy.episodes]
         if self.sampled is not None:
             out.update(_sampled_scores(self.sampled, self.ks))
         return out
@@ -182,6 +189,7 @@ def _play_episodes(
         out.rewards += rows["rewards"].tolist()
         out.infos += rows["infos"]
         out.lengths += rows["generation_lengths"].tolist()
+        out.episodes += episode_summaries(rows)
     return out
 
 

@@ -45,7 +45,15 @@ from core.environments.multi_turn import EpisodeError, MultiTurnEnvironment, Ste
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["Episode", "EpisodeRunner", "GenerateFn", "episodes_to_rows", "multi_turn_metrics", "turn_seeds"]
+__all__ = [
+    "Episode",
+    "EpisodeRunner",
+    "GenerateFn",
+    "episode_summaries",
+    "episodes_to_rows",
+    "multi_turn_metrics",
+    "turn_seeds",
+]
 
 #: The engine's generate: (right-padded prompts with sample_seeds, greedy) -> GenerationOutputSpec.
 GenerateFn = Callable[[BatchedDataDict, bool], BatchedDataDict]
@@ -279,16 +287,47 @@ def episodes_to_rows(episodes: Sequence[Episode], pad_token_id: int) -> BatchedD
     )
 
 
+def episode_summaries(rows: BatchedDataDict) -> list[dict[str, float]]:
+    """Per episode: ``turns``, ``tool_calls``, ``malformed_tool_calls``, ``tool_use`` (1 when it
+    made a call) and ``correct_with_tool`` (1 when it made a call and its final answer was right:
+    the share of episodes the tool solved).  GRPO's step metrics and validation both read these."""
+    out = []
+    for b, info in enumerate(rows["infos"]):
+        calls = int(rows["tool_calls"][b])
+        used = float(calls > 0)
+        out.append(
+            {
+                "turns": float(rows["turns"][b]),
+                "tool_calls": float(calls),
+                "malformed_tool_calls": float(rows["malformed_tool_calls"][b]),
+                "tool_use": used,
+                "correct_with_tool": used * float(bool(info.get("correct", False))),
+            }
+        )
+    return out
+
+
 def multi_turn_metrics(rows: BatchedDataDict) -> dict[str, float]:
-    """What a researcher watches about multi-turn rollouts (``multi_turn/...``)."""
+    """What a researcher watches about multi-turn rollouts (``multi_turn/...``): per-episode
+    means (turns, tool calls, malformed calls, generated and observation tokens), the shares
+    of episodes that used a tool and that used one and were right, counts of episodes
+    truncated / failed / cut at max_turns, and the mean reward of the episodes of each turn
+    count (``reward_turns_<k>``)."""
     out = {
         f"multi_turn/{key}_mean": float(rows[key].float().mean())
         for key in ("turns", "tool_calls", "malformed_tool_calls", "observation_tokens")
     }
     # = the generate calls of one rollout (every live episode is in each turn's call)
     out["multi_turn/turns_max"] = float(rows["turns"].max())
+    out["multi_turn/generated_tokens_mean"] = float(rows["generation_lengths"].float().mean())
+    summaries = episode_summaries(rows)
+    for key in ("tool_use", "correct_with_tool"):
+        out[f"multi_turn/{key}_rate"] = sum(e[key] for e in summaries) / len(summaries)
     for key in ("truncated", "episode_errors", "max_turns_reached"):
         out[f"multi_turn/{key}"] = float(rows[key].sum())
+    for turns in sorted(set(rows["turns"].tolist())):
+        chosen = rows["turns"] == turns
+        out[f"multi_turn/reward_turns_{turns}"] = float(rows["rewards"][chosen].mean())
     return out
 
 

@@ -41,6 +41,7 @@ from core.models.builtin import (
     INIT_SEED,
     PREFIX,
     WARM_START_SFT_OVERRIDES,
+    builtin_tokenizer,
     cache_root,
     is_builtin,
     spec_name,
@@ -160,7 +161,7 @@ def _build(
 ) -> None:
     shape, warm = BUILTIN_MODELS[short]
     if not warm:
-        write_random_init(shape, out)
+        write_random_init(shape, out, tokenizer=builtin_tokenizer(PREFIX + short))
         return
     from core.algorithms.placement import start_ray
 

@@ -97,7 +97,8 @@ class GeneratedDataset(EncodedDataset):
         for rejects, (index, row) in enumerate(builtin_candidates(self._task, self._seed, i)):
             if rejects > _MAX_REJECTS:
                 break
-            if row[self._encoder.prompt_key] in self._held_out:
+            # Built-in rows always carry the prompt text (a conversation column is no set key).
+            if row["prompt"] in self._held_out:
                 continue
             datum = self._encoder.encode(row, index, source)
             if datum is not None:
@@ -157,7 +158,9 @@ def build_datasets(
     ``seed``.  ``num_val_key`` is the config key that sets ``num_val`` and ``task_path``
     the one holding the built-in task's knobs ``task_cfg`` (both named in errors).
     """
-    task = functools.partial(builtin_task, task_cfg=task_cfg, path=task_path)
+    task = functools.partial(
+        builtin_task, task_cfg=task_cfg, path=task_path, tool_demo_fraction=data_cfg.tool_demo_fraction
+    )
     name, val_name = data_cfg.dataset_name, data_cfg.val_dataset_name
     if is_builtin(name) and data_cfg.val_split is not None:
         raise ValueError(
@@ -198,7 +201,9 @@ def build_eval_dataset(
     if is_builtin(name):
         if split is not None:
             raise ValueError(f"{key_path}: the built-in task {name!r} has no splits (asked for {split!r})")
-        return _builtin_val(builtin_task(name, task_cfg, task_path), name, encoder, num_builtin, seed + 1)[0]
+        return _builtin_val(
+            builtin_task(name, task_cfg, task_path, data_cfg.tool_demo_fraction), name, encoder, num_builtin, seed + 1
+        )[0]
     split = split or data_cfg.split
     rows = load_rows(name, data_cfg.dataset_config, split, key_path=key_path)
     return encode_rows(encoder, rows, f"dataset {name!r} (split {split!r})")
@@ -232,8 +237,8 @@ def _builtin_val(task, name, encoder, num_val, seed):
                 f"examples that fit from {source}: {index} tried, {len(items)} kept"
             )
         row = problem_row(task.problem(seed, index))
-        if row[encoder.prompt_key] not in seen:
-            seen.add(row[encoder.prompt_key])
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
             datum = encoder.encode(row, index, source)
             filtered += datum is None
             items += [datum] if datum is not None else []

@@ -20,7 +20,8 @@ class DataConfig(ConfigModel):
     """Training data: the built-in task, a local JSONL/parquet file, or a Hugging Face dataset."""
 
     dataset_name: str = Field(min_length=1)
-    """"arithmetic" / "arithmetic-preferences" (built-in), a .jsonl/.json/.parquet path, or a hub name."""
+    """"arithmetic" / "arithmetic-preferences" / "tool-arithmetic" (built-in), a .jsonl/.json/.parquet path or a hub
+    name."""
     dataset_config: str | None = None
     """Hub subset, e.g. "main"."""
     split: str = "train"
@@ -57,6 +58,9 @@ class DataConfig(ConfigModel):
     """Shuffle the training rows each epoch (the order is a function of the seed)."""
     arithmetic: ArithmeticTaskConfig | None = None
     """SFT/DPO: knobs of the built-in task (GRPO: env.arithmetic); null = the defaults."""
+    tool_demo_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    """SFT, built-in "tool-arithmetic" only (required there): share of its conversations that
+    demonstrate a calculator call (core/environments/tools/demos.py)."""
 
     @field_validator("use_chat_template", mode="plain")
     @classmethod
@@ -69,6 +73,11 @@ class DataConfig(ConfigModel):
     def check(self) -> Iterable[Problem]:
         if "{prompt}" not in self.prompt_template:
             yield "prompt_template", f"must contain '{{prompt}}', got {self.prompt_template!r}"
+        if self.tool_demo_fraction is not None and self.dataset_name != "tool-arithmetic":
+            yield (
+                "tool_demo_fraction",
+                f"only the built-in source 'tool-arithmetic' reads it (data.dataset_name is {self.dataset_name!r})",
+            )
 
     @property
     def prompt_column(self) -> str:

@@ -1,6 +1,7 @@
 """Text rows -> tokenized SFT / DPO training examples with a loss mask.
 
-``SFTEncoder`` turns a prompt/response row, or a chat conversation, into one
+``SFTEncoder`` turns a prompt/response row, or a conversation (chat-templated, or raw text
+for a tokenizer without a template, as multi-turn rollouts render it), into one
 ``SequenceDatum``; ``PreferenceEncoder`` turns a prompt/chosen/rejected row into a
 ``PreferenceDatum``.  The mask is 1 exactly on the tokens the model should learn to emit:
 the response, or every assistant turn as the chat template renders it (including the
@@ -86,6 +87,32 @@ def render_conversation(
     return full, mask
 
 
+def render_raw_conversation(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+    """Ids of ``messages`` without a chat template, and a mask 1 on the assistant turns: what
+    a multi-turn rollout builds for a tokenizer without one (docs/multi-turn.md).  The first
+    message is the prompt (with the tokenizer's special tokens, e.g. BOS); every assistant turn
+    its text then the eos token (the stop token a rollout's turn ends with), trained on; every
+    other turn (user, tool: an observation) its raw text, without special tokens, not trained on."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for k, message in enumerate(messages):
+        role = message["role"]
+        if role == "system":
+            raise ValueError(
+                f"data.messages_key: {where}, message {k} is a system message, which needs a chat template"
+            )
+        if role == "assistant" and k == 0:
+            raise ValueError(
+                f"data.messages_key: {where} starts with an assistant turn; put a user turn (the prompt) before it"
+            )
+        part = [int(t) for t in tokenizer(message["content"], add_special_tokens=k == 0)["input_ids"]]
+        if role == "assistant":
+            part.append(int(tokenizer.eos_token_id))
+        ids += part
+        mask += [int(role == "assistant")] * len(part)
+    return ids, mask
+
+
 def _messages(value: Any, key: str, column: str, where: str) -> list[dict]:
     """Validate a column holding a conversation: a non-empty list of role/content dicts."""
     if not isinstance(value, list) or not value:
@@ -108,12 +135,24 @@ def _messages(value: Any, key: str, column: str, where: str) -> list[dict]:
 
 
 def _require_chat(data_cfg: DataConfig, tokenizer, key: str, column: str) -> None:
-    """Conversations need a chat template, and ``prompt_template`` cannot apply to them."""
+    """DPO conversations need a chat template (and :func:`_check_conversations`)."""
     if not chat_template_used(data_cfg, tokenizer):
         raise ValueError(
             f"data.{key}: column {column!r} holds conversations, which need a chat template, "
             f"but none is applied (tokenizer {tokenizer_name(tokenizer)}, "
             f"data.use_chat_template: {data_cfg.use_chat_template})"
+        )
+    _check_conversations(data_cfg, tokenizer, key, column)
+
+
+def _check_conversations(data_cfg: DataConfig, tokenizer, key: str, column: str) -> None:
+    """``prompt_template`` cannot apply to conversations; without a chat template (raw text,
+    :func:`render_raw_conversation`) neither can ``system_prompt``."""
+    if not chat_template_used(data_cfg, tokenizer) and data_cfg.system_prompt:
+        raise ValueError(
+            f"data.system_prompt: conversations in column {column!r} are rendered as raw text without a "
+            f"chat template (tokenizer {tokenizer_name(tokenizer)}, data.use_chat_template: "
+            f"{data_cfg.use_chat_template}), which has no place for a system message; unset it"
         )
     template = data_cfg.prompt_template
     if template != "{prompt}":  # ignoring it silently would train on other prompts
@@ -215,7 +254,7 @@ class SFTEncoder(_Encoder):
                         f"data.{key}: {getattr(data_cfg, key)!r} is not used when data.messages_key is "
                         f"set (conversations carry their own turns); set it to null"
                     )
-            _require_chat(data_cfg, tokenizer, "messages_key", self.messages_key)
+            _check_conversations(data_cfg, tokenizer, "messages_key", self.messages_key)
         super().__init__(data_cfg, tokenizer, max_length)
 
     def check_columns(self, row: Mapping, source: str) -> None:
@@ -235,7 +274,10 @@ class SFTEncoder(_Encoder):
             if not _assistant_turns(msgs):
                 raise ValueError(f"data.messages_key: {where} has no assistant turn in column {self.messages_key!r}")
             msgs = self._with_system(msgs)
-            ids, mask = render_conversation(self._tok, msgs, _assistant_turns(msgs), where)
+            if self._chat:
+                ids, mask = render_conversation(self._tok, msgs, _assistant_turns(msgs), where)
+            else:
+                ids, mask = render_raw_conversation(self._tok, msgs, where)
             used = {self.messages_key}
         else:
             prompt = _text(row, "prompt_key", self.prompt_key, where)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from core.environments.config import ArithmeticTaskConfig
 
-BUILTIN_SOURCES = ("arithmetic", "arithmetic-preferences")
+BUILTIN_SOURCES = ("arithmetic", "arithmetic-preferences", "tool-arithmetic")
 
 # File suffixes we hand to a packaged ``datasets`` builder (``load_dataset("json", ...)``).
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -117,14 +117,25 @@ def _check_not_empty(path: str, suffix: str, key_path: str) -> None:
         raise ValueError(f"{key_path}: dataset file {path!r} is empty (no rows)")
 
 
-def builtin_task(name: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any] | None, path: str = "env.arithmetic"):
+def builtin_task(
+    name: str,
+    task_cfg: ArithmeticTaskConfig | Mapping[str, Any] | None,
+    path: str = "env.arithmetic",
+    tool_demo_fraction: float | None = None,
+):
     """The task object behind a built-in source: ``ArithmeticTask`` for "arithmetic" (rows:
     prompt, answer), wrapped in ``PreferenceTask`` for "arithmetic-preferences" (rows: prompt,
-    chosen, rejected, answer).  ``path`` is where its knobs live in the config."""
+    chosen, rejected, answer) or in ``ToolDemoTask`` for "tool-arithmetic" (rows: prompt,
+    answer, messages: a direct answer or, for a share ``tool_demo_fraction``, a calculator-call
+    demonstration).  ``path`` is where its knobs live in the config."""
     if name in BUILTIN_SOURCES:
         from core.environments.arithmetic import ArithmeticTask  # lazy: sibling package
 
         task = ArithmeticTask(task_cfg, path=path)
+        if name == "tool-arithmetic":
+            from core.environments.tools.demos import ToolDemoTask
+
+            return ToolDemoTask(task, tool_demo_fraction)
         return PreferenceTask(task) if name == "arithmetic-preferences" else task
     raise ValueError(f"data.dataset_name: {name!r} is not a built-in task {BUILTIN_SOURCES}")
 

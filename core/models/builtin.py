@@ -9,7 +9,11 @@ from a config here:
 * ``builtin:arithmetic-llama-small-base``: a smaller Llama with random weights (seeded) and
   the same tokenizer;
 * ``builtin:arithmetic-llama-small``: that base after a shorter ``dualrl sft`` run (well below
-  the teacher) -- the student of the on-policy distillation demo.
+  the teacher) -- the student of the on-policy distillation demo;
+* ``builtin:arithmetic-llama-tools-base`` / ``builtin:arithmetic-llama-tools``: the Llama of
+  ``builtin:arithmetic-llama`` with the tool-use tokenizer (``tool_char_tokenizer``: it can write
+  a calculator call), random / after a ``dualrl sft`` run on direct answers mixed with
+  calculator-call demonstrations (the multi-turn default, core/configs/grpo_tool_arithmetic.yaml).
 
 The SFT runs (the warm starts) are :mod:`core.algorithms.warm_start`'s; this module only
 describes the models (a leaf of the import graph: it imports nothing else of the project).
@@ -22,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.models.char_tokenizer import char_tokenizer
+from core.models.char_tokenizer import char_tokenizer, tool_char_tokenizer
 
 PREFIX = "builtin:"
 FORMAT_VERSION = 2
@@ -46,6 +50,9 @@ ARITHMETIC_LLAMA = dict(
 #: (~0.15 M) learned from the teacher more slowly (docs/algorithms.md).
 ARITHMETIC_LLAMA_SMALL = {**ARITHMETIC_LLAMA, "hidden_size": 128, "intermediate_size": 256,
                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+#: The tool-use model: the same Llama; vocab 48 = the tool tokenizer's 35 ids rounded up so
+#: tensor parallel sizes 2, 4 and 8 divide it.
+ARITHMETIC_LLAMA_TOOLS = {**ARITHMETIC_LLAMA, "vocab_size": 48}
 INIT_SEED = 1234
 
 #: name -> (shape, warm started by the SFT run?)
@@ -54,7 +61,12 @@ BUILTIN_MODELS: dict[str, tuple[dict[str, Any], bool]] = {
     "arithmetic-llama": (ARITHMETIC_LLAMA, True),
     "arithmetic-llama-small-base": (ARITHMETIC_LLAMA_SMALL, False),
     "arithmetic-llama-small": (ARITHMETIC_LLAMA_SMALL, True),
+    "arithmetic-llama-tools-base": (ARITHMETIC_LLAMA_TOOLS, False),
+    "arithmetic-llama-tools": (ARITHMETIC_LLAMA_TOOLS, True),
 }
+
+#: Built-in models with the tool-use tokenizer (the others have the character tokenizer).
+TOOL_TOKENIZER_MODELS = frozenset({"arithmetic-llama-tools-base", "arithmetic-llama-tools"})
 
 #: How a warm start differs from core/configs/sft_arithmetic.yaml (``dualrl sft`` overrides),
 #: per warm-started model; absent: that file as it is.  The small student starts from its own
@@ -64,6 +76,18 @@ WARM_START_SFT_OVERRIDES: dict[str, tuple[str, ...]] = {
         "policy.model_name=builtin:arithmetic-llama-small-base",
         "policy.tokenizer.name=builtin:arithmetic-llama-small-base",
         "sft.max_num_steps=100",
+    ),
+    # Conversations of the built-in 'tool-arithmetic' source: a share (data.tool_demo_fraction)
+    # are calculator-call demonstrations, the rest direct answers, so that the model calls the
+    # tool sometimes at step 0 (measured: docs/multi-turn.md).
+    "arithmetic-llama-tools": (
+        "policy.model_name=builtin:arithmetic-llama-tools-base",
+        "policy.tokenizer.name=builtin:arithmetic-llama-tools-base",
+        "policy.max_total_sequence_length=96",
+        "data.dataset_name=tool-arithmetic",
+        "data.messages_key=messages",
+        "data.response_key=null",
+        "data.tool_demo_fraction=0.15",
     ),
 }
 
@@ -87,9 +111,9 @@ def spec_name(name: str, key: str) -> str:
 
 
 def builtin_tokenizer(name: str, key: str = "policy.tokenizer.name"):
-    """The tokenizer of a built-in model (the character tokenizer; built, not loaded)."""
-    spec_name(name, key)
-    return char_tokenizer()
+    """The tokenizer of a built-in model (the character tokenizer, or its tool-use variant for
+    the ``-tools`` models; built, not loaded)."""
+    return tool_char_tokenizer() if spec_name(name, key) in TOOL_TOKENIZER_MODELS else char_tokenizer()
 
 
 def cache_root() -> Path:
@@ -100,13 +124,14 @@ def cache_root() -> Path:
     return base / "dualrl"
 
 
-def write_random_init(shape: Mapping[str, Any], out: Path, seed: int = INIT_SEED) -> Path:
-    """A Llama of ``shape`` (HF config fields) with seeded random weights and the character
-    tokenizer, saved as an HF checkpoint in ``out`` (benchmarks build their models with it too)."""
+def write_random_init(shape: Mapping[str, Any], out: Path, seed: int = INIT_SEED, tokenizer: Any = None) -> Path:
+    """A Llama of ``shape`` (HF config fields) with seeded random weights and ``tokenizer``
+    (default: the character tokenizer), saved as an HF checkpoint in ``out`` (benchmarks build
+    their models with it too)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer() if tokenizer is None else tokenizer
     torch.manual_seed(seed)
     config = LlamaConfig(
         bos_token_id=tokenizer.bos_token_id,

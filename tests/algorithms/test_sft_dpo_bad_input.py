@@ -64,12 +64,14 @@ def test_sft_conversation_without_assistant_turn(tmp_path, capsys):
     assert "data.messages_key: row 1 of dataset" in err and "no assistant turn in column 'messages'" in err
 
 
-def test_sft_messages_need_a_chat_template(tmp_path, capsys):
+def test_sft_messages_without_a_chat_template_start_with_the_prompt(tmp_path, capsys):
+    # Without a chat template a conversation is raw text, as a multi-turn rollout writes it:
+    # its first message is the prompt.
     path = _jsonl(tmp_path, [{"messages": [{"role": "assistant", "content": "2"}]}])
     err = _run(
         capsys, tmp_path, "sft", f"data.dataset_name={path}", "data.messages_key=messages", "data.response_key=null"
     )
-    assert "data.messages_key" in err and "chat template" in err
+    assert "data.messages_key: row 0 of dataset" in err and "starts with an assistant turn" in err
 
 
 def test_sft_every_sequence_over_the_limit(tmp_path, capsys):

@@ -10,7 +10,14 @@ import time
 import pytest
 import torch
 
-from core.algorithms.multi_turn import EpisodeRunner, episodes_to_rows, multi_turn_metrics, turn_seeds
+from core.algorithms.evaluation import Evaluation, Samples
+from core.algorithms.multi_turn import (
+    EpisodeRunner,
+    episode_summaries,
+    episodes_to_rows,
+    multi_turn_metrics,
+    turn_seeds,
+)
 from core.algorithms.observation_tokens import ObservationTokens
 from core.algorithms.rollouts import training_batch, truncated_rows
 from core.data import BatchedDataDict
@@ -126,6 +133,15 @@ def test_exactly_the_generated_tokens_are_masked_across_turns(template):
     assert rows["generation_lengths"].tolist() == [5, 2] and rows["observation_tokens"].tolist() == [len(obs), 0]
     assert rows["turns"].tolist() == [2, 1] and rows["tool_calls"].tolist() == [1, 0]
     assert [i["ended"] for i in rows["infos"]] == ["done", "done"]
+    metrics = multi_turn_metrics(rows)  # episode 0 used the tool and was right; episode 1 answered at once
+    assert metrics["multi_turn/reward_turns_2"] == 1.25 and metrics["multi_turn/reward_turns_1"] == 1.0
+    assert metrics["multi_turn/tool_use_rate"] == 0.5 and metrics["multi_turn/correct_with_tool_rate"] == 0.5
+    assert metrics["multi_turn/generated_tokens_mean"] == 3.5 and metrics["multi_turn/tool_calls_mean"] == 0.5
+    # Validation reports the same per-episode counts of its greedy episodes (val/...).
+    greedy = Samples(1, rewards=rows["rewards"].tolist(), infos=rows["infos"], lengths=[5, 2])
+    greedy.episodes = episode_summaries(rows)
+    val = Evaluation([None, None], greedy).metrics()  # type: ignore[list-item]
+    assert val["tool_use_rate"] == 0.5 and val["turns_mean"] == 1.5 and val["correct_with_tool_rate"] == 0.5
     # One batched generate call per turn, of the live episodes only.
     assert [c.size for c in engine.calls] == [2, 1]
     # The training batch trains on exactly these ids, with this mask and these logprobs.

@@ -149,19 +149,24 @@ def test_system_prompt_is_prepended_only_without_a_system_turn(tok):
     assert ids(tok, "z")[0] not in d.input_ids
 
 
-def test_conversations_need_a_chat_template(tok):
-    plain = tiny_tokenizer()
-    with pytest.raises(
-        ValueError,
-        match=r"data\.messages_key: column 'messages' .*chat "
-        r"template.*tokenizer \w+\('<unnamed>'\)",
-    ):
-        sft({"messages_key": "messages"}, plain, 64)
-    with pytest.raises(ValueError, match=r"data\.messages_key.*use_chat_template: False"):
-        sft({"messages_key": "messages", "use_chat_template": False}, tok, 64)
+def test_conversations_without_a_chat_template_render_as_raw_text(chars):
+    # As a multi-turn rollout builds them: prompt with <s>, assistant turns + </s> trained on,
+    # tool turns (observations) raw and untrained.
+    enc = sft({"messages_key": "m", "use_chat_template": False}, chars, 64)
+    convo = [turn("user", "1+2="), turn("assistant", "(3)"), turn("tool", "3"), turn("assistant", "3")]
+    d = enc.encode({"m": convo}, 0, SRC)
+    eos = chars.eos_token_id
+    assert d.input_ids == (1, *ids(chars, "1+2="), *ids(chars, "(3)"), eos, *ids(chars, "3"), *ids(chars, "3"), eos)
+    assert d.token_mask == (0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1)
+    with pytest.raises(ValueError, match=r"data\.messages_key: .*message 0 is a system message.*chat template"):
+        enc.encode({"m": [turn("system", "1"), *convo]}, 0, SRC)
+    with pytest.raises(ValueError, match=r"data\.messages_key: .*starts with an assistant turn"):
+        enc.encode({"m": convo[1:]}, 0, SRC)
+    with pytest.raises(ValueError, match=r"data\.system_prompt: .*raw text without a chat template"):
+        sft({"messages_key": "m", "system_prompt": "z"}, chars, 64)
     # A prompt_template would be silently ignored by conversations: refuse it.
     with pytest.raises(ValueError, match=r"data\.prompt_template: 'q \{prompt\}'.*conversations"):
-        sft({"messages_key": "messages", "prompt_template": "q {prompt}"}, tok, 64)
+        sft({"messages_key": "m", "prompt_template": "q {prompt}"}, chars, 64)
 
 
 def test_no_assistant_turn_names_row_source_and_column(tok):
