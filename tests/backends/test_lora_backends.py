@@ -41,6 +41,20 @@ def _reference(model_dir, data, loss_fn):
     return model, float(loss.detach()), float(norm)
 
 
+def _one_step_from_b0(policy, probe, batch, loss_fn, base, ref_loss, ref_norm):
+    """B = 0 gives the base model's logprobs; one train step equals the single-process LoRA
+    reference (loss, grad norm); the adapters move.  Returns the logprobs before and after."""
+    ids, lens = probe["input_ids"], probe["input_lengths"]
+    before = policy.get_logprobs(probe)["logprobs"]
+    torch.testing.assert_close(before, hf_logprobs(base, ids, lens), rtol=0, atol=1e-5)
+    result = policy.train(batch, loss_fn)
+    assert math.isclose(result.loss[0], ref_loss, rel_tol=1e-5), (result.loss, ref_loss)
+    assert math.isclose(result.grad_norm[0], ref_norm, rel_tol=1e-5), (result.grad_norm, ref_norm)
+    after = policy.get_logprobs(probe)["logprobs"]
+    assert (after - before).abs().max() > 1e-4  # the adapters moved
+    return before, after
+
+
 @pytest.mark.parametrize(
     "layout", ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp8", "jax-fsdp4-tp2"]
 )
@@ -55,15 +69,8 @@ def test_lora_same_init_same_step_merged_refit_and_export(layout, model_dirs, to
     loss_fn = ClippedPGLossFn(PG_CFG)
     _, ref_loss, ref_norm = _reference(model_dir, batch, loss_fn)
     with started_policy(parse_layout(layout), cfg, tokenizer, f"lora_{layout.replace('-', '_')}") as policy:
-        # B = 0: the base model's logprobs.
-        before = policy.get_logprobs(probe)["logprobs"]
+        _, after = _one_step_from_b0(policy, probe, batch, loss_fn, base, ref_loss, ref_norm)
         ids, lens = probe["input_ids"], probe["input_lengths"]
-        torch.testing.assert_close(before, hf_logprobs(base, ids, lens), rtol=0, atol=1e-5)
-        result = policy.train(batch, loss_fn)
-        assert math.isclose(result.loss[0], ref_loss, rel_tol=1e-5), (result.loss, ref_loss)
-        assert math.isclose(result.grad_norm[0], ref_norm, rel_tol=1e-5), (result.grad_norm, ref_norm)
-        after = policy.get_logprobs(probe)["logprobs"]
-        assert (after - before).abs().max() > 1e-4  # the adapters moved
 
         stream = dict(read_refit_stream(policy))
         assert set(stream) == set(base.state_dict())  # HF names only, no adapter
@@ -135,13 +142,7 @@ def test_lora_on_a_mixture_of_experts_adapts_the_same_linears(layout, model_dirs
     ids, lens = probe["input_ids"], probe["input_lengths"]
     cfg = layout_config(layout, model_dir, lora=LORA)
     with started_policy(parse_layout(layout), cfg, tokenizer, f"lora_moe_{layout.replace('-', '_')}") as policy:
-        before = policy.get_logprobs(probe)["logprobs"]
-        torch.testing.assert_close(before, hf_logprobs(base, ids, lens), rtol=0, atol=1e-5)
-        result = policy.train(batch, loss_fn)
-        assert math.isclose(result.loss[0], ref_loss, rel_tol=1e-5), (result.loss, ref_loss)
-        assert math.isclose(result.grad_norm[0], ref_norm, rel_tol=1e-5), (result.grad_norm, ref_norm)
-        after = policy.get_logprobs(probe)["logprobs"]
-        assert (after - before).abs().max() > 1e-4  # the adapters moved
+        _, after = _one_step_from_b0(policy, probe, batch, loss_fn, base, ref_loss, ref_norm)
         policy.save_hf_checkpoint(str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     torch.testing.assert_close(hf_logprobs(exported, ids, lens), after, rtol=0, atol=1e-5)
