@@ -70,9 +70,10 @@ class _Deadline(Exception):
     pass
 
 
-def guarded_call(call: Callable[[], Any], timeout_s: float, what: str) -> Outcome:
+def guarded_call(call: Callable[[], Any], timeout_s: float, what: str, thread_name: str = "episode-step") -> Outcome:
     """``call()`` in a daemon thread under ``timeout_s``: its value, or the error.  A call over
-    the deadline keeps running in the background (a thread cannot be killed)."""
+    the deadline keeps running in the background (a thread cannot be killed).  Also the
+    tools' time limit (:func:`core.environments.tools.base.run_tool`)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -81,7 +82,7 @@ def guarded_call(call: Callable[[], Any], timeout_s: float, what: str) -> Outcom
         except BaseException as err:  # reported to the caller's thread
             box["error"] = err
 
-    thread = threading.Thread(target=target, name="episode-step", daemon=True)
+    thread = threading.Thread(target=target, name=thread_name, daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():

@@ -13,10 +13,11 @@ calculator caps exponents and result sizes) and never get there.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from core.environments.episodes import guarded_call
 
 __all__ = ["Tool", "ToolError", "run_tool"]
 
@@ -71,24 +72,14 @@ def _json_type(value: Any) -> str:
 
 def run_tool(tool: Tool, arguments: dict[str, Any], state: dict[str, Any], timeout_s: float) -> tuple[str, bool]:
     """``(output text, ok)``: the tool's output, or the text saying why there is none."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["out"] = tool.fn(arguments, state)
-        except ToolError as err:
-            box["err"] = f"tool {tool.name!r} error: {err}"
-        except Exception as err:  # a bug in a tool must not end the run; the model sees it
-            box["err"] = f"tool {tool.name!r} failed: {type(err).__name__}: {err}"
-
-    thread = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
+    outcome = guarded_call(lambda: tool.fn(arguments, state), timeout_s, "tool", thread_name=f"tool-{tool.name}")
+    if outcome.timed_out:
         return f"tool {tool.name!r} exceeded its time limit of {timeout_s:g} s", False
-    if "err" in box:
-        return box["err"], False
-    out = box.get("out")
+    if isinstance(outcome.cause, ToolError):
+        return f"tool {tool.name!r} error: {outcome.cause}", False
+    if outcome.cause is not None:  # a bug in a tool must not end the run; the model sees it
+        return f"tool {tool.name!r} failed: {type(outcome.cause).__name__}: {outcome.cause}", False
+    out = outcome.value
     if not isinstance(out, str):
         return f"tool {tool.name!r} failed: it returned {type(out).__name__}, not text", False
     return out, True
