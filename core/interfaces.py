@@ -174,6 +174,11 @@ class GenerationDatumSpec(TypedDict):
         keeps only a seed's low 32 bits and vLLM reads -1 as "unseeded", so wider values
         are refused rather than silently colliding.  Each engine keeps its own RNG (vLLM,
         torch and JAX draw different samples from the same seed).  Ignored by greedy.
+    max_new_tokens: optional [B] int >= 1 (generation only): row b generates at most
+        ``min(max_new_tokens[b], generation.max_new_tokens, max_total_sequence_length -
+        input_lengths[b])`` tokens, whatever the other rows' widths.  Without it every row
+        may generate ``generation.max_new_tokens`` cut by the *widest* row's room.  Multi-turn
+        rollouts set it (a short conversation keeps its room beside a long one).
     Extra keys are allowed and ignored.
     """
 
@@ -181,6 +186,7 @@ class GenerationDatumSpec(TypedDict):
     input_lengths: torch.Tensor
     stop_strings: NotRequired[list[list[str] | None]]
     sample_seeds: NotRequired[torch.Tensor]
+    max_new_tokens: NotRequired[torch.Tensor]
 
 
 class GenerationOutputSpec(TypedDict):

@@ -439,6 +439,7 @@ def generate(
     stop_strings: Sequence[Sequence[str] | str | None] | None = None,
     sample_seeds: Sequence[int] | np.ndarray | None = None,
     batch_size: int | None = None,
+    row_budgets: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Continue right-padded prompts; returns the ``GenerationOutputSpec`` as numpy arrays.
 
@@ -468,6 +469,8 @@ def generate(
             filled up with copies of a real row, dropped afterwards), so one call compiles
             one program per step kind.  Greedy and ``sample_seeds`` results do not depend on
             it; with one ``rng`` key each chunk samples from its own split of the key.
+        row_budgets: [B] each row's own limit of new tokens (<= ``max_new_tokens``;
+            ``core.policy.generation_args.with_row_budgets``): rows are cut there.
 
     Returns:
         ``output_ids`` [B, S+N] int64, ``logprobs`` [B, S+N] float32,
@@ -509,7 +512,9 @@ def generate(
         )
         pieces.append(tuple(x[: rows.stop - rows.start] for x in out))
     tokens, token_logprobs, gen_lengths = (np.concatenate(parts) for parts in zip(*pieces, strict=True))
-    return assemble_padded(input_ids, input_lengths, tokens, token_logprobs, gen_lengths, new_tokens, pad_token_id)
+    return assemble_padded(
+        input_ids, input_lengths, tokens, token_logprobs, gen_lengths, new_tokens, pad_token_id, row_budgets
+    )
 
 
 def _row_chunks(batch: int, batch_size: int | None) -> list[slice]:

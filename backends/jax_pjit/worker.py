@@ -76,7 +76,7 @@ from core.distributed.recoverable import before_collectives
 from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics
 from core.models.lora import adapter_names, lora_scale, peft_name, write_peft_adapter
-from core.policy.generation_args import resolve_generation_args
+from core.policy.generation_args import resolve_generation_args, with_row_budgets
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
 from core.policy.worker_base import (
@@ -456,6 +456,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             args = resolve_generation_args(
                 self.cfg, self.tokenizer, self.hf_config.eos_token_id, data["input_ids"].shape[1]
             )
+            args = with_row_budgets(args, data, self.cfg.max_total_sequence_length)
         self._reload("params")
         # Without data['sample_seeds'], a fresh sampling key per call: reproducible only for an
         # uninterrupted worker; with them every row samples from its own seed's key.
@@ -474,6 +475,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 tokenizer=self.tokenizer,
                 max_new_tokens=args.max_new_tokens,
                 min_new_tokens=args.min_new_tokens,
+                row_budgets=args.row_budgets,
                 rng=self._generate_calls,
                 stop_strings=data.get("stop_strings"),
                 sample_seeds=None if seeds is None else np.asarray(seeds),

@@ -58,6 +58,7 @@ from core.policy.generation_args import (
 from core.policy.generation_config import GenerationConfig as GenerationSection
 
 if TYPE_CHECKING:
+    import numpy as np
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
@@ -102,6 +103,7 @@ def hf_generate(
     device: torch.device | str | None = None,
     batch_size: int | None = None,
     min_new_tokens: int | None = None,
+    row_budgets: np.ndarray | None = None,
 ) -> BatchedDataDict:
     """Continue right-padded prompts with ``model.generate``; returns ``GenerationOutputSpec`` on CPU.
 
@@ -121,6 +123,8 @@ def hf_generate(
         synced_gpus: keep stepping after this rank's rows are done until every rank is;
             needed when the forward pass has collectives (FSDP), else ranks deadlock.
         max_new_tokens: overrides ``gen_cfg.max_new_tokens``.
+        row_budgets: [B] each row's own limit of new tokens (<= ``max_new_tokens``;
+            ``core.policy.generation_args.with_row_budgets``): rows are cut there.
         min_new_tokens: overrides ``gen_cfg.min_new_tokens`` (both cut to the max): until a row
             has that many tokens its stop token ids are masked (HF's ``min_new_tokens``) and
             its stop strings do not end it; logprobs stay the unmasked ones.
@@ -180,7 +184,9 @@ def hf_generate(
         for rows in row_chunks(batch, batch_size)
     ]
     generated, token_logprobs, lengths = (torch.cat(parts) for parts in zip(*pieces, strict=True))
-    return _assemble_output(input_ids, input_lengths, generated, token_logprobs, lengths, new_tokens, pad_token_id)
+    return _assemble_output(
+        input_ids, input_lengths, generated, token_logprobs, lengths, new_tokens, pad_token_id, row_budgets
+    )
 
 
 class GenerationReplica:
@@ -525,6 +531,7 @@ def _assemble_output(
     gen_lengths: torch.Tensor,
     max_new_tokens: int,
     pad_token_id: int,
+    row_budgets: np.ndarray | None = None,
 ) -> BatchedDataDict:
     """The shared ``GenerationOutputSpec`` layout (``core.generation.sampling.assemble_padded``)
     as torch tensors; HF may stop before ``max_new_tokens`` when every row is done."""
@@ -536,5 +543,6 @@ def _assemble_output(
         gen_lengths.cpu().numpy(),
         max_new_tokens,
         pad_token_id,
+        row_budgets,
     )
     return BatchedDataDict({k: torch.from_numpy(v) for k, v in out.items()})

@@ -66,7 +66,7 @@ from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_
 from core.losses.metrics import MicroBatchMetrics
 from core.models.lora import is_adapter_name, lora_scale, merge_adapter_stream, peft_name, write_peft_adapter
 from core.parallel_dims import ParallelDims
-from core.policy.generation_args import resolve_generation_args
+from core.policy.generation_args import resolve_generation_args, with_row_budgets
 from core.policy.preflight import check_tokenizer_fits
 from core.policy.worker_base import (
     LORA_ADAPTER_DIR,
@@ -514,6 +514,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             args = resolve_generation_args(
                 self.cfg, self.tokenizer, self.model_config.eos_token_id, data["input_ids"].shape[1]
             )
+            args = with_row_budgets(args, data, self.cfg.max_total_sequence_length)
         # The weights are gathered into the replica first: a collective, on every rank.
         module = self._replica.load(self.iter_full_weights(self.compute_dtype))
         out = hf_generate(
@@ -527,6 +528,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             synced_gpus=False,
             max_new_tokens=args.max_new_tokens,
             min_new_tokens=args.min_new_tokens,
+            row_budgets=args.row_budgets,
             batch_size=self.cfg.generation_batch_size,
         )
         return out.to("cpu")

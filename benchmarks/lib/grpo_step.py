@@ -138,8 +138,6 @@ def grpo_overrides(
     """The dotted overrides of the embedded GRPO config for this layout and workload;
     ``work.full_length``: ``min_new_tokens = max_new_tokens``; ``async_grpo``:
     :data:`ASYNC_OVERRIDES`; ``multi_turn``: :func:`multi_turn_overrides` (the module docstring)."""
-    if async_grpo and multi_turn:
-        raise ValueError("async GRPO does not run multi-turn rollouts yet (grpo.async_grpo.enabled)")
     gbs = work.samples
     mbs = micro_batch(work, layout.dp)
     return [

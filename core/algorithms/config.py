@@ -443,7 +443,6 @@ class GRPORunConfig(_AlgorithmRunConfig):
         if g.max_rollout_turns is None:
             yield "grpo.max_rollout_turns", f"required with the multi-turn environment {name!r} (e.g. 4)"
         refused = {
-            "grpo.async_grpo.enabled": (g.async_grpo.enabled, "async GRPO does not run multi-turn rollouts yet"),
             "grpo.distillation.enabled": (g.distillation.enabled, "distillation on multi-turn rows is untested"),
             "grpo.overlong_filtering": (
                 g.overlong_filtering,

@@ -302,9 +302,9 @@ def grpo_validate(run: Any, step: int) -> dict[str, float]:
     ``grpo.val_pass_at_k`` the sampled pass's pass@k, maj@k and mean@k."""
     (run.sync_weights or run.rollouts.sync_weights)()
     prompts = [run.val_dataset[i] for i in range(len(run.val_dataset))]
-    scorer = (
-        run.env if getattr(run, "episodes", None) is None else run.episodes
-    )  # a multi-turn run plays validation episodes
+    # A multi-turn run plays validation episodes (an async run in an executor of their own).
+    episodes = getattr(run, "val_episodes", None) or getattr(run, "episodes", None)
+    scorer = run.env if episodes is None else episodes
     evaluation = evaluate(run.rollouts, scorer, run.tokenizer, prompts, EvalPlan.of_grpo(run.cfg.grpo, len(prompts)))
     _print_samples(run, step, prompts, evaluation.greedy.completions, evaluation.greedy.rewards)
     return evaluation.metrics()

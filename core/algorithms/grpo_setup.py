@@ -46,6 +46,10 @@ class GRPORun(TrainingRun):
     #: A multi-turn environment's episodes, stepped in the EpisodePool's actors (env.num_workers
     #: >= 1) or on the driver (0); None: single-turn, the EnvironmentPool scores.
     episodes: EpisodeRunner | None = None
+    #: Async runs only: validation's episodes, in an executor of their own (validation plays on
+    #: the trainer's thread while the generation thread plays the next steps' episodes, and an
+    #: executor holds the states of one rollout at a time).  Otherwise validation uses ``episodes``.
+    val_episodes: EpisodeRunner | None = None
     #: The frozen distillation teacher (a Policy without an optimizer), with grpo.distillation.
     teacher: Any = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -120,6 +124,9 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     if cfg.is_multi_turn():
         runner = run.episodes = episode_runner(cfg, run.tokenizer, run.policy.model_config.eos_token_id)
         run._exit.callback(runner.executor.shutdown)
+        if cfg.grpo.async_grpo.enabled:
+            val = run.val_episodes = episode_runner(cfg, run.tokenizer, run.policy.model_config.eos_token_id)
+            run._exit.callback(val.executor.shutdown)
     else:
         env = run.env = EnvironmentPool(run.cfg.env)
         run._exit.callback(env.shutdown)

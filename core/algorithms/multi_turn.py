@@ -170,6 +170,8 @@ class EpisodeRunner:
                 if not live:
                     break
                 batch = prompt_batch([ep.ids for ep in live], 1, self.tokenizer.pad_token_id)
+                # each conversation's own room: the longest one must not cut a short one's turn
+                batch["max_new_tokens"] = torch.tensor([self.max_total_tokens - len(ep.ids) for ep in live])
                 if not greedy:
                     batch["sample_seeds"] = turn_seeds(seed, step, stream, [ep.row for ep in live], turn)
                 with timer("generation"):

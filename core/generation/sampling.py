@@ -104,8 +104,9 @@ def assemble_output(
     max_new_tokens: int,
     pad_token_id: int,
 ) -> dict[str, np.ndarray]:
-    """``GenerationOutputSpec`` arrays from ragged per-row generations (vLLM's form);
-    tokens beyond ``max_new_tokens`` are dropped.  See ``assemble_padded``."""
+    """``GenerationOutputSpec`` arrays from ragged per-row generations (vLLM's form, which
+    already ends each row at its own budget); tokens beyond ``max_new_tokens`` are dropped.
+    See ``assemble_padded``."""
     batch = len(rows_tokens)
     lengths = np.array([min(len(r), max_new_tokens) for r in rows_tokens], np.int64)
     tokens = np.zeros((batch, max_new_tokens), np.int64)
@@ -124,8 +125,13 @@ def assemble_padded(
     gen_lengths: np.ndarray,
     max_new_tokens: int,
     pad_token_id: int,
+    row_budgets: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The one ``GenerationOutputSpec`` layout every engine (HF, JAX, vLLM) returns.
+
+    ``row_budgets`` ([B], ``GenerationArgs.row_budgets``) cuts each row at its own budget:
+    HF and JAX decode the whole batch for the largest one, and a row's tokens up to its budget
+    do not depend on whether the others go on.
 
     ``tokens`` / ``token_logprobs`` [B, T] with T <= ``max_new_tokens``; row b's first
     ``gen_lengths[b]`` go right after its own prompt.  ``output_ids`` [B, S + N]: prompt,
@@ -135,6 +141,8 @@ def assemble_padded(
     """
     input_ids, input_lengths = np.asarray(input_ids), np.asarray(input_lengths).astype(np.int64)
     gen_lengths = np.asarray(gen_lengths).astype(np.int64)
+    if row_budgets is not None:
+        gen_lengths = np.minimum(gen_lengths, np.asarray(row_budgets, np.int64))
     batch, seq = input_ids.shape
     width = seq + max_new_tokens
     cols = np.arange(width)[None, :]

@@ -32,7 +32,7 @@ from core.generation.vllm_worker import VllmGenerationWorker, default_env
 from core.interfaces import RefittableGenerationInterface
 from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
 from core.policy.config import PolicyConfig
-from core.policy.generation_args import checked_sample_seeds
+from core.policy.generation_args import checked_row_limits, checked_sample_seeds
 from core.policy.generation_config import VllmConfig
 from core.policy.preflight import absolute_model_paths, check_model_path
 
@@ -93,6 +93,8 @@ class VllmGeneration(RefittableGenerationInterface):
             raise
         #: The engine model's vocabulary and context (what generate's inputs are checked against).
         self.vocab_size, self.max_model_len = limits[0]["vocab_size"], limits[0]["max_model_len"]
+        #: Pads ``output_ids`` where the engines' parts differ in width (rows' own budgets).
+        self.pad_token_id: int = limits[0]["pad_token_id"]
         #: How a refit reaches the engines: "merged" weights, or "adapter" (LoRA: the base
         #: once, then A and B only; ``core.refit.adapter``), and why (``policy.lora.refit``).
         self.refit_mode: str = limits[0]["refit_mode"]
@@ -118,19 +120,24 @@ class VllmGeneration(RefittableGenerationInterface):
                 calls.append(engine.generate.remote(_rows(data, start, end), greedy))
                 owners.append(i)
         parts = self._get(calls, "generate", owners=owners)
-        merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        return BatchedDataDict({k: torch.from_numpy(v) for k, v in merged.items()})
+        # With data['max_new_tokens'] each engine's part is as wide as its own rows need.
+        return BatchedDataDict.from_batches(
+            [{k: torch.from_numpy(v) for k, v in part.items()} for part in parts],
+            pad_value_dict={"output_ids": self.pad_token_id},
+        )
 
     def check_inputs(self, data: BatchedDataDict) -> None:
         """Everything the engines would trip over, on the driver (``BatchError`` / ``ValueError``
         naming the key, row and value): ids (integer, in the engine's vocabulary), lengths,
         room for a new token within ``policy.max_total_sequence_length`` (which
-        ``max_model_len`` covers), and per-row sampling seeds."""
+        ``max_model_len`` covers), per-row sampling seeds and limits of new tokens."""
         check_sequence_lengths(data, self.cfg.max_total_sequence_length)
         check_model_inputs(data, self.vocab_size)
         check_prompt_room(data, self.cfg.max_total_sequence_length)
         if data.get("sample_seeds") is not None:
             checked_sample_seeds(data["sample_seeds"], data.size)
+        if data.get("max_new_tokens") is not None:
+            checked_row_limits(data["max_new_tokens"], data.size)
 
     def prepare_for_generation(self, *args: Any, tags: list[str] | None = None, **kwargs: Any) -> bool:
         """Wake the engines (GPU sleep mode; a no-op returning False on CPU)."""
@@ -220,7 +227,7 @@ class VllmGeneration(RefittableGenerationInterface):
 def _rows(data: BatchedDataDict, start: int, end: int) -> dict[str, Any]:
     """Rows [start, end) as plain numpy / lists (what crosses to the engine actor)."""
     out: dict[str, Any] = {}
-    for key in ("input_ids", "input_lengths", "stop_strings", "sample_seeds"):
+    for key in ("input_ids", "input_lengths", "stop_strings", "sample_seeds", "max_new_tokens"):
         if key in data and data[key] is not None:
             value = data[key][start:end]
             out[key] = value.numpy() if torch.is_tensor(value) else list(value)

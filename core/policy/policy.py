@@ -39,6 +39,7 @@ from core.policy.checks import (
     check_train_batch,
 )
 from core.policy.config import PolicyConfig
+from core.policy.generation_args import checked_row_limits
 from core.policy.lora_adapter import check_lora_adapter
 from core.policy.preflight import absolute_model_paths, preflight_model_checks
 from core.policy.registry import backend_spec
@@ -282,6 +283,8 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         pad = pad if pad is not None else getattr(self.tokenizer, "pad_token_id", None)
         pad_values = {"output_ids": 0 if pad is None else pad}
         check_prompt_room(data, self.cfg.max_total_sequence_length)
+        if data.get("max_new_tokens") is not None:
+            checked_row_limits(data["max_new_tokens"], data.size)
         return self._run_inference("generate", data, pad_values=pad_values, greedy=greedy)
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:

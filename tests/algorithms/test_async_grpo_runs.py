@@ -5,7 +5,11 @@
   the fast run checks the same schedule with a stand-in engine);
 * age 1 really runs off-policy: step k trains on rollouts of step k-2's weights (versions
   0, 0, 1), the ages are 0, 1, 1 and never above the bound, and the engine's disagreement
-  with the trained policy is reported under its age.
+  with the trained policy is reported under its age;
+* multi-turn episodes (two turns each, an observation between them) go through the same
+  schedule: at age 0 on each backend the run is the synchronous multi-turn run, metric for
+  metric; at age 1 every turn of a step's episodes comes from one weight version, and
+  validation plays its own episodes while the generation thread plays the next step's.
 
 The schedule on its threads with a stand-in engine: tests/unit/test_async_grpo_schedule.py.
 """
@@ -18,6 +22,15 @@ import pytest
 
 from core.algorithms.commands import run_grpo
 from tests.algorithms.conftest import LAYOUTS, SEPARATE_ENGINE, grpo_config
+
+#: Every episode two turns: tests/algorithms/test_multi_turn_runs.py's RetryOnceEnv answers the
+#: first with "=", the second is judged.
+MULTI_TURN = [
+    "env.name=tests.algorithms.test_multi_turn_runs:RetryOnceEnv",
+    "grpo.max_rollout_turns=2",
+    "policy.max_total_sequence_length=32",
+]
+EPISODES = {"single-turn": [], "multi-turn": MULTI_TURN}
 
 THREE_STEPS = [
     *SEPARATE_ENGINE,
@@ -43,16 +56,21 @@ def _compared(row: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("episodes", EPISODES)
 @pytest.mark.parametrize("backend", LAYOUTS)
-def test_async_at_age_0_is_the_synchronous_run(ray_session, builtin_cache, tmp_path_factory, backend):
-    sync = _run(tmp_path_factory, f"sync-{backend}", backend)
+def test_async_at_age_0_is_the_synchronous_run(ray_session, builtin_cache, tmp_path_factory, backend, episodes):
+    extra = EPISODES[episodes]
+    sync = _run(tmp_path_factory, f"sync-{backend}", backend, *extra)
     age0 = _run(
         tmp_path_factory,
         f"async0-{backend}",
         backend,
         "grpo.async_grpo.enabled=true",
         "grpo.async_grpo.max_trajectory_age_steps=0",
+        *extra,
     )
+    if extra:  # every episode really had its two turns, in both runs
+        assert all(r["multi_turn/turns_mean"] == 2.0 for r in _train_rows(sync) + _train_rows(age0))
     expected, got = _train_rows(sync), _train_rows(age0)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2, 3]
     # The synchronous loop on an engine of its own (collective refit, every step).
@@ -91,3 +109,21 @@ def test_async_at_age_1_trains_on_one_step_old_rollouts(ray_session, builtin_cac
     assert rows[1]["token_mult_prob_error"] > rows[0]["token_mult_prob_error"]
     val = [r for r in run.logger.history if r["split"] == "val"]
     assert [r["step"] for r in val] == [3]
+
+
+@pytest.mark.slow
+def test_async_multi_turn_at_age_1(ray_session, builtin_cache, tmp_path_factory):
+    run = _run(tmp_path_factory, "async1-mt", "torch_fsdp", "grpo.async_grpo.enabled=true", *MULTI_TURN)
+    rows = _train_rows(run)
+    assert [r["async/weight_version"] for r in rows] == [0.0, 0.0, 1.0]
+    assert [r["async/trajectory_age_max"] for r in rows] == [0.0, 1.0, 1.0]
+    for r in rows:
+        assert r["multi_turn/turns_mean"] == 2.0 and r["multi_turn/episode_errors"] == 0
+        assert r["grad_norm"] > 0 and math.isfinite(r["loss"])
+    # Both turns of step 1's episodes came from the weights the policy then trained: had a refit
+    # landed between the turns, the policy would disagree with the engine's second turn.
+    assert 1.0 <= rows[0]["token_mult_prob_error"] < 1.001
+    assert rows[1]["token_mult_prob_error"] > rows[0]["token_mult_prob_error"]
+    assert run.val_episodes is not None and run.val_episodes is not run.episodes
+    val = [r for r in run.logger.history if r["split"] == "val"]
+    assert [r["step"] for r in val] == [3] and val[0]["turns_mean"] == 2.0

@@ -23,6 +23,7 @@ from core.losses import ClippedPGLossFn
 from core.testing.tiny_models import random_batch
 from tests.backends.conftest import GENERATION_BATCH_SIZE, layout_config, refused_on_driver
 from tests.hf_reference import PG_CFG
+from tests.row_budget_checks import assert_rows_keep_their_own_budgets
 from tests.torch_backends.conftest import VOCAB, pg_batch
 
 #: Where each engine hands one chunk of rows to its decoder: (module, attribute); the patched
@@ -100,3 +101,9 @@ def test_a_bad_generation_batch_size_is_refused_on_the_driver(layout, bad, model
     cfg = layout_config(layout, model_dirs["llama"], generation_batch_size=bad)
     with pytest.raises(ConfigError, match="generation_batch_size"):
         refused_on_driver(layout, cfg, tokenizer)
+
+
+def test_each_row_gets_its_own_budget_of_new_tokens(fresh_policy):
+    """``data['max_new_tokens']`` (multi-turn rollouts set it): tests/row_budget_checks.py."""
+    policy = fresh_policy.policy
+    assert_rows_keep_their_own_budgets(policy.generate, limit=32, max_new=6, vocab=VOCAB)  # conftest's policy

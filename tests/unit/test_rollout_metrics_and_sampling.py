@@ -10,6 +10,7 @@ import pytest
 
 from core.generation.sampling import (
     assemble_output,
+    assemble_padded,
     first_stop_string_hit,
     logprobs_mode,
     sampling_kwargs,
@@ -278,3 +279,39 @@ def test_assemble_output_empty_generation_and_padding():
     np.testing.assert_array_equal(out["generation_lengths"], [0, 1])
     np.testing.assert_array_equal(out["unpadded_sequence_lengths"], [1, 5])
     assert out["unpadded_sequence_lengths"].dtype == np.int64
+
+
+def test_assemble_padded_cuts_each_row_at_its_budget():
+    out = assemble_padded(
+        np.array([[4, 5, 0], [4, 5, 6]]),
+        np.array([2, 3]),
+        np.array([[7, 8, 9], [10, 11, 12]]),
+        np.full((2, 3), -1.0, np.float32),
+        np.array([3, 2]),
+        max_new_tokens=3,
+        pad_token_id=0,
+        row_budgets=np.array([1, 3]),
+    )
+    np.testing.assert_array_equal(out["output_ids"], [[4, 5, 7, 0, 0, 0], [4, 5, 6, 10, 11, 0]])
+    np.testing.assert_array_equal(out["generation_lengths"], [1, 2])
+    np.testing.assert_array_equal(out["logprobs"][0], [0, 0, -1.0, 0, 0, 0])
+
+
+def test_row_budgets_are_each_rows_own_room():
+    import torch
+
+    from core.policy.generation_args import GenerationArgs, with_row_budgets
+
+    section = gen(max_new_tokens=8, min_new_tokens=5)
+    args = GenerationArgs(section, 0, [2], max_new_tokens=2, min_new_tokens=2)  # cut by the widest row (30 of 32)
+    assert with_row_budgets(args, {"input_lengths": torch.tensor([30, 3])}, 32) is args  # no key: unchanged
+    data = {"input_lengths": torch.tensor([30, 3, 3]), "max_new_tokens": torch.tensor([100, 100, 4])}
+    got = with_row_budgets(args, data, 32)
+    assert got.row_budgets.tolist() == [2, 8, 4] and got.max_new_tokens == 8 and got.min_new_tokens == 5
+    for bad, match in [
+        (torch.tensor([1.0, 2.0, 3.0]), r"max_new_tokens'\] must be a \[B\] = \(3,\) integer"),
+        (torch.tensor([1, 2]), r"\(3,\) integer array"),
+        (torch.tensor([1, 0, 3]), r"must be >= 1; row 1 has 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            with_row_budgets(args, {**data, "max_new_tokens": bad}, 32)
