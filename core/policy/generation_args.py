@@ -10,6 +10,7 @@ from core.policy.config import PolicyConfig
 from core.policy.generation_config import GenerationConfig
 
 if TYPE_CHECKING:
+    import numpy as np
     from transformers import PreTrainedTokenizerBase
 
 
@@ -20,7 +21,7 @@ class GenerationArgs(NamedTuple):
     max_new_tokens: int
     """New tokens of the call (the most any row may get)."""
     min_new_tokens: int = 0
-    row_budgets: Any = None
+    row_budgets: np.ndarray | None = None
     """[B] int64 numpy: each row's own limit (``with_row_budgets``); None: every row may
     generate ``max_new_tokens``."""
 
@@ -84,7 +85,7 @@ def with_row_budgets(args: GenerationArgs, data: Any, max_total_sequence_length:
     )
 
 
-def checked_row_limits(limits: Any, batch: int):
+def checked_row_limits(limits: Any, batch: int) -> np.ndarray:
     """``data['max_new_tokens']`` as a [B] int64 numpy array of values >= 1, or a ValueError
     naming the shape, dtype or row at fault."""
     import numpy as np
@@ -101,7 +102,7 @@ def checked_row_limits(limits: Any, batch: int):
     return values.astype(np.int64)
 
 
-def _as_numpy(value: Any):
+def _as_numpy(value: Any) -> np.ndarray:
     import numpy as np
 
     if hasattr(value, "numpy") and not isinstance(value, np.ndarray):
