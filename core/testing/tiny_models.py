@@ -144,6 +144,24 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         initializer_range=0.2,
         tie_word_embeddings=True,
     ),
+    # Qwen3-MoE that vLLM's CPU engine serves (head_dim 32; its fused-MoE kernel), with the
+    # experts in play: layer 0 dense, layer 1 sparse (8 experts of width 64, 2 per token).
+    "qwen3_moe_gen": dict(
+        family="qwen3_moe",
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
     "qwen3_gen": dict(
         family="qwen3",
         hidden_size=128,

@@ -228,11 +228,36 @@ def test_manifest_for_hf_config_matches_hf_state_dict(name, optional):
     assert set(tied_aliases(model)) == optional
 
 
-def test_manifest_refuses_fused_experts():
-    """Qwen3-MoE: transformers fuses the experts in memory (not the checkpoint format vLLM
-    loads), so the engine refuses the refit, naming the model_type and a fused tensor."""
-    with pytest.raises(RefitError, match=r"'qwen3_moe'.*mlp\.experts\.gate_up_proj"):
-        manifest_for_hf_config(tiny_config("qwen3_moe"), "float32")
+def test_fused_experts_refit_in_the_checkpoint_format():
+    """Qwen3-MoE: transformers fuses the experts in memory; the engine's manifest lists them one
+    per expert (the format vLLM loads and the JAX backend streams), and the torch stream's
+    split (core.refit.checkpoint_names) gives exactly those names, shapes and values --
+    transformers' own reverse conversion of a real state dict."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from backends.jax_pjit.hf_mapping import expected_entries
+    from backends.jax_pjit.models import config_from_hf
+    from core.refit.checkpoint_names import checkpoint_refit_info, checkpoint_weights, fused_expert_names
+
+    config = tiny_config("qwen3_moe")
+    manifest = manifest_for_hf_config(config, "float32")
+    model = AutoModelForCausalLM.from_config(config)
+    state = model.state_dict()
+    assert fused_expert_names(state) == [
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.experts.down_proj",
+    ]
+    reverted = revert_weight_conversion(model, dict(state))
+    streamed = dict(checkpoint_weights(state.items()))
+    assert sorted(streamed) == sorted(reverted) == sorted(manifest.specs)
+    for name, tensor in reverted.items():
+        assert torch.equal(streamed[name], tensor), name
+    info = checkpoint_refit_info({n: (tuple(t.shape), "float32") for n, t in state.items()})
+    assert {n: s for n, (s, _) in info.items()} == {n: s.shape for n, s in manifest.specs.items()}
+    assert info["model.layers.1.mlp.experts.7.up_proj.weight"] == ((32, 64), "float32")
+    # The JAX backend's weight table streams the same per-expert names and shapes.
+    jax_names = {e.hf_name: tuple(e.hf_shape) for e in expected_entries(config_from_hf(config))}
+    assert jax_names == {n: s.shape for n, s in manifest.specs.items()}
 
 
 def _policy(precision: str, generation=None) -> PolicyConfig:
