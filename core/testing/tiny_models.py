@@ -22,6 +22,24 @@ _GEMMA3_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
 }
 
+#: Qwen3-MoE's tiny shape (the ``qwen3_moe`` entry; ``qwen3_moe_gen`` widens it for vLLM).
+_QWEN3_MOE: dict[str, Any] = dict(
+    family="qwen3_moe",
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
+    tie_word_embeddings=False,
+)
+
+
 #: Named model shapes: ``family`` picks the HF config class, the rest are config fields.
 TINY_MODELS: dict[str, dict[str, Any]] = {
     # Llama with grouped-query attention (4 query heads share 2 kv heads).
@@ -58,21 +76,7 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
     ),
     # Qwen3-MoE: 8 experts of width 32, 2 per token (renormalised); layer 0 dense
     # (mlp_only_layers), layer 1 sparse.  tp 2 / fsdp 4 or 8 divide the experts.
-    "qwen3_moe": dict(
-        family="qwen3_moe",
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],
-        tie_word_embeddings=False,
-    ),
+    "qwen3_moe": _QWEN3_MOE,
     # Llama with the output projection tied to the input embedding.
     "llama_tied": dict(
         family="llama",
@@ -147,20 +151,7 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
     # Qwen3-MoE that vLLM's CPU engine serves (head_dim 32; its fused-MoE kernel), with the
     # experts in play: layer 0 dense, layer 1 sparse (8 experts of width 64, 2 per token).
     "qwen3_moe_gen": dict(
-        family="qwen3_moe",
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],
-        tie_word_embeddings=False,
-        initializer_range=0.2,
+        _QWEN3_MOE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, initializer_range=0.2
     ),
     "qwen3_gen": dict(
         family="qwen3",
