@@ -120,9 +120,10 @@ class VllmGeneration(RefittableGenerationInterface):
                 calls.append(engine.generate.remote(_rows(data, start, end), greedy))
                 owners.append(i)
         parts = self._get(calls, "generate", owners=owners)
-        # With data['max_new_tokens'] each engine's part is as wide as its own rows need.
+        # With data['max_new_tokens'] each engine's part is as wide as its own rows need.  Copied:
+        # Ray hands back read-only arrays, which torch must not wrap (a write would be undefined).
         return BatchedDataDict.from_batches(
-            [{k: torch.from_numpy(v) for k, v in part.items()} for part in parts],
+            [{k: torch.from_numpy(np.array(v)) for k, v in part.items()} for part in parts],
             pad_value_dict={"output_ids": self.pad_token_id},
         )
 
