@@ -21,7 +21,7 @@ from core.config import ConfigError
 from core.data import BatchedDataDict
 from core.losses import ClippedPGLossFn
 from core.testing.tiny_models import random_batch
-from tests.backends.conftest import GENERATION_BATCH_SIZE, layout_config, refused_on_driver
+from tests.backends.conftest import GENERATION_BATCH_SIZE, SLOW_LAYOUTS, layout_config, layout_params, refused_on_driver
 from tests.hf_reference import PG_CFG
 from tests.row_budget_checks import assert_rows_keep_their_own_budgets
 from tests.torch_backends.conftest import VOCAB, pg_batch
@@ -103,6 +103,9 @@ def test_a_bad_generation_batch_size_is_refused_on_the_driver(layout, bad, model
         refused_on_driver(layout, cfg, tokenizer)
 
 
+# The torch layouts share one generate path (hf_generate on the rank's replica): FSDP1 and JAX
+# in the fast run, every layout in make test-all.
+@pytest.mark.parametrize("layout", layout_params(slow=SLOW_LAYOUTS | {"dtensor-dp2-tp2-sp"}), indirect=True)
 def test_each_row_gets_its_own_budget_of_new_tokens(fresh_policy):
     """``data['max_new_tokens']`` (multi-turn rollouts set it): tests/row_budget_checks.py."""
     policy = fresh_policy.policy
