@@ -76,7 +76,7 @@ from core.distributed.recoverable import before_collectives
 from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics
 from core.models.lora import adapter_names, lora_scale, peft_name, write_peft_adapter
-from core.policy.generation_args import resolve_generation_args, with_row_budgets
+from core.policy.generation_args import batch_generation_args
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
 from core.policy.worker_base import (
@@ -453,10 +453,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
 
         with before_collectives():
             self._check_batch(data, self.hf_config.vocab_size)
-            args = resolve_generation_args(
-                self.cfg, self.tokenizer, self.hf_config.eos_token_id, data["input_ids"].shape[1]
-            )
-            args = with_row_budgets(args, data, self.cfg.max_total_sequence_length)
+            args = batch_generation_args(self.cfg, self.tokenizer, self.hf_config.eos_token_id, data)
         self._reload("params")
         # Without data['sample_seeds'], a fresh sampling key per call: reproducible only for an
         # uninterrupted worker; with them every row samples from its own seed's key.

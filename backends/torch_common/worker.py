@@ -66,7 +66,7 @@ from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_
 from core.losses.metrics import MicroBatchMetrics
 from core.models.lora import is_adapter_name, lora_scale, merge_adapter_stream, peft_name, write_peft_adapter
 from core.parallel_dims import ParallelDims
-from core.policy.generation_args import resolve_generation_args, with_row_budgets
+from core.policy.generation_args import batch_generation_args
 from core.policy.preflight import check_tokenizer_fits
 from core.policy.worker_base import (
     LORA_ADAPTER_DIR,
@@ -512,10 +512,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         ``GenerationOutputSpec`` on the host."""
         with before_collectives():
             self._check_batch(data, self.model_config.vocab_size)
-            args = resolve_generation_args(
-                self.cfg, self.tokenizer, self.model_config.eos_token_id, data["input_ids"].shape[1]
-            )
-            args = with_row_budgets(args, data, self.cfg.max_total_sequence_length)
+            args = batch_generation_args(self.cfg, self.tokenizer, self.model_config.eos_token_id, data)
         # The weights are gathered into the replica first: a collective, on every rank.
         module = self._replica.load(self.iter_full_weights(self.compute_dtype))
         out = hf_generate(

@@ -19,7 +19,7 @@ from core.distributed.recoverable import before_collectives
 from core.models.lora import peft_adapter_config
 from core.policy.checks import check_model_inputs, check_prompt_room, check_sequence_lengths
 from core.policy.config import PolicyConfig, vllm_max_lora_rank
-from core.policy.generation_args import checked_sample_seeds, resolve_generation_args, with_row_budgets
+from core.policy.generation_args import batch_generation_args, checked_sample_seeds, resolve_generation_args
 from core.refit.adapter import ADAPTER_ID, ADAPTER_NAME, ADAPTER_PATH
 from core.refit.manifest import RefitError
 
@@ -164,10 +164,7 @@ class VllmGenerationWorker:
             input_ids = np.asarray(data["input_ids"])
             input_lengths = np.asarray(data["input_lengths"])
             batch = input_ids.shape[0]
-            args = resolve_generation_args(
-                self.policy_cfg, self.tokenizer, self.hf_config.eos_token_id, input_ids.shape[1]
-            )
-            args = with_row_budgets(args, data, self.policy_cfg.max_total_sequence_length)
+            args = batch_generation_args(self.policy_cfg, self.tokenizer, self.hf_config.eos_token_id, data)
             budgets = [args.max_new_tokens] * batch if args.row_budgets is None else args.row_budgets.tolist()
             row_strings = sampling.rows_stop_strings(self.gen_cfg, data.get("stop_strings"), batch)
             if any(row_strings) and self.tokenizer is None:

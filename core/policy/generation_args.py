@@ -57,6 +57,15 @@ def new_token_limit(gen_cfg: GenerationConfig, max_total_sequence_length: int, p
     return min(gen_cfg.max_new_tokens, max_total_sequence_length - prompt_width)
 
 
+def batch_generation_args(
+    policy_cfg: PolicyConfig, tokenizer: PreTrainedTokenizerBase | None, model_eos: Any, data: Any
+) -> GenerationArgs:
+    """What every engine's ``generate`` decodes ``data`` with: ``resolve_generation_args`` for
+    its padded prompt width, then each row's own budget (``with_row_budgets``)."""
+    args = resolve_generation_args(policy_cfg, tokenizer, model_eos, data["input_ids"].shape[1])
+    return with_row_budgets(args, data, policy_cfg.max_total_sequence_length)
+
+
 def with_row_budgets(args: GenerationArgs, data: Any, max_total_sequence_length: int) -> GenerationArgs:
     """``data['max_new_tokens']`` ([B] ints >= 1, optional) gives each row a budget of its own:
     ``min(that, generation.max_new_tokens, max_total_sequence_length - the row's own length)``,
@@ -67,7 +76,7 @@ def with_row_budgets(args: GenerationArgs, data: Any, max_total_sequence_length:
     GRPO's response-length settings assume the call-wide rule)."""
     import numpy as np
 
-    limits = data.get("max_new_tokens") if hasattr(data, "get") else None
+    limits = data.get("max_new_tokens")
     if limits is None:
         return args
     lengths = _as_numpy(data["input_lengths"]).astype(np.int64)
