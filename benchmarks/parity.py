@@ -90,8 +90,10 @@ What is compared (every layout against ``hf`` and against every other layout):
    two optimizer steps, as a GRPO step with more rollouts than ``train_global_batch_size`` takes: at the
    first one the ratio is 1 and the KL 0 by construction, the second sees the weights the
    first moved, so ``probs_ratio`` and ``kl_penalty`` are not trivially 1 and 0.  Compared:
-   ``loss``, ``actor_loss``, ``kl_penalty``, ``clip_fraction``, ``probs_ratio`` of both steps and
-   both gradient norms; the value is the largest scalar measure of them.  (At lr 1e-3 no ratio
+   ``loss``, ``actor_loss``, ``kl_penalty``, ``clip_fraction``, ``probs_ratio`` (and, on a
+   mixture-of-experts model, the router's load-balancing loss ``moe_aux_loss``; ``hf``: HF's
+   ``load_balancing_loss_func`` per sequence) of both steps and both gradient norms; the value
+   is the largest scalar measure of them.  (At lr 1e-3 no ratio
    leaves the trust region: ``clip_fraction`` is 0 everywhere, compared anyway.)  The full GRPO
    step with generation, rewards and refit is proven equal across backends by
    tests/algorithms/test_grpo_runs.py (step 1 on the three backends within 1e-5).

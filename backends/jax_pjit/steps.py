@@ -39,9 +39,11 @@ from backends.jax_pjit.models.layers import constrain
 from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
 from core.data.sequence_packing import PackedRow
 from core.kernels import apply_temperature, logprobs_from_logits, logprobs_to_sequence_layout, next_token_logprobs
+from core.kernels.moe import routed_experts_of
 
 if TYPE_CHECKING:
     from core.interfaces import LossFunction
+    from core.losses.router_aux import RouterAux
 
 
 class ApplyFn(Protocol):
@@ -55,7 +57,8 @@ class ApplyFn(Protocol):
         attention_mask: jax.Array | None,
         positions: jax.Array | None = None,
         allowed: jax.Array | None = None,
-    ) -> jax.Array: ...
+        capture_router: bool = False,
+    ) -> Any: ...
 
 
 MIN_BUCKET = 16
@@ -124,16 +127,21 @@ def positions_and_mask(input_lengths: jax.Array, width: int) -> tuple[jax.Array,
     return pos, (pos < input_lengths[:, None]).astype(jnp.int32)
 
 
-def make_logprob_step(apply_fn: ApplyFn, temperature: float) -> Callable:
+def make_logprob_step(apply_fn: ApplyFn, temperature: float, route_top_k: int | None = None) -> Callable:
     """``(params, input_ids [B,S], input_lengths [B]) -> logprobs [B,S] float32`` in the
-    ``get_logprobs`` layout."""
+    ``get_logprobs`` layout; with ``route_top_k`` (a MoE policy recording its routing) ``->
+    (logprobs, routed_experts [B, S, sparse layers, top_k] int16)``."""
 
     @jax.jit
     def step(params, input_ids, input_lengths):
         positions, mask = positions_and_mask(input_lengths, input_ids.shape[1])
-        logits = apply_temperature(apply_fn(params, input_ids, mask, positions), temperature)
-        next_lp = next_token_logprobs(logits, input_ids)
-        return logprobs_to_sequence_layout(next_lp, input_lengths).astype(jnp.float32)
+        out = apply_fn(params, input_ids, mask, positions, capture_router=route_top_k is not None)
+        logits, router = out if route_top_k is not None else (out, None)
+        next_lp = next_token_logprobs(apply_temperature(logits, temperature), input_ids)
+        lp = logprobs_to_sequence_layout(next_lp, input_lengths).astype(jnp.float32)
+        if route_top_k is None or router is None:
+            return lp
+        return lp, routed_experts_of(router, route_top_k).astype(jnp.int16)
 
     return step
 
@@ -200,7 +208,13 @@ def value_and_grad_of(micro_loss: Callable, trainable: Any = None) -> Callable:
 
 
 def make_grad_step(
-    apply_fn: ApplyFn, loss_fn: LossFunction, temperature: float, grad_shardings: Any = None, trainable: Any = None
+    apply_fn: ApplyFn,
+    loss_fn: LossFunction,
+    temperature: float,
+    grad_shardings: Any = None,
+    trainable: Any = None,
+    router_aux: RouterAux | None = None,
+    replay: bool = False,
 ) -> Callable:
     """``(params, grads_acc, batch, global_valid_seqs, global_valid_toks) ->
     (grads_acc + d loss/d params, metrics)`` for one micro batch.
@@ -208,14 +222,24 @@ def make_grad_step(
     ``grads_acc`` is donated: the accumulator is updated in place on the devices, and kept
     in ``grad_shardings`` (the params' shardings) so every call reuses one program.
     ``trainable``: differentiate only the params this nnx filter selects (``grads_acc`` and
-    ``grad_shardings`` then hold those only).
+    ``grad_shardings`` then hold those only).  ``router_aux`` (a MoE model): the forward
+    records the router logits and the router's load-balancing loss joins the loss and metrics;
+    ``replay``: the sparse layers route every token to the batch's ``routed_experts``.
     """
 
     def micro_loss(params, batch, gseq, gtok):
-        positions, mask = positions_and_mask(batch["input_lengths"], batch["input_ids"].shape[1])
-        logits = apply_temperature(apply_fn(params, batch["input_ids"], mask, positions), temperature)
-        next_lp = next_token_logprobs(logits, batch["input_ids"])
-        return loss_fn.loss_from_logprobs(next_lp, batch, gseq, gtok)
+        ids = batch["input_ids"]
+        positions, mask = positions_and_mask(batch["input_lengths"], ids.shape[1])
+        routing = jnp.moveaxis(batch["routed_experts"], 2, 0).astype(jnp.int32) if replay else None
+        if router_aux is None:
+            logits, router_logits = apply_fn(params, ids, mask, positions), None
+        else:
+            logits, router_logits = apply_fn(params, ids, mask, positions, capture_router=True, routing=routing)
+        next_lp = next_token_logprobs(apply_temperature(logits, temperature), ids)
+        loss, metrics = loss_fn.loss_from_logprobs(next_lp, batch, gseq, gtok)
+        if router_aux is not None and router_logits is not None:
+            loss, metrics = router_aux.add_to(loss, metrics, router_logits, batch, gseq, gtok)
+        return loss, metrics
 
     out_shardings = None if grad_shardings is None else (grad_shardings, None)
 
@@ -251,7 +275,8 @@ def layout_next_logprobs(
     segments: jax.Array,
     cp: int,
     temperature: float,
-) -> jax.Array:
+    capture_router: bool = False,
+) -> Any:
     """Next-token logprobs ``[B, W-1]`` (column order, compute dtype) of rows ``input_ids``
     ``[B, W]`` whose tokens carry ``positions`` (RoPE) and ``segments`` (attention stays
     within a segment, causal in column order).  Column ``t`` scores ``input_ids[:, t+1]``.
@@ -259,7 +284,8 @@ def layout_next_logprobs(
     With ``cp`` > 1 the model sees the columns in load-balanced order (ids, positions and
     the mask follow the permutation); the target of the token at column ``c`` is
     ``input_ids[:, c+1]`` and the logprobs are put back into column order afterwards, so
-    the result equals ``cp`` = 1 up to float summation order.
+    the result equals ``cp`` = 1 up to float summation order.  ``capture_router``: returns
+    ``(logprobs, router logits [layers, B, W, experts] in column order, or None)``.
     """
     width = input_ids.shape[1]
     cols = load_balanced_columns(width, cp).reshape(-1) if cp > 1 else np.arange(width)
@@ -267,15 +293,22 @@ def layout_next_logprobs(
     # program instead of being embedded in it.
     dev_cols = jnp.asarray(cols, dtype=jnp.int32)
     allowed = constrain(attention_allowed(dev_cols, dev_cols, segments), MASK_AXES)  # (B, W, W)
+    ids, pos = (
+        (input_ids, positions) if cp == 1 else (jnp.take(input_ids, dev_cols, 1), jnp.take(positions, dev_cols, 1))
+    )
+    out = apply_fn(params, ids, None, pos, allowed=allowed, capture_router=capture_router)
+    logits, router = out if capture_router else (out, None)
     if cp == 1:
-        logits = apply_fn(params, input_ids, None, positions, allowed=allowed)
-        return next_token_logprobs(apply_temperature(logits, temperature), input_ids)
-    ids, pos = jnp.take(input_ids, dev_cols, axis=1), jnp.take(positions, dev_cols, axis=1)
-    logits = apply_fn(params, ids, None, pos, allowed=allowed)
+        next_lp = next_token_logprobs(apply_temperature(logits, temperature), input_ids)
+        return (next_lp, router) if capture_router else next_lp
     # The last column's target is a dummy in-vocabulary id; its logprob is dropped below.
     targets = jnp.take(input_ids, jnp.asarray(np.minimum(cols + 1, width - 1), jnp.int32), axis=1)
     lp = logprobs_from_logits(apply_temperature(logits, temperature), targets)  # (B, W), permuted
-    return jnp.take(lp, jnp.asarray(np.argsort(cols), jnp.int32), axis=1)[:, :-1]
+    restore = jnp.asarray(np.argsort(cols), jnp.int32)
+    next_lp = jnp.take(lp, restore, axis=1)[:, :-1]
+    if not capture_router:
+        return next_lp
+    return next_lp, None if router is None else jnp.take(router, restore, axis=2)
 
 
 def unpack_next(next_lp: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
@@ -305,6 +338,7 @@ def make_layout_grad_step(
     cp: int,
     grad_shardings: Any = None,
     trainable: Any = None,
+    router_aux: RouterAux | None = None,
 ) -> Callable:
     """``(params, grads_acc, rows, batch, global_valid_seqs, global_valid_toks) ->
     (grads_acc + d loss/d params, metrics)``: ``make_grad_step`` for explicit row layouts.
@@ -313,15 +347,31 @@ def make_layout_grad_step(
     ``unpack_index`` / ``unpack_valid`` [R, S-1]: the logprobs are then unpacked onto the
     loss batch's rows first.  ``batch`` is the loss's batch in the plain [R, S] layout, so
     ``loss_fn.loss_from_logprobs`` and the global normalisation are exactly the unpacked ones.
+    ``router_aux``: as ``make_grad_step`` (packed rows' router logits mapped back onto the loss
+    batch's rows through ``token_index``).
     """
 
     def micro_loss(params, rows, batch, gseq, gtok):
-        next_lp = layout_next_logprobs(
-            apply_fn, params, rows["input_ids"], rows["positions"], rows["segments"], cp, temperature
+        out = layout_next_logprobs(
+            apply_fn,
+            params,
+            rows["input_ids"],
+            rows["positions"],
+            rows["segments"],
+            cp,
+            temperature,
+            capture_router=router_aux is not None,
         )
+        next_lp, router_logits = out if router_aux is not None else (out, None)
         if "unpack_index" in rows:
             next_lp = unpack_next(next_lp, rows["unpack_index"], rows["unpack_valid"])
-        return loss_fn.loss_from_logprobs(next_lp, batch, gseq, gtok)
+        loss, metrics = loss_fn.loss_from_logprobs(next_lp, batch, gseq, gtok)
+        if router_aux is None or router_logits is None:
+            return loss, metrics
+        if "token_index" in rows:  # packed rows -> the loss batch's rows
+            layers, experts = router_logits.shape[0], router_logits.shape[-1]
+            router_logits = router_logits.reshape(layers, -1, experts)[:, rows["token_index"]]
+        return router_aux.add_to(loss, metrics, router_logits, batch, gseq, gtok)
 
     out_shardings = None if grad_shardings is None else (grad_shardings, None)
 
@@ -358,7 +408,8 @@ def packed_micro_batch(
     padding).  Returns the host ``ROW_KEYS`` arrays [rows, width] and the ``PackedRow`` of each
     bin; with ``unpack_rows`` also ``unpack_index`` / ``unpack_valid`` [unpack_rows, S-1]
     mapping the packed next-token logprobs (flattened) onto the bins' rows in order,
-    followed by invalid padding rows."""
+    followed by invalid padding rows, and ``token_index`` [unpack_rows, S] mapping packed
+    per-token values (router logits) the same way (padding reads token 0)."""
     source_width = input_ids.shape[1]
     if len(bins) > rows:
         raise ValueError(f"packed_micro_batch: {len(bins)} bins do not fit {rows} rows")
@@ -379,12 +430,14 @@ def packed_micro_batch(
     if unpack_rows is not None:
         index = np.zeros((unpack_rows, source_width - 1), np.int32)
         valid = np.zeros((unpack_rows, source_width - 1), bool)
+        tokens = np.zeros((unpack_rows, source_width), np.int32)
         row = 0
         for k, pack in enumerate(packs):
             i, v = pack.unpack_index()
             index[row : row + len(i)], valid[row : row + len(i)] = i + k * (width - 1), v
+            tokens[row : row + len(i)] = pack.token_index()[0] + k * width
             row += len(i)
-        out["unpack_index"], out["unpack_valid"] = index, valid
+        out["unpack_index"], out["unpack_valid"], out["token_index"] = index, valid, tokens
     return out, packs
 
 

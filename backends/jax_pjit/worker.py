@@ -75,6 +75,7 @@ from core.data import BatchedDataDict
 from core.distributed.recoverable import before_collectives
 from core.interfaces import TrainResult
 from core.losses.metrics import MicroBatchMetrics
+from core.losses.router_aux import router_aux_for
 from core.models.lora import adapter_names, lora_scale, peft_name, write_peft_adapter
 from core.policy.generation_args import batch_generation_args
 from core.policy.matmul_precision import resolve_matmul_precision
@@ -150,6 +151,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self.lora = apply_lora(model, self.model_cfg, lora, resume=bool(weights_path)) if lora.enabled else []
         self.lora_scale = lora_scale(self.cfg.lora.alpha, self.cfg.lora.rank, self.cfg.lora.use_rslora)
         self.trainable = LoRAParam if self.lora else None
+        # A MoE model's training steps add the router's load-balancing loss (policy.moe).
+        self.router_aux = router_aux_for(self.cfg.moe.router_aux_loss_coef, self.hf_config)
         self.model = model
         self.apply_fn, params = make_apply_fn(model)
         axes = logical_axes_tree(params)
@@ -171,7 +174,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
             opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
             self._apply_updates = steps.make_apply_updates(self.tx, self.shardings, opt_shardings, self.trainable)
         self.train_step = 0
-        self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature)
+        # A MoE policy recording its routing (policy.moe) gets each token's experts back too.
+        self.route_top_k = self.router_aux.top_k if self.router_aux and self.cfg.moe.records_routing else None
+        self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature, self.route_top_k)
         self._grad_steps: dict[tuple, Any] = {}
         # Context parallelism / sequence packing: rows with explicit positions and segments.
         self.rows.check_widths()
@@ -287,15 +292,20 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self._reload("params")
         mbs = micro_batch_size or self.cfg.logprob_batch_size
         ids, lengths = data["input_ids"].numpy(), data["input_lengths"].numpy()
+        routed = None
         if self.rows.plain:
-            logprobs = self._plain_logprobs(ids, lengths, mbs)
+            logprobs, routed = self._plain_logprobs(ids, lengths, mbs)
         else:
             with self._on_mesh():
                 logprobs = self.rows.layout_logprobs(self._layout_logprob_step, self.params, ids, lengths, data, mbs)
-        return BatchedDataDict(logprobs=torch.from_numpy(np.ascontiguousarray(logprobs)))
+        out: BatchedDataDict[Any] = BatchedDataDict(logprobs=torch.from_numpy(np.ascontiguousarray(logprobs)))
+        if routed is not None:  # policy.moe.records_routing: each token's experts, for the training step
+            out["routed_experts"] = torch.from_numpy(np.ascontiguousarray(routed))
+        return out
 
-    def _plain_logprobs(self, ids: np.ndarray, lengths: np.ndarray, mbs: int) -> np.ndarray:
-        """[N, S] logprobs of plain right-padded rows, ``mbs`` rows per micro batch."""
+    def _plain_logprobs(self, ids: np.ndarray, lengths: np.ndarray, mbs: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """[N, S] logprobs of plain right-padded rows, ``mbs`` rows per micro batch, and (a MoE
+        policy recording its routing) the rows' ``routed_experts`` [N, S, sparse layers, top_k]."""
         width = ids.shape[1]
         bucket = steps.bucket_for(width, self.cfg.max_total_sequence_length, self.rows.seq_multiple)
         pending = []
@@ -308,11 +318,16 @@ class JaxPolicyWorker(PolicyWorkerBase):
                 pending.append(self._logprob_step(self.params, dev["input_ids"], dev["input_lengths"]))
         # Read only once every micro batch is queued: a read inside the loop would leave the
         # device idle while the host copies the result and prepares the next micro batch.
-        outs = [
-            lp[: min(mbs, len(ids) - start), :width]
-            for start, lp in zip(range(0, len(ids), mbs), self.rows.host_rows_of(pending), strict=True)
-        ]
-        return np.concatenate(outs) if outs else np.zeros((0, width), np.float32)
+        per_step = 1 if self.route_top_k is None else 2  # (logprobs[, routed_experts]) per micro batch
+        read = self.rows.host_rows_of([x for out in pending for x in (out if per_step > 1 else (out,))])
+        counts = [min(mbs, len(ids) - start) for start in range(0, len(ids), mbs)]
+
+        def joined(j: int, empty: np.ndarray) -> np.ndarray:
+            parts = [read[i * per_step + j][:n, :width] for i, n in enumerate(counts)]
+            return np.concatenate(parts) if parts else empty
+
+        logprobs = joined(0, np.zeros((0, width), np.float32))
+        return logprobs, (joined(1, np.zeros((0, width, 0, 0), np.int16)) if per_step > 1 else None)
 
     @contextlib.contextmanager
     def use_reference_model(self) -> Iterator[None]:
@@ -437,11 +452,17 @@ class JaxPolicyWorker(PolicyWorkerBase):
             grad_shardings = self._trainable(self.shardings)
             if self.rows.plain:
                 self._grad_steps[key] = steps.make_grad_step(
-                    apply_fn, loss_fn, self.temperature, grad_shardings, self.trainable
+                    apply_fn,
+                    loss_fn,
+                    self.temperature,
+                    grad_shardings,
+                    self.trainable,
+                    self.router_aux,
+                    replay=self.cfg.moe.routing_replay.enabled,
                 )
             else:
                 self._grad_steps[key] = steps.make_layout_grad_step(
-                    apply_fn, loss_fn, self.temperature, self.rows.cp, grad_shardings, self.trainable
+                    apply_fn, loss_fn, self.temperature, self.rows.cp, grad_shardings, self.trainable, self.router_aux
                 )
         return self._grad_steps[key]
 

@@ -53,17 +53,21 @@ from backends.torch_common.generation import GenerationReplica, hf_generate
 from backends.torch_common.lora import apply_lora, trainable_parameters
 from backends.torch_common.memory_trade import full_copies_fit, weight_bytes
 from backends.torch_common.model_loading import as_torch_dtype, hf_param_meta, load_hf_model, torch_dtype
+from backends.torch_common.moe import RouterRecorder
 from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
 from backends.torch_common.precision import apply_matmul_precision, matmul_precision_state
 from backends.torch_common.reference import ReferenceWeights, local_shards
 from core.data import BatchedDataDict
 from core.data.context_parallel import attention_allowed
+from core.data.sequence_packing import PackedRow
 from core.distributed.recoverable import before_collectives
 from core.interfaces import TrainResult
 from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_token_logprobs
 from core.kernels.logprobs import logprobs_from_logits
+from core.kernels.moe import routed_experts_of
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
 from core.losses.metrics import MicroBatchMetrics
+from core.losses.router_aux import router_aux_for
 from core.models.lora import is_adapter_name, lora_scale, merge_adapter_stream, peft_name, write_peft_adapter
 from core.parallel_dims import ParallelDims
 from core.policy.generation_args import batch_generation_args
@@ -135,6 +139,16 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         # Tied names (lm_head.weight of a tied model): in the state dict, not sent by refit.
         self._refit_skip = frozenset(tied_aliases(hf_model))
         self.hf_module = hf_model
+        # A MoE model's training forward records its router logits for the load-balancing
+        # loss (policy.moe).
+        self._router_aux = router_aux_for(self.cfg.moe.router_aux_loss_coef, self.model_config)
+        self._routers = (
+            RouterRecorder(
+                hf_model, self.model_config.model_type, bool(getattr(self.model_config, "norm_topk_prob", False))
+            )
+            if self._router_aux
+            else None
+        )
         if self._activation_checkpointing():
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._parallelize(hf_model)
@@ -339,13 +353,22 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         self.model.eval()
         batches = list(micro_batches(data, mbs))
         outs = []
+        record = self._routers is not None and self.cfg.moe.records_routing
+        routed = []
         with torch.no_grad(), self._gathered_for(len(batches)):
             for mb in batches:
-                next_lp = self._micro_batch_next_logprobs(mb)
+                with self._routing(mb, replay=False) if record else contextlib.nullcontext() as recorded:
+                    next_lp = self._micro_batch_next_logprobs(mb)
                 lp = logprobs_to_sequence_layout(next_lp, to_device(mb["input_lengths"], self.device))
                 outs.append(pad_columns(lp.float(), width))  # stays on the device: no sync here
+                if record and self._router_aux is not None and recorded is not None:
+                    experts = routed_experts_of(self._router_logits_of(mb, recorded), self._router_aux.top_k)
+                    routed.append(torch.nn.functional.pad(experts.short(), (0, 0, 0, 0, 0, width - experts.shape[1])))
         logprobs = torch.cat(outs).cpu() if outs else torch.zeros(0, width)
-        return BatchedDataDict(logprobs=logprobs)
+        out: BatchedDataDict[Any] = BatchedDataDict(logprobs=logprobs)
+        if routed:  # policy.moe.records_routing: each token's experts, for the training step
+            out["routed_experts"] = torch.cat(routed).cpu()
+        return out
 
     def _gathered_for(self, n_micro_batches: int) -> contextlib.AbstractContextManager:
         """``_keep_params_gathered`` when it saves work and fits (the kept weights are in the
@@ -455,6 +478,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             with (
                 torch.no_grad() if eval_mode else contextlib.nullcontext(),
                 self._no_gradient_sync() if deferred else contextlib.nullcontext(),
+                self._routing(mb, replay=self.cfg.moe.routing_replay.enabled),
             ):
                 loss, metrics = self._micro_batch_loss(mb, loss_fn, gseq, gtok)
                 if not eval_mode:
@@ -485,6 +509,48 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         return self.optimizer
 
     def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
+        """One micro batch's (loss, metrics); a MoE model's router terms join them
+        (``core.losses.router_aux``: what ``_routing`` recorded of this forward)."""
+        recorded = self._routers.active if self._routers is not None else None
+        if recorded is None or self._router_aux is None:
+            return self._loss_of(mb, loss_fn, gseq, gtok)
+        loss, metrics = self._loss_of(mb, loss_fn, gseq, gtok)
+        router_logits = self._router_logits_of(mb, recorded)
+        return self._router_aux.add_to(loss, metrics, router_logits, batch_to_device(mb, self.device), gseq, gtok)
+
+    def _routing(self, mb: BatchedDataDict, replay: bool) -> contextlib.AbstractContextManager:
+        """The routers of a MoE model recorded over one micro batch (``RouterRecorder``), and,
+        with ``replay``, sent to the batch's ``routed_experts`` (plain rows: the config check
+        keeps replay off packed and context-parallel rows)."""
+        if self._routers is None:
+            return contextlib.nullcontext()
+        if not replay:
+            return self._routers.recording()
+        routed = to_device(mb["routed_experts"], self.device).long()  # (B, S, L, K)
+        rows, width = routed.shape[:2]
+        forward_width = -(-width // self._seq_multiple) * self._seq_multiple  # model_inputs' padding
+        routed = torch.nn.functional.pad(routed, (0, 0, 0, 0, 0, forward_width - width))
+        return self._routers.recording(routed.movedim(2, 0).reshape(routed.shape[2], rows * forward_width, -1))
+
+    def _router_logits_of(self, mb: BatchedDataDict, recorded: list[torch.Tensor]) -> torch.Tensor:
+        """The routers' logits of ``mb``'s forward on its rows: [layers, B, S, experts].
+
+        The forward ran the layout's rows: packed (one row of every sequence) and/or this
+        context-parallel rank's columns; gathered over cp and unpacked here, as the logprobs
+        are (``_micro_batch_next_logprobs``)."""
+        if self._routers is None:
+            raise RuntimeError("router logits of a model without routers")
+        rows, width = mb["input_ids"].shape
+        packed = PackedRow.build(mb["input_lengths"].tolist(), width, self._seq_multiple) if self._packing else None
+        logits = self._routers.stacked(recorded, 1 if packed is not None else rows)  # (L, rows', cols', X)
+        if self.dims.cp > 1 and self._cp_rows is not None:
+            logits = self._cp_rows.gather_columns(logits, logits.shape[2] * self.dims.cp, dim=2)
+        if packed is None:
+            return logits[:, :, :width]
+        index, _ = packed.token_index()  # padding columns read token 0: masked by the lengths
+        return logits[:, 0][:, to_device(torch.from_numpy(index), logits.device)]
+
+    def _loss_of(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
         dev_mb = batch_to_device(mb, self.device)
         if hasattr(loss_fn, "loss_from_logprobs"):
             # One logprob path for get_logprobs and train (same temperature, same

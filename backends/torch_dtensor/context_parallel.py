@@ -123,9 +123,15 @@ class ContextParallelRows:
         logits = forward(ids[:, index], positions[:, index], allowed)
         targets = ids[:, to_device(torch.from_numpy(np.minimum(mine + 1, width - 1)), ids.device)]
         local = token_logprobs(logits, targets)  # [rows, T / cp]
-        row = gather_seq(local, 1, self.group, sum_grads=False)  # columns in `order`
-        restore = to_device(torch.from_numpy(np.argsort(order)), ids.device)
-        return row[:, restore][:, : width - 1]
+        return self.gather_columns(local, width, dim=1)[:, : width - 1]
+
+    def gather_columns(self, local: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+        """This rank's columns of a per-token tensor (``dim``: its T / cp columns, as the
+        forward ran them) -> all T columns in row order, on every cp rank.  Every rank then
+        computes the same function of it, so the gather's backward keeps this rank's slice."""
+        order = load_balanced_columns(width, self.cp).reshape(-1)
+        row = gather_seq(local, dim, self.group, sum_grads=False)  # columns in `order`
+        return row.index_select(dim, to_device(torch.from_numpy(np.argsort(order)), local.device))
 
 
 # ------------------------------------------------------------------ the seed's API

@@ -411,6 +411,19 @@ class GRPORunConfig(_AlgorithmRunConfig):
         yield from self._estimator_problems()
         yield from self._response_length_problems()
         yield from self._multi_turn_problems()
+        yield from self._routing_problems()
+
+    def _routing_problems(self) -> Iterable[Problem]:
+        """Agreement and replay (policy.moe) read the old-logprob pass, which a fused step skips."""
+        moe = self.policy.moe
+        if moe.records_routing and old_logprobs_source(self) == "forward":
+            field = "routing_replay.enabled" if moe.routing_replay.enabled else "log_routing_agreement"
+            yield (
+                f"policy.moe.{field}",
+                "true, but this run's steps take the old logprobs from the training forward itself (one optimizer "
+                f"step per batch of {self.policy.train_global_batch_size} samples), so there is no old-logprob pass "
+                "whose experts to use (and none to disagree with); set grpo.fuse_old_logprobs=false for the pass",
+            )
 
     def is_multi_turn(self) -> bool:
         """Whether env.name is a multi-turn environment (a ValueError naming env.name when
@@ -585,6 +598,17 @@ class _TrainOnlyRunConfig(_AlgorithmRunConfig):
         out["logger"].pop("num_val_samples_to_print", None)  # GRPO's alone (refused above)
         return out
 
+    def check(self) -> Iterable[Problem]:
+        yield from super().check()
+        moe = self.policy.moe
+        if moe.records_routing:
+            field = "routing_replay.enabled" if moe.routing_replay.enabled else "log_routing_agreement"
+            yield (
+                f"policy.moe.{field}",
+                f"true, but dualrl {self.algorithm} has no old-policy logprob pass whose experts it would use; "
+                "set it to false",
+            )
+
 
 _SUPERVISED_DATA_KEYS = (*_COMMON_DATA_KEYS, "prompt_key", "on_long_sequence", "arithmetic")
 
@@ -632,6 +656,16 @@ class DPORunConfig(_TrainOnlyRunConfig):
                     "not supported by DPO, which needs (chosen, rejected) rows adjacent in every micro batch; "
                     "set it to false",
                 )
+
+
+def old_logprobs_source(cfg: Any) -> str:
+    """``"forward"`` when a rollout batch gets exactly one optimizer step (its samples are one
+    global batch) and ``grpo.fuse_old_logprobs`` allows it: the old policy is then the one being
+    trained, and its logprobs are the training forward's own (detached); else ``"batch"``, a
+    separate pass before training (several optimizer steps move the weights in between)."""
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    one_step = samples == cfg.policy.train_global_batch_size
+    return "forward" if cfg.grpo.fuse_old_logprobs and one_step else "batch"
 
 
 #: The run config of each ``dualrl`` training command.

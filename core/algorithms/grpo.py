@@ -276,24 +276,18 @@ def old_and_reference_logprobs(run: Any, data: Any, timer: StepTimer) -> None:
     if not (need_old or need_ref):
         return
     run.policy.prepare_for_lp_inference()
+    out: Any = {}
     with timer("logprobs" if need_old else "reference"):
         if need_old and need_ref:
             out = run.policy.get_logprobs_and_reference(data)
             data["prev_logprobs"], data["reference_policy_logprobs"] = out["logprobs"], out["reference_logprobs"]
         elif need_old:
-            data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
+            out = run.policy.get_logprobs(data)
+            data["prev_logprobs"] = out["logprobs"]
         else:
             data["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
-
-
-def old_logprobs_source(cfg: Any) -> str:
-    """``"forward"`` when a rollout batch gets exactly one optimizer step (its samples are one
-    global batch) and ``grpo.fuse_old_logprobs`` allows it: the old policy is then the one being
-    trained, and its logprobs are the training forward's own (detached); else ``"batch"``, a
-    separate pass before training (several optimizer steps move the weights in between)."""
-    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    one_step = samples == cfg.policy.train_global_batch_size
-    return "forward" if cfg.grpo.fuse_old_logprobs and one_step else "batch"
+    if "routed_experts" in out:  # policy.moe: the old policy's experts (agreement, replay)
+        data["routed_experts"] = out["routed_experts"]
 
 
 def grpo_validate(run: Any, step: int) -> dict[str, float]:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from core.algorithms.config import GRPORunConfig
+from core.algorithms.config import GRPORunConfig, old_logprobs_source
 from core.algorithms.distillation import check_teacher, start_teacher, teacher_is_reference
-from core.algorithms.grpo import grpo_step, grpo_validate, old_logprobs_source
+from core.algorithms.grpo import grpo_step, grpo_validate
 from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
 from core.algorithms.training_run import (
     TrainingRun,

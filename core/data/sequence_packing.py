@@ -229,10 +229,17 @@ class PackedRow:
     def unpack_index(self) -> tuple[np.ndarray, np.ndarray]:
         """``([rows, source_width - 1]`` index into the packed next-token logprobs,
         its validity mask)``: entry ``(i, t)`` is log p(token t+1 | tokens <= t) of row i."""
-        t = np.arange(self.source_width - 1)[None, :]
-        valid = t < (self.lengths[:, None] - 1)
-        index = np.where(valid, self.starts[:, None] + t, 0)
-        return index, valid
+        return self._row_index(self.source_width - 1, self.lengths - 1)
+
+    def token_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """``([rows, source_width]`` index of each row's token in the packed row, its validity
+        mask)``: per-token values of the packed forward (router logits) back on the rows."""
+        return self._row_index(self.source_width, self.lengths)
+
+    def _row_index(self, width: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = np.arange(width)[None, :]
+        valid = t < counts[:, None]
+        return np.where(valid, self.starts[:, None] + t, 0), valid
 
     def unpack_next_logprobs(self, packed_next: Any) -> Any:
         """``[1, width - 1]`` (or ``[width - 1]``) packed next-token logprobs -> the rows'

@@ -110,6 +110,21 @@ class TorchOps:
         """``x[..., idx] += vals`` per position."""
         return x.scatter_add_(-1, idx.unsqueeze(-1).long(), vals.unsqueeze(-1).to(x.dtype))
 
+    def gather_last(self, x, idx):
+        """``x[..., idx[..., k]]`` for every k: x [..., V], idx [..., K] int -> [..., K]."""
+        return self.t.gather(x, -1, idx.long())
+
+    def moveaxis(self, x, source, destination):
+        return self.t.movedim(x, source, destination)
+
+    def top_k_indices(self, x, k):
+        """Indices [..., k] of the ``k`` largest entries of the last axis (largest first)."""
+        return self.t.topk(x, k, dim=-1).indices
+
+    def one_hot(self, idx, n, dtype):
+        """[..., n] indicator of ``idx`` [...] (no gradient flows through it)."""
+        return self.t.nn.functional.one_hot(idx.long(), n).to(dtype)
+
     def concat(self, xs, axis):
         return self.t.cat(list(xs), dim=axis)
 
@@ -237,6 +252,18 @@ class JaxOps:
         """``x[..., idx] += vals`` per position (scatter-add: ~1.5x faster than a one-hot)."""
         grid = self.jnp.indices(idx.shape, sparse=True)
         return x.at[(*grid, idx)].add(vals.astype(x.dtype))
+
+    def gather_last(self, x, idx):
+        return self.jnp.take_along_axis(x, idx.astype(self.jnp.int32), axis=-1)
+
+    def moveaxis(self, x, source, destination):
+        return self.jnp.moveaxis(x, source, destination)
+
+    def top_k_indices(self, x, k):
+        return self.jax.lax.top_k(x, k)[1]
+
+    def one_hot(self, idx, n, dtype):
+        return self.jax.nn.one_hot(idx, n, dtype=dtype)
 
     def concat(self, xs, axis):
         return self.jnp.concatenate(list(xs), axis=axis)

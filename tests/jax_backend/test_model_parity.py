@@ -121,6 +121,52 @@ def test_logits_match_hf(checkpoint, name):
         np.testing.assert_allclose(rope_inv_freq(cfg), rotary.inv_freq.numpy(), rtol=1e-6)
 
 
+def test_both_backends_record_and_replay_hfs_routing(checkpoint):
+    """The router logits the load-balancing loss reads: the JAX model's (captured in a jitted
+    forward) within 1e-5 of HF's ``output_router_logits``, the torch backends' hooks
+    (``RouterRecorder``) HF's own, one [sparse layers, B, S, experts] array each.  Routing
+    replay: replaying a forward's own experts changes nothing, other experts change the logits
+    -- identically (1e-5) on the HF model with the torch hooks and on the JAX model."""
+    import warnings
+
+    from backends.torch_common.moe import RouterRecorder
+    from core.kernels.moe import routed_experts_of
+
+    path, hf_model = checkpoint("qwen3_moe")
+    ids, mask = _batch()
+    recorder = RouterRecorder(hf_model, "qwen3_moe", normalize=True)
+    with torch.no_grad(), recorder.recording() as recorded:
+        hf_out = hf_model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    ref = torch.stack([r.reshape(BATCH, SEQ, -1) for r in hf_out.router_logits]).numpy()
+    assert ref.shape == (1, BATCH, SEQ, 8)  # layer 0 is dense (mlp_only_layers)
+    np.testing.assert_array_equal(recorder.stacked(recorded, BATCH).numpy(), ref)
+
+    own = routed_experts_of(torch.from_numpy(ref), 2)  # (B, S, L, K)
+    other = (own + 3) % 8  # still 2 distinct experts per token
+    as_hooks = lambda r: r.movedim(2, 0).reshape(r.shape[2], BATCH * SEQ, 2)  # noqa: E731
+
+    def torch_logits(routed):
+        with torch.no_grad(), recorder.recording(as_hooks(routed)):
+            return hf_model(input_ids=ids, attention_mask=mask).logits.numpy()
+
+    valid = mask.numpy().astype(bool)
+    np.testing.assert_allclose(torch_logits(own)[valid], hf_out.logits.numpy()[valid], atol=1e-6, rtol=0)
+    replayed = torch_logits(other)
+    assert np.abs(replayed - hf_out.logits.numpy())[valid].max() > 1e-3
+
+    model, _, _ = hf_mapping.from_pretrained(path)
+    apply_fn, params = make_apply_fn(model)
+    forward = jax.jit(lambda p, i, m, r: apply_fn(p, i, m, capture_router=True, routing=r))
+    jids, jmask = jnp.asarray(ids.numpy()), jnp.asarray(mask.numpy())
+    logits, router = forward(params, jids, jmask, jnp.asarray(other.movedim(2, 0).numpy()))
+    np.testing.assert_allclose(np.asarray(router)[:, valid], ref[:, valid], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits)[valid], replayed[valid], atol=1e-5, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # no sow outside nnx.capture
+        plain = jax.jit(apply_fn)(params, jids, jmask)
+    np.testing.assert_allclose(np.asarray(plain)[valid], hf_out.logits.numpy()[valid], atol=1e-5, rtol=0)
+
+
 def test_gemma3_window_and_softcap_bind(checkpoint):
     """The tiny Gemma3's sliding window and final-logit cap change its logits (so the HF
     comparisons above test them): without either, the logits move by far more than 1e-5.
@@ -378,7 +424,6 @@ def test_qwen3_unsupported_options_are_named(fields, named):
 @pytest.mark.parametrize(
     "fields, named",
     [
-        (dict(output_router_logits=True), "output_router_logits"),
         (dict(use_sliding_window=True, sliding_window=16), "sliding_window=16"),
         (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
         (dict(attention_bias=True), "attention_bias"),

@@ -130,15 +130,41 @@ def make_apply_fn(model: nnx.Module) -> tuple[Callable, nnx.State]:
 
     ``apply_fn(params, input_ids, attention_mask, positions, allowed=None, remat=False) -> logits``
     rebuilds the module from the static graph definition and ``params`` (an ``nnx.State``
-    pytree); ``allowed`` and ``remat`` are ``CausalLM.__call__``'s.
+    pytree); ``allowed`` and ``remat`` are ``CausalLM.__call__``'s.  With
+    ``capture_router=True`` it returns ``(logits, router_logits)``: the sparse layers' router
+    logits stacked [sparse layers, B, S, experts] in layer order (None for a dense model).
+    ``routing`` [sparse layers, B, S, top_k]: routing replay (``CausalLM.__call__``).
     """
     # flax types a split by two filters as (graphdef, state, *states): here ``rest`` is one state.
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
 
-    def apply_fn(params, input_ids, attention_mask, positions=None, allowed=None, remat=False):
-        return nnx.merge(graphdef, params, *rest)(input_ids, attention_mask, positions, allowed, remat)
+    def apply_fn(
+        params, input_ids, attention_mask, positions=None, allowed=None, remat=False, capture_router=False, routing=None
+    ):
+        module = nnx.merge(graphdef, params, *rest)
+        kwargs = {} if routing is None else {"routing": routing}  # only a MoE model takes it
+        if not capture_router:
+            return module(input_ids, attention_mask, positions, allowed, remat, **kwargs)
+        forward = nnx.capture(module, nnx.Intermediate)
+        logits, sown = forward(input_ids, attention_mask, positions, allowed, remat, **kwargs)
+        return logits, _stacked_router_logits(sown)
 
     return apply_fn, params
+
+
+def _stacked_router_logits(sown: nnx.State) -> jax.Array | None:
+    """The ``ROUTER_LOGITS`` the sparse layers sowed, [layers, B, S, X] in layer order."""
+    name = qwen3_moe.ROUTER_LOGITS
+    found = {path[1]: value for path, value in nnx.to_flat_state(sown) if path[0] == "layers" and path[-1] == name}
+    if not found:
+        return None
+    # A sow appends to a tuple: one call per layer and forward, so one entry.
+    return jnp.stack([_one(found[i]) for i in sorted(found)])
+
+
+def _one(value: Any) -> jax.Array:
+    value = value.get_value() if isinstance(value, nnx.Variable) else value
+    return value[0] if isinstance(value, tuple) else value
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> llama.CausalLM:

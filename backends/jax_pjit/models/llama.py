@@ -137,16 +137,18 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = mlp(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x, cos, sin, allowed, cache=None, cache_index=None):
+    def __call__(self, x, cos, sin, allowed, cache=None, cache_index=None, replay=None):
+        """``replay`` [B, S, top_k]: the experts a sparse layer's tokens go to (routing replay)."""
         h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, allowed, cache, cache_index)
         x = constrain(x + h, RESIDUAL_AXES)
-        x = constrain(x + self.mlp(self.post_attention_layernorm(x)), RESIDUAL_AXES)
+        h = self.post_attention_layernorm(x)
+        x = constrain(x + (self.mlp(h) if replay is None else self.mlp(h, replay)), RESIDUAL_AXES)
         return x, new_cache
 
 
-def _block(layer: DecoderLayer, h, cos, sin, allowed) -> jax.Array:
+def _block(layer: DecoderLayer, h, cos, sin, allowed, replay=None) -> jax.Array:
     """One decoder layer of the full forward (no cache)."""
-    return layer(h, cos, sin, allowed)[0]
+    return layer(h, cos, sin, allowed, replay=replay)[0]
 
 
 #: ``_block`` rematerialised: its activations are recomputed in the backward pass, so a
@@ -216,6 +218,7 @@ class CausalLM(CachedDecoding, nnx.Module):
         positions: jax.Array | None = None,
         allowed: jax.Array | None = None,
         remat: bool = False,
+        routing: jax.Array | None = None,
     ) -> jax.Array:
         """Logits [B, S, V] (compute dtype) of right-padded ``input_ids`` [B, S].
 
@@ -232,14 +235,32 @@ class CausalLM(CachedDecoding, nnx.Module):
 
         ``remat``: recompute each decoder layer in the backward pass instead of keeping its
         activations (``jax.checkpoint``; ``policy.jax_cfg.activation_checkpointing``).
+
+        ``routing`` [sparse layers, B, S, top_k] int: routing replay -- the sparse layers send
+        every token to these experts instead of their router's top-k (a mixture of experts only).
         """
         positions, mask = positions_and_mask(input_ids, attention_mask, positions, allowed)
         cos, sin = rope_cos_sin(self.cfg, positions, self.dtype)
         h = self._embed(input_ids)
         block = _remat_block if remat else _block
-        for layer in self.layers:
-            h = block(layer, h, cos, sin, mask)
+        for layer, replay in zip(self.layers, self._replays(routing), strict=True):
+            h = block(layer, h, cos, sin, mask, replay)
         return self._logits(h)
+
+    def _replays(self, routing: jax.Array | None) -> list[jax.Array | None]:
+        """Each layer's slice of ``routing`` (None for dense layers, or without routing)."""
+        replays: list[jax.Array | None] = [None] * len(self.layers)
+        if routing is None:
+            return replays
+        sparse = [i for i, layer in enumerate(self.layers) if not isinstance(layer.mlp, MLP)]
+        if routing.shape[0] != len(sparse):
+            raise ValueError(
+                f"routing replay: {routing.shape[0]} layers of expert choices for a model with {len(sparse)} "
+                f"sparse layers (model_type family {self.cfg.family!r})"
+            )
+        for j, i in enumerate(sparse):
+            replays[i] = routing[j]
+        return replays
 
     # -- KV-cache decoding
 

@@ -19,8 +19,11 @@ times the routed FLOPs and a [B, S, experts, mlp] activation: right for tests an
 models, not for Qwen3-30B-A3B's 128 experts (a grouped ``ragged_dot`` dispatch is the way
 there).  Experts are sharded over ``fsdp`` (``logical_axes``: the mesh has no expert axis).
 
-The router's auxiliary load-balancing loss is not implemented: ``output_router_logits=True``
-is refused by name (HF adds the loss only then; ``router_aux_loss_coef`` is unused without it).
+The router's logits are recorded for the training step's load-balancing loss
+(``core.losses.router_aux``; ``policy.moe``, which reads ``output_router_logits`` /
+``router_aux_loss_coef`` as HF trains them): inside ``nnx.capture`` each sparse layer sows them
+as an ``nnx.Intermediate`` named ``ROUTER_LOGITS`` (``models.make_apply_fn(...,
+capture_router=True)`` collects them), and nowhere else (decoding records nothing).
 
 Parameters beyond the Qwen3 decoder (logical axes):
     *.mlp.gate.kernel                       [expert_embed, expert]   (the router)
@@ -37,15 +40,29 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from backends.jax_pjit.models import llama
 from backends.jax_pjit.models.config import ModelConfig
 from backends.jax_pjit.models.hf_table import Row
 from backends.jax_pjit.models.layers import MLP, Dense, _param
+from backends.jax_pjit.models.moe_dispatch import dense_experts
+from core.kernels.moe import replayed_routing_weights, top_k_experts
 
-__all__ = ["MoEConfig", "config_from_hf", "layer_kind", "SparseMoE", "CausalLM", "HF_TABLES", "QWEN3_MOE_TABLE"]
+__all__ = [
+    "ROUTER_LOGITS",
+    "MoEConfig",
+    "config_from_hf",
+    "layer_kind",
+    "SparseMoE",
+    "CausalLM",
+    "HF_TABLES",
+    "QWEN3_MOE_TABLE",
+]
+
+
+#: The ``nnx.Intermediate`` each sparse layer sows its router logits [B, S, experts] under.
+ROUTER_LOGITS = "router_logits"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +94,6 @@ class MoEConfig(ModelConfig):
 def config_from_hf(hf_config: Any, model_type: str, family: str) -> MoEConfig:
     """A transformers ``Qwen3MoeConfig`` -> ``MoEConfig``: the decoder read (and its options
     refused) by ``llama.config_from_hf``, the MoE fields added here."""
-    if getattr(hf_config, "output_router_logits", False):
-        raise ValueError(
-            f"model_type {model_type!r} with output_router_logits=True is not supported "
-            "(the router's auxiliary load-balancing loss is not implemented)"
-        )
     num_experts = int(hf_config.num_experts)
     if num_experts < 1:
         raise ValueError(f"model_type {model_type!r} with num_experts={num_experts} is not supported (no experts)")
@@ -119,24 +131,29 @@ class SparseMoE(nnx.Module):
         self.gate = Dense((e,), (x,), ("expert_embed",), ("expert",), use_bias=False, **kw)
         self.experts = Experts(x, e, m, param_dtype=param_dtype, rngs=rngs)
 
-    def routing_weights(self, x: jax.Array) -> jax.Array:
-        """[B, S, experts]: the top-k softmax probabilities of the router, 0 elsewhere."""
+    def route(self, x: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(experts [B, S, K], weights [B, S, K])`` of every token: the router's top-k of its
+        float32 softmax (renormalised when ``norm_topk_prob``), cast to the compute dtype -- or,
+        given ``replay`` [B, S, K], those experts with the router's weights for them
+        (``core.kernels.moe.replayed_routing_weights``: the router still gets a gradient)."""
         logits = self.gate(x)  # (B, S, X) compute dtype
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        top, index = jax.lax.top_k(probs, self.top_k)  # (B, S, K)
-        if self.norm_topk_prob:
-            top = top / jnp.sum(top, axis=-1, keepdims=True)
-        top = top.astype(logits.dtype)
-        chosen = jax.nn.one_hot(index, probs.shape[-1], dtype=top.dtype)  # (B, S, K, X)
-        return jnp.einsum("bsk,bskx->bsx", top, chosen)
+        # Only inside nnx.capture (the training step asks for them): a sow outside one would
+        # store the logits on the module (flax deprecates it) during decoding too.
+        if hasattr(self, "__captures__"):
+            self.sow(nnx.Intermediate, ROUTER_LOGITS, logits)
+        if replay is not None:
+            return replay, replayed_routing_weights(logits, replay, self.norm_topk_prob)
+        index = top_k_experts(logits, self.top_k)
+        return index, replayed_routing_weights(logits, index, self.norm_topk_prob)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None) -> jax.Array:
         x = x.astype(self.dtype)
-        weights = self.routing_weights(x)  # (B, S, X)
+        index, weight = self.route(x, replay)
         gate, up, down = (self.experts.kernel(n, self.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
-        h = jax.nn.silu(jnp.einsum("bse,xem->bsxm", x, gate)) * jnp.einsum("bse,xem->bsxm", x, up)
-        # Weight before the down projection (linear): no [B, S, X, E] intermediate.
-        return jnp.einsum("bsxm,xme->bse", h * weights[..., None], down)  # (B, S, E)
+        b, s, e = x.shape
+        k = index.shape[-1]
+        out = dense_experts(x.reshape(b * s, e), index.reshape(b * s, k), weight.reshape(b * s, k), gate, up, down)
+        return out.reshape(b, s, e)
 
 
 class Experts(nnx.Module):

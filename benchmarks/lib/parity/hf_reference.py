@@ -13,6 +13,7 @@ from benchmarks.lib.parity.grpo import grpo_loss_fn, grpo_summary
 from benchmarks.lib.parity.measure import measure
 from benchmarks.lib.parity.multi_turn import multi_turn_hf
 from benchmarks.lib.parity.settings import GRPO_STEPS
+from core.losses.router_aux import AUX_METRIC, moe_top_k
 
 
 class HFReference:
@@ -87,9 +88,12 @@ class HFReference:
             mask = (torch.arange(ids.shape[1])[None] < batch["input_lengths"][:, None]).long()
             self.model.train()
             opt.zero_grad(set_to_none=True)
+            moe = moe_top_k(self.model.config) is not None
             with self.autocast():
-                logits = self.model(input_ids=ids, attention_mask=mask).logits
-            loss, metrics = loss_fn(logits.float(), batch, None, None)
+                out = self.model(input_ids=ids, attention_mask=mask, **({"output_router_logits": True} if moe else {}))
+            loss, metrics = loss_fn(out.logits.float(), batch, None, None)
+            if moe:  # the policy's coefficient is the tiny config's: 0, reported only
+                metrics = {**metrics, AUX_METRIC: hf_router_aux(out.router_logits, batch, self.model.config)}
             loss.backward()
             grads = [p.grad for p in params if p.grad is not None]
             norm = (
@@ -151,6 +155,26 @@ class HFReference:
             self.model.load_state_dict(weights)
             if opt is not None:
                 self._opt.load_state_dict(opt)
+
+
+def hf_router_aux(router_logits, batch, config):
+    """The router loss a policy reports (``moe_aux_loss``) from HF's own pieces: HF's
+    ``load_balancing_loss_func`` on each sequence's real tokens, averaged over the batch's
+    valid sequences (``sample_mask``)."""
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    ids = batch["input_ids"]
+    rows, width = ids.shape
+    layers = [r.float().reshape(rows, width, -1) for r in router_logits]
+    per_row = torch.stack(
+        [
+            load_balancing_loss_func(tuple(r[b, :n] for r in layers), config.num_experts, config.num_experts_per_tok)
+            for b, n in enumerate(batch["input_lengths"].tolist())
+        ]
+    )
+    valid = batch["sample_mask"].float() if "sample_mask" in batch else torch.ones(rows)
+    return (per_row * valid).sum() / valid.sum()
 
 
 def hf_export_logprobs(path: str, data, precision: str = "float32"):

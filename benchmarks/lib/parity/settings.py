@@ -29,7 +29,9 @@ ESTIMATOR_ROWS: dict[str, tuple[str, str, dict]] = {
 ESTIMATOR_SEED = 4
 ESTIMATOR_GROUP_SIZE = 4
 #: What ``grpo_step0`` compares besides the gradient norms (``ClippedPGLossFn`` metrics).
-GRPO_METRICS = ("loss", "actor_loss", "kl_penalty", "clip_fraction", "probs_ratio")
+#: ``moe_aux_loss``: the router's load-balancing loss, reported by a mixture-of-experts model only
+#: (``core.losses.router_aux``; HF's value from its own ``load_balancing_loss_func``).
+GRPO_METRICS = ("loss", "actor_loss", "kl_penalty", "clip_fraction", "probs_ratio", "moe_aux_loss")
 #: The engine check: prompts x width, tokens sampled per prompt, seed of the prompts and samples.
 ENGINE_PROMPTS = 4
 ENGINE_PROMPT_WIDTH = 8

@@ -1,0 +1,121 @@
+"""Expert dispatch for a top-k mixture of SwiGLU experts: dense, grouped and blocked.
+
+All three compute, for tokens x [T, E], the experts ``index`` [T, K] each token was routed to
+and their routing weights ``weight`` [T, K], with stacked kernels gate / up [X, E, M] and
+down [X, M, E]:
+
+    out[t] = sum_k weight[t, k] * down_j(silu(gate_j(x[t])) * up_j(x[t])),   j = index[t, k]
+
+The weight multiplies before the (linear) down projection, as in HF's per-expert loop up to
+rounding.  Shapes are static whatever the routing (no capacity, no dropped tokens), so each
+jits, differentiates and runs under ``jax.sharding`` like any other op.
+
+* ``dense_experts`` runs every expert on every token, the K weights scattered into a [T, X]
+  matrix that is 0 for the experts a token was not routed to.  Plain einsums, expert-parallel
+  under sharding (a [T, E] all-reduce), but 6 * T * X * E * M FLOPs -- X / K times the routed
+  work -- and a [T, X, M] activation.
+* ``grouped_experts`` sorts the T * K (token, slot) pairs by expert, so each expert's rows are
+  contiguous, and runs ``jax.lax.ragged_dot`` on them: 6 * T * K * E * M FLOPs *where
+  ragged_dot has a grouped kernel* (TPU; on GPU only behind opt-in flags).  Elsewhere -- CPU
+  always, and by upstream reports GPU by default in jax 0.10 -- ragged_dot lowers to its reference expansion: the
+  rows masked into a [T * K, X * E] copy and one dense dot, K times the FLOPs of
+  ``dense_experts``.
+* ``blocked_experts`` does the grouping itself: the expert-sorted rows are padded so that every
+  expert starts a new block of ``block`` rows (at most T * K + X * (block - 1) rows, a static
+  bound), and a ``lax.scan`` over the blocks runs each through its expert's kernels with plain
+  dots: 6 * (T * K + X * block) * E * M FLOPs on any backend.  Its dynamic index into the
+  kernels all-gathers expert-sharded kernels (as FSDP does), it is not expert-parallel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["dense_experts", "grouped_experts", "blocked_experts", "sort_by_expert"]
+
+
+def dense_experts(
+    x: jax.Array, index: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """Every expert on every token, unchosen experts weighted 0: [T, E] -> [T, E]."""
+    chosen = jax.nn.one_hot(index, gate.shape[0], dtype=weight.dtype)  # (T, K, X)
+    weights = jnp.einsum("tk,tkx->tx", weight, chosen)  # (T, X); top-k indices are distinct
+    h = jax.nn.silu(jnp.einsum("te,xem->txm", x, gate)) * jnp.einsum("te,xem->txm", x, up)
+    # Weight before the down projection (linear): no [T, X, E] intermediate.
+    return jnp.einsum("txm,xme->te", h * weights[..., None], down)
+
+
+def sort_by_expert(index: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(order, group_sizes): ``order`` [T * K] lists the flattened (token, slot) pairs
+    ``t * K + k`` expert by expert (stable: token order within an expert), ``group_sizes``
+    [X] int32 counts them (0 for an expert no token chose)."""
+    flat = index.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, group_sizes
+
+
+def grouped_experts(
+    x: jax.Array, index: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """Each token through its K experts only, via ``ragged_dot`` over expert-sorted rows."""
+    tokens, k = index.shape
+    order, sizes = sort_by_expert(index, gate.shape[0])
+    rows = x[order // k]  # (T*K, E)
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    h = h * weight.reshape(-1)[order][:, None]
+    y = jax.lax.ragged_dot(h, down, sizes)  # (T*K, E), expert-sorted
+    # Un-sort with the inverse permutation -- a gather, whose gradient is a scatter of
+    # distinct rows -- then add each token's K slots.
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return y[inverse].reshape(tokens, k, -1).sum(axis=1)
+
+
+def _block_layout(index: jax.Array, num_experts: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each (token, slot) pair goes when each expert's sorted rows start a new block.
+
+    Returns pair_slot [T * K] (the padded row of each pair), slot_pair [B * block] (the pair in
+    each padded row, T * K for padding) and block_expert [B] (the expert of each block), with
+    B = ceil(T * K / block) + X >= sum over experts of ceil(size / block)."""
+    pairs = index.size
+    order, sizes = sort_by_expert(index, num_experts)
+    padded = (sizes + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    expert = index.reshape(-1)[order]  # (T*K,) the expert of each sorted row
+    rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[expert]  # row within its expert
+    pair_slot = jnp.zeros(pairs, jnp.int32).at[order].set((padded_end - padded)[expert] + rank)
+    blocks = -(-pairs // block) + num_experts
+    slot_pair = jnp.full(blocks * block, pairs, jnp.int32).at[pair_slot].set(jnp.arange(pairs, dtype=jnp.int32))
+    # Blocks past the last expert's end hold padding only; any valid expert will do for them.
+    block_expert = jnp.searchsorted(padded_end, jnp.arange(blocks) * block, side="right")
+    return pair_slot, slot_pair, jnp.minimum(block_expert, num_experts - 1)
+
+
+def blocked_experts(
+    x: jax.Array,
+    index: jax.Array,
+    weight: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    block: int = 128,
+) -> jax.Array:
+    """Each token through its K experts only: expert-sorted rows in blocks of ``block`` rows,
+    one expert per block, scanned with plain dots (capacity-free; see the module docstring)."""
+    tokens, k = index.shape
+    pair_slot, slot_pair, block_expert = _block_layout(index, gate.shape[0], block)
+    # Padding rows read token T / pair T*K: out of range, filled with 0 (and get no gradient).
+    rows = x.at[slot_pair // k].get(mode="fill", fill_value=0).reshape(-1, block, x.shape[1])
+    weights = weight.reshape(-1).at[slot_pair].get(mode="fill", fill_value=0).reshape(-1, block, 1)
+
+    def one_block(_, xs):
+        r, w, j = xs
+        h = jax.nn.silu(r @ gate[j]) * (r @ up[j])
+        return None, (h * w) @ down[j]
+
+    # A scan, not one batched einsum over gate[block_expert]: no [B, E, M] gathered copies of
+    # the kernels (and faster on CPU, measured).
+    _, y = jax.lax.scan(one_block, None, (rows, weights, block_expert))
+    return y.reshape(-1, x.shape[1])[pair_slot].reshape(tokens, k, -1).sum(axis=1)
