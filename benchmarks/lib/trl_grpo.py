@@ -258,7 +258,7 @@ def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_pa
         "env": dict(cfg.get("env") or {"name": "arithmetic"}),
         "use_chat_template": (cfg.get("data") or {}).get("use_chat_template", "auto"),
         # dualrl's step runs a separate old-logprob pass only when it cannot fuse it into the
-        # training forward (core.algorithms.config.old_logprobs_source; one step per batch here)
+        # training forward (core.algorithms.old_logprobs.old_logprobs_source; one step per batch here)
         "old_logprobs_pass": not g.get("fuse_old_logprobs", True),
         "min_new_tokens": int(gen.get("min_new_tokens") or 0),
         "foreach": opt.get("foreach"),

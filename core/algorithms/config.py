@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from core.algorithms.old_logprobs import old_logprobs_source
 from core.checkpointing.config import CheckpointingConfig
 from core.config import ConfigModel, Problem, join_path
 from core.datasets.config import DataConfig
@@ -656,16 +657,6 @@ class DPORunConfig(_TrainOnlyRunConfig):
                     "not supported by DPO, which needs (chosen, rejected) rows adjacent in every micro batch; "
                     "set it to false",
                 )
-
-
-def old_logprobs_source(cfg: Any) -> str:
-    """``"forward"`` when a rollout batch gets exactly one optimizer step (its samples are one
-    global batch) and ``grpo.fuse_old_logprobs`` allows it: the old policy is then the one being
-    trained, and its logprobs are the training forward's own (detached); else ``"batch"``, a
-    separate pass before training (several optimizer steps move the weights in between)."""
-    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    one_step = samples == cfg.policy.train_global_batch_size
-    return "forward" if cfg.grpo.fuse_old_logprobs and one_step else "batch"
 
 
 #: The run config of each ``dualrl`` training command.

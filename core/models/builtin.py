@@ -1,7 +1,7 @@
 """Built-in models: ``policy.model_name: builtin:<name>`` names a model the project makes itself.
 
-The embedded defaults must run with no downloads, so their policies are a tiny Llama built
-from a config here:
+The embedded defaults must run with no downloads, so their policies are a tiny Llama (or
+Qwen3-MoE) built from a config here:
 
 * ``builtin:arithmetic-llama-base``: random weights (seeded) -- what ``dualrl sft`` starts from;
 * ``builtin:arithmetic-llama``: the base after a ``dualrl sft`` run on the run's own
@@ -10,6 +10,9 @@ from a config here:
   the same tokenizer;
 * ``builtin:arithmetic-llama-small``: that base after a shorter ``dualrl sft`` run (well below
   the teacher) -- the student of the on-policy distillation demo;
+* ``builtin:arithmetic-qwen3-moe-base`` / ``builtin:arithmetic-qwen3-moe``: a Qwen3-MoE of the
+  same width, random / after a ``dualrl sft`` run on the task (the mixture-of-experts demo,
+  core/configs/grpo_arithmetic_moe.yaml);
 * ``builtin:arithmetic-llama-tools-base`` / ``builtin:arithmetic-llama-tools``: the Llama of
   ``builtin:arithmetic-llama`` with the tool-use tokenizer (``tool_char_tokenizer``: it can write
   a calculator call), random / after a ``dualrl sft`` run on direct answers mixed with
@@ -53,6 +56,12 @@ ARITHMETIC_LLAMA_SMALL = {**ARITHMETIC_LLAMA, "hidden_size": 128, "intermediate_
 #: The tool-use model: the same Llama; vocab 48 = the tool tokenizer's 35 ids rounded up so
 #: tensor parallel sizes 2, 4 and 8 divide it.
 ARITHMETIC_LLAMA_TOOLS = {**ARITHMETIC_LLAMA, "vocab_size": 48}
+#: A mixture of experts of the same width (Qwen3-MoE: q/k norms, head_dim 32; every layer
+#: sparse, 8 experts of 128, 2 per token -- the active MLP width of the Llama's 512 / 2):
+#: the MoE demo (core/configs/grpo_arithmetic_moe.yaml; docs/moe.md), ~2.2 M parameters.
+ARITHMETIC_QWEN3_MOE = {**ARITHMETIC_LLAMA, "model_type": "qwen3_moe", "head_dim": 32, "num_experts": 8,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True,
+                        "tie_word_embeddings": False}  # fmt: skip
 INIT_SEED = 1234
 
 #: name -> (shape, warm started by the SFT run?)
@@ -63,6 +72,8 @@ BUILTIN_MODELS: dict[str, tuple[dict[str, Any], bool]] = {
     "arithmetic-llama-small": (ARITHMETIC_LLAMA_SMALL, True),
     "arithmetic-llama-tools-base": (ARITHMETIC_LLAMA_TOOLS, False),
     "arithmetic-llama-tools": (ARITHMETIC_LLAMA_TOOLS, True),
+    "arithmetic-qwen3-moe-base": (ARITHMETIC_QWEN3_MOE, False),
+    "arithmetic-qwen3-moe": (ARITHMETIC_QWEN3_MOE, True),
 }
 
 #: Built-in models with the tool-use tokenizer (the others have the character tokenizer).
@@ -80,6 +91,10 @@ WARM_START_SFT_OVERRIDES: dict[str, tuple[str, ...]] = {
     # Conversations of the built-in 'tool-arithmetic' source: a share (data.tool_demo_fraction)
     # are calculator-call demonstrations, the rest direct answers, so that the model calls the
     # tool sometimes at step 0 (measured: docs/multi-turn.md).
+    "arithmetic-qwen3-moe": (
+        "policy.model_name=builtin:arithmetic-qwen3-moe-base",
+        "policy.tokenizer.name=builtin:arithmetic-qwen3-moe-base",
+    ),
     "arithmetic-llama-tools": (
         "policy.model_name=builtin:arithmetic-llama-tools-base",
         "policy.tokenizer.name=builtin:arithmetic-llama-tools-base",
@@ -125,20 +140,22 @@ def cache_root() -> Path:
 
 
 def write_random_init(shape: Mapping[str, Any], out: Path, seed: int = INIT_SEED, tokenizer: Any = None) -> Path:
-    """A Llama of ``shape`` (HF config fields) with seeded random weights and ``tokenizer``
-    (default: the character tokenizer), saved as an HF checkpoint in ``out`` (benchmarks build
-    their models with it too)."""
+    """A model of ``shape`` (HF config fields; a Llama unless it names a ``model_type``) with
+    seeded random weights and ``tokenizer`` (default: the character tokenizer), saved as an HF
+    checkpoint in ``out`` (benchmarks build their models with it too)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = char_tokenizer() if tokenizer is None else tokenizer
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    fields = dict(shape)
+    config = AutoConfig.for_model(
+        fields.pop("model_type", "llama"),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         rms_norm_eps=1e-6,
-        **shape,
+        **fields,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)

@@ -400,10 +400,15 @@ class PolicyConfig(ConfigModel):
         if not self.moe.records_routing:
             return
         field = "moe.routing_replay.enabled" if self.moe.routing_replay.enabled else "moe.log_routing_agreement"
-        cp_section = {"torch_dtensor": self.dtensor_cfg, "jax_pjit": self.jax_cfg}.get(self.backend)
-        cp = cp_section.context_parallel_size if cp_section is not None else 1
+        sizes = {"torch_dtensor": ("dtensor_cfg", self.dtensor_cfg.context_parallel_size),
+                 "jax_pjit": ("jax_cfg", self.jax_cfg.context_parallel_size)}  # fmt: skip
+        section, cp = sizes.get(self.backend, ("", 1))
         if self.sequence_packing.enabled or cp > 1:
-            layout = "sequence_packing.enabled" if self.sequence_packing.enabled else f"context_parallel_size={cp}"
+            layout = (
+                "policy.sequence_packing.enabled"
+                if self.sequence_packing.enabled
+                else f"policy.{section}.context_parallel_size={cp}"
+            )
             yield field, f"true with {layout}: expert choices are recorded and replayed on plain rows only"
 
     def _lora_problems(self) -> Iterable[Problem]:

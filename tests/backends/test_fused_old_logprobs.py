@@ -2,7 +2,7 @@
 like the separate pass it replaces, on every layout.
 
 GRPO takes the PPO ratio's denominator from the training forward itself when a rollout batch is
-one optimizer step (``core.algorithms.config.old_logprobs_source``).  Today's path runs
+one optimizer step (``core.algorithms.old_logprobs.old_logprobs_source``).  Today's path runs
 ``get_logprobs`` over the batch first and feeds it as ``prev_logprobs``.  On fp32 CPU both give
 the same loss, gradient norm and updated weights, up to the float rounding between the inference
 and the training forward (the ratio is exp(0) = 1 either way; the separate pass is the same

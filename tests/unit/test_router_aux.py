@@ -163,7 +163,7 @@ def test_agreement_metric_is_over_the_trained_tokens():
             ["grpo.fuse_old_logprobs=false", "policy.moe.log_routing_agreement=true",
              "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=512",
              "policy.sequence_packing.logprob_mb_tokens=512"],
-            "policy.moe.log_routing_agreement: true with sequence_packing.enabled",
+            "policy.moe.log_routing_agreement: true with policy.sequence_packing.enabled",
         ),
         ("SFT", ["policy.moe.routing_replay.enabled=true"], "true, but dualrl sft has no old-policy logprob pass"),
     ],
