@@ -29,6 +29,7 @@ accepts directly; no torch involved.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -36,12 +37,15 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from backends.jax_pjit.models import ModelConfig, abstract_model, config_from_hf, family_module, param_shapes, params_of
 from backends.jax_pjit.models.hf_table import Row
+from backends.jax_pjit.models.moe_dispatch import resolve_dispatch
+from backends.jax_pjit.models.qwen3_moe import MoEConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -386,16 +390,21 @@ def from_pretrained(
     *,
     tp: int = 1,
     make_vocab_size_divisible_by: int = 1,
+    moe_dispatch: str = "auto",
 ) -> tuple[CausalLM, ModelConfig, PreTrainedConfig]:
     """Load an HF checkpoint directory: ``(CausalLM, ModelConfig, hf_config)``.
 
     The vocabulary is zero-padded to ``padded_vocab_size(vocab_size, tp,
     make_vocab_size_divisible_by)`` (unchanged with the defaults, or when ``tp`` divides it).
+    A mixture of experts runs its experts the ``moe_dispatch`` way (``policy.jax_cfg.moe_dispatch``;
+    ``auto`` resolved for the default JAX platform).
     """
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path)
     cfg = config_from_hf(hf_config).with_padded_vocab(tp, make_vocab_size_divisible_by)
+    if isinstance(cfg, MoEConfig):
+        cfg = dataclasses.replace(cfg, dispatch=resolve_dispatch(moe_dispatch, jax.default_backend()))
     model = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
     load_hf_weights(model, path)
     return model, cfg, hf_config

@@ -211,10 +211,13 @@ def check_moe_options(model_config: PreTrainedConfig, policy: PolicyConfig) -> N
         )
         if on
     ]
+    if policy.backend == "jax_pjit" and policy.jax_cfg.moe_dispatch != "auto":
+        asked.append(f"jax_cfg.moe_dispatch={policy.jax_cfg.moe_dispatch}")
     if asked:
         model_type = getattr(model_config, "model_type", None)
+        field = asked[0] if asked[0].startswith("jax_cfg.") else f"moe.{asked[0]}"
         raise ValueError(
-            f"policy.moe.{asked[0]}: model_type {model_type!r} has no mixture-of-experts router (num_experts_per_tok)"
+            f"policy.{field}: model_type {model_type!r} has no mixture-of-experts router (num_experts_per_tok)"
         )
 
 

@@ -1171,6 +1171,7 @@ def test_defaults_on_the_shipped_config(tmp_path):
         "tensor_parallel_size": 2,
         "context_parallel_size": 1,
         "activation_checkpointing": False,
+        "moe_dispatch": "auto",
     }
     assert cfg.policy.model_name == "Qwen/Qwen2.5-0.5B"
 

@@ -96,7 +96,7 @@ def test_coefficient_and_top_k_come_from_the_config_and_the_model():
     assert aux_loss_coef(0.0, moe) == 0.0 and aux_loss_coef(0.1, moe) == 0.1  # the policy section decides
 
 
-def test_a_router_loss_weight_on_a_dense_model_is_refused_by_name():
+def test_moe_options_on_a_dense_model_are_refused_by_name():
     from core.policy.config import PolicyConfig
     from core.policy.preflight import check_moe_options
     from core.testing.tiny_models import tiny_config
@@ -109,6 +109,10 @@ def test_a_router_loss_weight_on_a_dense_model_is_refused_by_name():
         check_moe_options(tiny_config("llama"), weighted)
     check_moe_options(tiny_config("qwen3_moe"), weighted)
     check_moe_options(tiny_config("llama"), PolicyConfig.coerce(base, path="policy"))  # the default passes
+    blocked = PolicyConfig.coerce(base | {"backend": "jax_pjit", "jax_cfg": {"moe_dispatch": "blocked"}}, path="policy")
+    with pytest.raises(ValueError, match=r"policy.jax_cfg.moe_dispatch=blocked: model_type 'llama' has no"):
+        check_moe_options(tiny_config("llama"), blocked)
+    check_moe_options(tiny_config("qwen3_moe"), blocked)
 
 
 def test_agreement_is_the_share_of_the_same_experts():

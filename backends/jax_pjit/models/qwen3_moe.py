@@ -12,12 +12,13 @@ is not 0 (HF ``Qwen3MoeDecoderLayer``); the other layers keep the dense SwiGLU M
   ``gate_proj`` / ``up_proj`` [experts, embed, mlp], ``down_proj`` [experts, mlp, embed];
   out = sum over experts of weight x down(silu(gate(x)) * up(x)).
 
-Dispatch is dense: every expert runs on every token and the zero weights drop the experts a
-token was not routed to.  Exact (the same sum as HF's per-expert gather / index_add, up to
-rounding) and shardable by plain einsums, but it costs ``num_experts / num_experts_per_tok``
-times the routed FLOPs and a [B, S, experts, mlp] activation: right for tests and small
-models, not for Qwen3-30B-A3B's 128 experts (a grouped ``ragged_dot`` dispatch is the way
-there).  Experts are sharded over ``fsdp`` (``logical_axes``: the mesh has no expert axis).
+How the experts run is ``MoEConfig.dispatch`` (``policy.jax_cfg.moe_dispatch``;
+``moe_dispatch``): ``dense`` (every expert on every token, the zero weights drop the others:
+``num_experts / num_experts_per_tok`` times the routed FLOPs), ``blocked`` (each token through
+its top-k experts only, expert-sorted blocks scanned with plain dots: the CPU default) or
+``grouped`` (``jax.lax.ragged_dot``, for accelerators with a grouped kernel).  All exact, the
+same sum as HF's per-expert gather / index_add up to rounding.  Experts are sharded over
+``fsdp`` (``logical_axes``: the mesh has no expert axis).
 
 The router's logits are recorded for the training step's load-balancing loss
 (``core.losses.router_aux``; ``policy.moe``, which reads ``output_router_logits`` /
@@ -46,7 +47,7 @@ from backends.jax_pjit.models import llama
 from backends.jax_pjit.models.config import ModelConfig
 from backends.jax_pjit.models.hf_table import Row
 from backends.jax_pjit.models.layers import MLP, Dense, _param
-from backends.jax_pjit.models.moe_dispatch import dense_experts
+from backends.jax_pjit.models.moe_dispatch import DISPATCHES
 from core.kernels.moe import replayed_routing_weights, top_k_experts
 
 __all__ = [
@@ -75,6 +76,9 @@ class MoEConfig(ModelConfig):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    #: How the sparse layers run their experts (``moe_dispatch.DISPATCHES``; not an HF field:
+    #: ``policy.jax_cfg.moe_dispatch`` resolved, see ``hf_mapping.from_pretrained``).
+    dispatch: str = "dense"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,6 +89,11 @@ class MoEConfig(ModelConfig):
             )
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+
+    def unpadded(self) -> MoEConfig:
+        """As the HF checkpoint describes it: the vocabulary unpadded, the dispatch (a run
+        choice, not an HF field) at its default."""
+        return dataclasses.replace(self, padded_vocab_size=self.vocab_size, dispatch="dense")
 
     def is_sparse(self, layer: int) -> bool:
         """HF ``Qwen3MoeDecoderLayer``'s choice of a sparse MLP for layer ``layer``."""
@@ -130,6 +139,7 @@ class SparseMoE(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.gate = Dense((e,), (x,), ("expert_embed",), ("expert",), use_bias=False, **kw)
         self.experts = Experts(x, e, m, param_dtype=param_dtype, rngs=rngs)
+        self.dispatch = DISPATCHES[cfg.dispatch]
 
     def route(self, x: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(experts [B, S, K], weights [B, S, K])`` of every token: the router's top-k of its
@@ -152,7 +162,7 @@ class SparseMoE(nnx.Module):
         gate, up, down = (self.experts.kernel(n, self.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
         b, s, e = x.shape
         k = index.shape[-1]
-        out = dense_experts(x.reshape(b * s, e), index.reshape(b * s, k), weight.reshape(b * s, k), gate, up, down)
+        out = self.dispatch(x.reshape(b * s, e), index.reshape(b * s, k), weight.reshape(b * s, k), gate, up, down)
         return out.reshape(b, s, e)
 
 
