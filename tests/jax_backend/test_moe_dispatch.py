@@ -108,3 +108,20 @@ def test_experts_sharded_over_two_devices(name):
     placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
     out = jax.jit(DISPATCHES[name])(*placed)
     _assert_close(out, _value_and_grads(dense_experts, *args)[0], "sharded output")
+
+
+def test_the_model_runs_blocked_only_where_it_does_less_work():
+    """``blocked_where_cheaper`` (the model's "blocked"): dense up to X * block / (X - K) tokens
+    (256 here: decoding steps, short micro batches), the block scan above, exact either way."""
+    from backends.jax_pjit.models.moe_dispatch import BLOCK, blocked_where_cheaper
+
+    assert EXPERTS * BLOCK // (EXPERTS - TOP_K) == 256
+    for tokens, scans in ((TOKENS, False), (300, True)):
+        rng = np.random.default_rng(1)
+        index = np.argsort(rng.random((tokens, EXPERTS)), axis=1)[:, :TOP_K]
+        x = jnp.asarray(rng.standard_normal((tokens, EMBED)), jnp.float32)
+        args = (x, jnp.asarray(index, jnp.int32), *_inputs()[2:])
+        args = (*args[:2], jnp.full((tokens, TOP_K), 1.0 / TOP_K, jnp.float32), *args[3:])
+        program = str(jax.make_jaxpr(blocked_where_cheaper)(*args))
+        assert ("scan" in program) == scans, tokens
+        _assert_close(jax.jit(blocked_where_cheaper)(*args), jax.jit(dense_experts)(*args), f"{tokens} tokens")
