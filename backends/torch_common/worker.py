@@ -511,12 +511,12 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     def _micro_batch_loss(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
         """One micro batch's (loss, metrics); a MoE model's router terms join them
         (``core.losses.router_aux``: what ``_routing`` recorded of this forward)."""
+        dev_mb = batch_to_device(mb, self.device)
         recorded = self._routers.active if self._routers is not None else None
         if recorded is None or self._router_aux is None:
-            return self._loss_of(mb, loss_fn, gseq, gtok)
-        loss, metrics = self._loss_of(mb, loss_fn, gseq, gtok)
-        router_logits = self._router_logits_of(mb, recorded)
-        return self._router_aux.add_to(loss, metrics, router_logits, batch_to_device(mb, self.device), gseq, gtok)
+            return self._loss_of(mb, dev_mb, loss_fn, gseq, gtok)
+        loss, metrics = self._loss_of(mb, dev_mb, loss_fn, gseq, gtok)
+        return self._router_aux.add_to(loss, metrics, self._router_logits_of(mb, recorded), dev_mb, gseq, gtok)
 
     def _routing(self, mb: BatchedDataDict, replay: bool) -> contextlib.AbstractContextManager:
         """The routers of a MoE model recorded over one micro batch (``RouterRecorder``), and,
@@ -550,8 +550,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         index, _ = packed.token_index()  # padding columns read token 0: masked by the lengths
         return logits[:, 0][:, to_device(torch.from_numpy(index), logits.device)]
 
-    def _loss_of(self, mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
-        dev_mb = batch_to_device(mb, self.device)
+    def _loss_of(self, mb: BatchedDataDict, dev_mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
         if hasattr(loss_fn, "loss_from_logprobs"):
             # One logprob path for get_logprobs and train (same temperature, same
             # vocab-parallel kernel): the loss sees exactly what get_logprobs returns.
