@@ -285,6 +285,10 @@ def activation_constraint(
             entries.append(axes)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _to_spec(entries)))
 
+    # ``layers.batch_shards``: the devices a batch is split over (the MoE dispatch groups by them).
+    constrain.batch_shards = math.prod(  # type: ignore[attr-defined]
+        mesh.shape[a] for a in _on_mesh(_spec_entries(("batch",), rules), mesh)[0]
+    )
     return constrain
 
 

@@ -135,8 +135,10 @@ def make_logprob_step(apply_fn: ApplyFn, temperature: float, route_top_k: int | 
     @jax.jit
     def step(params, input_ids, input_lengths):
         positions, mask = positions_and_mask(input_lengths, input_ids.shape[1])
-        out = apply_fn(params, input_ids, mask, positions, capture_router=route_top_k is not None)
-        logits, router = out if route_top_k is not None else (out, None)
+        if route_top_k is None:
+            logits, router = apply_fn(params, input_ids, mask, positions), None
+        else:
+            logits, router = apply_fn(params, input_ids, mask, positions, capture_router=True)
         next_lp = next_token_logprobs(apply_temperature(logits, temperature), input_ids)
         lp = logprobs_to_sequence_layout(next_lp, input_lengths).astype(jnp.float32)
         if route_top_k is None or router is None:
@@ -296,8 +298,10 @@ def layout_next_logprobs(
     ids, pos = (
         (input_ids, positions) if cp == 1 else (jnp.take(input_ids, dev_cols, 1), jnp.take(positions, dev_cols, 1))
     )
-    out = apply_fn(params, ids, None, pos, allowed=allowed, capture_router=capture_router)
-    logits, router = out if capture_router else (out, None)
+    if capture_router:
+        logits, router = apply_fn(params, ids, None, pos, allowed=allowed, capture_router=True)
+    else:
+        logits, router = apply_fn(params, ids, None, pos, allowed=allowed), None
     if cp == 1:
         next_lp = next_token_logprobs(apply_temperature(logits, temperature), input_ids)
         return (next_lp, router) if capture_router else next_lp

@@ -98,19 +98,21 @@ def runs(ray_session, builtin_cache, tmp_path_factory):
     return Runs(tmp_path_factory)
 
 
-# SFT on every backend in CI (and its step 1 compared across them); DPO's loss at step 1 is
-# ln 2 on every backend (checked per run), so CI runs it on the backend whose resume it checks,
-# the other two and the cross-backend comparison with -m slow.
+# SFT on the two engines in CI (torch_fsdp, jax_pjit: its step 1 compared across them, as the
+# fast GRPO runs do; torch_dtensor's run and the three-way comparison with -m slow); DPO's loss at
+# step 1 is ln 2 on every backend (checked per run), so CI runs it on the backend whose resume
+# it checks, the other two and the cross-backend comparison with -m slow.
+FAST_SFT = ("torch_fsdp", "jax_pjit")
 FAST_DPO = "jax_pjit"
+
+
+def _fast(algorithm: str, backend: str) -> bool:
+    return backend in FAST_SFT if algorithm == "sft" else backend == FAST_DPO
 
 
 @pytest.mark.parametrize(
     "algorithm, backend",
-    [
-        pytest.param(a, b, marks=pytest.mark.slow if a == "dpo" and b != FAST_DPO else ())
-        for a in ("sft", "dpo")
-        for b in BACKENDS
-    ],
+    [pytest.param(a, b, marks=() if _fast(a, b) else pytest.mark.slow) for a in ("sft", "dpo") for b in BACKENDS],
 )
 def test_three_steps(runs, algorithm, backend):
     run, run_dir = runs[algorithm, backend]
@@ -135,9 +137,16 @@ def test_three_steps(runs, algorithm, backend):
     assert AutoModelForCausalLM.from_pretrained(run_dir / "hf").config.vocab_size == 32
 
 
-@pytest.mark.parametrize("algorithm", ("sft", pytest.param("dpo", marks=pytest.mark.slow)))
-def test_step_one_is_the_same_on_every_backend(runs, algorithm):
-    first = {b: train_rows(runs[algorithm, b][0])[0] for b in BACKENDS}
+@pytest.mark.parametrize(
+    "algorithm, backends",
+    [
+        pytest.param("sft", FAST_SFT, id="sft-engines"),
+        pytest.param("sft", BACKENDS, id="sft", marks=pytest.mark.slow),
+        pytest.param("dpo", BACKENDS, id="dpo", marks=pytest.mark.slow),
+    ],
+)
+def test_step_one_is_the_same_on_every_backend(runs, algorithm, backends):
+    first = {b: train_rows(runs[algorithm, b][0])[0] for b in backends}
     ref = first["torch_fsdp"]
     keys = ("loss", "grad_norm", "tokens") + (("preference_loss",) if algorithm == "dpo" else ())
     for backend, row in first.items():

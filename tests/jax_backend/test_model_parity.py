@@ -570,24 +570,30 @@ def test_logical_axes_tree_matches_params():
 
 
 def test_blocked_dispatch_matches_hf_past_its_threshold(checkpoint):
-    """A batch past ``blocked_where_cheaper``'s threshold (8 x 32 tokens; 171 for 8 experts, top
-    2), so the tiny MoE's sparse layer runs the block scan: HF's logits (1e-5), on one device and
-    with the params on the 4 x 2 (fsdp x tp) mesh.  (Its gradients against the dense dispatch:
-    tests/jax_backend/test_moe_dispatch.py.)"""
+    """A batch past ``blocked_where_cheaper``'s threshold (8 x 128 tokens; 171 for 8 experts,
+    top 2), so the tiny MoE's sparse layer runs the block scan: HF's logits (1e-5) on one device,
+    and on the 4 x 2 (fsdp x tp) mesh with the worker's activation constraints, where each
+    fsdp rank's two rows (256 tokens, still past it) dispatch alone.  (Its gradients against the
+    dense dispatch: tests/jax_backend/test_moe_dispatch.py.)"""
+    from backends.jax_pjit.sharding import activation_constraint as sharding_constraint
+
     path, hf_model = checkpoint("qwen3_moe")
-    ids, mask = _batch(seed=3, batch=8, seq=32)
+    ids, mask = _batch(seed=3, batch=8, seq=128)
     model, cfg, _ = hf_mapping.from_pretrained(path, moe_dispatch="blocked")
     apply_fn, params = make_apply_fn(model)
     jids, jmask = jnp.asarray(ids.numpy()), jnp.asarray(mask.numpy())
-    assert "scan" in str(jax.make_jaxpr(apply_fn)(params, jids, jmask)) and ids.numel() > 171
+    assert "scan" in str(jax.make_jaxpr(apply_fn)(params, jids, jmask))
     valid = mask.numpy().astype(bool)
-    forward = jax.jit(apply_fn)
-    logits = np.asarray(forward(params, jids, jmask))
+    logits = np.asarray(jax.jit(apply_fn)(params, jids, jmask))
     np.testing.assert_allclose(logits[valid], _hf_logits(hf_model, ids, mask)[valid], atol=1e-5, rtol=0)
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
     with nnx.logical_axis_rules(RULES):
         placed = jax.device_put(params, nnx.get_named_sharding(params, mesh))
-    np.testing.assert_allclose(np.asarray(forward(placed, jids, jmask))[valid], logits[valid], atol=1e-5, rtol=0)
+    with activation_constraint(sharding_constraint(mesh)):
+        program = str(jax.make_jaxpr(apply_fn)(placed, jids, jmask))
+        sharded = np.asarray(jax.jit(apply_fn)(placed, jids, jmask))
+    assert "scan" in program and "f32[4,256,64]" in program  # 4 groups of 2 rows x 128 tokens
+    np.testing.assert_allclose(sharded[valid], logits[valid], atol=1e-5, rtol=0)
 
 
 # As the KV-cache test: qwen3_moe (a Qwen3 layer -- Llama + q/k norms, head_dim != hidden /

@@ -138,6 +138,13 @@ def constrain(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     return x if _activation_constraint is None else _activation_constraint(x, logical_axes)
 
 
+def batch_shards() -> int:
+    """How many devices the installed constraint splits the ``batch`` axis over (1 without
+    one, or when it does not say): the groups an op that must stay on each device's own rows
+    splits the batch into (the MoE's blocked dispatch)."""
+    return int(getattr(_activation_constraint, "batch_shards", 1))
+
+
 # --------------------------------------------------------------------------- layers
 
 

@@ -46,7 +46,7 @@ from flax import nnx
 from backends.jax_pjit.models import llama
 from backends.jax_pjit.models.config import ModelConfig
 from backends.jax_pjit.models.hf_table import Row
-from backends.jax_pjit.models.layers import MLP, Dense, _param
+from backends.jax_pjit.models.layers import MLP, Dense, _param, batch_shards, constrain
 from backends.jax_pjit.models.moe_dispatch import DISPATCHES
 from core.kernels.moe import replayed_routing_weights, top_k_experts
 
@@ -62,6 +62,10 @@ __all__ = [
 ]
 
 
+#: A batch as groups of whole rows, one per device holding rows: [groups, group tokens, embed].
+GROUP_AXES = ("batch", "act_tokens", "act_embed")
+#: The stacked gate / up kernels [experts, embed, mlp] gathered over fsdp (mlp stays on tp).
+GATHERED_EXPERT_AXES = ("act_experts", "act_embed", "act_mlp")
 #: The ``nnx.Intermediate`` each sparse layer sows its router logits [B, S, experts] under.
 ROUTER_LOGITS = "router_logits"
 
@@ -140,6 +144,7 @@ class SparseMoE(nnx.Module):
         self.gate = Dense((e,), (x,), ("expert_embed",), ("expert",), use_bias=False, **kw)
         self.experts = Experts(x, e, m, param_dtype=param_dtype, rngs=rngs)
         self.dispatch = DISPATCHES[cfg.dispatch]
+        self.per_device = cfg.dispatch == "blocked"
 
     def route(self, x: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(experts [B, S, K], weights [B, S, K])`` of every token: the router's top-k of its
@@ -161,9 +166,23 @@ class SparseMoE(nnx.Module):
         index, weight = self.route(x, replay)
         gate, up, down = (self.experts.kernel(n, self.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
         b, s, e = x.shape
-        k = index.shape[-1]
-        out = self.dispatch(x.reshape(b * s, e), index.reshape(b * s, k), weight.reshape(b * s, k), gate, up, down)
-        return out.reshape(b, s, e)
+        # The blocked dispatch sorts and gathers tokens: over a batch split across devices that
+        # would be one global gather computed everywhere, so each device's rows dispatch alone
+        # (a leading group axis sharded like the batch; one group without a mesh).
+        groups = batch_shards() if self.per_device else 1
+        groups = groups if b % groups == 0 else 1
+
+        def grouped(a: jax.Array) -> jax.Array:
+            return a.reshape(groups, b // groups * s, a.shape[-1])
+
+        def dispatch(xs: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
+            return self.dispatch(xs, idx, w, gate, up, down)
+
+        tokens = constrain(grouped(x), GROUP_AXES) if groups > 1 else grouped(x)
+        if groups > 1:  # gather the experts once per layer, not once per block inside the scan
+            gate, up = (constrain(w, GATHERED_EXPERT_AXES) for w in (gate, up))
+            down = constrain(down, GATHERED_EXPERT_AXES[::2] + GATHERED_EXPERT_AXES[1:2])
+        return jax.vmap(dispatch)(tokens, grouped(index), grouped(weight)).reshape(b, s, e)
 
 
 class Experts(nnx.Module):
