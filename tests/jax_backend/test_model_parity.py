@@ -245,10 +245,10 @@ def test_gemma3_window_exact_in_packed_and_cp_layouts(checkpoint):
 
 
 # The tiny Qwen3-MoE is a Qwen3 layer (the Llama decoder plus q/k norms) and a sparse one: the
-# llama and qwen3 cases add no fast-suite coverage beyond it (CI budget), so they run with the
-# slow tests.
+# llama, qwen2 (its q/k/v bias is in the logits tests) and qwen3 cases add no fast-suite
+# coverage of the cache beyond it (CI budget), so they run with the slow tests.
 @pytest.mark.parametrize(
-    "name", [*(pytest.param(n, marks=pytest.mark.slow) for n in ("llama", "qwen3")), "qwen2", "qwen3_moe", "gemma3"]
+    "name", [*(pytest.param(n, marks=pytest.mark.slow) for n in ("llama", "qwen2", "qwen3")), "qwen3_moe", "gemma3"]
 )
 def test_kv_cache_decode_matches_full_forward(checkpoint, name):
     """Prefill a right-padded ragged prompt batch, then decode N tokens one at a time.
