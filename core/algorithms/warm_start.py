@@ -119,7 +119,11 @@ def cache_key(short: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any], ex
         # Left out: where logs and files go, and the mixture-of-experts options (policy.moe,
         # policy.jax_cfg.moe_dispatch: exact either way, and the warm starts run torch), which
         # came after the first keys were published.
-        left_out = {"logger": True, "checkpointing": True, "policy": {"moe": True, "jax_cfg": {"moe_dispatch"}}}
+        left_out: dict[str, Any] = {
+            "logger": True,
+            "checkpointing": True,
+            "policy": {"moe": True, "jax_cfg": {"moe_dispatch"}},
+        }
         sft = warm_start_config(task_cfg, short=short).model_dump(exclude=left_out, exclude_none=True)
         payload.update(warm_start=sft, exclude=sorted(exclude))
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
