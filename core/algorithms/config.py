@@ -418,9 +418,8 @@ class GRPORunConfig(_AlgorithmRunConfig):
         """Agreement and replay (policy.moe) read the old-logprob pass, which a fused step skips."""
         moe = self.policy.moe
         if moe.records_routing and old_logprobs_source(self) == "forward":
-            field = "routing_replay.enabled" if moe.routing_replay.enabled else "log_routing_agreement"
             yield (
-                f"policy.moe.{field}",
+                f"policy.moe.{moe.routing_field}",
                 "true, but this run's steps take the old logprobs from the training forward itself (one optimizer "
                 f"step per batch of {self.policy.train_global_batch_size} samples), so there is no old-logprob pass "
                 "whose experts to use (and none to disagree with); set grpo.fuse_old_logprobs=false for the pass",
@@ -603,9 +602,8 @@ class _TrainOnlyRunConfig(_AlgorithmRunConfig):
         yield from super().check()
         moe = self.policy.moe
         if moe.records_routing:
-            field = "routing_replay.enabled" if moe.routing_replay.enabled else "log_routing_agreement"
             yield (
-                f"policy.moe.{field}",
+                f"policy.moe.{moe.routing_field}",
                 f"true, but dualrl {self.algorithm} has no old-policy logprob pass whose experts it would use; "
                 "set it to false",
             )

@@ -203,6 +203,11 @@ class MoEConfig(ConfigModel):
         """Whether ``get_logprobs`` returns ``routed_experts``."""
         return self.log_routing_agreement or self.routing_replay.enabled
 
+    @property
+    def routing_field(self) -> str:
+        """The field that turned routing records on (what a refusal of them names)."""
+        return "routing_replay.enabled" if self.routing_replay.enabled else "log_routing_agreement"
+
 
 class DynamicBatchingConfig(ConfigModel):
     """Token-budget micro-batching (sort by length, fill up to N tokens)."""
@@ -406,7 +411,7 @@ class PolicyConfig(ConfigModel):
         """Expert choices are recorded and replayed on plain rows only (docs/moe.md)."""
         if not self.moe.records_routing:
             return
-        field = "moe.routing_replay.enabled" if self.moe.routing_replay.enabled else "moe.log_routing_agreement"
+        field = f"moe.{self.moe.routing_field}"
         sizes = {"torch_dtensor": ("dtensor_cfg", self.dtensor_cfg.context_parallel_size),
                  "jax_pjit": ("jax_cfg", self.jax_cfg.context_parallel_size)}  # fmt: skip
         section, cp = sizes.get(self.backend, ("", 1))

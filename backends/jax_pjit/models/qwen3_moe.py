@@ -64,8 +64,10 @@ __all__ = [
 
 #: A batch as groups of whole rows, one per device holding rows: [groups, group tokens, embed].
 GROUP_AXES = ("batch", "act_tokens", "act_embed")
-#: The stacked gate / up kernels [experts, embed, mlp] gathered over fsdp (mlp stays on tp).
+#: The stacked kernels gathered over fsdp (mlp stays on tp): gate / up [experts, embed, mlp],
+#: down [experts, mlp, embed].
 GATHERED_EXPERT_AXES = ("act_experts", "act_embed", "act_mlp")
+GATHERED_DOWN_AXES = ("act_experts", "act_mlp", "act_embed")
 #: The ``nnx.Intermediate`` each sparse layer sows its router logits [B, S, experts] under.
 ROUTER_LOGITS = "router_logits"
 
@@ -181,7 +183,7 @@ class SparseMoE(nnx.Module):
         tokens = constrain(grouped(x), GROUP_AXES) if groups > 1 else grouped(x)
         if groups > 1:  # gather the experts once per layer, not once per block inside the scan
             gate, up = (constrain(w, GATHERED_EXPERT_AXES) for w in (gate, up))
-            down = constrain(down, GATHERED_EXPERT_AXES[::2] + GATHERED_EXPERT_AXES[1:2])
+            down = constrain(down, GATHERED_DOWN_AXES)
         return jax.vmap(dispatch)(tokens, grouped(index), grouped(weight)).reshape(b, s, e)
 
 
