@@ -111,11 +111,17 @@ def test_experts_sharded_over_two_devices(name):
 
 
 def test_the_model_runs_blocked_only_where_it_does_less_work():
-    """``blocked_where_cheaper`` (the model's "blocked"): dense up to X * block / (X - K) tokens
-    (256 here: decoding steps, short micro batches), the block scan above, exact either way."""
-    from backends.jax_pjit.models.moe_dispatch import BLOCK, blocked_where_cheaper
+    """``blocked_where_cheaper`` (the model's "blocked"): on CPU dense up to X * block / (X - K)
+    tokens (256 here: decoding steps, short micro batches), the block scan above, exact either
+    way.  On GPU the measured rule keeps small layers dense whatever the tokens, and scans a
+    Qwen3-30B-A3B layer from 8,192 tokens (see ``BLOCKED_RULES``)."""
+    from backends.jax_pjit.models.moe_dispatch import BLOCKED_RULES, blocked_is_cheaper, blocked_where_cheaper
 
-    assert EXPERTS * BLOCK // (EXPERTS - TOP_K) == 256
+    assert EXPERTS * BLOCKED_RULES["cpu"]["block"] // (EXPERTS - TOP_K) == 256
+    assert [blocked_is_cheaper(t, EXPERTS, TOP_K, EMBED, MLP, "cpu") for t in (256, 257)] == [False, True]
+    a3b = dict(experts=128, top_k=8, embed=2048, mlp=768, platform="gpu")
+    assert [blocked_is_cheaper(t, **a3b) for t in (4096, 8192, 16384)] == [False, True, True]
+    assert not blocked_is_cheaper(16384, 8, 2, 512, 704, "gpu")  # the bench model's layer
     for tokens, scans in ((TOKENS, False), (300, True)):
         rng = np.random.default_rng(1)
         index = np.argsort(rng.random((tokens, EXPERTS)), axis=1)[:, :TOP_K]

@@ -16,10 +16,9 @@ jits, differentiates and runs under ``jax.sharding`` like any other op.
   routed work -- and a [T, X, M] activation.
 * ``grouped_experts`` sorts the T * K (token, slot) pairs by expert, so each expert's rows are
   contiguous, and runs ``jax.lax.ragged_dot`` on them: 6 * T * K * E * M FLOPs *where
-  ragged_dot has a grouped kernel* (TPU; on GPU only behind opt-in flags).  Elsewhere -- CPU
-  always, and by upstream reports GPU by default in jax 0.10 -- ragged_dot lowers to its
-  reference expansion: the rows masked into a [T * K, X * E] copy ([T * K, X * M] for down)
-  and one dense dot, K times the FLOPs of ``dense_experts``.
+  ragged_dot has a grouped kernel* (TPU).  Elsewhere -- CPU, and GPU in jax 0.11.2 (seen on an
+  H100) -- ragged_dot lowers to its reference expansion: the rows masked into a [T * K, X * E]
+  copy ([T * K, X * M] for down) and one dense dot, K times the FLOPs of ``dense_experts``.
 * ``blocked_experts`` does the grouping itself: the expert-sorted rows are padded so that every
   expert starts a new block of ``block`` rows (at most T * K + X * (block - 1) rows, a static
   bound), and a ``lax.scan`` over the blocks runs each through its expert's kernels with plain
@@ -32,11 +31,38 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-#: Rows per block of ``blocked_experts`` in the model (64 was as fast forward + backward and
-#: slower forward on CPU, measured).
-BLOCK = 128
+#: How the model's "blocked" runs on each platform (``benchmarks.moe_dispatch``, forward +
+#: backward of one layer, ratios side by side), all exact:
+#:
+#: * ``block``: rows per block.  CPU 128 (64 was as fast forward + backward and slower forward).
+#:   GPU 1024: one H100, bf16, the Qwen3-30B-A3B layer (128 experts, top 8, 2048 x 768), train
+#:   x dense at 8,192 tokens 0.79 / 1.05 / 1.11 for blocks 256 / 512 / 1024, at 32,768 tokens
+#:   166 / 106 / 83 ms (dense ran out of memory); each scan step costs a launch there.
+#: * ``margin``: blocked runs once ``tokens * (X - K) > margin * X * block`` (dense pushes T * X
+#:   rows through the experts, blocked at most T * K + X * block).  CPU 1 (the row count alone:
+#:   171 tokens for 8 experts top 2).  GPU 4: dense's big matmuls run near peak (7.7 ms for
+#:   4,096 tokens of that layer, ~640 TFLOP/s) and kept the lead at 4,096 tokens (blocked 512:
+#:   0.72x), blocked 1024 led from 8,192 (1.11x) and 16,384 (blocked 512: 1.38x).
+#: * ``min_dense_flops``: and only when dense's forward FLOPs (6 T X E M) reach this: a layer too
+#:   small to fill the GPU is launch-bound either way, and dense has the fewest launches (the
+#:   8-expert 512 x 704 bench layer: dense 2.6-3.5x blocked at 16,384 tokens, 2.8e11 FLOPs).
+#:
+#: Other platforms (TPU) are not measured: ``auto`` leaves them dense (``resolve_dispatch``).
+BLOCKED_RULES: dict[str, dict[str, float]] = {
+    "cpu": {"block": 128, "margin": 1, "min_dense_flops": 0},
+    "gpu": {"block": 1024, "margin": 4, "min_dense_flops": 1e12},
+}
 
-__all__ = ["DISPATCHES", "dense_experts", "grouped_experts", "blocked_experts", "resolve_dispatch", "sort_by_expert"]
+__all__ = [
+    "BLOCKED_RULES",
+    "DISPATCHES",
+    "blocked_is_cheaper",
+    "dense_experts",
+    "grouped_experts",
+    "blocked_experts",
+    "resolve_dispatch",
+    "sort_by_expert",
+]
 
 
 def dense_experts(
@@ -125,18 +151,29 @@ def blocked_experts(
     return y.reshape(-1, x.shape[1])[pair_slot].reshape(tokens, k, -1).sum(axis=1)
 
 
+def blocked_rule(platform: str) -> dict[str, float]:
+    """``BLOCKED_RULES`` of ``platform`` (a platform not measured takes the GPU's)."""
+    return BLOCKED_RULES.get(platform, BLOCKED_RULES["gpu"])
+
+
+def blocked_is_cheaper(tokens: int, experts: int, top_k: int, embed: int, mlp: int, platform: str) -> bool:
+    """Whether the model's "blocked" scans blocks for a [tokens] micro batch (see BLOCKED_RULES)."""
+    rule = blocked_rule(platform)
+    fewer_rows = tokens * (experts - top_k) > rule["margin"] * experts * rule["block"]
+    return fewer_rows and 6 * tokens * experts * embed * mlp >= rule["min_dense_flops"]
+
+
 def blocked_where_cheaper(
     x: jax.Array, index: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
 ) -> jax.Array:
-    """``blocked_experts`` where it does less work than ``dense_experts``, else dense (decided at
-    trace time from the static shapes).  Blocked runs up to T * K + X * block rows through one
-    expert each, dense T rows through all X: blocked wins from T > X * block / (X - K) tokens
-    (171 for 8 experts, top 2), so decoding steps and short micro batches stay dense."""
-    tokens, k = index.shape
-    experts = gate.shape[0]
-    if tokens * (experts - k) <= experts * BLOCK:
+    """``blocked_experts`` where it is faster than ``dense_experts`` on this platform, else dense
+    (decided at trace time from the static shapes; ``BLOCKED_RULES``): decoding steps and short
+    micro batches stay dense."""
+    (tokens, k), (experts, embed, mlp) = index.shape, gate.shape
+    platform = jax.default_backend()
+    if not blocked_is_cheaper(tokens, experts, k, embed, mlp, platform):
         return dense_experts(x, index, weight, gate, up, down)
-    return blocked_experts(x, index, weight, gate, up, down, block=BLOCK)
+    return blocked_experts(x, index, weight, gate, up, down, block=int(blocked_rule(platform)["block"]))
 
 
 #: ``policy.jax_cfg.moe_dispatch`` -> the function (``auto`` is resolved by :func:`resolve_dispatch`).
@@ -144,11 +181,13 @@ DISPATCHES = {"dense": dense_experts, "blocked": blocked_where_cheaper, "grouped
 
 
 def resolve_dispatch(name: str, platform: str) -> str:
-    """``auto``: ``blocked`` on CPU (measured 3.1-3.4x ``dense`` forward + backward on the bench
-    model's layer, 8.7-9.2x on a 128-expert top-8 layer), ``dense`` elsewhere (GPU / TPU not
-    measured yet: dense is exact, plain big matmuls, and expert-parallel under sharding)."""
+    """``auto``: ``blocked`` on CPU and GPU (which runs dense where that is faster:
+    ``BLOCKED_RULES``, measured on both), ``dense`` elsewhere (TPU not measured).  ``grouped``
+    is never chosen: ``ragged_dot`` lowers to its dense reference expansion on CPU and, in JAX
+    0.11, on GPU (K x dense's FLOPs; on one H100 it asked for 64 GiB for 16,384 tokens of the
+    Qwen3-30B-A3B layer)."""
     if name == "auto":
-        return "blocked" if platform == "cpu" else "dense"
+        return "blocked" if platform in BLOCKED_RULES else "dense"
     if name not in DISPATCHES:
         raise ValueError(f"policy.jax_cfg.moe_dispatch={name!r}: one of auto, {', '.join(DISPATCHES)}")
     return name
