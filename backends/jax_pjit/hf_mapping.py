@@ -391,20 +391,29 @@ def from_pretrained(
     tp: int = 1,
     make_vocab_size_divisible_by: int = 1,
     moe_dispatch: str = "auto",
+    expert_parallel: int = 1,
 ) -> tuple[CausalLM, ModelConfig, PreTrainedConfig]:
     """Load an HF checkpoint directory: ``(CausalLM, ModelConfig, hf_config)``.
 
     The vocabulary is zero-padded to ``padded_vocab_size(vocab_size, tp,
     make_vocab_size_divisible_by)`` (unchanged with the defaults, or when ``tp`` divides it).
     A mixture of experts runs its experts the ``moe_dispatch`` way (``policy.jax_cfg.moe_dispatch``;
-    ``auto`` resolved for the default JAX platform).
+    ``auto`` resolved for the default JAX platform), expert-parallel over ``expert_parallel``
+    ranks (``policy.jax_cfg.expert_parallel_size``) when above 1.  ``expert_parallel`` above 1
+    on a dense model raises ValueError.
     """
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path)
     cfg = config_from_hf(hf_config).with_padded_vocab(tp, make_vocab_size_divisible_by)
     if isinstance(cfg, MoEConfig):
-        cfg = dataclasses.replace(cfg, dispatch=resolve_dispatch(moe_dispatch, jax.default_backend()))
+        dispatch = resolve_dispatch(moe_dispatch, jax.default_backend())
+        cfg = dataclasses.replace(cfg, dispatch=dispatch, expert_parallel=expert_parallel)
+    elif expert_parallel != 1:
+        raise ValueError(
+            f"policy.jax_cfg.expert_parallel_size={expert_parallel}: model_type {hf_config.model_type!r} "
+            "has no experts (a mixture of experts' option)"
+        )
     model = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
     load_hf_weights(model, path)
     return model, cfg, hf_config

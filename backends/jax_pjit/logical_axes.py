@@ -18,7 +18,8 @@ Parameters (storage layout):
     mlp       -- the MLP's intermediate dimension                    -> tp
     norm      -- the feature dimension of an RMSNorm scale           -> replicated
     lora_rank -- the rank dimension of a LoRA adapter (A, B)         -> replicated
-    expert    -- the experts of a stacked MoE kernel / the router     -> fsdp (each rank holds whole experts)
+    expert    -- the experts of a stacked MoE kernel / the router     -> fsdp (each rank holds whole experts;
+                 with expert parallelism each rank also runs only its own)
     expert_embed -- the model dimension of MoE expert / router weights -> replicated (fsdp holds the experts)
 Activations:
     batch     -- the batch dimension                                 -> fsdp (data parallel)
@@ -59,8 +60,8 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("mlp", TP),
     ("norm", None),
     ("lora_rank", None),
-    # The mesh has no expert-parallel axis: experts are sharded over fsdp (ZeRO-3 style, whole
-    # experts per rank), so their model dim cannot be fsdp too (one mesh axis per tensor).
+    # Experts are sharded over fsdp (whole experts per rank: expert parallelism runs over this
+    # axis, policy.jax_cfg.expert_parallel_size), so their model dim cannot be fsdp too.
     ("expert", FSDP),
     ("expert_embed", None),
     ("batch", FSDP),

@@ -289,6 +289,9 @@ def activation_constraint(
     constrain.batch_shards = math.prod(  # type: ignore[attr-defined]
         mesh.shape[a] for a in _on_mesh(_spec_entries(("batch",), rules), mesh)[0]
     )
+    # ``layers.expert_placement``: the mesh axis the experts are stored over (expert parallelism).
+    expert_axes = _on_mesh(_spec_entries(("expert",), rules), mesh)[0]
+    constrain.expert_placement = (mesh, expert_axes[0]) if len(expert_axes) == 1 else None  # type: ignore[attr-defined]
     return constrain
 
 

@@ -143,6 +143,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             tp=self.mesh.shape["tp"],
             make_vocab_size_divisible_by=int(self.cfg.make_vocab_size_divisible_by or 1),
             moe_dispatch=self.cfg.jax_cfg.moe_dispatch,
+            expert_parallel=self.cfg.jax_cfg.expert_parallel_size,
         )
         check_tokenizer_fits(tokenizer, self.hf_config, self.cfg.model_name)
         check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.jax_cfg.tensor_parallel_size")

@@ -5,8 +5,9 @@ Grammar (``D``, ``C``, ``T``, ``F``: positive integers; bracketed parts optional
 * ``fsdp1-dp<D>``: ``torch_fsdp`` on ``D`` workers (FSDP1 has no tensor or context parallel);
 * ``dtensor-[dp<D>][-cp<C>][-tp<T>][-sp]``: ``torch_dtensor`` on ``D x C x T`` workers, context
   parallel over ``C``, sequence parallel (``-sp``) needs ``T >= 2``;
-* ``jax-[fsdp<F>][-cp<C>][-tp<T>]``: ``jax_pjit``, one worker owning ``F x C x T`` devices,
-  mesh ``(fsdp=F, cp=C, tp=T)``;
+* ``jax-[fsdp<F>][-cp<C>][-tp<T>][-ep]``: ``jax_pjit``, one worker owning ``F x C x T`` devices,
+  mesh ``(fsdp=F, cp=C, tp=T)``; ``-ep``: a mixture of experts' experts run expert-parallel
+  over fsdp (``policy.jax_cfg.expert_parallel_size = F``);
 * any of them with ``-packed``: sequence packing on (rows of at most one padded micro
   batch's tokens);
 * any of them with ``-lora`` (after ``-packed``): ``policy.lora.enabled`` at the settings the
@@ -27,11 +28,11 @@ import re
 from dataclasses import dataclass
 
 _TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-sp)?(-packed)?(-lora)?(-compiled)?")
-_JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-packed)?(-lora)?")
+_JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-ep)?(-packed)?(-lora)?")
 BACKEND_OF = {"fsdp1": "torch_fsdp", "dtensor": "torch_dtensor", "jax": "jax_pjit"}
 GRAMMAR = (
     "fsdp1-dp<D>[-packed][-lora], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed][-lora][-compiled], "
-    "jax-[fsdp<F>][-cp<C>][-tp<T>][-packed][-lora]"
+    "jax-[fsdp<F>][-cp<C>][-tp<T>][-ep][-packed][-lora]"
 )
 
 
@@ -54,6 +55,7 @@ class Layout:
     packed: bool = False  # sequence packing on
     compiled: bool = False  # torch_dtensor: policy.dtensor_cfg.compile on
     lora: bool = False  # policy.lora.enabled (at the caller's LoRA settings)
+    ep: bool = False  # jax_pjit: policy.jax_cfg.expert_parallel_size = the fsdp size
 
     @property
     def is_jax(self) -> bool:
@@ -100,10 +102,20 @@ def parse_layout(name: str) -> Layout:
         if layout.sp and layout.tp < 2:
             raise LayoutError(f"layout {name!r}: sequence parallel (-sp) needs tensor parallel tp >= 2")
     elif jax_match and any(jax_match.group(i) for i in (1, 2, 3)):
-        fsdp, cp, tp, packed, lora = jax_match.groups()
+        fsdp, cp, tp, ep, packed, lora = jax_match.groups()
         layout = Layout(
-            name, "jax_pjit", int(fsdp or 1), int(tp or 1), False, int(cp or 1), bool(packed), lora=bool(lora)
+            name,
+            "jax_pjit",
+            int(fsdp or 1),
+            int(tp or 1),
+            False,
+            int(cp or 1),
+            bool(packed),
+            lora=bool(lora),
+            ep=bool(ep),
         )
+        if layout.ep and layout.dp < 2:
+            raise LayoutError(f"layout {name!r}: -ep runs the experts expert-parallel over fsdp; it needs fsdp >= 2")
     else:
         raise LayoutError(f"unknown layout {name!r}: expected one of {GRAMMAR}")
     if layout.dp < 1 or layout.tp < 1 or layout.cp < 1:

@@ -85,6 +85,8 @@ def policy_config(
     if layout.is_jax:
         local = min(micro * layout.dp if micro else batch, batch)
         cfg["jax_cfg"].update(fsdp_size=layout.dp, tensor_parallel_size=layout.tp, context_parallel_size=layout.cp)
+        if layout.ep:
+            cfg["jax_cfg"]["expert_parallel_size"] = layout.dp
     else:
         local = min(micro or batch, batch // layout.dp)
         cfg["dtensor_cfg"].update(tensor_parallel_size=layout.tp, sequence_parallel=layout.sp, compile=layout.compiled)

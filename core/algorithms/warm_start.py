@@ -117,12 +117,12 @@ def cache_key(short: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any], ex
     payload = {"version": FORMAT_VERSION, "model": shape, "init_seed": INIT_SEED}
     if warm:  # the SFT config without what cannot change the weights (where logs and files go)
         # Left out: where logs and files go, and the mixture-of-experts options (policy.moe,
-        # policy.jax_cfg.moe_dispatch: exact either way, and the warm starts run torch), which
-        # came after the first keys were published.
+        # policy.jax_cfg.moe_dispatch / expert_parallel_size: exact either way, and the warm
+        # starts run torch), which came after the first keys were published.
         left_out: dict[str, Any] = {
             "logger": True,
             "checkpointing": True,
-            "policy": {"moe": True, "jax_cfg": {"moe_dispatch"}},
+            "policy": {"moe": True, "jax_cfg": {"moe_dispatch", "expert_parallel_size"}},
         }
         sft = warm_start_config(task_cfg, short=short).model_dump(exclude=left_out, exclude_none=True)
         payload.update(warm_start=sft, exclude=sorted(exclude))

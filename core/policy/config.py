@@ -58,6 +58,13 @@ class DTensorConfig(ConfigModel):
     """torch.compile each transformer block (torchtitan order: TP -> AC -> compile -> FSDP)."""
 
 
+#: Why ``jax_cfg.expert_parallel_size`` must equal the fsdp size (the static check and the layout check).
+_EXPERT_AXIS = (
+    "{ep} must be 1 or the fsdp size ({fsdp}): the JAX backend stores the experts over the fsdp "
+    "axis and runs them expert-parallel over that axis"
+)
+
+
 class JaxConfig(ConfigModel):
     """Settings of the ``jax_pjit`` backend: a (fsdp, cp, tp) device mesh."""
 
@@ -77,10 +84,18 @@ class JaxConfig(ConfigModel):
     Qwen3-30B-A3B layer), "grouped" (jax.lax.ragged_dot: for accelerators with a grouped kernel;
     on CPU and GPU a reference expansion, 0.1-0.7x dense); "auto": blocked on CPU and GPU (both
     measured), dense on TPU.  A value other than auto on a dense model is refused."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Expert parallelism of a mixture of experts (docs/moe.md): 1, or the fsdp size.  The
+    experts are stored over "fsdp" (num_experts / fsdp whole experts per rank); with expert
+    parallelism each rank runs only its own experts, on every rank's tokens (gathered, and the
+    outputs summed back), instead of gathering every expert's weights.  Must divide num_experts;
+    refused on a dense model."""
 
     def check(self) -> Iterable[Problem]:
         if self.fsdp_size < 1 and self.fsdp_size != -1:
             yield "fsdp_size", f"must be >= 1, or -1 to use the remaining devices, got {self.fsdp_size}"
+        if self.expert_parallel_size > 1 and self.fsdp_size not in (-1, self.expert_parallel_size):
+            yield "expert_parallel_size", _EXPERT_AXIS.format(ep=self.expert_parallel_size, fsdp=self.fsdp_size)
 
 
 #: The module names ``policy.lora.target_modules`` may list (PEFT's names for a Llama-style
@@ -557,6 +572,9 @@ class PolicyConfig(ConfigModel):
                 f"{sizes}tensor_parallel_size ({tp}) = {fsdp * cp * tp} does not equal the world size ({ws}); "
                 "use -1 to fill in",
             )
+        ep = jax.expert_parallel_size
+        if problem is None and ep > 1 and ep != self.parallel_dims(ws).fsdp:
+            problem = "jax_cfg.expert_parallel_size", _EXPERT_AXIS.format(ep=ep, fsdp=self.parallel_dims(ws).fsdp)
         return problem
 
     def parallel_dims(self, world_size: int) -> ParallelDims:

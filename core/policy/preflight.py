@@ -196,10 +196,18 @@ def check_sliding_window_layouts(model_config: PreTrainedConfig, policy: PolicyC
 
 
 def check_moe_options(model_config: PreTrainedConfig, policy: PolicyConfig) -> None:
-    """``policy.moe`` against the model: router options on a dense model are refused."""
+    """``policy.moe`` against the model: router options on a dense model are refused, and an
+    expert-parallel size that does not divide a MoE's experts."""
     from core.losses.router_aux import moe_top_k
 
+    ep = policy.jax_cfg.expert_parallel_size if policy.backend == "jax_pjit" else 1
     if moe_top_k(model_config) is not None:
+        experts = getattr(model_config, "num_experts", None)
+        if isinstance(experts, int) and experts % ep:
+            raise ValueError(
+                f"policy.jax_cfg.expert_parallel_size={ep} does not divide the model's num_experts={experts} "
+                "(each expert-parallel rank runs whole experts)"
+            )
         return
     moe = policy.moe
     asked = [
@@ -213,6 +221,8 @@ def check_moe_options(model_config: PreTrainedConfig, policy: PolicyConfig) -> N
     ]
     if policy.backend == "jax_pjit" and policy.jax_cfg.moe_dispatch != "auto":
         asked.append(f"jax_cfg.moe_dispatch={policy.jax_cfg.moe_dispatch}")
+    if ep != 1:
+        asked.append(f"jax_cfg.expert_parallel_size={ep}")
     if asked:
         model_type = getattr(model_config, "model_type", None)
         field = asked[0] if asked[0].startswith("jax_cfg.") else f"moe.{asked[0]}"

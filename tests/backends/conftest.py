@@ -87,6 +87,8 @@ def layout_config(layout: str | Layout, model_dir: Path, **overrides: Any) -> di
     cfg = policy_config(model_dir, lay.backend, tp=1 if lay.is_jax else lay.tp, sp=lay.sp)
     if lay.is_jax:
         cfg["jax_cfg"].update(fsdp_size=lay.dp, tensor_parallel_size=lay.tp, context_parallel_size=lay.cp)
+        if lay.ep:
+            cfg["jax_cfg"]["expert_parallel_size"] = lay.dp
     elif lay.backend == "torch_dtensor":
         cfg["dtensor_cfg"].update(context_parallel_size=lay.cp, compile=lay.compiled)
     if lay.cp > 1:

@@ -44,6 +44,7 @@ def _reference(model_dir, data, loss_fn) -> tuple[float, float, float]:
 
 # Plain, packed and context-parallel rows (the router logits are unpacked / gathered onto the
 # rows as the logprobs are) on each engine; torch tensor parallelism has no Qwen3-MoE plan.
+# JAX's expert parallelism (-ep) with tensor and with context parallelism.
 LAYOUTS = [
     "fsdp1-dp2",
     "fsdp1-dp2-packed",
@@ -53,6 +54,8 @@ LAYOUTS = [
     "jax-fsdp4-tp2",
     "jax-fsdp4-cp2",
     "jax-fsdp8-packed",
+    "jax-fsdp4-tp2-ep",
+    "jax-fsdp4-cp2-ep",
 ]
 
 
@@ -103,7 +106,7 @@ def _replayed_reference(model_dir, data, loss_fn, routed) -> tuple[float, float,
     return float(loss.detach()), float(norm), torch.stack(own, 2)
 
 
-@pytest.mark.parametrize("layout", ["fsdp1-dp2", "dtensor-dp2", "jax-fsdp4-tp2"])
+@pytest.mark.parametrize("layout", ["fsdp1-dp2", "dtensor-dp2", "jax-fsdp4-tp2", "jax-fsdp4-tp2-ep"])
 def test_routing_replay_trains_as_hf_on_every_backend(layout, ray_session, model_dirs, tokenizer):
     """``get_logprobs`` returns HF's expert choices; a training step given them agrees fully
     (``moe_routing_agreement`` 1); given other experts it routes to those: its loss and gradient

@@ -596,6 +596,49 @@ def test_blocked_dispatch_matches_hf_past_its_threshold(checkpoint):
     np.testing.assert_allclose(sharded[valid], logits[valid], atol=1e-5, rtol=0)
 
 
+def test_expert_parallel_matches_hf_and_the_one_device_gradients(checkpoint):
+    """``expert_parallel=4`` on the 4 (fsdp) x 2 (tp) mesh with the worker's constraints: each
+    fsdp rank runs its 2 of the 8 experts on every rank's tokens (a shard_map over fsdp; the
+    kernels never gathered).  HF's logits at 1e-5, and the gradients of every parameter equal
+    the one-device model's (dense dispatch)."""
+    if jax.device_count() < 8:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    from backends.jax_pjit.sharding import activation_constraint as sharding_constraint
+
+    path, hf_model = checkpoint("qwen3_moe")
+    ids, mask = _batch(seed=4, batch=8, seq=24)
+    jids, jmask = jnp.asarray(ids.numpy()), jnp.asarray(mask.numpy())
+    valid = mask.numpy().astype(bool)
+
+    def loss_and_grads(apply_fn, params):
+        def loss(p):
+            logits = apply_fn(p, jids, jmask)
+            return jnp.sum(jnp.sin(logits) * jmask[..., None]), logits
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    dense, _, _ = hf_mapping.from_pretrained(path, moe_dispatch="dense")
+    (_, ref_logits), ref_grads = loss_and_grads(*make_apply_fn(dense))
+    model, cfg, _ = hf_mapping.from_pretrained(path, expert_parallel=4)
+    apply_fn, params = make_apply_fn(model)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    with nnx.logical_axis_rules(RULES):
+        placed = jax.device_put(params, nnx.get_named_sharding(params, mesh))
+    with activation_constraint(sharding_constraint(mesh)):
+        assert "shard_map" in str(jax.make_jaxpr(apply_fn)(placed, jids, jmask))
+        (_, logits), grads = loss_and_grads(apply_fn, placed)
+    np.testing.assert_allclose(np.asarray(logits)[valid], _hf_logits(hf_model, ids, mask)[valid], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(ref_logits)[valid], atol=1e-5, rtol=0)
+    flat, ref_flat = jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)
+    for (where, g), ref in zip(flat, ref_flat, strict=True):
+        scale = max(float(np.abs(np.asarray(ref)).max()), 1e-6)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), atol=1e-5 * scale, rtol=1e-5, err_msg=str(where))
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2: the experts are stored over the mesh axis 'fsdp'"):
+        two, _, _ = hf_mapping.from_pretrained(path, expert_parallel=2)
+        with activation_constraint(sharding_constraint(mesh)):
+            jax.make_jaxpr(make_apply_fn(two)[0])(placed, jids, jmask)
+
+
 # As the KV-cache test: qwen3_moe (a Qwen3 layer -- Llama + q/k norms, head_dim != hidden /
 # heads -- and a sparse one, its experts sharded over fsdp) in the fast suite.
 @pytest.mark.parametrize(

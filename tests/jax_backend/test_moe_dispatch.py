@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from backends.jax_pjit.models.moe_dispatch import blocked_experts, dense_experts, grouped_experts
+from backends.jax_pjit.models.moe_dispatch import (
+    blocked_experts,
+    dense_experts,
+    expert_parallel_experts,
+    grouped_experts,
+)
 
 TOKENS, EMBED, MLP, EXPERTS, TOP_K = 37, 16, 8, 6, 3
 UNUSED = 3  # no token is routed to this expert in ``_random_index``
@@ -131,3 +136,40 @@ def test_the_model_runs_blocked_only_where_it_does_less_work():
         program = str(jax.make_jaxpr(blocked_where_cheaper)(*args))
         assert ("scan" in program) == scans, tokens
         _assert_close(jax.jit(blocked_where_cheaper)(*args), jax.jit(dense_experts)(*args), f"{tokens} tokens")
+
+
+def _expert_parallel(ranks: int):
+    """``expert_parallel_experts`` under ``shard_map`` over an ``ranks``-device ``expert`` axis:
+    tokens, routing and kernels split over it (the first 36 tokens: a multiple of 2 and 3)."""
+    mesh = jax.make_mesh((ranks,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ranks])
+    spec = PartitionSpec("expert")
+    run = functools.partial(expert_parallel_experts, axis="expert", block=4)
+    sharded = jax.shard_map(run, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec, axis_names={"expert"})
+    return lambda x, index, weight, *kernels: sharded(x[:36], index[:36], weight[:36], *kernels)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_expert_parallel_matches_dense(ranks):
+    """Each rank runs only its own experts (6 / ranks) on every rank's gathered tokens, empty
+    blocks skipped, outputs reduce-scattered back: dense's output and gradients (w.r.t. the
+    tokens, routing weights and every kernel), the unused expert's kernels untouched."""
+    if jax.device_count() < ranks:
+        pytest.skip(f"needs {ranks} (virtual) jax devices")
+    x, index, weight, *kernels = _inputs()
+    args = (x[:36], index[:36], weight[:36], *kernels)
+    grads = _assert_matches_dense(_expert_parallel(ranks), args)
+    for g in grads[2:]:
+        assert not np.any(np.asarray(g)[UNUSED])
+
+
+def test_blocked_drops_the_pairs_routed_past_the_last_expert():
+    """Expert X (one past the last) is the expert-parallel dispatch's "another rank's": those
+    pairs contribute nothing, exactly as if their weight were 0 (empty blocks skipped or not)."""
+    x, index, weight, gate, up, down = _inputs()
+    dropped = np.asarray(index) == 1
+    past = jnp.where(dropped, EXPERTS, index)
+    zero = jnp.where(dropped, 0.0, weight)
+    expected = dense_experts(x, index, zero, gate, up, down)
+    for skip in (False, True):
+        out = blocked_experts(x, past, weight, gate, up, down, block=16, skip_empty=skip)
+        _assert_close(out, expected, f"skip_empty={skip}")

@@ -1172,6 +1172,7 @@ def test_defaults_on_the_shipped_config(tmp_path):
         "context_parallel_size": 1,
         "activation_checkpointing": False,
         "moe_dispatch": "auto",
+        "expert_parallel_size": 1,
     }
     assert cfg.policy.model_name == "Qwen/Qwen2.5-0.5B"
 

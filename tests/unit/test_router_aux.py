@@ -115,6 +115,33 @@ def test_moe_options_on_a_dense_model_are_refused_by_name():
     check_moe_options(tiny_config("qwen3_moe"), blocked)
 
 
+def test_expert_parallel_sizes_are_checked_on_the_driver():
+    """``policy.jax_cfg.expert_parallel_size``: refused on a dense model, when it does not
+    divide the experts, and when it is not the fsdp size (statically, and against the world)."""
+    from core.config import ConfigError
+    from core.policy.config import PolicyConfig
+    from core.policy.preflight import check_moe_options
+    from core.testing.tiny_models import tiny_config
+
+    base = {"model_name": "m", "backend": "jax_pjit", "logprob_batch_size": 2, "train_global_batch_size": 4,
+            "train_micro_batch_size": 2, "max_total_sequence_length": 64, "precision": "float32",
+            "max_grad_norm": None, "tokenizer": {"name": "m"}}  # fmt: skip
+
+    def policy(ep: int, fsdp: int = -1) -> PolicyConfig:
+        return PolicyConfig.coerce(base | {"jax_cfg": {"fsdp_size": fsdp, "expert_parallel_size": ep}}, path="policy")
+
+    with pytest.raises(ValueError, match=r"policy.jax_cfg.expert_parallel_size=2: model_type 'llama' has no"):
+        check_moe_options(tiny_config("llama"), policy(2))
+    check_moe_options(tiny_config("qwen3_moe"), policy(4))  # 8 experts
+    with pytest.raises(ValueError, match=r"expert_parallel_size=3 does not divide the model's num_experts=8"):
+        check_moe_options(tiny_config("qwen3_moe"), policy(3))
+    with pytest.raises(ConfigError, match=r"policy.jax_cfg.expert_parallel_size: 2 must be 1 or the fsdp size \(4\)"):
+        policy(2, fsdp=4)
+    with pytest.raises(ConfigError, match=r"policy.jax_cfg.expert_parallel_size: 4 must be 1 or the fsdp size \(2\)"):
+        PolicyConfig.checked(base | {"jax_cfg": {"expert_parallel_size": 4}}, world_size=2)
+    PolicyConfig.checked(base | {"jax_cfg": {"expert_parallel_size": 2}}, world_size=2)
+
+
 def test_agreement_is_the_share_of_the_same_experts():
     from core.kernels.moe import routed_experts_of, routing_agreement
 

@@ -138,6 +138,12 @@ def constrain(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     return x if _activation_constraint is None else _activation_constraint(x, logical_axes)
 
 
+def expert_placement() -> tuple[Any, str] | None:
+    """``(mesh, axis)`` when the installed constraint shards the ``expert`` axis over exactly
+    one mesh axis (the MoE's expert-parallel dispatch runs ``shard_map`` over it), else None."""
+    return getattr(_activation_constraint, "expert_placement", None)
+
+
 def batch_shards() -> int:
     """How many devices the installed constraint splits the ``batch`` axis over (1 without
     one, or when it does not say): the groups an op that must stay on each device's own rows

@@ -24,9 +24,16 @@ jits, differentiates and runs under ``jax.sharding`` like any other op.
   bound), and a ``lax.scan`` over the blocks runs each through its expert's kernels with plain
   dots: about 6 * (T * K + X * block) * E * M FLOPs on any backend.  Its dynamic index into the
   kernels all-gathers expert-sharded kernels (as FSDP does): it is not expert-parallel.
+* ``expert_parallel_experts`` is expert parallelism, one rank's part inside a ``shard_map``
+  over the axis the experts are stored on: every rank's tokens gathered, this rank's experts
+  run blocked on the pairs routed to them (the rest dropped, the empty blocks skipped), the
+  partial outputs reduce-scattered back (Megatron's all-gather token dispatcher): the kernels
+  never move, and a rank's expert FLOPs are about 1 / ranks of the layer's.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +64,7 @@ __all__ = [
     "BLOCKED_RULES",
     "DISPATCHES",
     "blocked_is_cheaper",
+    "expert_parallel_experts",
     "dense_experts",
     "grouped_experts",
     "blocked_experts",
@@ -102,24 +110,43 @@ def grouped_experts(
     return y[inverse].reshape(tokens, k, -1).sum(axis=1)
 
 
-def _block_layout(index: jax.Array, num_experts: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+class BlockLayout(NamedTuple):
     """Where each (token, slot) pair goes when each expert's sorted rows start a new block.
 
-    Returns pair_slot [T * K] (the padded row of each pair), slot_pair [B * block] (the pair in
-    each padded row, T * K for padding) and block_expert [B] (the expert of each block), with
-    B = ceil(T * K / block) + X >= sum over experts of ceil(size / block)."""
+    ``pair_slot`` [T * K]: the padded row of each pair (B * block for a dropped pair);
+    ``slot_pair`` [B * block]: the pair in each padded row (T * K for padding); ``block_expert``
+    [B]: the expert of each block; ``used`` (scalar): the blocks that hold any pair (the first
+    ``used``; the rest are padding).  B = ceil(T * K / block) + X >= sum over experts of
+    ceil(size / block)."""
+
+    pair_slot: jax.Array
+    slot_pair: jax.Array
+    block_expert: jax.Array
+    used: jax.Array
+
+
+def block_layout(index: jax.Array, num_experts: int, block: int) -> BlockLayout:
+    """The :class:`BlockLayout` of ``index`` [T, K]; a pair routed to expert ``num_experts``
+    (one past the last) is dropped: it gets no row and contributes nothing."""
     pairs = index.size
-    order, sizes = sort_by_expert(index, num_experts)
+    order, sizes = sort_by_expert(index, num_experts + 1)  # the dropped pairs sort last
+    sizes = sizes[:num_experts]
     padded = (sizes + block - 1) // block * block
     padded_end = jnp.cumsum(padded)
     expert = index.reshape(-1)[order]  # (T*K,) the expert of each sorted row
+    kept = expert < num_experts
+    expert = jnp.minimum(expert, num_experts - 1)
     rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[expert]  # row within its expert
-    pair_slot = jnp.zeros(pairs, jnp.int32).at[order].set((padded_end - padded)[expert] + rank)
     blocks = -(-pairs // block) + num_experts
-    slot_pair = jnp.full(blocks * block, pairs, jnp.int32).at[pair_slot].set(jnp.arange(pairs, dtype=jnp.int32))
+    slot = jnp.where(kept, (padded_end - padded)[expert] + rank, blocks * block)
+    pair_slot = jnp.zeros(pairs, jnp.int32).at[order].set(slot)
+    slot_pair = jnp.full(blocks * block, pairs, jnp.int32)
+    slot_pair = slot_pair.at[pair_slot].set(jnp.arange(pairs, dtype=jnp.int32), mode="drop")
     # Blocks past the last expert's end hold padding only; any valid expert will do for them.
-    block_expert = jnp.searchsorted(padded_end, jnp.arange(blocks) * block, side="right")
-    return pair_slot, slot_pair, jnp.minimum(block_expert, num_experts - 1)
+    # (A count, not jnp.searchsorted: that fails to trace inside a partly manual shard_map in jax
+    # 0.10, and [B, X] comparisons are nothing next to the blocks' matmuls.)
+    block_expert = jnp.sum(padded_end[None, :] <= (jnp.arange(blocks) * block)[:, None], axis=1)
+    return BlockLayout(pair_slot, slot_pair, jnp.minimum(block_expert, num_experts - 1), padded_end[-1] // block)
 
 
 def blocked_experts(
@@ -131,24 +158,68 @@ def blocked_experts(
     down: jax.Array,
     *,
     block: int = 128,
+    skip_empty: bool = False,
 ) -> jax.Array:
     """Each token through its K experts only: expert-sorted rows in blocks of ``block`` rows,
-    one expert per block, scanned with plain dots (capacity-free; see the module docstring)."""
+    one expert per block, scanned with plain dots (capacity-free; see the module docstring).
+    A pair routed to expert X (one past the last) is dropped (the expert-parallel dispatch's
+    other ranks' experts).  ``skip_empty``: the padding blocks past the used ones run nothing
+    (a ``cond`` per block; worth it where most of the static bound is padding)."""
     tokens, k = index.shape
-    pair_slot, slot_pair, block_expert = _block_layout(index, gate.shape[0], block)
+    layout = block_layout(index, gate.shape[0], block)
     # Padding rows read token T / pair T*K: out of range, filled with 0 (and get no gradient).
-    rows = x.at[slot_pair // k].get(mode="fill", fill_value=0).reshape(-1, block, x.shape[1])
-    weights = weight.reshape(-1).at[slot_pair].get(mode="fill", fill_value=0).reshape(-1, block, 1)
+    rows = x.at[layout.slot_pair // k].get(mode="fill", fill_value=0).reshape(-1, block, x.shape[1])
+    weights = weight.reshape(-1).at[layout.slot_pair].get(mode="fill", fill_value=0).reshape(-1, block, 1)
+
+    def run(r: jax.Array, w: jax.Array, j: jax.Array) -> jax.Array:
+        h = jax.nn.silu(r @ gate[j]) * (r @ up[j])
+        return (h * w) @ down[j]
 
     def one_block(_, xs):
-        r, w, j = xs
-        h = jax.nn.silu(r @ gate[j]) * (r @ up[j])
-        return None, (h * w) @ down[j]
+        r, w, j, live = xs
+        if not skip_empty:
+            return None, run(r, w, j)
+        return None, jax.lax.cond(live, run, lambda r, w, j: jnp.zeros_like(r), r, w, j)
 
+    live = jnp.arange(layout.block_expert.shape[0]) < layout.used
     # A scan, not one batched einsum over gate[block_expert]: no [B, E, M] gathered copies of
-    # the kernels (and faster on CPU, measured).
-    _, y = jax.lax.scan(one_block, None, (rows, weights, block_expert))
-    return y.reshape(-1, x.shape[1])[pair_slot].reshape(tokens, k, -1).sum(axis=1)
+    # the kernels (and faster on CPU, measured).  Each block's activations are recomputed in the
+    # backward rather than saved: stacking the saved ones cost more than the recompute (CPU,
+    # forward + backward of the qwen3_moe_bench layer at 2,048 tokens: 194 -> 126 ms; of the
+    # Qwen3-30B-A3B layer at 256 tokens: 3.2 -> 2.5 s; benchmarks.moe_dispatch).
+    _, y = jax.lax.scan(jax.checkpoint(one_block), None, (rows, weights, layout.block_expert, live))
+    y = y.reshape(-1, x.shape[1]).at[layout.pair_slot].get(mode="fill", fill_value=0)
+    return y.reshape(tokens, k, -1).sum(axis=1)
+
+
+def expert_parallel_experts(
+    x: jax.Array,
+    index: jax.Array,
+    weight: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    axis: str,
+    block: int,
+) -> jax.Array:
+    """One rank's part of an expert-parallel layer, inside ``shard_map`` manual over ``axis``.
+
+    x [T, E], index / weight [T, K]: this rank's tokens and their routing; gate / up [X / n, E,
+    M], down [X / n, M, E]: this rank's experts (rank r holds experts r X / n ... (r + 1) X / n
+    - 1, as the ``expert`` axis shards them).  Every rank's tokens are gathered (all-gather
+    token dispatch), each rank runs the pairs routed to its own experts through the blocked
+    dispatch (the others dropped, the empty blocks skipped: about T * K / n pairs each when the
+    routing is balanced), and the partial outputs are summed back onto the ranks that own the
+    tokens (reduce-scatter).  Returns this rank's tokens' output [T, E]."""
+    rank, local = jax.lax.axis_index(axis), gate.shape[0]
+    x_all, index_all, weight_all = (jax.lax.all_gather(a, axis, tiled=True) for a in (x, index, weight))
+    mine = (index_all >= rank * local) & (index_all < (rank + 1) * local)
+    local_index = jnp.where(mine, index_all - rank * local, local)  # `local`: dropped
+    y = blocked_experts(
+        x_all, local_index, jnp.where(mine, weight_all, 0), gate, up, down, block=block, skip_empty=True
+    )
+    return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
 
 
 def blocked_rule(platform: str) -> dict[str, float]:

@@ -17,8 +17,12 @@ How the experts run is ``MoEConfig.dispatch`` (``policy.jax_cfg.moe_dispatch``;
 ``num_experts / num_experts_per_tok`` times the routed FLOPs), ``blocked`` (each token through
 its top-k experts only, expert-sorted blocks scanned with plain dots: the CPU default) or
 ``grouped`` (``jax.lax.ragged_dot``, for accelerators with a grouped kernel).  All exact, the
-same sum as HF's per-expert gather / index_add up to rounding.  Experts are sharded over
-``fsdp`` (``logical_axes``: the mesh has no expert axis).
+same sum as HF's per-expert gather / index_add up to rounding.  Experts are stored sharded over
+``fsdp`` (``logical_axes``: whole experts per rank); with ``MoEConfig.expert_parallel``
+(``policy.jax_cfg.expert_parallel_size`` = the fsdp size) they also *run* there: a
+``shard_map`` over that axis gathers every rank's tokens, each rank runs its own experts
+(blocked, empty blocks skipped) and the outputs are reduce-scattered back
+(``moe_dispatch.expert_parallel_experts``), instead of every rank gathering every expert.
 
 The router's logits are recorded for the training step's load-balancing loss
 (``core.losses.router_aux``; ``policy.moe``, which reads ``output_router_logits`` /
@@ -37,17 +41,20 @@ loads them; transformers 5 fuses them in memory and splits them again on save).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from backends.jax_pjit.models import llama
 from backends.jax_pjit.models.config import ModelConfig
 from backends.jax_pjit.models.hf_table import Row
-from backends.jax_pjit.models.layers import MLP, Dense, _param, batch_shards, constrain
-from backends.jax_pjit.models.moe_dispatch import DISPATCHES
+from backends.jax_pjit.models.layers import MLP, Dense, _param, batch_shards, constrain, expert_placement
+from backends.jax_pjit.models.moe_dispatch import DISPATCHES, blocked_rule, expert_parallel_experts
 from core.kernels.moe import replayed_routing_weights, top_k_experts
 
 __all__ = [
@@ -85,6 +92,10 @@ class MoEConfig(ModelConfig):
     #: How the sparse layers run their experts (``moe_dispatch.DISPATCHES``; not an HF field:
     #: ``policy.jax_cfg.moe_dispatch`` resolved, see ``hf_mapping.from_pretrained``).
     dispatch: str = "dense"
+    #: Expert parallelism (``policy.jax_cfg.expert_parallel_size``; not an HF field): 1, or the
+    #: size of the mesh axis the experts are stored over, whose ranks then each run their own
+    #: experts on every rank's tokens (``moe_dispatch.expert_parallel_experts``).
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,11 +106,16 @@ class MoEConfig(ModelConfig):
             )
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        if self.expert_parallel < 1 or self.num_experts % self.expert_parallel:
+            raise ValueError(
+                f"policy.jax_cfg.expert_parallel_size={self.expert_parallel} must be >= 1 and divide "
+                f"num_experts={self.num_experts} (each expert-parallel rank runs whole experts)"
+            )
 
     def unpadded(self) -> MoEConfig:
-        """As the HF checkpoint describes it: the vocabulary unpadded, the dispatch (a run
-        choice, not an HF field) at its default."""
-        return dataclasses.replace(self, padded_vocab_size=self.vocab_size, dispatch="dense")
+        """As the HF checkpoint describes it: the vocabulary unpadded, the dispatch and expert
+        parallelism (run choices, not HF fields) at their defaults."""
+        return dataclasses.replace(self, padded_vocab_size=self.vocab_size, dispatch="dense", expert_parallel=1)
 
     def is_sparse(self, layer: int) -> bool:
         """HF ``Qwen3MoeDecoderLayer``'s choice of a sparse MLP for layer ``layer``."""
@@ -147,6 +163,7 @@ class SparseMoE(nnx.Module):
         self.experts = Experts(x, e, m, param_dtype=param_dtype, rngs=rngs)
         self.dispatch = DISPATCHES[cfg.dispatch]
         self.per_device = cfg.dispatch == "blocked"
+        self.expert_parallel = cfg.expert_parallel
 
     def route(self, x: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(experts [B, S, K], weights [B, S, K])`` of every token: the router's top-k of its
@@ -167,6 +184,9 @@ class SparseMoE(nnx.Module):
         x = x.astype(self.dtype)
         index, weight = self.route(x, replay)
         gate, up, down = (self.experts.kernel(n, self.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+        placement = expert_placement() if self.expert_parallel > 1 else None
+        if placement is not None:
+            return self.expert_parallel_call(placement, x, index, weight, (gate, up, down))
         b, s, e = x.shape
         # The blocked dispatch sorts and gathers tokens: over a batch split across devices that
         # would be one global gather computed everywhere, so each device's rows dispatch alone
@@ -185,6 +205,36 @@ class SparseMoE(nnx.Module):
             gate, up = (constrain(w, GATHERED_EXPERT_AXES) for w in (gate, up))
             down = constrain(down, GATHERED_DOWN_AXES)
         return jax.vmap(dispatch)(tokens, grouped(index), grouped(weight)).reshape(b, s, e)
+
+    def expert_parallel_call(
+        self, placement: tuple[Any, str], x: jax.Array, index: jax.Array, weight: jax.Array, kernels: tuple
+    ) -> jax.Array:
+        """The experts run expert-parallel over the mesh axis they are stored on: the tokens
+        [B * S] split evenly over its ranks (padded with weight-0 tokens to a multiple), each
+        rank's experts run on every rank's tokens (``expert_parallel_experts``), the outputs summed
+        back.  (Without a mesh -- no constraint installed -- ``__call__`` runs the layer's dispatch
+        on one device instead: the same sum.)"""
+        mesh, axis = placement
+        ranks = int(mesh.shape[axis])
+        if ranks != self.expert_parallel:
+            raise ValueError(
+                f"policy.jax_cfg.expert_parallel_size={self.expert_parallel}: the experts are stored over "
+                f"the mesh axis {axis!r} of size {ranks}; expert parallelism runs over that axis"
+            )
+        b, s, e = x.shape
+        tokens = b * s
+        pad = (-tokens) % ranks
+
+        def flat(a: jax.Array) -> jax.Array:
+            return jnp.pad(a.reshape(tokens, a.shape[-1]), ((0, pad), (0, 0)))
+
+        block = int(blocked_rule(jax.default_backend())["block"])
+        run = functools.partial(expert_parallel_experts, axis=axis, block=block)
+        spec = PartitionSpec(axis)
+        out = jax.shard_map(run, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec, axis_names={axis})(
+            flat(x), flat(index), flat(weight), *kernels
+        )
+        return out[:tokens].reshape(b, s, e)
 
 
 class Experts(nnx.Module):
