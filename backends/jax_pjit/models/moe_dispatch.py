@@ -43,13 +43,14 @@ import jax.numpy as jnp
 #:
 #: * ``block``: rows per block.  CPU 128 (64 was as fast forward + backward and slower forward).
 #:   GPU 1024: one H100, bf16, the Qwen3-30B-A3B layer (128 experts, top 8, 2048 x 768), train
-#:   x dense at 8,192 tokens 0.79 / 1.05 / 1.11 for blocks 256 / 512 / 1024, at 32,768 tokens
-#:   166 / 106 / 83 ms (dense ran out of memory); each scan step costs a launch there.
+#:   x dense at 8,192 tokens 1.26 / 1.32 for blocks 512 / 1024, at 16,384 tokens 1.62 / 1.88
+#:   (with the blocks recomputed in the backward; before that 32,768 tokens took 166 / 106 / 83
+#:   ms for blocks 256 / 512 / 1024, and dense ran out of memory); each block costs a launch.
 #: * ``margin``: blocked runs once ``tokens * (X - K) > margin * X * block`` (dense pushes T * X
 #:   rows through the experts, blocked at most T * K + X * block).  CPU 1 (the row count alone:
-#:   171 tokens for 8 experts top 2).  GPU 4: dense's big matmuls run near peak (7.7 ms for
-#:   4,096 tokens of that layer, ~640 TFLOP/s) and kept the lead at 4,096 tokens (blocked 512:
-#:   0.72x), blocked 1024 led from 8,192 (1.11x) and 16,384 (blocked 512: 1.38x).
+#:   171 tokens for 8 experts top 2).  GPU 4: dense's big matmuls run near peak (7.5 ms for
+#:   4,096 tokens of that layer, ~650 TFLOP/s) and kept the lead at 4,096 tokens (blocked 1024:
+#:   0.82x in train), blocked 1024 led from 8,192 tokens (above).
 #: * ``min_dense_flops``: and only when dense's forward FLOPs (6 T X E M) reach this: a layer too
 #:   small to fill the GPU is launch-bound either way, and dense has the fewest launches (the
 #:   8-expert 512 x 704 bench layer: dense 2.6-3.5x blocked at 16,384 tokens, 2.8e11 FLOPs).
