@@ -1,11 +1,11 @@
 """Attention that fits, and remat, in the JAX model.
 
-* Plain right-padded rows attend through ``jax.nn.dot_product_attention`` (``causal_attention``):
-  in fp32 it equals the explicit-mask ``attend`` within 1e-6, forward and gradients, with
-  right padding and grouped-query heads; on an NVIDIA GPU in bf16 the call asks for cuDNN
-  flash attention with shapes and dtypes that pass cuDNN's own checks (jax's
-  ``check_layout`` / ``check_is_flash_attention``, run here on the recorded call; cuDNN itself
-  cannot run on CPU).
+* Plain right-padded rows attend through ``causal_attention``: in fp32 it equals the
+  explicit-mask ``attend`` (and ``jax.nn.dot_product_attention``'s XLA path) within 1e-6, forward
+  and gradients, with right padding and grouped-query heads; on an NVIDIA GPU in bf16 it asks
+  ``jax.nn.dot_product_attention`` for cuDNN flash attention with shapes and dtypes that pass
+  cuDNN's own checks (jax's ``check_layout`` / ``check_is_flash_attention``, run here on the
+  recorded call; cuDNN itself cannot run on CPU), elsewhere it runs ``attend``.
 * ``policy.jax_cfg.activation_checkpointing``: the worker's grad step rematerialises every
   decoder layer (a ``remat`` primitive per layer in its jaxpr, no attention-sized residual
   saved for the backward) and its gradients equal the plain step's within 1e-6 in fp32.
@@ -58,6 +58,10 @@ def test_causal_attention_equals_attend_in_fp32_forward_and_gradients():
     old = jax.jit(_old_attend)(q, k, v, lengths)
     assert new.shape == (B, T, H, D) and new.dtype == jnp.float32
     np.testing.assert_allclose(new, old, atol=1e-6, rtol=0)  # padding queries included
+    xla = jax.nn.dot_product_attention(
+        q, k, v, scale=D**-0.5, is_causal=True, key_value_seq_lengths=jnp.maximum(lengths, 1), implementation="xla"
+    )
+    np.testing.assert_allclose(new, xla, atol=1e-6, rtol=0)  # jax's own reference of the same attention
     cotangent = jax.random.normal(jax.random.key(1), (B, T, H, D))
 
     def loss(fn, q, k, v):
@@ -133,9 +137,13 @@ def test_plain_path_asks_for_flash_attention_that_cudnn_accepts(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, on_gpu", [(jnp.float32, True), (jnp.bfloat16, False)])
-def test_xla_where_cudnn_cannot_serve(monkeypatch, dtype, on_gpu):
-    calls = _recorded_attention_calls(monkeypatch, dtype, on_gpu)
-    assert [c["implementation"] for c in calls] == ["xla", "xla"]
+def test_attend_where_cudnn_cannot_serve(monkeypatch, dtype, on_gpu):
+    """fp32 on a GPU, or any CPU: the head-major ``attend`` (no jax.nn.dot_product_attention)."""
+    attended = []
+    original = jax_layers.attend
+    monkeypatch.setattr(jax_layers, "attend", lambda *a: attended.append(a[3].shape) or original(*a))
+    assert _recorded_attention_calls(monkeypatch, dtype, on_gpu) == []
+    assert attended == [(2, 32, 32)] * 2  # one [B, T, S] causal-and-padding mask per layer
 
 
 def test_flash_eligibility_by_dtype_and_head_dim():
@@ -159,7 +167,8 @@ def test_remat_saves_no_attention_residuals(capsys):
         print_saved_residuals(lambda p: apply_fn(p, ids, mask, remat=remat).sum(), params)
         shapes = re.findall(r"^\w+\[([\d,]*)\]", capsys.readouterr().out, flags=re.M)
         assert shapes  # the report was parsed
-        return [s for s in shapes if s.endswith("48,48")]
+        # [.., rows, S] with rows a multiple of S: the head-major attention's [B, KV, T * G, S]
+        return [s for s in shapes if s.endswith(",48") and int(s.split(",")[-2]) % 48 == 0]
 
     assert len(square_residuals(False)) >= 2  # at least one per layer
     assert square_residuals(True) == []
