@@ -25,8 +25,6 @@ Activations:
     batch     -- the batch dimension                                 -> fsdp (data parallel)
     seq       -- the sequence dimension (queries, residual stream)   -> cp (context parallel)
     kv_seq    -- the sequence dimension of attention keys / values   -> replicated (gathered over cp)
-    act_tokens -- the flattened tokens of one batch group (MoE dispatch) -> replicated (whole rows)
-    act_experts -- the experts of MoE kernels gathered for a dispatch     -> replicated
     act_embed -- the hidden dimension of activations                 -> replicated
     act_heads -- the heads dimension of attention activations        -> tp
     act_mlp   -- the MLP's intermediate activations                  -> tp
@@ -42,8 +40,6 @@ ACTIVATION_AXES = (
     "batch",
     "seq",
     "kv_seq",
-    "act_tokens",
-    "act_experts",
     "act_embed",
     "act_heads",
     "act_mlp",
@@ -67,8 +63,6 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", FSDP),
     ("seq", CP),
     ("kv_seq", None),
-    ("act_tokens", None),
-    ("act_experts", None),
     ("act_embed", None),
     ("act_heads", TP),
     ("act_mlp", TP),

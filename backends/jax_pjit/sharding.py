@@ -285,13 +285,14 @@ def activation_constraint(
             entries.append(axes)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _to_spec(entries)))
 
-    # ``layers.batch_shards``: the devices a batch is split over (the MoE dispatch groups by them).
-    constrain.batch_shards = math.prod(  # type: ignore[attr-defined]
-        mesh.shape[a] for a in _on_mesh(_spec_entries(("batch",), rules), mesh)[0]
-    )
-    # ``layers.expert_placement``: the mesh axis the experts are stored over (expert parallelism).
-    expert_axes = _on_mesh(_spec_entries(("expert",), rules), mesh)[0]
-    constrain.expert_placement = (mesh, expert_axes[0]) if len(expert_axes) == 1 else None  # type: ignore[attr-defined]
+    # ``layers.placement``: the one mesh axis (if one) a logical axis is split over -- the MoE
+    # dispatches each device's rows alone over the batch's, and runs expert-parallel over the
+    # experts'.
+    def placement(name: str) -> tuple[Mesh, str] | None:
+        axes = _on_mesh(_spec_entries((name,), rules), mesh)[0]
+        return (mesh, axes[0]) if len(axes) == 1 else None
+
+    constrain.placement = placement  # type: ignore[attr-defined]
     return constrain
 
 

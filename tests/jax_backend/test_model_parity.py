@@ -592,7 +592,10 @@ def test_blocked_dispatch_matches_hf_past_its_threshold(checkpoint):
     with activation_constraint(sharding_constraint(mesh)):
         program = str(jax.make_jaxpr(apply_fn)(placed, jids, jmask))
         sharded = np.asarray(jax.jit(apply_fn)(placed, jids, jmask))
-    assert "scan" in program and "f32[4,256,64]" in program  # 4 groups of 2 rows x 128 tokens
+    # each fsdp rank's 2 rows x 128 tokens dispatch alone (a shard_map over fsdp, the kernels
+    # whole), through the scan
+    assert "in_specs=(P('fsdp',), P('fsdp',), P('fsdp',), P(), P(), P())" in program
+    assert "f32[256,64]" in program and "scan" in program
     np.testing.assert_allclose(sharded[valid], logits[valid], atol=1e-5, rtol=0)
 
 

@@ -138,17 +138,13 @@ def constrain(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     return x if _activation_constraint is None else _activation_constraint(x, logical_axes)
 
 
-def expert_placement() -> tuple[Any, str] | None:
-    """``(mesh, axis)`` when the installed constraint shards the ``expert`` axis over exactly
-    one mesh axis (the MoE's expert-parallel dispatch runs ``shard_map`` over it), else None."""
-    return getattr(_activation_constraint, "expert_placement", None)
-
-
-def batch_shards() -> int:
-    """How many devices the installed constraint splits the ``batch`` axis over (1 without
-    one, or when it does not say): the groups an op that must stay on each device's own rows
-    splits the batch into (the MoE's blocked dispatch)."""
-    return int(getattr(_activation_constraint, "batch_shards", 1))
+def placement(logical: str) -> tuple[Any, str] | None:
+    """``(mesh, axis)`` when the installed constraint splits the logical axis ``logical`` over
+    exactly one mesh axis (of any size), else None (no constraint installed, or it does not
+    say): what a ``shard_map`` over that axis needs (the MoE: each device's rows over
+    ``batch``'s, expert parallelism over ``expert``'s)."""
+    find = getattr(_activation_constraint, "placement", None)
+    return None if find is None else find(logical)
 
 
 # --------------------------------------------------------------------------- layers

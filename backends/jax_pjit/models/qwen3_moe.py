@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec
 from backends.jax_pjit.models import llama
 from backends.jax_pjit.models.config import ModelConfig
 from backends.jax_pjit.models.hf_table import Row
-from backends.jax_pjit.models.layers import MLP, Dense, _param, batch_shards, constrain, expert_placement
+from backends.jax_pjit.models.layers import MLP, Dense, _param, placement
 from backends.jax_pjit.models.moe_dispatch import DISPATCHES, blocked_rule, expert_parallel_experts
 from core.kernels.moe import replayed_routing_weights, top_k_experts
 
@@ -69,12 +69,6 @@ __all__ = [
 ]
 
 
-#: A batch as groups of whole rows, one per device holding rows: [groups, group tokens, embed].
-GROUP_AXES = ("batch", "act_tokens", "act_embed")
-#: The stacked kernels gathered over fsdp (mlp stays on tp): gate / up [experts, embed, mlp],
-#: down [experts, mlp, embed].
-GATHERED_EXPERT_AXES = ("act_experts", "act_embed", "act_mlp")
-GATHERED_DOWN_AXES = ("act_experts", "act_mlp", "act_embed")
 #: The ``nnx.Intermediate`` each sparse layer sows its router logits [B, S, experts] under.
 ROUTER_LOGITS = "router_logits"
 
@@ -184,32 +178,27 @@ class SparseMoE(nnx.Module):
         x = x.astype(self.dtype)
         index, weight = self.route(x, replay)
         gate, up, down = (self.experts.kernel(n, self.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
-        placement = expert_placement() if self.expert_parallel > 1 else None
-        if placement is not None:
-            return self.expert_parallel_call(placement, x, index, weight, (gate, up, down))
+        experts = placement("expert") if self.expert_parallel > 1 else None
+        if experts is not None:
+            return self.expert_parallel_call(experts, x, index, weight, (gate, up, down))
         b, s, e = x.shape
+        tokens, chosen, weights = (a.reshape(b * s, a.shape[-1]) for a in (x, index, weight))
+        rows = placement("batch") if self.per_device else None
+        if rows is None or int(rows[0].shape[rows[1]]) == 1 or b % int(rows[0].shape[rows[1]]):
+            return self.dispatch(tokens, chosen, weights, gate, up, down).reshape(b, s, e)
         # The blocked dispatch sorts and gathers tokens: over a batch split across devices that
-        # would be one global gather computed everywhere, so each device's rows dispatch alone
-        # (a leading group axis sharded like the batch; one group without a mesh).
-        groups = batch_shards() if self.per_device else 1
-        groups = groups if b % groups == 0 else 1
-
-        def grouped(a: jax.Array) -> jax.Array:
-            return a.reshape(groups, b // groups * s, a.shape[-1])
-
-        def dispatch(xs: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
-            return self.dispatch(xs, idx, w, gate, up, down)
-
-        if groups == 1:
-            # No vmap over one group: under vmap the block scan's per-block kernel slice
-            # becomes a batched gather, whose gradient is a general scatter-add into the whole
-            # [X, E, M] kernel every block (16 % of qwen3_moe_bench's training step on CPU).
-            return dispatch(*(a.reshape(b * s, a.shape[-1]) for a in (x, index, weight))).reshape(b, s, e)
-        tokens = constrain(grouped(x), GROUP_AXES)
-        # gather the experts once per layer, not once per block inside the scan
-        gate, up = (constrain(w, GATHERED_EXPERT_AXES) for w in (gate, up))
-        down = constrain(down, GATHERED_DOWN_AXES)
-        return jax.vmap(dispatch)(tokens, grouped(index), grouped(weight)).reshape(b, s, e)
+        # would be one global gather computed everywhere, so each device's rows dispatch alone,
+        # in a shard_map over the batch's mesh axis (the experts gathered once per layer, not
+        # once per block inside the scan).  Not a vmap over row groups: under vmap each block's
+        # kernel slice becomes a batched gather, whose gradient is a general scatter-add into
+        # the whole [X, E, M] kernel every block (on one device that was 16 % of
+        # qwen3_moe_bench's training step on CPU).
+        mesh, axis = rows
+        split, whole = PartitionSpec(axis), PartitionSpec()
+        run = jax.shard_map(
+            self.dispatch, mesh=mesh, in_specs=(split,) * 3 + (whole,) * 3, out_specs=split, axis_names={axis}
+        )
+        return run(tokens, chosen, weights, gate, up, down).reshape(b, s, e)
 
     def expert_parallel_call(
         self, placement: tuple[Any, str], x: jax.Array, index: jax.Array, weight: jax.Array, kernels: tuple
