@@ -17,7 +17,7 @@ VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 # of it); users still install them only on request (pyproject.toml).
 DEV_EXTRAS := test,dev,lora,mlflow,wandb
 
-.PHONY: venv run test lint format test-all bench bench-gpu bench-kernels bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
+.PHONY: venv run test lint format test-all bench bench-gpu bench-kernels bench-moe-dispatch bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
 
 venv: $(STAMP)
 
@@ -76,6 +76,12 @@ bench-gpu: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m benchmarks.kernels
+
+# The JAX MoE expert dispatches side by side on one layer (what moe_dispatch: auto is chosen from).
+# MOE_ARGS e.g. "--models tests/data/hf_configs/Qwen3-30B-A3B/config.json --tokens 4096 16384 --dtype bfloat16".
+MOE_ARGS ?=
+bench-moe-dispatch: $(STAMP)
+	$(BIN)/python -m benchmarks.moe_dispatch $(MOE_ARGS)
 
 bench-torch: $(STAMP)
 	$(BIN)/python -m benchmarks.torch_backends
