@@ -177,15 +177,16 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array, replay: jax.Array | None = None) -> jax.Array:
         x = x.astype(self.dtype)
         index, weight = self.route(x, replay)
-        gate, up, down = (self.experts.kernel(n, self.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+        kernels = tuple(self.experts.kernel(n, self.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+        b, s, e = x.shape
+        tokens = (x, index, weight)
         experts = placement("expert") if self.expert_parallel > 1 else None
         if experts is not None:
-            return self.expert_parallel_call(experts, x, index, weight, (gate, up, down))
-        b, s, e = x.shape
-        tokens, chosen, weights = (a.reshape(b * s, a.shape[-1]) for a in (x, index, weight))
+            return self.expert_parallel_call(experts, tokens, kernels).reshape(b, s, e)
         rows = placement("batch") if self.per_device else None
-        if rows is None or int(rows[0].shape[rows[1]]) == 1 or b % int(rows[0].shape[rows[1]]):
-            return self.dispatch(tokens, chosen, weights, gate, up, down).reshape(b, s, e)
+        devices = 1 if rows is None else int(rows[0].shape[rows[1]])
+        if devices == 1 or b % devices:
+            return self.dispatch(*_flat(tokens), *kernels).reshape(b, s, e)
         # The blocked dispatch sorts and gathers tokens: over a batch split across devices that
         # would be one global gather computed everywhere, so each device's rows dispatch alone,
         # in a shard_map over the batch's mesh axis (the experts gathered once per layer, not
@@ -193,42 +194,46 @@ class SparseMoE(nnx.Module):
         # kernel slice becomes a batched gather, whose gradient is a general scatter-add into
         # the whole [X, E, M] kernel every block (on one device that was 16 % of
         # qwen3_moe_bench's training step on CPU).
-        mesh, axis = rows
-        split, whole = PartitionSpec(axis), PartitionSpec()
-        run = jax.shard_map(
-            self.dispatch, mesh=mesh, in_specs=(split,) * 3 + (whole,) * 3, out_specs=split, axis_names={axis}
-        )
-        return run(tokens, chosen, weights, gate, up, down).reshape(b, s, e)
+        assert rows is not None
+        return _over_tokens(self.dispatch, rows, tokens, kernels, kernel_spec=PartitionSpec()).reshape(b, s, e)
 
-    def expert_parallel_call(
-        self, placement: tuple[Any, str], x: jax.Array, index: jax.Array, weight: jax.Array, kernels: tuple
-    ) -> jax.Array:
-        """The experts run expert-parallel over the mesh axis they are stored on: the tokens
-        [B * S] split evenly over its ranks (padded with weight-0 tokens to a multiple), each
-        rank's experts run on every rank's tokens (``expert_parallel_experts``), the outputs summed
-        back.  (Without a mesh -- no constraint installed -- ``__call__`` runs the layer's dispatch
-        on one device instead: the same sum.)"""
-        mesh, axis = placement
+    def expert_parallel_call(self, experts: tuple[Any, str], tokens: tuple, kernels: tuple) -> jax.Array:
+        """The experts run expert-parallel over the mesh axis they are stored on (``experts``:
+        ``(mesh, axis)``): the tokens split over its ranks, each rank's experts run on every
+        rank's tokens (``expert_parallel_experts``), the outputs summed back; [B * S, E].
+        (Without a mesh -- no constraint installed -- ``__call__`` runs the layer's dispatch on
+        one device instead: the same sum.)"""
+        mesh, axis = experts
         ranks = int(mesh.shape[axis])
         if ranks != self.expert_parallel:
             raise ValueError(
                 f"policy.jax_cfg.expert_parallel_size={self.expert_parallel}: the experts are stored over "
                 f"the mesh axis {axis!r} of size {ranks}; expert parallelism runs over that axis"
             )
-        b, s, e = x.shape
-        tokens = b * s
-        pad = (-tokens) % ranks
-
-        def flat(a: jax.Array) -> jax.Array:
-            return jnp.pad(a.reshape(tokens, a.shape[-1]), ((0, pad), (0, 0)))
-
         block = int(blocked_rule(jax.default_backend())["block"])
         run = functools.partial(expert_parallel_experts, axis=axis, block=block)
-        spec = PartitionSpec(axis)
-        out = jax.shard_map(run, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec, axis_names={axis})(
-            flat(x), flat(index), flat(weight), *kernels
-        )
-        return out[:tokens].reshape(b, s, e)
+        return _over_tokens(run, experts, tokens, kernels, kernel_spec=PartitionSpec(axis))
+
+
+def _flat(tokens: tuple) -> tuple[jax.Array, ...]:
+    """[B, S, n] arrays -> [B * S, n]."""
+    return tuple(a.reshape(-1, a.shape[-1]) for a in tokens)
+
+
+def _over_tokens(
+    fn: Callable[..., jax.Array], where: tuple[Any, str], tokens: tuple, kernels: tuple, *, kernel_spec: PartitionSpec
+) -> jax.Array:
+    """``fn(x, index, weight, gate, up, down)`` in a ``shard_map`` manual over the mesh axis of
+    ``where`` (``(mesh, axis)``; the other axes stay automatic): the layer's B * S tokens split
+    evenly over its ranks (padded with weight-0 tokens to a multiple; a batch split by whole
+    rows needs none), the kernels as ``kernel_spec`` gives them.  Returns [B * S, E]."""
+    mesh, axis = where
+    flat = _flat(tokens)
+    count, pad = flat[0].shape[0], -flat[0].shape[0] % int(mesh.shape[axis])
+    padded = [jnp.pad(a, ((0, pad), (0, 0))) for a in flat]
+    split = PartitionSpec(axis)
+    run = jax.shard_map(fn, mesh=mesh, in_specs=(split,) * 3 + (kernel_spec,) * 3, out_specs=split, axis_names={axis})
+    return run(*padded, *kernels)[:count]
 
 
 class Experts(nnx.Module):
