@@ -379,8 +379,8 @@ class _AlgorithmRunConfig(MasterConfig):
         return ()
 
 
-_COMMON_DATA_KEYS = ("dataset_name", "dataset_config", "split", "val_dataset_name", "val_split", "prompt_template",
-                     "system_prompt", "use_chat_template", "shuffle")  # fmt: skip
+_COMMON_DATA_KEYS = ("dataset_name", "dataset_config", "split", "val_dataset_name", "val_split", "val_seed",
+                     "prompt_template", "system_prompt", "use_chat_template", "shuffle")  # fmt: skip
 
 
 class GRPORunConfig(_AlgorithmRunConfig):

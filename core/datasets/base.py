@@ -150,13 +150,14 @@ def build_datasets(
 ) -> tuple[EncodedDataset, EncodedDataset]:
     """The (train, validation) datasets of a run from its ``data`` section and an encoder.
 
-    Built-in task: validation = ``num_val`` distinct problems of seed ``seed + 1``; train =
-    an infinite stream of seed ``seed`` that never shows a validation prompt nor one of
-    ``exclude`` (prompts another stage holds out).  File / hub source: validation from
-    ``data.val_dataset_name`` / ``data.val_split`` (its first ``num_val`` examples) when
-    given, else ``num_val`` rows held out of the train rows by a permutation drawn with
-    ``seed``.  ``num_val_key`` is the config key that sets ``num_val`` and ``task_path``
-    the one holding the built-in task's knobs ``task_cfg`` (both named in errors).
+    Built-in task: validation = ``num_val`` distinct problems of seed ``data.val_seed``
+    (null: ``seed + 1``); train = an infinite stream of seed ``seed`` that never shows a
+    validation prompt nor one of ``exclude`` (prompts another stage holds out).  File / hub
+    source: validation from ``data.val_dataset_name`` / ``data.val_split`` (its first
+    ``num_val`` examples) when given, else ``num_val`` rows held out of the train rows by a
+    permutation drawn with ``data.val_seed`` (null: ``seed``).  ``num_val_key`` is the config
+    key that sets ``num_val`` and ``task_path`` the one holding the built-in task's knobs
+    ``task_cfg`` (both named in errors).
     """
     task = functools.partial(
         builtin_task, task_cfg=task_cfg, path=task_path, tool_demo_fraction=data_cfg.tool_demo_fraction
@@ -165,10 +166,11 @@ def build_datasets(
     if is_builtin(name) and data_cfg.val_split is not None:
         raise ValueError(
             f"data.val_split: the built-in task {name!r} has no splits; set it "
-            f"to null (validation is drawn with seed + 1)"
+            f"to null (validation is drawn with data.val_seed)"
         )
+    val_seed = builtin_val_seed(data_cfg, seed)
     if is_builtin(name) and val_name in (None, name):
-        return _builtin_datasets(task(name), name, encoder, num_val, seed, num_val_key, exclude)
+        return _builtin_datasets(task(name), name, encoder, num_val, seed, val_seed, num_val_key, exclude)
     train: EncodedDataset
     if is_builtin(name):  # with its own validation source (the case above returned)
         train = GeneratedDataset(task(name), seed, encoder, exclude, name)
@@ -176,10 +178,16 @@ def build_datasets(
         rows = load_rows(name, data_cfg.dataset_config, data_cfg.split)
         listed = encode_rows(encoder, rows, f"dataset {name!r}")
         if val_name is None and data_cfg.val_split is None:
-            return _hold_out(listed, num_val, seed, name, num_val_key)
+            hold_out_seed = seed if data_cfg.val_seed is None else data_cfg.val_seed
+            return _hold_out(listed, num_val, hold_out_seed, name, num_val_key)
         train = listed
     train[0]  # a built-in train stream: surface a too-long example now, not at step 1
-    return train, _separate_val(data_cfg, task, encoder, num_val, seed)
+    return train, _separate_val(data_cfg, task, encoder, num_val, val_seed)
+
+
+def builtin_val_seed(data_cfg: DataConfig, seed: int) -> int:
+    """The seed of a built-in task's held-out problems in a run seeded ``seed``."""
+    return seed + 1 if data_cfg.val_seed is None else data_cfg.val_seed
 
 
 def build_eval_dataset(
@@ -195,22 +203,27 @@ def build_eval_dataset(
     task_path: str = "env.arithmetic",
 ) -> EncodedDataset:
     """The examples of ``name`` alone, to evaluate on (no train source is read): a built-in
-    task's held-out problems -- the ``num_builtin`` a run seeded ``seed`` validates on -- or
+    task's held-out problems -- the ``num_builtin`` a run seeded ``seed`` (and ``data.val_seed``)
+    validates on -- or
     every row of a file / hub dataset's ``split`` (None: ``data.split``).  ``key_path`` is
     what errors name."""
     if is_builtin(name):
         if split is not None:
             raise ValueError(f"{key_path}: the built-in task {name!r} has no splits (asked for {split!r})")
         return _builtin_val(
-            builtin_task(name, task_cfg, task_path, data_cfg.tool_demo_fraction), name, encoder, num_builtin, seed + 1
+            builtin_task(name, task_cfg, task_path, data_cfg.tool_demo_fraction),
+            name,
+            encoder,
+            num_builtin,
+            builtin_val_seed(data_cfg, seed),
         )[0]
     split = split or data_cfg.split
     rows = load_rows(name, data_cfg.dataset_config, split, key_path=key_path)
     return encode_rows(encoder, rows, f"dataset {name!r} (split {split!r})")
 
 
-def _builtin_datasets(task, name, encoder, num_val, seed, num_val_key, exclude):
-    """Held-out validation problems (seed + 1) and the infinite train stream that avoids them."""
+def _builtin_datasets(task, name, encoder, num_val, seed, val_seed, num_val_key, exclude):
+    """Held-out validation problems (``val_seed``) and the infinite train stream (``seed``) that avoids them."""
     space_fn = getattr(task, "num_distinct_problems", None)
     space = space_fn() if space_fn is not None else None
     if space is not None and space < 2 * num_val:
@@ -219,7 +232,7 @@ def _builtin_datasets(task, name, encoder, num_val, seed, num_val_key, exclude):
             f"at least {2 * num_val} distinct prompts to leave as many for training, but "
             f"the built-in task {name!r} has {space}; lower {num_val_key} or widen the task"
         )
-    val, held_out = _builtin_val(task, name, encoder, num_val, seed + 1)
+    val, held_out = _builtin_val(task, name, encoder, num_val, val_seed)
     train = GeneratedDataset(task, seed, encoder, held_out | exclude, name)
     train[0]  # surface a too-long example (error mode) before training starts
     return train, val
@@ -266,11 +279,11 @@ def _hold_out(train: ListDataset, num_val: int, seed: int, name: str, num_val_ke
     return ListDataset(rest, num_filtered=train.num_filtered), ListDataset(val)
 
 
-def _separate_val(data_cfg, task, encoder, num_val, seed) -> EncodedDataset:
+def _separate_val(data_cfg, task, encoder, num_val, val_seed) -> EncodedDataset:
     """Validation from its own source (``task``: name -> built-in task): its first ``num_val`` examples."""
     val_name = data_cfg.val_dataset_name or data_cfg.dataset_name
     if is_builtin(val_name):
-        return _builtin_val(task(val_name), val_name, encoder, num_val, seed + 1)[0]
+        return _builtin_val(task(val_name), val_name, encoder, num_val, val_seed)[0]
     key = "data.val_dataset_name" if data_cfg.val_dataset_name else "data.val_split"
     split = data_cfg.val_split or data_cfg.split
     # dataset_config applies to both: the config has no separate key for the val source.

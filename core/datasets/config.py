@@ -30,6 +30,11 @@ class DataConfig(ConfigModel):
     """null = hold validation rows out of dataset_name."""
     val_split: str | None = None
     """null = split."""
+    val_seed: int | None = None
+    """The seed that draws the held-out validation set: a built-in task's problems, or the rows
+    held out of a file / hub dataset.  null = the run's seed + 1 (built-in) / the run's seed
+    (held out).  Set it to compare runs of several seeds on one validation set (and, for a
+    built-in model, one warm start: it never sees the held-out prompts)."""
     prompt_key: str | None = None
     """Column with the prompt text (default "prompt"; null with SFT's messages_key)."""
     answer_key: str | None = None

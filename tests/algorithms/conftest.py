@@ -28,6 +28,9 @@ SMALL_RUN = [
     "policy.train_global_batch_size=16",
     "policy.train_micro_batch_size=4",
     "policy.logprob_batch_size=8",
+    # The runs keep a reference pass and a KL term, which the embedded default no longer has
+    # (its KL penalty is 0): the backends must agree on them too.
+    "loss_fn.reference_policy_kl_penalty=0.01",
     "logger.progress_bar=false",
     "logger.plot_enabled=false",
     "logger.tensorboard_enabled=false",

@@ -24,7 +24,7 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert spec["prompts"] == ["1+2=", "3+4=", "5-1="] and spec["answers"] == ["3", "7", "4"]
     assert (
         (spec["prompts_per_step"], spec["group_size"], spec["seed"])
-        == (32, 8, 42)
+        == (128, 4, 42)
         == (g.num_prompts_per_step, g.num_generations_per_prompt, g.seed)
     )
     assert spec["max_new_tokens"] == policy.generation.max_new_tokens == 6
@@ -32,14 +32,14 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert (
         (spec["learning_rate"], spec["betas"], spec["eps"], spec["weight_decay"])
         == (opt["lr"], list(opt["betas"]), opt["eps"], opt["weight_decay"])
-        == (1e-4, [0.9, 0.999], 1e-8, 0.0)
+        == (2e-4, [0.9, 0.999], 1e-8, 0.0)
     )
     assert (spec["foreach"], spec["fused"]) == (None, None)  # unset: torch's own kernel choice on both sides
     assert spec["max_grad_norm"] == policy.max_grad_norm == 1.0
-    assert spec["kl_beta"] == loss.reference_policy_kl_penalty == 0.01
+    assert spec["kl_beta"] == loss.reference_policy_kl_penalty == 0.0
     assert (spec["epsilon"], spec["epsilon_high"]) == (loss.ratio_clip_min, loss.ratio_clip_max) == (0.2, 0.2)
     assert spec["precision"] == "float32"
-    assert spec["micro_batch_size"] == policy.train_micro_batch_size == 32
+    assert spec["micro_batch_size"] == policy.train_micro_batch_size == 128
     assert (spec["loss_type"], spec["scale_rewards"], spec["importance_sampling_level"]) == ("dapo", "group", "token")
     assert spec["env"]["name"] == "arithmetic" and spec["env"]["arithmetic"]["max_value"] == 49
     # dualrl's step takes the old logprobs from its training forward (one optimizer step per
@@ -48,20 +48,20 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
     assert spec["gradient_checkpointing"] is False
 
     kw = trl_grpo.grpo_config_kwargs(spec, "/out")
-    # 256 completions per optimizer step: 8 micro batches of 32, one generation per step
-    assert kw["per_device_train_batch_size"] == 32
-    assert kw["gradient_accumulation_steps"] == kw["steps_per_generation"] == 8 and kw["num_iterations"] == 1
-    assert kw["num_generations"] == 8 and kw["max_completion_length"] == 6 and kw["use_vllm"] is False
+    # 512 completions per optimizer step: 4 micro batches of 128, one generation per step
+    assert kw["per_device_train_batch_size"] == 128
+    assert kw["gradient_accumulation_steps"] == kw["steps_per_generation"] == 4 and kw["num_iterations"] == 1
+    assert kw["num_generations"] == 4 and kw["max_completion_length"] == 6 and kw["use_vllm"] is False
     assert (kw["temperature"], kw["top_p"], kw["top_k"]) == (1.0, 1.0, 0)
     assert (kw["beta"], kw["epsilon"], kw["epsilon_high"], kw["loss_type"], kw["scale_rewards"]) == (
-        0.01,
+        0.0,
         0.2,
         0.2,
         "dapo",
         "group",
     )
     assert (kw["learning_rate"], kw["adam_beta1"], kw["adam_beta2"], kw["adam_epsilon"], kw["weight_decay"]) == (
-        1e-4,
+        2e-4,
         0.9,
         0.999,
         1e-8,

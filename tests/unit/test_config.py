@@ -860,8 +860,8 @@ def test_the_embedded_config_of_one_command_is_refused_by_another(monkeypatch):
             GRPO,
             GRPORunConfig,
             ["grpo.num_prompts_per_step=3"],
-            "grpo.num_prompts_per_step: 3 prompts x 8 generations = 24 samples per step is not divisible by "
-            "policy.train_global_batch_size (256)",
+            "grpo.num_prompts_per_step: 3 prompts x 4 generations = 12 samples per step is not divisible by "
+            "policy.train_global_batch_size (512)",
         ),
         (
             GRPO,

@@ -122,13 +122,13 @@ def test_embedded_default_config_is_valid():
         ("grpo.num_generations_per_prompt=1", "grpo.num_generations_per_prompt: must be >= 2"),
         (
             "grpo.num_prompts_per_step=3",
-            "grpo.num_prompts_per_step: 3 prompts x 8 generations = 24 samples per step "
-            "is not divisible by policy.train_global_batch_size (256)",
+            "grpo.num_prompts_per_step: 3 prompts x 4 generations = 12 samples per step "
+            "is not divisible by policy.train_global_batch_size (512)",
         ),
         (
             "policy.train_global_batch_size=100",
             "policy.train_global_batch_size: 100 is not divisible by "
-            "train_micro_batch_size (32) x data parallel size (2)",
+            "train_micro_batch_size (128) x data parallel size (2)",
         ),
         ("data.max_input_seq_length=32", "data.max_input_seq_length: 32 leaves no room for a response"),
         ("data.prompt_template=plain", "data.prompt_template: must contain '{prompt}'"),

@@ -335,6 +335,18 @@ def test_builtin_validation_is_held_out_of_an_infinite_train_stream(tok):
     assert stream[0].metadata["ground_truth"] == task.problem(7, stream[0].metadata["index"])["answer"]
 
 
+def test_val_seed_fixes_the_validation_set_across_run_seeds(tmp_path, tok):
+    c, task = cfg("arithmetic", val_seed=8), {"max_value": 9}
+    train7, val7 = build(c, tok, task, num_val=30, seed=7)
+    train9, val9 = build(c, tok, task, num_val=30, seed=9)
+    assert prompts(val7) == prompts(val9) == prompts(build(cfg("arithmetic"), tok, task, num_val=30, seed=7)[1])
+    assert [train7[i].prompt for i in range(50)] != [train9[i].prompt for i in range(50)]
+    assert not set(prompts(val9)) & {train9[i].metadata["raw_prompt"] for i in range(2000)}
+    path = write_jsonl(tmp_path / "p.jsonl", make_rows(20))
+    held = [prompts(build(cfg(path, val_seed=3), tok, num_val=5, seed=s)[1]) for s in (1, 2)]
+    assert held[0] == held[1] == prompts(build(cfg(path), tok, num_val=5, seed=3)[1])
+
+
 def test_builtin_space_too_small(tok):
     c, task = cfg("arithmetic"), {"max_value": 2, "operations": ["+"]}
     with pytest.raises(ValueError, match=r"grpo\.max_val_samples.*has 9"):
