@@ -19,11 +19,11 @@ from core.algorithms.old_logprobs import old_logprobs_source
 from core.checkpointing.config import CheckpointingConfig
 from core.config import ConfigModel, Problem, join_path
 from core.datasets.config import DataConfig
-from core.datasets.sources import is_builtin as is_builtin_dataset
+from core.datasets.sources import is_arithmetic_source
 from core.environments.config import EnvConfig
 from core.logging.config import LoggerConfig
 from core.losses.config import ClippedPGLossConfig, DPOLossConfig
-from core.models.builtin import is_warm_started
+from core.models.builtin import is_warm_started, warm_started_on_reasoning_gym
 from core.policy.config import PolicyConfig
 from core.policy.generation_args import new_token_limit
 
@@ -327,14 +327,20 @@ class MasterConfig(ConfigModel):
         if data is not None and data.arithmetic is not None and not self._uses_builtin_task():
             yield (
                 "data.arithmetic",
-                "not used: data.dataset_name is not a built-in task and policy.model_name is not a "
-                "warm-started built-in model; set it to null",
+                "not used: data.dataset_name is not a built-in arithmetic task and policy.model_name is not a "
+                "built-in model warm-started on it; set it to null",
+            )
+        if warm_started_on_reasoning_gym(self.policy.model_name) and (data is None or data.reasoning_gym is None):
+            yield (
+                "policy.model_name",
+                f"{self.policy.model_name} is warm-started on the run's reasoning-gym tasks, and this config has "
+                "none: set data.dataset_name: reasoning_gym and data.reasoning_gym.tasks",
             )
 
     def _uses_builtin_task(self) -> bool:
-        """Built-in data, or a built-in model (whose warm start trains on the task)."""
+        """Built-in arithmetic data, or a built-in model whose warm start trains on that task."""
         names = (self.data.dataset_name, self.data.val_dataset_name) if self.data else ()
-        return any(n is not None and is_builtin_dataset(n) for n in names) or is_warm_started(self.policy.model_name)
+        return any(n is not None and is_arithmetic_source(n) for n in names) or is_warm_started(self.policy.model_name)
 
 
 class _AlgorithmRunConfig(MasterConfig):
@@ -388,7 +394,7 @@ class GRPORunConfig(_AlgorithmRunConfig):
 
     algorithm: ClassVar[str] = "grpo"
     data_keys: ClassVar[tuple[str, ...]] = (*_COMMON_DATA_KEYS, "prompt_key", "answer_key", "max_input_seq_length",
-                                            "on_long_prompt")  # fmt: skip
+                                            "on_long_prompt", "reasoning_gym")  # fmt: skip
 
     grpo: GRPOConfig
     loss_fn: ClippedPGLossConfig
@@ -621,6 +627,7 @@ class SFTRunConfig(_TrainOnlyRunConfig):
         "response_key",
         "messages_key",
         "tool_demo_fraction",
+        "reasoning_gym",
     )
 
     sft: SFTConfig

@@ -33,13 +33,15 @@ from typing import Any, TypeVar
 from core.algorithms.config import MasterConfig, SFTRunConfig
 from core.algorithms.sft import setup_sft, sft_train
 from core.algorithms.training_run import execute
-from core.config import EMBEDDED_CONFIGS, load_config
-from core.environments.config import ArithmeticTaskConfig
+from core.config import EMBEDDED_CONFIGS, ConfigError, load_config
+from core.environments.config import ArithmeticTaskConfig, ReasoningGymConfig
 from core.models.builtin import (
     BUILTIN_MODELS,
     FORMAT_VERSION,
     INIT_SEED,
     PREFIX,
+    REASONING_GYM_MODELS,
+    REASONING_GYM_WARM_START_CONFIG,
     WARM_START_SFT_OVERRIDES,
     builtin_tokenizer,
     cache_root,
@@ -49,6 +51,8 @@ from core.models.builtin import (
 )
 
 M = TypeVar("M", bound=MasterConfig)
+#: What a warm start trains on: the arithmetic task's knobs, or a reasoning-gym task mix.
+TaskSettings = ArithmeticTaskConfig | ReasoningGymConfig
 
 
 def resolve_model(cfg: M, exclude_prompts: Iterable[str], log: Callable[[str], None] = print) -> M:
@@ -67,8 +71,14 @@ def resolve_model(cfg: M, exclude_prompts: Iterable[str], log: Callable[[str], N
 
 def _loadable(cfg: MasterConfig, name: str, key: str, exclude: list[str], log: Callable[[str], None]) -> str:
     if is_builtin(name):
-        task_cfg = cfg.env.arithmetic if cfg.env is not None else None
-        return str(resolve_builtin_model(name, task_cfg, exclude, log=log, key=key, run_cfg=cfg))
+        task_cfg: TaskSettings | None = cfg.env.arithmetic if cfg.env is not None else None
+        template = None
+        if spec_name(name, key) in REASONING_GYM_MODELS:
+            if cfg.data is None or cfg.data.reasoning_gym is None:  # MasterConfig.check refuses it
+                raise ConfigError(f"{key}: {name} is warm-started on the run's data.reasoning_gym tasks; set them")
+            task_cfg, template = cfg.data.reasoning_gym, cfg.data.prompt_template
+        path = resolve_builtin_model(name, task_cfg, exclude, log=log, key=key, run_cfg=cfg, prompt_template=template)
+        return str(path)
     from core.policy.preflight import check_model_path
 
     check_model_path(name, key)
@@ -91,14 +101,21 @@ WARM_START_OVERRIDES = (
 
 
 def warm_start_config(
-    task_cfg: ArithmeticTaskConfig | Mapping[str, Any], out_dir: Path | None = None, short: str = "arithmetic-llama"
+    task_cfg: TaskSettings | Mapping[str, Any],
+    out_dir: Path | None = None,
+    short: str = "arithmetic-llama",
+    prompt_template: str | None = None,
 ) -> SFTRunConfig:
     """The ``dualrl sft`` config that warm-starts built-in model ``short`` (default
     ``arithmetic-llama``) for a task (``out_dir``: where its export and logs go; None gives the
-    path-free form the cache key hashes)."""
+    path-free form the cache key hashes).  A reasoning-gym model trains on ``task_cfg`` (the
+    run's ``data.reasoning_gym``) with the run's ``prompt_template`` (None: its config's), from
+    core/configs/sft_reasoning_gym.yaml; the others on the arithmetic task's knobs ``task_cfg``."""
     out = Path(out_dir) if out_dir is not None else Path("<build>")
+    reasoning_gym = short in REASONING_GYM_MODELS
+    path = EMBEDDED_CONFIGS["sft"]
     cfg = load_config(
-        EMBEDDED_CONFIGS["sft"],
+        path.with_name(REASONING_GYM_WARM_START_CONFIG) if reasoning_gym else path,
         list(WARM_START_OVERRIDES)
         + list(WARM_START_SFT_OVERRIDES.get(short, ()))
         + [
@@ -108,11 +125,21 @@ def warm_start_config(
         ],
         schema=SFTRunConfig,
     )
-    cfg.data.arithmetic = ArithmeticTaskConfig.coerce(task_cfg, "data.arithmetic")
+    if reasoning_gym:
+        cfg.data.reasoning_gym = ReasoningGymConfig.coerce(task_cfg, "data.reasoning_gym")
+        if prompt_template is not None:
+            cfg.data.prompt_template = prompt_template
+    else:
+        cfg.data.arithmetic = ArithmeticTaskConfig.coerce(task_cfg, "data.arithmetic")
     return cfg
 
 
-def cache_key(short: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any], exclude: Iterable[str]) -> str:
+def cache_key(
+    short: str,
+    task_cfg: TaskSettings | Mapping[str, Any] | None,
+    exclude: Iterable[str],
+    prompt_template: str | None = None,
+) -> str:
     shape, warm = BUILTIN_MODELS[short]
     payload = {"version": FORMAT_VERSION, "model": shape, "init_seed": INIT_SEED}
     if warm:  # the SFT config without what cannot change the weights (where logs and files go)
@@ -124,25 +151,29 @@ def cache_key(short: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any], ex
             "checkpointing": True,
             "policy": {"moe": True, "jax_cfg": {"moe_dispatch", "expert_parallel_size"}},
         }
-        sft = warm_start_config(task_cfg, short=short).model_dump(exclude=left_out, exclude_none=True)
+        sft = warm_start_config(task_cfg or {}, short=short, prompt_template=prompt_template).model_dump(
+            exclude=left_out, exclude_none=True
+        )
         payload.update(warm_start=sft, exclude=sorted(exclude))
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def resolve_builtin_model(
     name: str,
-    task_cfg: ArithmeticTaskConfig | Mapping[str, Any] | None,
+    task_cfg: TaskSettings | Mapping[str, Any] | None,
     exclude: Iterable[str],
     log: Callable[[str], None] = print,
     key: str = "policy.model_name",
     run_cfg: MasterConfig | None = None,
+    prompt_template: str | None = None,
 ) -> Path:
     """The local directory of built-in model ``name`` for this task, building it on first use
-    (``run_cfg``: the run that needs it, whose Ray set-up the warm start shares)."""
+    (``run_cfg``: the run that needs it, whose Ray set-up the warm start shares; a reasoning-gym
+    model: ``task_cfg`` is the run's ``data.reasoning_gym``, ``prompt_template`` its template)."""
     short = spec_name(name, key)
-    settings = ArithmeticTaskConfig.coerce({} if task_cfg is None else task_cfg, "data.arithmetic")
+    settings = _settings(short, task_cfg)
     exclude = frozenset(exclude)
-    target = cache_root() / "models" / f"{short}-{cache_key(short, settings, exclude)}"
+    target = cache_root() / "models" / f"{short}-{cache_key(short, settings, exclude, prompt_template)}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -150,32 +181,45 @@ def resolve_builtin_model(
         if not (target / "config.json").is_file():  # another run may have built it meanwhile
             tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
             try:
-                _build(short, settings, exclude, tmp, log, run_cfg)
+                _build(short, settings, exclude, tmp, log, run_cfg, prompt_template)
                 os.replace(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
+def _settings(short: str, task_cfg: TaskSettings | Mapping[str, Any] | None) -> TaskSettings | None:
+    """The validated task of ``short``'s warm start (None: a random-init model, task-free)."""
+    if not BUILTIN_MODELS[short][1]:
+        return None
+    if short in REASONING_GYM_MODELS:
+        return ReasoningGymConfig.coerce(task_cfg, "data.reasoning_gym")
+    return ArithmeticTaskConfig.coerce({} if task_cfg is None else task_cfg, "data.arithmetic")
+
+
 def _build(
     short: str,
-    settings: ArithmeticTaskConfig,
+    settings: TaskSettings | None,
     exclude: frozenset[str],
     out: Path,
     log: Callable[[str], None],
     run_cfg: MasterConfig | None,
+    prompt_template: str | None,
 ) -> None:
     shape, warm = BUILTIN_MODELS[short]
-    if not warm:
+    if not warm or settings is None:
         write_random_init(shape, out, tokenizer=builtin_tokenizer(PREFIX + short))
         return
     from core.algorithms.placement import start_ray
 
-    cfg = warm_start_config(settings, out, short)
-    cfg.policy.model_name = str(resolve_builtin_model(cfg.policy.model_name, settings, (), log))
+    cfg = warm_start_config(settings, out, short, prompt_template)
+    cfg.policy.model_name = str(resolve_builtin_model(cfg.policy.model_name, None, (), log))
+    task = "the arithmetic task"
+    if isinstance(settings, ReasoningGymConfig):
+        task = "reasoning-gym tasks " + ", ".join(t.name for t in settings.tasks)
     log(
         f"building the built-in model {PREFIX}{short} (once; cached in {out.parent}): a `dualrl sft` run of "
-        f"{cfg.sft.max_num_steps} steps on the arithmetic task"
+        f"{cfg.sft.max_num_steps} steps on {task}"
     )
     start = time.perf_counter()
     start_ray(run_cfg or cfg)  # the run's Ray (with its JAX device flags), not one the SFT picks

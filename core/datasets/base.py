@@ -160,7 +160,11 @@ def build_datasets(
     ``task_cfg`` (both named in errors).
     """
     task = functools.partial(
-        builtin_task, task_cfg=task_cfg, path=task_path, tool_demo_fraction=data_cfg.tool_demo_fraction
+        builtin_task,
+        task_cfg=task_cfg,
+        path=task_path,
+        tool_demo_fraction=data_cfg.tool_demo_fraction,
+        reasoning_gym=data_cfg.reasoning_gym,
     )
     name, val_name = data_cfg.dataset_name, data_cfg.val_dataset_name
     if is_builtin(name) and data_cfg.val_split is not None:
@@ -211,7 +215,7 @@ def build_eval_dataset(
         if split is not None:
             raise ValueError(f"{key_path}: the built-in task {name!r} has no splits (asked for {split!r})")
         return _builtin_val(
-            builtin_task(name, task_cfg, task_path, data_cfg.tool_demo_fraction),
+            builtin_task(name, task_cfg, task_path, data_cfg.tool_demo_fraction, data_cfg.reasoning_gym),
             name,
             encoder,
             num_builtin,

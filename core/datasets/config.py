@@ -13,15 +13,15 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from core.config import ConfigModel, Problem
-from core.environments.config import ArithmeticTaskConfig
+from core.environments.config import ArithmeticTaskConfig, ReasoningGymConfig
 
 
 class DataConfig(ConfigModel):
     """Training data: the built-in task, a local JSONL/parquet file, or a Hugging Face dataset."""
 
     dataset_name: str = Field(min_length=1)
-    """"arithmetic" / "arithmetic-preferences" / "tool-arithmetic" (built-in), a .jsonl/.json/.parquet path or a hub
-    name."""
+    """"arithmetic" / "arithmetic-preferences" / "tool-arithmetic" / "reasoning_gym" (built-in), a
+    .jsonl/.json/.parquet path or a hub name."""
     dataset_config: str | None = None
     """Hub subset, e.g. "main"."""
     split: str = "train"
@@ -63,6 +63,9 @@ class DataConfig(ConfigModel):
     """Shuffle the training rows each epoch (the order is a function of the seed)."""
     arithmetic: ArithmeticTaskConfig | None = None
     """SFT/DPO: knobs of the built-in task (GRPO: env.arithmetic); null = the defaults."""
+    reasoning_gym: ReasoningGymConfig | None = None
+    """GRPO/SFT, built-in "reasoning_gym" only (required there): its tasks -- one, or a weighted
+    mix, each with its generator settings and seed (core/environments/reasoning_gym.py)."""
     tool_demo_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """SFT, built-in "tool-arithmetic" only (required there): share of its conversations that
     demonstrate a calculator call (core/environments/tools/demos.py)."""
@@ -76,12 +79,32 @@ class DataConfig(ConfigModel):
         raise ValueError(f"expected true, false or 'auto', got {value!r}")
 
     def check(self) -> Iterable[Problem]:
+        yield from self._reasoning_gym_problems()
         if "{prompt}" not in self.prompt_template:
             yield "prompt_template", f"must contain '{{prompt}}', got {self.prompt_template!r}"
         if self.tool_demo_fraction is not None and self.dataset_name != "tool-arithmetic":
             yield (
                 "tool_demo_fraction",
                 f"only the built-in source 'tool-arithmetic' reads it (data.dataset_name is {self.dataset_name!r})",
+            )
+
+    def _reasoning_gym_problems(self) -> Iterable[Problem]:
+        """data.reasoning_gym goes with the source of that name (the package checked first)."""
+        names = (self.dataset_name, self.val_dataset_name)
+        if "reasoning_gym" not in names:
+            if self.reasoning_gym is not None:
+                yield "reasoning_gym", "only the built-in source 'reasoning_gym' reads it; remove it"
+            return
+        from core.environments.reasoning_gym_checks import missing_package
+
+        missing = missing_package()
+        key = "dataset_name" if self.dataset_name == "reasoning_gym" else "val_dataset_name"
+        if missing:
+            yield key, missing
+        elif self.reasoning_gym is None:
+            yield (
+                "reasoning_gym",
+                "required with the built-in source 'reasoning_gym' (its tasks: a list of {name, ...})",
             )
 
     @property

@@ -16,9 +16,13 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from core.environments.config import ArithmeticTaskConfig
+    from core.environments.config import ArithmeticTaskConfig, ReasoningGymConfig
 
-BUILTIN_SOURCES = ("arithmetic", "arithmetic-preferences", "tool-arithmetic")
+#: The built-in sources whose problems are the arithmetic task's (knobs: env.arithmetic /
+#: data.arithmetic).
+ARITHMETIC_SOURCES = ("arithmetic", "arithmetic-preferences", "tool-arithmetic")
+#: Every built-in source: the arithmetic ones and reasoning-gym's tasks (data.reasoning_gym).
+BUILTIN_SOURCES = (*ARITHMETIC_SOURCES, "reasoning_gym")
 
 # File suffixes we hand to a packaged ``datasets`` builder (``load_dataset("json", ...)``).
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -40,6 +44,11 @@ class DatasetLoadError(RuntimeError):
 def is_builtin(name: str) -> bool:
     """True for the names of built-in generated tasks (``BUILTIN_SOURCES``)."""
     return name in BUILTIN_SOURCES
+
+
+def is_arithmetic_source(name: str) -> bool:
+    """True for the built-in sources made of arithmetic problems (``ARITHMETIC_SOURCES``)."""
+    return name in ARITHMETIC_SOURCES
 
 
 def looks_like_path(name: str) -> bool:
@@ -122,12 +131,21 @@ def builtin_task(
     task_cfg: ArithmeticTaskConfig | Mapping[str, Any] | None,
     path: str = "env.arithmetic",
     tool_demo_fraction: float | None = None,
+    reasoning_gym: ReasoningGymConfig | None = None,
 ):
     """The task object behind a built-in source: ``ArithmeticTask`` for "arithmetic" (rows:
     prompt, answer), wrapped in ``PreferenceTask`` for "arithmetic-preferences" (rows: prompt,
     chosen, rejected, answer) or in ``ToolDemoTask`` for "tool-arithmetic" (rows: prompt,
     answer, messages: a direct answer or, for a share ``tool_demo_fraction``, a calculator-call
-    demonstration).  ``path`` is where its knobs live in the config."""
+    demonstration); ``ReasoningGymTask`` of ``reasoning_gym`` (``data.reasoning_gym``) for
+    "reasoning_gym" (rows: prompt, answer and the task's columns).  ``path`` is where the
+    arithmetic knobs live in the config."""
+    if name == "reasoning_gym":
+        from core.environments.reasoning_gym import ReasoningGymTask  # lazy: sibling package
+
+        if reasoning_gym is None:  # DataConfig.check refuses it
+            raise ValueError("data.reasoning_gym: required with data.dataset_name: reasoning_gym (its tasks)")
+        return ReasoningGymTask(reasoning_gym)
     if name in BUILTIN_SOURCES:
         from core.environments.arithmetic import ArithmeticTask  # lazy: sibling package
 

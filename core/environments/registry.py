@@ -19,6 +19,7 @@ from core.environments.config import EnvConfig
 from core.environments.interfaces import Environment
 from core.environments.math_verifier import MathEnvironment
 from core.environments.multi_turn import MultiTurnEnvironment, is_multi_turn
+from core.environments.reasoning_gym import ReasoningGymEnvironment
 from core.environments.tools.environment import ToolArithmeticEnvironment
 
 __all__ = [
@@ -33,6 +34,7 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "arithmetic": ArithmeticEnvironment,
     "math": MathEnvironment,
     "tool_arithmetic": ToolArithmeticEnvironment,
+    "reasoning_gym": ReasoningGymEnvironment,
 }
 
 

@@ -16,7 +16,11 @@ Qwen3-MoE) built from a config here:
 * ``builtin:arithmetic-llama-tools-base`` / ``builtin:arithmetic-llama-tools``: the Llama of
   ``builtin:arithmetic-llama`` with the tool-use tokenizer (``tool_char_tokenizer``: it can write
   a calculator call), random / after a ``dualrl sft`` run on direct answers mixed with
-  calculator-call demonstrations (the multi-turn default, core/configs/grpo_tool_arithmetic.yaml).
+  calculator-call demonstrations (the multi-turn default, core/configs/grpo_tool_arithmetic.yaml);
+* ``builtin:reasoning-gym-llama-base`` / ``builtin:reasoning-gym-llama``: a tiny Llama that reads
+  English through the byte tokenizer (``byte_tokenizer``), random / after a ``dualrl sft`` run on
+  the run's own reasoning-gym tasks (``data.reasoning_gym``; core/configs/sft_reasoning_gym.yaml),
+  what core/configs/grpo_reasoning_gym.yaml starts from.
 
 The SFT runs (the warm starts) are :mod:`core.algorithms.warm_start`'s; this module only
 describes the models (a leaf of the import graph: it imports nothing else of the project).
@@ -29,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from core.models.byte_tokenizer import byte_tokenizer
 from core.models.char_tokenizer import char_tokenizer, tool_char_tokenizer
 
 PREFIX = "builtin:"
@@ -62,6 +67,10 @@ ARITHMETIC_LLAMA_TOOLS = {**ARITHMETIC_LLAMA, "vocab_size": 48}
 ARITHMETIC_QWEN3_MOE = {**ARITHMETIC_LLAMA, "model_type": "qwen3_moe", "head_dim": 32, "num_experts": 8,
                         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True,
                         "tie_word_embeddings": False}  # fmt: skip
+#: The English reader (builtin:reasoning-gym-llama): the byte tokenizer's 259 ids rounded up to
+#: 264 (tensor parallel sizes 2, 4 and 8 divide it), and room for the longest reasoning-gym
+#: prompts a recipe here uses.
+REASONING_GYM_LLAMA = {**ARITHMETIC_LLAMA, "vocab_size": 264, "max_position_embeddings": 256}
 INIT_SEED = 1234
 
 #: name -> (shape, warm started by the SFT run?)
@@ -74,10 +83,19 @@ BUILTIN_MODELS: dict[str, tuple[dict[str, Any], bool]] = {
     "arithmetic-llama-tools": (ARITHMETIC_LLAMA_TOOLS, True),
     "arithmetic-qwen3-moe-base": (ARITHMETIC_QWEN3_MOE, False),
     "arithmetic-qwen3-moe": (ARITHMETIC_QWEN3_MOE, True),
+    "reasoning-gym-llama-base": (REASONING_GYM_LLAMA, False),
+    "reasoning-gym-llama": (REASONING_GYM_LLAMA, True),
 }
 
 #: Built-in models with the tool-use tokenizer (the others have the character tokenizer).
 TOOL_TOKENIZER_MODELS = frozenset({"arithmetic-llama-tools-base", "arithmetic-llama-tools"})
+#: Built-in models with the byte tokenizer.
+BYTE_TOKENIZER_MODELS = frozenset({"reasoning-gym-llama-base", "reasoning-gym-llama"})
+#: The warm-started models that train on reasoning-gym tasks (``data.reasoning_gym`` of the run,
+#: with the embedded SFT config ``REASONING_GYM_WARM_START_CONFIG``); the others train on the
+#: arithmetic task (``env.arithmetic``, core/configs/sft_arithmetic.yaml).
+REASONING_GYM_MODELS = frozenset({"reasoning-gym-llama"})
+REASONING_GYM_WARM_START_CONFIG = "sft_reasoning_gym.yaml"
 
 #: How a warm start differs from core/configs/sft_arithmetic.yaml (``dualrl sft`` overrides),
 #: per warm-started model; absent: that file as it is.  The small student starts from its own
@@ -113,7 +131,15 @@ def is_builtin(name: Any) -> bool:
 
 def is_warm_started(name: Any) -> bool:
     """A built-in model trained on the arithmetic task (so the task's knobs shape its weights)."""
-    return is_builtin(name) and BUILTIN_MODELS.get(name[len(PREFIX) :], (None, False))[1]
+    if not is_builtin(name):
+        return False
+    short = name[len(PREFIX) :]
+    return BUILTIN_MODELS.get(short, (None, False))[1] and short not in REASONING_GYM_MODELS
+
+
+def warm_started_on_reasoning_gym(name: Any) -> bool:
+    """A built-in model whose warm start trains on the run's reasoning-gym tasks."""
+    return is_builtin(name) and name[len(PREFIX) :] in REASONING_GYM_MODELS
 
 
 def spec_name(name: str, key: str) -> str:
@@ -126,9 +152,12 @@ def spec_name(name: str, key: str) -> str:
 
 
 def builtin_tokenizer(name: str, key: str = "policy.tokenizer.name"):
-    """The tokenizer of a built-in model (the character tokenizer, or its tool-use variant for
-    the ``-tools`` models; built, not loaded)."""
-    return tool_char_tokenizer() if spec_name(name, key) in TOOL_TOKENIZER_MODELS else char_tokenizer()
+    """The tokenizer of a built-in model (the character tokenizer, its tool-use variant for the
+    ``-tools`` models, the byte tokenizer for the reasoning-gym models; built, not loaded)."""
+    short = spec_name(name, key)
+    if short in BYTE_TOKENIZER_MODELS:
+        return byte_tokenizer()
+    return tool_char_tokenizer() if short in TOOL_TOKENIZER_MODELS else char_tokenizer()
 
 
 def cache_root() -> Path:
