@@ -3,7 +3,8 @@ table, a JSON file and a PNG of pass@k / maj@k / mean@k against k.
 
 Intervals: percentile bootstrap over prompts (``core.algorithms.estimators.Bootstrap``:
 1000 resamples of the prompts with a fixed seed, 95 %), one set of resamples for every
-metric.  A prompt is the unit resampled because its samples are not independent of each
+metric (a task mix's per-task metrics, ``tasks/<task>/<metric>``: one set per task, over its
+own prompts).  A prompt is the unit resampled because its samples are not independent of each
 other: n samples of one prompt say more about that prompt than about the model.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 from core.algorithms.estimators import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CONFIDENCE, Bootstrap
 from core.algorithms.evaluation import Evaluation
 from core.logging import plot_pass_at_k
+from core.logging.progress import task_metric, task_metric_parts
 
 JSON_FILENAME, PLOT_FILENAME = "eval.json", "pass_at_k.png"
 #: The sampled pass's families of metrics, one column of the table / one curve each.
@@ -47,11 +49,9 @@ class EvalReport:
 
 def build_report(evaluation: Evaluation, details: Mapping[str, Any]) -> EvalReport:
     """Every metric of ``evaluation`` with its interval, and each prompt's outcome."""
-    boot = Bootstrap(len(evaluation.prompts))
-    estimates = {}
-    for name, values in evaluation.per_prompt().items():
-        low, high = boot.interval(values)
-        estimates[name] = Estimate(sum(values) / len(values), low, high)
+    estimates = _estimates(evaluation.per_prompt())
+    for task, per_prompt in evaluation.per_task().items():
+        estimates.update({task_metric(task, name): e for name, e in _estimates(per_prompt).items()})
     sampled = evaluation.sampled
     return EvalReport(
         dict(details),
@@ -61,6 +61,16 @@ def build_report(evaluation: Evaluation, details: Mapping[str, Any]) -> EvalRepo
         estimates,
         _prompt_outcomes(evaluation),
     )
+
+
+def _estimates(per_prompt: Mapping[str, list[float]]) -> dict[str, Estimate]:
+    """Each metric's mean with its bootstrap interval (one set of resamples for all)."""
+    boot = Bootstrap(len(next(iter(per_prompt.values()))))
+    out = {}
+    for name, values in per_prompt.items():
+        low, high = boot.interval(values)
+        out[name] = Estimate(sum(values) / len(values), low, high)
+    return out
 
 
 def _prompt_outcomes(evaluation: Evaluation) -> list[dict[str, Any]]:
@@ -77,6 +87,8 @@ def _prompt_outcomes(evaluation: Evaluation) -> list[dict[str, Any]]:
         }
         if counts is not None:
             row["sampled_correct"] = counts[i]
+        if "task" in greedy.infos[i]:
+            row["task"] = greedy.infos[i]["task"]
         rows.append(row)
     return rows
 
@@ -99,11 +111,30 @@ def format_table(report: EvalReport) -> str:
         for k in report.ks:
             lines.append(("  " + f"{k:<4}" + "".join(f"{_cell(e[f'{f}@{k}']):<{width}}" for f in columns)).rstrip())
         lines.append(f"  {'response_length_mean':<22}{_cell(e['sampled_response_length_mean'], 2)}")
+    lines += _task_table(report)
     lines.append(
         f"{CONFIDENCE:.0%} intervals: percentile bootstrap over the {report.num_prompts} prompts "
         f"({BOOTSTRAP_RESAMPLES} resamples, seed {BOOTSTRAP_SEED})"
     )
     return "\n".join(lines)
+
+
+def _task_table(report: EvalReport) -> list[str]:
+    """Per task of a mix: its prompts, greedy accuracy and pass@k for every k (with intervals)."""
+    e = report.estimates
+    tasks = list(dict.fromkeys(p[0] for key in e if (p := task_metric_parts(key)) is not None))
+    if not tasks:
+        return []
+    columns = ["accuracy"] + [f"pass@{k}" for k in report.ks]
+    columns = [c for c in columns if task_metric(tasks[0], c) in e]
+    width = max(len(t) for t in tasks) + 2
+    lines = [f"by task (greedy accuracy{', sampled pass@k' if report.ks else ''})"]
+    lines.append(("  " + f"{'task':<{width}}{'prompts':<9}" + "".join(f"{c:<24}" for c in columns)).rstrip())
+    for task in tasks:
+        prompts = sum(1 for row in report.prompts if row.get("task") == task)
+        cells = "".join(f"{_cell(e[task_metric(task, c)]):<24}" for c in columns)
+        lines.append(("  " + f"{task:<{width}}{prompts:<9}" + cells).rstrip())
+    return lines
 
 
 def write_report(report: EvalReport, out_dir: Path, title: str) -> tuple[Path, Path]:

@@ -8,7 +8,9 @@
                      sampled_response_length_mean (core.algorithms.estimators)
 
 Every metric is the mean over prompts of a per-prompt value (``Evaluation.per_prompt``), so
-the confidence interval of any of them is a bootstrap over prompts of the same values.
+the confidence interval of any of them is a bootstrap over prompts of the same values.  When
+the environment names each prompt's task (a task mix), every metric is also reported per task
+(``tasks/<task>/<metric>``, ``Evaluation.per_task``: the mean over that task's prompts).
 
 The sampled rows are seeded by (``grpo.seed``, row) on a stream of their own, whatever the
 step: every validation of a run draws with the same seeds (two validations differ by the
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 from core.algorithms.estimators import maj_at_k, mean_at_k, pass_at_k
 from core.algorithms.multi_turn import EpisodeRunner, decode_conversations, episode_summaries, episodes_to_rows
 from core.algorithms.rollouts import decode_completions, prompt_batch, sample_seeds
+from core.algorithms.task_metrics import sample_tasks, split_by_task
+from core.logging.progress import task_metric
 
 if TYPE_CHECKING:
     from core.algorithms.config import GRPOConfig
@@ -103,11 +107,21 @@ class Evaluation:
             out.update(_sampled_scores(self.sampled, self.ks))
         return out
 
+    def per_task(self) -> dict[str, dict[str, list[float]]]:
+        """Task -> :meth:`per_prompt` over that task's prompts (the task the environment named
+        for each prompt's greedy sample); empty when it names none."""
+        tasks = sample_tasks(self.greedy.infos)
+        return {} if tasks is None else split_by_task(self.per_prompt(), tasks)
+
     def metrics(self) -> dict[str, float]:
-        """The point estimates (what the training loop logs under ``val/``) and ``num_samples``,
-        the number of prompts."""
+        """The point estimates (what the training loop logs under ``val/``), ``num_samples``,
+        the number of prompts, and each task's (``tasks/<task>/<metric>``, with its
+        ``num_samples``)."""
         out = {name: _mean(values) for name, values in self.per_prompt().items()}
         out["num_samples"] = float(len(self.prompts))
+        for task, per_prompt in self.per_task().items():
+            out.update({task_metric(task, name): _mean(values) for name, values in per_prompt.items()})
+            out[task_metric(task, "num_samples")] = float(len(per_prompt["reward_mean"]))
         return out
 
 

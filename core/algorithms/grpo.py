@@ -47,6 +47,7 @@ from core.algorithms.rollouts import (
     training_batch,
     truncated_rows,
 )
+from core.algorithms.task_metrics import train_task_metrics
 from core.algorithms.timing import StepTimer
 from core.algorithms.training_run import report_skipped_steps, train_metrics
 from core.data import BatchedDataDict
@@ -120,6 +121,7 @@ def generate_rollout(run: Any, step: int) -> Rollout:
         data = data.select_indices(list(range(selection.train_rows)))
     metrics.update(batch_metrics)
     metrics.update(_accuracy(generated["infos"]))
+    metrics.update(train_task_metrics(generated["infos"], generated["rewards"].tolist()))
     if getattr(run, "episodes", None) is not None:
         metrics.update(multi_turn_metrics(generated))
     skipped = False

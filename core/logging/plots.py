@@ -17,13 +17,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from core.logging.progress import timing_keys_in
+from core.logging.progress import task_metric, tasks_in, timing_keys_in
 from core.logging.sinks import to_float
 
 FIGSIZE = (10.0, 7.0)  # inches
 DPI = 120  # -> 1200 x 840 pixels
 
 _TRAIN_COLOR, _VAL_COLOR = "tab:blue", "tab:red"
+#: One colour per task of a mix (the first: the mix itself in the validation panel).
+_TASK_COLORS = ("black", "tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
 
 
 def series(history: Sequence[Mapping[str, Any]], split: str, key: str) -> tuple[list[int], list[float]]:
@@ -118,6 +120,38 @@ def _plot_panel(ax: Any, history: Sequence[Mapping[str, Any]], panel: Panel) -> 
     ax.legend(loc="best", fontsize=8)
 
 
+def task_panels(history: Sequence[Mapping[str, Any]]) -> tuple[Panel, ...]:
+    """Per-task panels of a task mix (when its metrics are in the history): each task's held-out
+    accuracy beside the mix's, and each task's train reward."""
+    val = [row for row in history if row.get("split") == "val"]
+    train = [row for row in history if row.get("split") == "train"]
+    panels: list[Panel] = []
+    val_tasks = tasks_in(val, "accuracy")
+    if val_tasks:
+        curves = [("val", "accuracy", "the mix")] + [("val", task_metric(t, "accuracy"), t) for t in val_tasks]
+        panels.append(("validation accuracy by task", tuple(curves)))
+    train_tasks = tasks_in(train, "reward_mean")
+    if train_tasks:
+        curves = [("train", task_metric(t, "reward_mean"), t) for t in train_tasks]
+        panels.append(("train reward by task (moving average)", tuple(curves)))
+    return tuple(panels)
+
+
+def _plot_task_panel(ax: Any, history: Sequence[Mapping[str, Any]], panel: Panel) -> None:
+    """One line per task (validation: markers; train: its moving average), colours by task."""
+    title, curves = panel
+    ax.set_title(title, fontsize=10, loc="left")
+    for (split, key, label), color in zip(curves, _TASK_COLORS, strict=False):
+        steps, values = series(history, split, key)
+        if not steps:
+            continue
+        if split == "val":
+            ax.plot(steps, values, color=color, marker="o", lw=1.5, label=label)
+        else:
+            ax.plot(steps, moving_average(values, _smoothing_window(len(values))), color=color, lw=1.5, label=label)
+    ax.legend(loc="best", fontsize=8)
+
+
 def _plot_timing_panel(ax: Any, history: Sequence[Mapping[str, Any]], keys: list[str]) -> None:
     """Per-phase seconds of each train step, stacked so the top edge is the step time."""
     train = [row for row in history if row.get("split") == "train"]
@@ -139,8 +173,9 @@ def plot_run(
 ) -> Path:
     """Write the run's curves to ``out_path`` (a .png) and return the path.
 
-    Panels: ``RUN_PANELS[algorithm]``, then, only when the history has ``timing/*_s`` keys,
-    the step time by phase.  A panel whose metrics are missing says "no data".  Empty
+    Panels: ``RUN_PANELS[algorithm]``, then those of a task mix (:func:`task_panels`, only
+    when the history has per-task metrics), then, only when the history has ``timing/*_s``
+    keys, the step time by phase.  A panel whose metrics are missing says "no data".  Empty
     history -> ValueError.
     """
     if not history:
@@ -152,12 +187,17 @@ def plot_run(
 
     if algorithm not in RUN_PANELS:
         raise ValueError(f"plot_run: unknown algorithm {algorithm!r}; known: {sorted(RUN_PANELS)}")
-    panels = RUN_PANELS[algorithm]
+    panels, by_task = RUN_PANELS[algorithm], task_panels(history)
     timing_keys = timing_keys_in(row for row in history if row.get("split") == "train")
-    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-    axes = fig.subplots(len(panels) + bool(timing_keys), 1, sharex=True, squeeze=False)[:, 0]
+    rows = len(panels) + len(by_task) + bool(timing_keys)
+    # The per-task panels add height (the others keep theirs).
+    height = FIGSIZE[1] * rows / (rows - len(by_task))
+    fig = Figure(figsize=(FIGSIZE[0], height), dpi=DPI, layout="constrained")
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     for ax, panel in zip(axes, panels, strict=False):
         _plot_panel(ax, history, panel)
+    for ax, panel in zip(axes[len(panels) :], by_task, strict=False):
+        _plot_task_panel(ax, history, panel)
     if timing_keys:
         _plot_timing_panel(axes[-1], history, timing_keys)
     for ax in axes:

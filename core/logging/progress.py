@@ -43,6 +43,35 @@ TIMING_KEYS: tuple[str, ...] = (
 )
 
 
+#: Per-task metrics (a task mix whose environment names each sample's task, e.g. reasoning_gym):
+#: ``tasks/<task>/<metric>``, the same metric computed over that task's samples only.
+TASK_METRIC_PREFIX = "tasks/"
+
+
+def task_metric(task: str, metric: str) -> str:
+    """``tasks/<task>/<metric>``."""
+    return f"{TASK_METRIC_PREFIX}{task}/{metric}"
+
+
+def task_metric_parts(key: str) -> tuple[str, str] | None:
+    """``(task, metric)`` of a per-task metric's key (any split prefix such as ``val/`` ignored),
+    else None."""
+    _, found, rest = key.partition(TASK_METRIC_PREFIX)
+    task, slash, metric = rest.partition("/")
+    return (task, metric) if found and slash and task and metric else None
+
+
+def tasks_in(rows: Any, metric: str) -> list[str]:
+    """The tasks that have a per-task ``metric`` in ``rows``, in order of first appearance."""
+    tasks: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            parts = task_metric_parts(key)
+            if parts is not None and parts[1] == metric:
+                tasks.setdefault(parts[0])
+    return list(tasks)
+
+
 def timing_keys_in(rows: Any) -> list[str]:
     """The phase-timing keys present in ``rows``: TIMING_KEYS first, then other ``timing/*_s``.
 
@@ -54,13 +83,16 @@ def timing_keys_in(rows: Any) -> list[str]:
 
 
 def format_postfix(values: Mapping[str, float]) -> str:
-    """``reward=0.512, loss=0.0123`` in PROGRESS_FIELDS order, 3 significant digits."""
+    """``reward=0.512, loss=0.0123`` in PROGRESS_FIELDS order, then per-task values, 3
+    significant digits."""
     order = [name for name, _ in PROGRESS_FIELDS]
+    order += [name for name in values if name not in order]
     return ", ".join(f"{name}={values[name]:.3g}" for name in order if name in values)
 
 
 def pick_progress_values(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The PROGRESS_FIELDS display values that ``metrics`` can supply."""
+    """The PROGRESS_FIELDS display values that ``metrics`` can supply, then each task's
+    validation accuracy (``val/tasks/<task>/accuracy``) under the task's name."""
     picked: dict[str, float] = {}
     for display, candidates in PROGRESS_FIELDS:
         for key in candidates:
@@ -68,6 +100,11 @@ def pick_progress_values(metrics: Mapping[str, Any]) -> dict[str, float]:
             if number is not None:
                 picked[display] = number
                 break
+    for key, value in metrics.items():
+        parts = task_metric_parts(key)
+        number = to_float(value)
+        if key.startswith("val/") and parts is not None and parts[1] == "accuracy" and number is not None:
+            picked[parts[0]] = number
     return picked
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from core.logging.progress import STEP_TIME_KEYS, timing_keys_in
+from core.logging.progress import STEP_TIME_KEYS, task_metric, tasks_in, timing_keys_in
 from core.logging.sinks import METRICS_FILENAME, PLOT_FILENAME, TENSORBOARD_DIRNAME, to_float
 
 # Train metrics reported as their last value, when present.
@@ -60,6 +60,21 @@ def _train_trend_line(train: Sequence[Mapping[str, Any]], key: str, name: str) -
     k = max(1, math.ceil(len(points) / 10))
     first, last = _mean([v for _, v in points[:k]]), _mean([v for _, v in points[-k:]])
     return f"{name}: first 10% {first:.3f} -> last 10% {last:.3f} ({k} step(s) each)"
+
+
+def _task_lines(rows: Sequence[Mapping[str, Any]], metric: str, name: str, trend: bool = False) -> list[str]:
+    """One line per task of a mix: its ``metric`` first -> last -> best, or (``trend``) its mean
+    over the first vs the last 10 % of steps."""
+    lines = []
+    for task in tasks_in(rows, metric):
+        label = f"  {task}: {name}"
+        if trend:
+            line = _train_trend_line(rows, task_metric(task, metric), label)
+        else:
+            points = _values(rows, task_metric(task, metric))
+            line = _first_last_best(label, points) if points else None
+        lines += [line] if line else []
+    return lines
 
 
 def _timing_lines(train: Sequence[Mapping[str, Any]], wall_time_s: float, n_steps: int) -> list[str]:
@@ -122,6 +137,7 @@ def format_summary(
     lines.append(f"wall time: {format_duration(wall_time_s)}")
     if accuracy := _values(val, "accuracy"):
         lines.append(_first_last_best("val accuracy", accuracy))
+    lines += _task_lines(val, "accuracy", "val accuracy")
     if val_reward := _values(val, "reward_mean"):
         lines.append(_first_last_best("val reward mean", val_reward))
     if val_loss := _values(val, "loss"):
@@ -135,6 +151,7 @@ def format_summary(
         else (("accuracy", "train accuracy"), ("loss", "train loss"))
     )
     lines += [line for key, name in trends if (line := _train_trend_line(train, key, name))]
+    lines += _task_lines(train, "reward_mean", "train reward mean", trend=True)
     lines += [line for line in (_last_values_line(train),) if line]
     lines += _timing_lines(train, wall_time_s, len(train_steps))
     lines.append("files:")
