@@ -4,7 +4,7 @@
         [--sections throughput refit generation grpo] [--out DIR] [--json FILE]
         [--batch B] [--seq S] [--micro M] [--iters N] [--warmup W] [--precision P] [--threads T]
         [--grpo-new-tokens N] [--grpo-prompts P] [--grpo-group G] [--[no-]grpo-full-length] [--grpo-async]
-        [--grpo-multi-turn N]
+        [--grpo-multi-turn N] [--grpo-task arithmetic|reasoning_gym]
     python -m benchmarks.compare [same]
 
 For each layout (``benchmarks.lib.layouts``: ``fsdp1-dp2``, ``dtensor-dp2``, ``dtensor-tp2``,
@@ -39,6 +39,10 @@ budget, one layout alive at a time:
   fixed observation between turns, so every episode plays N turns of exactly max_new_tokens each)
   in the EpisodePool's Ray actor, with generation per turn, environment step seconds, turns per
   episode and generated / observation tokens.  TRL has no multi-turn GRPO: the row has no ×TRL.
+  ``--grpo-task reasoning_gym`` runs the GRPO (and generation) workload of
+  ``core/configs/grpo_reasoning_gym.yaml`` instead of the arithmetic one: its reasoning-gym prompts
+  (English, up to its ``data.max_input_seq_length`` tokens: the prompts' room) and reward on both
+  sides, TRL's included; the size's random Llama reads bytes (the built-in byte tokenizer).
 
 Sizes: ``tiny`` (the built-in ~1M-parameter Llama's shape: a CI smoke, seconds per layout),
 ``small`` (a ~25M-parameter Llama: CPU minutes), ``1b`` (Llama-3.2-1B's shape, bf16: a GPU); all
@@ -55,6 +59,7 @@ Output: markdown tables on stdout, ``--json``, and ``bench.png`` (bar charts) in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -71,6 +76,7 @@ from benchmarks.lib.compare.run import (
     resolve_layouts,
     run_bench,
 )
+from benchmarks.lib.grpo_step import GRPO_TASKS, task_prompt_room
 from benchmarks.lib.refit import TRANSPORTS
 from benchmarks.lib.sizes import SIZES, GRPOWorkload
 
@@ -128,6 +134,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "one GPU more than each layout has)",
     )
     grpo.add_argument(
+        "--grpo-task",
+        choices=list(GRPO_TASKS),
+        help="the prompts and reward of the workload: arithmetic (grpo_arithmetic.yaml, the default) or "
+        "reasoning_gym (grpo_reasoning_gym.yaml: its task mix; needs reasoning-gym; the size's random Llama "
+        "reads bytes); TRL's row runs the same",
+    )
+    grpo.add_argument(
         "--grpo-multi-turn",
         type=int,
         metavar="N",
@@ -138,7 +151,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-GRPO_WORKLOAD_FLAGS = ("grpo_new_tokens", "grpo_prompts", "grpo_group", "grpo_full_length")
+GRPO_WORKLOAD_FLAGS = ("grpo_new_tokens", "grpo_prompts", "grpo_group", "grpo_full_length", "grpo_task")
 
 
 def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
@@ -155,6 +168,7 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
     args.layouts = args.layouts or (GPU_LAYOUTS if args.device == "cuda" else DEFAULT_LAYOUTS)
     args.layout_objs, args.rejected = resolve_layouts(args.layouts, args)
     args.grpo_work = grpo_workload(parser, args, size)
+    args.grpo_task = args.grpo_task or "arithmetic"
     # logical CPUs: a layout, the refit engine's bundle, a GRPO run's colocated slots (CPU slots
     # are processes sharing the cores, not a reservation of them)
     args.ray_cpus = 4 * max(args.threads, args.max_devices) + 4
@@ -181,10 +195,13 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         if value is not None and value < low:
             why = " (GRPO's advantage compares a prompt's samples; TRL's GRPOTrainer needs 2)" if low == 2 else ""
             parser.error(f"{flag} must be >= {low}{why}, got {value}")
+    check_grpo_task(parser, args)
     if size.grpo is None:
         return None
     full = args.grpo_full_length if args.grpo_full_length is not None else args.grpo_new_tokens is not None
     work = size.grpo.with_overrides(args.grpo_new_tokens, args.grpo_prompts, args.grpo_group, full)
+    if args.grpo_task not in (None, "arithmetic"):  # the task's prompts keep their own room
+        work = dataclasses.replace(work, seq=task_prompt_room(args.grpo_task) + work.new_tokens)
     positions = size.shape.get("max_position_embeddings")
     if args.model is None and positions and work.seq > positions:
         parser.error(
@@ -199,6 +216,20 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
                 f"over the data-parallel ranks of {', '.join(split)} (--grpo-prompts / --grpo-group)"
             )
     return work
+
+
+def check_grpo_task(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--grpo-task reasoning_gym`` needs the package, and no multi-turn row (its scripted
+    observation is sized in the character tokenizer's tokens)."""
+    if args.grpo_task in (None, "arithmetic"):
+        return
+    from core.environments.reasoning_gym_checks import missing_package
+
+    missing = missing_package()
+    if missing:
+        parser.error(f"--grpo-task {args.grpo_task}: {missing}")
+    if args.grpo_multi_turn is not None:
+        parser.error(f"--grpo-task {args.grpo_task} with --grpo-multi-turn: the multi-turn row is arithmetic only")
 
 
 def check_grpo_multi_turn(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

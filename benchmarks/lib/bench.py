@@ -41,15 +41,19 @@ class Bench:
     lora_engine: Any = None  # the adapter-refit engine of -lora layouts (refit section)
     refit_skipped: str | None = None
 
-    def load_model(self, model: str | None = None, model_dir: str | None = None) -> None:
+    def load_model(self, model: str | None = None, model_dir: str | None = None, task: str = "arithmetic") -> None:
         """``model`` (any HF model: ``benchmarks.lib.models.prepare_model``) or the size's random
-        Llama (built in ``model_dir``, or reused from it; else in the run's temp dir); its HF
-        config and tokenizer."""
+        Llama (built in ``model_dir``, or reused from it; else in the run's temp dir) with the
+        built-in tokenizer of the GRPO ``task`` (``--grpo-task``); its HF config and tokenizer."""
         if model:
             self.model_path, self.tokenizer_path = prepare_model(model, self.tmp)
         else:
-            where = Path(model_dir) if model_dir else self.tmp / f"bench-{self.args.size}"
-            self.model_path = self.tokenizer_path = random_llama(self.size.shape, where)
+            from benchmarks.lib.grpo_step import task_tokenizer
+
+            tokenizer, vocab = task_tokenizer(task)
+            shape = {**self.size.shape, "vocab_size": max(vocab, self.size.shape["vocab_size"])}
+            where = Path(model_dir) if model_dir else self.tmp / f"bench-{self.args.size}-{task}"
+            self.model_path = self.tokenizer_path = random_llama(shape, where, tokenizer=tokenizer)
         self.config = hf_config(self.model_path)
         self.tokenizer = load_tokenizer(self.tokenizer_path)
 

@@ -17,6 +17,12 @@ until the rollouts meant for the old weights exist, then the refit), ``wait_roll
 reference, train -- while the producer thread's generation and reward seconds
 (``async/generation_s``, ``async/reward_s``) overlap them and are reported apart, never added.
 
+``task`` picks the embedded config whose prompts, reward and generation settings the step runs
+(``dualrl bench --grpo-task``, :data:`GRPO_TASKS`): ``arithmetic`` (``grpo_arithmetic.yaml``, the
+default) or ``reasoning_gym`` (``grpo_reasoning_gym.yaml``: its reasoning-gym task mix, English
+prompts of up to its ``data.max_input_seq_length`` tokens, each task's own ``score_answer``); a
+size's random Llama takes that task's built-in tokenizer (:func:`task_tokenizer`).
+
 ``multi_turn=N`` measures the same workload as multi-turn GRPO (``dualrl bench --grpo-multi-turn N``):
 the scripted environment of :mod:`benchmarks.lib.multi_turn_env` (every episode exactly N turns,
 a fixed 12-token observation between turns) stepped in the EpisodePool's Ray actor as a run
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.lib.layouts import Layout, LayoutError
@@ -58,6 +65,39 @@ ASYNC_OVERRIDES = (
     "policy.generation.colocated.resources.gpus_per_node=1",
     "policy.generation.colocated.resources.num_nodes=1",
 )
+
+
+#: ``dualrl bench --grpo-task``: the embedded GRPO config of each task, and the built-in model
+#: whose tokenizer (and vocabulary) a size's random Llama takes for it.
+GRPO_TASKS: dict[str, tuple[str, str]] = {
+    "arithmetic": ("grpo_arithmetic.yaml", "builtin:arithmetic-llama"),
+    "reasoning_gym": ("grpo_reasoning_gym.yaml", "builtin:reasoning-gym-llama"),
+}
+
+
+def task_config_path(task: str) -> Path:
+    from core.config import EMBEDDED_CONFIGS
+
+    return EMBEDDED_CONFIGS["grpo"].with_name(GRPO_TASKS[task][0])
+
+
+def task_prompt_room(task: str) -> int:
+    """The task config's longest prompt in tokens (``data.max_input_seq_length``)."""
+    from core.algorithms.config import GRPORunConfig
+    from core.config import load_config
+
+    room = load_config(task_config_path(task), schema=GRPORunConfig).data.max_input_seq_length
+    assert room is not None  # GRPORunConfig requires it
+    return room
+
+
+def task_tokenizer(task: str) -> tuple[Any, int]:
+    """(the task's built-in tokenizer, its model's vocabulary size): what a random Llama needs
+    to read the task's prompts."""
+    from core.models.builtin import BUILTIN_MODELS, PREFIX, builtin_tokenizer
+
+    name = GRPO_TASKS[task][1]
+    return builtin_tokenizer(name), BUILTIN_MODELS[name.removeprefix(PREFIX)][0]["vocab_size"]
 
 
 def multi_turn_sequence(work: GRPOWorkload, turns: int) -> int:
@@ -196,15 +236,17 @@ def grpo_config(
     jax_cpu_slots: int | None = None,
     async_grpo: bool = False,
     multi_turn: int | None = None,
+    task: str = "arithmetic",
 ) -> GRPORunConfig:
-    """The embedded GRPO config on this layout, model and workload (``generation``: vllm | hf)."""
+    """The embedded GRPO config of ``task`` on this layout, model and workload (``generation``:
+    vllm | hf)."""
     from core.algorithms.config import GRPORunConfig
-    from core.config import EMBEDDED_CONFIGS, load_config
+    from core.config import load_config
 
     overrides = grpo_overrides(
         layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo, multi_turn
     )
-    return load_config(EMBEDDED_CONFIGS["grpo"], overrides, schema=GRPORunConfig)
+    return load_config(task_config_path(task), overrides, schema=GRPORunConfig)
 
 
 def measure_grpo(
@@ -218,6 +260,7 @@ def measure_grpo(
     jax_cpu_slots: int | None = None,
     async_grpo: bool = False,
     multi_turn: int | None = None,
+    task: str = "arithmetic",
 ) -> dict[str, Any]:
     """Set up the run (timed as ``startup_s``), ``warmup`` untimed steps, ``steps`` timed ones;
     the median of each phase and of the whole step, and the last step's rollout facts.  Async:
@@ -228,7 +271,17 @@ def measure_grpo(
     from core.algorithms.warm_start import resolve_model
 
     cfg = grpo_config(
-        layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo, multi_turn
+        layout,
+        work,
+        model_path,
+        tokenizer_path,
+        precision,
+        log_dir,
+        generation,
+        jax_cpu_slots,
+        async_grpo,
+        multi_turn,
+        task,
     )
     total = work.warmup + work.steps
     t0 = time.perf_counter()

@@ -19,10 +19,10 @@ BUILTIN_MODEL = "arithmetic-llama"
 BUILTIN_SEED = 0
 
 
-def random_llama(shape: dict[str, Any], path: Path, seed: int | None = None) -> str:
-    """A Llama of ``shape`` (HF config fields) with seeded random weights and the character
-    tokenizer in ``path``; reused when ``path`` already holds that shape (a 1b build takes a
-    minute: ``dualrl bench --gpu --model-dir`` keeps it across runs)."""
+def random_llama(shape: dict[str, Any], path: Path, seed: int | None = None, tokenizer: Any = None) -> str:
+    """A Llama of ``shape`` (HF config fields) with seeded random weights and ``tokenizer`` (None:
+    the character tokenizer) in ``path``; reused when ``path`` already holds that shape (a 1b
+    build takes a minute: ``dualrl bench --gpu --model-dir`` keeps it across runs)."""
     from transformers import AutoConfig
 
     from core.models.builtin import write_random_init
@@ -34,7 +34,7 @@ def random_llama(shape: dict[str, Any], path: Path, seed: int | None = None) -> 
             raise ValueError(f"{path} holds another shape (have, want): {wrong}")
         return str(path)
     path.mkdir(parents=True, exist_ok=True)
-    write_random_init(shape, path, **({} if seed is None else {"seed": seed}))
+    write_random_init(shape, path, tokenizer=tokenizer, **({} if seed is None else {"seed": seed}))
     return str(path)
 
 

@@ -28,7 +28,9 @@ Spec (a JSON-able dict; :func:`check_spec` fills the optional keys and refuses b
   ``env`` section, ``{"name": "arithmetic"}``); ``use_chat_template`` (``auto``, dualrl's
   ``data.use_chat_template``); ``old_logprobs_pass`` (``True``, see below); ``foreach`` / ``fused``
   (AdamW's, ``None`` = torch's default); ``gradient_checkpointing`` (``False``);
-  ``min_new_tokens`` (0: dualrl's ``policy.generation.min_new_tokens``).
+  ``min_new_tokens`` (0: dualrl's ``policy.generation.min_new_tokens``); ``metadata`` (``None``: a
+  list of JSON-able dicts, one per prompt, that the reward's environment gets besides the
+  ``ground_truth``: a reasoning-gym row's task columns).
 
 The GRPOConfig (:func:`grpo_config_kwargs`):
 
@@ -62,7 +64,7 @@ The GRPOConfig (:func:`grpo_config_kwargs`):
 
 Reward: a TRL reward function that calls dualrl's environment (``core.environments.make_environment``
 on the spec's ``env``, the built-in ``arithmetic`` exact-answer check by default) with
-``metadata = {"ground_truth": answer}``, on the completion text TRL decodes
+``metadata = {"ground_truth": answer}`` (plus the spec's ``metadata`` of the prompt), on the completion text TRL decodes
 (``skip_special_tokens=True``, up to and including the first EOS: the text dualrl's
 ``decode_completions`` gives its environment), and checks its return with
 ``check_environment_return`` as dualrl's pool does.
@@ -144,6 +146,7 @@ Differences from dualrl's step that remain (work first, then numerics):
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
@@ -191,6 +194,7 @@ OPTIONAL_DEFAULTS = {
     "fused": None,
     "gradient_checkpointing": False,
     "min_new_tokens": 0,
+    "metadata": None,
 }
 PRECISIONS = ("float32", "bfloat16")
 #: TRL's metrics of one step reported by ``step()`` (our name: TRL's ``_metrics["train"]`` key).
@@ -208,7 +212,14 @@ METRICS = {
 # ----------------------------------------------------------------------------- spec
 
 
-def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_path: str, tokenizer_path: str) -> dict:
+def spec_from_dualrl(
+    cfg: dict,
+    prompts: list[str],
+    answers: list[str],
+    model_path: str,
+    tokenizer_path: str,
+    metadata: list[dict] | None = None,
+) -> dict:
     """The runner's spec from a resolved dualrl GRPO config (``core.config.load_config``'s dict):
     ``grpo`` (num_prompts_per_step, num_generations_per_prompt, seed, normalize_rewards),
     ``policy`` (generation sampling, optimizer kwargs, max_grad_norm, precision, micro batch),
@@ -264,6 +275,8 @@ def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_pa
         "foreach": opt.get("foreach"),
         "fused": opt.get("fused"),
         "gradient_checkpointing": _activation_checkpointing(policy),
+        # the prompts' own columns (ground truth aside), JSON-able: the child gets the spec as JSON
+        "metadata": None if metadata is None else [json.loads(json.dumps(m, default=str)) for m in metadata],
     }
     return check_spec(spec)
 
@@ -287,9 +300,11 @@ def check_spec(spec: dict) -> dict:
     out = {**OPTIONAL_DEFAULTS, **spec}
     if out["epsilon_high"] is None:
         out["epsilon_high"] = out["epsilon"]
-    prompts, answers = out["prompts"], out["answers"]
+    prompts, answers, metadata = out["prompts"], out["answers"], out["metadata"]
     if not prompts or len(prompts) != len(answers):
         raise ValueError(f"TRL GRPO spec: {len(prompts)} prompts and {len(answers)} answers (need as many, >= 1)")
+    if metadata is not None and (len(metadata) != len(prompts) or not all(isinstance(m, dict) for m in metadata)):
+        raise ValueError(f"TRL GRPO spec: metadata must be one dict per prompt ({len(prompts)}), got {len(metadata)}")
     if not all(isinstance(p, str) for p in prompts):
         raise ValueError("TRL GRPO spec: prompts must be formatted prompt strings")
     for key in ("prompts_per_step", "max_new_tokens"):
@@ -384,12 +399,17 @@ def grpo_config_kwargs(spec: dict, output_dir: str) -> dict:
     )
 
 
-def cycled_rows(prompts: list[str], answers: list[str], per_step: int) -> list[dict]:
-    """``{"prompt", "answer"}`` rows: the lists repeated until their length is a multiple of
-    ``per_step``, so that TRL's sampler (which drops an epoch's incomplete last batch) walks the
-    prompts in order, ``per_step`` per step, cycling."""
+def cycled_rows(
+    prompts: list[str], answers: list[str], per_step: int, metadata: list[dict] | None = None
+) -> list[dict]:
+    """``{"prompt", "answer"}`` rows (with ``metadata``: and ``"metadata"``, each dict as JSON
+    text, one column type whatever the keys): the lists repeated until their length is a
+    multiple of ``per_step``, so that TRL's sampler (which drops an epoch's incomplete last
+    batch) walks the prompts in order, ``per_step`` per step, cycling."""
     repeats = per_step // math.gcd(len(prompts), per_step)
-    return [{"prompt": p, "answer": a} for _ in range(repeats) for p, a in zip(prompts, answers, strict=True)]
+    extra = [{"metadata": json.dumps(m)} for m in metadata] if metadata is not None else [{}] * len(prompts)
+    rows = [{"prompt": p, "answer": a, **e} for p, a, e in zip(prompts, answers, extra, strict=True)]
+    return [dict(row) for _ in range(repeats) for row in rows]
 
 
 # ----------------------------------------------------------------------------- TRL (child process)
@@ -401,8 +421,9 @@ def _reward_function(env_cfg: dict):
 
     env = make_environment(env_cfg)
 
-    def dualrl_env(prompts, completions, answer, **_kwargs):
-        meta = [{"ground_truth": a} for a in answer]
+    def dualrl_env(prompts, completions, answer, metadata=None, **_kwargs):
+        columns = [{}] * len(answer) if metadata is None else [json.loads(m) for m in metadata]
+        meta = [{**c, "ground_truth": a} for c, a in zip(columns, answer, strict=True)]
         ret = check_environment_return(
             env.score(list(prompts), list(completions), meta), prompts, completions, env.name
         )
@@ -606,7 +627,7 @@ def serve_trl_grpo(spec: dict) -> None:
     use_template = types.SimpleNamespace(use_chat_template=spec["use_chat_template"])
     trainer_cls._bench_add_special_tokens = not chat_template_used(use_template, tokenizer)
     trainer_cls._bench_old_logprobs_pass = bool(spec["old_logprobs_pass"])
-    rows = cycled_rows(spec["prompts"], spec["answers"], spec["prompts_per_step"])
+    rows = cycled_rows(spec["prompts"], spec["answers"], spec["prompts_per_step"], spec["metadata"])
     marks: dict = {}
 
     def reset() -> None:  # where this step's metrics start, and the step's own timers

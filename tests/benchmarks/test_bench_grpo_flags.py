@@ -1,5 +1,5 @@
 """``dualrl bench``'s GRPO flags (``--grpo-new-tokens``, ``--grpo-prompts``, ``--grpo-group``,
-``--[no-]grpo-full-length``, ``--grpo-async``): what they parse to, the run configs and TRL spec
+``--[no-]grpo-full-length``, ``--grpo-async``, ``--grpo-task``): what they parse to, the run configs and TRL spec
 they produce, the refusals before anything starts, and the async rows in the report and chart.
 No benchmark runs here (test_bench_compare.py's smoke runs one with ``--grpo-async``)."""
 
@@ -17,6 +17,7 @@ from benchmarks.lib.grpo_step import (
     grpo_overrides,
     micro_batch,
     summarize,
+    task_prompt_room,
 )
 from benchmarks.lib.layouts import parse_layout
 from benchmarks.lib.sizes import SIZES, GRPOWorkload
@@ -95,6 +96,8 @@ def test_the_overrides_the_workload_and_async_produce():
         (["--grpo-multi-turn", "1"], "--grpo-multi-turn must be >= 2 (turns per episode"),
         (["--grpo-multi-turn", "2", "--sections", "throughput"], "--grpo-multi-turn adds rows to --sections grpo"),
         (["--grpo-multi-turn", "2", "--model", "m"], "the scripted observation is sized in the built-in character"),
+        (["--grpo-task", "reasoning_gym", "--grpo-multi-turn", "2"], "the multi-turn row is arithmetic only"),
+        (["--grpo-task", "gsm8k"], "invalid choice: 'gsm8k'"),
         (
             ["--grpo-async", "--device", "cuda", "--max-devices", "2"],
             "the engine needs a GPU of its own beside the policy's; dtensor-dp2, jax-fsdp2 leave none",
@@ -238,3 +241,55 @@ def test_the_multi_turn_table_has_no_trl_column_and_sits_beside_the_sync_step():
     assert "scripted episodes of 2 turns x 6 new tokens" in text and "no ×TRL" in text
     assert "| fsdp1-dp1 | multi-turn 2 | 3.00 | 3.00 | 0.25 | 0.25 | 0.25 | 0.25 | 0.25 | 0.25 | 0.12 | 2.00 |" in text
     assert "| 16.0 / 12.0 | 0 |" in text
+
+
+def test_the_reasoning_gym_task_runs_the_recipes_prompts_and_reward_on_both_sides(with_vllm):
+    """``--grpo-task reasoning_gym``: the recipe's config with the bench's model and workload (the
+    prompts keep the recipe's room), and TRL's reward scores a row with the task's own scorer."""
+    from core.datasets import build_prompt_datasets
+    from core.models.byte_tokenizer import byte_tokenizer
+
+    args = parse("--grpo-task", "reasoning_gym")
+    small, room = SIZES["small"].grpo, task_prompt_room("reasoning_gym")
+    assert args.grpo_task == "reasoning_gym" and args.grpo_work.seq == room + small.new_tokens > small.seq
+    assert parse().grpo_task == "arithmetic" and parse().grpo_work == small
+    cfg = grpo_config(parse_layout("fsdp1-dp1"), args.grpo_work, "m", "t", "float32", "/tmp/x", task="reasoning_gym")
+    assert cfg.data.dataset_name == "reasoning_gym" and cfg.env.name == "reasoning_gym"
+    assert cfg.policy.model_name == "m" and cfg.policy.max_total_sequence_length == room + small.new_tokens
+    _, val = build_prompt_datasets(cfg.data, None, byte_tokenizer(), num_val=2, seed=cfg.grpo.seed)
+    items = [val[0], val[1]]
+    answers = [str(p.metadata["ground_truth"]) for p in items]
+    spec = trl_grpo.spec_from_dualrl(
+        {
+            **cfg.to_dict(),
+            "policy": {
+                **cfg.to_dict()["policy"],
+                "train_global_batch_size": cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
+            },
+        },
+        [p.prompt for p in items],
+        answers,
+        "m",
+        "t",
+        metadata=[p.metadata for p in items],
+    )
+    rows = trl_grpo.cycled_rows(spec["prompts"], spec["answers"], 2, spec["metadata"])
+    reward = trl_grpo._reward_function(spec["env"])
+    scores = reward(
+        [r["prompt"] for r in rows],
+        [answers[0], "wrong"],
+        [r["answer"] for r in rows],
+        metadata=[r["metadata"] for r in rows],
+    )
+    assert scores == [1.0, 0.0]
+
+
+def test_the_reasoning_gym_task_without_the_package_is_refused(with_vllm, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    with pytest.raises(SystemExit):
+        parse("--grpo-task", "reasoning_gym")
+    assert (
+        "--grpo-task reasoning_gym: 'reasoning_gym' needs the optional package reasoning-gym" in capsys.readouterr().err
+    )

@@ -42,7 +42,14 @@ def grpo_run_config(bench: Bench, log_dir: str, generation: str = "vllm") -> GRP
     args = bench.args
     layout = parse_layout("fsdp1-dp1")
     return grpo_config(
-        layout, bench.size.grpo, bench.model_path, bench.tokenizer_path, args.precision, log_dir, generation
+        layout,
+        bench.size.grpo,
+        bench.model_path,
+        bench.tokenizer_path,
+        args.precision,
+        log_dir,
+        generation,
+        task=getattr(args, "grpo_task", "arithmetic"),
     )
 
 
@@ -62,6 +69,7 @@ def start_trl(bench: Bench) -> None:
         [str(p.metadata["ground_truth"]) for p in items],
         bench.model_path,
         bench.tokenizer_path,
+        metadata=[p.metadata for p in items],
     )
     try:
         (bench.tmp / "trl").mkdir(parents=True, exist_ok=True)

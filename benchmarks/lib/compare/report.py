@@ -183,7 +183,8 @@ def grpo_lines(results: dict) -> list[str]:
     ]
     lines = [
         f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens{full}, "
-        f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps)",
+        f"{results['grpo_generation']} generation, {results.get('grpo_task', 'arithmetic')} task; "
+        "×TRL = TRL step s / dualrl step s, paired steps)",
         "",
         *table(header, rows),
         "",

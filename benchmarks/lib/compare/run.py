@@ -210,6 +210,7 @@ def grpo_row(bench: Bench, layout: Layout, async_grpo: bool = False, multi_turn:
             jax_cpu_slots=None if bench.args.device == "cuda" else bench.args.threads,
             async_grpo=async_grpo,
             multi_turn=multi_turn,
+            task=getattr(bench.args, "grpo_task", "arithmetic"),
         )
     except Exception as err:  # noqa: BLE001
         return {"mode": mode, "error": error_text(err)}
@@ -262,7 +263,7 @@ def run(bench: Bench, progress) -> dict:
     }
     skip_notes(bench)
     start_session(bench)
-    bench.load_model(args.model)
+    bench.load_model(args.model, task=getattr(args, "grpo_task", "arithmetic"))
     results["machine"] = machine_facts(args.device, args.precision, args.threads)
     results["tokens"] = int(make_batch(args.batch, args.seq, bench.config.vocab_size)["input_lengths"].sum())
     start_baselines(bench)
@@ -304,6 +305,7 @@ def run_bench(args, progress) -> tuple[dict, Bench]:
         grpo_workload=dataclasses.asdict(bench.size.grpo),
         grpo_generation=args.grpo_generation,
         grpo_multi_turn=getattr(args, "grpo_multi_turn", None),
+        grpo_task=getattr(args, "grpo_task", "arithmetic"),
         load=os.getloadavg(),
     )
     return results, bench
