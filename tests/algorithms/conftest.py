@@ -14,7 +14,14 @@ import pytest
 
 from core.algorithms.config import GRPORunConfig
 from core.config import load_config
+from core.models.builtin import WARM_START_SFT_OVERRIDES
 from dualrl.cli import GRPO_DEFAULT_CONFIG_PATH
+
+#: The embedded reasoning-gym recipe (core/configs/grpo_reasoning_gym.yaml).
+REASONING_GYM_CONFIG_PATH = GRPO_DEFAULT_CONFIG_PATH.with_name("grpo_reasoning_gym.yaml")
+#: The test session's warm start of builtin:reasoning-gym-llama: the recipe's own SFT run, shorter
+#: (a model of its own in the cache), still far enough for rewards that are neither all 0 nor all 1.
+REASONING_GYM_TEST_WARM_START = ("sft.max_num_steps=60",)
 
 SMALL_RUN = [
     "grpo.num_prompts_per_step=4",
@@ -57,7 +64,9 @@ def builtin_cache(ray_session, tmp_path_factory):
     path = tmp_path_factory.mktemp("dualrl_cache")
     old = os.environ.get("DUALRL_CACHE_DIR")
     os.environ["DUALRL_CACHE_DIR"] = str(path)
-    yield path
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(WARM_START_SFT_OVERRIDES, "reasoning-gym-llama", REASONING_GYM_TEST_WARM_START)
+        yield path
     if old is None:
         os.environ.pop("DUALRL_CACHE_DIR", None)
     else:

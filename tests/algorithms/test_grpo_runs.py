@@ -5,7 +5,9 @@
 * step 1 is the same on the three backends: same rollouts and rewards (seeded per row,
   engines refit from identical fp32 weights), loss and grad norm within 1e-5.  The fast run
   compares the two engines (torch_fsdp, jax_pjit); torch_dtensor's run (~21 s) is in
-  ``make test-all`` (its GRPO step is in ``dualrl parity`` and tests/backends);
+  ``make test-all`` (its GRPO step is in ``dualrl parity`` and tests/backends).  The same
+  holds on the reasoning-gym recipe (core/configs/grpo_reasoning_gym.yaml: English prompts of
+  three tasks, the byte tokenizer, each task's own score_answer), per-task metrics included;
 * a run resumed from its step-1 checkpoint repeats the uninterrupted run's step 2;
 * ``generation.backend: hf`` (the policy's own generate) trains too.
 """
@@ -18,7 +20,8 @@ import pytest
 
 from core.algorithms.commands import run_grpo
 from core.logging import read_metrics
-from tests.algorithms.conftest import LAYOUTS, SEPARATE_ENGINE, grpo_config
+from dualrl.cli import GRPO_DEFAULT_CONFIG_PATH
+from tests.algorithms.conftest import LAYOUTS, REASONING_GYM_CONFIG_PATH, SEPARATE_ENGINE, grpo_config
 
 BACKENDS = tuple(LAYOUTS)
 
@@ -27,9 +30,13 @@ def _train_rows(run):
     return [r for r in run.logger.history if r["split"] == "train"]
 
 
-def _run(tmp_path_factory, name: str, backend: str, *overrides: str):
+#: The recipes whose step 1 is compared across the backends.
+RECIPES = {"arithmetic": GRPO_DEFAULT_CONFIG_PATH, "reasoning_gym": REASONING_GYM_CONFIG_PATH}
+
+
+def _run(tmp_path_factory, name: str, backend: str, *overrides: str, recipe: str = "arithmetic"):
     run_dir = tmp_path_factory.mktemp(name)
-    run = run_grpo(grpo_config(run_dir, backend, *overrides), log=lambda _msg: None)
+    run = run_grpo(grpo_config(run_dir, backend, *overrides, path=RECIPES[recipe]), log=lambda _msg: None)
     return run, run_dir
 
 
@@ -43,13 +50,13 @@ def backend_params(backends=BACKENDS) -> list:
 
 @pytest.fixture(scope="module")
 def colocated_run(ray_session, builtin_cache, tmp_path_factory):
-    """``backend`` -> its two-step colocated run (each run once per module, when first asked for)."""
+    """``(backend, recipe)`` -> its two-step colocated run (each run once per module, when first asked for)."""
     runs: dict = {}
 
-    def get(backend: str):
-        if backend not in runs:
-            runs[backend] = _run(tmp_path_factory, f"grpo-{backend}", backend)[0]
-        return runs[backend]
+    def get(backend: str, recipe: str = "arithmetic"):
+        if (backend, recipe) not in runs:
+            runs[backend, recipe] = _run(tmp_path_factory, f"grpo-{backend}-{recipe}", backend, recipe=recipe)[0]
+        return runs[backend, recipe]
 
     return get
 
@@ -73,10 +80,13 @@ def test_two_colocated_steps(colocated_run, backend):
     _check_two_steps(colocated_run(backend), "ipc")
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("backend", backend_params(BACKENDS[1:]))
-def test_step_one_is_the_same_on_every_backend(colocated_run, backend):
-    ref = _train_rows(colocated_run("torch_fsdp"))[0]
-    row = _train_rows(colocated_run(backend))[0]
+def test_step_one_is_the_same_on_every_backend(colocated_run, backend, recipe):
+    ref = _train_rows(colocated_run("torch_fsdp", recipe))[0]
+    row = _train_rows(colocated_run(backend, recipe))[0]
+    per_task = sorted(key for key in ref if key.startswith("tasks/"))
+    assert bool(per_task) == (recipe == "reasoning_gym")  # the mix's per-task metrics, e.g. tasks/gcd/accuracy
     for key in (
         "reward_mean",
         "reward_std",
@@ -85,8 +95,10 @@ def test_step_one_is_the_same_on_every_backend(colocated_run, backend):
         "response_length_mean",
         "advantage_abs_mean",
         "zero_variance_group_fraction",
+        *per_task,
     ):
         assert row[key] == ref[key], f"{backend}: {key} {row[key]} != torch_fsdp {ref[key]} (rollouts differ)"
+    assert 0.0 < ref["reward_mean"] < 1.0 and ref["grad_norm"] > 0, "rewards all equal: nothing compared"
     for key in ("loss", "grad_norm", "actor_loss"):
         assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), f"{backend}: {key}"
 
