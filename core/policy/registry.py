@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from core.distributed import WorkerLayout
 from core.policy.config import BACKENDS, PolicyConfig
@@ -25,10 +26,25 @@ class BackendSpec:
     #: an optimizer checkpoint must hold besides the shards: checked on the driver at load.
     checkpoint_format: str = "torch-dcp"
     optimizer_files: tuple[str, ...] = ("scheduler_and_step.pt",)
+    #: "package.module:function" ``(policy config, HF model config, cluster, workers) -> [line]``:
+    #: what the backend refuses on the driver before its workers start (None: nothing of its own).
+    driver_checks: str | None = None
 
     def load_worker(self) -> type:
-        module_name, _, cls_name = self.worker.partition(":")
-        return getattr(importlib.import_module(module_name), cls_name)
+        return _load(self.worker)
+
+    def driver_problems(self, policy_cfg: PolicyConfig, model_config: Any, cluster: Any, workers: int) -> list[str]:
+        """The backend's own driver-side checks (``driver_checks``), one line per problem."""
+        return (
+            []
+            if self.driver_checks is None
+            else list(_load(self.driver_checks)(policy_cfg, model_config, cluster, workers))
+        )
+
+
+def _load(target: str) -> Any:
+    module_name, _, name = target.partition(":")
+    return getattr(importlib.import_module(module_name), name)
 
 
 def torch_layout(policy_cfg: PolicyConfig, world_size: int) -> WorkerLayout:
@@ -52,6 +68,7 @@ _REGISTRY: dict[str, BackendSpec] = {
         one_worker_per_device=False,
         checkpoint_format="orbax",
         optimizer_files=(),
+        driver_checks="backends.jax_pjit.driver_checks:policy_problems",
     ),
 }
 
