@@ -40,6 +40,15 @@ class VllmConfig(ConfigModel):
     """"dummy" when weights are refit from the policy (the usual case)."""
     skip_tokenizer_init: bool = True
     """The engine gets token ids, never text: no tokenizer of its own."""
+    call_timeout_s: float = Field(3600.0, gt=0)
+    """Seconds the driver waits for one engine call (start-up, a generate call, a refit) before
+    it declares the engine hung: the engine is killed and the run fails with
+    ``EngineDeadError``.  A generate call lasts as long as its longest row's decode (every row
+    advances one token per engine step), so a rollout of tens of thousands of new tokens at
+    tens of tokens per second per sequence -- long-reasoning GRPO on a GPU -- runs for tens of
+    minutes while healthy.  An hour stays above such a call, where killing a healthy engine
+    would lose the step, and still ends a hung one within the hour; lower it for short
+    rollouts to hear of a hang sooner."""
 
     def check(self) -> Iterable[Problem]:
         if not 0 < self.gpu_memory_utilization <= 1:
