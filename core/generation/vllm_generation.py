@@ -86,7 +86,9 @@ class VllmGeneration(RefittableGenerationInterface):
         # its rank and the exception (WorkerStartupError, a RuntimeError), not as "dead".
         group = self.worker_group
         try:
-            limits = group.get_all_worker_results(group.run_all_workers_single_data("limits"), timeout=self.call_timeout_s)
+            limits = group.get_all_worker_results(
+                group.run_all_workers_single_data("limits"), timeout=vcfg.startup_timeout_s
+            )
         except BaseException:
             group.shutdown()  # the caller gets no handle to shut down: leave no engine behind
             raise
