@@ -166,7 +166,9 @@ def ensure_collective(policy: Policy, generation: VllmGeneration, timeout_s: flo
     world = 1 + generation.num_engines * generation.workers_per_engine
     joins_policy = policy.init_collective(ip, port, world)
     joins_engine = generation.init_collective(ip, port, world)
-    _wait_both(policy, generation, joins_policy, joins_engine, generation.call_timeout_s if timeout_s is None else timeout_s)
+    _wait_both(
+        policy, generation, joins_policy, joins_engine, generation.call_timeout_s if timeout_s is None else timeout_s
+    )
     policy._refit_peer = generation
 
 

@@ -558,9 +558,7 @@ def env(ray_session, model_dirs, tokenizer, tmp_path_factory):
         handles.append(Policy(clusters[1], cfg, tokenizer, name_prefix="catalogue_torch"))
         handles.append(Policy(clusters[2], jax_cfg, tokenizer, name_prefix="catalogue_jax"))
         handles.append(
-            VllmGeneration(
-                clusters[3], gen_cfg, tokenizer, name_prefix="catalogue_engine", probe_timeout_s=20
-            )
+            VllmGeneration(clusters[3], gen_cfg, tokenizer, name_prefix="catalogue_engine", probe_timeout_s=20)
         )
         yield Env(
             *handles, cfg=cfg, model_dir=model_dirs["llama"], tmp=tmp, tokenizer=tokenizer, spare_cluster=clusters[0]
