@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["ROOT_LOGGER", "ProgressBarHandler", "get_logger", "show_logs_above_progress"]
+__all__ = ["ROOT_LOGGER", "ProgressBarHandler", "get_logger", "show_logs_above_progress", "warn_once"]
 
 #: The name every project logger lives under.
 ROOT_LOGGER = "dualrl"
@@ -32,6 +32,17 @@ ROOT_LOGGER = "dualrl"
 def get_logger(module: str) -> logging.Logger:
     """The logger of ``module`` (pass ``__name__``) in the ``dualrl`` hierarchy."""
     return logging.getLogger(module if module.split(".")[0] == ROOT_LOGGER else f"{ROOT_LOGGER}.{module}")
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_once(logger: logging.Logger, message: str) -> None:
+    """``logger.warning(message)`` the first time this process sees it (a note about a setting
+    that holds for every call, e.g. each generate call's, said once rather than each time)."""
+    if (logger.name, message) not in _warned:
+        _warned.add((logger.name, message))
+        logger.warning("%s", message)
 
 
 class _LevelPrefix(logging.Formatter):

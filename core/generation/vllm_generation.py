@@ -17,7 +17,6 @@ engine that died, hung past ``policy.generation.vllm_cfg.call_timeout_s`` or fai
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -35,11 +34,12 @@ from core.policy.config import PolicyConfig
 from core.policy.generation_args import checked_row_limits, checked_sample_seeds
 from core.policy.generation_config import VllmConfig
 from core.policy.preflight import absolute_model_paths, check_model_path
+from core.reporting import get_logger
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class VllmGeneration(RefittableGenerationInterface):
