@@ -50,7 +50,7 @@ def onednn_linear_available() -> bool:
     return True
 
 
-def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` on oneDNN for 2-D ``x`` [M, K] and ``weight`` [N, K]; either may
     be a transposed view (oneDNN reads the strides), so the backward needs no copies."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -65,15 +65,15 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(rows, weight)
         ctx.input_shape, ctx.has_bias = x.shape, bias is not None
-        return _onednn_product(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        return onednn_product(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, weight = ctx.saved_tensors
         grad_rows = grad.reshape(-1, grad.shape[-1])
         need_x, need_w, need_b = ctx.needs_input_grad
-        grad_x = _onednn_product(grad_rows, weight.t(), None).reshape(ctx.input_shape) if need_x else None
-        grad_w = _onednn_product(grad_rows.t(), rows.t(), None) if need_w else None
+        grad_x = onednn_product(grad_rows, weight.t(), None).reshape(ctx.input_shape) if need_x else None
+        grad_w = onednn_product(grad_rows.t(), rows.t(), None) if need_w else None
         grad_b = grad_rows.sum(0) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b
 

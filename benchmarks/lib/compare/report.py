@@ -7,6 +7,7 @@ from benchmarks.lib.grpo_step import PRODUCER_PHASES, TRL_PHASES
 from benchmarks.lib.machine import flops_per_token, mfu
 from benchmarks.lib.markdown import cell, pct, table
 from benchmarks.lib.pairing import OPS, median, ratio
+from benchmarks.lib.roofline import ENGINES, best_peak
 
 
 def _mib(values) -> str:
@@ -260,6 +261,54 @@ def multi_turn_lines(results: dict) -> list[str]:
     ]
 
 
+#: What each roofline engine is, for the peaks table.
+ENGINE_NOTES = {
+    "xla": "jax.jit matmul (the JAX backend)",
+    "torch": "torch.matmul, torch's default path (BLAS: MKL on a CPU; HF eager and TRL)",
+    "torch-onednn": "oneDNN matmul (the torch backends' fp32 CPU linears)",
+}
+
+
+def roofline_lines(results: dict) -> list[str]:
+    """The engines' peaks on the workload's products, then every timed phase's rate and share
+    (``benchmarks.lib.roofline.achieved``, kept in the results by the run)."""
+    roof = results.get("roofline")
+    if not roof:
+        return []
+    dtypes = ("float32", "bfloat16")
+    peaks = roof.get("peaks", {})
+    engine_rows = [
+        [engine, *[cell(peaks[engine].get(d), ",.0f") for d in dtypes], ENGINE_NOTES.get(engine, "")]
+        for engine in ENGINES
+        if engine in peaks
+    ]
+    precision = results["machine"]["precision"]
+    best = best_peak(roof, precision)
+    phase_rows = [
+        [a["row"], a["phase"], cell(a["rate"], ",.1f" if a["unit"] == "GB/s" else ",.0f") + " " + a["unit"]]
+        + [cell(pct(a["share"]), ".1f")]
+        for a in roof.get("achieved") or []
+    ]
+    best_text = f"{best[1]:,.0f} GFLOP/s ({best[0]}, {precision})" if best else "not measured"
+    lines = [
+        f"### Roofline: matmul peaks on the workload's products ({roof['tokens']} tokens: each linear layer's "
+        "forward, input- and weight-gradient product, weighted as a training step makes them; worker set-up)",
+        "",
+        *table(["engine", "fp32 GFLOP/s", "bf16 GFLOP/s", "what"], engine_rows),
+        "",
+        *[f"roofline engine {family} not measured: {why}" for family, why in (roof.get("errors") or {}).items()],
+    ]
+    if phase_rows:
+        lines += [
+            f"Every timed phase against the machine's best measured peak, {best_text}; refit against the "
+            "memcpy bandwidth (GB/s over memcpy GB/s):",
+            "",
+            *table(["row", "phase", "achieved", "% of roof"], phase_rows),
+            "",
+        ]
+    return lines
+
+
 def report(results: dict, config) -> str:
     """The markdown report; ``config``: the model's HF config (its FLOPs per token for MFU)."""
     m = results["machine"]
@@ -273,7 +322,7 @@ def report(results: dict, config) -> str:
         + (f", micro {results['micro']}" if results["micro"] else ""),
         "",
     ]
-    lines += throughput_lines(results, config) + refit_lines(results)
+    lines += roofline_lines(results) + throughput_lines(results, config) + refit_lines(results)
     gen = results.get("generation")
     if gen and "tokens_per_s" in gen:
         lines += [
