@@ -115,3 +115,19 @@ def test_peaks_are_measured_in_worker_set_up_children_for_every_engine():
     assert all(out["peaks"][e][d] > 0 for e in out["peaks"] for d in roofline.DTYPES)
     env, pin = roofline.worker_env("xla", "cpu", threads=1)
     assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"] and "device_count=1" in env["XLA_FLAGS"]
+
+
+def test_the_grpo_table_gives_the_ratio_per_completion_token():
+    from benchmarks.lib.compare.report import grpo_lines, per_token_ratio
+
+    g = {"step_s": 2.0, "response_length_mean": 8.0}
+    # TRL: 3 s for 12-token completions (0.25 s/token); dualrl: 2 s for 8 (0.25 s/token)
+    assert per_token_ratio(g, 3.0, 12.0) == pytest.approx(1.0)
+    assert per_token_ratio(g, 3.0, None) is None
+    results = _results()
+    results["grpo_workload"].update(new_tokens=16, full_length=False)
+    results["grpo_generation"] = "vllm"
+    results["layouts"][0]["grpo"]["trl_step_s"] = [3.0, 3.0]
+    row = next(line for line in grpo_lines(results) if line.startswith("| fsdp1-dp2 |"))
+    # step 2.0 s for 6-token completions; TRL 3.0 s for 8: 1.5x a step, (3 / 8) / (2 / 6) = 1.125x a token
+    assert row.startswith("| fsdp1-dp2 | sync | 2.00 | 1.50 | 1.12 | 3.00 |"), row

@@ -139,12 +139,21 @@ def _grpo_cells(g: dict) -> list[str]:
     return [cell(phases.get(p), ".2f") for p in GRPO_COLUMNS] + [split, overlapped]
 
 
+def per_token_ratio(g: dict, trl_step_s: float | None, trl_tokens: float | None) -> float | None:
+    """×TRL per generated token: TRL's seconds per completion token over dualrl's (the two sides
+    sample their own completions, whose lengths differ unless the run is full length)."""
+    mine = g.get("response_length_mean")
+    if not (trl_step_s and trl_tokens and mine):
+        return None
+    return (trl_step_s / trl_tokens) / (g["step_s"] / mine)
+
+
 def grpo_lines(results: dict) -> list[str]:
     rows = []
     for name, g in grpo_rows(results):
         mode = g.get("mode", "sync")
         if "error" in g:
-            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 7))
+            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 8))
             continue
         trl = median(g.get("trl_step_s"))
         trl_len = median([x for x in g.get("trl_completion_length") or [] if x is not None])
@@ -158,6 +167,7 @@ def grpo_lines(results: dict) -> list[str]:
                 mode,
                 cell(g["step_s"], ".2f"),
                 cell(trl / g["step_s"] if trl else None, ".2f"),
+                cell(per_token_ratio(g, trl, trl_len), ".2f"),
                 cell(trl, ".2f"),
                 trl_split if trl_phases else "-",
                 *_grpo_cells(g),
@@ -174,6 +184,7 @@ def grpo_lines(results: dict) -> list[str]:
         "mode",
         "step s",
         "×TRL",
+        "×TRL per token",
         "TRL step s",
         "TRL " + " / ".join(k.removesuffix("_s") for k in TRL_PHASES) + " s",
         *[f"{p} s" for p in GRPO_COLUMNS],
@@ -184,7 +195,8 @@ def grpo_lines(results: dict) -> list[str]:
     ]
     lines = [
         f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens{full}, "
-        f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps)",
+        f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps; per token: "
+        "seconds per sampled completion token)",
         "",
         *table(header, rows),
         "",
