@@ -23,7 +23,7 @@ SPEC = BackendSpec(
         "parallel.expert_parallel_size": "expert parallelism is implemented on jax_pjit only",
         "compile": "per-block torch.compile is wired into the FSDP2 path only; use torch_dtensor",
         "make_vocab_size_divisible_by": (
-            "FSDP1 has no tensor parallelism, so nothing needs a padded vocabulary (torch_dtensor and jax_pjit pad)"
+            "FSDP1 has no tensor parallelism, so nothing needs a padded vocabulary; torch_dtensor and jax_pjit pad"
         ),
     },
     renamed={
