@@ -64,6 +64,7 @@ class Layout:
     lora: bool = False  # policy.lora.enabled (at the caller's LoRA settings)
     ep: bool = False  # policy.parallel.expert_parallel_size = the fsdp size
     per_host: bool = field(default=False, compare=False)  # one worker owns all the devices (its spec says)
+    checkpoint_format: str = field(default="torch-dcp", compare=False)  # its spec's save_checkpoint format
 
     @property
     def devices(self) -> int:
@@ -141,7 +142,7 @@ def _layout(name: str, spec: BackendSpec, match: re.Match[str]) -> Layout:
     on = dict(zip(_FLAGS, (bool(f) for f in flags), strict=True))
     layout = Layout(
         name, spec.name, int(dp or 1), int(tp or 1), on["sp"], int(cp or 1), on["packed"], on["compiled"],
-        on["lora"], on["ep"], per_host=not spec.one_worker_per_device,
+        on["lora"], on["ep"], per_host=not spec.one_worker_per_device, checkpoint_format=spec.checkpoint_format,
     )  # fmt: skip
     asked = {"cp": layout.cp > 1, "tp": layout.tp > 1, **on}
     for part, key in PARTS.items():
@@ -183,6 +184,18 @@ def _layout_if(name: str, per_host: bool) -> Layout | None:
     except LayoutError:
         return None
     return layout if layout.per_host == per_host else None
+
+
+def dcp_layouts(names: list[str]) -> list[str]:
+    """The names (in order) whose backend checkpoints in torch DCP: they load each other's."""
+    out = []
+    for name in names:
+        try:
+            if parse_layout(name).checkpoint_format == "torch-dcp":
+                out.append(name)
+        except LayoutError:
+            continue
+    return out
 
 
 def device_layout(name: str) -> Layout | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.errors import error_text
-from benchmarks.lib.layouts import device_layout, parse_layout
+from benchmarks.lib.layouts import dcp_layouts, device_layout, parse_layout
 from benchmarks.lib.models import load_tokenizer, prepare_model, vocab_size
 from benchmarks.lib.parity.checks import collect, crossload_pairs, is_lora
 from benchmarks.lib.parity.engine import engine_check, engine_prompts, parity_engine
@@ -249,10 +249,10 @@ class ParityRun:
 
 
 def dcp_ring(names: list[str]) -> list[tuple[str, str]]:
-    """(source, target) DCP pairs: a ring over the torch layouts of each kind, full and ``-lora``
+    """(source, target) DCP pairs: a ring over the layouts that checkpoint in torch DCP, full and ``-lora``
     apart (none with fewer than two): a LoRA checkpoint holds adapters and their AdamW state
     that a full fine-tuning target has no place for, and the reverse."""
-    torch_names = [n for n in names if device_layout(n) is not None]
+    torch_names = dcp_layouts(names)
     return [
         pair
         for lora in (False, True)
