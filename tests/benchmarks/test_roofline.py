@@ -11,7 +11,12 @@ import pytest
 from benchmarks.lib import machine, roofline
 
 CONFIG = types.SimpleNamespace(
-    hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16, vocab_size=10
+    hidden_size=8,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=16,
+    vocab_size=10,
 )
 
 
