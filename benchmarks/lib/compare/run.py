@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -22,12 +23,13 @@ from benchmarks.lib.compare.baselines import (
     close_baselines,
     engine,
     generation_row,
+    grpo_run_config,
     lora_engine,
     start_baselines,
     vllm_missing,
 )
 from benchmarks.lib.errors import error_text
-from benchmarks.lib.grpo_step import TRL_PHASES, measure_grpo
+from benchmarks.lib.grpo_step import TRL_PHASES, measure_grpo, training_prompts
 from benchmarks.lib.layouts import Layout, LayoutError, check_batch, check_fits, parse_layout
 from benchmarks.lib.machine import machine_facts
 from benchmarks.lib.models import backend_model_problem, param_count
@@ -35,6 +37,7 @@ from benchmarks.lib.pairing import Probe, measure, new_result
 from benchmarks.lib.policy import PolicyRunner
 from benchmarks.lib.proc import peak_rss_bytes
 from benchmarks.lib.ray_session import RaySession
+from benchmarks.lib.roofline import achieved, measure_peaks
 from benchmarks.lib.sizes import SIZES
 from benchmarks.lib.workload import make_batch
 
@@ -241,6 +244,15 @@ def generation_section(bench: Bench, progress) -> dict:
         progress.update(1)
 
 
+def grpo_prompt_tokens_mean(bench: Bench) -> float:
+    """Mean prompt tokens of the prompts the GRPO rows' steps draw (warm-up and timed): what the
+    roofline counts per sample besides each side's completions."""
+    work = bench.size.grpo
+    cfg = grpo_run_config(bench, str(bench.tmp / "prompts"))
+    items = training_prompts(cfg, bench.tokenizer, work.prompts * (work.warmup + work.steps))
+    return statistics.fmean(len(p.input_ids) for p in items)
+
+
 def skip_notes(bench: Bench) -> None:
     """Without vLLM: no refit rows, and the GRPO step generates with the policy's own HF generate."""
     bench.refit_skipped = vllm_missing()
@@ -264,7 +276,10 @@ def run(bench: Bench, progress) -> dict:
     start_session(bench)
     bench.load_model(args.model)
     results["machine"] = machine_facts(args.device, args.precision, args.threads)
+    results["roofline"] = measure_peaks(bench.config, args.batch * args.seq, args.device, args.threads)
     results["tokens"] = int(make_batch(args.batch, args.seq, bench.config.vocab_size)["input_lengths"].sum())
+    if "grpo" in args.sections:
+        results["grpo_prompt_tokens_mean"] = grpo_prompt_tokens_mean(bench)
     start_baselines(bench)
     try:
         for layout in args.layout_objs:
@@ -306,4 +321,5 @@ def run_bench(args, progress) -> tuple[dict, Bench]:
         grpo_multi_turn=getattr(args, "grpo_multi_turn", None),
         load=os.getloadavg(),
     )
+    results["roofline"]["achieved"] = [dataclasses.asdict(a) for a in achieved(results, bench.config)]
     return results, bench
