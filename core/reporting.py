@@ -1,7 +1,7 @@
 """One way to report a problem: the ``dualrl`` logger hierarchy.
 
 Every module of the project logs through ``get_logger(__name__)`` -- ``dualrl.core.policy.policy``,
-``dualrl.backends.jax_pjit.sharding``, ... -- so one handler on the ``dualrl`` logger decides where
+``dualrl.backends.<backend>.<module>``, ... -- so one handler on the ``dualrl`` logger decides where
 the project's messages go, and a user silences or raises a part of it by name
 (``logging.getLogger("dualrl.backends").setLevel(...)``).  ``warnings.warn`` is kept only where
 Python's convention wants a warning: ``DeprecationWarning`` for a renamed API.

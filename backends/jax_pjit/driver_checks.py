@@ -1,7 +1,7 @@
 """What the JAX backend refuses on the driver, before any worker starts.
 
 A JAX worker owns all of its host's devices and builds its mesh over every device of the
-group, so two things are known only once the devices are: whether ``policy.jax_cfg``'s mesh
+group, so two things are known only once the devices are: whether ``policy.parallel``'s mesh
 matches their count, and whether every weight can be placed on that mesh
 (:mod:`backends.jax_pjit.param_placement`: a storage axis that does not divide a weight's
 dimension moves; a tensor-parallel one cannot).  Both used to surface inside the worker, as a
@@ -9,8 +9,8 @@ start-up failure of the whole group; :func:`policy_problems` finds them on the d
 cluster, the config and the model's HF config alone (the model is built abstractly: shapes,
 no memory, no device).
 
-The backend's spec calls it (``core.policy.registry``: ``BackendSpec.driver_checks``) from
-``Policy`` before the worker group starts.
+The backend's spec (``backends.jax_pjit.spec``, ``driver_checks``) calls it from ``Policy``
+before the worker group starts.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from backends.jax_pjit.sharding import mesh_dims
-from core.config import Problem, join_path
+from core.config import Problem
 from core.parallel_dims import ParallelDims
 from core.policy.config import PolicyConfig
 
@@ -68,22 +67,14 @@ def placement_problems(policy: PolicyConfig, hf_config: Any, dims: ParallelDims)
     return list(placement.problems)
 
 
-def policy_problems(policy: PolicyConfig, hf_config: Any, cluster: RayVirtualCluster, workers: int) -> list[str]:
-    """Every driver-side problem of a JAX policy on ``workers`` workers of ``cluster``, one
-    line each: the mesh against the group's devices (``make_mesh``'s own message, naming the
-    fields), expert parallelism against the mesh, then the weights' placement on it."""
+def policy_problems(policy: PolicyConfig, hf_config: Any, cluster: RayVirtualCluster, workers: int) -> list[Problem]:
+    """Every driver-side problem of a JAX policy on ``workers`` workers of ``cluster`` (fields
+    under ``policy``): the mesh against the group's devices (the shared rules and the backend's
+    own, e.g. expert parallelism over fsdp), then the weights' placement on it."""
     devices = workers * host_device_count(cluster)
     where = f" ({workers} worker(s) x {devices // workers} device(s) each)"
-    try:
-        dims = mesh_dims(policy, devices)
-    except ValueError as err:
-        return [f"{err}{where}"]
-    ep = policy.jax_cfg.expert_parallel_size
-    if ep > 1 and ep != dims.fsdp:
-        return [
-            f"policy.jax_cfg.expert_parallel_size: {ep} is not the fsdp size ({dims.fsdp}) of the mesh{where}: "
-            "the experts run expert-parallel over the axis they are stored on"
-        ]
-    return [
-        f"{join_path('policy', field)}: {message}" for field, message in placement_problems(policy, hf_config, dims)
-    ]
+    # layout_problems' last rule, whole micro batches per data-parallel rank, is the run config's:
+    # a JAX host splits each micro batch over its own devices.
+    mesh = [(field, message + where) for field, message in policy.layout_problems(devices)]
+    mesh = [(field, message) for field, message in mesh if field != "train_global_batch_size"]
+    return mesh or placement_problems(policy, hf_config, policy.parallel_dims(devices))

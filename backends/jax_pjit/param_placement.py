@@ -14,7 +14,7 @@ kinds of axis are not alike:
   splits, e.g. the experts' model dimension: how a dense MLP's kernels are stored), so its
   memory is still split ``fsdp`` ways.  Only when no dimension divides is it **replicated** over
   the axis (correct, at the cost of that weight's memory on every rank).  Expert parallelism
-  (``policy.jax_cfg.expert_parallel_size``) runs over the experts' storage axis and needs it
+  (``policy.parallel.expert_parallel_size``) runs over the experts' storage axis and needs it
   there; the config refuses a size that does not divide the experts before this is reached.
 * ``tp`` is compute: the attention and MLP run split along the heads / MLP width it shards.
   A ``tp`` that does not divide its dimension cannot run that way, and is a problem
@@ -50,9 +50,9 @@ logger = get_logger(__name__)
 STORAGE_AXES = (FSDP, CP)
 #: The ``policy`` field that sizes each mesh axis (for messages).
 AXIS_FIELDS = {
-    FSDP: "jax_cfg.fsdp_size",
-    CP: "jax_cfg.context_parallel_size",
-    TP: "jax_cfg.tensor_parallel_size",
+    FSDP: "parallel.fsdp_size",
+    CP: "parallel.context_parallel_size",
+    TP: "parallel.tensor_parallel_size",
 }
 
 

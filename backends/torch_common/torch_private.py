@@ -11,7 +11,8 @@ FSDP1 (``torch_fsdp``): its flat-parameter handles, the sharding strategy a hand
 with, the reshard step and the flat parameter's records of the original weights.  DTensor
 (``torch_dtensor``): flattening two mesh dims into one, a DTensor's local tensor without
 waiting, the async-collective tensor type, ring attention's rotate method, and the compiled
-call ``nn.Module.compile`` installs.
+call ``nn.Module.compile`` installs.  CPU linears (``torch_common.cpu_linear``): oneDNN's
+linear op.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ __all__ = [
     "flatten_mesh",
     "handles_kept_gathered",
     "local_tensor_of",
+    "onednn_linear",
+    "has_onednn_linear_op",
     "reshard_gathered",
     "set_compiled_call",
     "set_ring_attention_rotate_method",
@@ -105,6 +108,22 @@ def unit_weight_records(unit: FSDP) -> list[tuple[str, torch.nn.Module, str]]:
     flat = handle.flat_param
     records = [(i.module_name, i.module, i.param_name) for i in flat._param_infos]
     return records + [(i.module_name, i.module, i.param_name) for i in flat._shared_param_infos]
+
+
+# ----------------------------------------------------------------------------- oneDNN
+def has_onednn_linear_op() -> bool:
+    """Whether this build has oneDNN's linear op (``torch.ops.mkldnn._linear_pointwise``, the op
+    inductor emits for CPU linears: torch has no public oneDNN matmul)."""
+    try:
+        _ = torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` by oneDNN's linear op, no post-op (``attr "none"``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 # ----------------------------------------------------------------------------- DTensor, compile

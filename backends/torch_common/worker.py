@@ -41,6 +41,7 @@ from backends.torch_common.batches import (
     reshaped_rows,
     to_device,
 )
+from backends.torch_common.cpu_linear import route_cpu_linears
 from backends.torch_common.dist_env import (
     device_id,
     device_info,
@@ -134,6 +135,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             else []
         )
         self.lora_scale = lora_scale(self.cfg.lora.alpha, self.cfg.lora.rank, self.cfg.lora.use_rslora)
+        self.linear_path = route_cpu_linears(hf_model, self.device)  # fp32 CPU linears on oneDNN
         # Every stored weight, adapters included, in state-dict order (a base weight, then its
         # A and B); param_meta: the HF weights refit and export carry (merged).
         self._stored_meta = hf_param_meta(hf_model)

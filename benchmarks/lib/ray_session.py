@@ -76,7 +76,7 @@ class RaySession:
 
     def devices_for(self, layout: Layout) -> int | None:
         """The host devices ``layout`` needs from Ray (None: any)."""
-        return layout.devices if layout.is_jax and self.host_devices else None
+        return layout.devices if layout.per_host and self.host_devices else None
 
     def fits(self, devices: int | None) -> bool:
         return self.owned or devices is None or not self.host_devices or self.devices == devices
@@ -122,6 +122,10 @@ class RaySession:
         if not self.host_devices:
             # JAX would take 75 % of the GPU at its first allocation, next to torch layouts and HF children
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # Ray starts its workers at niceness 15 (its worker_niceness), while the baselines a layout
+        # is paired with (HF eager, TRL) and the roofline's children run at the driver's: on a
+        # machine shared with other work the baselines would get the cores first.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         # Ray sets an actor's OMP_NUM_THREADS to its CPU count only where the variable is unset;
         # an exported value would be inherited by every worker and oversubscribe the cores.
         os.environ.pop("OMP_NUM_THREADS", None)

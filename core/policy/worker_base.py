@@ -69,7 +69,7 @@ class StepResult(NamedTuple):
 
 
 class PolicyWorkerBase(RefitSender):
-    """Base of ``TorchPolicyWorker`` and ``JaxPolicyWorker``; the refit methods come from
+    """Base of every backend's policy worker; the refit methods come from
     ``RefitSender`` on top of each backend's ``iter_full_weights``."""
 
     rank: int = 0

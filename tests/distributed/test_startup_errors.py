@@ -253,13 +253,12 @@ def test_policy_jax_mesh_that_does_not_match_the_devices_is_refused_on_the_drive
 
     monkeypatch.setattr(policy_module, "RayWorkerGroup", _NoWorkers)
     cfg = policy_config(model_dirs["llama"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=3, tensor_parallel_size=2)  # 6 of the host's 8 devices
+    cfg["parallel"].update(fsdp_size=3, tensor_parallel_size=2)  # 6 of the host's 8 devices
     with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2, name="bad_mesh_driver") as cluster:
         with pytest.raises(ConfigError) as err:
             Policy(cluster, cfg, tokenizer, name_prefix="bad_mesh_driver")
     assert str(err.value).startswith(
-        "policy.jax_cfg.fsdp_size=3 x policy.jax_cfg.context_parallel_size=1 x policy.jax_cfg.tensor_parallel_size=2 "
-        "does not fit 8 device(s)"
+        "policy.parallel.fsdp_size: fsdp_size (3) x tensor_parallel_size (2) = 6 does not equal the world size (8)"
     )
     assert str(err.value).endswith("(1 worker(s) x 8 device(s) each)")
 
@@ -281,13 +280,13 @@ def test_policy_jax_weight_that_cannot_be_placed_is_refused_on_the_driver(
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(config | {"moe_intermediate_size": 33}))
     cfg = policy_config(model_dir, "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=-1, tensor_parallel_size=2)
+    cfg["parallel"].update(fsdp_size=-1, tensor_parallel_size=2)
     with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2, name="bad_placement_driver") as cluster:
         with pytest.raises(ConfigError) as err:
             Policy(cluster, cfg, tokenizer, name_prefix="bad_placement_driver")
     lines = str(err.value).splitlines()
     assert len(lines) == 3 and all(
-        line.startswith("policy.jax_cfg.tensor_parallel_size: layers/1/mlp/experts/") for line in lines
+        line.startswith("policy.parallel.tensor_parallel_size: layers/1/mlp/experts/") for line in lines
     )
     assert "('mlp') has size 33, not divisible by mesh axis tp (2)" in lines[0]
 

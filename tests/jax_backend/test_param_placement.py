@@ -70,7 +70,7 @@ def test_no_dimension_divides_the_weight_is_replicated_over_fsdp():
 def test_a_tensor_parallel_axis_that_does_not_divide_is_a_problem_naming_the_field():
     placement = _plan({"up": (64, 30)}, {"up": ("embed", "mlp")}, {"fsdp": 4, "cp": 1, "tp": 4})
     ((field, message),) = placement.problems
-    assert field == "jax_cfg.tensor_parallel_size"
+    assert field == "parallel.tensor_parallel_size"
     assert message.startswith("up: dim 1 ('mlp') has size 30, not divisible by mesh axis tp (4)")
     assert placement.specs == (PartitionSpec("fsdp", "tp"),)  # the plan itself still says what was asked
 
@@ -99,7 +99,7 @@ def test_driver_placement_check_plans_the_abstract_model():
     assert placement_problems(policy, _moe_hf_config(num_experts=4), policy.parallel_dims(8)) == []  # moved
     tp2 = PolicyConfig.checked(mesh_config(-1, 2))
     problems = placement_problems(tp2, _moe_hf_config(moe_intermediate_size=33), tp2.parallel_dims(8))
-    assert {field for field, _ in problems} == {"jax_cfg.tensor_parallel_size"}
+    assert {field for field, _ in problems} == {"parallel.tensor_parallel_size"}
     assert sorted(message.split(":")[0] for _, message in problems) == [
         f"layers/1/mlp/experts/{name}" for name in ("down_proj", "gate_proj", "up_proj")
     ]
@@ -122,7 +122,7 @@ def four_experts_worker(four_experts, tokenizer):
     from tests.torch_backends.conftest import policy_config
 
     cfg = PolicyConfig.checked(policy_config(four_experts, "jax_pjit"))
-    assert cfg.jax_cfg.fsdp_size == -1
+    assert cfg.parallel.fsdp_size == -1
     handler = _Collect()
     log = logging.getLogger("dualrl.backends.jax_pjit.param_placement")
     log.addHandler(handler)

@@ -57,6 +57,16 @@ def test_each_private_symbol_exists_with_the_signature_used(module, path, params
         assert have[: len(params)] == params, f"torch {TORCH}: {module}.{path}{inspect.signature(obj)}; uses {params}"
 
 
+def test_onednn_linear_op_has_the_schema_called():
+    from backends.torch_common.torch_private import has_onednn_linear_op, onednn_linear
+
+    schema = torch.ops.mkldnn._linear_pointwise.default._schema
+    assert [a.name for a in schema.arguments] == ["X", "W", "B", "attr", "scalars", "algorithm"], f"torch {TORCH}"
+    if has_onednn_linear_op():
+        x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+        torch.testing.assert_close(onednn_linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
 def test_the_records_the_wrappers_read():
     from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
     from torch.distributed.fsdp._flat_param import ParamInfo, SharedParamInfo

@@ -30,7 +30,7 @@ def _procs(r: dict) -> str:
     threads = r.get("threads") or []
     t = threads_cell(r) if threads else "?"
     layout = parse_layout(r["case"]) if r["case"] != "trl" else None
-    if layout is not None and layout.is_jax:
+    if layout is not None and layout.per_host:
         return f"1 ({layout.devices} dev) × {t} XLA"
     return f"{r['workers']} × {t}"
 

@@ -42,7 +42,7 @@ class DualRLRunner:
         try:
             self.noop_s = noop_round_trip(self.policy)
             self.threads = [info.get("torch_num_threads") for info in self.policy.get_gpu_info()]
-            if layout.is_jax:
+            if layout.per_host:
                 self.jax = JaxActor(self.policy, layout, args.threads)
                 self.threads = self.jax.threads
         except BaseException:
@@ -209,7 +209,7 @@ def run_trl_compare(args) -> tuple[list[dict], dict]:
     if args.layouts:
         threads = args.threads
         session = RaySession(ray_cpus([parse_layout(n) for n in args.layouts], threads))
-        first_jax = next((parse_layout(n).devices for n in args.layouts if parse_layout(n).is_jax), None)
+        first_jax = next((parse_layout(n).devices for n in args.layouts if parse_layout(n).per_host), None)
         if session.owned:
             session.start(first_jax)  # before anything is timed
     results = []
