@@ -16,6 +16,7 @@ from core.policy.backend_spec import BackendSpec
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
+    from core.distributed import RayVirtualCluster
     from core.policy.config import PolicyConfig
 
 #: The torch optimizers / schedulers the backend reproduces with optax (``optim.SUPPORTED_*``,
@@ -72,6 +73,15 @@ def _model_checks(policy: PolicyConfig, model_config: PreTrainedConfig) -> Itera
         )
 
 
+def _driver_checks(
+    policy: PolicyConfig, model_config: PreTrainedConfig, cluster: RayVirtualCluster, workers: int
+) -> Iterable[Problem]:
+    # jax is imported here, when a JAX policy is about to start, never to validate a config.
+    from backends.jax_pjit.driver_checks import policy_problems
+
+    return policy_problems(policy, model_config, cluster, workers)
+
+
 SPEC = BackendSpec(
     name="jax_pjit",
     worker="backends.jax_pjit.worker:JaxPolicyWorker",
@@ -114,4 +124,5 @@ SPEC = BackendSpec(
     checks=_checks,
     layout_checks=_layout_checks,
     model_checks=_model_checks,
+    driver_checks=_driver_checks,
 )

@@ -59,18 +59,10 @@ from backends.jax_pjit.lora import LoRAParam, apply_lora, merged_flat, module_at
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
 from backends.jax_pjit.models.layers import activation_constraint
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
+from backends.jax_pjit.param_placement import place_params
 from backends.jax_pjit.row_layouts import RowLayouts
 from backends.jax_pjit.sharding import activation_constraint as make_constraint
-from backends.jax_pjit.sharding import (
-    check_divisible,
-    check_process_rows,
-    host_copy,
-    make_mesh,
-    off_device,
-    stash,
-    tree_shardings,
-    unstash,
-)
+from backends.jax_pjit.sharding import check_process_rows, host_copy, make_mesh, off_device, stash, unstash
 from backends.jax_pjit.spec import settings as jax_settings
 from core.data import BatchedDataDict
 from core.distributed.recoverable import before_collectives
@@ -158,9 +150,8 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self.router_aux = router_aux_for(self.cfg.moe.router_aux_loss_coef, self.hf_config)
         self.model = model
         self.apply_fn, params = make_apply_fn(model)
-        axes = logical_axes_tree(params)
-        check_divisible(params, axes, self.mesh)
-        self.shardings = tree_shardings(axes, self.mesh)
+        # A storage axis that does not divide a weight's preferred dim is moved (param_placement).
+        self.shardings = place_params(params, logical_axes_tree(params), self.mesh)
         self.params = jax.device_put(params, self.shardings)
         # The reference policy lives in host memory (numpy), swapped in by use_reference_model.
         self.reference = stash(self.params) if init_reference_model else None

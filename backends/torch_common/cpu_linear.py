@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from backends.torch_common.torch_private import has_onednn_linear_op, onednn_linear
+
 #: What ``route_cpu_linears`` reports for a model on each path.
 ONEDNN, ATEN = "onednn", "aten"
 #: The path this process's model was given (``linear_path``: reported by ``get_gpu_info``).
@@ -41,19 +43,13 @@ def linear_path() -> dict[str, Any]:
 @functools.cache
 def onednn_linear_available() -> bool:
     """Whether this torch build has oneDNN and its linear op (CPU builds of torch >= 2.0)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        _ = torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    return torch.backends.mkldnn.is_available() and has_onednn_linear_op()
 
 
 def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` on oneDNN for 2-D ``x`` [M, K] and ``weight`` [N, K]; either may
     be a transposed view (oneDNN reads the strides), so the backward needs no copies."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return onednn_linear(x, weight, bias)
 
 
 class _OneDNNLinearFunction(torch.autograd.Function):

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,10 +55,13 @@ from core.policy.generation_args import (
     top_k_or_off,
 )
 from core.policy.generation_config import GenerationConfig as GenerationSection
+from core.reporting import get_logger, warn_once
 
 if TYPE_CHECKING:
     import numpy as np
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
+
+logger = get_logger(__name__)
 
 __all__ = [
     "SeededRowSampler",
@@ -407,10 +409,10 @@ def _warn_inherited_fields(model, hf_cfg) -> None:
         if getattr(hf_cfg, name, None) is None and getattr(model_cfg, name, None) is not None
     ]
     if inherited:
-        warnings.warn(
+        warn_once(
+            logger,
             f"hf_generate: the model's generation_config sets {inherited}, which HF applies because the policy "
             "config has no neutral value for them; clear them on model.generation_config to turn them off",
-            stacklevel=3,
         )
 
 

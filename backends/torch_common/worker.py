@@ -23,7 +23,6 @@ import contextlib
 import math
 import os
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -84,9 +83,12 @@ from core.policy.worker_base import (
 )
 from core.refit.checkpoint_names import checkpoint_refit_info, checkpoint_weights
 from core.refit.manifest import tied_aliases
+from core.reporting import get_logger
 
 if TYPE_CHECKING:
     from backends.torch_dtensor.context_parallel import ContextParallelRows
+
+logger = get_logger(__name__)
 
 
 class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
@@ -247,9 +249,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         require an accelerator), so on CPU the option is accepted and ignored, with a note."""
         if flag and self.device.type == "cpu":
             if self.rank == 0:
-                warnings.warn(
-                    f"{field}=true has no effect on CPU workers: parameters are already in host memory", stacklevel=2
-                )
+                logger.warning("%s=true has no effect on CPU workers: parameters are already in host memory", field)
             return False
         return flag
 

@@ -30,6 +30,7 @@ from backends.torch_common.layers import decoder_layers
 from backends.torch_common.lora import freeze_all_but_adapters
 from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.optim import import_object
+from backends.torch_common.torch_private import REDISTRIBUTE_LOGGER, flatten_mesh
 from backends.torch_common.worker import TorchPolicyWorker
 from backends.torch_dtensor.compile import compile_blocks
 from backends.torch_dtensor.context_parallel import (
@@ -46,7 +47,7 @@ from core.policy.preflight import check_tensor_parallel_fits
 
 # The global grad norm of parameters on the 2-D (dp, tp) mesh is reduced over both axes with
 # two all-reduces of one scalar; DTensor logs a performance warning for it on every step.
-logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,7 +76,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         )
         # FSDP2 shards over dp x cp: its gradient reduction then also sums the cp ranks'
         # partial gradients (each computed from its own share of the sequence).
-        self.fsdp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if dims.cp > 1 else self.mesh["dp"]
+        self.fsdp_mesh = flatten_mesh(self.mesh["dp", "cp"], "dp_cp") if dims.cp > 1 else self.mesh["dp"]
         self._cp_rows = ContextParallelRows(self.mesh["cp"].get_group()) if dims.cp > 1 else None
         return dims
 

@@ -32,5 +32,5 @@ Each benchmark's own part:
     soak.py         benchmarks.soak
     packing.py      benchmarks.packing
     kernels.py      benchmarks.kernels
-    trl_compare.py  benchmarks.trl_compare
+    trl_compare/    benchmarks.trl_compare    (data, the TRL child, the schedule, the report)
 """

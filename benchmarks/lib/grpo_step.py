@@ -209,7 +209,7 @@ def measure_grpo(
     )
     total = work.warmup + work.steps
     t0 = time.perf_counter()
-    run = setup_grpo(cfg, log=lambda _msg: None, resolve=resolve_model)
+    run = setup_grpo(cfg, resolve=resolve_model)
     try:
         startup = time.perf_counter() - t0
         mismatch = mesh_mismatch(run.policy, layout)
@@ -218,7 +218,7 @@ def measure_grpo(
         if async_grpo:
             from core.algorithms.async_grpo import async_grpo_loop
 
-            step_fn, _ = async_grpo_loop(run, 1, total)  # its producer stops with run.close()
+            step_fn = async_grpo_loop(run, 1, total).step  # its producer stops with run.close()
         else:
             step_fn = lambda step: grpo_step(run, step)  # noqa: E731
         steps = [step_fn(step) for step in range(1, total + 1)]

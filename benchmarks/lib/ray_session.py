@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from pathlib import Path
 
 from benchmarks.lib.layouts import Layout
 
@@ -61,12 +62,14 @@ class RaySession:
     """Ray whose actors get a given number of XLA host devices (see the module docstring).
 
     ``num_cpus``: Ray's logical CPUs (None: the cores).  ``host_devices=False`` on a GPU: JAX
-    actors get GPUs there, the host device count plays no part."""
+    actors get GPUs there, the host device count plays no part.  ``worker_log``: the file the
+    workers' own output goes to (vLLM's and the libraries' start-up chatter, as a training run's
+    ``workers.log``; errors still reach the driver); None: the console."""
 
-    def __init__(self, num_cpus: int | None, host_devices: bool = True) -> None:
+    def __init__(self, num_cpus: int | None, host_devices: bool = True, worker_log: Path | None = None) -> None:
         import ray
 
-        self.num_cpus, self.host_devices = num_cpus, host_devices
+        self.num_cpus, self.host_devices, self.worker_log = num_cpus, host_devices, worker_log
         self.owned = not ray.is_initialized()
         self.devices: int | None = None if self.owned or not host_devices else actor_device_count()
         self.restarts: list[tuple[int, float]] = []  # (new device count, seconds)
@@ -103,7 +106,7 @@ class RaySession:
         self._set_environment(devices)
         from core.distributed.ray_init import start_ray
 
-        start_ray(num_cpus=self.num_cpus, jax_cpu_devices=devices)
+        start_ray(num_cpus=self.num_cpus, jax_cpu_devices=devices, worker_log=self.worker_log)
         if restart:
             self.restarts.append((devices, time.perf_counter() - t0))
 

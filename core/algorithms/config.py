@@ -126,7 +126,7 @@ class MasterConfig(ConfigModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _estimator_settings(cls, data: Any) -> Any:
+    def _estimator_settings(cls, data: Any) -> Any:  # a "before" validator: the raw input, whatever it is
         """What ``grpo.advantage_estimator`` implies, filled in where the config leaves it out
         (an explicit other value stays, and :meth:`_estimator_problems` refuses it)."""
         return with_implied_settings(data) if isinstance(data, Mapping) else data
@@ -509,7 +509,7 @@ def with_implied_settings(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _literal(value: Any) -> str:
+def _literal(value: Any) -> str:  # any config value, written as YAML would
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from core.distributed.layout import WorkerLayout
+    from core.distributed.virtual_cluster import RayVirtualCluster
     from core.policy.config import PolicyConfig
 
 #: ``(policy) -> problems``: rules that need neither the device count nor the model.
@@ -35,6 +36,9 @@ StaticCheck = Callable[["PolicyConfig"], Iterable[Problem]]
 LayoutCheck = Callable[["PolicyConfig", int], Iterable[Problem]]
 #: ``(policy, the model's HF config) -> problems``: rules against the model (driver preflight).
 ModelCheck = Callable[["PolicyConfig", "PreTrainedConfig"], Iterable[Problem]]
+#: ``(policy, the model's HF config, cluster, workers) -> problems``: rules that need the devices
+#: the workers will own (``Policy``, on the driver, before they start).
+DriverCheck = Callable[["PolicyConfig", "PreTrainedConfig", "RayVirtualCluster", int], Iterable[Problem]]
 
 
 def no_problems(*_: Any) -> Iterable[Problem]:
@@ -106,6 +110,10 @@ class BackendSpec:
     """Its own rules of the mesh against the world size (run after the shared ones pass)."""
     model_checks: ModelCheck = no_problems
     """Its own rules against the model's HF config, on the driver before any worker starts."""
+    driver_checks: DriverCheck = no_problems
+    """Its own rules of the mesh its workers will build over the devices they will own, and of
+    the model's weights on that mesh, on the driver before any worker starts (where a worker owns
+    a whole host, the device count is known only from the cluster)."""
     parallel_dims: Callable[[PolicyConfig, int], ParallelDims] = mesh_dims
     """How ``policy.parallel`` becomes its mesh on a world size."""
     worker_layout: Callable[[PolicyConfig, int], WorkerLayout] | None = None

@@ -17,6 +17,7 @@ from typing import Any, Union
 import torch
 
 from core.checkpointing.policy_files import check_load_paths, check_save_paths, check_writable
+from core.config import ConfigError, join_path
 from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
@@ -77,14 +78,17 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     ) -> None:
         spec = backend_spec(PolicyConfig.coerce(config, path="policy").backend)
         n_workers = _world_size(cluster, workers_per_node)
-        # Torch backends run one worker per device, so the mesh must fit the worker count;
-        # a JAX worker owns all of its host's devices, and checks its mesh itself.
+        # A worker per device: the mesh must fit the worker count.  A worker that owns a whole
+        # host: the spec's driver checks (below) count the devices it will see.
         cfg = PolicyConfig.checked(config, n_workers if spec.one_worker_per_device else None)
         self.cfg = absolute_model_paths(cfg)
         layout = spec.layout(self.cfg, n_workers)
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
         self.model_config = preflight_model_checks(self.cfg, tokenizer)
+        problems = spec.driver_checks(self.cfg, self.model_config, cluster, n_workers)
+        if found := [f"{join_path('policy', field)}: {message}" for field, message in problems]:
+            raise ConfigError(found)
         if weights_path is None:  # a resumed run's adapters come from its checkpoint
             check_lora_adapter(self.cfg, self.model_config)
         if weights_path is not None or optimizer_path is not None:

@@ -43,6 +43,7 @@ from tests.backends.conftest import (
     started_policy,
 )
 from tests.hf_reference import PG_CFG
+from tests.logs import warns
 from tests.torch_backends.conftest import pg_batch
 
 # ----------------------------------------------------------------------------- formats, in process
@@ -330,7 +331,7 @@ def _die_in(monkeypatch, owner, name: str, after: int = 0, counts=lambda *args: 
 
 @pytest.mark.parametrize("fmt", FORMAT_PARAMS)
 @pytest.mark.parametrize("where", ["before_manifest", "between_renames"])
-def test_interrupted_overwrite_keeps_the_previous_checkpoint(fmt, where, model_dirs, tmp_path, monkeypatch):
+def test_interrupted_overwrite_keeps_the_previous_checkpoint(fmt, where, model_dirs, tmp_path, monkeypatch, caplog):
     """A save over an existing checkpoint dies (after every array was written): the previous
     checkpoint still loads, equal to what was saved; a save into a new directory leaves
     nothing that passes for complete."""
@@ -358,7 +359,7 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(fmt, where, model_d
                 pf.check_load_paths(tmp, None, fmt=fmt.name)
     else:
         assert not weights.exists()  # the window: the driver puts the previous one back
-        with pytest.warns(UserWarning, match="interrupted"):
+        with warns(caplog, "interrupted"):
             pf.check_load_paths(weights, optim, fmt=fmt.name, restore=True)
     loaded, step = fmt.load(model_dir, weights, optim)
     assert step == 3 and _same(fmt, loaded, saved)

@@ -545,6 +545,19 @@ def test_dynamic_batching_and_packing_exclusive(cfg):
         validate(MasterConfig, cfg)
 
 
+@pytest.mark.parametrize("key", ["call_timeout_s", "startup_timeout_s"])
+@pytest.mark.parametrize("bad", [0, -5.0])
+def test_vllm_timeouts_are_positive_config_keys(cfg, key, bad):
+    from core.policy.generation_config import VllmConfig
+
+    assert VllmConfig.model_fields[key].default == 3600.0  # the default lives in the class
+    cfg["policy"]["generation"]["vllm_cfg"][key] = 120
+    assert getattr(validate(MasterConfig, cfg).policy.generation.vllm_cfg, key) == 120.0
+    cfg["policy"]["generation"]["vllm_cfg"][key] = bad
+    (line,) = errors_of(cfg)
+    assert line == f"policy.generation.vllm_cfg.{key}: must be > 0.0, got {bad}"
+
+
 def test_vllm_generation_needs_vllm_cfg(cfg):
     del cfg["policy"]["generation"]["vllm_cfg"]
     assert errors_of(cfg) == ["policy.generation.vllm_cfg: required when generation.backend is 'vllm'"]

@@ -78,9 +78,9 @@ def test_batch_value_is_the_mean_over_valid_sequences_however_split(engine):
         batch = {"input_lengths": LENGTHS[rows], "sample_mask": sample_mask[rows]}
         zero = to_engine(engine, np.zeros((), np.float32))
         loss, metrics = aux.add_to(zero, {}, to_engine(engine, logits[:, rows]), to_engine(engine, batch), 2.0, None)
-        total += float(to_numpy(metrics[AUX_METRIC]))
-        loss_total += float(to_numpy(loss))
-        assert float(to_numpy(metrics["loss"])) == pytest.approx(float(to_numpy(loss)))
+        total += to_numpy(metrics[AUX_METRIC]).item()
+        loss_total += to_numpy(loss).item()
+        assert to_numpy(metrics["loss"]).item() == pytest.approx(to_numpy(loss).item())
     assert total == pytest.approx(want, rel=1e-6)
     assert loss_total == pytest.approx(0.5 * want, rel=1e-6)
 
@@ -210,4 +210,4 @@ def test_routing_options_where_they_cannot_apply_are_refused_by_name(path, overr
         from core.config.loader import load_raw_config
 
         raw = load_raw_config(GRPO, [*overrides, "grpo.fuse_old_logprobs=false"])
-        run_config_class(raw).validate(raw)  # with a separate old-logprob pass: accepted
+        run_config_class(raw).model_validate(raw)  # with a separate old-logprob pass: accepted

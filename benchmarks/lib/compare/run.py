@@ -40,6 +40,7 @@ from benchmarks.lib.ray_session import RaySession
 from benchmarks.lib.roofline import achieved, measure_peaks
 from benchmarks.lib.sizes import SIZES
 from benchmarks.lib.workload import make_batch
+from core.distributed.worker_output import WORKER_LOG_FILENAME
 
 SECTIONS = ("throughput", "refit", "generation", "grpo")
 #: A layout's GRPO rows: sync, async (--grpo-async), multi-turn (--grpo-multi-turn).
@@ -68,9 +69,12 @@ def resolve_layouts(names: list[str], args) -> tuple[list[Layout], dict[str, str
 
 
 def start_session(bench: Bench) -> None:
-    """Ray once, before anything is timed, with the first JAX layout's host devices (CPU)."""
+    """Ray once, before anything is timed, with the first JAX layout's host devices (CPU); the
+    workers' own output (vLLM's Triton / NUMA lines, the libraries' FutureWarnings) goes to
+    ``--out``'s ``workers.log``, not between the bench's lines."""
     cpu = bench.args.device != "cuda"
-    bench.session = RaySession(bench.args.ray_cpus if cpu else None, host_devices=cpu)
+    worker_log = Path(bench.args.out) / WORKER_LOG_FILENAME
+    bench.session = RaySession(bench.args.ray_cpus if cpu else None, host_devices=cpu, worker_log=worker_log)
     first_jax = next((lay.devices for lay in bench.args.layout_objs if lay.per_host), None)
     if bench.session.owned:
         bench.session.start(first_jax)
