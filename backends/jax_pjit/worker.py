@@ -678,3 +678,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
         if jax.distributed.is_initialized():
             jax.distributed.shutdown()
         return True
+
+
+if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
+    from core.policy.worker_protocol import PolicyWorker
+
+    _contract: type[PolicyWorker] = JaxPolicyWorker

@@ -206,3 +206,9 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         if self._offloading:
             return model  # FSDP2's CPUOffloadPolicy owns parameter placement
         return model.to(device)
+
+
+if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
+    from core.policy.worker_protocol import PolicyWorker
+
+    _contract: type[PolicyWorker] = DTensorPolicyWorker

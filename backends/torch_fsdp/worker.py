@@ -12,6 +12,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.fsdp import (
@@ -170,3 +171,9 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
 
 def _flat_param_handles(model: FSDP) -> list:
     return [m._handle for m in FSDP.fsdp_modules(model) if m._handle is not None]
+
+
+if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
+    from core.policy.worker_protocol import PolicyWorker
+
+    _contract: type[PolicyWorker] = FSDP1PolicyWorker

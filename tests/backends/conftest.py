@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from benchmarks.lib.layouts import Layout, parse_layout
+from core.policy.worker_protocol import PolicyWorker
 from core.testing.tiny_models import random_batch
 from tests.torch_backends.conftest import SEQ, VOCAB, policy_config
 
@@ -200,7 +201,7 @@ class LayoutPolicy:
         optimizer moments, LR schedule, step) loaded into every worker."""
         self.policy.cfg = copy.deepcopy(self._cfg0)
         if self.dirty:
-            self.policy._all("load_checkpoint", str(self.initial[0]), str(self.initial[1]))
+            self.policy.workers.all(PolicyWorker.load_checkpoint, str(self.initial[0]), str(self.initial[1]))
             self.dirty = False
 
 
