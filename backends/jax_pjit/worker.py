@@ -74,9 +74,11 @@ from backends.jax_pjit.sharding import (
 from core.data import BatchedDataDict
 from core.distributed.recoverable import before_collectives
 from core.interfaces import TrainResult
+from core.losses.contract import loss_cache_key
 from core.losses.metrics import MicroBatchMetrics
 from core.losses.router_aux import router_aux_for
 from core.models.lora import adapter_names, lora_scale, peft_name, write_peft_adapter
+from core.policy.config import PolicyConfig
 from core.policy.generation_args import batch_generation_args
 from core.policy.matmul_precision import resolve_matmul_precision
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
@@ -191,6 +193,14 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self._generate_calls = 0
         if weights_path:  # the Policy verified the manifests' checksums on the driver already
             self.load_checkpoint(weights_path, optimizer_path, checksums=not _.get("checkpoint_verified", False))
+
+    @classmethod
+    def logits_loss_refusal(cls, cfg: PolicyConfig, context_parallel: int) -> str | None:
+        """Every JAX grad step differentiates the token logprobs: there is no full-logits path."""
+        return (
+            "the jax_pjit backend computes every loss from the token logprobs (it has no full-logits loss "
+            "path); use a core.losses loss"
+        )
 
     def _trainable(self, tree: Any) -> Any:
         """The part of a params-shaped tree that trains: all of it, or with LoRA the adapters."""
@@ -363,16 +373,19 @@ class JaxPolicyWorker(PolicyWorkerBase):
         n_hosts = jax.process_count()
         with before_collectives():
             local_gbs = self._check_train_call(
-                data, loss_fn, gbs, mbs, n_hosts, self.hf_config.vocab_size, eval_mode, self.tx is not None
+                data,
+                loss_fn,
+                gbs,
+                mbs,
+                n_hosts,
+                self.hf_config.vocab_size,
+                eval_mode,
+                self.tx is not None,
+                int(self.mesh.shape["cp"]),
             )
             self.rows.check_rows_split(
                 mbs, "policy.train_micro_batch_size" if mbs == self.cfg.train_micro_batch_size else "mbs"
             )
-            if not hasattr(loss_fn, "loss_from_logprobs"):
-                raise ValueError(
-                    f"loss {type(loss_fn).__name__} has no loss_from_logprobs: the jax_pjit backend computes every "
-                    "loss from the token logprobs (it has no full-logits loss path); use a core.losses loss"
-                )
         self.prepare_for_training()
         host = {k: v.numpy() for k, v in data.items() if hasattr(v, "numpy")}
         bucket = self.rows.bucket(host["input_ids"].shape[1])
@@ -445,9 +458,10 @@ class JaxPolicyWorker(PolicyWorkerBase):
         return [norm, skipped]
 
     def _grad_step(self, loss_fn: Any):
-        # Keyed by the loss's configuration, not its identity: every Policy.train call ships
-        # a fresh (unpickled) copy of the same loss, which must reuse the compiled program.
-        key = steps.loss_key(loss_fn) + (() if self.rows.plain else ("layout",))
+        # Keyed by the loss's cache_key(), not its identity: every Policy.train call ships a
+        # fresh (unpickled) copy of the same loss, which must reuse the compiled program, and a
+        # loss with any other setting must not (the program closes over the loss).
+        key = (type(loss_fn).__name__, loss_cache_key(loss_fn), self.rows.plain)
         if key not in self._grad_steps:
             # Only the grad steps remat: a forward-only step has no backward to save memory for.
             apply_fn = functools.partial(self.apply_fn, remat=True) if self.remat else self.apply_fn

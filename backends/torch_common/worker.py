@@ -66,10 +66,12 @@ from core.kernels import apply_temperature, logprobs_to_sequence_layout, next_to
 from core.kernels.logprobs import logprobs_from_logits
 from core.kernels.moe import routed_experts_of
 from core.kernels.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_next_token_logprobs
+from core.losses.contract import has_logprob_path
 from core.losses.metrics import MicroBatchMetrics
 from core.losses.router_aux import router_aux_for
 from core.models.lora import is_adapter_name, lora_scale, merge_adapter_stream, peft_name, write_peft_adapter
 from core.parallel_dims import ParallelDims
+from core.policy.config import PolicyConfig
 from core.policy.generation_args import batch_generation_args
 from core.policy.preflight import check_tokenizer_fits
 from core.policy.worker_base import (
@@ -233,6 +235,16 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
     @abc.abstractmethod
     def _activation_checkpointing(self) -> bool:
         """Whether the config asks for activation checkpointing."""
+
+    @classmethod
+    def logits_loss_refusal(cls, cfg: PolicyConfig, context_parallel: int) -> str | None:
+        """Packed rows and context-parallel rows never exist as a micro batch's full logits."""
+        if cfg.sequence_packing.enabled or context_parallel > 1:
+            return (
+                "with sequence packing or context parallelism the worker never holds a micro batch's full "
+                "[b, S, V] logits; use a core.losses loss"
+            )
+        return None
 
     @property
     def _offloading(self) -> bool:
@@ -420,6 +432,7 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
                 self.model_config.vocab_size,
                 eval_mode,
                 self.optimizer is not None,
+                self.dims.cp,
             )
         self.model.train(not eval_mode)
         results = []
@@ -551,15 +564,11 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
         return logits[:, 0][:, to_device(torch.from_numpy(index), logits.device)]
 
     def _loss_of(self, mb: BatchedDataDict, dev_mb: BatchedDataDict, loss_fn: Any, gseq, gtok):
-        if hasattr(loss_fn, "loss_from_logprobs"):
+        if has_logprob_path(loss_fn):
             # One logprob path for get_logprobs and train (same temperature, same
             # vocab-parallel kernel): the loss sees exactly what get_logprobs returns.
             return loss_fn.loss_from_logprobs(self._micro_batch_next_logprobs(mb), dev_mb, gseq, gtok)
-        if self._rows_reshaped:
-            raise ValueError(
-                f"loss {type(loss_fn).__name__} has no loss_from_logprobs: with sequence packing or context "
-                "parallelism the worker never holds a micro batch's full [b, S, V] logits; use a core.losses loss"
-            )
+        # Plain rows only: logits_loss_refusal refused packed and context-parallel rows.
         logits, ids, seq_len = self._forward_logits(mb)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.interfaces import OldLogprobsSource
 
-def old_logprobs_source(cfg: Any) -> str:
+
+def old_logprobs_source(cfg: Any) -> OldLogprobsSource:
     """``"forward"`` when a rollout batch gets exactly one optimizer step (its samples are one
     global batch) and ``grpo.fuse_old_logprobs`` allows it: the old policy is then the one being
     trained, and its logprobs are the training forward's own (detached); else ``"batch"``, a

@@ -29,10 +29,10 @@ from core.interfaces import (
     RefittableGenerationInterface,
     TrainResult,
 )
+from core.losses.contract import check_loss_inputs
 from core.losses.router_aux import check_routed_experts
 from core.policy.checks import (
     check_loss_fn,
-    check_loss_inputs,
     check_model_inputs,
     check_one_step_for_fused_old_logprobs,
     check_prompt_room,
@@ -103,9 +103,13 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             )
         self.tokenizer = tokenizer
         self.cluster = cluster
+        #: The backend's worker class: the driver asks it what a layout refuses before sending work.
+        self.worker_class: type[PolicyWorker] = spec.load_worker()
+        #: Ranks that split each sequence (context parallelism); 1 without.
+        self.context_parallel = layout.axis_size("cp") if layout.has_axis("cp") else 1
         self.worker_group = RayWorkerGroup(
             cluster,
-            spec.load_worker(),
+            self.worker_class,
             self.cfg,
             tokenizer,
             name_prefix=name_prefix,
@@ -226,8 +230,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         gbs = gbs or self.cfg.train_global_batch_size
         mbs = mbs or self.cfg.train_micro_batch_size
         start = time.perf_counter()
-        check_loss_fn(loss_fn)
-        check_one_step_for_fused_old_logprobs(loss_fn, data.size, gbs, eval_mode)
+        contract = check_loss_fn(loss_fn)
+        # A logits-only loss where the layout never holds full logits: refused here, by name,
+        # before any worker call (inside a worker it would come after the step's collectives).
+        contract.refuse_logits_only(self.worker_class.logits_loss_refusal(self.cfg, self.context_parallel))
+        check_one_step_for_fused_old_logprobs(contract, data.size, gbs, eval_mode)
         check_train_batch(data, gbs, mbs, self.dp, self.cfg.max_total_sequence_length, local=False)
         check_model_inputs(data, self.model_config.vocab_size)
         # Only on the driver (the workers trust it): a bad key or shape must not reach the

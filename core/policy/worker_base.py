@@ -80,6 +80,9 @@ class PolicyWorkerBase(RefitSender):
 
         def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict: ...
 
+        @classmethod
+        def logits_loss_refusal(cls, cfg: PolicyConfig, context_parallel: int) -> str | None: ...
+
     def __init__(self, config: PolicyConfig | Mapping[str, Any], tokenizer: Any = None) -> None:
         self.cfg = PolicyConfig.coerce(config, path="policy")
         self.tokenizer = tokenizer
@@ -106,11 +109,13 @@ class PolicyWorkerBase(RefitSender):
         vocab_size: int,
         eval_mode: bool,
         has_optimizer: bool,
+        context_parallel: int = 1,
     ) -> int:
         """``train`` input; returns this rank's rows per global batch."""
         local_gbs = check_train_batch(data, gbs, mbs, dp, self.cfg.max_total_sequence_length)
         check_model_inputs(data, vocab_size)
-        check_loss_fn(loss_fn)
+        contract = check_loss_fn(loss_fn)
+        contract.refuse_logits_only(self.logits_loss_refusal(self.cfg, context_parallel))
         if not eval_mode and not has_optimizer:
             raise RuntimeError(OPTIMIZER_MISSING)
         return local_gbs

@@ -19,11 +19,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from core.data import BatchedDataDict
     from core.interfaces import LossFunction, TrainResult
+    from core.policy.config import PolicyConfig
     from core.refit.manifest import RefitManifest, RefitPart
 
 
 class PolicyWorker(Protocol):
     """One rank (torch) or host (JAX) of a policy, as the driver sees it."""
+
+    # ------------------------------------------------------------------ before any worker starts
+    @classmethod
+    def logits_loss_refusal(cls, cfg: PolicyConfig, context_parallel: int) -> str | None:
+        """Why a loss without ``loss_from_logprobs`` (a logits-only loss) cannot train on this
+        backend with ``cfg`` and ``context_parallel`` ranks per sequence; None when it can.
+        Called on the driver, before the train call is sent, so the refusal costs no worker."""
+        ...
 
     def is_alive(self) -> bool:
         """True once the constructor finished (model loaded, sharded, optimizer built)."""

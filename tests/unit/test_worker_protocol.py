@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def protocol_methods() -> dict[str, inspect.Signature]:
     return {
-        name: inspect.signature(member)
-        for name, member in vars(PolicyWorker).items()
+        name: inspect.signature(getattr(PolicyWorker, name))
+        for name in vars(PolicyWorker)
         if not name.startswith("_") and callable(getattr(PolicyWorker, name))
     }
 
@@ -41,7 +41,8 @@ def worker_classes() -> list[type]:
 def test_the_protocol_lists_every_method_the_policy_calls():
     # What core.policy.Policy calls on its workers (its facade methods' worker calls).
     called = {
-        "is_alive", "get_logprobs", "get_reference_policy_logprobs", "get_logprobs_and_reference", "generate",
+        "logits_loss_refusal", "is_alive",
+        "get_logprobs", "get_reference_policy_logprobs", "get_logprobs_and_reference", "generate",
         "train", "prepare_for_training", "prepare_for_lp_inference", "finish_training", "offload_before_refit",
         "offload_after_refit", "save_checkpoint", "load_checkpoint", "save_hf_checkpoint", "set_refit_part",
         "refit_manifest", "prepare_weights_for_ipc", "get_weights_ipc_handles", "finish_refit_stream",
