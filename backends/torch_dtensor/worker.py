@@ -126,8 +126,8 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         pad_vocab_(model, self.padded_vocab_size)
 
     def _micro_batch_loss(self, mb, loss_fn, gseq, gtok):
-        if self.padded_vocab_size != self.model_config.vocab_size and not has_logprob_path(loss_fn):
-            loss_fn = OriginalVocabLoss(loss_fn, self.model_config.vocab_size)  # full logits: [..., :V]
+        if self.padded_vocab_size != self.hf_config.vocab_size and not has_logprob_path(loss_fn):
+            loss_fn = OriginalVocabLoss(loss_fn, self.hf_config.vocab_size)  # full logits: [..., :V]
         return super()._micro_batch_loss(mb, loss_fn, gseq, gtok)
 
     def _apply_tp(self, model: PreTrainedModel) -> None:
