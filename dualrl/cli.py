@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config, load_raw_config, parse_override
-from core.policy.config import BACKENDS
+from core.policy.registry import backend_names
 
 #: ``dualrl grpo``'s config when none is given: the embedded default.
 GRPO_DEFAULT_CONFIG_PATH = EMBEDDED_CONFIGS["grpo"]
@@ -194,7 +194,7 @@ def _add_eval_parser(sub: Any) -> None:
     cmd.add_argument("--max-prompts", type=_positive_int, help="evaluate the first N prompts only")
     cmd.add_argument("--out", metavar="DIR", help="where eval.json and pass_at_k.png go (default: runs/eval/<name>)")
     cmd.add_argument("--config", help="a GRPO config (default: the checkpoint's config.yaml, else the embedded one)")
-    cmd.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
+    cmd.add_argument("--backend", choices=backend_names(), help="training backend; sets policy.backend")
     cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.generation.temperature=0.7")
     cmd.set_defaults(func=_eval_command)
 
@@ -279,14 +279,15 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 def _add_config_args(cmd: argparse.ArgumentParser, default_config: Path, note: str = "") -> None:
     cmd.add_argument("--config", help=f"YAML file (default: {default_config}{note})")
-    cmd.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
+    cmd.add_argument("--backend", choices=backend_names(), help="training backend; sets policy.backend")
     cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.train_micro_batch_size=2")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    backends = ", ".join(backend_names())
     parser = argparse.ArgumentParser(
         prog="dualrl",
-        description=f"RL post-training of language models with a switchable training backend ({', '.join(BACKENDS)}).",
+        description=f"RL post-training of language models with a switchable training backend ({backends}).",
     )
     sub = parser.add_subparsers(dest="command")
     helps = {

@@ -41,7 +41,7 @@ def check_multi_process(cfg: PolicyConfig, mesh: Mesh, packing: bool) -> None:
     check_process_rows(mesh)
     unsupported = []
     if int(mesh.shape["cp"]) > 1:
-        unsupported.append(f"policy.jax_cfg.context_parallel_size={int(mesh.shape['cp'])} (context parallelism)")
+        unsupported.append(f"policy.parallel.context_parallel_size={int(mesh.shape['cp'])} (context parallelism)")
     if packing:
         unsupported.append("policy.sequence_packing.enabled=true (sequence packing)")
     if cfg.generation is not None and cfg.generation.backend == "hf":

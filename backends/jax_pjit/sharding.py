@@ -1,7 +1,7 @@
 """The JAX backend's device mesh and the logical-axis -> mesh-axis machinery.
 
 * :func:`make_mesh` builds the 3-d ``("fsdp", "cp", "tp")`` :class:`jax.sharding.Mesh` that
-  ``policy.jax_cfg`` asks for (sizes resolved by :class:`core.parallel_dims.ParallelDims`),
+  ``policy.parallel`` asks for (sizes resolved by :class:`core.parallel_dims.ParallelDims`),
   with ``AxisType.Auto`` axes: jax 0.10 makes ``jax.make_mesh`` *Explicit* by default,
   which would turn every sharding into part of the array type; this backend relies on
   ``jit`` + ``with_sharding_constraint`` (GSPMD style) instead.
@@ -70,11 +70,11 @@ LogicalAxes = tuple[str | None, ...]
 
 # ---------------------------------------------------------------------------------- mesh
 def make_mesh(policy_cfg: PolicyConfig | Mapping[str, Any], devices: Sequence[Any] | None = None) -> Mesh:
-    """The ``(fsdp, cp, tp)`` mesh of ``policy.jax_cfg`` over ``devices`` (default ``jax.devices()``).
+    """The ``(fsdp, cp, tp)`` mesh of ``policy.parallel`` over ``devices`` (default ``jax.devices()``).
 
-    ``jax_cfg.fsdp_size`` may be ``-1`` (= number of devices / (``context_parallel_size`` x
-    ``tensor_parallel_size``)).  Raises ``ValueError`` naming ``policy.jax_cfg.fsdp_size`` /
-    ``policy.jax_cfg.context_parallel_size`` / ``policy.jax_cfg.tensor_parallel_size`` when the
+    ``parallel.fsdp_size`` may be ``-1`` (= number of devices / (``context_parallel_size`` x
+    ``tensor_parallel_size``)).  Raises ``ValueError`` naming ``policy.parallel.fsdp_size`` /
+    ``policy.parallel.context_parallel_size`` / ``policy.parallel.tensor_parallel_size`` when the
     sizes do not fit the device count.  All axes are ``AxisType.Auto``; ``tp`` is the inner
     axis so tensor-parallel peers are neighbouring devices, ``cp`` the next.  The ``cp`` axis
     is always present (size 1 without context parallelism).
@@ -86,15 +86,15 @@ def make_mesh(policy_cfg: PolicyConfig | Mapping[str, Any], devices: Sequence[An
     backend = policy_cfg.backend
     if backend != "jax_pjit":
         raise ValueError(f"make_mesh: policy.backend is {backend!r}; the JAX mesh needs 'jax_pjit'")
-    jax_cfg = policy_cfg.jax_cfg
-    fsdp_size, tp_size, cp_size = jax_cfg.fsdp_size, jax_cfg.tensor_parallel_size, jax_cfg.context_parallel_size
+    par = policy_cfg.parallel
+    fsdp_size, tp_size, cp_size = par.fsdp_size, par.tensor_parallel_size, par.context_parallel_size
     n = len(devices)
     try:
         dims = policy_cfg.parallel_dims(n)
     except ValueError as err:
         raise ValueError(
-            f"policy.jax_cfg.fsdp_size={fsdp_size!r} x policy.jax_cfg.context_parallel_size={cp_size!r} x "
-            f"policy.jax_cfg.tensor_parallel_size={tp_size!r} does not fit {n} device(s) (fsdp_size x "
+            f"policy.parallel.fsdp_size={fsdp_size!r} x policy.parallel.context_parallel_size={cp_size!r} x "
+            f"policy.parallel.tensor_parallel_size={tp_size!r} does not fit {n} device(s) (fsdp_size x "
             f"context_parallel_size x tensor_parallel_size must equal the device count; fsdp_size=-1 "
             f"fills in): {err}"
         ) from err
@@ -366,8 +366,8 @@ def check_process_rows(mesh: Mesh) -> None:
         if len(procs) > 1:
             raise ValueError(
                 f"multi-process JAX: the mesh {dict(mesh.shape)} puts fsdp row {i} on processes {procs}; every "
-                f"process feeds its own batch rows, so policy.jax_cfg.context_parallel_size x "
-                f"policy.jax_cfg.tensor_parallel_size must fit in one process's {jax.local_device_count()} devices"
+                f"process feeds its own batch rows, so policy.parallel.context_parallel_size x "
+                f"policy.parallel.tensor_parallel_size must fit in one process's {jax.local_device_count()} devices"
             )
         owners.append(procs[0])
     runs = [p for k, p in enumerate(owners) if k == 0 or owners[k - 1] != p]

@@ -100,7 +100,7 @@ def check_cp_ladder(max_len: int, cp: int, multiple: int, field: str = "policy.m
             check_cp_width(width, cp, 2 * cp, "policy.make_sequence_length_divisible_by")
         except ValueError as err:
             raise ValueError(
-                f"{err} (policy.jax_cfg.context_parallel_size={cp}: the JAX backend pads rows to the widths "
+                f"{err} (policy.parallel.context_parallel_size={cp}: the JAX backend pads rows to the widths "
                 f"{ladder} for {field}={max_len}, each rounded up to make_sequence_length_divisible_by="
                 f"{multiple})"
             ) from None

@@ -14,7 +14,7 @@ shards (``sharding.HostShards``).  Context parallelism, sequence packing and gen
 the policy workers are refused there (``processes.check_multi_process``).  One process runs exactly
 the single-host code.
 
-Context parallelism (``jax_cfg.context_parallel_size`` > 1: the mesh's ``cp`` axis splits
+Context parallelism (``parallel.context_parallel_size`` > 1: the mesh's ``cp`` axis splits
 the sequence) and sequence packing (``policy.sequence_packing``: the driver's bins, or a
 local plan, become packed rows; ``fsdp`` bins per micro batch) run through the
 explicit-layout steps (``steps.make_layout_*``); without either, the original steps run
@@ -51,6 +51,7 @@ from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learn
 from backends.jax_pjit.processes import check_multi_process, device_id, device_info, init_jax_distributed, on_mesh
 from backends.jax_pjit.row_layouts import RowLayouts
 from backends.jax_pjit.sharding import check_divisible, make_mesh, stash, tree_shardings, unstash
+from backends.jax_pjit.spec import settings as jax_settings
 from backends.jax_pjit.weights_io import JaxWeightsIO
 from core.data import BatchedDataDict
 from core.losses.contract import loss_cache_key
@@ -92,8 +93,8 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
         self.compute_dtype = DTYPES[self.cfg.precision]
         # policy.matmul_precision, entered by _on_mesh around every device step (see there).
         self.matmul_precision = resolve_matmul_precision(self.cfg)
-        # policy.jax_cfg.activation_checkpointing: remat every decoder layer of the grad steps.
-        self.remat = self.cfg.jax_cfg.activation_checkpointing
+        # policy.activation_checkpointing: remat every decoder layer of the grad steps.
+        self.remat = self.cfg.activation_checkpointing
 
         # A vocabulary tp does not divide is zero-padded inside the backend (embedding rows /
         # lm_head columns, masked logits); model_cfg.vocab_size and everything leaving the
@@ -104,11 +105,11 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
             param_dtype=jnp.float32,
             tp=self.mesh.shape["tp"],
             make_vocab_size_divisible_by=int(self.cfg.make_vocab_size_divisible_by or 1),
-            moe_dispatch=self.cfg.jax_cfg.moe_dispatch,
-            expert_parallel=self.cfg.jax_cfg.expert_parallel_size,
+            moe_dispatch=jax_settings(self.cfg).moe_dispatch,
+            expert_parallel=self.cfg.parallel.expert_parallel_size,
         )
         check_tokenizer_fits(self.tokenizer, self.hf_config, self.cfg.model_name)
-        check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.jax_cfg.tensor_parallel_size")
+        check_tensor_parallel_fits(self.hf_config, self.mesh.shape["tp"], "policy.parallel.tensor_parallel_size")
         # policy.lora: adapters on the targeted Dense layers; only they train (``self.trainable``).
         # A resumed run (weights_path) takes them from its checkpoint, not policy.lora.adapter_path.
         lora = self.cfg.lora

@@ -1,4 +1,4 @@
-"""``policy.dtensor_cfg.compile``: ``torch.compile`` on each transformer block.
+"""``policy.compile``: ``torch.compile`` on each transformer block.
 
 Per block, not the whole model: the blocks share one code object, so one compiled graph
 serves them all (dynamo treats module parameters as inputs), and embedding / lm_head /

@@ -38,6 +38,7 @@ from backends.torch_dtensor.context_parallel import (
     install_allgather_attention,
     train_context,
 )
+from backends.torch_dtensor.spec import settings as dtensor_settings
 from backends.torch_dtensor.tp_plans import plan_for, with_lora
 from backends.torch_dtensor.vocab_padding import OriginalVocabLoss, pad_vocab_, padded_vocab_size, unpad_rows
 from core.losses.contract import has_logprob_path
@@ -65,9 +66,8 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     def _parallel_dims(self) -> ParallelDims:
         dims = self.cfg.parallel_dims(self.world_size)
-        dtc = self.cfg.dtensor_cfg
         self.tp_size = dims.tp
-        self.sequence_parallel = bool(dtc.sequence_parallel) and dims.tp > 1
+        self.sequence_parallel = bool(self.cfg.parallel.sequence_parallel) and dims.tp > 1
         # Sequence parallelism splits a rank's columns over tp; context parallelism splits
         # the row into 2 x cp load-balanced chunks.
         self._seq_multiple = (dims.tp if self.sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
@@ -86,10 +86,10 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     @property
     def _offloading(self) -> bool:
-        return self._offload_params(bool(self.cfg.dtensor_cfg.cpu_offload), "policy.dtensor_cfg.cpu_offload")
+        return self._offload_params(bool(self.cfg.cpu_offload), "policy.cpu_offload")
 
     def _activation_checkpointing(self) -> bool:
-        return bool(self.cfg.dtensor_cfg.activation_checkpointing)
+        return bool(self.cfg.activation_checkpointing)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -97,7 +97,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     @property
     def _compile(self) -> bool:
-        return bool(self.cfg.dtensor_cfg.compile)
+        return bool(self.cfg.compile)
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         from transformers import PreTrainedModel
@@ -131,8 +131,8 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         return super()._micro_batch_loss(mb, loss_fn, gseq, gtok)
 
     def _apply_tp(self, model: PreTrainedModel) -> None:
-        check_tensor_parallel_fits(model.config, self.tp_size, "policy.dtensor_cfg.tensor_parallel_size")
-        custom = self.cfg.dtensor_cfg.custom_parallel_plan
+        check_tensor_parallel_fits(model.config, self.tp_size, "policy.parallel.tensor_parallel_size")
+        custom = dtensor_settings(self.cfg).custom_parallel_plan
         if isinstance(custom, str):
             custom = import_object(custom, "policy.dtensor_cfg.custom_parallel_plan")
         tied = bool(getattr(model.config, "tie_word_embeddings", False))

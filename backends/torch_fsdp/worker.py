@@ -50,11 +50,11 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         return ParallelDims(self.world_size, fsdp=-1)
 
     def _activation_checkpointing(self) -> bool:
-        return bool(self.cfg.activation_checkpointing_enabled)
+        return bool(self.cfg.activation_checkpointing)
 
     @property
     def _offloading(self) -> bool:
-        return self._offload_params(bool(self.cfg.fsdp_offload_enabled), "policy.fsdp_offload_enabled")
+        return self._offload_params(bool(self.cfg.cpu_offload), "policy.cpu_offload")
 
     def _parallelize(self, model: torch.nn.Module) -> FSDP:
         mixed = None

@@ -73,7 +73,7 @@ class RaySession:
 
     def devices_for(self, layout: Layout) -> int | None:
         """The host devices ``layout`` needs from Ray (None: any)."""
-        return layout.devices if layout.is_jax and self.host_devices else None
+        return layout.devices if layout.per_host and self.host_devices else None
 
     def fits(self, devices: int | None) -> bool:
         return self.owned or devices is None or not self.host_devices or self.devices == devices

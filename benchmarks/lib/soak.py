@@ -138,7 +138,7 @@ def policy_config(model_dir: Path, backend: str, bucket_bytes: int) -> dict:
     cfg["generation"]["vllm_cfg"].update(max_model_len=64, precision="float32")
     cfg["generation"].update(max_new_tokens=4)
     if backend == "jax_pjit":
-        cfg["jax_cfg"].update(fsdp_size=JAX_DEVICES, tensor_parallel_size=1)
+        cfg["parallel"].update(fsdp_size=JAX_DEVICES, tensor_parallel_size=1)
     return cfg
 
 

@@ -300,7 +300,7 @@ class DualRLRunner:
         try:
             self.noop_s = noop_round_trip(self.policy)
             self.threads = [info.get("torch_num_threads") for info in self.policy.get_gpu_info()]
-            if layout.is_jax:
+            if layout.per_host:
                 self.jax = JaxActor(self.policy, layout, args.threads)
                 self.threads = self.jax.threads
         except BaseException:
@@ -467,7 +467,7 @@ def run_trl_compare(args) -> tuple[list[dict], dict]:
     if args.layouts:
         threads = args.threads
         session = RaySession(ray_cpus([parse_layout(n) for n in args.layouts], threads))
-        first_jax = next((parse_layout(n).devices for n in args.layouts if parse_layout(n).is_jax), None)
+        first_jax = next((parse_layout(n).devices for n in args.layouts if parse_layout(n).per_host), None)
         if session.owned:
             session.start(first_jax)  # before anything is timed
     results = []
@@ -504,7 +504,7 @@ def _procs(r: dict) -> str:
     threads = r.get("threads") or []
     t = threads_cell(r) if threads else "?"
     layout = parse_layout(r["case"]) if r["case"] != "trl" else None
-    if layout is not None and layout.is_jax:
+    if layout is not None and layout.per_host:
         return f"1 ({layout.devices} dev) × {t} XLA"
     return f"{r['workers']} × {t}"
 

@@ -263,17 +263,9 @@ def spec_from_dualrl(cfg: dict, prompts: list[str], answers: list[str], model_pa
         "min_new_tokens": int(gen.get("min_new_tokens") or 0),
         "foreach": opt.get("foreach"),
         "fused": opt.get("fused"),
-        "gradient_checkpointing": _activation_checkpointing(policy),
+        "gradient_checkpointing": bool(policy.get("activation_checkpointing")),
     }
     return check_spec(spec)
-
-
-def _activation_checkpointing(policy: dict) -> bool:
-    backend = policy.get("backend")
-    if backend == "torch_fsdp":
-        return bool(policy.get("activation_checkpointing_enabled"))
-    section = {"torch_dtensor": "dtensor_cfg", "jax_pjit": "jax_cfg"}.get(backend)
-    return bool(section and (policy.get(section) or {}).get("activation_checkpointing"))
 
 
 def check_spec(spec: dict) -> dict:

@@ -116,17 +116,44 @@ def cache_key(short: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any], ex
     shape, warm = BUILTIN_MODELS[short]
     payload = {"version": FORMAT_VERSION, "model": shape, "init_seed": INIT_SEED}
     if warm:  # the SFT config without what cannot change the weights (where logs and files go)
-        # Left out: where logs and files go, and the mixture-of-experts options (policy.moe,
-        # policy.jax_cfg.moe_dispatch / expert_parallel_size: exact either way, and the warm
-        # starts run torch), which came after the first keys were published.
-        left_out: dict[str, Any] = {
-            "logger": True,
-            "checkpointing": True,
-            "policy": {"moe": True, "jax_cfg": {"moe_dispatch", "expert_parallel_size"}},
-        }
+        # Left out: where logs and files go, and the mixture-of-experts options (policy.moe, the
+        # expert parallelism and a backend's own blocks: exact either way, and the warm starts
+        # run torch), which came after the first keys were published.
+        left_out: dict[str, Any] = {"logger": True, "checkpointing": True, "policy": {"moe": True}}
         sft = warm_start_config(task_cfg, short=short).model_dump(exclude=left_out, exclude_none=True)
+        sft["policy"] = _published_spelling(sft["policy"])
         payload.update(warm_start=sft, exclude=sorted(exclude))
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+#: Keys of the policy section added after the first cache keys were published (left out of them).
+_ADDED_SINCE_PUBLISHED = frozenset({"parallel.expert_parallel_size"})
+
+
+def _published_spelling(policy: dict[str, Any]) -> dict[str, Any]:
+    """The dumped policy section as the published cache keys spelled it: every option one key
+    now had a spelling per backend then (each spec's ``renamed`` maps it back), so a model
+    built before keeps its key; the backends' own blocks are left out (null in a warm start,
+    or added since)."""
+    from core.policy.backend_blocks import block_models, renamed_keys
+
+    renamed = renamed_keys()
+    shared = {new.split(".")[0] for new in renamed.values()}
+    out = {k: v for k, v in policy.items() if k not in shared and k not in block_models()}
+    for old, new in renamed.items():
+        if new not in _ADDED_SINCE_PUBLISHED:
+            *parents, leaf = old.split(".")
+            node = out
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = _dotted(policy, new)
+    return out
+
+
+def _dotted(data: Mapping[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        data = data[part]
+    return data
 
 
 def resolve_builtin_model(

@@ -15,7 +15,7 @@ mixins, one concern each, that call the engine's hooks:
 
 This module adds construction (the seeds' worker signature), the sampling temperature both
 ``get_logprobs`` and ``train`` apply, and the input checks a worker repeats for a caller that
-went past the driver.  A backend's worker (``TorchPolicyWorker``, ``JaxPolicyWorker``)
+went past the driver.  Each backend's worker class
 supplies the hooks: forward and backward, the optimizer step, full-weight gathers, device
 moves, its checkpoint format, its profiler.
 """
@@ -68,7 +68,7 @@ class PolicyWorkerBase(
     WorkerDiagnostics,
     WorkerAdapterRefit,
 ):
-    """Base of ``TorchPolicyWorker`` and ``JaxPolicyWorker``; the refit methods come from
+    """Base of every backend's policy worker; the refit methods come from
     ``RefitSender`` on top of each backend's ``iter_full_weights``."""
 
     rank: int = 0

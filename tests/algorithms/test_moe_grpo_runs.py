@@ -24,7 +24,7 @@ MOE_CONFIG_OVERRIDES = (
     "policy.train_micro_batch_size=2",
 )
 #: torch tensor parallelism has no Qwen3-MoE plan: the DTensor run is dp only (FSDP2).
-BACKEND_OVERRIDES = {"torch_fsdp": (), "torch_dtensor": ("policy.dtensor_cfg.tensor_parallel_size=1",), "jax_pjit": ()}
+BACKEND_OVERRIDES = {"torch_fsdp": (), "torch_dtensor": ("policy.parallel.tensor_parallel_size=1",), "jax_pjit": ()}
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.lib.layouts import Layout, parse_layout
+from benchmarks.lib.layouts import Layout, apply_settings, parse_layout
 from core.interfaces import LossType
 from core.losses import NLLLoss
 from core.policy.worker_protocol import PolicyWorker
@@ -82,29 +82,19 @@ def layout_config(layout: str | Layout, model_dir: Path, **overrides: Any) -> di
     """The test policy config (``policy_config``) on ``layout``: backend, parallel sizes,
     context parallel with its sequence multiple, packing, compile; ``overrides`` last."""
     lay = parse_layout(layout) if isinstance(layout, str) else layout
-    if lay.is_jax and lay.devices != JAX_HOST_DEVICES:
+    if lay.per_host and lay.devices != JAX_HOST_DEVICES:
         raise ValueError(
             f"layout {lay.name!r} is a mesh of {lay.devices} devices; the test session's JAX worker owns "
             f"{JAX_HOST_DEVICES} (tests/conftest.py XLA_FLAGS)"
         )
-    cfg = policy_config(model_dir, lay.backend, tp=1 if lay.is_jax else lay.tp, sp=lay.sp)
-    if lay.is_jax:
-        cfg["jax_cfg"].update(fsdp_size=lay.dp, tensor_parallel_size=lay.tp, context_parallel_size=lay.cp)
-        if lay.ep:
-            cfg["jax_cfg"]["expert_parallel_size"] = lay.dp
-    elif lay.backend == "torch_dtensor":
-        cfg["dtensor_cfg"].update(context_parallel_size=lay.cp, compile=lay.compiled)
-    if lay.cp > 1:
-        cfg["make_sequence_length_divisible_by"] = lay.sequence_multiple
-    if lay.packed:
-        cfg["sequence_packing"]["enabled"] = True
+    cfg = apply_settings(policy_config(model_dir, lay.backend), lay.policy_settings())
     for key, value in overrides.items():
         cfg[key] = value
     return cfg
 
 
 def cpus_of(layout: Layout) -> int:
-    return 2 if layout.is_jax else layout.workers
+    return 2 if layout.per_host else layout.workers
 
 
 def layout_cluster(layout: Layout, name: str):
@@ -112,7 +102,7 @@ def layout_cluster(layout: Layout, name: str):
     the JAX worker (it owns the host's devices)."""
     from core.distributed import RayVirtualCluster
 
-    if layout.is_jax:
+    if layout.per_host:
         return RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2, name=name)
     return RayVirtualCluster([layout.workers], use_gpus=False, name=name)
 

@@ -246,10 +246,10 @@ def test_policy_model_dir_without_weights(ray_session, model_dirs, tokenizer, tm
 
 def test_policy_jax_mesh_that_does_not_divide_the_devices(ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["llama"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=3, tensor_parallel_size=2)  # 6 of the host's 8 devices
+    cfg["parallel"].update(fsdp_size=3, tensor_parallel_size=2)  # 6 of the host's 8 devices
     err = _start_policy(cfg, tokenizer, "bad_mesh_startup", bundles=(1,), num_cpus_per_bundle=2)
     line = _first_line(err)
-    assert re.search(r"rank 0 \(node 0, bundle 0\) failed to start: \w+: .*policy\.jax_cfg", line), line
+    assert re.search(r"rank 0 \(node 0, bundle 0\) failed to start: \w+: .*policy\.parallel", line), line
     assert "(at backends/jax_pjit/" in line
 
 

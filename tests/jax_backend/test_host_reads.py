@@ -28,7 +28,7 @@ def worker(model_dirs, tokenizer):
     from backends.jax_pjit.worker import JaxPolicyWorker
 
     cfg = policy_config(model_dirs["llama"], "jax_pjit", train_micro_batch_size=1, logprob_batch_size=1)
-    cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
+    cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
     return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer, init_reference_model=False)
 
 

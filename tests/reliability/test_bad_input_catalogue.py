@@ -538,7 +538,7 @@ def env(ray_session, model_dirs, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("catalogue")
     cfg = policy_config(model_dirs["llama"], "torch_fsdp")
     jax_cfg = policy_config(model_dirs["llama"], "jax_pjit")
-    jax_cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
+    jax_cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
     gen_dir = save_tiny_model("llama_gen", tmp / "llama_gen")
     gen_cfg = refit_config(gen_dir, "torch_fsdp")
     gen_cfg["max_total_sequence_length"] = 32

@@ -49,7 +49,7 @@ def _layout_cfg(model_dir, backend, workers, cp=1, tp=1, sp=False, packing=None,
         train_global_batch_size=8,
         train_micro_batch_size=8 // workers * tp * cp if workers > 1 else 4,
     )
-    cfg["dtensor_cfg"]["context_parallel_size"] = cp
+    cfg["parallel"]["context_parallel_size"] = cp
     cfg["make_sequence_length_divisible_by"] = multiple
     # AdamW's first step moves a weight by lr x g / (|g| + eps): an element whose gradient is
     # about eps moves by lr / (4 eps) times its rounding difference (2.5e5 at this file's lr
@@ -200,7 +200,7 @@ def test_bad_cp_and_packing_settings_name_the_field(model_dirs):
     cfg = _layout_cfg(model_dirs["llama"], "torch_dtensor", 2, cp=2, multiple=1)
     assert PolicyConfig.checked(cfg, 2).make_sequence_length_divisible_by == 1
     sp = _layout_cfg(model_dirs["llama"], "torch_dtensor", 4, cp=2, tp=2, sp=True, multiple=4)
-    assert PolicyConfig.checked(sp, 4).dtensor_cfg.sequence_parallel
+    assert PolicyConfig.checked(sp, 4).parallel.sequence_parallel
     with pytest.raises(ConfigError, match=r"context_parallel_size: .* does not divide the world size \(3\)"):
         PolicyConfig.checked(_layout_cfg(model_dirs["llama"], "torch_dtensor", 2, cp=2, multiple=4), 3)
     small = _layout_cfg(model_dirs["llama"], "torch_fsdp", 2, packing={**PACKING, "train_mb_tokens": 16})

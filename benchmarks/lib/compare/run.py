@@ -28,9 +28,9 @@ from benchmarks.lib.compare.baselines import (
 )
 from benchmarks.lib.errors import error_text
 from benchmarks.lib.grpo_step import TRL_PHASES, measure_grpo
-from benchmarks.lib.layouts import Layout, LayoutError, check_batch, check_fits, jax_model_problem, parse_layout
+from benchmarks.lib.layouts import Layout, LayoutError, check_batch, check_fits, parse_layout
 from benchmarks.lib.machine import machine_facts
-from benchmarks.lib.models import param_count
+from benchmarks.lib.models import backend_model_problem, param_count
 from benchmarks.lib.pairing import Probe, measure, new_result
 from benchmarks.lib.policy import PolicyRunner
 from benchmarks.lib.proc import peak_rss_bytes
@@ -68,7 +68,7 @@ def start_session(bench: Bench) -> None:
     """Ray once, before anything is timed, with the first JAX layout's host devices (CPU)."""
     cpu = bench.args.device != "cuda"
     bench.session = RaySession(bench.args.ray_cpus if cpu else None, host_devices=cpu)
-    first_jax = next((lay.devices for lay in bench.args.layout_objs if lay.is_jax), None)
+    first_jax = next((lay.devices for lay in bench.args.layout_objs if lay.per_host), None)
     if bench.session.owned:
         bench.session.start(first_jax)
 
@@ -89,7 +89,7 @@ def ray_for(bench: Bench, layout: Layout) -> str | None:
 
 def jax_unsupported(bench: Bench, layout: Layout) -> str | None:
     """Why the JAX backend cannot run this model (its own config check, on the driver), or None."""
-    return jax_model_problem(bench.config, bench.args.model or "this model") if layout.is_jax else None
+    return backend_model_problem(layout.backend, bench.config, bench.args.model or "this model")
 
 
 # ----------------------------------------------------------------------------- per layout
