@@ -42,6 +42,7 @@ from backends.torch_dtensor.context_parallel import (
 from backends.torch_dtensor.spec import settings as dtensor_settings
 from backends.torch_dtensor.tp_plans import plan_for, with_lora
 from backends.torch_dtensor.vocab_padding import OriginalVocabLoss, pad_vocab_, padded_vocab_size, unpad_rows
+from core.losses.contract import has_logprob_path
 from core.parallel_dims import ParallelDims
 from core.policy.preflight import check_tensor_parallel_fits
 
@@ -126,8 +127,8 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         pad_vocab_(model, self.padded_vocab_size)
 
     def _micro_batch_loss(self, mb, loss_fn, gseq, gtok):
-        if self.padded_vocab_size != self.model_config.vocab_size and not hasattr(loss_fn, "loss_from_logprobs"):
-            loss_fn = OriginalVocabLoss(loss_fn, self.model_config.vocab_size)  # full logits: [..., :V]
+        if self.padded_vocab_size != self.hf_config.vocab_size and not has_logprob_path(loss_fn):
+            loss_fn = OriginalVocabLoss(loss_fn, self.hf_config.vocab_size)  # full logits: [..., :V]
         return super()._micro_batch_loss(mb, loss_fn, gseq, gtok)
 
     def _apply_tp(self, model: PreTrainedModel) -> None:
@@ -207,3 +208,9 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         if self._offloading:
             return model  # FSDP2's CPUOffloadPolicy owns parameter placement
         return model.to(device)
+
+
+if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
+    from core.policy.worker_protocol import PolicyWorker
+
+    _contract: type[PolicyWorker] = DTensorPolicyWorker

@@ -12,6 +12,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.fsdp import (
@@ -150,3 +151,9 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         if self._offloading:
             return model  # FSDP1 CPU offload manages parameter placement itself
         return model.to(device)
+
+
+if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
+    from core.policy.worker_protocol import PolicyWorker
+
+    _contract: type[PolicyWorker] = FSDP1PolicyWorker

@@ -27,6 +27,9 @@ from typing import Any
 import pytest
 
 from benchmarks.lib.layouts import Layout, apply_settings, parse_layout
+from core.interfaces import LossType
+from core.losses import NLLLoss
+from core.policy.worker_protocol import PolicyWorker
 from core.testing.tiny_models import random_batch
 from tests.torch_backends.conftest import SEQ, VOCAB, policy_config
 
@@ -140,6 +143,20 @@ def refused_on_driver(layout: Layout, cfg: dict, tokenizer, **policy_kwargs: Any
     Policy(NoWorkers(layout), cfg, tokenizer, **policy_kwargs)
 
 
+class LogitsOnlyNLL:
+    """A user loss with the least a loss must have (``core.interfaces.LossFunction``): a
+    ``loss_type`` and a call on the full logits -- no ``loss_from_logprobs``.  ``setting``: any
+    value the loss carries (it does not change the result)."""
+
+    loss_type = LossType.TOKEN_LEVEL
+
+    def __init__(self, setting: Any = None) -> None:
+        self.setting = setting
+
+    def __call__(self, next_token_logits, data, global_valid_seqs, global_valid_toks):
+        return NLLLoss()(next_token_logits, data, global_valid_seqs, global_valid_toks)
+
+
 def ragged(batch: int, seed: int, vocab: int = VOCAB) -> Any:
     """``{input_ids, input_lengths}``: right-padded random rows of ragged lengths."""
     from core.data import BatchedDataDict
@@ -190,7 +207,7 @@ class LayoutPolicy:
         optimizer moments, LR schedule, step) loaded into every worker."""
         self.policy.cfg = copy.deepcopy(self._cfg0)
         if self.dirty:
-            self.policy._all("load_checkpoint", str(self.initial[0]), str(self.initial[1]))
+            self.policy.workers.all(PolicyWorker.load_checkpoint, str(self.initial[0]), str(self.initial[1]))
             self.dirty = False
 
 

@@ -32,6 +32,7 @@ from core.checkpointing import policy_files as pf
 from core.checkpointing.manifest import MANIFEST_NAME, CheckpointError
 from core.losses import ClippedPGLossFn
 from core.policy.registry import backend_spec
+from core.policy.worker_protocol import PolicyWorker
 from core.testing.tiny_models import save_tiny_model
 from tests.backends.conftest import (
     LAYOUTS,
@@ -177,7 +178,7 @@ def test_round_trip_resumes_the_uninterrupted_step(fresh_policy, tmp_path):
     uninterrupted = policy.train(b2, loss_fn)
     expected_lp = policy.get_logprobs(probe)["logprobs"]
 
-    policy._all("load_checkpoint", str(tmp_path / "weights"), str(tmp_path / "optim"))
+    policy.workers.all(PolicyWorker.load_checkpoint, str(tmp_path / "weights"), str(tmp_path / "optim"))
     step = policy.train(b2, loss_fn)
     assert math.isclose(float(step.loss[0]), float(uninterrupted.loss[0]), rel_tol=1e-6, abs_tol=1e-7)
     assert math.isclose(float(step.grad_norm[0]), float(uninterrupted.grad_norm[0]), rel_tol=1e-5)

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from core.config import ConfigError
 from core.losses import ClippedPGLossFn
 from core.policy.config import PolicyConfig
+from core.policy.worker_protocol import PolicyWorker
 from tests.backends.conftest import (
     LAYOUTS,
     SLOW_LAYOUTS,
@@ -281,5 +282,5 @@ def test_padded_rows_stay_zero_and_checkpoint_round_trip(padded, tmp_path):
     saved = policy.get_logprobs(probe)["logprobs"]
     policy.train(pg_batch_301(4, seed=50), ClippedPGLossFn(PG_CFG))
     assert float((policy.get_logprobs(probe)["logprobs"] - saved).abs().max()) > 1e-4
-    policy._all("load_checkpoint", str(tmp_path / "weights"), str(tmp_path / "optim"))  # same layout
+    policy.workers.all(PolicyWorker.load_checkpoint, str(tmp_path / "weights"), str(tmp_path / "optim"))  # same layout
     torch.testing.assert_close(policy.get_logprobs(probe)["logprobs"], saved, rtol=0, atol=1e-6)
