@@ -48,9 +48,9 @@ from backends.jax_pjit.hf_mapping import from_pretrained, hf_layout
 from backends.jax_pjit.lora import LoRAParam, apply_lora, split_trainable
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
+from backends.jax_pjit.param_placement import place_params
 from backends.jax_pjit.processes import check_multi_process, device_id, device_info, init_jax_distributed, on_mesh
 from backends.jax_pjit.row_layouts import RowLayouts
-from backends.jax_pjit.param_placement import place_params
 from backends.jax_pjit.sharding import make_mesh, stash, unstash
 from backends.jax_pjit.spec import settings as jax_settings
 from backends.jax_pjit.weights_io import JaxWeightsIO

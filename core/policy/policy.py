@@ -89,9 +89,6 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
         self.model_config = preflight_model_checks(self.cfg, tokenizer)
-        problems = spec.driver_checks(self.cfg, self.model_config, cluster, n_workers)
-        if found := [f"{join_path('policy', field)}: {message}" for field, message in problems]:
-            raise ConfigError(found)
         if weights_path is None:  # a resumed run's adapters come from its checkpoint
             check_lora_adapter(self.cfg, self.model_config)
         if weights_path is not None or optimizer_path is not None:
@@ -105,6 +102,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
                 optimizer_required=spec.optimizer_files,
                 restore=True,
             )
+        # Last of the driver's checks: the spec's may ask the cluster (e.g. how many devices a
+        # host worker will see), so the file checks above answer first.
+        problems = spec.driver_checks(self.cfg, self.model_config, cluster, n_workers)
+        if found := [f"{join_path('policy', field)}: {message}" for field, message in problems]:
+            raise ConfigError(found)
         self.tokenizer = tokenizer
         self.cluster = cluster
         #: The backend's worker class: the driver asks it what a layout refuses before sending work.
