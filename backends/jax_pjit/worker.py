@@ -58,7 +58,8 @@ from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
 from backends.jax_pjit.lora import LoRAParam, apply_lora, merged_flat, module_at, split_trainable
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
 from backends.jax_pjit.models.layers import activation_constraint
-from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
+from backends.jax_pjit.optim import build_optax, build_schedule, init_optimizer_state, set_learning_rate
+from backends.jax_pjit.optimizer_params import transplanted_state, with_adamw_params
 from backends.jax_pjit.row_layouts import RowLayouts
 from backends.jax_pjit.sharding import activation_constraint as make_constraint
 from backends.jax_pjit.sharding import (
@@ -79,6 +80,7 @@ from core.losses.router_aux import router_aux_for
 from core.models.lora import adapter_names, lora_scale, peft_name, write_peft_adapter
 from core.policy.generation_args import batch_generation_args
 from core.policy.matmul_precision import resolve_matmul_precision
+from core.policy.optimizer_params import AdamWParams
 from core.policy.preflight import check_tensor_parallel_fits, check_tokenizer_fits
 from core.policy.worker_base import (
     LORA_ADAPTER_DIR,
@@ -176,6 +178,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
             self._apply_updates = steps.make_apply_updates(self.tx, self.shardings, opt_shardings, self.trainable)
         self.train_step = 0
+        self._adam_constants: tuple[Any, ...] | None = None  # set_optimizer_params' last non-lr settings
         # A MoE policy recording its routing (policy.moe) gets each token's experts back too.
         self.route_top_k = self.router_aux.top_k if self.router_aux and self.cfg.moe.records_routing else None
         self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature, self.route_top_k)
@@ -443,6 +446,24 @@ class JaxPolicyWorker(PolicyWorkerBase):
         valid = bool(gseq > 0 and gtok > 0)
         self.params, self.opt_state, norm, skipped = self._apply_updates(self.params, self.opt_state, acc, loss, valid)
         return [norm, skipped]
+
+    def set_optimizer_params(self, params: AdamWParams) -> None:
+        """AdamW's settings for the next steps (``Policy.set_optimizer_params``): the learning
+        rate as the schedule's constant value; other changes rebuild the optax chain (its
+        update recompiles once) around the same moments."""
+        if self.tx is None:
+            raise RuntimeError(OPTIMIZER_MISSING)
+        self.prepare_for_training()  # the optimizer state on the devices
+        cfg = with_adamw_params(self.cfg, params)
+        if params.constants() != self._adam_constants:
+            self.tx, _ = build_optax(cfg.optimizer or {}, None, cfg.max_grad_norm)
+            with self.mesh:
+                self.opt_state = transplanted_state(self.tx, self.opt_state, self._trainable(self.params))
+            opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+            self._apply_updates = steps.make_apply_updates(self.tx, self.shardings, opt_shardings, self.trainable)
+            self._adam_constants = params.constants()
+        self.cfg = cfg
+        self.schedule = build_schedule(None, params.lr)
 
     def _grad_step(self, loss_fn: Any):
         # Keyed by the loss's configuration, not its identity: every Policy.train call ships
