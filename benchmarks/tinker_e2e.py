@@ -59,7 +59,10 @@ def run_program(backend: str, model: str, program: str, args: argparse.Namespace
         elif program == "sft":
             result = {"loss": tinker_client.sft_loop(training, tokenizer, args.sft_steps)}
         else:
-            result = asdict(tinker_client.rl_loop(training, tokenizer, args.rl_steps))
+            run = tinker_client.rl_loop(
+                training, tokenizer, args.rl_steps, groups=args.groups, group_size=args.group_size, lr=args.rl_lr
+            )
+            result = asdict(run)
         result.update(
             server_start_s=started - start, model_start_s=created - started, program_s=time.perf_counter() - created
         )
@@ -78,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=20)
     parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--rl-lr", type=float, default=1e-3)
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--checkpoint-dir", default="runs/tinker-e2e")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -107,8 +113,8 @@ def _summary(program: str, out: dict[str, Any]) -> str:
         return f"loss per answer token {curve} ({times})"
     rewards = " ".join(f"{s['reward']:.2f}" for s in out["steps"])
     return (
-        f"reward per step {rewards}; greedy held-out accuracy {out['accuracy_before']:.3f} -> "
-        f"{out['accuracy_after']:.3f} ({times})"
+        f"reward per step {rewards}; held-out accuracy (8 samples each) {out['accuracy_before']:.3f} -> "
+        f"{out['accuracy_after']:.3f}, greedy {out['greedy_before']:.3f} -> {out['greedy_after']:.3f} ({times})"
     )
 
 
