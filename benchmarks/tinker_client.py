@@ -185,7 +185,13 @@ class FirstStep:
     """The loss of the same batch after the step (a ``forward``)."""
 
 
-def first_step(training_client: Any, tokenizer: Any, loss_fn: str = "cross_entropy", lr: float = 1e-3) -> FirstStep:
+#: The learning rate of :func:`first_step`.
+FIRST_STEP_LR = 1e-3
+
+
+def first_step(
+    training_client: Any, tokenizer: Any, loss_fn: str = "cross_entropy", lr: float = FIRST_STEP_LR
+) -> FirstStep:
     rows = problems(seed=11, start=0, count=16)
     data = [sft_datum(tokenizer, r["prompt"], r["answer"]) for r in rows]
     if loss_fn != "cross_entropy":

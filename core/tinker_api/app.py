@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
+from core.tinker_api.config import ServeConfig
 from core.tinker_api.datums import decode_forward_backward
 from core.tinker_api.errors import RequestError, bad_request, not_found
 from core.tinker_api.service import TinkerService
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 #: The client config the server hands the SDK: API keys (no JWT exchange), plain httpx,
 #: uncompressed and one-after-another forward_backward chunks, per-request sample futures,
-#: custom losses computed in the client.
+#: custom losses computed in the client.  (The chunk sizes: :func:`client_config`.)
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "credential_default_source": "api_key",
@@ -59,6 +60,17 @@ UNSUPPORTED_ROUTES = {
     "/api/v1/billing": "RestClient billing usage",
     "/api/v1/audit": "AdminClient audit log",
 }
+
+
+def client_config(serve: ServeConfig) -> dict[str, Any]:
+    """:data:`CLIENT_CONFIG` with the server's request limits: the SDK cuts a larger
+    forward_backward into requests of at most ``max_datums_per_request`` datums and (its own
+    estimate of the protobuf) half of ``max_request_mb``, so that no chunk is refused."""
+    return {
+        **CLIENT_CONFIG,
+        "fwdbwd_max_chunk_len": serve.max_datums_per_request,
+        "fwdbwd_max_chunk_bytes_count": serve.max_request_bytes // 2,
+    }
 
 
 class _TooLarge(Exception):
@@ -181,9 +193,9 @@ def _service_routes(app: FastAPI, service: TinkerService) -> None:
         return {"supported_models": [model]}
 
     @app.post("/api/v1/client/config")
-    async def client_config(request: Request) -> dict[str, Any]:
+    async def config(request: Request) -> dict[str, Any]:
         await _parse(request, types.ClientConfigRequest)
-        return CLIENT_CONFIG
+        return client_config(service.cfg.serve)
 
     @app.post("/api/v1/client/dynamic_config")
     async def dynamic_config(request: Request) -> dict[str, Any]:

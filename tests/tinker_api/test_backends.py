@@ -61,12 +61,45 @@ def run_base_programs(backend: str, checkpoint_dir: Any) -> dict[str, Any]:
         out["resumed"] = tinker_client.first_step(tc, tok)
         out["resumed_path"] = path
         client.close("success").result()
+
+        client = service_client(server)
+        tc = full_weight_trainer(client)
+        out["full_info"] = tc.get_info()
+        out["full_step"] = tinker_client.first_step(tc, tok)
+        client.close("success").result()
     return out
 
 
-def direct_first_step(backend: str) -> tuple[float, float]:
-    """Loss (sum over the answer tokens) and gradient norm of the first step of the same batch
-    on a Policy started directly, trained with NLLLoss on rows built here."""
+def full_weight_trainer(client: Any) -> Any:
+    """A training client of the whole model: the SDK's own create request without a LoRA
+    config, sent through its client (its public methods always send one)."""
+    import time
+
+    from tinker import types
+    from tinker.lib.api_future_impl import _APIFuture
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+    from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
+
+    holder = client.holder
+    seq, session = holder.get_training_client_id(), holder.get_session_id()
+
+    async def create() -> Any:
+        request = types.CreateModelRequest(session_id=session, model_seq_id=seq, base_model=BASE)
+        with holder.aclient(ClientConnectionPoolType.TRAIN) as api:
+            future = await api.models.create(request=request)
+        created = await _APIFuture(types.CreateModelResponse, holder, future, time.time(), "CreateModel").result_async()
+        info = await fetch_training_info(holder, created.model_id)
+        return TrainingClient(holder, model_seq_id=seq, model_id=created.model_id, info=info)
+
+    return holder.run_coroutine_threadsafe(create()).result()
+
+
+def direct_first_step(backend: str) -> tuple[float, float, float]:
+    """Loss (sum over the answer tokens), gradient norm and loss after the step of the first
+    step of the same batch on a Policy started directly, trained with NLLLoss (a mean over the
+    N answer tokens) on rows built here.  Its AdamW (from the config, not set per step) has
+    the client's settings with eps / N: Adam's first step on the mean's gradient g / N is then
+    exactly the one on the sum's g, lr x g / (|g| + eps)."""
     from core.algorithms.placement import policy_cluster
     from core.algorithms.run_setup import load_tokenizer
     from core.algorithms.warm_start import resolve_model
@@ -77,6 +110,7 @@ def direct_first_step(backend: str) -> tuple[float, float]:
     cfg = resolve_model(server_config(backend, BASE, "unused"), [], print)
     cfg.policy.lora.enabled, cfg.policy.lora.rank = True, 8
     cfg.policy.lora.target_modules, cfg.policy.lora.init_seed = "all-linear", 0
+    adam = tinker_client.adam(tinker_client.FIRST_STEP_LR)
     tok = load_tokenizer(cfg.policy)
     rows = tinker_client.problems(seed=11, start=0, count=16)  # first_step's batch
     seqs = [
@@ -93,15 +127,18 @@ def direct_first_step(backend: str) -> tuple[float, float]:
         token_mask=mask,
         sample_mask=torch.ones(len(seqs)),
     )
+    tokens = float(mask[:, 1:].sum())
+    cfg.policy.optimizer.kwargs = {"lr": adam.learning_rate, "betas": [adam.beta1, adam.beta2],
+                                   "eps": adam.eps / tokens, "weight_decay": adam.weight_decay}  # fmt: skip
     cluster = policy_cluster(cfg, name="direct")
     policy = Policy(cluster, cfg.policy, tok, init_reference_model=False)
     try:
         result = policy.train(data, NLLLoss(), gbs=len(seqs), mbs=8)
+        after = policy.get_logprobs(data)["logprobs"]
     finally:
         policy.shutdown()
         cluster.shutdown()
-    tokens = float(mask[:, 1:].sum())
-    return result.loss[0] * tokens, result.grad_norm[0] * tokens
+    return result.loss[0] * tokens, result.grad_norm[0] * tokens, -float((after * mask).sum())
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +149,12 @@ def base_runs(serve_cache, tmp_path_factory):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_step_one_equals_the_direct_policy_path(base_runs, backend):
     api = base_runs[backend]["first_step"]
-    loss, grad_norm = direct_first_step(backend)
+    loss, grad_norm, loss_after = direct_first_step(backend)
     assert scalar_diff(api.loss, loss) <= PARITY, (api.loss, loss)
     assert scalar_diff(api.grad_norm, grad_norm) <= PARITY, (api.grad_norm, grad_norm)
+    # The step itself: the client's AdamW settings reached the optimizer (set per step on the
+    # server, from the config here); the parity checks' loss-curve bar.
+    assert scalar_diff(api.loss_after, loss_after) <= 1e-4, (api.loss_after, loss_after)
 
 
 def test_step_one_is_the_same_on_every_backend(base_runs):
@@ -136,6 +176,15 @@ def test_sft_loss_falls_and_a_saved_state_continues_exactly(base_runs, backend):
     continued, resumed = run["continued"], run["resumed"]
     for field in ("loss", "grad_norm", "loss_after"):  # loss_after: Adam's moments came back too
         assert scalar_diff(getattr(continued, field), getattr(resumed, field)) <= PARITY, field
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_weight_training(base_runs, backend):
+    run = base_runs[backend]
+    assert run["full_info"].is_lora is False
+    full, lora = run["full_step"], run["first_step"]
+    assert scalar_diff(full.loss, lora.loss) <= PARITY  # step 0: LoRA's B = 0 is the base model
+    assert full.grad_norm > 0 and full.loss_after < full.loss
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

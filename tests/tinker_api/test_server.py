@@ -81,6 +81,8 @@ def test_sampled_logprobs_are_the_training_logprobs(trainer):
     again = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result()
     assert [list(s.tokens) for s in res.sequences] == [list(s.tokens) for s in again.sequences]  # seeded
     assert np.isnan(res.prompt_logprobs_np[0]) and np.isfinite(res.prompt_logprobs_np[1:]).all()
+    logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert logprobs[0] is None and np.allclose(logprobs[1:], res.prompt_logprobs_np[1:], atol=1e-6)
     for seq in res.sequences:
         assert seq.stop_reason in ("stop", "length") and 1 <= len(seq.tokens) <= 6
         full = prompt + list(seq.tokens)
@@ -115,6 +117,19 @@ def test_policy_gradient_losses_and_a_custom_loss(trainer):
         expected, rel=1e-5
     )  # CE with the loss's gradient as weights
     assert tc.optim_step(tinker_client.adam(1e-3)).result().metrics["skipped:sum"] == 0
+
+
+def test_a_large_batch_is_cut_by_the_sdk_to_the_servers_limits(trainer):
+    """100 datums, serve.max_datums_per_request = 64: the SDK sends two requests (the client
+    config says so), the step trains on all of them and the loss is the sum over both."""
+    tc, tokenizer = trainer
+    batch = data(tokenizer, count=100, start=200)
+    out = tc.forward_backward(batch, "cross_entropy").result()
+    assert len(out.loss_fn_outputs) == 100
+    step = tc.optim_step(tinker_client.adam(1e-3)).result()
+    assert step.metrics["num_datums:sum"] == 100 and step.metrics["loss:sum"] == pytest.approx(
+        out.metrics["loss:sum"], rel=1e-5
+    )
 
 
 def test_a_stale_sampler_is_refused(trainer):
