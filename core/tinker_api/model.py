@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from core.data import BatchedDataDict
@@ -168,7 +167,3 @@ def adam_params_of(request_params: Any) -> AdamWParams:
         weight_decay=float(request_params.weight_decay),
         max_grad_norm=None if clip <= 0 else clip,
     )
-
-
-def finite(values: np.ndarray) -> bool:
-    return bool(np.all(np.isfinite(values)))

@@ -8,11 +8,12 @@ Training calls (``create_model``, ``forward_backward``, ``optim_step``, ``save_w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,8 @@ class TinkerService:
             self.registry.models[model_id] = record
 
         def build() -> Payload:
-            record.served = ServedModel(model_id, spec, self.runtime.build(spec))
+            with self._freed_on_failure(record):
+                record.served = ServedModel(model_id, spec, self.runtime.build(spec))
             return Payload(json={"model_id": model_id, "type": "create_model"})
 
         return self._queue(model_id, f"create_model {model_id}", build)
@@ -197,7 +199,8 @@ class TinkerService:
                 record.served.shutdown()
                 record.served = None
             optimizer = str(directory / "optimizer") if req.optimizer else None
-            policy = self.runtime.build(spec, str(directory / "weights"), optimizer)
+            with self._freed_on_failure(record):
+                policy = self.runtime.build(spec, str(directory / "weights"), optimizer)
             served = ServedModel(record.model_id, spec, policy, step=int(state["step"]))
             saved = saved_adam_params(state)
             if req.optimizer and saved is not None:  # the restored moments belong to these settings
@@ -330,6 +333,18 @@ class TinkerService:
             record.served.shutdown()
             record.served = None
         return Payload(json={})
+
+    @contextlib.contextmanager
+    def _freed_on_failure(self, record: ModelRecord) -> Iterator[None]:
+        """A model whose policy did not start leaves the slot (the job's error says why)."""
+        try:
+            yield
+        except BaseException:
+            with self.registry.lock:
+                record.released = True
+                if self.registry.live == record.model_id:
+                    self.registry.live = None
+            raise
 
     def _take_slot(self, model_id: str, what: str) -> None:
         """Reserve the one policy slot for ``model_id`` (the registry's lock held)."""
