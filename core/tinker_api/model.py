@@ -106,7 +106,7 @@ class ServedModel:
             }
         }
 
-    def save_state(self, directory: Path, base_model: str) -> None:
+    def save_state(self, directory: Path, base_model: str, user_metadata: dict[str, Any]) -> None:
         """A checkpoint ``from_saved_state`` loads: weights, optimizer state, what model it is."""
         directory.mkdir(parents=True, exist_ok=True)
         self.policy.save_checkpoint(str(directory / "weights"), str(directory / "optimizer"))
@@ -116,6 +116,7 @@ class ServedModel:
             "step": self.step,
             "spec": asdict(self.spec),
             "adam": None if self.params is None else asdict(self.params),
+            "user_metadata": user_metadata,
         }
         (directory / STATE_FILE).write_text(json.dumps(state, indent=1))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.tinker_api.errors import gone, not_found
 from core.tinker_api.model import ModelSpec, ServedModel
@@ -21,8 +22,8 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     closed: str | None = None
     """Why the session ended (its finish reason, or the heartbeat timeout); None while open."""
-    models: int = 0
-    samplers: int = 0
+    labels: dict[str, Any] = field(default_factory=dict)
+    """What the client named the session with (tags, user metadata, project, display name)."""
 
 
 @dataclass
@@ -32,6 +33,8 @@ class ModelRecord:
     spec: ModelSpec
     served: ServedModel | None = None
     """Set by the job that builds the policy."""
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    """The client's metadata of the training run (written with its saved states)."""
     queued_datums: int = 0
     """forward_backward datums sent since the last optim_step was sent."""
     released: bool = False

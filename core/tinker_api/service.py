@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 #: Checkpoint names (the last part of a ``tinker://`` path): no separators, no leading dot.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-SAVED = {"weights": "weights", "sampler_weights": "sampler_weights"}
 
 
 class TinkerService:
@@ -68,8 +67,10 @@ class TinkerService:
     # ------------------------------------------------------------------ sessions
     def create_session(self, req: types.CreateSessionRequest) -> dict[str, Any]:
         session_id = uuid.uuid4().hex
+        labels = {"tags": list(req.tags), "user_metadata": req.user_metadata or {}, "project_id": req.project_id,
+                  "display_name": req.display_name, "sdk_version": req.sdk_version}  # fmt: skip
         with self.registry.lock:
-            self.registry.sessions[session_id] = Session(session_id)
+            self.registry.sessions[session_id] = Session(session_id, labels=labels)
         return {"type": "create_session", "session_id": session_id}
 
     def heartbeat(self, session_id: str) -> dict[str, Any]:
@@ -103,7 +104,7 @@ class TinkerService:
         with self.registry.lock:
             self.registry.session(req.session_id, what)
             self._take_slot(model_id, what)
-            record = ModelRecord(model_id, req.session_id, spec)
+            record = ModelRecord(model_id, req.session_id, spec, user_metadata=dict(req.user_metadata or {}))
             self.registry.models[model_id] = record
 
         def build() -> Payload:
@@ -154,6 +155,7 @@ class TinkerService:
 
     def save_weights(self, req: types.SaveWeightsRequest) -> dict[str, Any]:
         what = "save_weights"
+        _no_expiry(req.ttl_seconds, what)
         with self.registry.lock:
             record = self.registry.model(req.model_id, what)
         name = self._name(req.path or "", what)
@@ -163,7 +165,8 @@ class TinkerService:
         path = self._path(record.model_id, "weights", name)
 
         def save() -> Payload:
-            self._served(record).save_state(directory, self.base.name)
+            metadata = {**record.user_metadata, **(req.user_metadata or {})}
+            self._served(record).save_state(directory, self.base.name, metadata)
             return Payload(json={"path": path, "type": "save_weights"})
 
         return self._queue(record.model_id, what, save)
@@ -172,6 +175,8 @@ class TinkerService:
         """A new model from a saved state (``create_training_client_from_state*``), or a live
         model's weights replaced by one (the deprecated ``TrainingClient.load_state*``)."""
         what = "load_weights"
+        if req.weights_access_token is not None:
+            raise bad_request(f"{what}: weights_access_token: this server has no accounts; leave it unset")
         directory, state = self._saved_state(req.path, what)
         spec = ModelSpec.from_json(state["spec"])
         if req.base_model is not None:
@@ -191,7 +196,8 @@ class TinkerService:
                 self.registry.session(req.session_id, what)
                 model_id = f"{req.session_id}:train:{req.model_seq_id}"
                 self._take_slot(model_id, what)
-                record = ModelRecord(model_id, req.session_id, spec)
+                metadata = {**state.get("user_metadata", {}), **(req.user_metadata or {})}
+                record = ModelRecord(model_id, req.session_id, spec, user_metadata=metadata)
                 self.registry.models[model_id] = record
 
         def load() -> Payload:
@@ -213,6 +219,7 @@ class TinkerService:
 
     def save_weights_for_sampler(self, req: types.SaveWeightsForSamplerRequest) -> dict[str, Any]:
         what = "save_weights_for_sampler"
+        _no_expiry(req.ttl_seconds, what)
         if req.kind != "snapshot":
             raise bad_request(f"{what}: kind={req.kind!r} is not supported (snapshot samplers only)")
         with self.registry.lock:
@@ -416,6 +423,13 @@ class TinkerService:
                     self._queue(record.model_id, f"release model {record.model_id}", lambda r=record: self._release(r))
         self.runner.stop()
         self.runtime.shutdown()
+
+
+def _no_expiry(ttl_seconds: int | None, what: str) -> None:
+    if ttl_seconds is not None:
+        raise bad_request(
+            f"{what}: ttl_seconds={ttl_seconds}: checkpoints of dualrl serve do not expire; leave it unset"
+        )
 
 
 def _now() -> float:
