@@ -12,6 +12,11 @@ several policy starts per backend).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -34,8 +39,8 @@ def scalar_diff(a: float, b: float) -> float:
     return abs(a - b) / max(1.0, abs(a), abs(b))
 
 
-def new_trainer(client: Any, model: str = BASE) -> tuple[Any, Any]:
-    tc = client.create_lora_training_client(model, rank=8, seed=0, train_unembed=False).result()
+def new_trainer(client: Any, model: str = BASE, rank: int = 8) -> tuple[Any, Any]:
+    tc = client.create_lora_training_client(model, rank=rank, seed=0, train_unembed=False).result()
     return tc, tc.get_tokenizer()
 
 
@@ -187,14 +192,39 @@ def test_full_weight_training(base_runs, backend):
     assert full.grad_norm > 0 and full.loss_after < full.loss
 
 
+#: The RL loop the tests run (the measured one of docs/tinker.md).
+RL_STEPS, RL_GROUPS, RL_GROUP_SIZE, RL_LR, RL_RANK = 30, 16, 16, 1e-3, 16
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rl_learns_the_arithmetic_task(serve_cache, tmp_path_factory, backend):
-    with serving(backend, WARM, tmp_path_factory.mktemp(f"rl-{backend}")) as server:
-        client = service_client(server)
-        tc, tok = new_trainer(client, WARM)
-        run = tinker_client.rl_loop(tc, tok, steps=30, groups=16, group_size=16, lr=1e-3)
-        client.close("success").result()
-    rewards = [s.reward for s in run.steps]
-    assert all(s.datums > 0 for s in run.steps[:3]), "the warm start gives groups with mixed rewards"
+    if backend == "jax_pjit":
+        run = rl_in_a_server_process(backend, serve_cache, tmp_path_factory.mktemp("rl-jax"))
+    else:
+        with serving(backend, WARM, tmp_path_factory.mktemp(f"rl-{backend}")) as server:
+            client = service_client(server)
+            tc, tok = new_trainer(client, WARM, RL_RANK)
+            loop = tinker_client.rl_loop(tc, tok, RL_STEPS, RL_GROUPS, RL_GROUP_SIZE, RL_LR)
+            client.close("success").result()
+        run = asdict(loop)
+    rewards = [s["reward"] for s in run["steps"]]
+    assert all(s["datums"] > 0 for s in run["steps"][:3]), "the warm start gives groups with mixed rewards"
     # 64 held-out problems x 8 seeded samples; the gains measured on each backend: docs/tinker.md.
-    assert run.accuracy_after >= run.accuracy_before + 0.05, (run.accuracy_before, run.accuracy_after, rewards)
+    before, after = run["accuracy_before"], run["accuracy_after"]
+    assert after >= before + 0.05, (before, after, rewards)
+
+
+def rl_in_a_server_process(backend: str, cache: Any, out_dir: Any) -> dict[str, Any]:
+    """The RL program against a server in a process of its own (``benchmarks.tinker_e2e``), with
+    the Ray that ``dualrl serve`` starts: its JAX worker gets 2 host devices and XLA's CPU flags
+    of ``core.distributed.ray_init.jax_cpu_flags`` (Eigen's intra-op pool off).  This test
+    session's Ray gives JAX actors 8 host devices with that pool on (tests/conftest.py), where
+    the RL loop's long run of steps deadlocked an XLA all-gather rendezvous (the worker died)."""
+    out = out_dir / "rl.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
+    env.update(DUALRL_CACHE_DIR=str(cache), PYTHONPATH=os.getcwd(), TINKER_TELEMETRY="0")
+    args = ["--backends", backend, "--programs", "rl", "--rl-steps", str(RL_STEPS), "--groups", str(RL_GROUPS)]
+    args += ["--group-size", str(RL_GROUP_SIZE), "--rl-lr", str(RL_LR), "--lora-rank", str(RL_RANK)]
+    args += ["--checkpoint-dir", str(out_dir), "--json", str(out)]
+    subprocess.run([sys.executable, "-m", "benchmarks.tinker_e2e", *args], env=env, check=True, timeout=3000)
+    return json.loads(out.read_text())[backend]["rl"]
