@@ -219,10 +219,13 @@ def rl_in_a_server_process(backend: str, cache: Any, out_dir: Any) -> dict[str, 
     the Ray that ``dualrl serve`` starts: its JAX worker gets 2 host devices and XLA's CPU flags
     of ``core.distributed.ray_init.jax_cpu_flags`` (Eigen's intra-op pool off).  This test
     session's Ray gives JAX actors 8 host devices with that pool on (tests/conftest.py), where
-    the RL loop's long run of steps deadlocked an XLA all-gather rendezvous (the worker died)."""
+    the RL loop's long run of steps deadlocked an XLA all-gather rendezvous (the worker died).
+    On a loaded machine a participant of a CPU collective can also arrive later than XLA's
+    default 40 s, which aborts the worker: the limit is raised to 10 minutes."""
     out = out_dir / "rl.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
     env.update(DUALRL_CACHE_DIR=str(cache), PYTHONPATH=os.getcwd(), TINKER_TELEMETRY="0")
+    env["XLA_FLAGS"] = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
     args = ["--backends", backend, "--programs", "rl", "--rl-steps", str(RL_STEPS), "--groups", str(RL_GROUPS)]
     args += ["--group-size", str(RL_GROUP_SIZE), "--rl-lr", str(RL_LR), "--lora-rank", str(RL_RANK)]
     args += ["--checkpoint-dir", str(out_dir), "--json", str(out)]
