@@ -26,7 +26,7 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks import tinker_client
-from core.policy.config import BACKENDS
+from core.policy.registry import backend_names
 
 #: Host devices of a JAX worker (the cluster's two slots), set before Ray starts.
 JAX_DEVICES = 2
@@ -74,7 +74,7 @@ def run_program(backend: str, model: str, program: str, args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tinker_e2e", description=__doc__.split("\n")[0])
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", choices=backend_names(), default=list(backend_names()))
     parser.add_argument(
         "--programs", nargs="+", choices=("first_step", "sft", "rl"), default=["first_step", "sft", "rl"]
     )

@@ -16,6 +16,8 @@ import jax
 from core.policy.config import OptimizerConfig, PolicyConfig
 from core.policy.optimizer_params import ADAMW, AdamWParams
 
+__all__ = ["AdamWParams", "rebuilt_optimizer", "transplanted_state", "with_adamw_params"]
+
 
 def with_adamw_params(cfg: PolicyConfig, params: AdamWParams) -> PolicyConfig:
     """``cfg`` whose optimizer section and gradient clipping are ``params``."""
@@ -38,3 +40,18 @@ def transplanted_state(tx: Any, old_state: Any, trainable_params: Any) -> Any:
             f"({len(new_leaves)} arrays, was {len(old_leaves)}); the moments cannot carry over"
         )
     return jax.tree.unflatten(jax.tree.structure(target), old_leaves)
+
+
+def rebuilt_optimizer(
+    params: AdamWParams, opt_state: Any, trainable_params: Any, shardings: Any, trainable: Any
+) -> tuple[Any, Any, Any]:
+    """``(tx, opt_state, apply_updates)`` of an AdamW chain with ``params``' constants around
+    ``opt_state``'s moments (``transplanted_state``), the update compiled for the same shardings."""
+    from backends.jax_pjit import steps
+    from backends.jax_pjit.optim import build_optax
+
+    optimizer = OptimizerConfig(name=ADAMW, kwargs=params.optimizer_kwargs())
+    tx, _ = build_optax(optimizer, None, params.max_grad_norm)
+    state = transplanted_state(tx, opt_state, trainable_params)
+    opt_shardings = jax.tree.map(lambda x: x.sharding, state)
+    return tx, state, steps.make_apply_updates(tx, shardings, opt_shardings, trainable)

@@ -31,7 +31,8 @@ from typing import Any
 
 from core.interfaces import LossType
 from core.kernels import clipped_surrogate_loss, next_token_logprobs, ops_for
-from core.losses.checks import LossInputChecker
+from core.losses.checks import LossInputChecker, LossInputError
+from core.losses.contract import DeclaredLoss
 
 #: Tinker's loss names this loss computes, in the order of their ``loss_kind`` codes.
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
@@ -48,18 +49,32 @@ def loss_kind(name: str) -> int:
     return TINKER_LOSSES.index(name)
 
 
-class TinkerLoss:
+class TinkerLoss(DeclaredLoss):
     """The sum over every target token of the row's Tinker loss term (module docstring).
 
     Data keys: ``input_ids`` [B, S], ``sample_mask`` [B], ``loss_kind`` [B] (an index into
     :data:`TINKER_LOSSES`) and the :data:`PER_TOKEN_KEYS` [B, S].  The loss ignores the global
     counts: a sum over micro batches and ranks of per-micro-batch sums is the batch's sum.
+    No old-policy or reference logprobs (the sampler's logprobs are an input, ``sampling_logprobs``).
     """
 
     loss_type = LossType.TOKEN_LEVEL
 
     def __init__(self) -> None:
         self.check = LossInputChecker("TinkerLoss", PER_TOKEN_KEYS, finite_keys=PER_TOKEN_KEYS[1:])
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        return (*self.check.required_keys(), "loss_kind")
+
+    def check_inputs(self, data: Mapping[str, Any], vocab_size: int | None) -> None:
+        super().check_inputs(data, vocab_size)
+        kinds = data.get("loss_kind")
+        rows = int(data["input_ids"].shape[0])
+        if kinds is None or tuple(kinds.shape) != (rows,):
+            raise LossInputError(f"TinkerLoss: data['loss_kind'] must have shape ({rows},)")
+        if int(kinds.min()) < 0 or int(kinds.max()) >= len(TINKER_LOSSES):
+            raise LossInputError(f"TinkerLoss: data['loss_kind'] must index {list(TINKER_LOSSES)}")
 
     def __call__(self, next_token_logits, data: Mapping[str, Any], global_valid_seqs, global_valid_toks):
         self.check(next_token_logits, data)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,13 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
+from core.reporting import get_logger
 from core.tinker_api.config import ServeConfig
 from core.tinker_api.datums import decode_forward_backward
 from core.tinker_api.errors import RequestError, bad_request, not_found
 from core.tinker_api.service import TinkerService
 from core.tinker_api.wire import PROTOBUF
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: The client config the server hands the SDK: API keys (no JWT exchange), plain httpx,
 #: uncompressed and one-after-another forward_backward chunks, per-request sample futures,

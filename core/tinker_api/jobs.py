@@ -12,7 +12,6 @@ Sample jobs that follow one another in the queue run as one batch (one ``generat
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 import traceback
@@ -22,9 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.reporting import get_logger
 from core.tinker_api.errors import RequestError
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: How long a finished future's result is kept for retrieval.
 RESULT_TTL_S = 30 * 60

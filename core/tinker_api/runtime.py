@@ -4,7 +4,6 @@ its tokenizer, Ray and the training cluster; and how it builds a policy for a mo
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +31,12 @@ class BaseModel:
 class PolicyRuntime:
     """Ray, the cluster and the base model; ``build`` starts a policy for one model."""
 
-    def __init__(self, cfg: ServeRunConfig, log: Callable[[str], None] = print):
+    def __init__(self, cfg: ServeRunConfig):
         from core.algorithms.placement import policy_cluster, start_ray
         from core.algorithms.run_setup import load_tokenizer
         from core.algorithms.warm_start import resolve_model
 
-        resolved = resolve_model(cfg, [], log)
+        resolved = resolve_model(cfg, [])
         self.cfg = resolved
         self.tokenizer = load_tokenizer(resolved.policy)
         self.base = _base_model(cfg.policy.model_name, resolved.policy.model_name, self.tokenizer)

@@ -16,11 +16,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from core.config import ConfigError
-from core.policy.config import BACKENDS
+from core.policy.registry import backend_names
 from core.tinker_api.config import API_KEY_PREFIX, SERVE_DEFAULT_CONFIG_PATH, ServeRunConfig, load_serve_config
 
 
@@ -40,14 +39,14 @@ def api_key_of(cfg: ServeRunConfig) -> str | None:
     return key
 
 
-def build_server(cfg: ServeRunConfig, log: Callable[[str], None] = print) -> tuple[Any, Any]:
+def build_server(cfg: ServeRunConfig) -> tuple[Any, Any]:
     """``(service, app)``: the base model loaded, Ray and the cluster up, no model yet."""
     from core.tinker_api.app import build_app
     from core.tinker_api.runtime import PolicyRuntime
     from core.tinker_api.service import TinkerService
 
     key = api_key_of(cfg)  # before anything starts
-    service = TinkerService(cfg, PolicyRuntime(cfg, log))
+    service = TinkerService(cfg, PolicyRuntime(cfg))
     return service, build_app(service, key)
 
 
@@ -55,10 +54,10 @@ class ServerThread:
     """The server on a free port of 127.0.0.1 (``cfg.serve.port`` 0) in a daemon thread;
     ``close()`` stops it and releases the models and the cluster."""
 
-    def __init__(self, cfg: ServeRunConfig, log: Callable[[str], None] = print, timeout_s: float = 600.0):
+    def __init__(self, cfg: ServeRunConfig, timeout_s: float = 600.0):
         import uvicorn
 
-        self.service, app = build_server(cfg, log)
+        self.service, app = build_server(cfg)
         sock = _bind(cfg.serve.host, cfg.serve.port)
         self.port = sock.getsockname()[1]
         self.base_url = f"http://{cfg.serve.host}:{self.port}"
@@ -93,7 +92,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "with a dualrl backend; docs/tinker.md",
     )
     parser.add_argument("--config", help=f"YAML file (default: {SERVE_DEFAULT_CONFIG_PATH})")
-    parser.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
+    parser.add_argument("--backend", choices=backend_names(), help="training backend; sets policy.backend")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. serve.port=8001")
     return parser
 
@@ -108,6 +107,9 @@ def main(argv: list[str] | None = None, prog: str = "dualrl serve") -> int:
         return 2
     import uvicorn
 
+    from core.reporting import show_logs_above_progress
+
+    show_logs_above_progress()  # the base model's build (a warm start), the policies' starts
     service, app = build_server(cfg)
     sock = _bind(cfg.serve.host, cfg.serve.port)
     host, port = sock.getsockname()[:2]

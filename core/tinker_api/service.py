@@ -9,7 +9,6 @@ Training calls (``create_model``, ``forward_backward``, ``optim_step``, ``save_w
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import secrets
 import uuid
@@ -19,6 +18,7 @@ from typing import Any
 
 from tinker import types
 
+from core.reporting import get_logger
 from core.tinker_api.config import ServeRunConfig
 from core.tinker_api.datums import DatumLimits, ForwardBackwardRequest
 from core.tinker_api.errors import RequestError, bad_request, not_found
@@ -37,7 +37,7 @@ from core.tinker_api.runtime import PolicyRuntime
 from core.tinker_api.sampling import SampleJob, SampleLimits, check_sample_request, run_sample_jobs
 from core.tinker_api.wire import sample_response
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: Checkpoint names (the last part of a ``tinker://`` path): no separators, no leading dot.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -112,7 +112,7 @@ def direct_first_step(backend: str) -> tuple[float, float, float]:
     from core.losses import NLLLoss
     from core.policy import Policy
 
-    cfg = resolve_model(server_config(backend, BASE, "unused"), [], print)
+    cfg = resolve_model(server_config(backend, BASE, "unused"), [])
     cfg.policy.lora.enabled, cfg.policy.lora.rank = True, 8
     cfg.policy.lora.target_modules, cfg.policy.lora.init_seed = "all-linear", 0
     adam = tinker_client.adam(tinker_client.FIRST_STEP_LR)

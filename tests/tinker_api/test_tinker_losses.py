@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from core.interfaces import LossFunction
+from core.interfaces import LogprobLossFunction
+from core.losses.checks import LossInputError
+from core.losses.contract import LossContract
 from core.losses.tinker_losses import TINKER_LOSSES, TinkerLoss
 
 B, S = 4, 7
@@ -51,8 +53,18 @@ def reference(kind: str, logp: np.ndarray, data: dict[str, np.ndarray]) -> float
     return total
 
 
-def test_is_a_loss_function():
-    assert isinstance(TinkerLoss(), LossFunction)
+def test_the_loss_contract():
+    loss = TinkerLoss()
+    assert isinstance(loss, LogprobLossFunction)
+    contract = LossContract.of(loss)
+    assert contract.from_logprobs and contract.old_logprobs is None and not contract.uses_reference
+    assert {"loss_kind", "sampling_logprobs", "token_mask"} <= set(contract.input_keys)
+    assert loss.cache_key() == TinkerLoss().cache_key()  # one compiled step for every copy
+    data = {k: torch.from_numpy(v) for k, v in batch("ppo").items()}
+    loss.check_inputs(data, vocab_size=11)
+    data["loss_kind"] = torch.full((B,), 7)
+    with pytest.raises(LossInputError, match="loss_kind"):
+        loss.check_inputs(data, vocab_size=11)
 
 
 @pytest.mark.parametrize("kind", TINKER_LOSSES)
