@@ -43,6 +43,7 @@ from core.policy.checks import (
 from core.policy.config import PolicyConfig
 from core.policy.generation_args import checked_row_limits
 from core.policy.lora_adapter import check_lora_adapter
+from core.policy.optimizer_params import AdamWParams, check_optimizer_params
 from core.policy.preflight import absolute_model_paths, preflight_model_checks
 from core.policy.registry import backend_spec
 from core.policy.worker_dispatch import WorkerCalls, protocol_method_name
@@ -260,6 +261,14 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         if not eval_mode and out.skipped_steps and self.cfg.non_finite_step == "error":
             raise NonFiniteStepError(_skip_message(out))
         return out
+
+    def set_optimizer_params(self, params: AdamWParams) -> None:
+        """The AdamW settings of the following ``train`` calls (until set again), replacing
+        ``policy.optimizer.kwargs`` and ``policy.max_grad_norm``; the optimizer state (Adam's
+        moments, the step count) is kept.  Needs ``policy.optimizer.name`` AdamW and no
+        ``policy.scheduler`` (the caller owns the learning rate of every step)."""
+        check_optimizer_params(self.cfg, params)
+        self.workers.all(PolicyWorker.set_optimizer_params, params)
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
         self.workers.all(PolicyWorker.prepare_for_training)
