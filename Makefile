@@ -13,10 +13,11 @@ ARGS   ?= grpo
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # The project's own venv (make test / lint) also gets the optional extras whose tests would
 # otherwise skip or fail: lora (peft, the PEFT-load checks), mlflow and wandb (the tracker sinks),
-# reasoning (reasoning-gym: its tasks, reward and recipe).
+# serve (the tinker SDK, which the dualrl serve tests drive), reasoning (reasoning-gym: its tasks,
+# reward and recipe).
 # Together ~27 MB of wheels and ~10 s of CPU to install (2-core CPU, 2026-11-26; wandb is 20 MB
 # of it); users still install them only on request (pyproject.toml).
-DEV_EXTRAS := test,dev,lora,mlflow,wandb,reasoning
+DEV_EXTRAS := test,dev,lora,mlflow,wandb,serve,reasoning
 
 .PHONY: venv run test lint format test-all bench bench-gpu bench-kernels bench-moe-dispatch bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
 
@@ -45,12 +46,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not gpu" -q --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
 
-# Format, lint, import contracts + cycles, types (CI runs it before the tests; `make format` fixes).
+# Format, lint, import contracts + cycles, no built-in backend named in core, types (CI runs it
+# before the tests; `make format` fixes).
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python tools/import_graph.py --check
+	$(BIN)/python tools/backend_names.py --check
 	$(BIN)/mypy
 
 format: $(STAMP)

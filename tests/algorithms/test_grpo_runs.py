@@ -36,7 +36,7 @@ RECIPES = {"arithmetic": GRPO_DEFAULT_CONFIG_PATH, "reasoning_gym": REASONING_GY
 
 def _run(tmp_path_factory, name: str, backend: str, *overrides: str, recipe: str = "arithmetic"):
     run_dir = tmp_path_factory.mktemp(name)
-    run = run_grpo(grpo_config(run_dir, backend, *overrides, path=RECIPES[recipe]), log=lambda _msg: None)
+    run = run_grpo(grpo_config(run_dir, backend, *overrides, path=RECIPES[recipe]))
     return run, run_dir
 
 
@@ -77,7 +77,14 @@ def _check_two_steps(run, transport: str):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_two_colocated_steps(colocated_run, backend):
-    _check_two_steps(colocated_run(backend), "ipc")
+    run = colocated_run(backend)
+    _check_two_steps(run, "ipc")
+    # A colocated engine computes on all of its bundle's CPUs (the policy waits meanwhile):
+    # Ray alone would give it the bundle's CPUs divided among the colocated groups.
+    cfg = run.cfg
+    bundle_cpus = 1 if cfg.policy.spec.one_worker_per_device else cfg.cluster.gpus_per_node
+    assert run.engine.generation is not None
+    assert set(run.engine.generation.engine_threads) == {bundle_cpus}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -124,7 +131,7 @@ def test_resume_repeats_the_next_step(ray_session, builtin_cache, tmp_path_facto
 
     from core.algorithms.commands import run_grpo as rerun
 
-    resumed = rerun(grpo_config(run_dir, "torch_fsdp", *ckpt, "checkpointing.resume=true"), log=lambda _m: None)
+    resumed = rerun(grpo_config(run_dir, "torch_fsdp", *ckpt, "checkpointing.resume=true"))
     assert resumed.start_step == 1
     again = _train_rows(resumed)
     assert [r["step"] for r in again] == [2]

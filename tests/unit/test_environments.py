@@ -372,7 +372,7 @@ def test_error_excerpts_of_long_texts_are_short():
 
 # ---------------------------------------------------------------------- registry
 def test_make_environment_builds_the_builtins():
-    assert set(BUILTIN_ENVIRONMENTS) == {"arithmetic", "math", "tool_arithmetic"}
+    assert set(BUILTIN_ENVIRONMENTS) == {"arithmetic", "math", "reasoning_gym", "tool_arithmetic"}
     env = make_environment({"name": "arithmetic", "arithmetic": {"num_operands": 3}})
     assert isinstance(env, ArithmeticEnvironment) and env.task.num_operands == 3
     assert isinstance(make_environment({"name": "math"}), MathEnvironment)
@@ -393,7 +393,7 @@ def test_make_environment_builds_a_user_class_by_import_path():
         (
             {"name": "gsm9k"},
             r"env\.name: unknown environment 'gsm9k'; built-in environments: "
-            r"\['arithmetic', 'math', 'tool_arithmetic'\]",
+            r"\['arithmetic', 'math', 'reasoning_gym', 'tool_arithmetic'\]",
         ),
         ({}, r"env\.name: missing required key"),
         ({"name": 3}, r"env\.name: expected str, got int \(3\)"),
