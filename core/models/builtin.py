@@ -70,7 +70,7 @@ ARITHMETIC_QWEN3_MOE = {**ARITHMETIC_LLAMA, "model_type": "qwen3_moe", "head_dim
 #: The English reader (builtin:reasoning-gym-llama): the byte tokenizer's 259 ids rounded up to
 #: 264 (tensor parallel sizes 2, 4 and 8 divide it), and room for the longest reasoning-gym
 #: prompts a recipe here uses.
-REASONING_GYM_LLAMA = {**ARITHMETIC_LLAMA, "vocab_size": 264, "max_position_embeddings": 256, "num_hidden_layers": 4}
+REASONING_GYM_LLAMA = {**ARITHMETIC_LLAMA, "vocab_size": 264, "max_position_embeddings": 256}
 INIT_SEED = 1234
 
 #: name -> (shape, warm started by the SFT run?)
