@@ -243,6 +243,9 @@ def _builtin_datasets(task, name, encoder, num_val, seed, val_seed, num_val_key,
             f"the built-in task {name!r} has {space}; lower {num_val_key} or widen the task"
         )
     val, held_out = _builtin_val(task, name, encoder, num_val, val_seed)
+    check_train_space = getattr(task, "check_train_space", None)  # a task mix: no task left without training problems
+    if check_train_space is not None:
+        check_train_space(seed, held_out | exclude, num_val_key)
     train = GeneratedDataset(task, seed, encoder, held_out | exclude, name)
     train[0]  # surface a too-long example (error mode) before training starts
     return train, val

@@ -39,6 +39,11 @@ from core.environments.reasoning_gym_checks import dataset, import_reasoning_gym
 #: How many generator indices each run seed owns (item indices of a train stream, with its
 #: rejected candidates, stay far below it: core.datasets.sources.CANDIDATE_STRIDE x 1000).
 SEED_REGION = 2**48
+#: A task whose training draws are at least this share held-out questions is refused: its
+#: settings give too few distinct questions (the train stream would silently drop the task).
+MAX_HELD_OUT_SHARE = 0.9
+#: How many problems of the train seed that check draws.
+HELD_OUT_CHECK_DRAWS = 256
 #: The metadata columns of a reasoning-gym row (besides prompt and answer).
 TASK_COLUMNS = ("task", "task_seed", "task_settings", "task_metadata")
 
@@ -77,6 +82,22 @@ class ReasoningGymTask:
     def problems(self, seed: int, start: int, count: int) -> list[dict[str, Any]]:
         """Problems ``start .. start+count-1`` of ``seed``."""
         return [self.problem(seed, start + i) for i in range(count)]
+
+    def check_train_space(self, seed: int, held_out: frozenset[str], num_val_key: str) -> None:
+        """Refuse a task whose questions the held-out ones (nearly) exhaust: the train stream
+        skips held-out questions, so such a task would vanish from training without a word."""
+        drawn = {name: [0, 0] for name in self.names}
+        for problem in self.problems(seed, 0, HELD_OUT_CHECK_DRAWS):
+            counts = drawn[problem["task"]]
+            counts[0] += problem["prompt"] in held_out
+            counts[1] += 1
+        for k, (task, (held, total)) in enumerate(zip(self.settings.tasks, drawn.values(), strict=True)):
+            if total and held >= MAX_HELD_OUT_SHARE * total:
+                raise ValueError(
+                    f"{self.path}.tasks[{k}] ({task.name}): {held} of the {total} training questions drawn "
+                    f"are held-out ones: its settings {dict(task.settings)} give too few distinct questions "
+                    f"to hold {num_val_key} out and train on the rest; widen them or lower {num_val_key}"
+                )
 
 
 def _zigzag(seed: int) -> int:

@@ -123,6 +123,24 @@ def test_train_and_held_out_questions_never_overlap(val_seed):
     assert {"task", "task_seed", "task_settings", "task_metadata"} <= set(datum.metadata)
 
 
+@pytest.mark.parametrize("max_n", [3, 255])
+def test_a_task_the_held_out_questions_exhaust_is_refused_by_name(max_n):
+    """count_bits up to 3 has 3 questions: the held-out draws take all of them, and the train
+    stream (which skips held-out questions) would drop the task without a word."""
+    mix = {"tasks": [*MIX["tasks"], {"name": "count_bits", "settings": {"max_n": max_n}}]}
+    data = DataConfig(
+        dataset_name="reasoning_gym", reasoning_gym=mix, prompt_template="{prompt}\n", max_input_seq_length=96
+    )
+    if max_n == 3:
+        with pytest.raises(
+            ValueError, match=r"data\.reasoning_gym\.tasks\[\d\] \(count_bits\): \d+ of the \d+ training "
+        ):
+            build_prompt_datasets(data, None, byte_tokenizer(), num_val=60, seed=42)
+    else:
+        train, _ = build_prompt_datasets(data, None, byte_tokenizer(), num_val=60, seed=42)
+        assert "count_bits" in {train[i].metadata["task"] for i in range(60)}
+
+
 # ----------------------------------------------------------------------------- the reward
 def test_the_reward_is_the_tasks_own_score_answer_with_partial_credit():
     import reasoning_gym
