@@ -20,8 +20,9 @@ from dualrl.cli import GRPO_DEFAULT_CONFIG_PATH
 #: The embedded reasoning-gym recipe (core/configs/grpo_reasoning_gym.yaml).
 REASONING_GYM_CONFIG_PATH = GRPO_DEFAULT_CONFIG_PATH.with_name("grpo_reasoning_gym.yaml")
 #: The test session's warm start of builtin:reasoning-gym-llama: the recipe's own SFT run, shorter
-#: (a model of its own in the cache), still far enough for rewards that are neither all 0 nor all 1.
-REASONING_GYM_TEST_WARM_START = ("sft.max_num_steps=60",)
+#: (a model of its own in the cache), still far enough for rewards that are neither all 0 nor all 1
+#: (60 steps were not: every step-1 reward was 0).
+REASONING_GYM_TEST_WARM_START = ("sft.max_num_steps=100",)
 
 SMALL_RUN = [
     "grpo.num_prompts_per_step=4",
