@@ -15,8 +15,8 @@ VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 # otherwise skip or fail: lora (peft, the PEFT-load checks), mlflow and wandb (the tracker sinks),
 # serve (the tinker SDK, which the dualrl serve tests drive), reasoning (reasoning-gym: its tasks,
 # reward and recipe).
-# Together ~27 MB of wheels and ~10 s of CPU to install (2-core CPU, 2026-11-26; wandb is 20 MB
-# of it); users still install them only on request (pyproject.toml).
+# They are small (docs/results.md#install); users still install them only on request
+# (pyproject.toml).
 DEV_EXTRAS := test,dev,lora,mlflow,wandb,serve,reasoning
 
 .PHONY: venv run test lint format test-all bench bench-gpu bench-kernels bench-moe-dispatch bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
@@ -26,7 +26,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and exactly pinned: an unpinned resolve would pull the newest CUDA build (GBs).
-	# (pip's byte-compiling stays on: 46 s of the install here, but with PYTHONDONTWRITEBYTECODE
+	# (pip's byte-compiling stays on: a share of the install's time, but with PYTHONDONTWRITEBYTECODE
 	# set, as on the CI machine, nothing else would ever write the .pyc, and every Ray worker
 	# would compile torch, vLLM and JAX from source at each start.)
 	$(BIN)/pip install --quiet "torch==2.13.0"
@@ -54,6 +54,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python tools/import_graph.py --check
 	$(BIN)/python tools/backend_names.py --check
+	$(BIN)/python tools/history_in_code.py --check
 	$(BIN)/mypy
 
 format: $(STAMP)
