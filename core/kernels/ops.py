@@ -85,6 +85,9 @@ class TorchOps:
             return x.sum()
         return x.sum(dim=axis, keepdim=keepdims)
 
+    def amax(self, x, axis=-1, keepdims=False):
+        return x.amax(dim=axis, keepdim=keepdims)
+
     def logsumexp(self, x, axis=-1, keepdims=False):
         return self.t.logsumexp(x, dim=axis, keepdim=keepdims)
 
@@ -230,6 +233,9 @@ class JaxOps:
 
     def sum(self, x, axis=None, keepdims=False):
         return self.jnp.sum(x, axis=axis, keepdims=keepdims)
+
+    def amax(self, x, axis=-1, keepdims=False):
+        return self.jnp.max(x, axis=axis, keepdims=keepdims)
 
     def logsumexp(self, x, axis=-1, keepdims=False):
         return self.jax.nn.logsumexp(x, axis=axis, keepdims=keepdims)
