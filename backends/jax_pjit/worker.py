@@ -44,6 +44,7 @@ import numpy as np
 
 from backends.jax_pjit import checkpoint as jax_ckpt
 from backends.jax_pjit import steps
+from backends.jax_pjit.exact_generate import make_exact_decode_fns
 from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
 from backends.jax_pjit.hf_mapping import (
@@ -57,6 +58,7 @@ from backends.jax_pjit.hf_mapping import (
 from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
 from backends.jax_pjit.lora import LoRAParam, apply_lora, merged_flat, module_at, split_trainable
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
+from backends.jax_pjit.models.exact import exact_apply_fn, make_exact_logprob_step
 from backends.jax_pjit.models.layers import activation_constraint
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
 from backends.jax_pjit.row_layouts import RowLayouts
@@ -156,7 +158,9 @@ class JaxPolicyWorker(PolicyWorkerBase):
         # A MoE model's training steps add the router's load-balancing loss (policy.moe).
         self.router_aux = router_aux_for(self.cfg.moe.router_aux_loss_coef, self.hf_config)
         self.model = model
-        self.apply_fn, params = make_apply_fn(model)
+        # policy.numerics exact: the exact forward (models.exact) in the steps and the sampler.
+        self._exact = self.cfg.numerics == "exact"
+        self.apply_fn, params = exact_apply_fn(model, self.mesh) if self._exact else make_apply_fn(model)
         axes = logical_axes_tree(params)
         check_divisible(params, axes, self.mesh)
         self.shardings = tree_shardings(axes, self.mesh)
@@ -178,13 +182,17 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self.train_step = 0
         # A MoE policy recording its routing (policy.moe) gets each token's experts back too.
         self.route_top_k = self.router_aux.top_k if self.router_aux and self.cfg.moe.records_routing else None
-        self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature, self.route_top_k)
+        self._logprob_step = (
+            make_exact_logprob_step(model, self.temperature, self.mesh)
+            if self._exact
+            else steps.make_logprob_step(self.apply_fn, self.temperature, self.route_top_k)
+        )
         self._grad_steps: dict[tuple, Any] = {}
         # Context parallelism / sequence packing: rows with explicit positions and segments.
         self.rows.check_widths()
         self._layout_logprob_step = steps.make_layout_logprob_step(self.apply_fn, self.temperature, self.rows.cp)
         self._profile_dir: str | None = None
-        self._decode_fns = make_decode_fns(model)
+        self._decode_fns = make_exact_decode_fns(model, self.mesh) if self._exact else make_decode_fns(model)
         # Refit: HF layout + cast on the devices, each shard where it is (no gather yet).
         self._hf_layout = jax.jit(hf_layout, static_argnums=(1, 2, 3, 4))
         self._host_copies: dict[str, tuple[Any, Any]] = {}  # offloaded state, as sharding.stash returns it

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import math
 import os
 import time
@@ -49,6 +50,8 @@ from backends.torch_common.dist_env import (
     init_torch_distributed,
     reset_peak_memory,
 )
+from backends.torch_common.exact_generation import exact_generate
+from backends.torch_common.exact_ops import apply_exact_numerics
 from backends.torch_common.generation import GenerationReplica, hf_generate
 from backends.torch_common.lora import apply_lora, trainable_parameters
 from backends.torch_common.memory_trade import full_copies_fit, weight_bytes
@@ -123,6 +126,9 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
 
         hf_model = load_hf_model(self.cfg.model_name)
         check_tokenizer_fits(tokenizer, hf_model.config, self.cfg.model_name)
+        self._exact = self.cfg.numerics == "exact"
+        if self._exact:  # before any wrapping: FSDP / fully_shard wrap the exact layers
+            apply_exact_numerics(hf_model)
         self.model_config = hf_model.config
         # policy.lora: targeted linears become LoRALinear before any sharding; only adapters train.
         # A resumed run (weights_path) takes them from its checkpoint, not policy.lora.adapter_path.
@@ -163,7 +169,9 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             self.optimizer = build_optimizer(self.cfg.optimizer, trainable_parameters(self.model))
             self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
         self.train_step = 0
-        self._replica = GenerationReplica(self.model_config, self.device, self.compute_dtype)
+        self._replica = GenerationReplica(
+            self.model_config, self.device, self.compute_dtype, apply_exact_numerics if self._exact else None
+        )
         self._profiler: torch.profiler.profile | None = None
         if weights_path:  # the Policy verified the manifests' checksums on the driver already
             self.load_checkpoint(weights_path, optimizer_path, checksums=not _.get("checkpoint_verified", False))
@@ -580,7 +588,8 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             args = batch_generation_args(self.cfg, self.tokenizer, self.model_config.eos_token_id, data)
         # The weights are gathered into the replica first: a collective, on every rank.
         module = self._replica.load(self.iter_full_weights(self.compute_dtype))
-        out = hf_generate(
+        sample = exact_generate if self._exact else functools.partial(hf_generate, synced_gpus=False)
+        out = sample(
             module,
             data.to(self.device),
             args.gen_cfg,
@@ -588,7 +597,6 @@ class TorchPolicyWorker(PolicyWorkerBase, abc.ABC):
             pad_token_id=args.pad_token_id,
             eos_token_ids=args.eos_token_ids,
             tokenizer=self.tokenizer,
-            synced_gpus=False,
             max_new_tokens=args.max_new_tokens,
             min_new_tokens=args.min_new_tokens,
             row_budgets=args.row_budgets,

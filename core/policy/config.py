@@ -17,6 +17,7 @@ from pydantic import Field
 from core.config import ConfigError, ConfigModel, Problem, join_path
 from core.data.sequence_packing import PackingAlgorithm
 from core.parallel_dims import ParallelDims
+from core.policy.exact_numerics import Numerics, exact_numerics_problems
 from core.policy.generation_config import GenerationConfig
 
 #: The training backends ``policy.backend`` may name (the CLI's ``--backend``).
@@ -402,6 +403,11 @@ class PolicyConfig(ConfigModel):
     """Low-rank adapters (``enabled: false`` = full fine-tuning)."""
     moe: MoEConfig = Field(default_factory=MoEConfig)
     """Mixture-of-experts options (read only for a model with a router)."""
+    numerics: Numerics = "default"
+    """"exact": batch-invariant numerics -- a sequence's forward gives the same bits whatever its
+    batch, micro batch, padding or KV-cache decoding, so the sampler (generation.backend hf)
+    reports the trainer's logprobs bit for bit (core.kernels.exact; refusals in
+    core.policy.exact_numerics).  "default": the engines' own kernels."""
 
     def check(self) -> Iterable[Problem]:
         if self.backend == "torch_fsdp" and self.make_vocab_size_divisible_by > 1:
@@ -422,6 +428,7 @@ class PolicyConfig(ConfigModel):
         elif self.lora.refit == "adapter":
             yield "lora.refit", "'adapter' needs policy.lora.enabled (there is no adapter to refit)"
         yield from self._routing_problems()
+        yield from exact_numerics_problems(self)
 
     def _routing_problems(self) -> Iterable[Problem]:
         """Expert choices are recorded and replayed on plain rows only (docs/moe.md)."""

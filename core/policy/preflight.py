@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.models.builtin import BUILTIN_MODELS, PREFIX
 from core.policy.config import PolicyConfig
+from core.policy.exact_numerics import check_exact_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
@@ -149,6 +150,7 @@ def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerB
     check_lora_targets(policy, model_config)
     check_sliding_window_layouts(model_config, policy)
     check_moe_options(model_config, policy)
+    check_exact_model(model_config, policy)
     return model_config
 
 
