@@ -45,6 +45,7 @@ import numpy as np
 from backends.jax_pjit import checkpoint as jax_ckpt
 from backends.jax_pjit import steps
 from backends.jax_pjit.exact_generate import make_exact_decode_fns
+from backends.jax_pjit.exact_steps import make_exact_grad_step, make_exact_logprob_step
 from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
 from backends.jax_pjit.hf_mapping import (
@@ -58,7 +59,6 @@ from backends.jax_pjit.hf_mapping import (
 from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
 from backends.jax_pjit.lora import LoRAParam, apply_lora, merged_flat, module_at, split_trainable
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
-from backends.jax_pjit.models.exact import exact_apply_fn, make_exact_logprob_step
 from backends.jax_pjit.models.layers import activation_constraint
 from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
 from backends.jax_pjit.row_layouts import RowLayouts
@@ -160,7 +160,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
         self.model = model
         # policy.numerics exact: the exact forward (models.exact) in the steps and the sampler.
         self._exact = self.cfg.numerics == "exact"
-        self.apply_fn, params = exact_apply_fn(model, self.mesh) if self._exact else make_apply_fn(model)
+        self.apply_fn, params = make_apply_fn(model)
         axes = logical_axes_tree(params)
         check_divisible(params, axes, self.mesh)
         self.shardings = tree_shardings(axes, self.mesh)
@@ -460,7 +460,11 @@ class JaxPolicyWorker(PolicyWorkerBase):
             # Only the grad steps remat: a forward-only step has no backward to save memory for.
             apply_fn = functools.partial(self.apply_fn, remat=True) if self.remat else self.apply_fn
             grad_shardings = self._trainable(self.shardings)
-            if self.rows.plain:
+            if self._exact:
+                self._grad_steps[key] = make_exact_grad_step(
+                    self.model, loss_fn, self.temperature, self.mesh, grad_shardings, self.remat
+                )
+            elif self.rows.plain:
                 self._grad_steps[key] = steps.make_grad_step(
                     apply_fn,
                     loss_fn,

@@ -49,6 +49,9 @@ class TorchOps:
     def exp(self, x):
         return self.t.exp(x)
 
+    def expm1(self, x):
+        return self.t.expm1(x)
+
     def log(self, x):
         return self.t.log(x)
 
@@ -200,6 +203,9 @@ class JaxOps:
 
     def exp(self, x):
         return self.jnp.exp(x)
+
+    def expm1(self, x):
+        return self.jnp.expm1(x)
 
     def log(self, x):
         return self.jnp.log(x)

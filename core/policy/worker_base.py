@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from core.interfaces import TrainResult
-from core.losses.metrics import MicroBatchMetrics, read_once
+from core.losses.metrics import MicroBatchMetrics, read_once, whole_batch_metrics
 from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.config import PolicyConfig
 from core.refit.sender import RefitSender
@@ -162,7 +162,7 @@ class PolicyWorkerBase(RefitSender):
         gradient norm, skip flag).  Returns the whole-batch metrics, the per-micro-batch
         metrics and each extra array's values."""
         total_values, mb_values, *extra_values = read_once(totals, table, *extra)
-        metrics = dict(zip(collected.keys, total_values, strict=True))
+        metrics = whole_batch_metrics(dict(zip(collected.keys, total_values, strict=True)))
         return metrics, collected.per_micro_batch(mb_values), extra_values
 
     @staticmethod

@@ -41,7 +41,7 @@ from core.kernels.exact import (
     online_softmax_update,
     padded,
 )
-from core.kernels.logprobs import logprobs_from_logits, logprobs_to_sequence_layout
+from core.kernels.logprobs import logprobs_from_logits
 from core.parallel_dims import FSDP
 
 #: Families whose layers this module computes (dense, full attention).
@@ -105,7 +105,9 @@ def on_own_rows(fn: Callable, mesh: Mesh | None, rows: int, row_args: int) -> Ca
     if mesh is None:
         return fn
     spec = P(FSDP) if rows % mesh.shape[FSDP] == 0 else P()
-    return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) + (spec,) * row_args, out_specs=spec)
+    # check_vma off: the tile loops start from fresh zeros (unvarying) and fill them with
+    # per-device rows (varying); the outputs are per-device rows by construction.
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) + (spec,) * row_args, out_specs=spec, check_vma=False)
 
 
 # --------------------------------------------------------------------------- per-tile layers
@@ -300,60 +302,32 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     return cache.at[rows, positions].set(new.astype(cache.dtype))
 
 
-def exact_apply_fn(model, mesh: Mesh | None = None) -> tuple[Callable, Any]:
-    """``(apply_fn, params)`` like ``models.make_apply_fn``, computing the exact forward
-    (differentiable: the gradient steps use it) on each device's own rows (``on_own_rows``).
-    Packed / context-parallel rows (``allowed``), routing and router capture do not exist in
-    exact mode (refused on the driver)."""
+def exact_next_logprobs(model, mesh: Mesh | None = None) -> tuple[Callable, Any]:
+    """``(fn, params)``: ``fn(params, input_ids [B, S], temperature, differentiable=False,
+    remat=False) -> [B, S-1] float32`` next-token logprobs at ``temperature`` (a float32
+    array: a constant would let XLA rewrite the division), computed by each device on its
+    own rows (``on_own_rows``).  ``differentiable``: the training forward (``lax.map`` /
+    static loops; the same tile functions, the same bits); ``remat``: recompute it in the
+    backward pass (``jax.checkpoint``)."""
     check_exact_model(model)
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
 
-    def local(params, input_ids, positions, remat):
-        module = nnx.merge(graphdef, params, *rest)
-
-        def forward(ids, pos):
-            h, _ = exact_hidden(module, ids, pos, differentiable=True)
-            return output_logits(module, h, differentiable=True).reshape(*ids.shape, -1)
-
-        return (jax.checkpoint(forward) if remat else forward)(input_ids, positions)
-
-    def apply_fn(params, input_ids, attention_mask, positions=None, allowed=None, remat=False, **unused):
-        if allowed is not None or unused.get("capture_router") or unused.get("routing") is not None:
-            raise ValueError("policy.numerics=exact: packed / context-parallel rows and MoE routing are not exact")
-        b, t = input_ids.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
-        run = on_own_rows(functools.partial(local, remat=remat), mesh, b, 2)
-        return run(params, input_ids, positions)
-
-    return apply_fn, params
-
-
-def make_exact_logprob_step(model, temperature: float, mesh: Mesh | None = None) -> Callable:
-    """``(params, input_ids [B, S], input_lengths [B]) -> logprobs [B, S] float32`` in the
-    ``get_logprobs`` layout, exact (``steps.make_logprob_step``'s contract), each device on
-    its own rows (``on_own_rows``)."""
-    check_exact_model(model)
-    graphdef, _, *rest = nnx.split(model, nnx.Param, ...)
-
-    def local(shared, input_ids, input_lengths):
+    def local(differentiable, remat, shared, input_ids):
         params, temperature = shared
         module = nnx.merge(graphdef, params, *rest)
-        b, s = input_ids.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
-        h, _ = exact_hidden(module, input_ids, positions)
-        targets = jnp.concatenate([input_ids[:, 1:], input_ids[:, :1]], axis=1).reshape(-1)
-        lp = token_logprobs(output_logits(module, h), targets, temperature).reshape(b, s)
-        return logprobs_to_sequence_layout(lp[:, :-1], input_lengths).astype(jnp.float32)
 
-    # The temperature is an argument, not a constant of the program: XLA rewrites a division
-    # by a constant (into a product), which the sampler's traced temperature would not get.
-    @jax.jit
-    def run(params, temperature, input_ids, input_lengths):
-        return on_own_rows(local, mesh, input_ids.shape[0], 2)((params, temperature), input_ids, input_lengths)
+        def forward(ids):
+            b, s = ids.shape
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
+            h, _ = exact_hidden(module, ids, positions, differentiable=differentiable)
+            targets = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1).reshape(-1)
+            logits = output_logits(module, h, differentiable)
+            return token_logprobs(logits, targets, temperature, differentiable).reshape(b, s)[:, :-1]
 
-    return functools.partial(_with_temperature, run, jnp.float32(temperature))
+        return (jax.checkpoint(forward) if remat else forward)(input_ids)
 
+    def fn(params, input_ids, temperature, differentiable=False, remat=False):
+        run = on_own_rows(functools.partial(local, differentiable, remat), mesh, input_ids.shape[0], 1)
+        return run((params, temperature), input_ids)
 
-def _with_temperature(run: Callable, temperature: jax.Array, params, input_ids, input_lengths):
-    return run(params, temperature, input_ids, input_lengths)
+    return fn, params
