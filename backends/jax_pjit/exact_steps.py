@@ -48,16 +48,17 @@ def make_exact_grad_step(
     temperature: float,
     mesh: Mesh | None = None,
     grad_shardings: Any = None,
-    remat: bool = False,
 ) -> Callable:
     """``(params, grads_acc, batch, global_valid_seqs, global_valid_toks) ->
     (grads_acc + d loss/d params, metrics)`` for one micro batch; ``grads_acc`` donated and
-    kept in ``grad_shardings``.  (No LoRA, routing or router loss: refused in exact mode.)"""
+    kept in ``grad_shardings``.  The forward is always recomputed in the backward pass
+    (``exact_next_logprobs``), as ``jax_cfg.activation_checkpointing`` would do.  (No LoRA,
+    routing or router loss: refused in exact mode.)"""
     next_logprobs, _ = exact_next_logprobs(model, mesh)
 
     def micro_loss(params, batch, gseq, gtok, temperature):
         ids = batch["input_ids"]
-        next_lp = next_logprobs(params, ids, temperature, differentiable=True, remat=remat)
+        next_lp = next_logprobs(params, ids, temperature, differentiable=True)
         return loss_fn.loss_from_logprobs(next_lp, batch, gseq, gtok)
 
     grad_fn = value_and_grad_of(micro_loss)

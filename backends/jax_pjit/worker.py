@@ -462,7 +462,7 @@ class JaxPolicyWorker(PolicyWorkerBase):
             grad_shardings = self._trainable(self.shardings)
             if self._exact:
                 self._grad_steps[key] = make_exact_grad_step(
-                    self.model, loss_fn, self.temperature, self.mesh, grad_shardings, self.remat
+                    self.model, loss_fn, self.temperature, self.mesh, grad_shardings
                 )
             elif self.rows.plain:
                 self._grad_steps[key] = steps.make_grad_step(

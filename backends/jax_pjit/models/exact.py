@@ -303,31 +303,51 @@ def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 def exact_next_logprobs(model, mesh: Mesh | None = None) -> tuple[Callable, Any]:
-    """``(fn, params)``: ``fn(params, input_ids [B, S], temperature, differentiable=False,
-    remat=False) -> [B, S-1] float32`` next-token logprobs at ``temperature`` (a float32
-    array: a constant would let XLA rewrite the division), computed by each device on its
-    own rows (``on_own_rows``).  ``differentiable``: the training forward (``lax.map`` /
-    static loops; the same tile functions, the same bits); ``remat``: recompute it in the
-    backward pass (``jax.checkpoint``)."""
+    """``(fn, params)``: ``fn(params, input_ids [B, S], temperature, differentiable=False)
+    -> [B, S-1] float32`` next-token logprobs at ``temperature`` (a float32 array: a constant
+    would let XLA rewrite the division), computed by each device on its own rows
+    (``on_own_rows``).
+
+    ``differentiable``: the training forward.  Its value is the forward-only computation
+    itself (the logprob step's and the sampler's loops, so the same bits: a differentiable
+    loop -- ``lax.map``, a static ``fori_loop`` -- compiles with the backward pass's
+    residuals and gave a token a different last bit now and then), and its gradient is that
+    of the same tile functions in differentiable loops, recomputed in the backward pass
+    (``jax.custom_vjp``; the forward is thus always rematerialised)."""
     check_exact_model(model)
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
 
-    def local(differentiable, remat, shared, input_ids):
-        params, temperature = shared
+    def forward(params, ids, temperature, differentiable):
         module = nnx.merge(graphdef, params, *rest)
+        b, s = ids.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
+        h, _ = exact_hidden(module, ids, positions, differentiable=differentiable)
+        targets = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1).reshape(-1)
+        logits = output_logits(module, h, differentiable)
+        return token_logprobs(logits, targets, temperature, differentiable).reshape(b, s)[:, :-1]
 
-        def forward(ids):
-            b, s = ids.shape
-            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
-            h, _ = exact_hidden(module, ids, positions, differentiable=differentiable)
-            targets = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1).reshape(-1)
-            logits = output_logits(module, h, differentiable)
-            return token_logprobs(logits, targets, temperature, differentiable).reshape(b, s)[:, :-1]
+    @jax.custom_vjp
+    def trained(params, ids, temperature):
+        return forward(params, ids, temperature, False)
 
-        return (jax.checkpoint(forward) if remat else forward)(input_ids)
+    def trained_fwd(params, ids, temperature):
+        return forward(params, ids, temperature, False), (params, ids, temperature)
 
-    def fn(params, input_ids, temperature, differentiable=False, remat=False):
-        run = on_own_rows(functools.partial(local, differentiable, remat), mesh, input_ids.shape[0], 1)
+    def trained_bwd(residuals, cotangent):
+        params, ids, temperature = residuals
+        _, vjp = jax.vjp(lambda p: forward(p, ids, temperature, True), params)
+        return (*vjp(cotangent), None, None)
+
+    trained.defvjp(trained_fwd, trained_bwd)
+
+    def local(differentiable, shared, input_ids):
+        params, temperature = shared
+        if differentiable:
+            return trained(params, input_ids, temperature)
+        return forward(params, input_ids, temperature, False)
+
+    def fn(params, input_ids, temperature, differentiable=False):
+        run = on_own_rows(functools.partial(local, differentiable), mesh, input_ids.shape[0], 1)
         return run((params, temperature), input_ids)
 
     return fn, params
