@@ -317,6 +317,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="bfloat16: bf16 compute over fp32 master weights, judged by BF16_TOLERANCES",
     )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="every layout in exact mode (policy.numerics exact, its own sampler); adds the bitwise "
+        "exact_batch_invariance and exact_sampler checks (pass: 0)",
+    )
     return parser
 
 
@@ -334,6 +340,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             lr=args.lr,
             engine=engine,
             precision=args.precision,
+            exact=args.exact,
         )
     except (ValueError, OSError) as err:  # a bad argument, or a model that does not load
         print(f"parity: {type(err).__name__}: {err}", file=sys.stderr)

@@ -26,7 +26,7 @@ from core.testing.tiny_models import random_batch  # noqa: E402
 TEMPERATURE = 0.8
 CASES = [
     ("llama", jnp.float32),
-    ("llama", jnp.bfloat16),
+    pytest.param("llama", jnp.bfloat16, marks=pytest.mark.slow),
     pytest.param("qwen2", jnp.float32, marks=pytest.mark.slow),
     pytest.param("qwen3", jnp.bfloat16, marks=pytest.mark.slow),
 ]
