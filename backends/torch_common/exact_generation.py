@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 from backends.torch_common.exact_ops import ExactKVCache
 from backends.torch_common.generation import StopStringCriterion, generation_lengths, row_chunks
@@ -97,7 +97,7 @@ class _RowDraws:
     """Top-k / top-p filtering and one draw per row, from the row's generator when seeded."""
 
     def __init__(self, gen_cfg: GenerationSection, seeds: Sequence[int] | None, device: torch.device) -> None:
-        warpers = []
+        warpers: list[LogitsProcessor] = []
         top_k = top_k_or_off(gen_cfg.top_k)
         if top_k:
             warpers.append(TopKLogitsWarper(top_k=top_k))
@@ -121,7 +121,7 @@ class _RowDraws:
 class _ExactDecoder:
     """What every chunk of one ``exact_generate`` call shares; ``rows`` decodes one chunk."""
 
-    model: torch.nn.Module
+    model: Any  # an HF causal LM in exact form (its .model, .lm_head and .config are read)
     gen_cfg: GenerationSection
     greedy: bool
     stops: list[int]
@@ -185,8 +185,8 @@ class _ExactDecoder:
         return (raw if banned is None else raw.masked_fill(banned, -float("inf"))).argmax(-1)
 
 
-def _cache_for(model: torch.nn.Module, batch: int, length: int, device) -> ExactKVCache:
-    config = model.config
+def _cache_for(model: Any, batch: int, length: int, device) -> ExactKVCache:
+    config: Any = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
     return ExactKVCache(config.num_hidden_layers, batch, config.num_key_value_heads, length, head_dim, dtype, device)

@@ -25,6 +25,8 @@ products) is elementwise IEEE arithmetic, the same bits on any shape.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,7 +180,7 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
     return blocked_attention(query, key, value, positions, scale).to(query.dtype), None
 
 
-def apply_exact_numerics(model: nn.Module) -> nn.Module:
+def apply_exact_numerics(model: Any) -> Any:
     """Swap ``model``'s layers for their exact forms in place (parameters untouched); a
     ValueError naming the model type or module this mode does not cover."""
     from transformers import AttentionInterface
