@@ -27,8 +27,6 @@ EXACT_NEW_TOKENS = 8
 EXACT_GENERATION_ROWS = 4
 EXACT_LOGPROB_ROWS = 3
 EXACT_SEED = 4242
-#: The checks ``--exact`` holds to 0.
-EXACT_TOLERANCES = {"exact_batch_invariance": ("<=", 0.0), "exact_sampler": ("<=", 0.0)}
 
 
 def exact_settings(cfg: dict) -> dict:

@@ -15,7 +15,7 @@ from benchmarks.lib.layouts import torch_layout
 from benchmarks.lib.models import load_tokenizer, prepare_model, vocab_size
 from benchmarks.lib.parity.checks import collect, crossload_pairs, is_lora
 from benchmarks.lib.parity.engine import engine_check, engine_prompts, parity_engine
-from benchmarks.lib.parity.exact import EXACT_TOLERANCES, exact_prompts, exact_sampler_check
+from benchmarks.lib.parity.exact import exact_prompts, exact_sampler_check
 from benchmarks.lib.parity.grpo import grpo_batch
 from benchmarks.lib.parity.hf_reference import HFReference, hf_export_logprobs
 from benchmarks.lib.parity.measure import after_one_more_step, measure_policy, policy_logprobs
@@ -300,7 +300,7 @@ def run_parity(
 
     if precision not in ("float32", "bfloat16"):
         raise ValueError(f"precision must be float32 or bfloat16, got {precision!r}")
-    tolerances = {**(tolerances or (BF16_TOLERANCES if precision == "bfloat16" else TOLERANCES)), **EXACT_TOLERANCES}
+    tolerances = tolerances or (BF16_TOLERANCES if precision == "bfloat16" else TOLERANCES)
     args = argparse.Namespace(
         batch=batch, seq=seq, precision=precision, threads=threads, lr=lr, steps=steps, lora=LORA, exact=exact
     )
