@@ -44,12 +44,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not gpu" -q --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
 
-# Format, lint, import contracts + cycles, types (CI runs it before the tests; `make format` fixes).
+# Format, lint, import contracts + cycles, no built-in backend named in core, types (CI runs it
+# before the tests; `make format` fixes).
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python tools/import_graph.py --check
+	$(BIN)/python tools/backend_names.py --check
 	$(BIN)/mypy
 
 format: $(STAMP)

@@ -73,6 +73,7 @@ from benchmarks.lib.compare.run import (
 )
 from benchmarks.lib.refit import TRANSPORTS
 from benchmarks.lib.sizes import SIZES, GRPOWorkload
+from core.distributed.worker_output import WORKER_LOG_FILENAME
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     json_path.write_text(json.dumps(results, indent=2, default=str))
     png = plot(results, out_dir / "bench.png")
     print(text)
-    print(f"\n{results['seconds']:.0f} s; JSON {json_path}; chart {png}")
+    print(f"\n{results['seconds']:.0f} s; JSON {json_path}; chart {png}; worker output {out_dir / WORKER_LOG_FILENAME}")
     failed = args.rejected or any(
         "error" in r or "skipped" in r or any("error" in (r.get(k) or {}) for k in GRPO_ROW_KEYS)
         for r in results["layouts"]

@@ -8,7 +8,7 @@ The workload (GitHub issue 14): a Llama with random weights built locally from a
 (``--size 1b``, the default on a GPU: Llama-3.2-1B's shape, bf16 compute over fp32 master weights, 8 sequences x 2048
 tokens; ``--size tiny``, the default on a CPU: a smoke, fp32, 4 x 64), every row full length (no padding), NLL loss,
 the default AdamW of ``core/configs/policy.yaml``.  One :class:`core.policy.Policy` per backend
-(``torch_fsdp``, ``torch_dtensor``, ``torch_dtensor-compiled`` -- ``dtensor_cfg.compile`` on, by
+(``torch_fsdp``, ``torch_dtensor``, ``torch_dtensor-compiled`` -- ``policy.compile`` on, by
 default only on a GPU --, ``jax_pjit``) on one bundle of one GPU (or of ``--threads`` CPUs)
 through Ray, one backend alive at a time.  Sections:
 

@@ -5,7 +5,7 @@
         [--crossload ring|full] [--engine [LAYOUT ...]] [--batch 8] [--seq 24] [--lr 1e-3] [--threads 2]
     dualrl parity [--layouts ...] [--model ...] [--json OUT] [--crossload ...]
 
-Every layout (``benchmarks.lib.layouts.TORCH_LAYOUTS``, or any name of the ``benchmarks.lib.layouts``
+Every layout (``benchmarks.lib.parity.settings.TORCH_LAYOUTS``, or any name of the ``benchmarks.lib.layouts``
 grammar: ``fsdp1-dp<D>``, ``dtensor-[dp<D>][-cp<C>][-tp<T>][-sp]``, ``jax-[fsdp<F>][-cp<C>][-tp<T>]``,
 each optionally ``-packed`` and then ``-lora`` (item 9) -- so context parallelism and sequence
 packing are checked against the plain layouts like any other layout) runs
@@ -279,10 +279,10 @@ import argparse
 import json
 import sys
 
-from benchmarks.lib.layouts import GRAMMAR, TORCH_LAYOUTS
+from benchmarks.lib.layouts import grammar
 from benchmarks.lib.parity.report import format_matrix
 from benchmarks.lib.parity.run import run_parity
-from benchmarks.lib.parity.settings import DEFAULT_LAYOUTS, LEARNING_RATE
+from benchmarks.lib.parity.settings import DEFAULT_LAYOUTS, LEARNING_RATE, TORCH_LAYOUTS
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -295,7 +295,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--layouts",
         nargs="+",
         default=DEFAULT_LAYOUTS,
-        help=f"default: {' '.join(DEFAULT_LAYOUTS)}; any of {' '.join(TORCH_LAYOUTS)}, or by the grammar {GRAMMAR}",
+        help=f"default: {' '.join(DEFAULT_LAYOUTS)}; any of {' '.join(TORCH_LAYOUTS)}, or by the grammar {grammar()}",
     )
     parser.add_argument(
         "--model",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from benchmarks.lib.ray_session import RaySession
 from benchmarks.lib.soak import BACKENDS, JAX_DEVICES, format_report, soak
+from core.reporting import show_logs_above_progress
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    show_logs_above_progress()  # the cycles' progress lines
     check = min(args.check_cycles, args.cycles)
     # Room for 2 policy workers + 1 engine; a JAX actor's host devices, as the torch backends' 2 workers.
     RaySession(num_cpus=4).start(JAX_DEVICES if args.backend == "jax_pjit" else None)

@@ -3,7 +3,7 @@
     python -m benchmarks.torch_backends [dualrl bench options]
         = dualrl bench --sections throughput --layouts <TORCH_LAYOUTS> --model llama_bench --seq 256
 
-(``TORCH_LAYOUTS``: ``benchmarks.lib.layouts``.)
+(``TORCH_LAYOUTS``: ``benchmarks.lib.parity.settings``.)
 
 The runners and their methodology: ``benchmarks.lib.hf`` (the HF eager child),
 ``benchmarks.lib.policy`` (the Policy cases, threads) and ``benchmarks.lib.pairing`` (every
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from benchmarks.compare import main as bench_main
-from benchmarks.lib.layouts import TORCH_LAYOUTS as LAYOUTS
+from benchmarks.lib.parity.settings import TORCH_LAYOUTS as LAYOUTS
 
 
 def main(argv: list[str] | None = None) -> int:

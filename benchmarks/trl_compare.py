@@ -45,7 +45,7 @@ and as a ratio to TRL measured alongside it (×TRL):
   ``policy.train(batch, NLLLoss())``.  DPO step = ``policy.get_reference_policy_logprobs``
   + ``policy.train(batch + reference_policy_logprobs, DPOLossFn)`` (beta 0.1, no SFT term,
   summed log-probs = TRL's sigmoid DPO): the reference pass is timed as part of the step,
-  as TRL's is.  Torch layouts: :data:`benchmarks.lib.layouts.TORCH_LAYOUTS`; JAX layouts
+  as TRL's is.  Torch layouts: :data:`benchmarks.lib.parity.settings.TORCH_LAYOUTS`; JAX layouts
   ``jax-fsdp{F}[-tp{T}]`` as in :mod:`benchmarks.lib.policy` (one actor owning ``F x T``
   XLA host devices; Ray is started with ``XLA_FLAGS`` set, and restarted for another device
   count, by ``benchmarks.lib.ray_session.RaySession``).
@@ -124,14 +124,15 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.lib.layouts import TORCH_LAYOUTS, jax_layout, parse_layout
+from benchmarks.lib.layouts import host_layout, parse_layout
 from benchmarks.lib.models import BUILTIN_MODEL, builds_here
+from benchmarks.lib.parity.settings import TORCH_LAYOUTS
 from benchmarks.lib.trl import trl_version
 from benchmarks.lib.trl_compare import ALGORITHMS, DEFAULT_LAYOUTS, report, run_trl_compare
 
 
 def _layout(name: str) -> str:
-    if name in TORCH_LAYOUTS or jax_layout(name) is not None:
+    if name in TORCH_LAYOUTS or host_layout(name) is not None:
         return name
     raise argparse.ArgumentTypeError(f"{name!r}: one of {list(TORCH_LAYOUTS)} or jax-fsdp<F>[-tp<T>] / jax-tp<T>")
 

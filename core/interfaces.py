@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, Protocol, TypedDict, runtime_checkable
 
 if TYPE_CHECKING:  # heavy imports only for annotations
     import ray
@@ -122,10 +122,19 @@ class LossType(enum.Enum):
     SEQUENCE_LEVEL = "sequence_level"
 
 
+#: Where a policy-gradient loss takes the old policy's logprobs (its ratio's denominator) from:
+#: ``"batch"``, ``data["prev_logprobs"]`` of a separate ``get_logprobs`` pass before training;
+#: ``"forward"``, the training forward's own logprobs, detached (exact for one optimizer step).
+OldLogprobsSource = Literal["batch", "forward"]
+
+
 @runtime_checkable
 class LossFunction(Protocol):
-    """A loss the training loop can call on any backend's arrays.
+    """What every loss has: a ``loss_type`` and a call on the full next-token logits.
 
+    This is the least a loss must be to be accepted by ``train``; a loss with only this runs
+    wherever a backend holds a micro batch's full logits, and is refused by name on the driver
+    where it does not (see :class:`LogprobLossFunction`, the full contract).
     ``loss_type`` tells the training loop which global count to all-reduce before calling.
     """
 
@@ -155,6 +164,49 @@ class LossFunction(Protocol):
             micro batches and ranks gives the global-batch loss; ``metrics`` a dict of
             detached 0-d arrays normalised the same way (they sum to batch values).
         """
+        ...
+
+
+@runtime_checkable
+class LogprobLossFunction(LossFunction, Protocol):
+    """The loss contract the backends and the algorithms use; ``core.losses``' losses implement
+    all of it.  A user loss may declare only part of it: :class:`core.losses.contract.LossContract`
+    reads what a loss declares and names the defaults of the rest, in one place.
+    """
+
+    def loss_from_logprobs(
+        self, curr_logprobs: Any, data: Mapping[str, Any], global_valid_seqs: Any, global_valid_toks: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """The same loss from the policy's next-token logprobs [B, S-1] (differentiable, at the
+        generation temperature): what every backend calls, since it is the only form a backend
+        can give under vocab-parallel logits, packed rows or context parallelism."""
+        ...
+
+    @property
+    def old_logprobs(self) -> OldLogprobsSource | None:
+        """Where the loss takes the old policy's logprobs from (:data:`OldLogprobsSource`);
+        None: it reads none (no importance ratio).  GRPO runs the separate pass for ``"batch"``."""
+        ...
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss reads ``reference_policy_logprobs`` (the policy then keeps reference weights)."""
+        ...
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """Every key of the training batch the loss reads (checked present on the driver)."""
+        ...
+
+    def check_inputs(self, data: Mapping[str, Any], vocab_size: int | None) -> None:
+        """Refuse a host batch the loss cannot be computed on (keys, shapes, finite values, ids
+        in the vocabulary), naming the loss and the key; run on the driver before any worker."""
+        ...
+
+    def cache_key(self) -> Hashable:
+        """Equal for two losses that compute the same thing (copies shipped to the workers
+        included), different otherwise: a backend that compiles a step around a loss
+        (JAX) reuses the step exactly when the keys are equal."""
         ...
 
 

@@ -32,12 +32,14 @@ training (a reward function that raised, a non-finite loss) with exit code 1.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from core.config import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config, load_raw_config, parse_override
-from core.policy.config import BACKENDS
+from core.policy.registry import backend_names
+from core.reporting import show_logs_above_progress
 
 #: ``dualrl grpo``'s config when none is given: the embedded default.
 GRPO_DEFAULT_CONFIG_PATH = EMBEDDED_CONFIGS["grpo"]
@@ -136,7 +138,8 @@ def _eval_command(args: argparse.Namespace) -> int:
 
     request = EvalRequest(ckpt, args.dataset, args.split, args.max_prompts, Path(args.out) if args.out else None)
     try:
-        run_eval(cfg, request, log=_console_line)
+        show_logs_above_progress()  # the run's lines (workers up, the report) above its progress bar
+        run_eval(cfg, request)
     except (RewardError, EnvironmentPoolError, EngineDeadError) as err:
         print(f"dualrl eval: evaluation failed: {err}", file=sys.stderr)
         return 1
@@ -194,7 +197,7 @@ def _add_eval_parser(sub: Any) -> None:
     cmd.add_argument("--max-prompts", type=_positive_int, help="evaluate the first N prompts only")
     cmd.add_argument("--out", metavar="DIR", help="where eval.json and pass_at_k.png go (default: runs/eval/<name>)")
     cmd.add_argument("--config", help="a GRPO config (default: the checkpoint's config.yaml, else the embedded one)")
-    cmd.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
+    cmd.add_argument("--backend", choices=backend_names(), help="training backend; sets policy.backend")
     cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.generation.temperature=0.7")
     cmd.set_defaults(func=_eval_command)
 
@@ -239,7 +242,8 @@ def _train_command(args: argparse.Namespace) -> int:
     from core.generation.engine_health import EngineDeadError
 
     try:
-        run(cfg, log=_console_line)
+        show_logs_above_progress()  # the run's lines (workers up, warnings, the summary) above its progress bar
+        run(cfg)
     except (RewardError, NonFiniteLossError, EngineDeadError, RolloutProducerError) as err:
         print(f"dualrl {args.command}: training failed: {err}", file=sys.stderr)
         print(
@@ -250,14 +254,6 @@ def _train_command(args: argparse.Namespace) -> int:
         print(f"dualrl {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-def _console_line(text: str) -> None:
-    """A line of the run's log, printed above its progress bar: tqdm.write clears the open bars
-    and redraws them, where a plain print would continue the bar's line."""
-    from tqdm import tqdm
-
-    tqdm.write(text, file=sys.stdout)
 
 
 def _parity_command(args: argparse.Namespace) -> int:
@@ -279,14 +275,15 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 def _add_config_args(cmd: argparse.ArgumentParser, default_config: Path, note: str = "") -> None:
     cmd.add_argument("--config", help=f"YAML file (default: {default_config}{note})")
-    cmd.add_argument("--backend", choices=BACKENDS, help="training backend; sets policy.backend")
+    cmd.add_argument("--backend", choices=backend_names(), help="training backend; sets policy.backend")
     cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.train_micro_batch_size=2")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    backends = ", ".join(backend_names())
     parser = argparse.ArgumentParser(
         prog="dualrl",
-        description=f"RL post-training of language models with a switchable training backend ({', '.join(BACKENDS)}).",
+        description=f"RL post-training of language models with a switchable training backend ({backends}).",
     )
     sub = parser.add_subparsers(dest="command")
     helps = {
@@ -333,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     forward = {"bench": _bench_command, "parity": _parity_command}
     if argv[:1] and argv[0] in forward:  # every option is the benchmark's own (argparse cannot forward them)
+        show_logs_above_progress(logging.WARNING)  # the library's warnings; the tables are the benchmark's own
         return forward[argv[0]](argparse.Namespace(forwarded=argv[1:]))
     args = parser.parse_args(argv)
     if args.command is None:

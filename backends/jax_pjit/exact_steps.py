@@ -35,11 +35,21 @@ def make_exact_logprob_step(model, temperature: float, mesh: Mesh | None = None)
         lp = next_logprobs(params, input_ids, temperature)
         return logprobs_to_sequence_layout(lp, input_lengths).astype(jnp.float32)
 
-    return functools.partial(_call_with, run, jnp.float32(temperature))
+    return _WithTemperature(run, jnp.float32(temperature))
 
 
-def _call_with(run: Callable, temperature: jax.Array, params, input_ids, input_lengths):
-    return run(params, temperature, input_ids, input_lengths)
+class _WithTemperature:
+    """A jitted step called with its temperature as an argument (so the program divides by a
+    traced value, as the sampler's does); ``_cache_size`` is the jitted function's."""
+
+    def __init__(self, run: Any, temperature: jax.Array) -> None:
+        self.run, self.temperature = run, temperature
+
+    def __call__(self, params, *args):
+        return self.run(params, self.temperature, *args)
+
+    def _cache_size(self) -> int:
+        return self.run._cache_size()
 
 
 def make_exact_grad_step(
@@ -69,9 +79,17 @@ def make_exact_grad_step(
         (_, metrics), grads = grad_fn(params, batch, gseq, gtok, temperature)
         return jax.tree.map(jnp.add, grads_acc, grads), metrics
 
-    t = jnp.float32(temperature)
+    return _WithTemperature(_LastArgument(run), jnp.float32(temperature))
 
-    def step(params, grads_acc, batch, gseq, gtok):
-        return run(params, grads_acc, batch, gseq, gtok, t)
 
-    return step
+class _LastArgument:
+    """``run(params, *args, temperature)`` called as ``(params, temperature, *args)``."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __call__(self, params, temperature, *args):
+        return self.run(params, *args, temperature)
+
+    def _cache_size(self) -> int:
+        return self.run._cache_size()

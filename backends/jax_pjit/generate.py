@@ -60,14 +60,7 @@ from backends.jax_pjit.models.layers import KVCache, constrain
 from backends.jax_pjit.models.llama import CausalLM
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import logprobs_from_logits
-from core.policy.generation_args import (
-    checked_sample_seeds,
-    effective_min_new_tokens,
-    row_stop_strings,
-    stop_string_ends_row,
-    stop_window,
-    top_k_or_off,
-)
+from core.policy import generation_args as rules
 from core.policy.generation_config import GenerationConfig
 
 if TYPE_CHECKING:
@@ -194,7 +187,7 @@ def _typed_key(key: jax.Array) -> jax.Array:
 def row_keys(sample_seeds: Any, batch: int) -> jax.Array:
     """[B] PRNG keys ``jax.random.key(sample_seeds[b])`` (seeds checked by the rule every
     engine shares: ``checked_sample_seeds``)."""
-    return jax.vmap(jax.random.key)(checked_sample_seeds(sample_seeds, batch).astype(np.uint32))
+    return jax.vmap(jax.random.key)(rules.checked_sample_seeds(sample_seeds, batch).astype(np.uint32))
 
 
 def _record(state: DecodeState, token, logprob, knobs, stop_mask, cache, slot_mask, key) -> tuple:
@@ -352,22 +345,6 @@ def compile_cache_sizes() -> dict[str, int]:
 # --------------------------------------------------------------------------- host side
 
 
-def _check_inputs(input_ids, input_lengths) -> tuple[np.ndarray, np.ndarray]:
-    input_ids, input_lengths = np.asarray(input_ids), np.asarray(input_lengths)
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be a 2-D [B, S] array, got shape {input_ids.shape}")
-    batch, seq = input_ids.shape
-    if input_lengths.shape != (batch,):
-        raise ValueError(f"input_lengths must have shape [B] = ({batch},), got {input_lengths.shape}")
-    if batch == 0:
-        raise ValueError("cannot generate for an empty batch (B = 0)")
-    bad = (input_lengths < 1) | (input_lengths > seq)
-    if bad.any():
-        row = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"input_lengths must be in [1, S={seq}]; row {row} has length {int(input_lengths[row])}")
-    return input_ids.astype(np.int64), input_lengths.astype(np.int64)
-
-
 def _knobs(gen_cfg: GenerationConfig, greedy: bool, pad_token_id: int, min_new: int = 0) -> dict[str, np.generic]:
     temperature = float(gen_cfg.temperature)
     if temperature <= 0:
@@ -376,7 +353,7 @@ def _knobs(gen_cfg: GenerationConfig, greedy: bool, pad_token_id: int, min_new: 
     top_p = 1.0 if top_p is None else float(top_p)
     top_k = 0  # filter_logits' "off"; greedy decoding never filters
     if not greedy:
-        top_k = top_k_or_off(gen_cfg.top_k)
+        top_k = rules.top_k_or_off(gen_cfg.top_k)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     return dict(
@@ -397,7 +374,7 @@ def _stop_mask(stop_token_ids: Sequence[int], vocab: int) -> np.ndarray:
 
 def _row_stop_strings(gen_cfg, stop_strings, batch: int) -> list[tuple[str, ...]]:
     """gen_cfg.stop_strings + the row's own strings (de-duplicated, in order)."""
-    return row_stop_strings(gen_cfg, stop_strings, batch)
+    return rules.row_stop_strings(gen_cfg, stop_strings, batch)
 
 
 class _StopStrings:
@@ -407,7 +384,7 @@ class _StopStrings:
         self.tokenizer = tokenizer
         self.row_strings = row_strings
         self.min_new = min_new
-        self.window = stop_window(row_strings)
+        self.window = rules.stop_window(row_strings)
         self.history: list[list[int]] = [[] for _ in row_strings]
         self.stopped_at = np.zeros(len(row_strings), np.int64)  # 0: never
 
@@ -418,7 +395,7 @@ class _StopStrings:
                 continue
             self.history[b].append(int(tokens[b]))
             tail = self.history[b][-self.window :]
-            if stop_string_ends_row(self.tokenizer, tail, strings, count, self.min_new):
+            if rules.stop_string_ends_row(self.tokenizer, tail, strings, count, self.min_new):
                 self.stopped_at[b] = count
 
 
@@ -479,13 +456,14 @@ def generate(
     gen_cfg = GenerationConfig.coerce(gen_cfg, "policy.generation")
     fns = model_or_apply if isinstance(model_or_apply, DecodeFns) else make_decode_fns(model_or_apply)
     params = fns.params if params is None else params
-    input_ids, input_lengths = _check_inputs(input_ids, input_lengths)
+    rules.check_prompt_rows(input_ids, input_lengths)
+    input_ids, input_lengths = np.asarray(input_ids).astype(np.int64), np.asarray(input_lengths).astype(np.int64)
     batch = input_ids.shape[0]
     new_tokens = gen_cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
     if new_tokens is None or int(new_tokens) <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {new_tokens!r}")
     new_tokens = int(new_tokens)
-    min_new = effective_min_new_tokens(gen_cfg, new_tokens, min_new_tokens)
+    min_new = rules.effective_min_new_tokens(gen_cfg, new_tokens, min_new_tokens)
     knobs = _knobs(gen_cfg, greedy, pad_token_id, min_new)
     stop_ids = list(dict.fromkeys([int(t) for t in (gen_cfg.stop_token_ids or [])] + [int(t) for t in eos_token_ids]))
     row_strings = _row_stop_strings(gen_cfg, stop_strings, batch)
@@ -494,8 +472,8 @@ def generate(
             "stop strings are configured but no tokenizer was given: pass tokenizer= so "
             "generated tokens can be decoded and matched"
         )
-    seeds = None if greedy or sample_seeds is None else checked_sample_seeds(sample_seeds, batch)
-    chunks = _row_chunks(batch, batch_size)
+    seeds = None if greedy or sample_seeds is None else rules.checked_sample_seeds(sample_seeds, batch)
+    chunks = rules.row_chunks(batch, batch_size)
     keys = _chunk_keys(rng, len(chunks)) if seeds is None else [None] * len(chunks)
     stop_mask = _stop_mask(stop_ids, fns.logits_width)
     decode = _Decoder(fns, params, knobs, stop_mask, greedy, new_tokens, tokenizer, min_new)
@@ -515,16 +493,6 @@ def generate(
     return assemble_padded(
         input_ids, input_lengths, tokens, token_logprobs, gen_lengths, new_tokens, pad_token_id, row_budgets
     )
-
-
-def _row_chunks(batch: int, batch_size: int | None) -> list[slice]:
-    """Consecutive row slices of at most ``batch_size`` rows (one slice when None)."""
-    if batch_size is None:
-        return [slice(0, batch)]
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"policy.generation_batch_size must be a positive int, got {batch_size!r}")
-    size = min(int(batch_size), batch)
-    return [slice(start, min(start + size, batch)) for start in range(0, batch, size)]
 
 
 def _fill_rows(rows: slice, width: int) -> np.ndarray:

@@ -399,7 +399,7 @@ def from_pretrained(
     make_vocab_size_divisible_by)`` (unchanged with the defaults, or when ``tp`` divides it).
     A mixture of experts runs its experts the ``moe_dispatch`` way (``policy.jax_cfg.moe_dispatch``;
     ``auto`` resolved for the default JAX platform), expert-parallel over ``expert_parallel``
-    ranks (``policy.jax_cfg.expert_parallel_size``) when above 1.  ``expert_parallel`` above 1
+    ranks (``policy.parallel.expert_parallel_size``) when above 1.  ``expert_parallel`` above 1
     on a dense model raises ValueError.
     """
     from transformers import AutoConfig
@@ -411,7 +411,7 @@ def from_pretrained(
         cfg = dataclasses.replace(cfg, dispatch=dispatch, expert_parallel=expert_parallel)
     elif expert_parallel != 1:
         raise ValueError(
-            f"policy.jax_cfg.expert_parallel_size={expert_parallel}: model_type {hf_config.model_type!r} "
+            f"policy.parallel.expert_parallel_size={expert_parallel}: model_type {hf_config.model_type!r} "
             "has no experts (a mixture of experts' option)"
         )
     model = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)

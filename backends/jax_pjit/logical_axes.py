@@ -57,7 +57,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("norm", None),
     ("lora_rank", None),
     # Experts are sharded over fsdp (whole experts per rank: expert parallelism runs over this
-    # axis, policy.jax_cfg.expert_parallel_size), so their model dim cannot be fsdp too.
+    # axis, policy.parallel.expert_parallel_size), so their model dim cannot be fsdp too.
     ("expert", FSDP),
     ("expert_embed", None),
     ("batch", FSDP),

@@ -4,7 +4,7 @@ Three layouts of a micro batch's rows:
 
 * **plain** -- right-padded rows, padded to a shape bucket (``steps.bucket_for``), through the
   original steps;
-* **context parallel** (``jax_cfg.context_parallel_size`` > 1) -- the same rows with
+* **context parallel** (``parallel.context_parallel_size`` > 1) -- the same rows with
   explicit positions and segments (``steps.plain_rows``), through the explicit-layout steps;
 * **packed** (``policy.sequence_packing``) -- the driver's bins (or a local plan), ``fsdp``
   bins per micro batch, each bin one packed row (``steps.packed_micro_batch``).

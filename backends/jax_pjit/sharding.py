@@ -1,7 +1,7 @@
 """The JAX backend's device mesh and the logical-axis -> mesh-axis machinery.
 
 * :func:`make_mesh` builds the 3-d ``("fsdp", "cp", "tp")`` :class:`jax.sharding.Mesh` that
-  ``policy.jax_cfg`` asks for (sizes resolved by :class:`core.parallel_dims.ParallelDims`),
+  ``policy.parallel`` asks for (sizes resolved by :class:`core.parallel_dims.ParallelDims`),
   with ``AxisType.Auto`` axes: jax 0.10 makes ``jax.make_mesh`` *Explicit* by default,
   which would turn every sharding into part of the array type; this backend relies on
   ``jit`` + ``with_sharding_constraint`` (GSPMD style) instead.
@@ -37,12 +37,14 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from backends.jax_pjit.logical_axes import RULES
-from core.parallel_dims import CP, FSDP, TP
+from core.parallel_dims import CP, FSDP, TP, ParallelDims
 from core.policy.config import PolicyConfig
+from core.reporting import get_logger
 
 __all__ = [
     "MESH_AXES",
     "make_mesh",
+    "mesh_dims",
     "logical_to_mesh_spec",
     "logical_to_sharding",
     "tree_shardings",
@@ -58,11 +60,17 @@ __all__ = [
     "unstash",
     "off_device",
     "is_logical_axes",
+    "is_axes_leaf",
     "path_str",
+    "shape_of",
+    "spec_entries",
+    "to_spec",
 ]
 
 #: The mesh axes of the JAX backend, outermost first (``tp`` innermost: neighbouring devices).
 MESH_AXES = (FSDP, CP, TP)
+
+logger = get_logger(__name__)
 
 Rules = Sequence[tuple[str, Any]] | Mapping[str, Any]
 LogicalAxes = tuple[str | None, ...]
@@ -70,11 +78,11 @@ LogicalAxes = tuple[str | None, ...]
 
 # ---------------------------------------------------------------------------------- mesh
 def make_mesh(policy_cfg: PolicyConfig | Mapping[str, Any], devices: Sequence[Any] | None = None) -> Mesh:
-    """The ``(fsdp, cp, tp)`` mesh of ``policy.jax_cfg`` over ``devices`` (default ``jax.devices()``).
+    """The ``(fsdp, cp, tp)`` mesh of ``policy.parallel`` over ``devices`` (default ``jax.devices()``).
 
-    ``jax_cfg.fsdp_size`` may be ``-1`` (= number of devices / (``context_parallel_size`` x
-    ``tensor_parallel_size``)).  Raises ``ValueError`` naming ``policy.jax_cfg.fsdp_size`` /
-    ``policy.jax_cfg.context_parallel_size`` / ``policy.jax_cfg.tensor_parallel_size`` when the
+    ``parallel.fsdp_size`` may be ``-1`` (= number of devices / (``context_parallel_size`` x
+    ``tensor_parallel_size``)).  Raises ``ValueError`` naming ``policy.parallel.fsdp_size`` /
+    ``policy.parallel.context_parallel_size`` / ``policy.parallel.tensor_parallel_size`` when the
     sizes do not fit the device count.  All axes are ``AxisType.Auto``; ``tp`` is the inner
     axis so tensor-parallel peers are neighbouring devices, ``cp`` the next.  The ``cp`` axis
     is always present (size 1 without context parallelism).
@@ -86,25 +94,51 @@ def make_mesh(policy_cfg: PolicyConfig | Mapping[str, Any], devices: Sequence[An
     backend = policy_cfg.backend
     if backend != "jax_pjit":
         raise ValueError(f"make_mesh: policy.backend is {backend!r}; the JAX mesh needs 'jax_pjit'")
-    jax_cfg = policy_cfg.jax_cfg
-    fsdp_size, tp_size, cp_size = jax_cfg.fsdp_size, jax_cfg.tensor_parallel_size, jax_cfg.context_parallel_size
-    n = len(devices)
+    dims = mesh_dims(policy_cfg, len(devices))
+    return _ordered_mesh((dims.fsdp, dims.cp, dims.tp), devices)
+
+
+def mesh_dims(policy_cfg: PolicyConfig, n: int) -> ParallelDims:
+    """``policy.parallel``'s mesh sizes on ``n`` devices; a ``ValueError`` naming the three
+    fields when they do not fit (what the driver's check and :func:`make_mesh` both say)."""
+    par = policy_cfg.parallel
+    fsdp_size, tp_size, cp_size = par.fsdp_size, par.tensor_parallel_size, par.context_parallel_size
     try:
-        dims = policy_cfg.parallel_dims(n)
+        return policy_cfg.parallel_dims(n)
     except ValueError as err:
         raise ValueError(
-            f"policy.jax_cfg.fsdp_size={fsdp_size!r} x policy.jax_cfg.context_parallel_size={cp_size!r} x "
-            f"policy.jax_cfg.tensor_parallel_size={tp_size!r} does not fit {n} device(s) (fsdp_size x "
+            f"policy.parallel.fsdp_size={fsdp_size!r} x policy.parallel.context_parallel_size={cp_size!r} x "
+            f"policy.parallel.tensor_parallel_size={tp_size!r} does not fit {n} device(s) (fsdp_size x "
             f"context_parallel_size x tensor_parallel_size must equal the device count; fsdp_size=-1 "
             f"fills in): {err}"
         ) from err
-    shape = (dims.fsdp, dims.cp, dims.tp)
+
+
+def _ordered_mesh(shape: tuple[int, int, int], devices: list[Any]) -> Mesh:
+    """The mesh in jax's topology-aware device order (``jax.make_mesh``: it matters on TPU and
+    multi-slice GPU), or in the devices' own row-major order where jax cannot map ``shape``
+    onto the physical topology -- it raises ``ValueError`` (e.g. devices of several slices)
+    or ``NotImplementedError`` (a TPU torus it cannot split) then.  The sizes were checked
+    above, so nothing else is expected; the order chosen is logged."""
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    sizes = dict(zip(MESH_AXES, shape, strict=True))
     try:
-        # Lets jax pick a topology-aware device order (matters on TPU / multi-host GPU).
-        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
-    except Exception:  # noqa: BLE001 - fall back to the plain row-major order
+        mesh = jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except (ValueError, NotImplementedError) as err:
+        logger.warning(
+            "JAX mesh %s on %d %s device(s): jax.make_mesh found no topology-aware device order (%s: %s); "
+            "using the devices' row-major order",
+            sizes,
+            len(devices),
+            devices[0].platform,
+            type(err).__name__,
+            err,
+        )
         return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)
+    logger.info(
+        "JAX mesh %s on %d %s device(s): jax.make_mesh's device order", sizes, len(devices), devices[0].platform
+    )
+    return mesh
 
 
 # ------------------------------------------------------------------ logical -> mesh specs
@@ -125,11 +159,11 @@ def is_logical_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
 
 
-def _is_axes_leaf(x: Any) -> bool:
+def is_axes_leaf(x: Any) -> bool:
     return x is None or is_logical_axes(x)
 
 
-def _spec_entries(logical_axes: LogicalAxes, rules: Rules) -> list[tuple[str, ...]]:
+def spec_entries(logical_axes: LogicalAxes, rules: Rules) -> list[tuple[str, ...]]:
     """Per dimension, the mesh axes that shard it (after dropping re-used mesh axes)."""
     if not is_logical_axes(logical_axes):
         raise TypeError(f"logical axes must be a tuple of names (str or None), got {logical_axes!r}")
@@ -146,7 +180,7 @@ def _spec_entries(logical_axes: LogicalAxes, rules: Rules) -> list[tuple[str, ..
     return entries
 
 
-def _to_spec(entries: Sequence[tuple[str, ...]]) -> PartitionSpec:
+def to_spec(entries: Sequence[tuple[str, ...]]) -> PartitionSpec:
     return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
 
 
@@ -158,7 +192,7 @@ def logical_to_mesh_spec(logical_axes: LogicalAxes, rules: Rules = RULES) -> Par
     dimensions map to the same mesh axis (e.g. ``("mlp", "vocab")`` both -> ``tp``), the
     *first* keeps it and the later one is replicated.
     """
-    return _to_spec(_spec_entries(logical_axes, rules))
+    return to_spec(spec_entries(logical_axes, rules))
 
 
 def logical_to_sharding(logical_axes: LogicalAxes | None, mesh: Mesh, rules: Rules = RULES) -> NamedSharding:
@@ -172,7 +206,7 @@ def tree_shardings(logical_axes_tree: Any, mesh: Mesh, rules: Rules = RULES) -> 
     """Map a tree of logical-axes tuples (tuples are leaves; ``None`` = replicated) to
     :class:`NamedSharding` s with the same structure -- e.g. for ``jax.device_put`` or a
     ``jit``'s ``in_shardings`` / ``out_shardings``."""
-    return jax.tree.map(lambda axes: logical_to_sharding(axes, mesh, rules), logical_axes_tree, is_leaf=_is_axes_leaf)
+    return jax.tree.map(lambda axes: logical_to_sharding(axes, mesh, rules), logical_axes_tree, is_leaf=is_axes_leaf)
 
 
 # ------------------------------------------------------------------------- divisibility
@@ -193,7 +227,7 @@ def path_str(path: Sequence[Any]) -> str:
     return "/".join(parts) or "<root>"
 
 
-def _shape_of(x: Any) -> tuple[int, ...]:
+def shape_of(x: Any) -> tuple[int, ...]:
     if hasattr(x, "shape"):
         return tuple(int(d) for d in x.shape)
     return tuple(int(d) for d in x)
@@ -209,7 +243,7 @@ def check_divisible(shapes_tree: Any, logical_axes_tree: Any, mesh: Mesh, rules:
     axis 'tp' of size 2``; a rank mismatch between a shape and its logical axes is reported
     the same way.
     """
-    flat_axes, treedef = jax.tree_util.tree_flatten_with_path(logical_axes_tree, is_leaf=_is_axes_leaf)
+    flat_axes, treedef = jax.tree_util.tree_flatten_with_path(logical_axes_tree, is_leaf=is_axes_leaf)
     try:
         flat_shapes = treedef.flatten_up_to(shapes_tree)  # type: ignore[attr-defined]  # jaxlib: no PyTreeDef stub
     except (ValueError, TypeError) as err:
@@ -218,12 +252,12 @@ def check_divisible(shapes_tree: Any, logical_axes_tree: Any, mesh: Mesh, rules:
     for (path, axes), leaf in zip(flat_axes, flat_shapes, strict=True):
         if axes is None:
             continue
-        shape = _shape_of(leaf)
+        shape = shape_of(leaf)
         name = path_str(path)
         if len(shape) != len(axes):
             problems.append(f"{name}: shape {shape} has {len(shape)} dims but logical axes {axes} name {len(axes)}")
             continue
-        for dim, (size, mesh_axes, logical) in enumerate(zip(shape, _spec_entries(axes, rules), axes, strict=True)):
+        for dim, (size, mesh_axes, logical) in enumerate(zip(shape, spec_entries(axes, rules), axes, strict=True)):
             for mesh_axis in mesh_axes:
                 if mesh_axis not in mesh.shape:
                     problems.append(
@@ -272,7 +306,7 @@ def activation_constraint(
             )
         entries = []
         for dim, (size, axes) in enumerate(
-            zip(x.shape, _on_mesh(_spec_entries(logical_axes, rules), mesh), strict=True)
+            zip(x.shape, _on_mesh(spec_entries(logical_axes, rules), mesh), strict=True)
         ):
             n = math.prod(mesh.shape[a] for a in axes)
             if size % n != 0:
@@ -283,13 +317,13 @@ def activation_constraint(
                     )
                 axes = ()
             entries.append(axes)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _to_spec(entries)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, to_spec(entries)))
 
     # ``layers.placement``: the one mesh axis (if one) a logical axis is split over -- the MoE
     # dispatches each device's rows alone over the batch's, and runs expert-parallel over the
     # experts'.
     def placement(name: str) -> tuple[Mesh, str] | None:
-        axes = _on_mesh(_spec_entries((name,), rules), mesh)[0]
+        axes = _on_mesh(spec_entries((name,), rules), mesh)[0]
         return (mesh, axes[0]) if len(axes) == 1 else None
 
     constrain.placement = placement  # type: ignore[attr-defined]
@@ -332,8 +366,8 @@ def shard_host_batch(
     """
     host = _to_numpy(array)
     names = tuple(logical_axes[: host.ndim]) + (None,) * max(0, host.ndim - len(logical_axes))
-    entries = _on_mesh(_spec_entries(names, rules), mesh)
-    sharding = NamedSharding(mesh, _to_spec(entries))
+    entries = _on_mesh(spec_entries(names, rules), mesh)
+    sharding = NamedSharding(mesh, to_spec(entries))
     nproc = jax.process_count()
     for dim, axes in enumerate(entries):
         n = math.prod(mesh.shape[a] for a in axes)
@@ -366,8 +400,8 @@ def check_process_rows(mesh: Mesh) -> None:
         if len(procs) > 1:
             raise ValueError(
                 f"multi-process JAX: the mesh {dict(mesh.shape)} puts fsdp row {i} on processes {procs}; every "
-                f"process feeds its own batch rows, so policy.jax_cfg.context_parallel_size x "
-                f"policy.jax_cfg.tensor_parallel_size must fit in one process's {jax.local_device_count()} devices"
+                f"process feeds its own batch rows, so policy.parallel.context_parallel_size x "
+                f"policy.parallel.tensor_parallel_size must fit in one process's {jax.local_device_count()} devices"
             )
         owners.append(procs[0])
     runs = [p for k, p in enumerate(owners) if k == 0 or owners[k - 1] != p]
@@ -471,12 +505,36 @@ def unstash(host: Any, shardings: Any) -> Any:
 def off_device(full: jax.Array) -> Any:
     """One (sharded) refit tensor as the stream carries it.  One process on GPU: gathered
     onto the first local GPU (device-to-device copies) and handed to torch by DLPack, no
-    host trip (the CUDA IPC transport reads it there).  Else numpy: each shard copied to the
-    host once, into the full array (several processes: all-gathered first, a collective).
-    Not a replicated jit output: on CPU that all-gather cost 2-4x the host copy."""
+    host trip (the CUDA IPC transport reads it there).  On CPU, a replicated array (one
+    device included) goes to torch by DLPack too: a view of XLA's own host buffer, no copy.
+    Else numpy: each shard copied to the host once, into the full array (several processes:
+    all-gathered first, a collective).  Not a replicated jit output: on CPU that all-gather
+    cost 2-4x the host copy."""
     device = jax.local_devices()[0]
     if jax.process_count() == 1 and device.platform == "gpu":
         import torch
 
         return torch.from_dlpack(jax.device_put(full, device))
+    if device.platform == "cpu" and full.is_fully_replicated:
+        import torch
+
+        # numpy's view of this buffer is read-only, which torch.from_numpy warns about (it
+        # has no read-only tensors); DLPack shares the same memory without that pretence.
+        return torch.from_dlpack(full.addressable_data(0))
+    if jax.process_count() == 1:
+        return _assembled(full)
     return host_copy(full)
+
+
+def _assembled(full: jax.Array) -> np.ndarray:
+    """The full array in a new host array, each distinct shard copied into it once -- what
+    ``jax.device_get`` does, but into an array of our own: jax's is read-only (it caches it
+    on the Array), and torch.from_numpy warns on a read-only array."""
+    out = np.empty(full.shape, full.dtype)
+    seen: set[tuple] = set()
+    for shard in full.addressable_shards:
+        key = _index_key(shard.index)
+        if key not in seen:  # a block replicated over several devices is copied once
+            seen.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out

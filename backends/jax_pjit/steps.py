@@ -25,7 +25,6 @@ independent of the micro-batch size.
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from pydantic import BaseModel
 
 from backends.jax_pjit.models.layers import constrain
 from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
@@ -42,7 +40,7 @@ from core.kernels import apply_temperature, logprobs_from_logits, logprobs_to_se
 from core.kernels.moe import routed_experts_of
 
 if TYPE_CHECKING:
-    from core.interfaces import LossFunction
+    from core.interfaces import LogprobLossFunction
     from core.losses.router_aux import RouterAux
 
 
@@ -102,7 +100,7 @@ def check_cp_ladder(max_len: int, cp: int, multiple: int, field: str = "policy.m
             check_cp_width(width, cp, 2 * cp, "policy.make_sequence_length_divisible_by")
         except ValueError as err:
             raise ValueError(
-                f"{err} (policy.jax_cfg.context_parallel_size={cp}: the JAX backend pads rows to the widths "
+                f"{err} (policy.parallel.context_parallel_size={cp}: the JAX backend pads rows to the widths "
                 f"{ladder} for {field}={max_len}, each rounded up to make_sequence_length_divisible_by="
                 f"{multiple})"
             ) from None
@@ -159,41 +157,6 @@ def zero_grads(params: Any) -> Any:
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), params)
 
 
-def loss_key(loss_fn: LossFunction) -> tuple:
-    """(class name, its settings): equal for two copies of one configured loss, so a grad step
-    compiled for one serves the next (every ``Policy.train`` call ships a fresh, unpickled copy
-    of the same loss), and different for any two configurations -- the compiled step closes
-    over the loss, so a key that missed a setting would train the next loss with the old one.
-    Settings are the loss's scalar attributes and its config sections (pydantic models or
-    mappings, compared by value); other attributes (helpers built from those) are left out."""
-    settings = []
-    for name, value in sorted(vars(loss_fn).items()):
-        frozen = _settings_value(value)
-        if frozen is not _NOT_A_SETTING:
-            settings.append((name, frozen))
-    return (type(loss_fn).__qualname__, tuple(settings))
-
-
-_NOT_A_SETTING = object()
-_SCALARS = (bool, int, float, str, type(None), enum.Enum)
-
-
-def _settings_value(value: Any) -> Any:
-    """A hashable copy of a setting (scalars, config models, mappings, sequences of them), or
-    ``_NOT_A_SETTING``."""
-    if isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, BaseModel):
-        value = value.model_dump(mode="python")
-    if isinstance(value, Mapping):
-        items = [(k, _settings_value(v)) for k, v in sorted(value.items())]
-        return tuple(items) if all(v is not _NOT_A_SETTING for _, v in items) else _NOT_A_SETTING
-    if isinstance(value, (list, tuple)):
-        items = [_settings_value(v) for v in value]
-        return tuple(items) if all(v is not _NOT_A_SETTING for v in items) else _NOT_A_SETTING
-    return _NOT_A_SETTING
-
-
 def value_and_grad_of(micro_loss: Callable, trainable: Any = None) -> Callable:
     """``jax.value_and_grad(micro_loss, has_aux=True)`` with respect to the params (the first
     argument), or -- ``trainable``: an nnx filter (LoRA's adapter type) -- to the params it
@@ -211,7 +174,7 @@ def value_and_grad_of(micro_loss: Callable, trainable: Any = None) -> Callable:
 
 def make_grad_step(
     apply_fn: ApplyFn,
-    loss_fn: LossFunction,
+    loss_fn: LogprobLossFunction,
     temperature: float,
     grad_shardings: Any = None,
     trainable: Any = None,
@@ -337,7 +300,7 @@ def make_layout_logprob_step(apply_fn: ApplyFn, temperature: float, cp: int) -> 
 
 def make_layout_grad_step(
     apply_fn: ApplyFn,
-    loss_fn: LossFunction,
+    loss_fn: LogprobLossFunction,
     temperature: float,
     cp: int,
     grad_shardings: Any = None,

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,17 +48,22 @@ from core.data import BatchedDataDict
 from core.generation.sampling import assemble_padded
 from core.kernels.logprobs import apply_temperature, logprobs_from_logits
 from core.policy.generation_args import (
+    check_prompt_rows,
     effective_min_new_tokens,
+    row_chunks,
     row_stop_strings,
     stop_string_ends_row,
     stop_window,
     top_k_or_off,
 )
 from core.policy.generation_config import GenerationConfig as GenerationSection
+from core.reporting import get_logger, warn_once
 
 if TYPE_CHECKING:
     import numpy as np
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
+
+logger = get_logger(__name__)
 
 __all__ = [
     "SeededRowSampler",
@@ -68,7 +72,6 @@ __all__ = [
     "generation_lengths",
     "hf_generate",
     "right_to_left_padding",
-    "row_chunks",
 ]
 
 # GenerationConfig fields that alter decoding but have no neutral value besides ``None``
@@ -141,7 +144,7 @@ def hf_generate(
         N = max_new_tokens.  All tensors on CPU.
     """
     gen_cfg = GenerationSection.coerce(gen_cfg, "policy.generation")
-    input_ids, input_lengths = _check_inputs(data)
+    input_ids, input_lengths = _checked_inputs(data)
     batch = input_ids.shape[0]
     new_tokens = _resolve_max_new_tokens(gen_cfg, max_new_tokens)
     min_new = effective_min_new_tokens(gen_cfg, new_tokens, min_new_tokens)
@@ -228,15 +231,6 @@ class GenerationReplica:
         return self._module
 
 
-def row_chunks(batch: int, batch_size: int | None) -> list[slice]:
-    """Consecutive row slices of at most ``batch_size`` rows (one slice when None)."""
-    if batch_size is None:
-        return [slice(0, batch)]
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"policy.generation_batch_size must be a positive int, got {batch_size!r}")
-    return [slice(start, min(start + batch_size, batch)) for start in range(0, batch, batch_size)]
-
-
 @dataclasses.dataclass(frozen=True)
 class _GenerateCall:
     """What every chunk of one ``hf_generate`` call shares; ``rows`` runs one chunk."""
@@ -285,24 +279,13 @@ class _GenerateCall:
 # ----------------------------------------------------------------------------- inputs
 
 
-def _check_inputs(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` [B, S] and ``input_lengths`` [B] (int64), validated."""
+def _checked_inputs(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` [B, S] and ``input_lengths`` [B] (int64, on the ids' device), validated."""
     input_ids, input_lengths = data["input_ids"], data["input_lengths"]
-    if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
-        shape = tuple(getattr(input_ids, "shape", ()))
-        raise ValueError(f"input_ids must be a 2-D [B, S] tensor, got shape {shape}")
-    batch, seq = input_ids.shape
-    input_lengths = torch.as_tensor(input_lengths)
-    if tuple(input_lengths.shape) != (batch,):
-        raise ValueError(f"input_lengths must have shape [B] = ({batch},), got {tuple(input_lengths.shape)}")
-    if batch == 0:
-        raise ValueError("cannot generate for an empty batch (B = 0)")
-    input_lengths = input_lengths.to(device=input_ids.device, dtype=torch.long)
-    bad = (input_lengths < 1) | (input_lengths > seq)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"input_lengths must be in [1, S={seq}]; row {row} has length {int(input_lengths[row])}")
-    return input_ids.long(), input_lengths
+    if not torch.is_tensor(input_ids):
+        raise ValueError(f"input_ids must be a torch tensor, got {type(input_ids).__name__}")
+    check_prompt_rows(input_ids, input_lengths)
+    return input_ids.long(), torch.as_tensor(input_lengths).to(device=input_ids.device, dtype=torch.long)
 
 
 def _resolve_max_new_tokens(gen_cfg: GenerationSection, override: int | None) -> int:
@@ -416,10 +399,10 @@ def _warn_inherited_fields(model, hf_cfg) -> None:
         if getattr(hf_cfg, name, None) is None and getattr(model_cfg, name, None) is not None
     ]
     if inherited:
-        warnings.warn(
+        warn_once(
+            logger,
             f"hf_generate: the model's generation_config sets {inherited}, which HF applies because the policy "
             "config has no neutral value for them; clear them on model.generation_config to turn them off",
-            stacklevel=3,
         )
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
+from backends.torch_common import cpu_linear
 from core.models.lora import adapted_modules, is_adapter_name, lora_scale
 from core.policy.config import LoRAConfig
 from core.policy.lora_adapter import starting_adapters
@@ -55,7 +55,7 @@ class LoRALinear(torch.nn.Linear):
         self.generator = generator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = cpu_linear.linear(x, self.weight, self.bias)
         h = x
         if self.training and self.dropout > 0:
             keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.dropout

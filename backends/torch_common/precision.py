@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from backends.torch_common.cpu_linear import linear_path
 from core.policy.config import PolicyConfig
 from core.policy.matmul_precision import torch_float32_matmul
 
@@ -36,9 +37,10 @@ def apply_matmul_precision(policy_cfg: PolicyConfig) -> str:
 
 def matmul_precision_state() -> dict[str, Any]:
     """What this process runs with (reported by ``get_gpu_info``): the float32 matmul
-    precision, CUDA matmul's resulting fp32 string (``ieee`` = true fp32, ``tf32``) and
-    cuDNN's TF32 switch."""
+    precision, CUDA matmul's resulting fp32 string (``ieee`` = true fp32, ``tf32``),
+    cuDNN's TF32 switch, and the path of the model's linear layers on a CPU (``cpu_linear``)."""
     return {
+        **linear_path(),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "cuda_matmul_fp32_precision": torch.backends.cuda.matmul.fp32_precision,
         "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),

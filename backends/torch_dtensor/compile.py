@@ -1,4 +1,4 @@
-"""``policy.dtensor_cfg.compile``: ``torch.compile`` on each transformer block.
+"""``policy.compile``: ``torch.compile`` on each transformer block.
 
 Per block, not the whole model: the blocks share one code object, so one compiled graph
 serves them all (dynamo treats module parameters as inputs), and embedding / lm_head /
@@ -46,10 +46,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from backends.torch_common.layers import decoder_layers
+from backends.torch_common.torch_private import AsyncCollectiveTensor, compiled_call, local_tensor_of, set_compiled_call
 
 
 class _WaitForCollective(torch.autograd.Function):
@@ -71,7 +71,7 @@ def _waited(x):
     tensor is one (rebuilt around the waited tensor, same placements); else ``x`` as is."""
     if isinstance(x, AsyncCollectiveTensor):
         return _WaitForCollective.apply(x)
-    if isinstance(x, DTensor) and isinstance(x._local_tensor, AsyncCollectiveTensor):
+    if isinstance(x, DTensor) and isinstance(local_tensor_of(x), AsyncCollectiveTensor):
         return DTensor.from_local(
             _WaitForCollective.apply(x.to_local()),
             x.device_mesh,
@@ -104,9 +104,9 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     blocks = decoder_layers(model)
     for block in blocks:
         block.compile(backend=backend)
-        # nn.Module.__call__ runs _compiled_call_impl (torch.compile of block._call_impl).
-        compiled = block._compiled_call_impl
+        # nn.Module.__call__ runs the compiled call (torch.compile of block._call_impl).
+        compiled = compiled_call(block)
         if compiled is None:
             raise RuntimeError(f"{type(block).__name__}.compile() left no compiled call to wrap")
-        block._compiled_call_impl = _waiting_for_collectives(compiled)
+        set_compiled_call(block, _waiting_for_collectives(compiled))
     return len(blocks)

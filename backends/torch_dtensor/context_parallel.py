@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from backends.torch_common.batches import to_device
+from backends.torch_common.torch_private import set_ring_attention_rotate_method
 from core.data.context_parallel import attention_allowed, load_balanced_columns
 
 if TYPE_CHECKING:
@@ -146,10 +147,9 @@ def create_context_parallel_ctx(
     ``cp_buffers`` along ``cp_seq_dims`` over ``cp_mesh`` for the duration of the context
     and restores them after, except ``cp_no_restore_buffers``.  CUDA SDPA only."""
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import set_rotate_method
 
     if cp_rotate_method is not None:
-        set_rotate_method(cp_rotate_method)
+        set_ring_attention_rotate_method(cp_rotate_method)
     return context_parallel(
         cp_mesh, buffers=list(cp_buffers), buffer_seq_dims=list(cp_seq_dims), no_restore_buffers=cp_no_restore_buffers
     )

@@ -30,6 +30,7 @@ from backends.torch_common.layers import decoder_layers
 from backends.torch_common.lora import freeze_all_but_adapters
 from backends.torch_common.model_loading import as_torch_dtype
 from backends.torch_common.optim import import_object
+from backends.torch_common.torch_private import REDISTRIBUTE_LOGGER, flatten_mesh
 from backends.torch_common.worker import TorchPolicyWorker
 from backends.torch_dtensor.compile import compile_blocks
 from backends.torch_dtensor.context_parallel import (
@@ -38,14 +39,16 @@ from backends.torch_dtensor.context_parallel import (
     install_allgather_attention,
     train_context,
 )
+from backends.torch_dtensor.spec import settings as dtensor_settings
 from backends.torch_dtensor.tp_plans import plan_for, with_lora
 from backends.torch_dtensor.vocab_padding import OriginalVocabLoss, pad_vocab_, padded_vocab_size, unpad_rows
+from core.losses.contract import has_logprob_path
 from core.parallel_dims import ParallelDims
 from core.policy.preflight import check_tensor_parallel_fits
 
 # The global grad norm of parameters on the 2-D (dp, tp) mesh is reduced over both axes with
 # two all-reduces of one scalar; DTensor logs a performance warning for it on every step.
-logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -64,9 +67,8 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     def _parallel_dims(self) -> ParallelDims:
         dims = self.cfg.parallel_dims(self.world_size)
-        dtc = self.cfg.dtensor_cfg
         self.tp_size = dims.tp
-        self.sequence_parallel = bool(dtc.sequence_parallel) and dims.tp > 1
+        self.sequence_parallel = bool(self.cfg.parallel.sequence_parallel) and dims.tp > 1
         # Sequence parallelism splits a rank's columns over tp; context parallelism splits
         # the row into 2 x cp load-balanced chunks.
         self._seq_multiple = (dims.tp if self.sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
@@ -75,7 +77,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         )
         # FSDP2 shards over dp x cp: its gradient reduction then also sums the cp ranks'
         # partial gradients (each computed from its own share of the sequence).
-        self.fsdp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if dims.cp > 1 else self.mesh["dp"]
+        self.fsdp_mesh = flatten_mesh(self.mesh["dp", "cp"], "dp_cp") if dims.cp > 1 else self.mesh["dp"]
         self._cp_rows = ContextParallelRows(self.mesh["cp"].get_group()) if dims.cp > 1 else None
         return dims
 
@@ -85,10 +87,10 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     @property
     def _offloading(self) -> bool:
-        return self._offload_params(bool(self.cfg.dtensor_cfg.cpu_offload), "policy.dtensor_cfg.cpu_offload")
+        return self._offload_params(bool(self.cfg.cpu_offload), "policy.cpu_offload")
 
     def _activation_checkpointing(self) -> bool:
-        return bool(self.cfg.dtensor_cfg.activation_checkpointing)
+        return bool(self.cfg.activation_checkpointing)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -96,7 +98,7 @@ class DTensorPolicyWorker(TorchPolicyWorker):
 
     @property
     def _compile(self) -> bool:
-        return bool(self.cfg.dtensor_cfg.compile)
+        return bool(self.cfg.compile)
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         from transformers import PreTrainedModel
@@ -125,13 +127,13 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         pad_vocab_(model, self.padded_vocab_size)
 
     def _micro_batch_loss(self, mb, loss_fn, gseq, gtok):
-        if self.padded_vocab_size != self.model_config.vocab_size and not hasattr(loss_fn, "loss_from_logprobs"):
-            loss_fn = OriginalVocabLoss(loss_fn, self.model_config.vocab_size)  # full logits: [..., :V]
+        if self.padded_vocab_size != self.hf_config.vocab_size and not has_logprob_path(loss_fn):
+            loss_fn = OriginalVocabLoss(loss_fn, self.hf_config.vocab_size)  # full logits: [..., :V]
         return super()._micro_batch_loss(mb, loss_fn, gseq, gtok)
 
     def _apply_tp(self, model: PreTrainedModel) -> None:
-        check_tensor_parallel_fits(model.config, self.tp_size, "policy.dtensor_cfg.tensor_parallel_size")
-        custom = self.cfg.dtensor_cfg.custom_parallel_plan
+        check_tensor_parallel_fits(model.config, self.tp_size, "policy.parallel.tensor_parallel_size")
+        custom = dtensor_settings(self.cfg).custom_parallel_plan
         if isinstance(custom, str):
             custom = import_object(custom, "policy.dtensor_cfg.custom_parallel_plan")
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -206,3 +208,9 @@ class DTensorPolicyWorker(TorchPolicyWorker):
         if self._offloading:
             return model  # FSDP2's CPUOffloadPolicy owns parameter placement
         return model.to(device)
+
+
+if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
+    from core.policy.worker_protocol import PolicyWorker
+
+    _contract: type[PolicyWorker] = DTensorPolicyWorker

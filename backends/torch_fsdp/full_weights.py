@@ -18,13 +18,12 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-#: The attribute path FSDP1 inserts between a wrapper and the module it wraps.
-WRAPPED = "_fsdp_wrapped_module"
+from backends.torch_common.torch_private import FSDP_WRAPPED_MODULE, unit_weight_records
 
 
 def hf_name(*parts: str) -> str:
     """Join name parts and drop FSDP's wrapper segments: the HF state-dict name."""
-    return ".".join(p for part in parts if part for p in part.split(".") if p != WRAPPED)
+    return ".".join(p for part in parts if part for p in part.split(".") if p != FSDP_WRAPPED_MODULE)
 
 
 class UnitPlan:
@@ -70,10 +69,5 @@ def _copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _unit_weights(unit: FSDP) -> list[tuple[str, torch.nn.Module, str]]:
     """``(name under the unit's module, owning module, attribute)`` of every original weight
     the unit's flat parameter holds, tied aliases included (HF state-dict order)."""
-    handle = unit._handle
-    if handle is None:
-        return []
-    flat = handle.flat_param
-    infos = [(i.module_name, i.module, i.param_name) for i in flat._param_infos]
-    infos += [(i.module_name, i.module, i.param_name) for i in flat._shared_param_infos]
-    return [(f"{mod}.{attr}" if mod else attr, owner, attr) for mod, owner, attr in infos]
+    records = unit_weight_records(unit)
+    return [(f"{mod}.{attr}" if mod else attr, owner, attr) for mod, owner, attr in records]

@@ -12,6 +12,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.fsdp import (
@@ -26,6 +27,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from backends.torch_common.layers import decoder_layer_classes
 from backends.torch_common.model_loading import as_torch_dtype
+from backends.torch_common.torch_private import flat_param_handles, handles_kept_gathered, reshard_gathered
 from backends.torch_common.worker import TorchPolicyWorker
 from backends.torch_fsdp.full_weights import UnitPlan
 from core.parallel_dims import ParallelDims
@@ -49,11 +51,11 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         return ParallelDims(self.world_size, fsdp=-1)
 
     def _activation_checkpointing(self) -> bool:
-        return bool(self.cfg.activation_checkpointing_enabled)
+        return bool(self.cfg.activation_checkpointing)
 
     @property
     def _offloading(self) -> bool:
-        return self._offload_params(bool(self.cfg.fsdp_offload_enabled), "policy.fsdp_offload_enabled")
+        return self._offload_params(bool(self.cfg.cpu_offload), "policy.cpu_offload")
 
     def _parallelize(self, model: torch.nn.Module) -> FSDP:
         mixed = None
@@ -125,42 +127,25 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
 
     @contextlib.contextmanager
     def _keep_params_gathered(self):
-        # FSDP1 has no public switch for resharding after forward; its post-forward hook
-        # frees a unit's gathered parameters only under the reshard-after-forward strategies
-        # (FULL_SHARD), so the call runs with the handles marked SHARD_GRAD_OP (gathered once,
-        # kept), then the strategy is restored and every gathered copy freed.
-        from torch.distributed.fsdp._flat_param import HandleShardingStrategy
-
-        handles = [h for h in _flat_param_handles(self.model) if h.uses_sharded_strategy]
-        saved = [h._sharding_strategy for h in handles]
-        for h in handles:
-            h._sharding_strategy = HandleShardingStrategy.SHARD_GRAD_OP
+        # FSDP1 has no public switch for resharding after forward (torch_private): the call
+        # runs with the sharded handles marked SHARD_GRAD_OP (gathered once, kept), then the
+        # strategy is restored and every gathered copy freed.
+        handles = [h for h in flat_param_handles(self.model) if h.uses_sharded_strategy]
         try:
-            yield
+            with handles_kept_gathered(handles):
+                yield
         finally:
-            for h, strategy in zip(handles, saved, strict=True):
-                h._sharding_strategy = strategy
             self._reshard_all()
 
     def _local_weight_shards(self) -> list[torch.Tensor]:
         # The flat parameters are what FSDP1 all-gathers for a forward pass; the HF-named
         # parameters (use_orig_params) are views FSDP re-points, not stable storage.
         self._reshard_all()
-        return [h.flat_param.data for h in _flat_param_handles(self.model)]
+        return [h.flat_param.data for h in flat_param_handles(self.model)]
 
     def _reshard_all(self) -> None:
-        # FSDP1 never reshards the root after forward and has no public reshard call; this
-        # is the step its own post-backward hook runs.
-        from torch.distributed.fsdp._runtime_utils import _reshard
-
-        for module in FSDP.fsdp_modules(self.model):
-            handle = module._handle
-            if handle is None or not handle.uses_sharded_strategy:
-                continue
-            if not hasattr(handle.flat_param, "_full_param_padded"):
-                continue  # FSDP initialises lazily: before the first forward nothing is gathered
-            if not handle.needs_unshard():
-                _reshard(module, handle, True)
+        # FSDP1 never reshards the root after forward and has no public reshard call.
+        reshard_gathered(self.model)
 
     def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:
         if self._offloading:
@@ -168,5 +153,7 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         return model.to(device)
 
 
-def _flat_param_handles(model: FSDP) -> list:
-    return [m._handle for m in FSDP.fsdp_modules(model) if m._handle is not None]
+if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
+    from core.policy.worker_protocol import PolicyWorker
+
+    _contract: type[PolicyWorker] = FSDP1PolicyWorker

@@ -16,6 +16,8 @@ Shared by the benchmarks:
     grpo_step.py    dualrl's GRPO step on a layout, phase by phase
     trl.py          TRL trainers in child processes (trl_version, the step gate, TRLRunner)
     trl_grpo.py     TRL's GRPOTrainer as dualrl's GRPO step's baseline
+    trl_grpo_child.py  its child process (the trainer, its patches and timers)
+    roofline.py     the engines' matmul peaks on the workload's products, every phase's share of the best
     bench.py        Bench: what one dualrl bench run shares (both modes)
     machine.py      machine_facts, matmul / datasheet peaks, FLOPs per token, MFU, versions
     proc.py         /proc: CPU seconds, threads, affinity, RSS and its peak
@@ -30,5 +32,5 @@ Each benchmark's own part:
     soak.py         benchmarks.soak
     packing.py      benchmarks.packing
     kernels.py      benchmarks.kernels
-    trl_compare.py  benchmarks.trl_compare
+    trl_compare/    benchmarks.trl_compare    (data, the TRL child, the schedule, the report)
 """

@@ -84,43 +84,20 @@ def layout_overrides(layout: Layout, jax_cpu_slots: int | None = None) -> list[s
     """What puts a run on ``layout``: backend, slots, parallel sizes.  A JAX worker on a CPU
     machine gets ``jax_cpu_slots`` CPUs (its XLA host devices come from ``XLA_FLAGS``, which the
     benchmark's Ray session sets), elsewhere one slot per device."""
-    if layout.is_jax and jax_cpu_slots:
-        # the mesh's fsdp axis fills the actor's devices (checked after start-up: mesh_mismatch)
-        slots = max(layout.tp * layout.cp, jax_cpu_slots - jax_cpu_slots % (layout.tp * layout.cp))
-        return [
-            f"policy.backend={layout.backend}",
-            f"cluster.gpus_per_node={slots}",
-            "cluster.num_nodes=1",
-            "policy.jax_cfg.fsdp_size=-1",
-            f"policy.jax_cfg.tensor_parallel_size={layout.tp}",
-            *_sequence_overrides(layout),
-        ]
     if layout.lora:  # no LoRA settings here: the layout would run the base model
         raise LayoutError(f"layout {layout.name!r}: -lora (policy.lora) is measured by dualrl parity only")
-    out = [f"policy.backend={layout.backend}", f"cluster.gpus_per_node={layout.devices}", "cluster.num_nodes=1"]
-    if layout.is_jax:
-        out += [f"policy.jax_cfg.fsdp_size={layout.dp}", f"policy.jax_cfg.tensor_parallel_size={layout.tp}"]
-    elif layout.backend == "torch_dtensor":
-        out += [
-            f"policy.dtensor_cfg.tensor_parallel_size={layout.tp}",
-            f"policy.dtensor_cfg.sequence_parallel={str(layout.sp).lower()}",
-            f"policy.dtensor_cfg.compile={str(layout.compiled).lower()}",
-        ]
-    return out + _sequence_overrides(layout)
+    settings = layout.policy_settings()  # packing, if on, with the config's own budgets
+    devices = layout.devices
+    if layout.per_host and jax_cpu_slots:
+        # the mesh's fsdp axis fills the actor's devices (checked after start-up: mesh_mismatch)
+        devices = max(layout.tp * layout.cp, jax_cpu_slots - jax_cpu_slots % (layout.tp * layout.cp))
+        settings["parallel.fsdp_size"] = -1
+    out = [f"policy.{key}={_yaml(value)}" for key, value in settings.items()]
+    return out + [f"cluster.gpus_per_node={devices}", "cluster.num_nodes=1"]
 
 
-def _sequence_overrides(layout: Layout) -> list[str]:
-    """Context parallel size, the sequence multiple it needs, and sequence packing."""
-    out = []
-    if layout.cp > 1:
-        section = "jax_cfg" if layout.is_jax else "dtensor_cfg"
-        out += [
-            f"policy.{section}.context_parallel_size={layout.cp}",
-            f"policy.make_sequence_length_divisible_by={layout.sequence_multiple}",
-        ]
-    if layout.packed:
-        out += ["policy.sequence_packing.enabled=true"]  # the config's own budgets
-    return out
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def grpo_overrides(
@@ -257,7 +234,7 @@ def measure_grpo(
     )
     total = work.warmup + work.steps
     t0 = time.perf_counter()
-    run = setup_grpo(cfg, log=lambda _msg: None, resolve=resolve_model)
+    run = setup_grpo(cfg, resolve=resolve_model)
     try:
         startup = time.perf_counter() - t0
         mismatch = mesh_mismatch(run.policy, layout)
@@ -266,7 +243,7 @@ def measure_grpo(
         if async_grpo:
             from core.algorithms.async_grpo import async_grpo_loop
 
-            step_fn, _ = async_grpo_loop(run, 1, total)  # its producer stops with run.close()
+            step_fn = async_grpo_loop(run, 1, total).step  # its producer stops with run.close()
         else:
             step_fn = lambda step: grpo_step(run, step)  # noqa: E731
         steps = [step_fn(step) for step in range(1, total + 1)]
@@ -331,7 +308,7 @@ def multi_turn_facts(timed: list[dict[str, float]], turns: int) -> dict[str, Any
 
 def mesh_mismatch(policy, layout: Layout) -> str | None:
     """Why the run's JAX mesh is not the layout's (a CPU actor's devices come from XLA_FLAGS), or None."""
-    if not layout.is_jax:
+    if not layout.per_host:
         return None
     mesh = policy.get_gpu_info()[0].get("mesh") or {}
     if (mesh.get("fsdp"), mesh.get("cp", 1), mesh.get("tp")) != (layout.dp, layout.cp, layout.tp):

@@ -1,43 +1,50 @@
 """Backend layouts by name: what every benchmark and ``dualrl parity`` / ``dualrl bench`` accept.
 
-Grammar (``D``, ``C``, ``T``, ``F``: positive integers; bracketed parts optional, at least one size):
+The grammar is learnt from the registered backends' specs (``core.policy.registry``), so a
+backend plugged in from outside has its layouts too.  For a backend whose spec has
+``layout_prefix`` P and ``data_axis`` A (``D``, ``C``, ``T``: positive integers; bracketed
+parts optional, at least one size)::
 
-* ``fsdp1-dp<D>``: ``torch_fsdp`` on ``D`` workers (FSDP1 has no tensor or context parallel);
-* ``dtensor-[dp<D>][-cp<C>][-tp<T>][-sp]``: ``torch_dtensor`` on ``D x C x T`` workers, context
-  parallel over ``C``, sequence parallel (``-sp``) needs ``T >= 2``;
-* ``jax-[fsdp<F>][-cp<C>][-tp<T>][-ep]``: ``jax_pjit``, one worker owning ``F x C x T`` devices,
-  mesh ``(fsdp=F, cp=C, tp=T)``; ``-ep``: a mixture of experts' experts run expert-parallel
-  over fsdp (``policy.jax_cfg.expert_parallel_size = F``);
-* any of them with ``-packed``: sequence packing on (rows of at most one padded micro
-  batch's tokens);
-* any of them with ``-lora`` (after ``-packed``): ``policy.lora.enabled`` at the settings the
-  caller passes (``dualrl parity``: ``benchmarks.lib.parity.settings.LORA``); a benchmark that
-  passes none refuses the layout by name (:func:`benchmarks.lib.workload.policy_config`);
-* a ``dtensor-`` layout with ``-compiled`` (last): ``policy.dtensor_cfg.compile`` on (each
-  transformer block under ``torch.compile``), so ``dtensor-dp2 dtensor-dp2-compiled`` measures
-  eager against compiled side by side in one run.
+    P-[A<D>][-cp<C>][-tp<T>][-sp][-ep][-packed][-lora][-compiled]
 
-A torch worker holds one device (on a CPU machine: one process with a share of the threads);
-so a layout needs ``devices`` = ``D x C x T`` or ``F x C x T`` of the machine's budget whatever
-its backend, which is what :func:`check_fits` compares.
+on ``D x C x T`` devices: ``D`` data-parallel (sharded) ranks, the sequence split over ``C``
+(context parallel), the weights over ``T`` (tensor parallel); ``-sp`` sequence parallel
+(needs ``T >= 2``); ``-ep`` a mixture of experts' experts expert-parallel over the data axis
+(``policy.parallel.expert_parallel_size = D``, needs ``D >= 2``); ``-packed`` sequence
+packing (rows of at most one padded micro batch's tokens); ``-lora`` ``policy.lora.enabled``
+at the settings the caller passes (``dualrl parity``: ``benchmarks.lib.parity.settings.LORA``;
+a benchmark that passes none refuses the layout by name, :func:`benchmarks.lib.workload.
+policy_config`); ``-compiled`` ``policy.compile`` (each transformer block under
+``torch.compile``, so ``P-dp2 P-dp2-compiled`` measures eager against compiled side by side).
+Each part is accepted only on a backend whose spec supports the option behind it
+(:data:`PARTS`); :data:`GRAMMAR` spells out what each registered backend takes.
+
+A worker holds one device (on a CPU machine: one process with a share of the threads), or,
+on a backend whose workers own a host (``per_host``), all of them; either way a layout needs
+``devices`` = ``D x C x T`` of the machine's budget, which is what :func:`check_fits` compares.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-_TORCH = re.compile(r"(fsdp1|dtensor)-(?:dp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-sp)?(-packed)?(-lora)?(-compiled)?")
-_JAX = re.compile(r"jax-(?:fsdp(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?(-ep)?(-packed)?(-lora)?")
-BACKEND_OF = {"fsdp1": "torch_fsdp", "dtensor": "torch_dtensor", "jax": "jax_pjit"}
-GRAMMAR = (
-    "fsdp1-dp<D>[-packed][-lora], dtensor-[dp<D>][-cp<C>][-tp<T>][-sp][-packed][-lora][-compiled], "
-    "jax-[fsdp<F>][-cp<C>][-tp<T>][-ep][-packed][-lora]"
-)
+from core.policy.backend_spec import BackendSpec
+from core.policy.options import option
+from core.policy.registry import all_specs
 
-
-#: The torch layouts the benchmarks' help texts list (any other by the grammar).
-TORCH_LAYOUTS = ("fsdp1-dp1", "dtensor-dp1", "fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp")
+#: Each optional part of a layout name -> the policy option a backend must support to take it.
+PARTS = {
+    "cp": "parallel.context_parallel_size",
+    "tp": "parallel.tensor_parallel_size",
+    "sp": "parallel.sequence_parallel",
+    "ep": "parallel.expert_parallel_size",
+    "packed": "sequence_packing.enabled",
+    "lora": "lora.enabled",
+    "compiled": "compile",
+}
+_FLAGS = ("sp", "ep", "packed", "lora", "compiled")
 
 
 class LayoutError(ValueError):
@@ -48,18 +55,16 @@ class LayoutError(ValueError):
 class Layout:
     name: str
     backend: str
-    dp: int = 1  # torch: data-parallel workers; JAX: the mesh's fsdp axis
+    dp: int = 1  # data-parallel (sharded) ranks: the mesh's fsdp axis
     tp: int = 1
     sp: bool = False
     cp: int = 1  # context parallel: the sequence split over this many devices
     packed: bool = False  # sequence packing on
-    compiled: bool = False  # torch_dtensor: policy.dtensor_cfg.compile on
+    compiled: bool = False  # policy.compile on
     lora: bool = False  # policy.lora.enabled (at the caller's LoRA settings)
-    ep: bool = False  # jax_pjit: policy.jax_cfg.expert_parallel_size = the fsdp size
-
-    @property
-    def is_jax(self) -> bool:
-        return self.backend == "jax_pjit"
+    ep: bool = False  # policy.parallel.expert_parallel_size = the fsdp size
+    per_host: bool = field(default=False, compare=False)  # one worker owns all the devices (its spec says)
+    checkpoint_format: str = field(default="torch-dcp", compare=False)  # its spec's save_checkpoint format
 
     @property
     def devices(self) -> int:
@@ -72,52 +77,88 @@ class Layout:
 
     @property
     def workers(self) -> int:
-        """Ray actors: one per device on torch, one owning all devices on JAX."""
-        return 1 if self.is_jax else self.devices
+        """Ray actors: one per device, or one owning all of them (``per_host``)."""
+        return 1 if self.per_host else self.devices
+
+    def policy_settings(self) -> dict[str, Any]:
+        """The policy keys (dotted below ``policy``) that put a run on this layout, LoRA aside
+        (its settings are the caller's)."""
+        out: dict[str, Any] = {
+            "backend": self.backend,
+            "parallel.fsdp_size": self.dp,
+            "parallel.tensor_parallel_size": self.tp,
+            "parallel.context_parallel_size": self.cp,
+            "parallel.sequence_parallel": self.sp,
+            "parallel.expert_parallel_size": self.dp if self.ep else 1,
+            "compile": self.compiled,
+        }
+        if self.cp > 1:
+            out["make_sequence_length_divisible_by"] = self.sequence_multiple
+        if self.packed:
+            out["sequence_packing.enabled"] = True
+        return out
+
+
+def apply_settings(policy: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """``policy`` (a raw policy section, edited in place) with dotted ``settings`` set."""
+    for key, value in settings.items():
+        *parents, leaf = key.split(".")
+        node = policy
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return policy
+
+
+def _pattern(spec: BackendSpec) -> re.Pattern[str]:
+    flags = "".join(f"(-{flag})?" for flag in _FLAGS)
+    axis = re.escape(spec.data_axis)
+    return re.compile(rf"{re.escape(spec.layout_prefix)}-(?:{axis}(\d+))?(?:-?cp(\d+))?(?:-?tp(\d+))?{flags}")
+
+
+def _grammar(spec: BackendSpec) -> str:
+    sizes = [f"[{spec.data_axis}<D>]"] + [f"[-{p}<{p[0].upper()}>]" for p in ("cp", "tp") if PARTS[p] in spec.supports]
+    flags = [f"[-{flag}]" for flag in _FLAGS if PARTS[flag] in spec.supports]
+    return f"{spec.layout_prefix}-{''.join(sizes)}{''.join(flags)}"
+
+
+def grammar() -> str:
+    """Every registered backend's layout grammar, comma separated."""
+    return ", ".join(_grammar(spec) for spec in all_specs())
 
 
 def parse_layout(name: str) -> Layout:
-    """``dtensor-tp2-sp`` -> ``Layout("dtensor-tp2-sp", "torch_dtensor", 1, 2, True)``."""
-    torch_match, jax_match = _TORCH.fullmatch(name), _JAX.fullmatch(name)
-    if torch_match and any(torch_match.group(i) for i in (2, 3, 4)):
-        kind, dp, cp, tp, sp, packed, lora, compiled = torch_match.groups()
-        layout = Layout(
-            name,
-            BACKEND_OF[kind],
-            int(dp or 1),
-            int(tp or 1),
-            bool(sp),
-            int(cp or 1),
-            bool(packed),
-            bool(compiled),
-            bool(lora),
-        )
-        if kind == "fsdp1" and layout.compiled:
+    """A layout name -> its :class:`Layout` (``P-tp2-sp``: backend P's, tp 2, sequence parallel);
+    :class:`LayoutError` naming the grammar, or the part the backend does not support."""
+    for spec in all_specs():
+        match = _pattern(spec).fullmatch(name)
+        if match and any(match.group(i) for i in (1, 2, 3)):
+            return _layout(name, spec, match)
+    raise LayoutError(f"unknown layout {name!r}: expected one of {grammar()}")
+
+
+def _layout(name: str, spec: BackendSpec, match: re.Match[str]) -> Layout:
+    dp, cp, tp, *flags = match.groups()
+    on = dict(zip(_FLAGS, (bool(f) for f in flags), strict=True))
+    layout = Layout(
+        name, spec.name, int(dp or 1), int(tp or 1), on["sp"], int(cp or 1), on["packed"], on["compiled"],
+        on["lora"], on["ep"], per_host=not spec.one_worker_per_device, checkpoint_format=spec.checkpoint_format,
+    )  # fmt: skip
+    asked = {"cp": layout.cp > 1, "tp": layout.tp > 1, **on}
+    for part, key in PARTS.items():
+        if asked[part] and key not in spec.supports:
+            why = spec.why_not.get(key)
             raise LayoutError(
-                f"layout {name!r}: -compiled is policy.dtensor_cfg.compile, a torch_dtensor "
-                "setting; use dtensor-...-compiled"
+                f"layout {name!r}: -{part} asks for {option(key).what} (policy.{key}), which the {spec.name} backend "
+                "does not support" + (f": {why}" if why else "")
             )
-        if kind == "fsdp1" and (layout.tp > 1 or layout.cp > 1):
-            raise LayoutError(f"layout {name!r}: FSDP1 (torch_fsdp) has no tensor or context parallel; use dtensor-...")
-        if layout.sp and layout.tp < 2:
-            raise LayoutError(f"layout {name!r}: sequence parallel (-sp) needs tensor parallel tp >= 2")
-    elif jax_match and any(jax_match.group(i) for i in (1, 2, 3)):
-        fsdp, cp, tp, ep, packed, lora = jax_match.groups()
-        layout = Layout(
-            name,
-            "jax_pjit",
-            int(fsdp or 1),
-            int(tp or 1),
-            False,
-            int(cp or 1),
-            bool(packed),
-            lora=bool(lora),
-            ep=bool(ep),
+    if layout.sp and layout.tp < 2:
+        raise LayoutError(f"layout {name!r}: sequence parallel (-sp) needs tensor parallel tp >= 2")
+    if layout.ep and layout.dp < 2:
+        raise LayoutError(
+            f"layout {name!r}: -ep runs the experts expert-parallel over {spec.data_axis}; it needs "
+            f"{spec.data_axis} >= 2"
         )
-        if layout.ep and layout.dp < 2:
-            raise LayoutError(f"layout {name!r}: -ep runs the experts expert-parallel over fsdp; it needs fsdp >= 2")
-    else:
-        raise LayoutError(f"unknown layout {name!r}: expected one of {GRAMMAR}")
     if layout.dp < 1 or layout.tp < 1 or layout.cp < 1:
         raise LayoutError(f"layout {name!r}: sizes must be >= 1")
     return layout
@@ -137,31 +178,31 @@ def check_batch(layout: Layout, batch: int) -> str | None:
     return None
 
 
-def _layout_if(name: str, jax: bool) -> Layout | None:
+def _layout_if(name: str, per_host: bool) -> Layout | None:
     try:
         layout = parse_layout(name)
     except LayoutError:
         return None
-    return layout if layout.is_jax == jax else None
+    return layout if layout.per_host == per_host else None
 
 
-def torch_layout(name: str) -> Layout | None:
-    """The torch layout of that name, or None (a JAX layout, or no layout at all)."""
-    return _layout_if(name, jax=False)
+def dcp_layouts(names: list[str]) -> list[str]:
+    """The names (in order) whose backend checkpoints in torch DCP: they load each other's."""
+    out = []
+    for name in names:
+        try:
+            if parse_layout(name).checkpoint_format == "torch-dcp":
+                out.append(name)
+        except LayoutError:
+            continue
+    return out
 
 
-def jax_layout(name: str) -> Layout | None:
-    """``jax-fsdp4-tp2`` -> its :class:`Layout` (mesh fsdp=4, tp=2); None for any other name."""
-    return _layout_if(name, jax=True)
+def device_layout(name: str) -> Layout | None:
+    """The layout of that name if its backend runs one worker per device, else None."""
+    return _layout_if(name, per_host=False)
 
 
-def jax_model_problem(hf_config, model: str) -> str | None:
-    """Why the JAX backend cannot run this model (the backend's own check of the HF config), or
-    None -- asked on the driver, before any worker starts."""
-    from backends.jax_pjit.models import config_from_hf
-
-    try:
-        config_from_hf(hf_config)
-    except ValueError as err:
-        return f"model {model!r} is not supported by the JAX backend (jax_pjit): {err}"
-    return None
+def host_layout(name: str) -> Layout | None:
+    """The layout of that name if its backend runs one worker owning all the devices, else None."""
+    return _layout_if(name, per_host=True)

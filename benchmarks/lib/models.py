@@ -164,3 +164,26 @@ def param_count(config) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def jax_model_problem(hf_config, model: str) -> str | None:
+    """Why the JAX backend (jax_pjit) cannot run this model (the backend's own check of the HF
+    config), or None -- asked on the driver, before any worker starts."""
+    from backends.jax_pjit.models import config_from_hf
+
+    try:
+        config_from_hf(hf_config)
+    except ValueError as err:
+        return f"model {model!r} is not supported by the JAX backend (jax_pjit): {err}"
+    return None
+
+
+#: Backends whose model families the benchmarks check on the driver before starting a worker
+#: (the check imports the backend's model code, which its spec may not).
+MODEL_PROBLEMS = {"jax_pjit": jax_model_problem}
+
+
+def backend_model_problem(backend: str, hf_config, model: str) -> str | None:
+    """Why ``backend`` cannot run this model, where the benchmarks can tell on the driver."""
+    check = MODEL_PROBLEMS.get(backend)
+    return check(hf_config, model) if check else None

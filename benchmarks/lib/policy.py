@@ -164,7 +164,7 @@ class PolicyRunner:
             infos = self.policy.get_gpu_info()
             self.pids = [info["pid"] for info in infos]
             self.threads = [info.get("torch_num_threads") for info in infos]
-            if layout.is_jax:
+            if layout.per_host:
                 self.jax = JaxActor(self.policy, layout, args.threads, pin=not on_cuda(args))
                 self.threads = self.jax.threads
         except BaseException:

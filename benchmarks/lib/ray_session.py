@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from pathlib import Path
 
 from benchmarks.lib.layouts import Layout
 
@@ -61,19 +62,21 @@ class RaySession:
     """Ray whose actors get a given number of XLA host devices (see the module docstring).
 
     ``num_cpus``: Ray's logical CPUs (None: the cores).  ``host_devices=False`` on a GPU: JAX
-    actors get GPUs there, the host device count plays no part."""
+    actors get GPUs there, the host device count plays no part.  ``worker_log``: the file the
+    workers' own output goes to (vLLM's and the libraries' start-up chatter, as a training run's
+    ``workers.log``; errors still reach the driver); None: the console."""
 
-    def __init__(self, num_cpus: int | None, host_devices: bool = True) -> None:
+    def __init__(self, num_cpus: int | None, host_devices: bool = True, worker_log: Path | None = None) -> None:
         import ray
 
-        self.num_cpus, self.host_devices = num_cpus, host_devices
+        self.num_cpus, self.host_devices, self.worker_log = num_cpus, host_devices, worker_log
         self.owned = not ray.is_initialized()
         self.devices: int | None = None if self.owned or not host_devices else actor_device_count()
         self.restarts: list[tuple[int, float]] = []  # (new device count, seconds)
 
     def devices_for(self, layout: Layout) -> int | None:
         """The host devices ``layout`` needs from Ray (None: any)."""
-        return layout.devices if layout.is_jax and self.host_devices else None
+        return layout.devices if layout.per_host and self.host_devices else None
 
     def fits(self, devices: int | None) -> bool:
         return self.owned or devices is None or not self.host_devices or self.devices == devices
@@ -103,7 +106,7 @@ class RaySession:
         self._set_environment(devices)
         from core.distributed.ray_init import start_ray
 
-        start_ray(num_cpus=self.num_cpus, jax_cpu_devices=devices)
+        start_ray(num_cpus=self.num_cpus, jax_cpu_devices=devices, worker_log=self.worker_log)
         if restart:
             self.restarts.append((devices, time.perf_counter() - t0))
 
@@ -119,6 +122,10 @@ class RaySession:
         if not self.host_devices:
             # JAX would take 75 % of the GPU at its first allocation, next to torch layouts and HF children
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # Ray starts its workers at niceness 15 (its worker_niceness), while the baselines a layout
+        # is paired with (HF eager, TRL) and the roofline's children run at the driver's: on a
+        # machine shared with other work the baselines would get the cores first.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         # Ray sets an actor's OMP_NUM_THREADS to its CPU count only where the variable is unset;
         # an exported value would be inherited by every worker and oversubscribe the cores.
         os.environ.pop("OMP_NUM_THREADS", None)

@@ -42,6 +42,9 @@ from benchmarks.lib.policy import PolicyCase
 from benchmarks.lib.proc import status_bytes
 from benchmarks.lib.refit import Engine
 from benchmarks.lib.workload import default_policy_section
+from core.reporting import get_logger
+
+logger = get_logger(__name__)
 
 BACKENDS = ("torch_fsdp", "torch_dtensor", "jax_pjit")
 MODEL = "llama_gen"
@@ -138,7 +141,7 @@ def policy_config(model_dir: Path, backend: str, bucket_bytes: int) -> dict:
     cfg["generation"]["vllm_cfg"].update(max_model_len=64, precision="float32")
     cfg["generation"].update(max_new_tokens=4)
     if backend == "jax_pjit":
-        cfg["jax_cfg"].update(fsdp_size=JAX_DEVICES, tensor_parallel_size=1)
+        cfg["parallel"].update(fsdp_size=JAX_DEVICES, tensor_parallel_size=1)
     return cfg
 
 
@@ -252,9 +255,9 @@ def soak(
     seed: int = 0,
     bucket_bytes: int = 48 * 1024,
     max_growth_pct: float = 5.0,
-    log=print,
 ) -> dict[str, Any]:
-    """The whole benchmark (Ray must be up: ``benchmarks.soak`` starts it); returns the report."""
+    """The whole benchmark (Ray must be up: ``benchmarks.soak`` starts it); returns the report.
+    Progress goes to the ``dualrl`` loggers (shown by ``python -m benchmarks.soak``)."""
     import torch
 
     from core.testing.tiny_models import save_tiny_model, tiny_tokenizer
@@ -278,7 +281,7 @@ def soak(
                     times.append(time.perf_counter())
                     if cycle in marks:
                         memory.sample(cycle)
-                        log(_progress(cycle, cycles, memory.samples[cycle], times))
+                        logger.info("%s", _progress(cycle, cycles, memory.samples[cycle], times))
 
                 losses = run_cycles(policy, generation, cycles, transport, seed, on_cycle)
             # A fresh policy with the same seed replays the first check_cycles cycles.

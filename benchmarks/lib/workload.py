@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 
-from benchmarks.lib.layouts import Layout, LayoutError
+from benchmarks.lib.layouts import Layout, LayoutError, apply_settings
 
 #: RNG seed of the batches: every process that builds one builds the same.
 SEED = 0
@@ -79,21 +79,15 @@ def policy_config(
     ``packing`` updates ``sequence_packing`` (``benchmarks.packing``); ``lora``: the
     ``policy.lora`` settings of a ``-lora`` layout (one without them is refused by name).
 
-    A JAX layout is one worker whose micro batch holds every rank's rows (split over the mesh's
-    fsdp axis inside the worker): ``micro x fsdp`` rows, by default the whole batch."""
-    cfg = default_policy_section()
-    if layout.is_jax:
+    A layout of one worker owning all the devices (JAX) has a micro batch holding every rank's
+    rows (split over the mesh's fsdp axis inside the worker): ``micro x fsdp`` rows, by default
+    the whole batch."""
+    cfg = apply_settings(default_policy_section(), layout.policy_settings())
+    if layout.per_host:
         local = min(micro * layout.dp if micro else batch, batch)
-        cfg["jax_cfg"].update(fsdp_size=layout.dp, tensor_parallel_size=layout.tp, context_parallel_size=layout.cp)
-        if layout.ep:
-            cfg["jax_cfg"]["expert_parallel_size"] = layout.dp
     else:
         local = min(micro or batch, batch // layout.dp)
-        cfg["dtensor_cfg"].update(tensor_parallel_size=layout.tp, sequence_parallel=layout.sp, compile=layout.compiled)
-        if layout.backend == "torch_dtensor":
-            cfg["dtensor_cfg"]["context_parallel_size"] = layout.cp
     cfg.update(
-        backend=layout.backend,
         model_name=model_path,
         train_global_batch_size=batch,
         train_micro_batch_size=local,
@@ -102,8 +96,6 @@ def policy_config(
         precision=precision,
     )
     cfg["tokenizer"]["name"] = tokenizer_path
-    if layout.cp > 1:
-        cfg["make_sequence_length_divisible_by"] = layout.sequence_multiple
     if layout.packed:  # packed rows of at most one padded micro batch's tokens
         cfg["sequence_packing"].update(enabled=True, train_mb_tokens=local * seq, logprob_mb_tokens=local * seq)
     if packing:

@@ -3,8 +3,11 @@
 Rows are laid out group by group (``num_generations_per_prompt`` consecutive rows share a
 prompt), which is how the loop builds rollouts, so groups are a reshape, not a search.
 
-``grpo.advantage_estimator`` picks one of :data:`ESTIMATORS` (the formulas and papers are in
-their docstrings).  The group statistics follow NeMo RL's ``calculate_baseline_and_std_per_prompt``:
+``grpo.advantage_estimator`` picks one of :data:`ESTIMATORS`, the one registry of estimators:
+each entry is its advantage function (the formulas and papers are in their docstrings) and the
+settings it implies, which the run config fills in where the file leaves them out and refuses
+where an explicit value contradicts them (``core.algorithms.config``).  Adding an estimator is
+one entry here.  The group statistics follow NeMo RL's ``calculate_baseline_and_std_per_prompt``:
 
 * baseline: the group's mean reward, or with ``leave_one_out`` the mean of the *other*
   samples (an unbiased baseline: a sample's own reward does not pull its baseline);
@@ -20,12 +23,12 @@ as a metric because a run where most groups are all-right or all-wrong has stopp
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from core.algorithms.config import ESTIMATOR_SWITCHES
+if TYPE_CHECKING:  # torch is imported where it computes: the run config reads ESTIMATORS without it
+    import torch
 
 
 @dataclass
@@ -52,12 +55,12 @@ class EstimatorInput:
     rewards: torch.Tensor  # [B] float32, finite, a whole number of groups
     group_size: int
     token_counts: torch.Tensor  # [B] the tokens each sample has in the loss (0: masked out)
-    leave_one_out: bool  # grpo's use_leave_one_out_baseline (fixed for the others)
-    normalize: bool  # grpo's normalize_rewards (fixed for the others)
+    leave_one_out: bool  # grpo's use_leave_one_out_baseline (implied by the others)
+    normalize: bool  # grpo's normalize_rewards (implied by the others)
 
 
 #: (advantages [B], baseline [B], group std [B]) of one estimator.
-Estimate = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Estimate = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]
 
 
 def group_baseline_and_std(
@@ -88,6 +91,8 @@ def grpo_advantages(x: EstimatorInput) -> Estimate:
 
     ``normalize: false`` drops the division; ``leave_one_out`` takes mean and std over the
     group's *other* samples (NeMo RL's ``use_leave_one_out_baseline``).  Tied groups: 0."""
+    import torch
+
     baseline, std = group_baseline_and_std(x.rewards, x.group_size, x.leave_one_out)
     advantages = x.rewards - baseline
     if x.normalize:
@@ -116,6 +121,8 @@ def reinforce_plus_plus_advantages(x: EstimatorInput) -> Estimate:
     with mu_B, sigma_B the mean and (population) std over every valid *token* of the batch
     (each sample weighs its token count), as verl's and OpenRLHF's ``reinforce_plus_plus``
     whiten; no group baseline, so a tied group keeps a non-zero advantage."""
+    import torch
+
     baseline = torch.zeros_like(x.rewards)
     _, std = group_baseline_and_std(x.rewards, x.group_size, leave_one_out=False)
     return _whiten(x.rewards, x.token_counts), baseline, std
@@ -145,13 +152,45 @@ def dr_grpo_advantages(x: EstimatorInput) -> Estimate:
     return _zero_tied_groups(x.rewards - baseline, x.rewards, x.group_size), baseline, std
 
 
-#: ``grpo.advantage_estimator`` -> its estimator (the names are config.AdvantageEstimatorName's).
-ESTIMATORS: dict[str, Callable[[EstimatorInput], Estimate]] = {
-    "grpo": grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_plus_plus": reinforce_plus_plus_advantages,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
-    "dr_grpo": dr_grpo_advantages,
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """One ``grpo.advantage_estimator``: its advantages and the run settings it implies."""
+
+    compute: Callable[[EstimatorInput], Estimate]
+    """Rewards -> (advantages, baseline, group std)."""
+    implies: Mapping[str, Any] = field(default_factory=dict)
+    """Run-config keys (``section.key``) -> the value the estimator needs: filled in where the
+    config leaves the key out, refused naming the estimator where it sets another value."""
+    why: str = ""
+    """Why it implies them (said in the refusal)."""
+
+
+_NO_GROUP_STD = {"grpo.normalize_rewards": False, "grpo.use_leave_one_out_baseline": False}
+
+#: ``grpo.advantage_estimator`` -> its estimator: the one registry (config, loop and parity read it).
+ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": AdvantageEstimator(grpo_advantages),
+    "rloo": AdvantageEstimator(
+        rloo_advantages,
+        {"grpo.normalize_rewards": False, "grpo.use_leave_one_out_baseline": True},
+        "RLOO's baseline is the mean of the other samples, and it does not divide by a std",
+    ),
+    "reinforce_plus_plus": AdvantageEstimator(
+        reinforce_plus_plus_advantages,
+        _NO_GROUP_STD,
+        "REINFORCE++ has no group baseline and normalises by the whole batch's std itself",
+    ),
+    "reinforce_plus_plus_baseline": AdvantageEstimator(
+        reinforce_plus_plus_baseline_advantages,
+        _NO_GROUP_STD,
+        "REINFORCE++-baseline subtracts the group mean, then normalises by the whole batch's std itself",
+    ),
+    "dr_grpo": AdvantageEstimator(
+        dr_grpo_advantages,
+        {**_NO_GROUP_STD, "loss_fn.token_level_loss": True, "loss_fn.token_normalizer": "constant"},
+        "Dr. GRPO subtracts the group mean and divides by no std, and sums each response's token losses over a "
+        "constant token budget, with no length normaliser (its point: no difficulty or length bias)",
+    ),
 }
 
 
@@ -168,6 +207,8 @@ def compute_advantages(
 
     ``token_counts`` [B] weigh the batch statistics of the REINFORCE++ estimators (None:
     every sample weighs 1); a sample with 0 tokens (masked out of the loss) does not count."""
+    import torch
+
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if not torch.isfinite(rewards).all():
         bad = int(torch.nonzero(~torch.isfinite(rewards))[0])
@@ -176,7 +217,7 @@ def compute_advantages(
     groups = _as_groups(rewards, group_size)
     counts = torch.ones_like(rewards) if token_counts is None else torch.as_tensor(token_counts).float()
     x = EstimatorInput(rewards, group_size, counts, leave_one_out, normalize)
-    advantages, baseline, std = ESTIMATORS[estimator](x)
+    advantages, baseline, std = ESTIMATORS[estimator].compute(x)
     zero_var = int((groups.max(1).values == groups.min(1).values).sum())
     return Advantages(advantages.float(), baseline, std, zero_var, groups.shape[0])
 
@@ -186,14 +227,16 @@ def _check_switches(estimator: str, *, leave_one_out: bool, normalize: bool) -> 
     """The estimator exists and the switches agree with it (GRPOConfig.check's rule)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
-    given = {"normalize_rewards": normalize, "use_leave_one_out_baseline": leave_one_out}
-    for switch, needed in ESTIMATOR_SWITCHES[estimator].items():
-        if needed is not None and given[switch] != needed:
-            raise ValueError(f"advantage estimator {estimator!r} needs {switch}={needed}, got {given[switch]}")
+    given = {"grpo.normalize_rewards": normalize, "grpo.use_leave_one_out_baseline": leave_one_out}
+    for key, needed in ESTIMATORS[estimator].implies.items():
+        if key in given and given[key] != needed:
+            raise ValueError(f"advantage estimator {estimator!r} needs {key}={needed}, got {given[key]}")
 
 
 def _zero_tied_groups(advantages: torch.Tensor, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Exact zeros for tied groups (the leave-one-out arithmetic leaves ~1e-8 residues)."""
+    import torch
+
     groups = _as_groups(rewards, group_size)
     tied = (groups.max(1, keepdim=True).values == groups.min(1, keepdim=True).values).expand_as(groups)
     return torch.where(tied.reshape(-1), 0.0, advantages)

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from core.algorithms.grpo import Rollout, generate_rollout, train_on_rollout
 from core.algorithms.timing import StepTimer
 
 if TYPE_CHECKING:
-    from core.algorithms.grpo_setup import GRPORun
+    from core.algorithms.grpo_run import GRPORun
 
 #: How often a waiting thread re-checks for a stop or an error of the other one (seconds).
 _POLL_S = 1.0
@@ -137,7 +137,8 @@ class RolloutProducer:
 
 
 class AsyncGRPO:
-    """The trainer's side of one async run: the producer, the constrained refits, the metrics."""
+    """The trainer's side of one async run: the producer, the constrained refits, the metrics
+    (the async :class:`core.algorithms.grpo_run.StepSchedule`)."""
 
     def __init__(self, run: GRPORun, first_step: int, last_step: int, max_age: int) -> None:
         self.run, self.max_age = run, max_age
@@ -197,9 +198,10 @@ class AsyncGRPO:
         }
 
 
-def async_grpo_loop(run: GRPORun, first_step: int, last_step: int) -> tuple[Any, Any]:
-    """``(step_fn, sync_weights)`` of an async run, its producer started and stopped with the run."""
+def async_grpo_loop(run: GRPORun, first_step: int, last_step: int) -> AsyncGRPO:
+    """The schedule of an async run over steps ``first_step..last_step``, its producer started
+    now and stopped with the run."""
     scheduler = AsyncGRPO(run, first_step, last_step, run.cfg.grpo.async_grpo.max_trajectory_age_steps)
     run._exit.callback(scheduler.stop)  # before the engines shut down (callbacks run last-in first)
     scheduler.start()
-    return scheduler.step, scheduler.sync_weights
+    return scheduler

@@ -21,30 +21,35 @@ from core.algorithms.grpo_setup import GRPORun, grpo_train, setup_grpo
 from core.algorithms.sft import setup_sft, sft_train
 from core.algorithms.training_run import TrainingRun, execute
 from core.algorithms.warm_start import resolve_model
+from core.reporting import get_logger
 
-Log = Callable[[str], None]
+logger = get_logger(__name__)
 
 
-def run_grpo(cfg: GRPORunConfig | Mapping[str, Any], log: Log = print) -> GRPORun:
+def run_grpo(cfg: GRPORunConfig | Mapping[str, Any]) -> GRPORun:
     """What ``dualrl grpo`` does.  Returns the (closed) run."""
-    return execute(setup_grpo, grpo_train, _generation_kind, cfg, log, resolve=resolve_model)
+    run, summary = execute(lambda: setup_grpo(cfg, resolve=resolve_model), grpo_train, _generation_kind)
+    logger.info("%s", summary)
+    return run
 
 
-def run_sft(
-    cfg: SFTRunConfig | Mapping[str, Any], log: Log = print, *, exclude: frozenset[str] = frozenset()
-) -> TrainingRun:
+def run_sft(cfg: SFTRunConfig | Mapping[str, Any], *, exclude: frozenset[str] = frozenset()) -> TrainingRun:
     """What ``dualrl sft`` does.  Returns the (closed) run."""
-    return execute(setup_sft, sft_train, lambda run: {}, cfg, log, resolve=resolve_model, exclude=exclude)
+    run, summary = execute(lambda: setup_sft(cfg, resolve=resolve_model, exclude=exclude), sft_train, _nothing)
+    logger.info("%s", summary)
+    return run
 
 
-def run_dpo(cfg: DPORunConfig | Mapping[str, Any], log: Log = print) -> TrainingRun:
+def run_dpo(cfg: DPORunConfig | Mapping[str, Any]) -> TrainingRun:
     """What ``dualrl dpo`` does.  Returns the (closed) run."""
-    return execute(setup_dpo, dpo_train, lambda run: {}, cfg, log, resolve=resolve_model)
+    run, summary = execute(lambda: setup_dpo(cfg, resolve=resolve_model), dpo_train, _nothing)
+    logger.info("%s", summary)
+    return run
 
 
-def run_eval(cfg: GRPORunConfig | Mapping[str, Any], request: EvalRequest, log: Log = print) -> EvalResult:
+def run_eval(cfg: GRPORunConfig | Mapping[str, Any], request: EvalRequest) -> EvalResult:
     """What ``dualrl eval`` does: the report of a checkpoint or a model (core.algorithms.eval_run)."""
-    return _run_eval(cfg, request, log, resolve=resolve_model)
+    return _run_eval(cfg, request, resolve=resolve_model)
 
 
 #: The entry point of each training command.
@@ -53,3 +58,7 @@ COMMANDS: dict[str, Callable[..., TrainingRun]] = {"grpo": run_grpo, "sft": run_
 
 def _generation_kind(run: GRPORun) -> dict[str, str]:
     return {"generation": run.rollouts.kind if run.rollouts else "-"}
+
+
+def _nothing(run: TrainingRun) -> dict[str, str]:
+    return {}

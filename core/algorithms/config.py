@@ -11,10 +11,18 @@ file that belongs to no single command (e.g. core/configs/default.yaml).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from core.algorithms.advantages import ESTIMATORS
+from core.algorithms.grpo_config import (
+    AsyncGRPOConfig,
+    DistillationConfig,
+    DistillationMode,
+    GRPOConfig,
+    RewardShapingConfig,
+)
 from core.algorithms.old_logprobs import old_logprobs_source
 from core.checkpointing.config import CheckpointingConfig
 from core.config import ConfigModel, Problem, join_path
@@ -26,6 +34,23 @@ from core.losses.config import ClippedPGLossConfig, DPOLossConfig
 from core.models.builtin import is_warm_started
 from core.policy.config import PolicyConfig
 from core.policy.generation_args import new_token_limit
+
+__all__ = [
+    "AsyncGRPOConfig",
+    "ClusterConfig",
+    "DPOConfig",
+    "DPORunConfig",
+    "DistillationConfig",
+    "DistillationMode",
+    "GRPOConfig",
+    "GRPORunConfig",
+    "MasterConfig",
+    "RUN_CONFIGS",
+    "RewardShapingConfig",
+    "SFTConfig",
+    "SFTRunConfig",
+    "run_config_class",
+]
 
 
 # ----------------------------------------------------------------------------- sections
@@ -40,212 +65,6 @@ class ClusterConfig(ConfigModel):
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.num_nodes
-
-
-class AsyncGRPOConfig(ConfigModel):
-    """Async GRPO (``grpo.async_grpo``, NeMo RL's names): the engines, on their own cluster,
-    generate the rollouts of the next steps while the policy trains (core.algorithms.async_grpo)."""
-
-    enabled: bool = False
-    """Generate the next steps' rollouts while the policy trains (vLLM engines of their own)."""
-    max_trajectory_age_steps: int = Field(1, ge=0)
-    """How many training steps older than the trained policy a rollout's weights may be: the
-    rollouts of step k are generated with the weights of step k - 1 - max_trajectory_age_steps
-    (or later ones at the start of a run); 0 is the synchronous schedule."""
-    allow_uncorrected_off_policy: bool = False
-    """Train on stale rollouts without loss_fn.use_importance_sampling_correction (refused
-    otherwise: the off-policy gap would go uncorrected)."""
-
-
-#: The advantage estimators ``grpo.advantage_estimator`` names (core.algorithms.advantages has
-#: their formulas and papers).
-AdvantageEstimatorName = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo"]
-
-#: What each estimator fixes of the two GRPO switches (``normalize_rewards``,
-#: ``use_leave_one_out_baseline``): a value the config must hold, or None where the switch is
-#: the estimator's option.  A config that contradicts its estimator is refused by name (the
-#: switches are required keys, so a silent override would hide what the run does).
-ESTIMATOR_SWITCHES: dict[str, dict[str, bool | None]] = {
-    "grpo": {"normalize_rewards": None, "use_leave_one_out_baseline": None},
-    "rloo": {"normalize_rewards": False, "use_leave_one_out_baseline": True},
-    "reinforce_plus_plus": {"normalize_rewards": False, "use_leave_one_out_baseline": False},
-    "reinforce_plus_plus_baseline": {"normalize_rewards": False, "use_leave_one_out_baseline": False},
-    "dr_grpo": {"normalize_rewards": False, "use_leave_one_out_baseline": False},
-}
-
-#: Why an estimator fixes a switch (the refusal's explanation).
-_SWITCH_REASONS = {
-    "rloo": "RLOO's baseline is the mean of the other samples, and it does not divide by a std",
-    "reinforce_plus_plus": "REINFORCE++ has no group baseline and normalises by the whole batch's std itself",
-    "reinforce_plus_plus_baseline": (
-        "REINFORCE++-baseline subtracts the group mean, then normalises by the whole batch's std itself"
-    ),
-    "dr_grpo": "Dr. GRPO subtracts the group mean and divides by no std (its point: no difficulty bias)",
-}
-
-
-class RewardShapingConfig(ConfigModel):
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; NeMo RL's ``grpo.reward_shaping``):
-    a response whose length |y| enters the last ``overlong_buffer_length`` tokens before the
-    longest allowed response L_max (the generation's max_new_tokens, as cut to fit
-    max_total_sequence_length) loses ``overlong_buffer_penalty x (|y| - (L_max - buffer)) / buffer``
-    of its reward, linearly up to the whole penalty at L_max."""
-
-    enabled: bool = False
-    """Add the length penalty to the environment's rewards before the advantages."""
-    overlong_buffer_length: int | None = Field(None, ge=1)
-    """The buffer L_cache, in tokens (required when enabled; < the generation's max_new_tokens)."""
-    overlong_buffer_penalty: float = Field(1.0, ge=0)
-    """The penalty at L_max (DAPO: 1, the size of its correct/incorrect reward gap)."""
-
-
-#: What the distillation term does: ``reward``, a dense per-token advantage; ``loss``, the loss's
-#: KL term against the teacher (core.algorithms.distillation has both formulas).
-DistillationMode = Literal["reward", "loss"]
-
-
-class DistillationConfig(ConfigModel):
-    """On-policy distillation (``grpo.distillation``; Agarwal et al. 2024, "On-Policy
-    Distillation of Language Models" (GKD); Thinking Machines 2025, "On-Policy Distillation"):
-    a frozen teacher -- a second ``Policy`` without an optimizer, on the student's backend and
-    layout -- scores the student's own samples, and the per-token reverse KL to it trains the
-    student (core.algorithms.distillation).  The teacher must share the student's tokenizer."""
-
-    enabled: bool = False
-    """Load the teacher and add the distillation term to every step."""
-    teacher_model_name: str | None = None
-    """The teacher: HF hub id, local path or built-in model (builtin:...); required when
-    enabled.  Its tokenizer must equal the student's (checked before any worker starts)."""
-    mode: DistillationMode = "reward"
-    """reward: per-token advantage coef x (log p_teacher - log p_student) on each sampled token,
-    no discounting (Thinking Machines' recipe); loss: coef x the reverse KL to the teacher as
-    the loss's KL term (the teacher takes the reference's place; loss_fn.reference_policy_kl_type
-    must be k2, whose gradient is the reverse KL's, and loss_fn.kl_output_clamp_value null)."""
-    coef: float = Field(1.0, gt=0)
-    """Weight of the distillation term (reward: the advantage's scale; loss: the KL coefficient)."""
-    task_advantages: bool = True
-    """Keep GRPO's group advantages from the environment's rewards next to the distillation
-    term; false trains on the teacher alone (pure on-policy distillation: the rewards are
-    still computed and logged, but move nothing)."""
-
-    def check(self) -> Iterable[Problem]:
-        if self.enabled and not self.teacher_model_name:
-            yield "teacher_model_name", "required when distillation.enabled is true (the teacher model to distil)"
-
-
-class GRPOConfig(ConfigModel):
-    """The GRPO loop (NeMo RL's ``grpo`` section)."""
-
-    num_prompts_per_step: int = Field(ge=1)
-    """Distinct prompts per step."""
-    num_generations_per_prompt: int
-    """Samples per prompt (the group); >= 2 for a group baseline."""
-    max_num_steps: int = Field(ge=1)
-    """Training steps of the run (one rollout batch each)."""
-    max_num_epochs: int | None = Field(None, ge=1)
-    """Stop after this many passes over a finite prompt set; null = no limit."""
-    advantage_estimator: AdvantageEstimatorName = "grpo"
-    """How rewards become advantages (core.algorithms.advantages): grpo (group mean baseline,
-    the two switches below), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, dr_grpo
-    (needs loss_fn.token_normalizer: constant).  Every estimator but grpo fixes the switches:
-    a config that contradicts it is refused, naming the switch."""
-    normalize_rewards: bool
-    """Divide advantages by the group's reward std (groups with std 0 are left as is).  Only
-    grpo's option: the other estimators need false (reinforce_plus_plus* normalise by the batch's
-    std themselves)."""
-    use_leave_one_out_baseline: bool
-    """Baseline = mean reward of the *other* samples of the group.  grpo's option; rloo needs
-    true, the other estimators false."""
-    overlong_filtering: bool = False
-    """Mask out of the loss (sample_mask 0) every response that reached max_new_tokens without a
-    stop token (DAPO's overlong filtering): a truncated answer is not judged on an unfinished
-    text.  Its reward still counts in its group's baseline."""
-    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
-    use_dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop the groups whose rewards (the environment's, before reward
-    shaping) are all equal, and generate from further prompts until the step has
-    num_prompts_per_step groups that are not, or dynamic_sampling_max_gen_batches is reached."""
-    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
-    """Most generate calls (of num_prompts_per_step prompts each) one step may make."""
-    dynamic_sampling_on_shortfall: Literal["train", "skip", "error"] = "train"
-    """At the cap with fewer informative groups than num_prompts_per_step: train (on those,
-    padded to whole policy.train_global_batch_size batches with rows of dropped groups whose
-    sample_mask is 0), skip (no update this step), or error (stop the run, as NeMo RL does).
-    Every case warns; a step with no informative group at all is skipped under train too."""
-    val_period: int = Field(ge=0)
-    """Validate every N steps; 0 = never (except val_at_start / the end)."""
-    val_at_start: bool
-    """Validate before the first step."""
-    val_at_end: bool = True
-    """Validate after the last step."""
-    max_val_samples: int = Field(ge=1)
-    """Held-out prompts per validation (greedy, one sample each; val_pass_at_k adds a sampled pass)."""
-    val_batch_size: int | None = Field(None, ge=1)
-    """Prompts per validation generate call; null = all at once."""
-    val_pass_at_k: list[int] | None = None
-    """Also estimate pass@k, maj@k and mean@k for these k's at every validation (and in dualrl
-    eval, whose --k sets it), from val_num_samples samples per held-out prompt drawn at
-    policy.generation's temperature, seeded the same at every validation; null = the greedy
-    accuracy only (docs/evaluation.md)."""
-    val_num_samples: int | None = Field(None, ge=1)
-    """Samples per held-out prompt of that sampled pass, >= every k (dualrl eval: --num-samples);
-    null = max(val_pass_at_k)."""
-    seed: int
-    """Data order, sampling seeds, task generation: a CPU fp32 run is repeatable."""
-    fuse_old_logprobs: bool = True
-    """When a step's samples are one global batch (one optimizer step), take the old policy's
-    logprobs from the training forward itself instead of a separate pass (exact: the same
-    weights); false forces the separate pass (an ablation)."""
-    max_rollout_turns: int | None = Field(None, ge=1)
-    """Most assistant turns of one episode of a multi-turn environment (env.name: tool_arithmetic
-    or a user class with reset/step; docs/multi-turn.md): required with one, refused with a
-    single-turn environment (whose episodes are one completion)."""
-    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
-    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
-
-    @property
-    def val_samples_per_prompt(self) -> int:
-        """Samples per held-out prompt of the sampled validation pass (0: none)."""
-        if not self.val_pass_at_k:
-            return 0
-        return self.val_num_samples or max(self.val_pass_at_k)
-
-    def check(self) -> Iterable[Problem]:
-        yield from self._pass_at_k_problems()
-        if self.num_generations_per_prompt < 2:
-            yield (
-                "num_generations_per_prompt",
-                f"must be >= 2, got {self.num_generations_per_prompt}: GRPO's baseline is the mean reward of a "
-                "prompt's group, so a group of one sample has advantage 0 everywhere and nothing is learned",
-            )
-        estimator = self.advantage_estimator
-        for switch, needed in ESTIMATOR_SWITCHES[estimator].items():
-            if needed is not None and getattr(self, switch) != needed:
-                yield (
-                    switch,
-                    f"must be {str(needed).lower()} with advantage_estimator: {estimator} "
-                    f"({_SWITCH_REASONS[estimator]})",
-                )
-        if self.reward_shaping.enabled and self.reward_shaping.overlong_buffer_length is None:
-            yield "reward_shaping.overlong_buffer_length", "required when reward_shaping.enabled is true"
-
-    def _pass_at_k_problems(self) -> Iterable[Problem]:
-        ks, flags = self.val_pass_at_k, "(dualrl eval: --k / --num-samples)"
-        if ks is None:
-            if self.val_num_samples is not None:
-                yield (
-                    "val_num_samples",
-                    "set without val_pass_at_k, which the sampled validation pass estimates; remove it",
-                )
-            return
-        if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
-            yield "val_pass_at_k", f"must be distinct k's >= 1 (or null for the greedy accuracy only), got {ks} {flags}"
-        elif max(ks) > self.val_samples_per_prompt:
-            yield (
-                "val_pass_at_k",
-                f"pass@{max(ks)} needs at least {max(ks)} samples per prompt, but val_num_samples is "
-                f"{self.val_num_samples}; raise val_num_samples or drop the k {flags}",
-            )
 
 
 class SFTConfig(ConfigModel):
@@ -305,9 +124,23 @@ class MasterConfig(ConfigModel):
     logger: LoggerConfig | None = None
     checkpointing: CheckpointingConfig | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _estimator_settings(cls, data: Any) -> Any:  # a "before" validator: the raw input, whatever it is
+        """What ``grpo.advantage_estimator`` implies, filled in where the config leaves it out
+        (an explicit other value stays, and :meth:`_estimator_problems` refuses it)."""
+        return with_implied_settings(data) if isinstance(data, Mapping) else data
+
+    @classmethod
+    def refusals(cls, raw: Mapping[str, Any]) -> Iterable[Problem]:
+        policy = raw.get("policy")
+        if isinstance(policy, Mapping):
+            yield from ((join_path("policy", p), m) for p, m in PolicyConfig.refusals(policy))
+
     def check(self) -> Iterable[Problem]:
         world = self.cluster.world_size
         yield from ((join_path("policy", p), m) for p, m in self.policy.layout_problems(world))
+        yield from self._estimator_problems()
         grpo, data, gbs = self.grpo, self.data, self.policy.train_global_batch_size
         if grpo is not None and (grpo.num_prompts_per_step * grpo.num_generations_per_prompt) % gbs:
             n = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
@@ -331,6 +164,23 @@ class MasterConfig(ConfigModel):
                 "warm-started built-in model; set it to null",
             )
 
+    def _estimator_problems(self) -> Iterable[Problem]:
+        """An explicit value that contradicts what the advantage estimator implies, by name."""
+        if self.grpo is None:
+            return
+        name = self.grpo.advantage_estimator
+        estimator = ESTIMATORS[name]
+        for key, needed in estimator.implies.items():
+            section, _, field = key.partition(".")
+            owner = getattr(self, section)
+            if owner is not None and getattr(owner, field) != needed:
+                yield (
+                    key,
+                    f"{_literal(getattr(owner, field))} contradicts grpo.advantage_estimator: {name}, which needs "
+                    f"{_literal(needed)} ({estimator.why}); leave the key out (the estimator sets it) or choose "
+                    "another estimator",
+                )
+
     def _uses_builtin_task(self) -> bool:
         """Built-in data, or a built-in model (whose warm start trains on the task)."""
         names = (self.data.dataset_name, self.data.val_dataset_name) if self.data else ()
@@ -353,6 +203,7 @@ class _AlgorithmRunConfig(MasterConfig):
 
     @classmethod
     def refusals(cls, raw: Mapping[str, Any]) -> Iterable[Problem]:
+        yield from super().refusals(raw)
         sections = cls.sections()
         for name, value in raw.items():  # a null section is the same as none
             if name in MasterConfig.model_fields and name not in sections and value is not None:
@@ -409,7 +260,6 @@ class GRPORunConfig(_AlgorithmRunConfig):
             yield from self._async_problems()
         if self.grpo.distillation.enabled:
             yield from self._distillation_problems()
-        yield from self._estimator_problems()
         yield from self._response_length_problems()
         yield from self._multi_turn_problems()
         yield from self._routing_problems()
@@ -477,23 +327,6 @@ class GRPORunConfig(_AlgorithmRunConfig):
         if gen is None or prompt is None:
             return None
         return new_token_limit(gen, self.policy.max_total_sequence_length, prompt)
-
-    def _estimator_problems(self) -> Iterable[Problem]:
-        if self.grpo.advantage_estimator != "dr_grpo":
-            return
-        why = "Dr. GRPO sums each response's token losses over a constant token budget, with no length normaliser"
-        if not self.loss_fn.token_level_loss:
-            yield (
-                "loss_fn.token_level_loss",
-                f"must be true with grpo.advantage_estimator: dr_grpo: a sequence-level loss divides each "
-                f"sequence by its own length ({why})",
-            )
-        if self.loss_fn.token_normalizer != "constant":
-            yield (
-                "loss_fn.token_normalizer",
-                f"must be constant with grpo.advantage_estimator: dr_grpo, got "
-                f"{self.loss_fn.token_normalizer!r} ({why})",
-            )
 
     def _response_length_problems(self) -> Iterable[Problem]:
         shaping, limit = self.grpo.reward_shaping, self.response_token_limit()
@@ -659,6 +492,25 @@ class DPORunConfig(_TrainOnlyRunConfig):
 
 #: The run config of each ``dualrl`` training command.
 RUN_CONFIGS: dict[str, type[_AlgorithmRunConfig]] = {"grpo": GRPORunConfig, "sft": SFTRunConfig, "dpo": DPORunConfig}
+
+
+def with_implied_settings(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a raw run config with the settings its ``grpo.advantage_estimator`` implies
+    (``ESTIMATORS[...].implies``) set wherever the config has the section but not the key."""
+    out = dict(raw)
+    grpo = raw.get("grpo")
+    name = grpo.get("advantage_estimator", "grpo") if isinstance(grpo, Mapping) else None
+    if not isinstance(name, str) or name not in ESTIMATORS:
+        return out  # no grpo section, or a name the field's validator refuses
+    for key, value in ESTIMATORS[name].implies.items():
+        section, _, field = key.partition(".")
+        if isinstance(out.get(section), Mapping) and field not in out[section]:
+            out[section] = {**out[section], field: value}
+    return out
+
+
+def _literal(value: Any) -> str:  # any config value, written as YAML would
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def run_config_class(raw: Mapping[str, Any]) -> type[MasterConfig]:

@@ -25,8 +25,7 @@ of two terms (``grpo.distillation.mode``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,17 +33,25 @@ from core.config import ConfigError
 from core.models.builtin import builtin_tokenizer, is_builtin
 from core.policy.config import PolicyConfig
 from core.policy.preflight import model_vocab_size
+from core.reporting import get_logger
 
 if TYPE_CHECKING:
-    from core.algorithms.config import DistillationConfig
+    from transformers import PreTrainedTokenizerBase
+
+    from core.algorithms.config import DistillationConfig, GRPORunConfig
+    from core.algorithms.grpo_run import GRPORun
     from core.algorithms.timing import StepTimer
     from core.data import BatchedDataDict
+    from core.distributed import RayVirtualCluster
+    from core.policy import Policy
+
+logger = get_logger(__name__)
 
 TEACHER_FIELD = "grpo.distillation.teacher_model_name"
 
 
 # ----------------------------------------------------------------------------- driver-side checks
-def load_teacher_tokenizer(name: str) -> Any:
+def load_teacher_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The teacher's own tokenizer, by its model name (built-in, local path or hub id)."""
     if is_builtin(name):
         return builtin_tokenizer(name, TEACHER_FIELD)
@@ -56,7 +63,7 @@ def load_teacher_tokenizer(name: str) -> Any:
     return AutoTokenizer.from_pretrained(name)
 
 
-def check_teacher(cfg: Any, student_tokenizer: Any) -> None:
+def check_teacher(cfg: GRPORunConfig, student_tokenizer: PreTrainedTokenizerBase) -> None:
     """The vocabulary check of an enabled ``grpo.distillation`` (a no-op otherwise), from the
     models' names alone: it runs before any model is built or worker started."""
     name = cfg.grpo.distillation.teacher_model_name
@@ -72,7 +79,11 @@ def check_teacher(cfg: Any, student_tokenizer: Any) -> None:
 
 
 def check_teacher_tokenizer(
-    student: Any, teacher: Any, teacher_name: str, student_vocab: int | None, teacher_vocab: int | None
+    student: PreTrainedTokenizerBase,
+    teacher: PreTrainedTokenizerBase,
+    teacher_name: str,
+    student_vocab: int | None,
+    teacher_vocab: int | None,
 ) -> None:
     """The teacher must read the student's token ids as the same tokens: equal vocabularies
     (token -> id), and a model vocab_size (``*_vocab``: from each model's config, None where
@@ -108,7 +119,7 @@ def teacher_policy_config(student: PolicyConfig, teacher_model: str) -> PolicyCo
     return student.model_copy(update={"model_name": teacher_model, "optimizer": None, "scheduler": None}, deep=True)
 
 
-def teacher_is_reference(cfg: Any) -> bool:
+def teacher_is_reference(cfg: GRPORunConfig) -> bool:
     """Whether the teacher's logprobs fill the KL term's reference slot (``mode: loss``): the
     student then keeps no reference weights of its own and skips the reference pass."""
     distill = cfg.grpo.distillation
@@ -150,7 +161,9 @@ def distillation_metrics(
     }
 
 
-def apply_teacher(cfg: DistillationConfig, teacher: Any, data: BatchedDataDict, timer: StepTimer) -> dict[str, float]:
+def apply_teacher(
+    cfg: DistillationConfig, teacher: Policy, data: BatchedDataDict, timer: StepTimer
+) -> dict[str, float]:
     """The teacher's pass over the step's batch (``timing/teacher_s``), then the mode's term
     written into ``data``: the advantages (reward) or ``reference_policy_logprobs`` (loss)."""
     teacher.prepare_for_lp_inference()
@@ -169,7 +182,7 @@ def apply_teacher(cfg: DistillationConfig, teacher: Any, data: BatchedDataDict, 
     return distillation_metrics(teacher_lp, student_lp, mask)
 
 
-def start_teacher(run: Any, cluster: Any, teacher_model: str, log: Callable[[str], None] = print) -> Any:
+def start_teacher(run: GRPORun, cluster: RayVirtualCluster, teacher_model: str) -> Policy:
     """The teacher ``Policy`` on the student's cluster (stopped with the run)."""
     from core.policy import Policy
 
@@ -183,5 +196,5 @@ def start_teacher(run: Any, cluster: Any, teacher_model: str, log: Callable[[str
     )
     run._exit.callback(teacher.shutdown)
     distill = run.cfg.grpo.distillation
-    log(f"distillation teacher up: {distill.teacher_model_name} ({distill.mode} mode)")
+    logger.info("distillation teacher up: %s (%s mode)", distill.teacher_model_name, distill.mode)
     return teacher

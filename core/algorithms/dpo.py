@@ -17,8 +17,10 @@ computed once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from core.algorithms.config import DPORunConfig
 from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
@@ -48,7 +50,7 @@ def with_margin(metrics: dict[str, float]) -> dict[str, float]:
     return metrics
 
 
-def reference_logprobs(run: TrainingRun, data: BatchedDataDict) -> Any:
+def reference_logprobs(run: TrainingRun, data: BatchedDataDict) -> torch.Tensor:
     run.policy.prepare_for_lp_inference()
     return run.policy.get_reference_policy_logprobs(data)["reference_logprobs"]
 
@@ -63,7 +65,7 @@ def dpo_step(run: TrainingRun, step: int) -> dict[str, float]:
     with timer("train"):
         result = run.policy.train(data, run.loss_fn)
     run.policy.finish_training()
-    report_skipped_steps(run, step, result)
+    report_skipped_steps(step, result)
     metrics = with_margin(train_metrics(result))
     metrics.update(timer.metrics())
     metrics.update(step_throughput(data, metrics["timing/train_s"]))
@@ -93,9 +95,7 @@ def dpo_loss(cfg: DPORunConfig):
     return DPOLossFn(DPOLossConfig.coerce(cfg.dpo.model_dump(include=set(DPOLossConfig.model_fields))))
 
 
-def setup_dpo(
-    cfg: DPORunConfig | Mapping[str, Any], log: Callable[[str], None] = print, *, resolve: ModelResolver
-) -> TrainingRun:
+def setup_dpo(cfg: DPORunConfig | Mapping[str, Any], *, resolve: ModelResolver) -> TrainingRun:
     """Everything a DPO run needs, driver-side checks first, then the workers."""
     from core.datasets.supervised import build_preference_datasets
 
@@ -105,7 +105,7 @@ def setup_dpo(
     tokenizer = load_tokenizer(cfg.policy)
     max_length = cfg.policy.max_total_sequence_length
     train_set, val_set = build_preference_datasets(cfg.data, d, tokenizer, max_length=max_length)
-    resolved = resolve(cfg, held_out_prompts(val_set), log)
+    resolved = resolve(cfg, held_out_prompts(val_set))
     loader = BatchLoader(
         train_set,
         cfg.policy.train_global_batch_size // 2,
@@ -113,7 +113,7 @@ def setup_dpo(
         seed=d.seed,
     )
     run = open_run(TrainingRun, "dpo", cfg, resolved, tokenizer, loader, val_set, dpo_loss(cfg))
-    start_workers(run, log)
+    start_workers(run)
     return run
 
 

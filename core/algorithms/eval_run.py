@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.algorithms.config import GRPORunConfig
 from core.algorithms.eval_report import EvalReport, build_report, format_table, write_report
@@ -29,6 +29,16 @@ from core.algorithms.training_run import check_run_config
 from core.checkpointing import CheckpointError, LoadedCheckpoint
 from core.datasets import PromptDatum, build_prompt_datasets, build_prompt_eval_dataset
 from core.models.builtin import is_builtin
+from core.reporting import get_logger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from core.algorithms.multi_turn import EpisodeRunner
+    from core.algorithms.rollout_engine import RolloutEngine
+    from core.environments import EnvironmentPool
+
+logger = get_logger(__name__)
 
 #: Where the report goes without ``--out``: ``runs/eval/<label>``.
 DEFAULT_OUT_ROOT = Path("runs") / "eval"
@@ -57,38 +67,38 @@ class EvalResult:
     plot_path: Path
 
 
-def run_eval(
-    cfg: GRPORunConfig | Any, request: EvalRequest, log: Callable[[str], None] = print, *, resolve: ModelResolver
-) -> EvalResult:
+def run_eval(cfg: GRPORunConfig | Mapping[str, Any], request: EvalRequest, *, resolve: ModelResolver) -> EvalResult:
     """What ``dualrl eval`` does (``resolve``: how a built-in model name becomes a directory)."""
     cfg = check_run_config(cfg, "grpo")
     seed_everything(cfg.grpo.seed)
     tokenizer = load_tokenizer(cfg.policy)
     held_out, prompts, dataset = eval_prompts(cfg, tokenizer, request)
-    resolved = resolve(cfg, held_out, log)
+    resolved = resolve(cfg, held_out)
     if request.checkpoint is not None:
         check_checkpoint_model(request.checkpoint, cfg, resolved)
     label = _label(cfg, request.checkpoint)
     out_dir = request.output_dir or DEFAULT_OUT_ROOT / label
     resolved.logger.log_dir = str(out_dir)  # the workers' output goes next to the report, not into the run's logs
     with contextlib.ExitStack() as stack:
-        engine, env = _start_workers(resolved, tokenizer, request.checkpoint, stack, log)
+        engine, env = _start_workers(resolved, tokenizer, request.checkpoint, stack)
         start = time.perf_counter()
         engine.sync_weights()
         plan = EvalPlan.of_grpo(cfg.grpo, len(prompts))
         evaluation = evaluate(engine, env, tokenizer, prompts, plan)
-        log(f"evaluated {len(prompts)} prompts in {time.perf_counter() - start:.1f} s")
+        logger.info("evaluated %d prompts in %.1f s", len(prompts), time.perf_counter() - start)
     report = build_report(evaluation, _details(cfg, request, dataset))
     json_path, plot_path = write_report(report, out_dir, title=f"dualrl eval: {label} on {dataset}")
-    log(f"{label} on {dataset}\n{format_table(report)}")
+    logger.info("%s on %s\n%s", label, dataset, format_table(report))
     own = _run_validation(request.checkpoint)
     if own:
-        log(f"the run's last validation saved with this checkpoint: {own}")
-    log(f"report: {json_path}, {plot_path}")
+        logger.info("the run's last validation saved with this checkpoint: %s", own)
+    logger.info("report: %s, %s", json_path, plot_path)
     return EvalResult(evaluation, report, json_path, plot_path)
 
 
-def eval_prompts(cfg: GRPORunConfig, tokenizer: Any, request: EvalRequest) -> tuple[list[str], list[PromptDatum], str]:
+def eval_prompts(
+    cfg: GRPORunConfig, tokenizer: PreTrainedTokenizerBase, request: EvalRequest
+) -> tuple[list[str], list[PromptDatum], str]:
     """(the run's held-out prompt texts, the prompts to evaluate, what they are): the run's
     validation set, or ``request.dataset``; cut to ``request.max_prompts``."""
     g = cfg.grpo
@@ -130,12 +140,8 @@ def check_checkpoint_model(ckpt: LoadedCheckpoint, cfg: GRPORunConfig, resolved:
 
 
 def _start_workers(
-    cfg: GRPORunConfig,
-    tokenizer: Any,
-    ckpt: LoadedCheckpoint | None,
-    stack: contextlib.ExitStack,
-    log: Callable[[str], None],
-) -> tuple[Any, Any]:
+    cfg: GRPORunConfig, tokenizer: PreTrainedTokenizerBase, ckpt: LoadedCheckpoint | None, stack: contextlib.ExitStack
+) -> tuple[RolloutEngine, EnvironmentPool | EpisodeRunner]:
     """Ray, a policy holding the weights (no optimizer, no reference), the rollout engine and
     the environment pool; each shut down by ``stack``."""
     from core.algorithms.placement import policy_cluster, start_ray
@@ -148,7 +154,7 @@ def _start_workers(
     start_ray(cfg)
     worker_log = current_worker_log()
     if worker_log:
-        log(f"worker output (vLLM, libraries): {worker_log}")
+        logger.info("worker output (vLLM, libraries): %s", worker_log)
     cluster = policy_cluster(cfg)
     stack.callback(cluster.shutdown)
     weights = ckpt.policy_dir / "weights" if ckpt is not None else None
@@ -156,18 +162,20 @@ def _start_workers(
         cluster, cfg.policy, tokenizer, weights_path=weights, init_optimizer=False, init_reference_model=False
     )
     stack.callback(policy.shutdown)
-    env: Any
+    env: EnvironmentPool | EpisodeRunner
     if cfg.is_multi_turn():  # episodes stepped where training steps them (env.num_workers)
         from core.algorithms.grpo_setup import episode_runner
 
-        env = episode_runner(cfg, tokenizer, policy.model_config.eos_token_id)
-        stack.callback(env.executor.shutdown)
+        runner = env = episode_runner(cfg, tokenizer, policy.model_config.eos_token_id)
+        stack.callback(runner.executor.shutdown)
     else:
-        env = EnvironmentPool(cfg.env)
-        stack.callback(env.shutdown)
+        pool = env = EnvironmentPool(cfg.env)
+        stack.callback(pool.shutdown)
     engine = RolloutEngine(cfg, policy, tokenizer, cluster, cfg.grpo.seed, start_version=ckpt.step if ckpt else 0)
     stack.callback(engine.shutdown)
-    log(f"workers up in {time.perf_counter() - start:.1f} s: {cfg.policy.backend} policy, {engine.kind} generation")
+    logger.info(
+        "workers up in %.1f s: %s policy, %s generation", time.perf_counter() - start, cfg.policy.backend, engine.kind
+    )
     return engine, env
 
 

@@ -20,15 +20,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.algorithms.estimators import maj_at_k, mean_at_k, pass_at_k
 from core.algorithms.multi_turn import EpisodeRunner, decode_conversations, episode_summaries, episodes_to_rows
 from core.algorithms.rollouts import decode_completions, prompt_batch, sample_seeds
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from core.algorithms.config import GRPOConfig
+    from core.data import BatchedDataDict
     from core.datasets import PromptDatum
+    from core.environments import Environment
+
+
+class Sampler(Protocol):
+    """What is evaluated: an engine holding the weights
+    (:class:`~core.algorithms.rollout_engine.RolloutEngine`), sampling right-padded prompts."""
+
+    def generate(self, batch: BatchedDataDict, greedy: bool) -> BatchedDataDict: ...
+
 
 #: ``sample_seeds`` stream of the sampled validation rows.  Training rollouts use streams
 #: 0, 1, ... (one per generate call of a step under dynamic sampling), so validation takes one
@@ -111,7 +123,13 @@ class Evaluation:
         return out
 
 
-def evaluate(engine: Any, env: Any, tokenizer: Any, prompts: Sequence[PromptDatum], plan: EvalPlan) -> Evaluation:
+def evaluate(
+    engine: Sampler,
+    env: Environment | EpisodeRunner,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[PromptDatum],
+    plan: EvalPlan,
+) -> Evaluation:
     """The greedy pass, then the sampled pass when ``plan.ks`` asks for one.  ``engine`` is a
     :class:`~core.algorithms.rollout_engine.RolloutEngine` holding the weights to evaluate,
     ``env`` scores (an :class:`~core.environments.EnvironmentPool`)."""
@@ -126,9 +144,9 @@ def evaluate(engine: Any, env: Any, tokenizer: Any, prompts: Sequence[PromptDatu
 
 
 def sample_and_score(
-    engine: Any,
-    env: Any,
-    tokenizer: Any,
+    engine: Sampler,
+    env: Environment | EpisodeRunner,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[PromptDatum],
     plan: EvalPlan,
     *,
@@ -159,9 +177,9 @@ def sample_and_score(
 
 
 def _play_episodes(
-    engine: Any,
+    engine: Sampler,
     runner: EpisodeRunner,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[PromptDatum],
     plan: EvalPlan,
     *,

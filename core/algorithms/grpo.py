@@ -21,14 +21,16 @@ One step::
 The async loop (``core.algorithms.async_grpo``) runs the same two halves on two threads.
 
 The loop around it (validation, logging, checkpoints, resume) is
-:class:`core.algorithms.loop.TrainingLoop`; set-up is :mod:`core.algorithms.grpo_setup`.
-Everything here runs on the driver and talks to the backend only through ``Policy``.
+:class:`core.algorithms.loop.TrainingLoop`; set-up is :mod:`core.algorithms.grpo_setup`, the
+run's parts :class:`core.algorithms.grpo_run.GRPORun`.  Everything here runs on the driver and
+talks to the backend only through ``Policy``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,7 +38,7 @@ from core.algorithms.advantages import compute_advantages
 from core.algorithms.distillation import apply_teacher, teacher_is_reference
 from core.algorithms.dynamic_sampling import DynamicSamplingError, GroupSelection, sample_until_informative
 from core.algorithms.evaluation import EvalPlan, evaluate
-from core.algorithms.multi_turn import episodes_to_rows, multi_turn_metrics
+from core.algorithms.multi_turn import EpisodeRunner, episodes_to_rows, multi_turn_metrics
 from core.algorithms.response_length import shape_response_lengths
 from core.algorithms.rollouts import (
     decode_completions,
@@ -51,6 +53,15 @@ from core.algorithms.timing import StepTimer
 from core.algorithms.training_run import report_skipped_steps, train_metrics
 from core.data import BatchedDataDict
 from core.logging import format_val_samples
+from core.reporting import get_logger
+
+if TYPE_CHECKING:
+    from core.algorithms.config import GRPOConfig, GRPORunConfig
+    from core.algorithms.grpo_run import GRPORun
+    from core.datasets import PromptDatum
+    from core.losses import ClippedPGLossFn
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -88,11 +99,11 @@ class ScoredBatch:
         return self.rows["rewards"]
 
 
-def grpo_step(run: Any, step: int) -> dict[str, float]:
-    """One GRPO step on ``run`` (a :class:`core.algorithms.grpo_setup.GRPORun`); its metrics."""
+def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
+    """One synchronous GRPO step on ``run``: refit, rollouts, training; its metrics."""
     timer = StepTimer()
     with timer("refit"):
-        refit = run.rollouts.sync_weights()
+        refit = run.engine.sync_weights()
     rollout = generate_rollout(run, step)
     metrics = {**rollout.metrics, **refit, **train_on_rollout(run, rollout, step, timer)}
     run.trained_loader_state = rollout.loader_state
@@ -100,7 +111,21 @@ def grpo_step(run: Any, step: int) -> dict[str, float]:
     return metrics
 
 
-def generate_rollout(run: Any, step: int) -> Rollout:
+@dataclass
+class SyncSchedule:
+    """The synchronous schedule (:class:`core.algorithms.grpo_run.StepSchedule`): each step
+    refits the engines, then generates and trains on its own rollouts."""
+
+    run: GRPORun
+
+    def step(self, step: int) -> dict[str, float]:
+        return grpo_step(self.run, step)
+
+    def sync_weights(self) -> dict[str, float]:
+        return self.run.engine.sync_weights()
+
+
+def generate_rollout(run: GRPORun, step: int) -> Rollout:
     """Step ``step``'s prompts -> sampled rollouts (seeded per row) -> rewards (with dynamic
     sampling: more prompts until enough groups are informative) -> overlong rules ->
     advantages -> the training batch.  Draws the prompts from ``run.loader``."""
@@ -115,12 +140,12 @@ def generate_rollout(run: Any, step: int) -> Rollout:
     metrics = rollout_metrics(generated, mask, generated["rewards"], run.stop_token_ids, run.max_new_tokens)
     chosen = generated if selection is None else generated.select_indices(selection.rows)
     trained = torch.ones(chosen.size) if selection is None else selection.trained
-    data, batch_metrics = training_data(run, chosen, trained)
+    data, batch_metrics = training_data(run.cfg.grpo, chosen, trained, run.stop_token_ids, run.max_new_tokens)
     if selection is not None and selection.train_rows < data.size:  # whole global batches only
         data = data.select_indices(list(range(selection.train_rows)))
     metrics.update(batch_metrics)
     metrics.update(_accuracy(generated["infos"]))
-    if getattr(run, "episodes", None) is not None:
+    if run.episodes is not None:
         metrics.update(multi_turn_metrics(generated))
     skipped = False
     if selection is not None:
@@ -131,23 +156,23 @@ def generate_rollout(run: Any, step: int) -> Rollout:
     return Rollout(step, data, metrics, version, loader_state, skipped)
 
 
-def sample_batch(run: Any, step: int, call: int, timer: StepTimer) -> ScoredBatch:
+def sample_batch(run: GRPORun, step: int, call: int, timer: StepTimer) -> ScoredBatch:
     """Generate call ``call`` of step ``step``: the loader's next prompts, each sampled
     ``num_generations_per_prompt`` times with the seeds of stream ``call``, scored."""
     g = run.cfg.grpo
     group = g.num_generations_per_prompt
     prompts = run.loader.next_batch()
-    if getattr(run, "episodes", None) is not None:
-        return _sample_episodes(run, step, call, timer, prompts)
+    if run.episodes is not None:
+        return _sample_episodes(run, run.episodes, step, call, timer, prompts)
     batch = prompt_batch([p.input_ids for p in prompts], group, run.tokenizer.pad_token_id)
     batch["sample_seeds"] = sample_seeds(g.seed, step, batch.size, stream=call)
     texts = [p.prompt for p in prompts for _ in range(group)]
     metadata = [p.metadata for p in prompts for _ in range(group)]
     with timer("generation"):
-        out, version = run.rollouts.generate_tagged(batch, greedy=False)
+        out, version = run.engine.generate_tagged(batch, greedy=False)
     completions = decode_completions(run.tokenizer, out, batch["input_lengths"])
     with timer("reward"):
-        scored = run.env.score(texts, completions, metadata)
+        scored = run.scorer.score(texts, completions, metadata)
     rows: BatchedDataDict = BatchedDataDict(out)
     rows["prompt_lengths"] = batch["input_lengths"]
     rows["rewards"] = torch.tensor(scored.rewards, dtype=torch.float32)
@@ -155,7 +180,9 @@ def sample_batch(run: Any, step: int, call: int, timer: StepTimer) -> ScoredBatc
     return ScoredBatch(rows, version)
 
 
-def _sample_episodes(run: Any, step: int, call: int, timer: StepTimer, prompts: list[Any]) -> ScoredBatch:
+def _sample_episodes(
+    run: GRPORun, episodes: EpisodeRunner, step: int, call: int, timer: StepTimer, prompts: Sequence[PromptDatum]
+) -> ScoredBatch:
     """:func:`sample_batch` for a multi-turn environment: every prompt's group played as
     episodes (core.algorithms.multi_turn), their rows carrying an explicit ``token_mask``.
     ``timing/generation_s`` is the generate calls of every turn, ``timing/reward_s`` the
@@ -164,11 +191,11 @@ def _sample_episodes(run: Any, step: int, call: int, timer: StepTimer, prompts: 
     versions: list[int] = []
 
     def generate(batch: BatchedDataDict, greedy: bool) -> BatchedDataDict:
-        out, version = run.rollouts.generate_tagged(batch, greedy=greedy)
+        out, version = run.engine.generate_tagged(batch, greedy=greedy)
         versions.append(version)
         return out
 
-    episodes = run.episodes.run(
+    played = episodes.run(
         [p.input_ids for p in prompts for _ in range(group)],
         [p.metadata for p in prompts for _ in range(group)],
         generate,
@@ -179,11 +206,11 @@ def _sample_episodes(run: Any, step: int, call: int, timer: StepTimer, prompts: 
         timer=timer,
     )
     # No generate call at all when every episode ended at reset (env.on_episode_error: end_episode).
-    version = min(versions, default=run.rollouts.version)
-    return ScoredBatch(episodes_to_rows(episodes, run.tokenizer.pad_token_id), version)
+    version = min(versions, default=run.engine.version)
+    return ScoredBatch(episodes_to_rows(played, run.tokenizer.pad_token_id), version)
 
 
-def _sample_groups(run: Any, step: int, timer: StepTimer) -> tuple[list[ScoredBatch], GroupSelection | None]:
+def _sample_groups(run: GRPORun, step: int, timer: StepTimer) -> tuple[list[ScoredBatch], GroupSelection | None]:
     """One generate call, or with dynamic sampling as many as it takes (None: train on all)."""
     g = run.cfg.grpo
 
@@ -201,13 +228,15 @@ def _sample_groups(run: Any, step: int, timer: StepTimer) -> tuple[list[ScoredBa
     )
 
 
-def training_data(run: Any, rows: BatchedDataDict, trained: torch.Tensor) -> tuple[BatchedDataDict, dict[str, float]]:
+def training_data(
+    g: GRPOConfig, rows: BatchedDataDict, trained: torch.Tensor, stop_token_ids: Sequence[int], max_new_tokens: int
+) -> tuple[BatchedDataDict, dict[str, float]]:
     """The loss input of the rows a step trains on (``trained`` 0: masked filler rows), with the
-    overlong rules and the advantage metrics.  ``run`` needs ``cfg`` (its ``grpo`` section),
-    ``stop_token_ids`` and ``max_new_tokens`` (``dualrl parity``'s multi-turn row calls this too)."""
-    g = run.cfg.grpo
-    truncated = truncated_rows(rows, run.stop_token_ids, run.max_new_tokens)
-    shaped = shape_response_lengths(rows["rewards"], rows["generation_lengths"], truncated, g, run.max_new_tokens)
+    overlong rules of the ``grpo`` section ``g`` (a row that ends without one of
+    ``stop_token_ids`` within ``max_new_tokens`` is truncated) and the advantage metrics
+    (``dualrl parity``'s multi-turn row calls this too)."""
+    truncated = truncated_rows(rows, stop_token_ids, max_new_tokens)
+    shaped = shape_response_lengths(rows["rewards"], rows["generation_lengths"], truncated, g, max_new_tokens)
     sample_mask = trained * shaped.sample_mask
     adv = compute_advantages(
         shaped.rewards,
@@ -223,7 +252,7 @@ def training_data(run: Any, rows: BatchedDataDict, trained: torch.Tensor) -> tup
     return data, {**adv.metrics(), **shaped.metrics(g)}
 
 
-def _shortfall(run: Any, step: int, selection: GroupSelection) -> bool:
+def _shortfall(run: GRPORun, step: int, selection: GroupSelection) -> bool:
     """At the cap with too few informative groups: warn, then skip (True), train, or raise."""
     if not selection.cap_hit:
         return False
@@ -237,16 +266,16 @@ def _shortfall(run: Any, step: int, selection: GroupSelection) -> bool:
         raise DynamicSamplingError(f"{what}; grpo.dynamic_sampling_on_shortfall is error")
     skip = g.dynamic_sampling_on_shortfall == "skip" or selection.informative == 0
     action = "skipping the step (no update)" if skip else "training on those (the rest of the batch masked out)"
-    run.progress.write(f"WARNING {what}: {action}")
+    logger.warning("%s: %s", what, action)
     return skip
 
 
-def train_on_rollout(run: Any, rollout: Rollout, step: int, timer: StepTimer) -> dict[str, float]:
+def train_on_rollout(run: GRPORun, rollout: Rollout, step: int, timer: StepTimer) -> dict[str, float]:
     """The old / reference logprobs the loss needs, then ``Policy.train``: the step's train metrics."""
     if rollout.skipped:
         # No update, but the step still counts as one of the weights' versions: the async
         # schedule numbers versions by step (the engines refit the same weights once).
-        run.rollouts.mark_stale()
+        run.engine.mark_stale()
         return {}
     data = rollout.data
     distilled: dict[str, float] = {}
@@ -257,26 +286,25 @@ def train_on_rollout(run: Any, rollout: Rollout, step: int, timer: StepTimer) ->
     with timer("train"):
         result = run.policy.train(data, run.loss_fn)
     run.policy.finish_training()
-    report_skipped_steps(run, step, result)
-    run.rollouts.mark_stale()
+    report_skipped_steps(step, result)
+    run.engine.mark_stale()
     metrics = train_metrics(result)
     metrics["old_logprobs_fused"] = float(run.loss_fn.old_logprobs == "forward")
     return {**metrics, **distilled}
 
 
-def old_and_reference_logprobs(run: Any, data: Any, timer: StepTimer) -> None:
+def old_and_reference_logprobs(run: GRPORun, data: BatchedDataDict, timer: StepTimer) -> None:
     """What the loss needs besides the training forward, in one call to the workers: the old
     policy's logprobs (``prev_logprobs``; none when the loss takes them from its own forward,
     see ``old_logprobs_source``) and the reference's (``reference_policy_logprobs``; none
     without a KL term, or with the distillation teacher in the reference's place).
     ``timing/logprobs_s`` covers the call, reference pass included (``timing/reference_s``
     when only the reference's are needed)."""
-    need_old = run.loss_fn.old_logprobs == "batch"
-    need_ref = run.loss_fn.uses_reference and not teacher_is_reference(run.cfg)
+    need_old, need_ref = logprob_passes(run.loss_fn, run.cfg)
     if not (need_old or need_ref):
         return
     run.policy.prepare_for_lp_inference()
-    out: Any = {}
+    out: Mapping[str, torch.Tensor] = {}
     with timer("logprobs" if need_old else "reference"):
         if need_old and need_ref:
             out = run.policy.get_logprobs_and_reference(data)
@@ -290,16 +318,24 @@ def old_and_reference_logprobs(run: Any, data: Any, timer: StepTimer) -> None:
         data["routed_experts"] = out["routed_experts"]
 
 
-def grpo_validate(run: Any, step: int) -> dict[str, float]:
+def logprob_passes(loss_fn: ClippedPGLossFn, cfg: GRPORunConfig) -> tuple[bool, bool]:
+    """Whether a step needs the old policy's logprobs from a pass of their own (not when the
+    loss takes them from its training forward), and the reference's (not without a KL term,
+    nor with the distillation teacher in the reference's place)."""
+    return loss_fn.old_logprobs == "batch", loss_fn.uses_reference and not teacher_is_reference(cfg)
+
+
+def grpo_validate(run: GRPORun, step: int, sync_weights: Callable[[], dict[str, float]]) -> dict[str, float]:
     """:func:`core.algorithms.evaluation.evaluate` of the held-out prompts on the policy's
-    current weights: greedy accuracy, reward and response length, and with
-    ``grpo.val_pass_at_k`` the sampled pass's pass@k, maj@k and mean@k."""
-    (run.sync_weights or run.rollouts.sync_weights)()
+    current weights (``sync_weights``: the run's schedule's, which moves the engines to them):
+    greedy accuracy, reward and response length, and with ``grpo.val_pass_at_k`` the sampled
+    pass's pass@k, maj@k and mean@k."""
+    sync_weights()
     prompts = [run.val_dataset[i] for i in range(len(run.val_dataset))]
     # A multi-turn run plays validation episodes (an async run in an executor of their own).
-    episodes = getattr(run, "val_episodes", None) or getattr(run, "episodes", None)
-    scorer = run.env if episodes is None else episodes
-    evaluation = evaluate(run.rollouts, scorer, run.tokenizer, prompts, EvalPlan.of_grpo(run.cfg.grpo, len(prompts)))
+    episodes = run.val_episodes or run.episodes
+    scorer = run.scorer if episodes is None else episodes
+    evaluation = evaluate(run.engine, scorer, run.tokenizer, prompts, EvalPlan.of_grpo(run.cfg.grpo, len(prompts)))
     _print_samples(run, step, prompts, evaluation.greedy.completions, evaluation.greedy.rewards)
     return evaluation.metrics()
 
@@ -311,7 +347,9 @@ def _accuracy(infos: list[dict[str, Any]]) -> dict[str, float]:
     return {"accuracy": sum(map(bool, flags)) / len(flags)} if flags and len(flags) == len(infos) else {}
 
 
-def _print_samples(run: Any, step: int, items: list, completions: list[str], rewards: list[float]) -> None:
+def _print_samples(
+    run: GRPORun, step: int, items: Sequence[PromptDatum], completions: list[str], rewards: list[float]
+) -> None:
     n = run.cfg.logger.num_val_samples_to_print
     if n <= 0:
         return

@@ -10,68 +10,44 @@ the policy, the loop, the report) are :mod:`core.algorithms.training_run`'s.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from core.algorithms.async_grpo import async_grpo_loop
 from core.algorithms.config import GRPORunConfig, old_logprobs_source
 from core.algorithms.distillation import check_teacher, start_teacher, teacher_is_reference
-from core.algorithms.grpo import grpo_step, grpo_validate
+from core.algorithms.grpo import SyncSchedule, grpo_validate
+from core.algorithms.grpo_run import GRPORun, StepSchedule
 from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
-from core.algorithms.training_run import (
-    TrainingRun,
-    check_run_config,
-    needs_reference,
-    open_run,
-    start_policy,
-    train_loop,
-)
+from core.algorithms.training_run import check_run_config, needs_reference, open_run, start_policy, train_loop
 from core.config import ConfigError
 from core.datasets import BatchLoader, build_prompt_datasets
+from core.reporting import get_logger
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from core.algorithms.multi_turn import EpisodeRunner
-    from core.algorithms.rollout_engine import RolloutEngine
-    from core.environments import EnvironmentPool
+    from core.losses import ClippedPGLossFn
 
+__all__ = [
+    "GRPORun",
+    "check_grpo_config",
+    "episode_runner",
+    "grpo_loss_fn",
+    "grpo_schedule",
+    "grpo_train",
+    "setup_grpo",
+]
 
-@dataclass
-class GRPORun(TrainingRun):
-    """A run plus GRPO's own live parts: the rollout engine and the reward environments."""
-
-    cfg: GRPORunConfig  # (narrowed from TrainingRun's MasterConfig: a GRPO run's config)
-    resolved_cfg: GRPORunConfig
-    rollouts: RolloutEngine | None = None
-    env: EnvironmentPool | None = None
-    #: A multi-turn environment's episodes, stepped in the EpisodePool's actors (env.num_workers
-    #: >= 1) or on the driver (0); None: single-turn, the EnvironmentPool scores.
-    episodes: EpisodeRunner | None = None
-    #: Async runs only: validation's episodes, in an executor of their own (validation plays on
-    #: the trainer's thread while the generation thread plays the next steps' episodes, and an
-    #: executor holds the states of one rollout at a time).  Otherwise validation uses ``episodes``.
-    val_episodes: EpisodeRunner | None = None
-    #: The frozen distillation teacher (a Policy without an optimizer), with grpo.distillation.
-    teacher: Any = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    max_new_tokens: int = 0
-    #: Moves the engines to the policy's weights (the async loop's waits for its schedule first).
-    sync_weights: Callable[[], dict[str, float]] | None = None
-
-    @property
-    def engine(self) -> RolloutEngine:
-        """The rollout engine (started with the workers)."""
-        if self.rollouts is None:
-            raise RuntimeError("the GRPO run's workers are not started: no rollout engine yet")
-        return self.rollouts
+logger = get_logger(__name__)
 
 
 def check_grpo_config(cfg: GRPORunConfig | Mapping[str, Any]) -> GRPORunConfig:
     return check_run_config(cfg, "grpo")
 
 
-def setup_grpo(
-    cfg: GRPORunConfig | Mapping[str, Any], log: Callable[[str], None] = print, *, resolve: ModelResolver
-) -> GRPORun:
+def setup_grpo(cfg: GRPORunConfig | Mapping[str, Any], *, resolve: ModelResolver) -> GRPORun:
     """Everything a GRPO run needs, driver-side checks first, then the workers."""
     cfg = check_grpo_config(cfg)
     g = cfg.grpo
@@ -81,18 +57,18 @@ def setup_grpo(
     task = cfg.env.arithmetic
     train_set, val_set = build_prompt_datasets(cfg.data, task, tokenizer, num_val=g.max_val_samples, seed=g.seed)
     held_out = [val_set[i].metadata["raw_prompt"] for i in range(len(val_set))]
-    resolved = resolve(cfg, held_out, log)
+    resolved = resolve(cfg, held_out)
     loader = BatchLoader(train_set, g.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=g.seed)
     run = open_run(GRPORun, "grpo", cfg, resolved, tokenizer, loader, val_set, grpo_loss_fn(cfg))
     try:
-        _start_workers(run, log)
+        _start_workers(run)
     except BaseException:
         run.close(failed=True)
         raise
     return run
 
 
-def grpo_loss_fn(cfg: GRPORunConfig) -> Any:
+def grpo_loss_fn(cfg: GRPORunConfig) -> ClippedPGLossFn:
     """The run's ``ClippedPGLossFn``: the constant normaliser's null budget is the longest
     response the run generates (``GRPORunConfig.response_token_limit``); with
     ``grpo.distillation.mode: loss`` the KL coefficient is ``grpo.distillation.coef``."""
@@ -106,7 +82,7 @@ def grpo_loss_fn(cfg: GRPORunConfig) -> Any:
     return ClippedPGLossFn(loss_cfg, old_logprobs=old_logprobs_source(cfg))
 
 
-def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
+def _start_workers(run: GRPORun) -> None:
     from core.algorithms.rollout_engine import RolloutEngine
     from core.environments import EnvironmentPool
     from core.policy.generation_args import resolve_generation_args
@@ -117,10 +93,10 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
         raise ConfigError("dualrl grpo needs policy.generation and data.max_input_seq_length")
     start = time.perf_counter()
     # With the teacher in the reference's place the student keeps no reference weights.
-    cluster = start_policy(run, log, reference=needs_reference(run) and not teacher_is_reference(cfg))
+    cluster = start_policy(run, reference=needs_reference(run) and not teacher_is_reference(cfg))
     teacher = cfg.grpo.distillation.teacher_model_name
     if cfg.grpo.distillation.enabled and teacher is not None:
-        run.teacher = start_teacher(run, cluster, teacher, log)
+        run.teacher = start_teacher(run, cluster, teacher)
     if cfg.is_multi_turn():
         runner = run.episodes = episode_runner(cfg, run.tokenizer, run.policy.model_config.eos_token_id)
         run._exit.callback(runner.executor.shutdown)
@@ -137,14 +113,19 @@ def _start_workers(run: GRPORun, log: Callable[[str], None]) -> None:
     args = resolve_generation_args(cfg.policy, run.tokenizer, run.policy.model_config.eos_token_id, max_prompt)
     run.stop_token_ids = list(args.eos_token_ids) + list(gen.stop_token_ids or [])
     run.max_new_tokens = args.max_new_tokens
-    log(
-        f"workers up in {time.perf_counter() - start:.1f} s: {cfg.policy.backend} policy on "
-        f"{cluster.world_size()} slot(s), {rollouts.kind} generation"
-        + (f" ({rollouts.transport} refit)" if rollouts.kind == "vllm" else "")
+    logger.info(
+        "workers up in %.1f s: %s policy on %d slot(s), %s generation%s",
+        time.perf_counter() - start,
+        cfg.policy.backend,
+        cluster.world_size(),
+        rollouts.kind,
+        f" ({rollouts.transport} refit)" if rollouts.kind == "vllm" else "",
     )
 
 
-def episode_runner(cfg: GRPORunConfig, tokenizer: Any, model_eos: Any) -> EpisodeRunner:
+def episode_runner(
+    cfg: GRPORunConfig, tokenizer: PreTrainedTokenizerBase, model_eos: int | list[int] | None
+) -> EpisodeRunner:
     """The multi-turn environment's episodes with the run's limits, stepped where
     ``env.num_workers`` says (:func:`~core.environments.episode_pool.episode_executor`: Ray
     actors, or 0: the driver); the caller shuts ``.executor`` down."""
@@ -175,13 +156,17 @@ def episode_runner(cfg: GRPORunConfig, tokenizer: Any, model_eos: Any) -> Episod
         raise
 
 
-def grpo_train(run: GRPORun) -> int:
-    """Run the steps left (from a resumed step if any); returns the last step.  With
-    ``grpo.async_grpo.enabled`` the steps are :mod:`core.algorithms.async_grpo`'s."""
-    step_fn = lambda step: grpo_step(run, step)  # noqa: E731
-    run.sync_weights = run.engine.sync_weights
+def grpo_schedule(run: GRPORun) -> StepSchedule:
+    """How ``run``'s steps run, chosen once: with ``grpo.async_grpo.enabled`` the engines
+    generate the next steps' rollouts while the policy trains (:mod:`core.algorithms.async_grpo`,
+    its producer started now, from the run's next step), else one step at a time."""
     if run.cfg.grpo.async_grpo.enabled:
-        from core.algorithms.async_grpo import async_grpo_loop
+        return async_grpo_loop(run, run.start_step + 1, run.cfg.grpo.max_num_steps)
+    return SyncSchedule(run)
 
-        step_fn, run.sync_weights = async_grpo_loop(run, run.start_step + 1, run.cfg.grpo.max_num_steps)
-    return train_loop(run, step_fn, lambda step: grpo_validate(run, step))
+
+def grpo_train(run: GRPORun) -> int:
+    """Run the steps left (from a resumed step if any) on the run's schedule; returns the last
+    step.  Validation moves the engines to the policy's weights the schedule's way."""
+    schedule = grpo_schedule(run)
+    return train_loop(run, schedule.step, lambda step: grpo_validate(run, step, schedule.sync_weights))

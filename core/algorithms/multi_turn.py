@@ -72,7 +72,7 @@ class Episode:
     row: int
     prompt_length: int
     ids: list[int]
-    state: Any = None
+    state: Any = None  # the environment's own episode state (whatever its reset returned): opaque here
     logprobs: list[float] = field(default_factory=list)
     mask: list[float] = field(default_factory=list)
     reward: float = 0.0

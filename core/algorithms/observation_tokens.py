@@ -17,7 +17,7 @@ renders for the observation, and so on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,10 +41,10 @@ class ObservationTokens:
             self._close, self._before, self._after = self._template_pieces()
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        out: Any = self.tokenizer.apply_chat_template(
+        rendered = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-        return str(out)
+        return str(rendered)
 
     def _template_pieces(self) -> tuple[str, str, str]:
         """(end of an assistant turn after its content, text before / after the observation)."""

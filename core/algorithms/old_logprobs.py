@@ -3,10 +3,15 @@ config check read it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from core.algorithms.config import GRPORunConfig
+
+from core.interfaces import OldLogprobsSource
 
 
-def old_logprobs_source(cfg: Any) -> str:
+def old_logprobs_source(cfg: GRPORunConfig) -> OldLogprobsSource:
     """``"forward"`` when a rollout batch gets exactly one optimizer step (its samples are one
     global batch) and ``grpo.fuse_old_logprobs`` allows it: the old policy is then the one being
     trained, and its logprobs are the training forward's own (detached); else ``"batch"``, a

@@ -1,8 +1,9 @@
 """Where a run's workers go: the training cluster, and the generation engines' place.
 
 ``cluster.gpus_per_node`` x ``cluster.num_nodes`` devices (on a CPU machine: worker slots).
-Torch backends run one worker per device; a JAX worker owns all of its node's devices, so
-its cluster has one bundle per node holding them all.  Generation is either *colocated*
+A backend runs one worker per device, or (its spec's ``one_worker_per_device`` false) one
+worker per node owning all of the node's devices, whose cluster then has one bundle per node
+holding them all.  Generation is either *colocated*
 (the engines share the training bundles: weights move by ``ipc``, and the policy offloads
 while the engines run) or on its own cluster (``generation.colocated.resources``: weights
 move by ``collective`` broadcast) -- the transport follows the placement.
@@ -39,11 +40,11 @@ def refit_transport(cfg: MasterConfig) -> Transport:
 def start_ray(cfg: MasterConfig) -> None:
     """Start Ray for this run (joining ``RAY_ADDRESS`` if set).
 
-    A JAX worker on a CPU machine sees as many XLA devices as ``XLA_FLAGS`` asks for when it
-    first imports jax, and Ray's workers inherit the environment of the process that starts
-    Ray -- so the device count (``cluster.gpus_per_node``) is given to
-    :func:`core.distributed.ray_init.start_ray`, which sets it before ``ray.init`` unless the
-    caller already chose one.
+    A worker that owns its host's devices (a JAX worker) sees, on a CPU machine, as many XLA
+    devices as ``XLA_FLAGS`` asks for when it first imports jax, and Ray's workers inherit the
+    environment of the process that starts Ray -- so the device count
+    (``cluster.gpus_per_node``) is given to :func:`core.distributed.ray_init.start_ray`, which
+    sets it before ``ray.init`` unless the caller already chose one.
 
     The workers' own output (vLLM's and the libraries' start-up chatter) goes to
     ``<logger.log_dir>/workers.log``, not between the progress bar's lines: see
@@ -54,7 +55,8 @@ def start_ray(cfg: MasterConfig) -> None:
     if ray.is_initialized():
         return
     on_gpu = _has_gpu()
-    jax_devices = cfg.cluster.gpus_per_node if cfg.policy.backend == "jax_pjit" and not on_gpu else None
+    per_host = not cfg.policy.spec.one_worker_per_device
+    jax_devices = cfg.cluster.gpus_per_node if per_host and not on_gpu else None
     ray_init.start_ray(
         num_cpus=None if on_gpu else max(os.cpu_count() or 1, cpu_slots_needed(cfg)),
         jax_cpu_devices=jax_devices,
@@ -94,7 +96,7 @@ def policy_cluster(cfg: MasterConfig, name: str = "policy") -> RayVirtualCluster
     cluster = cfg.cluster
     per_node, nodes = cluster.gpus_per_node, cluster.num_nodes
     share = colocated_groups(cfg)
-    if cfg.policy.backend == "jax_pjit":
+    if not cfg.policy.spec.one_worker_per_device:
         return RayVirtualCluster(
             [1] * nodes, num_cpus_per_bundle=per_node, max_colocated_worker_groups=share, name=name
         )

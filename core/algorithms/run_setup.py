@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -55,12 +55,12 @@ def load_tokenizer(policy_cfg: PolicyConfig) -> PreTrainedTokenizerBase:
 
 
 class ModelResolver(Protocol):
-    """How a run gets a loadable ``policy.model_name``: ``(cfg, held-out prompts, log) -> a copy
-    of cfg`` (:func:`core.algorithms.warm_start.resolve_model` builds built-in models, running
-    a warm-start SFT where one is needed; the set-up functions take it as an argument so that
-    the warm start, itself an SFT run, sits above them instead of in a cycle with them)."""
+    """How a run gets a loadable ``policy.model_name``: ``(cfg, held-out prompts) -> a copy of
+    cfg`` (:func:`core.algorithms.warm_start.resolve_model` builds built-in models, running a
+    warm-start SFT where one is needed; the set-up functions take it as an argument so that the
+    warm start, itself an SFT run, sits above them instead of in a cycle with them)."""
 
-    def __call__(self, cfg: M, exclude_prompts: Iterable[str], log: Callable[[str], None]) -> M: ...
+    def __call__(self, cfg: M, exclude_prompts: Iterable[str]) -> M: ...
 
 
 def model_fingerprint(model_name: str) -> str:

@@ -14,12 +14,12 @@ checkpoints, resume, logging and the report are :mod:`core.algorithms.training_r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from core.algorithms.config import SFTRunConfig
+from core.algorithms.config import SFTConfig, SFTRunConfig
 from core.algorithms.run_setup import ModelResolver, load_tokenizer, seed_everything
 from core.algorithms.timing import StepTimer
 from core.algorithms.training_run import (
@@ -32,8 +32,11 @@ from core.algorithms.training_run import (
     train_metrics,
 )
 from core.data import BatchedDataDict
-from core.datasets import BatchLoader
+from core.datasets import BatchLoader, EncodedDataset
 from core.interfaces import TrainResult
+from core.reporting import get_logger
+
+logger = get_logger(__name__)
 
 
 def sequence_batch(items: Sequence[Any], pad_id: int) -> BatchedDataDict:
@@ -80,11 +83,19 @@ def weighted_metrics(result: TrainResult, weight_key: str) -> dict[str, float]:
 
 def evaluate(run: TrainingRun, data: BatchedDataDict, weight_key: str) -> dict[str, float]:
     """The run's loss over ``data`` in eval mode (no optimizer step), batch-weighted."""
-    section = run.section
+    section = supervised_section(run)
     gbs, mbs = section.val_global_batch_size, section.val_micro_batch_size
     run.policy.prepare_for_lp_inference()
     result = run.policy.train(padded_to_multiple(data, gbs), run.loss_fn, eval_mode=True, gbs=gbs, mbs=mbs)
     return weighted_metrics(result, weight_key)
+
+
+def supervised_section(run: TrainingRun) -> SFTConfig:
+    """The ``sft`` / ``dpo`` section of an SFT or DPO run (its validation batch sizes)."""
+    section = run.section
+    if not isinstance(section, SFTConfig):
+        raise TypeError(f"a {run.algorithm} run has no SFT-style validation batches")
+    return section
 
 
 def step_throughput(data: BatchedDataDict, train_s: float) -> dict[str, float]:
@@ -105,7 +116,7 @@ def sft_step(run: TrainingRun, step: int) -> dict[str, float]:
     with timer("train"):
         result = run.policy.train(data, run.loss_fn)
     run.policy.finish_training()
-    report_skipped_steps(run, step, result)
+    report_skipped_steps(step, result)
     metrics = train_metrics(result)
     metrics.update(timer.metrics())
     metrics.update(step_throughput(data, metrics["timing/train_s"]))
@@ -120,7 +131,7 @@ def sft_validate(run: TrainingRun, step: int) -> dict[str, float]:
 
 def check_val_batches(run: TrainingRun) -> None:
     """Validation batches must split over the data-parallel ranks like training batches."""
-    section, dp = run.section, run.policy.dp
+    section, dp = supervised_section(run), run.policy.dp
     gbs, mbs = section.val_global_batch_size, section.val_micro_batch_size
     if section.val_batches and gbs % (dp * mbs):
         raise ValueError(
@@ -131,7 +142,6 @@ def check_val_batches(run: TrainingRun) -> None:
 
 def setup_sft(
     cfg: SFTRunConfig | Mapping[str, Any],
-    log: Callable[[str], None] = print,
     *,
     resolve: ModelResolver,
     exclude: frozenset[str] = frozenset(),
@@ -148,27 +158,29 @@ def setup_sft(
     tokenizer = load_tokenizer(cfg.policy)
     max_length = cfg.policy.max_total_sequence_length
     train_set, val_set = build_sft_datasets(cfg.data, s, tokenizer, max_length=max_length, exclude=exclude)
-    resolved = resolve(cfg, held_out_prompts(val_set) | exclude, log)
+    resolved = resolve(cfg, held_out_prompts(val_set) | exclude)
     loader = BatchLoader(train_set, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
     run = open_run(TrainingRun, "sft", cfg, resolved, tokenizer, loader, val_set, NLLLoss())
-    start_workers(run, log)
+    start_workers(run)
     return run
 
 
-def held_out_prompts(val_set) -> frozenset[str]:
+def held_out_prompts(val_set: EncodedDataset) -> frozenset[str]:
     """Prompt texts of a validation set (the built-in model's warm start must not see them)."""
     return frozenset(val_set[i].metadata.get("raw_prompt") for i in range(len(val_set))) - {None}
 
 
-def start_workers(run: TrainingRun, log: Callable[[str], None]) -> None:
+def start_workers(run: TrainingRun) -> None:
     """The policy (SFT and DPO need nothing else), closing the run if it fails."""
     try:
         start = time.perf_counter()
-        cluster = start_policy(run, log)
+        cluster = start_policy(run)
         check_val_batches(run)
-        log(
-            f"workers up in {time.perf_counter() - start:.1f} s: {run.cfg.policy.backend} policy on "
-            f"{cluster.world_size()} slot(s)"
+        logger.info(
+            "workers up in %.1f s: %s policy on %d slot(s)",
+            time.perf_counter() - start,
+            run.cfg.policy.backend,
+            cluster.world_size(),
         )
     except BaseException:
         run.close(failed=True)

@@ -2,9 +2,12 @@
 
     cfg = check_run_config(cfg, "sft")          # schema + what this algorithm accepts
     run = open_run(TrainingRun, "sft", cfg, resolved_cfg, tokenizer, loader, val_set, loss_fn)
-    start_policy(run, log)                      # Ray, the cluster, the Policy (resumed weights)
+    start_policy(run)                           # Ray, the cluster, the Policy (resumed weights)
     train_loop(run, step_fn, validate_fn)       # TrainingLoop with the run's schedule and checkpoints
-    log(finish_run(run, wall_time_s))           # plot, HF export, one screen of summary
+    summary = finish_run(run, wall_time_s)      # plot, HF export, one screen of summary
+
+What the run has to say goes to the ``dualrl`` loggers (:mod:`core.reporting`), shown above
+the progress bar by the commands.
 
 ``open_run`` restores a resumed run's data position and RNG state and trims the metrics
 log past the checkpoint, so a resumed run logs exactly what the uninterrupted one would.
@@ -26,8 +29,8 @@ from core.algorithms.loop import TrainingLoop
 from core.algorithms.run_setup import run_identity
 from core.checkpointing import CheckpointManager, LoadedCheckpoint, restore_rng_state
 from core.config import ConfigError
-from core.datasets import BatchLoader
-from core.interfaces import TrainResult
+from core.datasets import BatchLoader, EncodedDataset
+from core.interfaces import LossFunction, TrainResult
 from core.logging import (
     METRICS_FILENAME,
     PLOT_FILENAME,
@@ -39,9 +42,16 @@ from core.logging import (
     tracker_package_errors,
 )
 from core.policy.preflight import preflight_errors
+from core.reporting import get_logger
 
 if TYPE_CHECKING:
-    from core.algorithms.config import DPORunConfig, GRPORunConfig, SFTRunConfig
+    from transformers import PreTrainedTokenizerBase
+
+    from core.algorithms.config import DPORunConfig, GRPOConfig, GRPORunConfig, SFTConfig, SFTRunConfig
+    from core.distributed import RayVirtualCluster
+    from core.policy import Policy
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -51,25 +61,35 @@ class TrainingRun:
     algorithm: str  # "grpo" | "sft" | "dpo": also the name of the config section of its loop
     cfg: MasterConfig  # the command's run config, as configured (built-in model names kept)
     resolved_cfg: MasterConfig  # policy.model_name resolved to a loadable path
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     loader: BatchLoader
-    val_dataset: Any
-    loss_fn: Any
+    val_dataset: EncodedDataset
+    loss_fn: LossFunction
     checkpoints: CheckpointManager
     resumed: LoadedCheckpoint | None
     logger: MetricsLogger
     progress: StepProgress
-    policy: Any = None
     #: The prompt loader's position after the last trained step (None: the loader's own).
     trained_loader_state: dict[str, Any] | None = None
     #: Set by ``close(failed=True)``: the trackers (W&B, MLflow) mark their runs failed.
     failed: bool = False
+    _policy: Policy | None = field(default=None, repr=False)
     _exit: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
-    def section(self) -> Any:
+    def policy(self) -> Policy:
+        """The run's policy (started by :func:`start_policy`)."""
+        if self._policy is None:
+            raise RuntimeError(f"the {self.algorithm} run's workers are not started: no policy yet")
+        return self._policy
+
+    @property
+    def section(self) -> GRPOConfig | SFTConfig:
         """The algorithm's own config section (``grpo`` / ``sft`` / ``dpo``)."""
-        return getattr(self.cfg, self.algorithm)
+        section = getattr(self.cfg, self.algorithm)
+        if section is None:  # every run config requires its own section
+            raise ConfigError(f"a {self.algorithm} run needs its {self.algorithm} section")
+        return section
 
     @property
     def start_step(self) -> int:
@@ -115,13 +135,12 @@ def open_run(
     algorithm: str,
     cfg: MasterConfig,
     resolved: MasterConfig,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     loader: BatchLoader,
-    val_dataset: Any,
-    loss_fn: Any,
-    **extra: Any,
+    val_dataset: EncodedDataset,
+    loss_fn: LossFunction,
 ) -> R:
-    """A ``run_cls`` (``TrainingRun`` or a subclass; ``extra`` are its own fields) with its
+    """A ``run_cls`` (``TrainingRun`` or a subclass whose own fields have defaults) with its
     checkpoints, sinks and progress bar; a resumed run continues its data and RNG state."""
     if cfg.checkpointing is None or cfg.logger is None:  # every run config requires both
         raise ConfigError("a training run needs the checkpointing and logger sections")
@@ -130,37 +149,25 @@ def open_run(
     if resumed is not None:
         loader.load_state_dict(resumed.train_state["loader"])
         restore_rng_state(resumed.rng_state)
-    logger = MetricsLogger(cfg.logger, resume=resumed is not None, run_config=cfg.to_dict())
+    metrics = MetricsLogger(cfg.logger, resume=resumed is not None, run_config=cfg.to_dict())
     if resumed is not None:
-        logger.truncate_after(resumed.step)
+        metrics.truncate_after(resumed.step)
+    section = getattr(cfg, algorithm)
     progress = StepProgress(
-        getattr(cfg, algorithm).max_num_steps,
+        section.max_num_steps,
         initial=resumed.step if resumed else 0,
         enabled=cfg.logger.progress_bar,
         desc=f"{algorithm} {cfg.policy.backend}",
     )
     run = run_cls(
-        algorithm,
-        cfg,
-        resolved,
-        tokenizer,
-        loader,
-        val_dataset,
-        loss_fn,
-        checkpoints,
-        resumed,
-        logger,
-        progress,
-        **extra,
+        algorithm, cfg, resolved, tokenizer, loader, val_dataset, loss_fn, checkpoints, resumed, metrics, progress
     )
-    run._exit.callback(lambda: logger.close(failed=run.failed))
+    run._exit.callback(lambda: metrics.close(failed=run.failed))
     run._exit.callback(progress.close)
     return run
 
 
-def start_policy(
-    run: TrainingRun, log: Callable[[str], None], *, colocated_share: bool = False, reference: bool | None = None
-) -> Any:
+def start_policy(run: TrainingRun, *, reference: bool | None = None) -> RayVirtualCluster:
     """Ray, the training cluster and the Policy (from the resumed checkpoint if any); the
     cluster is returned for engines that share it.  ``reference``: whether the policy keeps
     reference weights (None: :func:`needs_reference`)."""
@@ -173,10 +180,10 @@ def start_policy(
     worker_log = current_worker_log()
     if worker_log:
         shown = os.path.relpath(worker_log)
-        log(f"worker output (vLLM, libraries): {worker_log if shown.startswith('..') else shown}")
+        logger.info("worker output (vLLM, libraries): %s", worker_log if shown.startswith("..") else shown)
     cluster = policy_cluster(cfg)
     run._exit.callback(cluster.shutdown)
-    run.policy = Policy(
+    policy = Policy(
         cluster,
         cfg.policy,
         run.tokenizer,
@@ -184,7 +191,8 @@ def start_policy(
         optimizer_path=None if ckpt is None else ckpt.policy_dir / "optimizer",
         init_reference_model=needs_reference(run) if reference is None else reference,
     )
-    run._exit.callback(run.policy.shutdown)
+    run._policy = policy
+    run._exit.callback(policy.shutdown)
     return cluster
 
 
@@ -202,7 +210,7 @@ def train_loop(
 
     def write_policy(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        run.policy.save_checkpoint(path / "weights", path / "optimizer", path / "tokenizer")
+        run.policy.save_checkpoint(str(path / "weights"), str(path / "optimizer"), str(path / "tokenizer"))
 
     def epochs_done() -> str | None:
         limit = section.max_num_epochs
@@ -256,14 +264,14 @@ def _mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values) if values else float("nan")
 
 
-def report_skipped_steps(run: Any, step: int, result: TrainResult) -> None:
-    """A warning line per optimizer step ``Policy.train`` skipped in run step ``step``: why
+def report_skipped_steps(step: int, result: TrainResult) -> None:
+    """A warning per optimizer step ``Policy.train`` skipped in run step ``step``: why
     (non-finite loss / grad norm, no valid tokens) and the values; nothing if none was."""
     from core.policy.policy import describe_skipped_steps
 
     for phrase in describe_skipped_steps(result):
-        run.progress.write(
-            f"WARNING step {step}: {phrase}; weights and optimizer state unchanged (policy.non_finite_step: skip)"
+        logger.warning(
+            "step %d: %s; weights and optimizer state unchanged (policy.non_finite_step: skip)", step, phrase
         )
 
 
@@ -276,7 +284,7 @@ def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | 
     if export:
         start = time.perf_counter()
         run.policy.save_hf_checkpoint(str(export), save_tokenizer=True)
-        run.progress.write(f"final policy exported as an HF model to {export} ({time.perf_counter() - start:.1f} s)")
+        logger.info("final policy exported as an HF model to %s (%.1f s)", export, time.perf_counter() - start)
     metrics_path = run.logger.log_dir / METRICS_FILENAME
     history = read_metrics(metrics_path) if metrics_path.is_file() else list(run.logger.history)
     if run.cfg.logger.plot_enabled and history:
@@ -293,22 +301,18 @@ def finish_run(run: TrainingRun, wall_time_s: float, extra: Mapping[str, Any] | 
 
 
 def execute(
-    setup: Callable[..., R],
-    train: Callable[[R], object],
-    report_extra: Callable[[R], Mapping[str, Any]],
-    cfg: MasterConfig | Mapping[str, Any],
-    log: Callable[[str], None],
-    **setup_kwargs: Any,
-) -> R:
-    """Set up, train, report, shut down: what ``dualrl <algorithm>`` does.  Returns the (closed) run."""
+    setup: Callable[[], R], train: Callable[[R], object], report_extra: Callable[[R], Mapping[str, str]]
+) -> tuple[R, str]:
+    """Set up, train, report, shut down: what ``dualrl <algorithm>`` does.  Returns the (closed)
+    run and its one screen of summary."""
     start = time.perf_counter()
-    run = setup(cfg, log, **setup_kwargs)
+    run = setup()
     done = False
     try:
         train(run)
         run.progress.close()
-        log(finish_run(run, time.perf_counter() - start, report_extra(run)))
+        summary = finish_run(run, time.perf_counter() - start, report_extra(run))
         done = True
     finally:
         run.close(failed=not done)
-    return run
+    return run, summary

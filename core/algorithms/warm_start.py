@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,28 +47,30 @@ from core.models.builtin import (
     spec_name,
     write_random_init,
 )
+from core.reporting import get_logger
 
 M = TypeVar("M", bound=MasterConfig)
+logger = get_logger(__name__)
 
 
-def resolve_model(cfg: M, exclude_prompts: Iterable[str], log: Callable[[str], None] = print) -> M:
+def resolve_model(cfg: M, exclude_prompts: Iterable[str]) -> M:
     """A copy of ``cfg`` whose ``policy.model_name`` (and enabled distillation teacher,
     ``grpo.distillation.teacher_model_name``) is loadable: a built-in model is built (or found
     in the cache) for the run's task without the held-out ``exclude_prompts``."""
     cfg = cfg.model_copy(deep=True)
     exclude_prompts = list(exclude_prompts)
-    cfg.policy.model_name = _loadable(cfg, cfg.policy.model_name, "policy.model_name", exclude_prompts, log)
+    cfg.policy.model_name = _loadable(cfg, cfg.policy.model_name, "policy.model_name", exclude_prompts)
     distill = cfg.grpo.distillation if cfg.grpo is not None else None
     if distill is not None and distill.enabled and distill.teacher_model_name is not None:
         key = "grpo.distillation.teacher_model_name"
-        distill.teacher_model_name = _loadable(cfg, distill.teacher_model_name, key, exclude_prompts, log)
+        distill.teacher_model_name = _loadable(cfg, distill.teacher_model_name, key, exclude_prompts)
     return cfg
 
 
-def _loadable(cfg: MasterConfig, name: str, key: str, exclude: list[str], log: Callable[[str], None]) -> str:
+def _loadable(cfg: MasterConfig, name: str, key: str, exclude: list[str]) -> str:
     if is_builtin(name):
         task_cfg = cfg.env.arithmetic if cfg.env is not None else None
-        return str(resolve_builtin_model(name, task_cfg, exclude, log=log, key=key, run_cfg=cfg))
+        return str(resolve_builtin_model(name, task_cfg, exclude, key=key, run_cfg=cfg))
     from core.policy.preflight import check_model_path
 
     check_model_path(name, key)
@@ -116,24 +118,50 @@ def cache_key(short: str, task_cfg: ArithmeticTaskConfig | Mapping[str, Any], ex
     shape, warm = BUILTIN_MODELS[short]
     payload = {"version": FORMAT_VERSION, "model": shape, "init_seed": INIT_SEED}
     if warm:  # the SFT config without what cannot change the weights (where logs and files go)
-        # Left out: where logs and files go, and the mixture-of-experts options (policy.moe,
-        # policy.jax_cfg.moe_dispatch / expert_parallel_size: exact either way, and the warm
-        # starts run torch), which came after the first keys were published.
-        left_out: dict[str, Any] = {
-            "logger": True,
-            "checkpointing": True,
-            "policy": {"moe": True, "jax_cfg": {"moe_dispatch", "expert_parallel_size"}},
-        }
+        # Left out: where logs and files go, and the mixture-of-experts options (policy.moe, the
+        # expert parallelism and a backend's own blocks: exact either way, and the warm starts
+        # run torch), which came after the first keys were published.
+        left_out: dict[str, Any] = {"logger": True, "checkpointing": True, "policy": {"moe": True}}
         sft = warm_start_config(task_cfg, short=short).model_dump(exclude=left_out, exclude_none=True)
+        sft["policy"] = _published_spelling(sft["policy"])
         payload.update(warm_start=sft, exclude=sorted(exclude))
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+#: Keys of the policy section added after the first cache keys were published (left out of them).
+_ADDED_SINCE_PUBLISHED = frozenset({"parallel.expert_parallel_size"})
+
+
+def _published_spelling(policy: dict[str, Any]) -> dict[str, Any]:
+    """The dumped policy section as the published cache keys spelled it: every option one key
+    now had a spelling per backend then (each spec's ``renamed`` maps it back), so a model
+    built before keeps its key; the backends' own blocks are left out (null in a warm start,
+    or added since)."""
+    from core.policy.backend_blocks import block_models, renamed_keys
+
+    renamed = renamed_keys()
+    shared = {new.split(".")[0] for new in renamed.values()}
+    out = {k: v for k, v in policy.items() if k not in shared and k not in block_models()}
+    for old, new in renamed.items():
+        if new not in _ADDED_SINCE_PUBLISHED:
+            *parents, leaf = old.split(".")
+            node = out
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = _dotted(policy, new)
+    return out
+
+
+def _dotted(data: Mapping[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        data = data[part]
+    return data
 
 
 def resolve_builtin_model(
     name: str,
     task_cfg: ArithmeticTaskConfig | Mapping[str, Any] | None,
     exclude: Iterable[str],
-    log: Callable[[str], None] = print,
     key: str = "policy.model_name",
     run_cfg: MasterConfig | None = None,
 ) -> Path:
@@ -150,7 +178,7 @@ def resolve_builtin_model(
         if not (target / "config.json").is_file():  # another run may have built it meanwhile
             tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
             try:
-                _build(short, settings, exclude, tmp, log, run_cfg)
+                _build(short, settings, exclude, tmp, run_cfg)
                 os.replace(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -162,7 +190,6 @@ def _build(
     settings: ArithmeticTaskConfig,
     exclude: frozenset[str],
     out: Path,
-    log: Callable[[str], None],
     run_cfg: MasterConfig | None,
 ) -> None:
     shape, warm = BUILTIN_MODELS[short]
@@ -172,16 +199,17 @@ def _build(
     from core.algorithms.placement import start_ray
 
     cfg = warm_start_config(settings, out, short)
-    cfg.policy.model_name = str(resolve_builtin_model(cfg.policy.model_name, settings, (), log))
-    log(
-        f"building the built-in model {PREFIX}{short} (once; cached in {out.parent}): a `dualrl sft` run of "
-        f"{cfg.sft.max_num_steps} steps on the arithmetic task"
+    cfg.policy.model_name = str(resolve_builtin_model(cfg.policy.model_name, settings, ()))
+    logger.info(
+        "building the built-in model %s%s (once; cached in %s): a `dualrl sft` run of %d steps on the arithmetic task",
+        PREFIX,
+        short,
+        out.parent,
+        cfg.sft.max_num_steps,
     )
     start = time.perf_counter()
     start_ray(run_cfg or cfg)  # the run's Ray (with its JAX device flags), not one the SFT picks
-    run = execute(
-        setup_sft, sft_train, lambda _run: {}, cfg, lambda _line: None, resolve=resolve_model, exclude=exclude
-    )
+    run, _summary = execute(lambda: setup_sft(cfg, resolve=resolve_model, exclude=exclude), sft_train, lambda _: {})
     rows = [r for r in run.logger.history if r["split"] == "train"]
     (out / "warm_start.json").write_text(
         json.dumps(
@@ -194,9 +222,13 @@ def _build(
             }
         )
     )
-    log(
-        f"built {PREFIX}{short} in {time.perf_counter() - start:.0f} s "
-        f"(SFT loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f})"
+    logger.info(
+        "built %s%s in %.0f s (SFT loss %.3f -> %.3f)",
+        PREFIX,
+        short,
+        time.perf_counter() - start,
+        rows[0]["loss"],
+        rows[-1]["loss"],
     )
 
 

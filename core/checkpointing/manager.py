@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import uuid
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,9 @@ import core.checkpointing.manifest as mf
 from core.checkpointing.config import CheckpointingConfig
 from core.checkpointing.manifest import CheckpointError
 from core.checkpointing.rng import load_rng_state, save_rng_state
+from core.reporting import get_logger
+
+logger = get_logger(__name__)
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint", "read_checkpoint"]
 
@@ -170,7 +172,7 @@ class CheckpointManager:
         for _, path, problem in self._verified():
             if problem is None:
                 return path
-            warnings.warn(f"skipping incomplete checkpoint {path}: {problem}", stacklevel=2)
+            logger.warning("skipping incomplete checkpoint %s: %s", path, problem)
         return None
 
     def _score(self, path: Path) -> tuple[int, float]:
@@ -205,7 +207,7 @@ class CheckpointManager:
                 shutil.rmtree(trash)
                 removed.append(path)
             except OSError as e:  # the save itself succeeded: do not fail the run for this
-                warnings.warn(f"could not delete old checkpoint {path}: {e}", stacklevel=3)
+                logger.warning("could not delete old checkpoint %s: %s", path, e)
         return removed
 
     def load(self, path: Path | str | None = None) -> LoadedCheckpoint:
@@ -278,7 +280,7 @@ class CheckpointManager:
             final = root / f"step_{int(old.group(1))}" if old else None
             if final is not None and not final.exists():
                 os.replace(child, final)
-                warnings.warn(f"restored {final} from {child.name} (a re-save was interrupted)", stacklevel=2)
+                logger.warning("restored %s from %s (a re-save was interrupted)", final, child.name)
             elif old or _TMP_RE.fullmatch(child.name):
                 shutil.rmtree(child)
                 removed.append(child)

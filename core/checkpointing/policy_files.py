@@ -28,12 +28,14 @@ import os
 import shutil
 import tempfile
 import uuid
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import core.checkpointing.manifest as mf
 from core.checkpointing.manifest import CheckpointError
+from core.reporting import get_logger
+
+logger = get_logger(__name__)
 
 __all__ = [
     "KIND_WEIGHTS",
@@ -193,7 +195,7 @@ def restore_interrupted(final: str | os.PathLike) -> bool:
             continue
         os.replace(old, final)
         mf.fsync_dir(final.parent)
-        warnings.warn(f"restored {final} from {old.name}: a save over it was interrupted", stacklevel=2)
+        logger.warning("restored %s from %s: a save over it was interrupted", final, old.name)
         return True
     return False
 

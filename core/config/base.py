@@ -3,7 +3,7 @@
 Every config section is a :class:`ConfigModel` that lives next to the code that owns it
 (``core.policy.config.PolicyConfig``, ``core.losses.config.ClippedPGLossConfig``, ...):
 its fields, their types, defaults and docstrings are the one description of the section.
-Code reads attributes (``cfg.policy.dtensor_cfg.tensor_parallel_size``); a default lives
+Code reads attributes (``cfg.policy.parallel.tensor_parallel_size``); a default lives
 in the class and nowhere else.
 
 Why pydantic rather than frozen dataclasses: the sections need strict scalar types (a bool is
@@ -13,7 +13,7 @@ the 770-line hand-written walker this replaced.  NeMo RL, whose key names dualrl
 uses pydantic for its configs too, and vLLM already depends on it (no new dependency).
 
 :func:`validate` is the one entry point.  It reports every problem of a config at once, one
-line each, starting with the dotted path of the field (``policy.dtensor_cfg.tensor_parallel_size:
+line each, starting with the dotted path of the field (``policy.parallel.tensor_parallel_size:
 ...``), in three passes:
 
 1. :meth:`ConfigModel.refusals`: keys present in the input that this kind of config does not
@@ -68,6 +68,12 @@ class ConfigModel(BaseModel):
         """Keys of the raw input this kind of config refuses with a message of its own (they
         are dropped before the type check, so what lies below them is not reported too)."""
         return ()
+
+    @classmethod
+    def extra_sections(cls) -> dict[str, type[ConfigModel]]:
+        """Sections this model accepts besides its fields (a section whose keys are known only at
+        run time, such as a plug-in backend's block): their errors get the same hints."""
+        return {}
 
     @classmethod
     def missing_message(cls, key: str) -> str:
@@ -237,7 +243,7 @@ def _dotted(loc: Sequence[Any]) -> str:
 def _hint(key: str, owner: type[ConfigModel] | None) -> str:
     if owner is None:
         return "not a known key"
-    known = list(owner.model_fields)
+    known = [*owner.model_fields, *owner.extra_sections()]
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     return f"did you mean '{close[0]}'?" if close else "known keys: " + ", ".join(known)
 
@@ -252,6 +258,8 @@ def _model_at(root: type[ConfigModel], loc: Sequence[Any]) -> type[ConfigModel] 
             tp = args[0] if get_origin(tp) is list and args else None
         elif isinstance(tp, type) and issubclass(tp, BaseModel) and key in tp.model_fields:
             tp = tp.model_fields[key].annotation
+        elif isinstance(tp, type) and issubclass(tp, ConfigModel) and key in tp.extra_sections():
+            tp = tp.extra_sections()[key]
         else:
             return None
     return _model_class(tp)

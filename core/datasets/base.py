@@ -19,7 +19,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +27,9 @@ import numpy as np
 from core.datasets.config import DataConfig
 from core.datasets.sources import builtin_candidates, builtin_task, is_builtin, load_rows, problem_row
 from core.environments.config import ArithmeticTaskConfig
+from core.reporting import get_logger
+
+logger = get_logger(__name__)
 
 # How many candidate problems a built-in item / the validation draw may reject (held out,
 # duplicate, too long) before we conclude the configuration cannot produce examples.
@@ -105,10 +107,11 @@ class GeneratedDataset(EncodedDataset):
                 return datum
             self.num_filtered += 1
             if self.num_filtered == 1:
-                warnings.warn(
-                    f"{self._encoder.drop_note}: skipping examples of {source} that do not fit "
-                    f"{self._encoder.limit} tokens",
-                    stacklevel=2,
+                logger.warning(
+                    "%s: skipping examples of %s that do not fit %s tokens",
+                    self._encoder.drop_note,
+                    source,
+                    self._encoder.limit,
                 )
         raise ValueError(
             f"{self._encoder.limit_key}: {_MAX_REJECTS} candidate examples for train "
@@ -124,10 +127,13 @@ def encode_rows(encoder, rows: Sequence[Mapping[str, Any]], source: str) -> List
     items = [d for i, r in enumerate(rows) if (d := encoder.encode(r, i, source)) is not None]
     dropped = len(rows) - len(items)
     if dropped:
-        warnings.warn(
-            f"{encoder.drop_note}: dropped {dropped} of {len(rows)} rows of {source} that do "
-            f"not fit {encoder.limit} tokens",
-            stacklevel=3,
+        logger.warning(
+            "%s: dropped %d of %d rows of %s that do not fit %s tokens",
+            encoder.drop_note,
+            dropped,
+            len(rows),
+            source,
+            encoder.limit,
         )
     if not items:
         raise ValueError(
@@ -257,9 +263,12 @@ def _builtin_val(task, name, encoder, num_val, seed):
             items += [datum] if datum is not None else []
         index += 1
     if filtered:
-        warnings.warn(
-            f"{encoder.drop_note}: dropped {filtered} examples of {source} that do not fit {encoder.limit} tokens",
-            stacklevel=3,
+        logger.warning(
+            "%s: dropped %d examples of %s that do not fit %s tokens",
+            encoder.drop_note,
+            filtered,
+            source,
+            encoder.limit,
         )
     return ListDataset(items, num_filtered=filtered), frozenset(seen)
 

@@ -26,6 +26,7 @@ import threading
 import ray
 
 from core.distributed.worker_output import worker_log_runtime_env
+from core.reporting import get_logger
 
 __all__ = ["init_ray", "start_ray", "jax_cpu_flags", "DEFAULT_OBJECT_STORE_MEMORY", "QUIET_WORKER_ENV"]
 
@@ -150,7 +151,7 @@ def _start_reaper() -> None:
         session_dir = node.get_session_dir_path()
         raylet_pid = node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
     except (AttributeError, KeyError, IndexError) as exc:
-        logging.getLogger(__name__).warning(
+        get_logger(__name__).warning(
             "no Ray watchdog (Ray's node layout changed: %r); after a hard kill "
             "see docs/troubleshooting.md 'Leftovers of a killed run'",
             exc,

@@ -115,7 +115,7 @@ def _parse_task_error(task_err: RayTaskError) -> StartupFailure:
     caused_by = _exception_line(blocks[0]) if len(blocks) > 1 else ""
     if caused_by and caused_by.partition(": ")[2] in message:
         caused_by = ""  # the message already says it
-    # "ray::lm_policy-0:FSDP1PolicyWorker.__init__()" -> "FSDP1PolicyWorker.__init__"
+    # "ray::lm_policy-0:SomePolicyWorker.__init__()" -> "SomePolicyWorker.__init__"
     actor = _ANSI_ESCAPE.sub("", str(getattr(task_err, "proctitle", "") or ""))
     actor = actor.rpartition(":")[2].removesuffix("()") if "__init__" in actor else ""
     return StartupFailure(

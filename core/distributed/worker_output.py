@@ -16,19 +16,24 @@ the run; redirecting in each actor's constructor would miss what its imports pri
 
 What stays on the console: errors travel as exceptions, so the driver still reports a failed
 worker with its rank and cause (``core.distributed.worker_group``,
-``core.generation.engine_health``); the project's own warnings (raised from a file of
-``core/``, ``backends/``, ``benchmarks/`` or ``dualrl/``) also go to the process's original
-stderr, which Ray forwards to the driver.
+``core.generation.engine_health``); the ``dualrl`` loggers' warnings (:mod:`core.reporting`)
+and warnings raised from a file of ``core/``, ``backends/``, ``benchmarks/`` or ``dualrl/`` also
+go to the process's original stderr, which Ray forwards to the driver.  The ``dualrl`` loggers'
+INFO lines (what a worker chose: its mesh's device order, where its weights went) go to the
+file only.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from core.reporting import ROOT_LOGGER
 
 __all__ = [
     "WORKER_LOG_ENV",
@@ -94,3 +99,18 @@ def redirect_worker_output() -> None:
             console.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     warnings.showwarning = show_and_forward
+    _route_project_logs(console)
+
+
+def _route_project_logs(console: Any) -> None:
+    """The ``dualrl`` loggers in a redirected worker: INFO and above to the log file (fd 2
+    now), warnings and errors to the console too."""
+    root = logging.getLogger(ROOT_LOGGER)
+    root.setLevel(logging.INFO)
+    root.propagate = False  # these two handlers are the whole story: no copy through a library's root handler
+    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    for stream, level in ((sys.stderr, logging.INFO), (console, logging.WARNING)):
+        handler = logging.StreamHandler(stream)
+        handler.setLevel(level)
+        handler.setFormatter(formatter)
+        root.addHandler(handler)

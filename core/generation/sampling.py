@@ -7,7 +7,6 @@ the other engines and unit-tested without an engine.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +14,12 @@ import numpy as np
 
 from core.policy.generation_args import row_stop_strings, stop_string_ends_row, stop_window, top_k_or_off
 from core.policy.generation_config import GenerationConfig
+from core.reporting import get_logger, warn_once
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = get_logger(__name__)
 
 
 def logprobs_mode(gen_cfg: GenerationConfig) -> str:
@@ -51,11 +53,11 @@ def sampling_kwargs(
     if not 0 <= min_new_tokens <= max_new_tokens:
         raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}")
     if greedy and temperature != 1.0:
-        warnings.warn(
+        warn_once(
+            logger,
             f"greedy vLLM generation reports logprobs at temperature 1.0, not generation.temperature="
             f"{temperature}: vLLM's greedy path skips temperature; token_mult_prob_error against "
             "get_logprobs is only meaningful for sampled rollouts here",
-            stacklevel=3,
         )
     # vLLM spells "no top-k" -1; the shared rule also refuses 0 and values below -1.
     top_k = -1 if greedy else (top_k_or_off(gen_cfg.top_k) or -1)

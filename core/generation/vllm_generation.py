@@ -9,7 +9,7 @@ the same whatever the split); a refit reaches every engine.
 Bad input is refused on the driver (``BatchError`` naming the key, row and value) and again
 in the engine actor before it reaches vLLM.  Engine errors come back as themselves (a
 ``RefitError`` stays a ``RefitError``) once a health probe shows the engine still works; an
-engine that died, hung past ``call_timeout_s`` or failed the probe is killed and gives
+engine that died, hung past ``policy.generation.vllm_cfg.call_timeout_s`` or failed the probe is killed and gives
 ``EngineDeadError`` on this and every later call (:mod:`core.generation.engine_health`; a new
 ``VllmGeneration`` refit from the policy replaces it); one that died in its constructor, a
 ``WorkerStartupError`` (a ``RuntimeError``) naming its rank, the exception and the line.
@@ -17,7 +17,6 @@ engine that died, hung past ``call_timeout_s`` or failed the probe is killed and
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +34,12 @@ from core.policy.config import PolicyConfig
 from core.policy.generation_args import checked_row_limits, checked_sample_seeds
 from core.policy.generation_config import VllmConfig
 from core.policy.preflight import absolute_model_paths, check_model_path
+from core.reporting import get_logger
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-CALL_TIMEOUT_S = 600.0
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class VllmGeneration(RefittableGenerationInterface):
@@ -51,7 +50,6 @@ class VllmGeneration(RefittableGenerationInterface):
         tokenizer: PreTrainedTokenizerBase | None = None,
         name_prefix: str = "vllm_generation",
         seed: int = 0,
-        call_timeout_s: float = CALL_TIMEOUT_S,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         """``config`` is the policy section (its ``generation`` block configures the engine;
@@ -70,7 +68,8 @@ class VllmGeneration(RefittableGenerationInterface):
                 f"policy.generation.vllm_cfg.tensor_parallel_size={self.workers_per_engine} needs that many "
                 f"bundles on one node; the cluster has {cluster.bundle_ct_per_node_list}"
             )
-        self.call_timeout_s = call_timeout_s
+        #: How long one engine call may take before the engine counts as hung (the config's).
+        self.call_timeout_s = vcfg.call_timeout_s
         self.worker_group = RayWorkerGroup(
             cluster,
             VllmGenerationWorker,
@@ -87,7 +86,9 @@ class VllmGeneration(RefittableGenerationInterface):
         # its rank and the exception (WorkerStartupError, a RuntimeError), not as "dead".
         group = self.worker_group
         try:
-            limits = group.get_all_worker_results(group.run_all_workers_single_data("limits"), timeout=call_timeout_s)
+            limits = group.get_all_worker_results(
+                group.run_all_workers_single_data("limits"), timeout=vcfg.startup_timeout_s
+            )
         except BaseException:
             group.shutdown()  # the caller gets no handle to shut down: leave no engine behind
             raise

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging as _pylogging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import islice
@@ -11,8 +10,9 @@ from typing import Any, TypeVar
 
 from core.logging.config import MLflowConfig
 from core.logging.tracking import flat_params, import_tracker, previous_run_id, save_run_id
+from core.reporting import get_logger
 
-_log = _pylogging.getLogger(__name__)
+_log = get_logger(__name__)
 
 #: Under ``logger.log_dir``: the MLflow run id a ``--resume`` continues.
 MLFLOW_RUN_ID_FILENAME = "mlflow_run_id"

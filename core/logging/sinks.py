@@ -20,21 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging as _pylogging
 import math
 import numbers
 import os
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from core.logging.config import LoggerConfig
 from core.logging.tracking import Tracker
+from core.reporting import get_logger
 
-_log = _pylogging.getLogger(__name__)
+_log = get_logger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
 TENSORBOARD_DIRNAME = "tensorboard"
@@ -123,7 +122,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         if problem is None:
             yield line, row
         elif index == len(lines) - 1:  # no newline after it: an interrupted write
-            warnings.warn(f"{path}: skipping truncated last line {index + 1} ({problem})", stacklevel=3)
+            _log.warning("%s: skipping truncated last line %d (%s)", path, index + 1, problem)
         else:
             raise ValueError(f"{path}: line {index + 1}: {problem}: {line[:120]!r}")
 
@@ -170,7 +169,7 @@ class JsonlSink:
         if not data or data.endswith(b"\n"):
             return
         keep = data.rfind(b"\n") + 1
-        warnings.warn(f"{self.path}: dropping a partial last line left by an interrupted write", stacklevel=3)
+        _log.warning("%s: dropping a partial last line left by an interrupted write", self.path)
         with open(self.path, "r+b") as f:
             f.truncate(keep)
 

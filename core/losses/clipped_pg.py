@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from core.interfaces import LossType
+from core.interfaces import LossType, OldLogprobsSource
 from core.kernels import (
     calculate_kl,
     clipped_surrogate_loss,
@@ -35,16 +35,17 @@ from core.kernels import (
 )
 from core.losses.checks import LossInputChecker
 from core.losses.config import ClippedPGLossConfig
+from core.losses.contract import DeclaredLoss
 
 #: Where the old policy's logprobs (the PPO ratio's denominator) come from: ``"batch"`` reads
 #: ``data["prev_logprobs"]`` (a separate ``get_logprobs`` pass before training); ``"forward"``
 #: takes the training forward's own logprobs, detached -- exact when the rollout batch gets one
 #: optimizer step, as the weights that scored it are the ones being trained (TRL does the same
 #: with one iteration), and it saves a forward pass over the batch.
-OLD_LOGPROBS = ("batch", "forward")
+OLD_LOGPROBS: tuple[OldLogprobsSource, ...] = ("batch", "forward")
 
 
-class ClippedPGLossFn:
+class ClippedPGLossFn(DeclaredLoss):
     """Clipped policy-gradient loss; config keys and semantics as NeMo RL's.
 
     Call as ``loss_fn(next_token_logits [B,S,V], data, global_valid_seqs, global_valid_toks)``;
@@ -54,7 +55,7 @@ class ClippedPGLossFn:
     batches and ranks gives its value on the whole batch.
     """
 
-    def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any], *, old_logprobs: str = "batch"):
+    def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any], *, old_logprobs: OldLogprobsSource = "batch"):
         if old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"ClippedPGLossFn: old_logprobs must be one of {OLD_LOGPROBS}, got {old_logprobs!r}")
         self.cfg = ClippedPGLossConfig.coerce(cfg, path="loss_fn")
@@ -63,7 +64,7 @@ class ClippedPGLossFn:
                 "ClippedPGLossFn: loss_fn.constant_token_budget is null; give the tokens per sequence the constant "
                 "normaliser divides by (dualrl grpo fills in the longest response it generates)"
             )
-        self.old_logprobs = old_logprobs
+        self.old_logprobs: OldLogprobsSource = old_logprobs
         self.loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
         keys = ["advantages", "generation_logprobs"]
         keys += ["prev_logprobs"] if old_logprobs == "batch" else []

@@ -21,10 +21,11 @@ from core.interfaces import LossType
 from core.kernels import masked_mean, next_token_logprobs, ops_for
 from core.losses.checks import LossInputChecker
 from core.losses.config import DPOLossConfig
+from core.losses.contract import DeclaredLoss
 from core.losses.nll import per_sequence_logprob, sequence_masks
 
 
-class DPOLossFn:
+class DPOLossFn(DeclaredLoss):
     """DPO with an optional SFT term on the chosen responses; see the module docstring."""
 
     loss_type = LossType.SEQUENCE_LEVEL
@@ -34,6 +35,11 @@ class DPOLossFn:
         self.check = LossInputChecker(
             "DPOLossFn", ("reference_policy_logprobs", "token_mask"), finite_keys=("reference_policy_logprobs",)
         )
+
+    @property
+    def uses_reference(self) -> bool:
+        """The implicit rewards are log-ratios to the reference policy."""
+        return True
 
     def __call__(self, next_token_logits, data: Mapping[str, Any], global_valid_seqs, global_valid_toks):
         batch, _ = self.check(next_token_logits, data)

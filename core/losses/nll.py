@@ -8,6 +8,7 @@ from typing import Any
 from core.interfaces import LossType
 from core.kernels import masked_mean, masked_sum, next_token_logprobs, ops_for
 from core.losses.checks import LossInputChecker
+from core.losses.contract import DeclaredLoss
 
 
 def sequence_masks(ops, data: Mapping[str, Any], dtype):
@@ -26,10 +27,11 @@ def per_sequence_logprob(curr_logprobs, mask, average: bool):
     return total / ops.clip(ops.sum(ops.astype(mask, total.dtype), axis=-1), 1.0, None)
 
 
-class NLLLoss:
+class NLLLoss(DeclaredLoss):
     """Token-level NLL: -sum(log p(x_t) * mask) / global_valid_toks.
 
-    Data keys: ``input_ids``, ``token_mask``, ``sample_mask`` ([B, S], [B, S], [B]).
+    Data keys: ``input_ids``, ``token_mask``, ``sample_mask`` ([B, S], [B, S], [B]); no old
+    logprobs, no reference (the loss contract's defaults, ``core.losses.contract.DeclaredLoss``).
     Returns ``(loss, metrics)`` with detached 0-d array metrics (see ``ClippedPGLossFn``).
     """
 

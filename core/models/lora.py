@@ -6,7 +6,7 @@ lives here and imports no backend:
 
 * the initial adapters -- PEFT's default: A ~ kaiming-uniform(a=sqrt(5)) as ``nn.Linear``
   initialises its weight, i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0 -- drawn with numpy from
-  ``(init_seed, module name)``, so torch_fsdp, torch_dtensor and jax_pjit start from the same
+  ``(init_seed, module name)``, so every backend starts from the same
   arrays whatever their ranks, meshes or parameter order;
 * the scale ``alpha / rank`` (``alpha / sqrt(rank)`` with rsLoRA);
 * the merge ``W' = W + scale * B @ A`` (in float32, cast once), and a stream transform that

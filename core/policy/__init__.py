@@ -11,11 +11,12 @@ from core.lazy_exports import lazy_exports
 __all__ = ["BatchError", "BackendSpec", "NonFiniteStepError", "Policy", "backend_spec", "register_backend"]
 __getattr__, __dir__ = lazy_exports(
     __name__,
-    {"BatchError": "checks", "NonFiniteStepError": "policy", "Policy": "policy", "BackendSpec": "registry",
+    {"BatchError": "checks", "NonFiniteStepError": "policy", "Policy": "policy", "BackendSpec": "backend_spec",
      "backend_spec": "registry", "register_backend": "registry"},
 )  # fmt: skip
 
 if TYPE_CHECKING:
+    from core.policy.backend_spec import BackendSpec
     from core.policy.checks import BatchError
     from core.policy.policy import NonFiniteStepError, Policy
-    from core.policy.registry import BackendSpec, backend_spec, register_backend
+    from core.policy.registry import backend_spec, register_backend

@@ -12,6 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.interfaces import LossFunction, LossType
+from core.losses.contract import LossContract
+
 
 class BatchError(ValueError):
     """A batch the policy cannot process; the message names the culprit."""
@@ -53,23 +56,23 @@ def check_prompt_room(data: Mapping[str, Any], limit: int, field: str = "policy.
         )
 
 
-def check_loss_fn(loss_fn: Any) -> None:
-    """A loss the training loop can drive: a ``core.interfaces.LossFunction``."""
-    from core.interfaces import LossFunction, LossType
-
+def check_loss_fn(loss_fn: Any) -> LossContract:
+    """A loss the training loop can drive (a ``core.interfaces.LossFunction``); returns what it
+    declares of the loss contract (``core.losses.contract.LossContract``)."""
     if not isinstance(loss_fn, LossFunction) or not isinstance(getattr(loss_fn, "loss_type", None), LossType):
         raise TypeError(
             f"loss_fn must be a core.interfaces.LossFunction (callable(next_token_logits, data, "
             f"global_valid_seqs, global_valid_toks) with a LossType `loss_type`), e.g. "
             f"core.losses.ClippedPGLossFn; got {type(loss_fn).__name__}: {loss_fn!r:.80}"
         )
+    return LossContract.of(loss_fn)
 
 
-def check_one_step_for_fused_old_logprobs(loss_fn: Any, rows: int, gbs: int, eval_mode: bool) -> None:
+def check_one_step_for_fused_old_logprobs(contract: LossContract, rows: int, gbs: int, eval_mode: bool) -> None:
     """A loss that takes the old policy's logprobs from its own training forward
     (``old_logprobs="forward"``) is exact for one optimizer step only: after the first step the
     weights being trained are no longer the ones that scored the batch."""
-    if eval_mode or getattr(loss_fn, "old_logprobs", "batch") != "forward" or rows <= gbs:
+    if eval_mode or contract.old_logprobs != "forward" or rows <= gbs:
         return
     raise ValueError(
         f"loss_fn takes the old logprobs from the training forward (old_logprobs='forward'), which is exact "
@@ -169,12 +172,3 @@ def check_train_batch(
             + (f" / dp {dp}" if local else "")
         )
     return rows
-
-
-def check_loss_inputs(loss_fn: Any, data: Mapping[str, Any], vocab_size: int | None) -> None:
-    """Run a loss's own input checks (keys, shapes, finite values, ids in the vocabulary) on
-    the host batch, if the loss has them (``core.losses`` objects do)."""
-    check = getattr(loss_fn, "check", None)
-    if check is not None:
-        check.check_shapes(None, data)
-        check.check_values(data, vocab_size)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from core.policy.options import option
+
 if TYPE_CHECKING:
     from core.config import Problem
     from core.policy.config import PolicyConfig
@@ -24,54 +26,35 @@ _SPLITS_ROWS = "splits a row's reductions over devices"
 
 
 class Refusal(NamedTuple):
-    """A config setting exact mode refuses: its key under ``policy``, when it applies, why."""
+    """A setting exact mode refuses: its key under ``policy``, when it applies, why."""
 
     key: str
     applies: Callable[[PolicyConfig], bool]
     why: str
 
 
+def _asked(key: str) -> Callable[[PolicyConfig], bool]:
+    """Whether the policy option at ``key`` (``core.policy.options``) asks for its feature."""
+    return lambda policy: option(key).asked(policy)
+
+
+#: The policy options (``core.policy.options``) exact mode refuses when they are asked for.
+_REFUSED_OPTIONS = {
+    "parallel.tensor_parallel_size": f"tensor parallelism {_SPLITS_ROWS}",
+    "parallel.sequence_parallel": f"sequence parallelism {_SPLITS_ROWS}",
+    "parallel.context_parallel_size": f"context parallelism {_SPLITS_ROWS}",
+    "parallel.expert_parallel_size": "mixtures of experts have no exact layers",
+    "compile": "torch.compile fuses the exact layers into kernels of its own",
+    "sequence_packing.enabled": "packed rows have no exact attention (positions restart inside a row)",
+    "lora.enabled": "LoRA adapters have no exact layers",
+}
+
 EXACT_REFUSALS: tuple[Refusal, ...] = (
     Refusal("precision", lambda p: p.precision == "float16", "exact layers exist for float32 and bfloat16"),
-    Refusal(
-        "dtensor_cfg.tensor_parallel_size",
-        lambda p: p.backend == "torch_dtensor" and p.dtensor_cfg.tensor_parallel_size > 1,
-        f"tensor parallelism {_SPLITS_ROWS}",
-    ),
-    Refusal(
-        "dtensor_cfg.context_parallel_size",
-        lambda p: p.backend == "torch_dtensor" and p.dtensor_cfg.context_parallel_size > 1,
-        f"context parallelism {_SPLITS_ROWS}",
-    ),
-    Refusal(
-        "dtensor_cfg.sequence_parallel",
-        lambda p: p.backend == "torch_dtensor" and p.dtensor_cfg.sequence_parallel,
-        f"sequence parallelism {_SPLITS_ROWS}",
-    ),
-    Refusal(
-        "dtensor_cfg.compile",
-        lambda p: p.backend == "torch_dtensor" and p.dtensor_cfg.compile,
-        "torch.compile fuses the exact layers into kernels of its own",
-    ),
-    Refusal(
-        "jax_cfg.tensor_parallel_size",
-        lambda p: p.backend == "jax_pjit" and p.jax_cfg.tensor_parallel_size > 1,
-        f"tensor parallelism {_SPLITS_ROWS}",
-    ),
-    Refusal(
-        "jax_cfg.context_parallel_size",
-        lambda p: p.backend == "jax_pjit" and p.jax_cfg.context_parallel_size > 1,
-        f"context parallelism {_SPLITS_ROWS}",
-    ),
-    Refusal(
-        "sequence_packing.enabled",
-        lambda p: p.sequence_packing.enabled,
-        "packed rows have no exact attention (positions restart inside a row)",
-    ),
-    Refusal("lora.enabled", lambda p: p.lora.enabled, "LoRA adapters have no exact layers"),
+    *(Refusal(key, _asked(key), why) for key, why in _REFUSED_OPTIONS.items()),
     Refusal(
         "generation.backend",
-        lambda p: p.generation is not None and p.generation.backend == "vllm",
+        lambda p: p.generation is not None and p.generation.backend != "hf",
         "vLLM's kernels are not the trainer's; exact mode samples with generation.backend 'hf' "
         "(the policy's own exact model; docs/exact-numerics.md says why vLLM cannot be exact here)",
     ),

@@ -229,3 +229,36 @@ def checked_sample_seeds(sample_seeds: Any, batch: int):
         row = int(np.flatnonzero(bad)[0])
         raise ValueError(f"data['sample_seeds'] must be in [0, 2**32); row {row} has {int(seeds[row])}")
     return seeds.astype(np.int64)
+
+
+def check_prompt_rows(input_ids: Any, input_lengths: Any) -> None:
+    """``generate``'s prompts: ``input_ids`` [B, S] with B > 0 and ``input_lengths`` [B] in
+    [1, S] (torch tensors or numpy arrays); a ValueError naming the shape or the row at fault."""
+    import numpy as np
+
+    shape = tuple(getattr(input_ids, "shape", ()))
+    if len(shape) != 2:
+        raise ValueError(f"input_ids must be a 2-D [B, S] array, got shape {shape}")
+    batch, seq = shape
+    lengths = _as_numpy(input_lengths)
+    if lengths.shape != (batch,):
+        raise ValueError(f"input_lengths must have shape [B] = ({batch},), got {lengths.shape}")
+    if batch == 0:
+        raise ValueError("cannot generate for an empty batch (B = 0)")
+    bad = (lengths < 1) | (lengths > seq)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"input_lengths must be in [1, S={seq}]; row {row} has length {int(lengths[row])}")
+
+
+def row_chunks(batch: int, batch_size: int | None) -> list[slice]:
+    """Consecutive row slices of at most ``batch_size`` rows (``policy.generation_batch_size``;
+    one slice when None), the chunks every engine decodes one after the other."""
+    import numpy as np
+
+    if batch_size is None:
+        return [slice(0, batch)]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"policy.generation_batch_size must be a positive int, got {batch_size!r}")
+    size = min(int(batch_size), batch)
+    return [slice(start, min(start + size, batch)) for start in range(0, batch, size)]

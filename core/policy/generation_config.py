@@ -40,6 +40,19 @@ class VllmConfig(ConfigModel):
     """"dummy" when weights are refit from the policy (the usual case)."""
     skip_tokenizer_init: bool = True
     """The engine gets token ids, never text: no tokenizer of its own."""
+    call_timeout_s: float = Field(3600.0, gt=0)
+    """Seconds the driver waits for one call of a running engine (a generate call, a refit,
+    sleep / wake) before it declares the engine hung: the engine is killed and the run fails
+    with ``EngineDeadError``.  A generate call lasts as long as its longest row's decode
+    (every row advances one token per engine step), so a rollout of tens of thousands of new
+    tokens at tens of tokens per second per sequence -- long-reasoning GRPO on a GPU -- runs
+    for tens of minutes while healthy.  An hour stays above such a call, where killing a
+    healthy engine would lose the step, and still ends a hung one within the hour; lower it
+    for short rollouts to hear of a hang sooner."""
+    startup_timeout_s: float = Field(3600.0, gt=0)
+    """Seconds the engines may take to start (load the model, compile, capture CUDA graphs)
+    before the start-up counts as failed.  Apart from ``call_timeout_s``: a large model's
+    start-up outlasts a short rollout's calls, and lowering one must not cut the other."""
 
     def check(self) -> Iterable[Problem]:
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -12,11 +12,12 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Union
+from typing import Any, Union, overload
 
 import torch
 
 from core.checkpointing.policy_files import check_load_paths, check_save_paths, check_writable
+from core.config import ConfigError, join_path
 from core.data import BatchedDataDict, DynamicBatchingArgs
 from core.data.sequence_packing import SequencePackingArgs, check_packing_budget
 from core.distributed import RayVirtualCluster, RayWorkerGroup
@@ -29,10 +30,10 @@ from core.interfaces import (
     RefittableGenerationInterface,
     TrainResult,
 )
+from core.losses.contract import check_loss_inputs
 from core.losses.router_aux import check_routed_experts
 from core.policy.checks import (
     check_loss_fn,
-    check_loss_inputs,
     check_model_inputs,
     check_one_step_for_fused_old_logprobs,
     check_prompt_room,
@@ -44,7 +45,10 @@ from core.policy.generation_args import checked_row_limits
 from core.policy.lora_adapter import check_lora_adapter
 from core.policy.preflight import absolute_model_paths, preflight_model_checks
 from core.policy.registry import backend_spec
+from core.policy.worker_dispatch import WorkerCalls, protocol_method_name
+from core.policy.worker_protocol import PolicyWorker
 from core.refit.cuda_ipc import merge_handles
+from core.refit.manifest import RefitPart
 from core.refit.shm import sweep_stale_segments
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -77,14 +81,17 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     ) -> None:
         spec = backend_spec(PolicyConfig.coerce(config, path="policy").backend)
         n_workers = _world_size(cluster, workers_per_node)
-        # Torch backends run one worker per device, so the mesh must fit the worker count;
-        # a JAX worker owns all of its host's devices, and checks its mesh itself.
+        # A worker per device: the mesh must fit the worker count.  A worker that owns a whole
+        # host: the spec's driver checks (below) count the devices it will see.
         cfg = PolicyConfig.checked(config, n_workers if spec.one_worker_per_device else None)
         self.cfg = absolute_model_paths(cfg)
         layout = spec.layout(self.cfg, n_workers)
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
         self.model_config = preflight_model_checks(self.cfg, tokenizer)
+        problems = spec.driver_checks(self.cfg, self.model_config, cluster, n_workers)
+        if found := [f"{join_path('policy', field)}: {message}" for field, message in problems]:
+            raise ConfigError(found)
         if weights_path is None:  # a resumed run's adapters come from its checkpoint
             check_lora_adapter(self.cfg, self.model_config)
         if weights_path is not None or optimizer_path is not None:
@@ -100,9 +107,13 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             )
         self.tokenizer = tokenizer
         self.cluster = cluster
+        #: The backend's worker class: the driver asks it what a layout refuses before sending work.
+        self.worker_class: type[PolicyWorker] = spec.load_worker()
+        #: Ranks that split each sequence (context parallelism); 1 without.
+        self.context_parallel = layout.axis_size("cp") if layout.has_axis("cp") else 1
         self.worker_group = RayWorkerGroup(
             cluster,
-            spec.load_worker(),
+            self.worker_class,
             self.cfg,
             tokenizer,
             name_prefix=name_prefix,
@@ -114,26 +125,13 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             init_optimizer=init_optimizer,
             init_reference_model=init_reference_model,
         )
+        #: Typed calls on the workers: every one goes through a ``PolicyWorker`` method.
+        self.workers = WorkerCalls(self.worker_group)
         # Surface construction errors (bad model path, OOM, a failed process group) now,
         # with the rank and cause, rather than at the first real call.
-        self._all("is_alive")
+        self.workers.all(PolicyWorker.is_alive)
 
     # ------------------------------------------------------------------ helpers
-    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        group = self.worker_group
-        return group.get_all_worker_results(group.run_all_workers_single_data(method, *args, **kwargs))
-
-    def _sharded(self, method: str, shards: list, **common_kwargs: Any) -> list[Any]:
-        group = self.worker_group
-        future = group.run_all_workers_sharded_data(
-            method,
-            shards,
-            in_sharded_axes=("dp",),
-            replicate_on_axes=("cp", "tp"),
-            output_is_replicated=("cp", "tp"),
-            common_kwargs=common_kwargs,
-        )
-        return group.get_all_worker_results(future)
 
     def _dynamic_args(self, budget_key: str) -> DynamicBatchingArgs | None:
         db = self.cfg.dynamic_batching
@@ -173,17 +171,19 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             self.dp, batch_size=batch_size, dynamic_batching_args=dyn, sequence_packing_args=packing
         )
 
-    def _run_inference(
-        self, method: str, data: BatchedDataDict, pad_values: Mapping[str, Any] | None = None, **kwargs: Any
-    ) -> BatchedDataDict:
-        """Shard ``data`` over dp (padding it to a multiple of dp), run ``method``, reassemble
-        in the caller's order and drop the padding rows."""
+    def _inference_shards(self, data: BatchedDataDict) -> tuple[list[BatchedDataDict], Any, int]:
+        """``data`` checked and sharded over dp for an inference call (padded to a multiple of
+        dp): ``(shards, order, real rows)``; ``order`` as :meth:`_shard` returns it."""
         check_sequence_lengths(data, self.cfg.max_total_sequence_length)
         check_model_inputs(data, self.model_config.vocab_size)
-        real = data.size
-        padded = _pad_rows(data, self.dp)
-        shards, order = self._shard(padded, None, "logprob_mb_tokens")
-        results = self._sharded(method, shards, **kwargs)
+        shards, order = self._shard(_pad_rows(data, self.dp), None, "logprob_mb_tokens")
+        return shards, order, data.size
+
+    @staticmethod
+    def _merged(
+        results: list[BatchedDataDict], order: Any, real: int, pad_values: Mapping[str, Any] | None = None
+    ) -> BatchedDataDict:
+        """The shards' results in the caller's order, without the padding rows."""
         merged: BatchedDataDict[Any] = BatchedDataDict.from_batches(results, pad_value_dict=dict(pad_values or {}))
         if order is not None:
             merged = merged.reorder_data(order)
@@ -193,18 +193,28 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """``{"logprobs": [B, S] float32}`` in the ``get_logprobs`` layout, in input order;
         ``micro_batch_size`` replaces ``policy.logprob_batch_size`` for this call (benchmarks)."""
-        return self._run_inference("get_logprobs", data, micro_batch_size=micro_batch_size)
+        shards, order, real = self._inference_shards(data)
+        results = self.workers.sharded(PolicyWorker.get_logprobs, shards, micro_batch_size=micro_batch_size)
+        return self._merged(results, order, real)
 
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """``{"reference_logprobs": [B, S] float32}`` under the frozen reference weights."""
-        return self._run_inference("get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size)
+        shards, order, real = self._inference_shards(data)
+        results = self.workers.sharded(
+            PolicyWorker.get_reference_policy_logprobs, shards, micro_batch_size=micro_batch_size
+        )
+        return self._merged(results, order, real)
 
     def get_logprobs_and_reference(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """``get_logprobs`` and ``get_reference_policy_logprobs`` in one call to the workers
         (one dispatch, one pass over the batch each): ``{"logprobs", "reference_logprobs"}``."""
-        return self._run_inference("get_logprobs_and_reference", data, micro_batch_size=micro_batch_size)
+        shards, order, real = self._inference_shards(data)
+        results = self.workers.sharded(
+            PolicyWorker.get_logprobs_and_reference, shards, micro_batch_size=micro_batch_size
+        )
+        return self._merged(results, order, real)
 
     def train(
         self,
@@ -224,8 +234,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         gbs = gbs or self.cfg.train_global_batch_size
         mbs = mbs or self.cfg.train_micro_batch_size
         start = time.perf_counter()
-        check_loss_fn(loss_fn)
-        check_one_step_for_fused_old_logprobs(loss_fn, data.size, gbs, eval_mode)
+        contract = check_loss_fn(loss_fn)
+        # A logits-only loss where the layout never holds full logits: refused here, by name,
+        # before any worker call (inside a worker it would come after the step's collectives).
+        contract.refuse_logits_only(self.worker_class.logits_loss_refusal(self.cfg, self.context_parallel))
+        check_one_step_for_fused_old_logprobs(contract, data.size, gbs, eval_mode)
         check_train_batch(data, gbs, mbs, self.dp, self.cfg.max_total_sequence_length, local=False)
         check_model_inputs(data, self.model_config.vocab_size)
         # Only on the driver (the workers trust it): a bad key or shape must not reach the
@@ -236,8 +249,8 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         checked = time.perf_counter()
         shards, _ = self._shard(data, gbs, "train_mb_tokens")
         sharded = time.perf_counter()
-        results: list[TrainResult] = self._sharded(
-            "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+        results = self.workers.sharded(
+            PolicyWorker.train, shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
         )
         worker_s = max(r.worker_s for r in results)
         timing = CallTiming(checked - start, sharded - checked, time.perf_counter() - sharded, worker_s)
@@ -247,13 +260,13 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         return out
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        self._all("prepare_for_training")
+        self.workers.all(PolicyWorker.prepare_for_training)
 
     def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
-        self._all("prepare_for_lp_inference")
+        self.workers.all(PolicyWorker.prepare_for_lp_inference)
 
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
-        self._all("finish_training")
+        self.workers.all(PolicyWorker.finish_training)
 
     def save_checkpoint(
         self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None
@@ -265,15 +278,17 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         sha256 (``core.checkpointing.policy_files``).
         """
         check_save_paths({"weights_path": weights_path, "optimizer_path": optimizer_path})
-        self._all("save_checkpoint", _absolute(weights_path), _absolute(optimizer_path), _absolute(tokenizer_path))
+        self.workers.all(
+            PolicyWorker.save_checkpoint, _absolute(weights_path), _absolute(optimizer_path), _absolute(tokenizer_path)
+        )
 
     def save_hf_checkpoint(self, path: str, save_tokenizer: bool = False) -> None:
         """An HF safetensors checkpoint of the current weights (loads with ``transformers``)."""
         check_writable(path, "save_hf_checkpoint: path")
-        self._all("save_hf_checkpoint", _absolute(path), save_tokenizer)
+        self.workers.all(PolicyWorker.save_hf_checkpoint, _absolute(path), save_tokenizer)
 
     def shutdown(self) -> bool:
-        ok = self.worker_group.shutdown(cleanup_method="shutdown")
+        ok = self.worker_group.shutdown(cleanup_method=protocol_method_name(PolicyWorker.shutdown))
         sweep_stale_segments()  # refit segments of ranks that died without cleaning up
         return ok
 
@@ -287,10 +302,12 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         check_prompt_room(data, self.cfg.max_total_sequence_length)
         if data.get("max_new_tokens") is not None:
             checked_row_limits(data["max_new_tokens"], data.size)
-        return self._run_inference("generate", data, pad_values=pad_values, greedy=greedy)
+        shards, order, real = self._inference_shards(data)
+        results = self.workers.sharded(PolicyWorker.generate, shards, greedy=greedy)
+        return self._merged(results, order, real, pad_values)
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        self._all("prepare_for_lp_inference")
+        self.workers.all(PolicyWorker.prepare_for_lp_inference)
         return True
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
@@ -298,16 +315,16 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
 
     # ------------------------------------------------------------------ colocation / refit
     def offload_before_refit(self) -> None:
-        self._all("offload_before_refit")
+        self.workers.all(PolicyWorker.offload_before_refit)
 
     def offload_after_refit(self) -> None:
-        self._all("offload_after_refit")
+        self.workers.all(PolicyWorker.offload_after_refit)
 
-    def set_refit_part(self, part: str) -> None:
+    def set_refit_part(self, part: RefitPart) -> None:
         """What the next refit streams (``core.refit.manifest.REFIT_PARTS``): every weight
         with LoRA merged (``full``), or for adapter-only refit the unmerged ``base`` / the
         ``adapter``.  The refit driver sets it before each stream."""
-        self._all("set_refit_part", part)
+        self.workers.all(PolicyWorker.set_refit_part, part)
 
     @property
     def refit_token(self) -> str:
@@ -321,7 +338,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     def prepare_refit_info(self) -> dict[str, Any]:
         """HF name -> (full shape, dtype name) of every tensor a refit carries, in the
         generation dtype (``generation.vllm_cfg.precision``, else ``precision``)."""
-        return self._all("refit_manifest")[0].to_info()
+        return self.workers.all(PolicyWorker.refit_manifest)[0].to_info()
 
     def prepare_info_for_collective(self) -> dict[str, Any]:
         return self.prepare_refit_info()
@@ -329,19 +346,19 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
     def prepare_weights_for_ipc(self, _refit_buffer_size_gb: float | None = None) -> list[list[str]]:
         """Start the weight stream on every worker; returns the bucket plan (HF names per bucket,
         each bucket at most ``refit_buffer_size_gb``; a larger tensor travels alone)."""
-        return self._all("prepare_weights_for_ipc", _refit_buffer_size_gb)[0]
+        return self.workers.all(PolicyWorker.prepare_weights_for_ipc, _refit_buffer_size_gb)[0]
 
     def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:
         """Gather the bucket ``keys`` (the next one of the plan) and export it: a shared-memory
         segment on CPU, CUDA IPC handles keyed by GPU UUID on GPU."""
-        handles = [h for h in self._all("get_weights_ipc_handles", keys) if h is not None]
+        handles = [h for h in self.workers.all(PolicyWorker.get_weights_ipc_handles, keys) if h is not None]
         if handles[0].get("kind") == "cuda_ipc":
             return merge_handles(handles)
         return handles[0]
 
     def finish_refit_stream(self) -> None:
         """Release the last exported bucket (after the engine loaded it, or after a failure)."""
-        self._all("finish_refit_stream")
+        self.workers.all(PolicyWorker.finish_refit_stream)
 
     def refit_rendezvous(self) -> tuple[str, int]:
         """Address and a free port on training rank 0's node for the broadcast group."""
@@ -349,28 +366,28 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
 
     def init_collective(self, ip: str, port: int, world_size: int) -> list:
         """Training rank 0 joins the weight-broadcast group as rank 0; returns the futures."""
-        return self.worker_group.run_all_workers_single_data("init_collective", ip, port, world_size)
+        return self.workers.futures(PolicyWorker.init_collective, ip, port, world_size)
 
     def broadcast_weights_for_collective(self, _refit_buffer_size_gb: float | None = None) -> list:
         """Every rank gathers (collectives), rank 0 broadcasts; returns the futures."""
-        return self.worker_group.run_all_workers_single_data("broadcast_weights_for_collective", _refit_buffer_size_gb)
+        return self.workers.futures(PolicyWorker.broadcast_weights_for_collective, _refit_buffer_size_gb)
 
     # ------------------------------------------------------------------ diagnostics
     def start_gpu_profiling(self) -> None:
-        self._all("start_gpu_profiling")
+        self.workers.all(PolicyWorker.start_gpu_profiling)
 
     def stop_gpu_profiling(self) -> list[str | None]:
         """Stop the traces; returns each rank's trace file."""
-        return self._all("stop_gpu_profiling")
+        return self.workers.all(PolicyWorker.stop_gpu_profiling)
 
     def get_gpu_info(self) -> list[dict[str, Any]]:
-        return self._all("get_gpu_info")
+        return self.workers.all(PolicyWorker.get_gpu_info)
 
     def report_device_id(self) -> list[str]:
-        return self._all("report_device_id")
+        return self.workers.all(PolicyWorker.report_device_id)
 
     def reset_peak_memory_stats(self) -> None:
-        self._all("reset_peak_memory_stats")
+        self.workers.all(PolicyWorker.reset_peak_memory_stats)
 
 
 def describe_skipped_steps(result: TrainResult) -> list[str]:
@@ -397,6 +414,12 @@ def _skip_message(result: TrainResult) -> str:
     )
 
 
+@overload
+def _absolute(path: PathLike) -> str: ...
+@overload
+def _absolute(path: None) -> None: ...
+@overload
+def _absolute(path: PathLike | None) -> str | None: ...
 def _absolute(path: PathLike | None) -> str | None:
     """Paths the workers use, resolved on the driver: workers run in their own directory."""
     return None if path is None else os.path.abspath(os.path.expanduser(os.fspath(path)))

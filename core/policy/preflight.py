@@ -19,17 +19,13 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from core.config import join_path
 from core.models.builtin import BUILTIN_MODELS, PREFIX
 from core.policy.config import PolicyConfig
 from core.policy.exact_numerics import check_exact_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
-
-#: The torch optimizers / schedulers the jax_pjit backend reproduces with optax
-#: (``backends.jax_pjit.optim.SUPPORTED_OPTIMIZERS`` / ``SUPPORTED_SCHEDULERS``).
-JAX_OPTIMIZERS = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD")
-JAX_SCHEDULERS = ("torch.optim.lr_scheduler.LinearLR", "torch.optim.lr_scheduler.ConstantLR")
 
 
 def preflight_errors(policy: PolicyConfig) -> list[str]:
@@ -126,13 +122,8 @@ def check_tensor_parallel_fits(model_config: PreTrainedConfig, tp: int, field: s
         raise ValueError(f"{field}={tp} does not divide the model's " + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
 
-def tensor_parallel_field(policy: PolicyConfig) -> tuple[int, str]:
-    """``(size, dotted field)`` of the backend's tensor-parallel size (1 for FSDP1)."""
-    if policy.backend == "torch_dtensor":
-        return policy.dtensor_cfg.tensor_parallel_size, "policy.dtensor_cfg.tensor_parallel_size"
-    if policy.backend == "jax_pjit":
-        return policy.jax_cfg.tensor_parallel_size, "policy.jax_cfg.tensor_parallel_size"
-    return 1, "policy.backend"
+#: The field every backend's tensor-parallel size comes from (what a refusal names).
+TENSOR_PARALLEL_FIELD = "policy.parallel.tensor_parallel_size"
 
 
 def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedConfig:
@@ -146,11 +137,14 @@ def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerB
     except (OSError, ValueError) as err:
         raise ValueError(f"policy.model_name={name!r}: cannot read its HF config: {err}") from err
     check_tokenizer_fits(tokenizer, model_config, name)
-    check_tensor_parallel_fits(model_config, *tensor_parallel_field(policy))
+    check_tensor_parallel_fits(model_config, policy.parallel.tensor_parallel_size, TENSOR_PARALLEL_FIELD)
     check_lora_targets(policy, model_config)
     check_sliding_window_layouts(model_config, policy)
     check_moe_options(model_config, policy)
     check_exact_model(model_config, policy)
+    problems = [f"{join_path('policy', p)}: {m}" for p, m in policy.spec.model_checks(policy, model_config)]
+    if problems:
+        raise ValueError("; ".join(problems))
     return model_config
 
 
@@ -172,28 +166,30 @@ def check_lora_targets(policy: PolicyConfig, model_config: PreTrainedConfig) -> 
 
 
 def check_sliding_window_layouts(model_config: PreTrainedConfig, policy: PolicyConfig) -> None:
-    """Refuse the torch row layouts that would drop a model's sliding window.
+    """Refuse the row layouts that would drop a model's sliding window on a backend whose spec
+    says its packed and context-parallel rows do not keep it (``sliding_window_rows``).
 
-    Packed rows and context-parallel rows reach HF as one explicit 4-D mask, which HF uses
-    as is for every layer (its per-layer-type masks are built only from a 2-D mask), so
-    sliding-window layers (``layer_types`` "sliding_attention", e.g. Gemma 3) would attend
-    past their window.  The JAX model bands its sliding layers by token positions in every
-    layout, so jax_pjit is not refused.
+    The torch backends' packed and context-parallel rows reach HF as one explicit 4-D mask,
+    which HF uses as is for every layer (its per-layer-type masks are built only from a 2-D
+    mask), so sliding-window layers (``layer_types`` "sliding_attention", e.g. Gemma 3) would
+    attend past their window; a backend that bands its sliding layers by token positions in
+    every layout is not refused.
     """
-    if policy.backend == "jax_pjit" or "sliding_attention" not in (getattr(model_config, "layer_types", None) or ()):
+    spec = policy.spec
+    if spec.sliding_window_rows or "sliding_attention" not in (getattr(model_config, "layer_types", None) or ()):
         return
     model_type = getattr(model_config, "model_type", None)
     why = f"model_type {model_type!r} has sliding-window layers (layer_types 'sliding_attention'), which"
     if policy.sequence_packing.enabled:
         raise ValueError(
-            f"policy.sequence_packing.enabled: {why} the {policy.backend} backend's packed rows would attend "
-            "past the window; disable packing (jax_pjit packs them exactly)"
+            f"policy.sequence_packing.enabled: {why} the {spec.name} backend's packed rows would attend "
+            "past the window; disable packing"
         )
-    if policy.backend == "torch_dtensor" and policy.dtensor_cfg.context_parallel_size > 1:
+    cp = policy.parallel.context_parallel_size
+    if cp > 1:
         raise ValueError(
-            f"policy.dtensor_cfg.context_parallel_size={policy.dtensor_cfg.context_parallel_size}: {why} "
-            "context-parallel rows would attend past the window; use context_parallel_size=1 "
-            "(jax_pjit's context parallelism keeps the window)"
+            f"policy.parallel.context_parallel_size={cp}: {why} the {spec.name} backend's context-parallel rows "
+            "would attend past the window; use context_parallel_size=1"
         )
 
 
@@ -202,12 +198,12 @@ def check_moe_options(model_config: PreTrainedConfig, policy: PolicyConfig) -> N
     expert-parallel size that does not divide a MoE's experts."""
     from core.losses.router_aux import moe_top_k
 
-    ep = policy.jax_cfg.expert_parallel_size if policy.backend == "jax_pjit" else 1
+    ep = policy.parallel.expert_parallel_size
     if moe_top_k(model_config) is not None:
         experts = getattr(model_config, "num_experts", None)
         if isinstance(experts, int) and experts % ep:
             raise ValueError(
-                f"policy.jax_cfg.expert_parallel_size={ep} does not divide the model's num_experts={experts} "
+                f"policy.parallel.expert_parallel_size={ep} does not divide the model's num_experts={experts} "
                 "(each expert-parallel rank runs whole experts)"
             )
         return
@@ -215,21 +211,17 @@ def check_moe_options(model_config: PreTrainedConfig, policy: PolicyConfig) -> N
     asked = [
         f"{field}={value}"
         for field, value, on in (
-            ("router_aux_loss_coef", moe.router_aux_loss_coef, bool(moe.router_aux_loss_coef)),
-            ("log_routing_agreement", "true", moe.log_routing_agreement),
-            ("routing_replay.enabled", "true", moe.routing_replay.enabled),
+            ("moe.router_aux_loss_coef", moe.router_aux_loss_coef, bool(moe.router_aux_loss_coef)),
+            ("moe.log_routing_agreement", "true", moe.log_routing_agreement),
+            ("moe.routing_replay.enabled", "true", moe.routing_replay.enabled),
+            ("parallel.expert_parallel_size", ep, ep != 1),
         )
         if on
     ]
-    if policy.backend == "jax_pjit" and policy.jax_cfg.moe_dispatch != "auto":
-        asked.append(f"jax_cfg.moe_dispatch={policy.jax_cfg.moe_dispatch}")
-    if ep != 1:
-        asked.append(f"jax_cfg.expert_parallel_size={ep}")
     if asked:
         model_type = getattr(model_config, "model_type", None)
-        field = asked[0] if asked[0].startswith("jax_cfg.") else f"moe.{asked[0]}"
         raise ValueError(
-            f"policy.{field}: model_type {model_type!r} has no mixture-of-experts router (num_experts_per_tok)"
+            f"policy.{asked[0]}: model_type {model_type!r} has no mixture-of-experts router (num_experts_per_tok)"
         )
 
 
@@ -278,21 +270,23 @@ def _token_id_errors(policy: PolicyConfig) -> list[str]:
 
 # ----------------------------------------------------------------------------- classes
 def _class_errors(policy: PolicyConfig) -> list[str]:
-    """Optimizer and scheduler names resolved the way the configured backend resolves them:
-    the torch backends import the dotted path; jax_pjit accepts only the classes it reproduces."""
-    named: list[tuple[str, str, tuple[str, ...]]] = []
+    """Optimizer and scheduler names resolved the way the configured backend resolves them: a
+    backend whose spec lists the classes it maps (``optimizers`` / ``schedulers``) accepts only
+    those; the others import the dotted path."""
+    spec = policy.spec
+    named: list[tuple[str, str, tuple[str, ...] | None]] = []
     if policy.optimizer is not None:
-        named.append(("policy.optimizer.name", policy.optimizer.name, JAX_OPTIMIZERS))
+        named.append(("policy.optimizer.name", policy.optimizer.name, spec.optimizers))
     for i, entry in enumerate(policy.scheduler or []):
         if entry.name is not None:
-            named.append((f"policy.scheduler[{i}].name", entry.name, JAX_SCHEDULERS))
+            named.append((f"policy.scheduler[{i}].name", entry.name, spec.schedulers))
     errors = []
-    for path, name, jax_names in named:
-        if policy.backend == "jax_pjit":
+    for path, name, mapped in named:
+        if mapped is not None:
             problem = (
                 None
-                if name in jax_names
-                else f"{name!r} is not supported by the jax_pjit backend; choose among {list(jax_names)}"
+                if name in mapped
+                else f"{name!r} is not supported by the {spec.name} backend; choose among {list(mapped)}"
             )
         else:
             problem = import_error(name)
@@ -302,8 +296,8 @@ def _class_errors(policy: PolicyConfig) -> list[str]:
 
 
 def import_error(path: str) -> str | None:
-    """Why ``"pkg.module.Name"`` cannot be imported (None when it can): the torch backends'
-    ``import_object`` rule, run on the driver."""
+    """Why ``"pkg.module.Name"`` cannot be imported (None when it can): the rule of a backend
+    that imports its classes by path (``import_object``), run on the driver."""
     module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         return f"{path!r} is not a dotted import path like 'torch.optim.AdamW'"

@@ -1,71 +1,113 @@
-"""The one place that maps ``policy.backend`` to a worker class and a worker layout.
+"""The one place that maps ``policy.backend`` to a :class:`~core.policy.backend_spec.BackendSpec`.
 
-Worker classes are imported lazily: choosing ``torch_fsdp`` must not import jax, and the
-driver process never needs to import a backend at all until it starts one.
+Backends register by package entry point, group ``dualrl.backends``: ``NAME = module:SPEC``,
+where ``module.SPEC`` is the backend's spec object.  The built-in backends are declared that
+way in the repository's ``pyproject.toml``, exactly as an outside package declares its own;
+core names none of them.  An installed distribution's metadata can predate its source tree (an
+editable install made before the table changed), so the table is also read from the
+``pyproject.toml`` of the checkout core itself was imported from; the installed metadata wins
+where both name a backend.  :func:`register_backend` adds a spec at run time (a notebook, a
+test).
+
+Names are listed from the entry points alone (the CLI's ``--backend`` choices import nothing);
+a spec module is imported on its first lookup.  A spec that cannot be imported is reported when
+it is asked for by name, and does not stop the other backends from validating.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib.metadata
+import tomllib
+from pathlib import Path
 
-from core.distributed import WorkerLayout
-from core.policy.config import BACKENDS, PolicyConfig
+from core.policy.backend_spec import BackendSpec
 
+#: The entry point group backends register in.
+ENTRY_POINT_GROUP = "dualrl.backends"
 
-@dataclass(frozen=True)
-class BackendSpec:
-    """How to run one backend: where its worker class lives and how ranks map to axes."""
-
-    worker: str  # "package.module:ClassName", imported on first use
-    layout: Callable[[PolicyConfig, int], WorkerLayout]  # (policy config, n workers) -> layout
-    one_worker_per_device: bool = True  # False: one worker per host owning all its devices (JAX)
-    #: ``save_checkpoint``'s on-disk format (the manifest's ``identity.format``) and the files
-    #: an optimizer checkpoint must hold besides the shards: checked on the driver at load.
-    checkpoint_format: str = "torch-dcp"
-    optimizer_files: tuple[str, ...] = ("scheduler_and_step.pt",)
-
-    def load_worker(self) -> type:
-        module_name, _, cls_name = self.worker.partition(":")
-        return getattr(importlib.import_module(module_name), cls_name)
+_REGISTERED: dict[str, BackendSpec] = {}
+_LOADED: dict[str, BackendSpec] = {}
 
 
-def torch_layout(policy_cfg: PolicyConfig, world_size: int) -> WorkerLayout:
-    """One rank per device; axes (dp, cp, tp) row-major, the same order as the device mesh."""
-    dims = policy_cfg.parallel_dims(world_size)
-    return WorkerLayout({"dp": dims.dp, "cp": dims.cp, "tp": dims.tp})
+class BackendNotFound(ValueError):
+    """``policy.backend`` names no registered backend, or its spec cannot be loaded."""
 
 
-def host_layout(policy_cfg: PolicyConfig, n_workers: int) -> WorkerLayout:
-    """One worker per host, each a data-parallel rank of the driver's sharding: the host's
-    rows are then split over its local devices inside the worker's mesh."""
-    return WorkerLayout({"dp": n_workers})
+def register_backend(spec: BackendSpec) -> None:
+    """Add (or replace) the backend ``spec.name``, ahead of any entry point of that name."""
+    if not isinstance(spec, BackendSpec):
+        raise TypeError(f"register_backend expects a BackendSpec, got {type(spec).__name__}")
+    _REGISTERED[spec.name] = spec
 
 
-_REGISTRY: dict[str, BackendSpec] = {
-    "torch_fsdp": BackendSpec("backends.torch_fsdp.worker:FSDP1PolicyWorker", torch_layout),
-    "torch_dtensor": BackendSpec("backends.torch_dtensor.worker:DTensorPolicyWorker", torch_layout),
-    "jax_pjit": BackendSpec(
-        "backends.jax_pjit.worker:JaxPolicyWorker",
-        host_layout,
-        one_worker_per_device=False,
-        checkpoint_format="orbax",
-        optimizer_files=(),
-    ),
-}
+def unregister_backend(name: str) -> None:
+    """Remove a backend added with :func:`register_backend` (entry points stay)."""
+    _REGISTERED.pop(name, None)
 
 
-def register_backend(name: str, spec: BackendSpec) -> None:
-    """Add (or replace) a backend; ``name`` must be one of the config's ``BACKENDS``."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend {name!r} is not one of {BACKENDS}; add it to core.policy.config.BACKENDS first")
-    _REGISTRY[name] = spec
+def backend_names() -> list[str]:
+    """Every backend name, declared by an entry point (in declaration order: the built-ins as
+    pyproject.toml lists them, then installed plug-ins) or registered; no spec is imported."""
+    return list(dict.fromkeys([*_entry_points(), *_REGISTERED]))
 
 
 def backend_spec(name: str) -> BackendSpec:
-    if name not in _REGISTRY:
-        known = sorted(_REGISTRY)
-        missing = "" if name not in BACKENDS else " (declared in the config schema but not implemented yet)"
-        raise ValueError(f"policy.backend={name!r} has no registered worker{missing}; available: {known}")
-    return _REGISTRY[name]
+    """The spec of backend ``name``; :class:`BackendNotFound` naming the known ones otherwise."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name in _LOADED:
+        return _LOADED[name]
+    points = _entry_points()
+    if name not in points:
+        _entry_points.cache_clear()  # a plug-in may have been installed since the last look
+        points = _entry_points()
+    if name not in points:
+        raise BackendNotFound(f"{name!r} is not a registered backend; known: {backend_names()}")
+    _LOADED[name] = _load(name, points[name])
+    return _LOADED[name]
+
+
+def all_specs() -> list[BackendSpec]:
+    """The specs of every backend that loads (one that does not is reported by name when asked for)."""
+    specs = []
+    for name in backend_names():
+        try:
+            specs.append(backend_spec(name))
+        except BackendNotFound:
+            continue
+    return specs
+
+
+def _load(name: str, target: str) -> BackendSpec:
+    where = f"entry point {name} = {target} (group {ENTRY_POINT_GROUP})"
+    module_name, _, attr = target.partition(":")
+    try:
+        spec = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise BackendNotFound(f"backend {name!r}: cannot load its spec, {where}: {err}") from err
+    if not isinstance(spec, BackendSpec) or spec.name != name:
+        raise BackendNotFound(f"backend {name!r}: {where} is not the BackendSpec named {name!r}, got {spec!r}")
+    return spec
+
+
+@functools.cache
+def _entry_points() -> dict[str, str]:
+    """``{name: "module:attr"}`` of the group: the checkout's table, then the installed ones."""
+    points = dict(_checkout_entry_points())
+    points.update({ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+    return points
+
+
+def _checkout_entry_points() -> dict[str, str]:
+    """The group as the ``pyproject.toml`` beside ``core/`` declares it (a source checkout)."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    if project.get("name") != "dualrl":
+        return {}
+    table = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
+    return {str(k): str(v) for k, v in table.items()}

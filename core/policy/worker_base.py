@@ -1,199 +1,148 @@
-"""``PolicyWorkerBase``: what every backend's policy worker does the same way.
+"""``PolicyWorkerBase``: the skeleton every backend's policy worker shares, written once.
 
-Construction arguments (the seeds' worker signature), the sampling temperature both
-``get_logprobs`` and ``train`` apply, the tokenizer copy saved with checkpoints, the reference
-logprobs, the step's one host read and the shape of ``train``'s result, the profile
-directory and the liveness probe.  Engine-specific work stays in the backends.
+It implements the driver's contract (``core.policy.worker_protocol.PolicyWorker``) from small
+mixins, one concern each, that call the engine's hooks:
 
-Both workers' ``train`` has the same shape, helper for helper:
+* :mod:`core.policy.worker_training`   -- ``train`` and ``_train_global_batch`` (micro-batch
+  loop, optimizer step, the step's one host read);
+* :mod:`core.policy.worker_inference`  -- ``get_logprobs`` (with routed experts), the reference
+  passes, ``generate``'s argument preparation;
+* :mod:`core.policy.worker_offload`    -- the four placement states;
+* :mod:`core.policy.worker_checkpoint` -- save / load, the HF export and its PEFT adapter;
+* :mod:`core.policy.worker_refit`      -- the LoRA adapter refit stream (the weight stream
+  itself is :class:`core.refit.sender.RefitSender`);
+* :mod:`core.policy.worker_diagnostics` -- profiling and shutdown.
 
-* ``train`` -- checks, then one ``_train_global_batch`` per global batch in the data (the
-  global-batch loop), then the learning-rate schedule; ``_train_steps_result`` assembles
-  the result from the steps' :class:`StepResult` values;
-* ``_train_global_batch`` -- the global counts, ``_run_micro_batches`` (the micro-batch loop:
-  forward and backward of each micro batch, metrics kept on the device),
-  ``_optimizer_step`` (apply or skip the step) and ``_read_step`` (the step's one host read).
+This module adds construction (the seeds' worker signature), the sampling temperature both
+``get_logprobs`` and ``train`` apply, and the input checks a worker repeats for a caller that
+went past the driver.  Each backend's worker class
+supplies the hooks: forward and backward, the optimizer step, full-weight gathers, device
+moves, its checkpoint format, its profiler.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+import abc
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from core.interfaces import TrainResult
-from core.losses.metrics import MicroBatchMetrics, read_once, whole_batch_metrics
 from core.policy.checks import check_loss_fn, check_model_inputs, check_sequence_lengths, check_train_batch
 from core.policy.config import PolicyConfig
-from core.refit.sender import RefitSender
+from core.policy.worker_checkpoint import LORA_ADAPTER_DIR, WorkerCheckpoint
+from core.policy.worker_diagnostics import WorkerDiagnostics
+from core.policy.worker_inference import WorkerInference
+from core.policy.worker_offload import WorkerOffload
+from core.policy.worker_refit import WorkerAdapterRefit
+from core.policy.worker_training import (
+    CallT,
+    StepResult,
+    TrainCall,
+    WorkerTraining,
+    reports_worker_seconds,
+    step_skip_reason,
+)
 
 if TYPE_CHECKING:
-    from core.data import BatchedDataDict
+    from core.losses.router_aux import RouterAux
 
 REFERENCE_MISSING = "this policy was built with init_reference_model=False: no reference weights"
 OPTIMIZER_MISSING = "train() needs an optimizer: this policy was built with init_optimizer=False"
-#: With policy.lora, the HF export's subdirectory holding the PEFT adapter (not the export
-#: directory itself: transformers would then load the adapter on top of the merged weights).
-LORA_ADAPTER_DIR = "lora_adapter"
+
+__all__ = [
+    "LORA_ADAPTER_DIR",
+    "OPTIMIZER_MISSING",
+    "REFERENCE_MISSING",
+    "PolicyWorkerBase",
+    "StepResult",
+    "TrainCall",
+    "reports_worker_seconds",
+    "step_skip_reason",
+]
 
 
-_Train = TypeVar("_Train", bound=Callable[..., TrainResult])
-
-
-def reports_worker_seconds(train: _Train) -> _Train:
-    """Decorates a worker's ``train``: its result carries the seconds the call took on this
-    rank (``TrainResult.worker_s``), from which the driver tells compute from dispatch."""
-
-    @functools.wraps(train)
-    def timed(*args: Any, **kwargs: Any) -> TrainResult:
-        start = time.perf_counter()
-        result = train(*args, **kwargs)
-        return replace(result, worker_s=time.perf_counter() - start)
-
-    return timed  # type: ignore[return-value]  # same signature: functools.wraps
-
-
-class StepResult(NamedTuple):
-    """One optimizer step of ``train``, as read on the host (``_train_global_batch``'s result)."""
-
-    loss: float
-    grad_norm: float
-    metrics: dict[str, float]  # whole-batch value of every loss metric
-    skip_reason: str | None  # None: the step was applied; else a core.interfaces.SKIP_REASONS key
-    mb_metrics: dict[str, list[float]]  # this rank's per-micro-batch values ({}: another rank reports them)
-
-
-class PolicyWorkerBase(RefitSender):
-    """Base of ``TorchPolicyWorker`` and ``JaxPolicyWorker``; the refit methods come from
+class PolicyWorkerBase(
+    WorkerTraining[CallT],
+    WorkerInference,
+    WorkerOffload,
+    WorkerCheckpoint,
+    WorkerDiagnostics,
+    WorkerAdapterRefit,
+):
+    """Base of every backend's policy worker; the refit methods come from
     ``RefitSender`` on top of each backend's ``iter_full_weights``."""
 
     rank: int = 0
+    hf_config: Any  # the model's transformers config, set by the backend's constructor
+    router_aux: RouterAux | None = None
 
-    if TYPE_CHECKING:  # what every backend's worker defines (used by the shared methods below)
-
-        def use_reference_model(self) -> contextlib.AbstractContextManager[None]: ...
-
-        def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict: ...
-
-    def __init__(self, config: PolicyConfig | Mapping[str, Any], tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig | Mapping[str, Any],
+        tokenizer: Any = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        **options: Any,
+    ) -> None:
+        """Args mirror NeMo RL's workers: ``config`` is the ``policy`` section, ``tokenizer`` an HF
+        tokenizer; ``weights_path`` / ``optimizer_path`` resume from the backend's checkpoint
+        (``options["checkpoint_verified"]``: the Policy verified its checksums on the driver)."""
         self.cfg = PolicyConfig.coerce(config, path="policy")
         self.tokenizer = tokenizer
         # The distribution generation samples from: applied identically by get_logprobs and train.
         self.temperature = self.cfg.generation.temperature if self.cfg.generation is not None else 1.0
+        self.train_step = 0
+        self._build(bool(weights_path), init_optimizer, init_reference_model)
+        if weights_path:
+            self.load_checkpoint(weights_path, optimizer_path, checksums=not options.get("checkpoint_verified", False))
+
+    @abc.abstractmethod
+    def _build(self, resume: bool, init_optimizer: bool, init_reference_model: bool) -> None:
+        """Join the engine's runtime, load and shard the model, build the optimizer and keep
+        the reference weights; ``resume``: a checkpoint follows (LoRA adapters come from it)."""
 
     def is_alive(self) -> bool:
         return True
 
+    # ------------------------------------------------------------------ what the engine says of itself
+    @classmethod
+    @abc.abstractmethod
+    def logits_loss_refusal(cls, cfg: PolicyConfig, context_parallel: int) -> str | None:
+        """Why a loss without ``loss_from_logprobs`` cannot train with ``cfg``; None when it can."""
+
+    @property
+    @abc.abstractmethod
+    def _data_parallel_size(self) -> int:
+        """How many workers the driver's rows are sharded over (a global batch's divisor)."""
+
+    @property
+    def _context_parallel_size(self) -> int:
+        """Ranks that split each sequence (1 without context parallelism)."""
+        return 1
+
+    @property
+    @abc.abstractmethod
+    def _has_optimizer(self) -> bool:
+        """Whether this worker was built with an optimizer (``init_optimizer``)."""
+
+    # ------------------------------------------------------------------ input checks
     # The driver's checks again, for a caller that went past it; callers run these inside
     # ``before_collectives()`` so that a failure here leaves the group usable.
-    def _check_batch(self, data: Mapping[str, Any], vocab_size: int) -> None:
+    def _check_batch(self, data: Mapping[str, Any]) -> None:
         """``get_logprobs`` / ``generate`` input: lengths within the limit, ids and masks valid."""
         check_sequence_lengths(data, self.cfg.max_total_sequence_length)
-        check_model_inputs(data, vocab_size)
+        check_model_inputs(data, self.hf_config.vocab_size)
 
-    def _check_train_call(
-        self,
-        data: Mapping[str, Any],
-        loss_fn: Any,
-        gbs: int,
-        mbs: int,
-        dp: int,
-        vocab_size: int,
-        eval_mode: bool,
-        has_optimizer: bool,
-    ) -> int:
-        """``train`` input; returns this rank's rows per global batch."""
-        local_gbs = check_train_batch(data, gbs, mbs, dp, self.cfg.max_total_sequence_length)
-        check_model_inputs(data, vocab_size)
-        check_loss_fn(loss_fn)
-        if not eval_mode and not has_optimizer:
+    def _check_train_call(self, data: Mapping[str, Any], loss_fn: Any, gbs: int, mbs: int, eval_mode: bool) -> int:
+        """``train`` input, the loss's fit to this layout included; returns this rank's rows
+        per global batch."""
+        local_gbs = check_train_batch(data, gbs, mbs, self._data_parallel_size, self.cfg.max_total_sequence_length)
+        check_model_inputs(data, self.hf_config.vocab_size)
+        contract = check_loss_fn(loss_fn)
+        contract.refuse_logits_only(self.logits_loss_refusal(self.cfg, self._context_parallel_size))
+        if not eval_mode and not self._has_optimizer:
             raise RuntimeError(OPTIMIZER_MISSING)
+        field = "policy.train_micro_batch_size" if mbs == self.cfg.train_micro_batch_size else "mbs"
+        self._check_micro_batch_split(mbs, field)
         return local_gbs
-
-    def get_reference_policy_logprobs(self, data: Any, micro_batch_size: int | None = None) -> Any:
-        """``get_logprobs`` under the reference weights (``use_reference_model``), as
-        ``{"reference_logprobs": [B, S]}``."""
-        from core.data import BatchedDataDict
-
-        with self.use_reference_model():
-            out = self.get_logprobs(data, micro_batch_size)
-        return BatchedDataDict(reference_logprobs=out["logprobs"])
-
-    def get_logprobs_and_reference(self, data: Any, micro_batch_size: int | None = None) -> Any:
-        """``get_logprobs`` then ``get_reference_policy_logprobs`` in one call: one dispatch
-        from the driver, each pass over the batch once; ``{"logprobs", "reference_logprobs"}``."""
-        out = self.get_logprobs(data, micro_batch_size)
-        out["reference_logprobs"] = self.get_reference_policy_logprobs(data, micro_batch_size)["reference_logprobs"]
-        return out
-
-    def finish_training(self, *args: Any, **kwargs: Any) -> None:
-        pass  # nothing to release: training state stays resident until offloaded
-
-    @staticmethod
-    def _profile_root() -> Path:
-        """Where profiler traces go: ``$DUALRL_PROFILE_DIR`` (default ``./profiles``), absolute."""
-        return Path(os.environ.get("DUALRL_PROFILE_DIR", "profiles")).resolve()
-
-    def _peft_config(self) -> dict[str, Any]:
-        """``adapter_config.json`` of this policy's adapters (``policy.lora``)."""
-        from core.models.lora import peft_adapter_config
-
-        lora = self.cfg.lora
-        return peft_adapter_config(
-            self.cfg.model_name, lora.rank, lora.alpha, lora.dropout, lora.targets, lora.use_rslora
-        )
-
-    def _save_tokenizer(self, tokenizer_path: str | None) -> None:
-        """Rank 0 writes the tokenizer files next to a checkpoint."""
-        if tokenizer_path is not None and self.rank == 0 and self.tokenizer is not None:
-            self.tokenizer.save_pretrained(tokenizer_path)
-
-    @staticmethod
-    def _read_step(
-        collected: MicroBatchMetrics, totals: Any, table: Any, *extra: Any
-    ) -> tuple[dict[str, float], dict[str, list[float]], list[list[float]]]:
-        """The step's one host read (``core.losses.metrics.read_once``): ``totals`` [keys] and
-        ``table`` [micro batches, keys] of ``collected``, together with ``extra`` arrays (counts,
-        gradient norm, skip flag).  Returns the whole-batch metrics, the per-micro-batch
-        metrics and each extra array's values."""
-        total_values, mb_values, *extra_values = read_once(totals, table, *extra)
-        metrics = whole_batch_metrics(dict(zip(collected.keys, total_values, strict=True)))
-        return metrics, collected.per_micro_batch(mb_values), extra_values
-
-    @staticmethod
-    def _train_steps_result(results: Sequence[StepResult], lr: float | None) -> TrainResult:
-        """``train``'s return value from its steps, in order (this rank's micro batches)."""
-        all_mb: dict[str, list[float]] = {}
-        for r in results:
-            for k, values in r.mb_metrics.items():
-                all_mb.setdefault(k, []).extend(values)
-        keys = sorted(results[0].metrics) if results else []
-        return TrainResult(
-            loss=[r.loss for r in results],
-            grad_norm=[r.grad_norm for r in results],
-            metrics={k: [r.metrics[k] for r in results] for k in keys},
-            skip_reasons=[r.skip_reason for r in results],
-            lr=lr,
-            all_mb_metrics=all_mb,
-        )
-
-
-def step_skip_reason(global_seqs: float, global_toks: float, loss: float, grad_norm: float) -> str | None:
-    """Whether an optimizer step must be skipped, from *globally reduced* values (so every
-    rank decides the same): no valid sequence / token in the global batch, a non-finite
-    global loss, or a non-finite global gradient norm.  None: apply the step; else the
-    ``core.interfaces.SKIP_REASONS`` key."""
-    import math
-
-    if not (global_seqs > 0 and global_toks > 0):
-        return "no_valid_tokens"
-    if not math.isfinite(loss):
-        return "non_finite_loss"
-    if not math.isfinite(grad_norm):
-        return "non_finite_grad_norm"
-    return None

@@ -66,9 +66,11 @@ def refit_policy_generation(
     transport: Transport = "ipc",
     refit_buffer_size_gb: float | None = None,
     offload: bool = False,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = None,
 ) -> RefitStats:
     """Make ``generation`` serve ``policy``'s current weights; returns timing and volume.
+    ``timeout_s``: how long the engines' side of a collective refit may take (None: the
+    engine's own call time-out, ``policy.generation.vllm_cfg.call_timeout_s``).
 
     ``offload=True`` (colocated placement) frees the policy's optimizer state before and its
     weights after the refit, and wakes a sleeping GPU engine in two steps (weights, then KV
@@ -83,7 +85,8 @@ def refit_policy_generation(
     if offload:
         policy.offload_before_refit()
         generation.prepare_for_generation(tags=["weights"])  # a sleeping GPU engine needs its weight memory back
-    moved = [_refit_part(policy, generation, part, transport, refit_buffer_size_gb, timeout_s) for part in parts]
+    wait_s = generation.call_timeout_s if timeout_s is None else timeout_s
+    moved = [_refit_part(policy, generation, part, transport, refit_buffer_size_gb, wait_s) for part in parts]
     if mode == "adapter":
         generation.base_weights_of = policy.refit_token
     if offload:
@@ -154,15 +157,18 @@ def _refit_collective(
     _wait_both(policy, generation, sending, receiving, timeout_s)
 
 
-def ensure_collective(policy: Policy, generation: VllmGeneration, timeout_s: float = 600.0) -> None:
-    """Form the broadcast group once per (policy, generation) pair."""
+def ensure_collective(policy: Policy, generation: VllmGeneration, timeout_s: float | None = None) -> None:
+    """Form the broadcast group once per (policy, generation) pair (``timeout_s`` None: the
+    engine's call time-out)."""
     if getattr(policy, "_refit_peer", None) is generation:
         return
     ip, port = policy.refit_rendezvous()
     world = 1 + generation.num_engines * generation.workers_per_engine
     joins_policy = policy.init_collective(ip, port, world)
     joins_engine = generation.init_collective(ip, port, world)
-    _wait_both(policy, generation, joins_policy, joins_engine, timeout_s)
+    _wait_both(
+        policy, generation, joins_policy, joins_engine, generation.call_timeout_s if timeout_s is None else timeout_s
+    )
     policy._refit_peer = generation
 
 

@@ -2,7 +2,8 @@
 
 A backend contributes one thing: ``iter_full_weights(dtype)``, a generator of
 ``(hf_name, full tensor)`` in manifest order, called on *every* rank because gathering a
-full tensor is a collective (FSDP1 state dict, DTensor ``full_tensor()``, JAX device_get).
+full tensor is a collective (a sharded state dict, a distributed tensor's ``full_tensor()``, a
+JAX device_get).
 Everything else -- the bucket plan, packing, the transports, which rank ships -- lives here.
 
 Training rank 0 ships on CPU (one shared-memory segment or one broadcast serves every

@@ -77,6 +77,9 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
     # Qwen3-MoE: 8 experts of width 32, 2 per token (renormalised); layer 0 dense
     # (mlp_only_layers), layer 1 sparse.  tp 2 / fsdp 4 or 8 divide the experts.
     "qwen3_moe": _QWEN3_MOE,
+    # The same with 4 experts: fsdp 8 (the default JAX layout on 8 devices) does not divide
+    # them, so the JAX backend stores each expert kernel split along its model dimension.
+    "qwen3_moe_4e": dict(_QWEN3_MOE, num_experts=4),
     # Llama with the output projection tied to the input embedding.
     "llama_tied": dict(
         family="llama",

@@ -38,9 +38,9 @@ SMALL_RUN = [
 ]
 LAYOUTS = {
     "torch_fsdp": [],
-    "torch_dtensor": ["policy.dtensor_cfg.tensor_parallel_size=2"],
+    "torch_dtensor": ["policy.parallel.tensor_parallel_size=2"],
     # The test session's JAX actors see 8 XLA host devices (tests/conftest.py): fsdp 4 x tp 2.
-    "jax_pjit": ["policy.jax_cfg.tensor_parallel_size=2"],
+    "jax_pjit": ["policy.parallel.tensor_parallel_size=2"],
 }
 SEPARATE_ENGINE = [
     "policy.generation.colocated.enabled=false",

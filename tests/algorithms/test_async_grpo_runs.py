@@ -45,7 +45,7 @@ def _train_rows(run) -> list[dict]:
 
 def _run(tmp_path_factory, name: str, backend: str, *overrides: str):
     run_dir = tmp_path_factory.mktemp(name)
-    return run_grpo(grpo_config(run_dir, backend, *THREE_STEPS, *overrides), log=lambda _msg: None)
+    return run_grpo(grpo_config(run_dir, backend, *THREE_STEPS, *overrides))
 
 
 def _compared(row: dict) -> dict:

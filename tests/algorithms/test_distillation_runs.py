@@ -27,7 +27,7 @@ CASES = [("torch_fsdp", "reward"), ("jax_pjit", "loss"), ("torch_dtensor", "rewa
 @pytest.mark.parametrize("backend, mode", CASES)
 def test_two_steps_with_the_student_as_its_own_teacher(ray_session, builtin_cache, tmp_path_factory, backend, mode):
     run_dir = tmp_path_factory.mktemp(f"distill-{backend}-{mode}")
-    run = run_grpo(grpo_config(run_dir, backend, *TEACHER, *MODES[mode]), log=lambda _msg: None)
+    run = run_grpo(grpo_config(run_dir, backend, *TEACHER, *MODES[mode]))
     rows = [r for r in run.logger.history if r["split"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
     first = rows[0]

@@ -31,7 +31,7 @@ COMPARED = (
 def test_eval_of_a_checkpoint_repeats_the_runs_validation(ray_session, builtin_cache, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("grpo-eval")
     overrides = ("grpo.max_num_steps=1", "checkpointing.enabled=true", "grpo.val_pass_at_k=[1,2]")
-    run = run_grpo(grpo_config(run_dir, "torch_fsdp", *overrides), log=lambda _m: None)
+    run = run_grpo(grpo_config(run_dir, "torch_fsdp", *overrides))
     (val,) = [row for row in run.logger.history if row["split"] == "val"]
     out = run_dir / "eval"
     assert main(["eval", "--checkpoint", str(run_dir / "ckpt"), "--out", str(out)]) == 0

@@ -97,7 +97,7 @@ def test_resume_from_another_backend(builtin_cache, tmp_path, capsys):
 
     cfg = load_config(GRPO_DEFAULT_CONFIG_PATH, SMALL_RUN, backend="jax_pjit", schema=GRPORunConfig)
     _, val = build_prompt_datasets(cfg.data, cfg.env.arithmetic, char_tokenizer(), num_val=8, seed=cfg.grpo.seed)
-    resolved = resolve_model(cfg, [val[i].metadata["raw_prompt"] for i in range(len(val))], log=lambda _m: None)
+    resolved = resolve_model(cfg, [val[i].metadata["raw_prompt"] for i in range(len(val))])
     manager = CheckpointManager(
         {"enabled": True, "checkpoint_dir": str(tmp_path / "ck"), "save_period": 1, "keep_top_k": None},
         identity=run_identity("grpo", cfg, resolved),

@@ -29,7 +29,7 @@ def _train_rows(run):
 
 def _run(tmp_path_factory, name: str, backend: str, *overrides: str):
     run_dir = tmp_path_factory.mktemp(name)
-    run = run_grpo(grpo_config(run_dir, backend, *overrides), log=lambda _msg: None)
+    run = run_grpo(grpo_config(run_dir, backend, *overrides))
     return run, run_dir
 
 
@@ -112,7 +112,7 @@ def test_resume_repeats_the_next_step(ray_session, builtin_cache, tmp_path_facto
 
     from core.algorithms.commands import run_grpo as rerun
 
-    resumed = rerun(grpo_config(run_dir, "torch_fsdp", *ckpt, "checkpointing.resume=true"), log=lambda _m: None)
+    resumed = rerun(grpo_config(run_dir, "torch_fsdp", *ckpt, "checkpointing.resume=true"))
     assert resumed.start_step == 1
     again = _train_rows(resumed)
     assert [r["step"] for r in again] == [2]

@@ -24,7 +24,7 @@ MOE_CONFIG_OVERRIDES = (
     "policy.train_micro_batch_size=2",
 )
 #: torch tensor parallelism has no Qwen3-MoE plan: the DTensor run is dp only (FSDP2).
-BACKEND_OVERRIDES = {"torch_fsdp": (), "torch_dtensor": ("policy.dtensor_cfg.tensor_parallel_size=1",), "jax_pjit": ()}
+BACKEND_OVERRIDES = {"torch_fsdp": (), "torch_dtensor": ("policy.parallel.tensor_parallel_size=1",), "jax_pjit": ()}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def moe_runs(ray_session, builtin_cache, tmp_path_factory):
     for backend, extra in BACKEND_OVERRIDES.items():
         run_dir = tmp_path_factory.mktemp(f"moe-{backend}")
         cfg = grpo_config(run_dir, backend, *MOE_CONFIG_OVERRIDES, *extra, path=path)
-        run = run_grpo(cfg, log=lambda _msg: None)
+        run = run_grpo(cfg)
         runs[backend] = [r for r in run.logger.history if r["split"] == "train"]
     return runs
 

@@ -51,7 +51,7 @@ def _train_rows(run):
 
 def _run(tmp_path_factory, name, *overrides):
     run_dir = tmp_path_factory.mktemp(name)
-    return run_grpo(grpo_config(run_dir, "torch_fsdp", *MULTI_TURN, *overrides), log=lambda _msg: None)
+    return run_grpo(grpo_config(run_dir, "torch_fsdp", *MULTI_TURN, *overrides))
 
 
 @pytest.mark.parametrize("backend", ["torch_fsdp", "torch_dtensor", "jax_pjit"])
@@ -60,7 +60,7 @@ def test_tool_arithmetic_two_steps(ray_session, builtin_cache, tmp_path_factory,
     # builtin:arithmetic-llama-tools (built once per session: its warm start is ~300 SFT steps)
     # calls the calculator in some episodes at step 0, so rewards differ within groups
     config = grpo_config(tmp_path_factory.mktemp(f"tool-arith-{backend}"), backend, path=TOOL_ARITHMETIC)
-    run = run_grpo(config, log=lambda _msg: None)
+    run = run_grpo(config)
     rows = _train_rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

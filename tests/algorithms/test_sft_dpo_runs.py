@@ -71,7 +71,7 @@ def config(algorithm: str, run_dir: Path, backend: str, *overrides: str):
 def run_algorithm(algorithm: str, cfg):
     from core.algorithms.commands import run_dpo, run_sft
 
-    return (run_sft if algorithm == "sft" else run_dpo)(cfg, log=lambda _line: None)
+    return (run_sft if algorithm == "sft" else run_dpo)(cfg)
 
 
 def train_rows(run):

@@ -26,7 +26,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks.lib.layouts import Layout, parse_layout
+from benchmarks.lib.layouts import Layout, apply_settings, parse_layout
+from core.interfaces import LossType
+from core.losses import NLLLoss
+from core.policy.worker_protocol import PolicyWorker
 from core.testing.tiny_models import random_batch
 from tests.torch_backends.conftest import SEQ, VOCAB, policy_config
 
@@ -79,29 +82,19 @@ def layout_config(layout: str | Layout, model_dir: Path, **overrides: Any) -> di
     """The test policy config (``policy_config``) on ``layout``: backend, parallel sizes,
     context parallel with its sequence multiple, packing, compile; ``overrides`` last."""
     lay = parse_layout(layout) if isinstance(layout, str) else layout
-    if lay.is_jax and lay.devices != JAX_HOST_DEVICES:
+    if lay.per_host and lay.devices != JAX_HOST_DEVICES:
         raise ValueError(
             f"layout {lay.name!r} is a mesh of {lay.devices} devices; the test session's JAX worker owns "
             f"{JAX_HOST_DEVICES} (tests/conftest.py XLA_FLAGS)"
         )
-    cfg = policy_config(model_dir, lay.backend, tp=1 if lay.is_jax else lay.tp, sp=lay.sp)
-    if lay.is_jax:
-        cfg["jax_cfg"].update(fsdp_size=lay.dp, tensor_parallel_size=lay.tp, context_parallel_size=lay.cp)
-        if lay.ep:
-            cfg["jax_cfg"]["expert_parallel_size"] = lay.dp
-    elif lay.backend == "torch_dtensor":
-        cfg["dtensor_cfg"].update(context_parallel_size=lay.cp, compile=lay.compiled)
-    if lay.cp > 1:
-        cfg["make_sequence_length_divisible_by"] = lay.sequence_multiple
-    if lay.packed:
-        cfg["sequence_packing"]["enabled"] = True
+    cfg = apply_settings(policy_config(model_dir, lay.backend), lay.policy_settings())
     for key, value in overrides.items():
         cfg[key] = value
     return cfg
 
 
 def cpus_of(layout: Layout) -> int:
-    return 2 if layout.is_jax else layout.workers
+    return 2 if layout.per_host else layout.workers
 
 
 def layout_cluster(layout: Layout, name: str):
@@ -109,7 +102,7 @@ def layout_cluster(layout: Layout, name: str):
     the JAX worker (it owns the host's devices)."""
     from core.distributed import RayVirtualCluster
 
-    if layout.is_jax:
+    if layout.per_host:
         return RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2, name=name)
     return RayVirtualCluster([layout.workers], use_gpus=False, name=name)
 
@@ -148,6 +141,20 @@ def refused_on_driver(layout: Layout, cfg: dict, tokenizer, **policy_kwargs: Any
     from core.policy import Policy
 
     Policy(NoWorkers(layout), cfg, tokenizer, **policy_kwargs)
+
+
+class LogitsOnlyNLL:
+    """A user loss with the least a loss must have (``core.interfaces.LossFunction``): a
+    ``loss_type`` and a call on the full logits -- no ``loss_from_logprobs``.  ``setting``: any
+    value the loss carries (it does not change the result)."""
+
+    loss_type = LossType.TOKEN_LEVEL
+
+    def __init__(self, setting: Any = None) -> None:
+        self.setting = setting
+
+    def __call__(self, next_token_logits, data, global_valid_seqs, global_valid_toks):
+        return NLLLoss()(next_token_logits, data, global_valid_seqs, global_valid_toks)
 
 
 def ragged(batch: int, seed: int, vocab: int = VOCAB) -> Any:
@@ -200,7 +207,7 @@ class LayoutPolicy:
         optimizer moments, LR schedule, step) loaded into every worker."""
         self.policy.cfg = copy.deepcopy(self._cfg0)
         if self.dirty:
-            self.policy._all("load_checkpoint", str(self.initial[0]), str(self.initial[1]))
+            self.policy.workers.all(PolicyWorker.load_checkpoint, str(self.initial[0]), str(self.initial[1]))
             self.dirty = False
 
 

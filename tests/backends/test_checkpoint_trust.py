@@ -32,6 +32,7 @@ from core.checkpointing import policy_files as pf
 from core.checkpointing.manifest import MANIFEST_NAME, CheckpointError
 from core.losses import ClippedPGLossFn
 from core.policy.registry import backend_spec
+from core.policy.worker_protocol import PolicyWorker
 from core.testing.tiny_models import save_tiny_model
 from tests.backends.conftest import (
     LAYOUTS,
@@ -43,6 +44,7 @@ from tests.backends.conftest import (
     started_policy,
 )
 from tests.hf_reference import PG_CFG
+from tests.logs import warns
 from tests.torch_backends.conftest import pg_batch
 
 # ----------------------------------------------------------------------------- formats, in process
@@ -176,7 +178,7 @@ def test_round_trip_resumes_the_uninterrupted_step(fresh_policy, tmp_path):
     uninterrupted = policy.train(b2, loss_fn)
     expected_lp = policy.get_logprobs(probe)["logprobs"]
 
-    policy._all("load_checkpoint", str(tmp_path / "weights"), str(tmp_path / "optim"))
+    policy.workers.all(PolicyWorker.load_checkpoint, str(tmp_path / "weights"), str(tmp_path / "optim"))
     step = policy.train(b2, loss_fn)
     assert math.isclose(float(step.loss[0]), float(uninterrupted.loss[0]), rel_tol=1e-6, abs_tol=1e-7)
     assert math.isclose(float(step.grad_norm[0]), float(uninterrupted.grad_norm[0]), rel_tol=1e-5)
@@ -330,7 +332,7 @@ def _die_in(monkeypatch, owner, name: str, after: int = 0, counts=lambda *args: 
 
 @pytest.mark.parametrize("fmt", FORMAT_PARAMS)
 @pytest.mark.parametrize("where", ["before_manifest", "between_renames"])
-def test_interrupted_overwrite_keeps_the_previous_checkpoint(fmt, where, model_dirs, tmp_path, monkeypatch):
+def test_interrupted_overwrite_keeps_the_previous_checkpoint(fmt, where, model_dirs, tmp_path, monkeypatch, caplog):
     """A save over an existing checkpoint dies (after every array was written): the previous
     checkpoint still loads, equal to what was saved; a save into a new directory leaves
     nothing that passes for complete."""
@@ -358,7 +360,7 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(fmt, where, model_d
                 pf.check_load_paths(tmp, None, fmt=fmt.name)
     else:
         assert not weights.exists()  # the window: the driver puts the previous one back
-        with pytest.warns(UserWarning, match="interrupted"):
+        with warns(caplog, "interrupted"):
             pf.check_load_paths(weights, optim, fmt=fmt.name, restore=True)
     loaded, step = fmt.load(model_dir, weights, optim)
     assert step == 3 and _same(fmt, loaded, saved)

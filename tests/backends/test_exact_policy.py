@@ -88,8 +88,8 @@ def test_exact_sampler_trainer_bits(layout, precision, model, policies, model_di
 
 
 REFUSED = [
-    ("dtensor-tp2", {}, r"policy.dtensor_cfg.tensor_parallel_size: 2 is refused with numerics 'exact'"),
-    ("jax-fsdp4-tp2", {}, r"policy.jax_cfg.tensor_parallel_size: 2 is refused with numerics 'exact'"),
+    ("dtensor-tp2", {}, r"policy.parallel.tensor_parallel_size: 2 is refused with numerics 'exact'"),
+    ("jax-fsdp4-tp2", {}, r"policy.parallel.tensor_parallel_size: 2 is refused with numerics 'exact'"),
     ("fsdp1-dp2", {"lora": {"enabled": True}}, r"policy.lora.enabled: True is refused with numerics 'exact'"),
     ("jax-fsdp8", {"sequence_packing": {"enabled": True}}, r"policy.sequence_packing.enabled: True is refused"),
     ("dtensor-dp2", {"precision": "float16"}, r"policy.precision: 'float16' is refused with numerics 'exact'"),

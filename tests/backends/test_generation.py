@@ -64,7 +64,7 @@ def test_generate_in_chunks_equals_hf_generate_of_the_trained_weights(fresh_poli
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
 
     workers = policy.worker_group.workers
-    ray.get([w.__ray_call__.remote(_count_chunks, *DECODE_CALL[lp.layout.is_jax]) for w in workers])
+    ray.get([w.__ray_call__.remote(_count_chunks, *DECODE_CALL[lp.layout.backend == "jax_pjit"]) for w in workers])
     try:
         ids, lengths = random_batch(5, 6, VOCAB, seed=52)
         prompts = BatchedDataDict(input_ids=ids, input_lengths=lengths)

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from core.config import ConfigError
 from core.losses import ClippedPGLossFn
 from core.policy.config import PolicyConfig
+from core.policy.worker_protocol import PolicyWorker
 from tests.backends.conftest import (
     LAYOUTS,
     SLOW_LAYOUTS,
@@ -104,7 +105,7 @@ def padded(layout, policies, v301_dirs, tokenizer):
 def stored_vocab_rows(layout, weights_path, tmp_path) -> dict[str, np.ndarray]:
     """The embedding / lm_head rows as a policy checkpoint stores them ([padded rows, H]):
     the training copy, padding included."""
-    if layout.is_jax:
+    if layout.backend == "jax_pjit":
         import orbax.checkpoint as ocp
 
         with ocp.PyTreeCheckpointer() as ckptr:
@@ -140,7 +141,8 @@ def test_vocab_padding_is_configured_or_refused_by_name(layout, model_dirs, toke
     else:
         with pytest.raises(
             ConfigError,
-            match=r"make_vocab_size_divisible_by: 64: the torch_fsdp \(FSDP1\) backend has no tensor parallelism",
+            match=r"make_vocab_size_divisible_by: 64: the torch_fsdp backend does not support vocabulary padding "
+            r"\(FSDP1 has no tensor parallelism",
         ):
             refused_on_driver(layout, cfg, tokenizer)
     PolicyConfig.checked(layout_config(layout, model_dir, make_vocab_size_divisible_by=1))
@@ -172,7 +174,7 @@ def test_padded_full_logits_loss_sees_the_original_vocab(padded):
     ref = reference_adamw(padded.model_dir, padded.cfg, [data], ClippedPGLossFn(PG_CFG), steps=False)[0][0]
     kernel = float(padded.policy.train(data, ClippedPGLossFn(PG_CFG), eval_mode=True).loss[0])
     assert math.isclose(kernel, ref, rel_tol=1e-5, abs_tol=1e-6), (kernel, ref)
-    if padded.layout.is_jax:
+    if padded.layout.backend == "jax_pjit":
         with pytest.raises(Exception, match="FullLogitsPG has no loss_from_logprobs: the jax_pjit backend"):
             padded.policy.train(data, FullLogitsPG(PG_CFG), eval_mode=True)
         # refused before any work: the policy goes on
@@ -188,7 +190,7 @@ def test_padded_two_adamw_steps_match_single_process(padded):
     reference is plain single-process HF on the unpadded model (tp=1, dp=1)."""
     policy, cfg = padded.policy, padded.cfg
     batches = [pg_batch_301(4, seed=10 + i) for i in range(2)]
-    second = ClippedPGLossFn(PG_CFG) if padded.layout.is_jax else FullLogitsPG(PG_CFG)
+    second = ClippedPGLossFn(PG_CFG) if padded.layout.backend == "jax_pjit" else FullLogitsPG(PG_CFG)
     ours = [policy.train(batches[0], ClippedPGLossFn(PG_CFG)), policy.train(batches[1], second)]
     ref_losses, ref_norms, ref_model = reference_adamw(padded.model_dir, cfg, batches, ClippedPGLossFn(PG_CFG))
     for step, (r, loss, norm) in enumerate(zip(ours, ref_losses, ref_norms, strict=True)):
@@ -280,5 +282,5 @@ def test_padded_rows_stay_zero_and_checkpoint_round_trip(padded, tmp_path):
     saved = policy.get_logprobs(probe)["logprobs"]
     policy.train(pg_batch_301(4, seed=50), ClippedPGLossFn(PG_CFG))
     assert float((policy.get_logprobs(probe)["logprobs"] - saved).abs().max()) > 1e-4
-    policy._all("load_checkpoint", str(tmp_path / "weights"), str(tmp_path / "optim"))  # same layout
+    policy.workers.all(PolicyWorker.load_checkpoint, str(tmp_path / "weights"), str(tmp_path / "optim"))  # same layout
     torch.testing.assert_close(policy.get_logprobs(probe)["logprobs"], saved, rtol=0, atol=1e-6)

@@ -80,7 +80,7 @@ def test_eval_loss_is_the_full_batch_loss_at_every_micro_batch_size(fresh_policy
     data = pg_batch(4, seed=3)
     loss_fn = ClippedPGLossFn(PG_CFG)
     ref_loss, _ = reference_loss_and_norm(fresh_policy.model_dir, data, loss_fn)
-    dp = 1 if layout.is_jax else layout.dp  # JAX: one worker, the whole batch
+    dp = 1 if layout.per_host else layout.dp  # JAX: one worker, the whole batch
     for mbs in (1, 4 // dp):  # 4 // dp: the whole of this rank's rows in one micro batch
         loss = float(policy.train(data, loss_fn, eval_mode=True, mbs=mbs).loss[0])
         assert math.isclose(loss, ref_loss, rel_tol=1e-5, abs_tol=1e-6), (mbs, loss, ref_loss)
@@ -94,7 +94,7 @@ def _serves(layout: str, model: str) -> bool:
     """Torch tensor parallelism has no Qwen3-MoE plan (its experts): refused by name
     (tests/unit/test_tp_plans.py), so those layouts do not run it here."""
     lay = parse_layout(layout)
-    return not (model == "qwen3_moe" and not lay.is_jax and lay.tp > 1)
+    return not (model == "qwen3_moe" and lay.backend != "jax_pjit" and lay.tp > 1)
 
 
 # The other tiny models on every layout (the pooled policies run MODEL_OF): a policy each.

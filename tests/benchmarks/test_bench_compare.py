@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.lib import machine, refit
 from benchmarks.lib.grpo_step import ASYNC_PHASES, PHASES, layout_overrides
-from benchmarks.lib.layouts import LayoutError, check_fits, jax_layout, parse_layout
+from benchmarks.lib.layouts import LayoutError, check_fits, host_layout, parse_layout
 from benchmarks.lib.pairing import ratio
 from benchmarks.lib.ray_session import device_count_of, with_device_count
 from benchmarks.lib.workload import policy_config
@@ -22,8 +22,8 @@ def test_a_compiled_layout_turns_dtensor_compile_on_in_every_config_it_builds():
     for name, on in (("dtensor-dp2", False), ("dtensor-dp2-compiled", True)):
         layout = parse_layout(name)
         cfg = policy_config("m", "t", layout, 4, 16, "float32")
-        assert cfg["dtensor_cfg"]["compile"] is on
-        assert f"policy.dtensor_cfg.compile={str(on).lower()}" in layout_overrides(layout)
+        assert cfg["compile"] is on
+        assert f"policy.compile={str(on).lower()}" in layout_overrides(layout)
 
 
 def test_layout_names():
@@ -42,20 +42,21 @@ def test_layout_names():
     assert compiled.compiled and compiled.packed and not parse_layout("dtensor-dp2").compiled
     for bad, words in (
         ("bogus", "unknown layout 'bogus'"),
-        ("fsdp1-tp2", "FSDP1"),
+        ("fsdp1-tp2", "the torch_fsdp backend does not support: FSDP1 shards every parameter"),
         ("dtensor-dp2-sp", "-sp"),
         ("jax-", "unknown layout"),
         ("dtensor-dp0", ">= 1"),
         ("fsdp1-dp2-cp2", "context parallel"),
         ("dtensor-packed", "unknown layout"),
-        ("fsdp1-dp2-compiled", "torch_dtensor setting"),
-        ("jax-fsdp2-compiled", "unknown layout"),
+        ("fsdp1-dp2-compiled", "-compiled asks for torch.compile of each transformer block (policy.compile), which"),
+        ("jax-fsdp2-compiled", "which the jax_pjit backend does not support: its steps are always compiled"),
+        ("jax-fsdp2-sp", "which the jax_pjit backend does not support"),
         ("dtensor-dp2-compiled-sp", "unknown layout"),
     ):
         with pytest.raises(LayoutError, match=re.escape(words)):
             parse_layout(bad)
     assert "needs 4 devices" in check_fits(parse_layout("dtensor-tp4"), 2, "--max-devices")
-    assert jax_layout("jax-tp2").tp == 2 and jax_layout("dtensor-dp2") is None
+    assert host_layout("jax-tp2").tp == 2 and host_layout("dtensor-dp2") is None
     flags = with_device_count("--xla_foo=1 --xla_force_host_platform_device_count=8", 2)
     assert flags == "--xla_foo=1 --xla_force_host_platform_device_count=2"
     assert device_count_of(flags) == 2 and device_count_of(None) == 1

@@ -232,7 +232,7 @@ def test_the_compiled_row_is_torch_dtensor_with_compile_on_and_runs_by_default_o
     bench = types.SimpleNamespace(args=types.SimpleNamespace(batch=4, seq=16), model_path="m")
     for backend, on in (("torch_dtensor", False), (COMPILED, True)):
         cfg = backend_config(bench, backend, "float32", 2)
-        assert cfg["backend"] == "torch_dtensor" and cfg["dtensor_cfg"]["compile"] is on
+        assert cfg["backend"] == "torch_dtensor" and cfg["compile"] is on
 
 
 def _finite(*xs) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks import parity as parity_cli
-from benchmarks.lib.layouts import LayoutError, parse_layout, torch_layout
+from benchmarks.lib.layouts import LayoutError, device_layout, parse_layout
 from benchmarks.lib.models import save_tiny_gpt2
 from benchmarks.lib.parity.checks import collect, crossload_pairs, judge
 from benchmarks.lib.parity.estimators import estimator_batch, estimator_loss_fn, group_size
@@ -394,7 +394,7 @@ def test_layout_problems_name_the_layout_and_why():
     assert "needs 4 x 1 CPUs (the Ray cluster has 2 CPUs)" in layout_problem("dtensor-dp4", 8, 4, 2)
     assert "is one actor of --threads 8 CPUs" in layout_problem("jax-tp2", 8, 8, 4)
     assert "batch 3 is not divisible by its data-parallel size 2" in layout_problem("dtensor-dp2", 3, 2, 4)
-    lay = torch_layout("dtensor-dp2-tp2-sp")
+    lay = device_layout("dtensor-dp2-tp2-sp")
     assert (lay.backend, lay.dp, lay.tp, lay.sp) == ("torch_dtensor", 2, 2, True)
 
 

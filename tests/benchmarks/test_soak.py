@@ -32,7 +32,6 @@ def test_soak_memory_is_flat_and_the_same_seed_gives_the_same_losses(ray_session
         sample_every=10,
         check_cycles=CHECK,
         seed=3,
-        log=lambda _: None,
     )
     print(soak.format_report(report))
 

@@ -117,7 +117,7 @@ def policy_config(model_dir: Path, backend: str) -> dict:
 
     cfg = base(model_dir, backend)
     if backend == "jax_pjit":
-        cfg["jax_cfg"].update(fsdp_size=-1, tensor_parallel_size=1)
+        cfg["parallel"].update(fsdp_size=-1, tensor_parallel_size=1)
     return cfg
 
 

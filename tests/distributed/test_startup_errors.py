@@ -244,13 +244,51 @@ def test_policy_model_dir_without_weights(ray_session, model_dirs, tokenizer, tm
     assert failure.location.startswith(("backends/", "core/")), failure
 
 
-def test_policy_jax_mesh_that_does_not_divide_the_devices(ray_session, model_dirs, tokenizer):
+def test_policy_jax_mesh_that_does_not_match_the_devices_is_refused_on_the_driver(
+    ray_session, model_dirs, tokenizer, monkeypatch
+):
+    import core.policy.policy as policy_module
+    from core.config import ConfigError
+    from core.policy import Policy
+
+    monkeypatch.setattr(policy_module, "RayWorkerGroup", _NoWorkers)
     cfg = policy_config(model_dirs["llama"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=3, tensor_parallel_size=2)  # 6 of the host's 8 devices
-    err = _start_policy(cfg, tokenizer, "bad_mesh_startup", bundles=(1,), num_cpus_per_bundle=2)
-    line = _first_line(err)
-    assert re.search(r"rank 0 \(node 0, bundle 0\) failed to start: \w+: .*policy\.jax_cfg", line), line
-    assert "(at backends/jax_pjit/" in line
+    cfg["parallel"].update(fsdp_size=3, tensor_parallel_size=2)  # 6 of the host's 8 devices
+    with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2, name="bad_mesh_driver") as cluster:
+        with pytest.raises(ConfigError) as err:
+            Policy(cluster, cfg, tokenizer, name_prefix="bad_mesh_driver")
+    assert str(err.value).startswith(
+        "policy.parallel.fsdp_size: fsdp_size (3) x tensor_parallel_size (2) = 6 does not equal the world size (8)"
+    )
+    assert str(err.value).endswith("(1 worker(s) x 8 device(s) each)")
+
+
+def test_policy_jax_weight_that_cannot_be_placed_is_refused_on_the_driver(
+    ray_session, model_dirs, tokenizer, monkeypatch, tmp_path
+):
+    """A tensor-parallel size that does not divide the experts' width (which the torch-side
+    check of heads and MLP widths does not see): refused from config.json alone."""
+    import json
+
+    import core.policy.policy as policy_module
+    from core.config import ConfigError
+    from core.policy import Policy
+
+    monkeypatch.setattr(policy_module, "RayWorkerGroup", _NoWorkers)
+    model_dir = tmp_path / "moe_33"
+    shutil.copytree(model_dirs["qwen3_moe"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"moe_intermediate_size": 33}))
+    cfg = policy_config(model_dir, "jax_pjit")
+    cfg["parallel"].update(fsdp_size=-1, tensor_parallel_size=2)
+    with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2, name="bad_placement_driver") as cluster:
+        with pytest.raises(ConfigError) as err:
+            Policy(cluster, cfg, tokenizer, name_prefix="bad_placement_driver")
+    lines = str(err.value).splitlines()
+    assert len(lines) == 3 and all(
+        line.startswith("policy.parallel.tensor_parallel_size: layers/1/mlp/experts/") for line in lines
+    )
+    assert "('mlp') has size 33, not divisible by mesh axis tp (2)" in lines[0]
 
 
 # ---------------------------------------------------------------------- model paths (driver side)

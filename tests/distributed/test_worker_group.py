@@ -25,7 +25,7 @@ from core.distributed import (
     WorkerGroupError,
     WorkerLayout,
 )
-from core.policy.registry import torch_layout
+from core.policy.backend_spec import device_layout
 
 ENV_KEYS = (
     "RANK",
@@ -183,15 +183,15 @@ def test_torch_layout_shards_data_over_dp_only():
     from core.policy.config import PolicyConfig
     from tests.torch_backends.conftest import policy_config
 
-    def section(backend, **dtensor_cfg):  # the layout reads no model file: any path will do
+    def section(backend, **parallel):  # the layout reads no model file: any path will do
         cfg = policy_config(Path("unused-model"), backend)
-        cfg["dtensor_cfg"].update(dtensor_cfg)
+        cfg["parallel"].update(parallel)
         return PolicyConfig.coerce(cfg, "policy")
 
-    lay = torch_layout(section("torch_dtensor", tensor_parallel_size=2, context_parallel_size=2), 8)
+    lay = device_layout(section("torch_dtensor", tensor_parallel_size=2, context_parallel_size=2), 8)
     assert lay.axis_names == ("dp", "cp", "tp") and lay.world_size == 8
     assert [lay.axis_size(a) for a in lay.axis_names] == [2, 2, 2]
-    fsdp_only = torch_layout(section("torch_fsdp"), 4)
+    fsdp_only = device_layout(section("torch_fsdp"), 4)
     assert [fsdp_only.axis_size(a) for a in fsdp_only.axis_names] == [4, 1, 1]
 
 

@@ -30,7 +30,7 @@ def refit_config(
     if bucket_bytes is not None:
         cfg["refit_buffer_size_gb"] = bucket_bytes / 2**30
     if backend == "jax_pjit":
-        cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
+        cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
     return cfg
 
 

@@ -19,7 +19,7 @@ def qwen2_worker(model_dirs, tokenizer):
     from tests.torch_backends.conftest import policy_config
 
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
+    cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
     return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer, init_reference_model=False)
 
 
@@ -31,5 +31,5 @@ def mesh_config(fsdp: int, tp: int, cp: int = 1, backend: str = "jax_pjit") -> d
     from tests.torch_backends.conftest import policy_config
 
     cfg = policy_config(Path("unused-model"), backend)
-    cfg["jax_cfg"].update(fsdp_size=fsdp, tensor_parallel_size=tp, context_parallel_size=cp)
+    cfg["parallel"].update(fsdp_size=fsdp, tensor_parallel_size=tp, context_parallel_size=cp)
     return cfg

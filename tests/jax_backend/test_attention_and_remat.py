@@ -6,7 +6,7 @@
   ``jax.nn.dot_product_attention`` for cuDNN flash attention with shapes and dtypes that pass
   cuDNN's own checks (jax's ``check_layout`` / ``check_is_flash_attention``, run here on the
   recorded call; cuDNN itself cannot run on CPU), elsewhere it runs ``attend``.
-* ``policy.jax_cfg.activation_checkpointing``: the worker's grad step rematerialises every
+* ``policy.activation_checkpointing``: the worker's grad step rematerialises every
   decoder layer (a ``remat`` primitive per layer in its jaxpr, no attention-sized residual
   saved for the backward) and its gradients equal the plain step's within 1e-6 in fp32.
 """
@@ -178,7 +178,8 @@ def _worker(model_dir, tokenizer, remat):
     from backends.jax_pjit.worker import JaxPolicyWorker
 
     cfg = policy_config(model_dir, "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2, activation_checkpointing=remat)
+    cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
+    cfg["activation_checkpointing"] = remat
     return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer)
 
 

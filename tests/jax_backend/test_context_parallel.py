@@ -43,7 +43,7 @@ def jax_worker(model_dir, tokenizer, fsdp, cp, tp, **overrides):
     from backends.jax_pjit.worker import JaxPolicyWorker
 
     cfg = policy_config(model_dir, "jax_pjit", **overrides)
-    cfg["jax_cfg"].update(fsdp_size=fsdp, context_parallel_size=cp, tensor_parallel_size=tp)
+    cfg["parallel"].update(fsdp_size=fsdp, context_parallel_size=cp, tensor_parallel_size=tp)
     return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer)
 
 
@@ -65,34 +65,34 @@ def test_mesh_has_cp_axis_between_fsdp_and_tp():
 @pytest.mark.parametrize("fsdp, cp, tp", [(-1, 3, 1), (2, 2, 1), (4, 4, 1)])
 def test_cp_that_does_not_fit_the_devices_is_named(fsdp, cp, tp):
     cfg = mesh_config(fsdp, tp, cp=cp)
-    with pytest.raises(ValueError, match=re.escape(f"policy.jax_cfg.context_parallel_size={cp}")):
+    with pytest.raises(ValueError, match=re.escape(f"policy.parallel.context_parallel_size={cp}")):
         make_mesh(cfg)
 
 
 def test_config_validation_names_context_parallel_size(model_dirs):
     cfg = policy_config(model_dirs["llama"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=-1, context_parallel_size=3, tensor_parallel_size=1)
+    cfg["parallel"].update(fsdp_size=-1, context_parallel_size=3, tensor_parallel_size=1)
     with pytest.raises(
         ConfigError,
         match=re.escape(
-            "policy.jax_cfg.context_parallel_size: tensor_parallel_size (1) x context_parallel_size (3) = 3 "
+            "policy.parallel.context_parallel_size: tensor_parallel_size (1) x context_parallel_size (3) = 3 "
             "does not divide the world size (8)"
         ),
     ):
         PolicyConfig.checked(cfg, 8)
-    cfg["jax_cfg"].update(fsdp_size=4, context_parallel_size=2, tensor_parallel_size=2)
+    cfg["parallel"].update(fsdp_size=4, context_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(
         ConfigError,
         match=re.escape(
-            "policy.jax_cfg.fsdp_size: fsdp_size (4) x context_parallel_size (2) x tensor_parallel_size (2) = 16"
+            "policy.parallel.fsdp_size: fsdp_size (4) x context_parallel_size (2) x tensor_parallel_size (2) = 16"
         ),
     ):
         PolicyConfig.checked(cfg, 8)
-    cfg["jax_cfg"]["context_parallel_size"] = 0
-    with pytest.raises(ConfigError, match=r"policy\.jax_cfg\.context_parallel_size: must be >= 1"):
+    cfg["parallel"]["context_parallel_size"] = 0
+    with pytest.raises(ConfigError, match=r"policy\.parallel\.context_parallel_size: must be >= 1"):
         PolicyConfig.checked(cfg)
-    cfg["jax_cfg"].update(fsdp_size=2, context_parallel_size=2, tensor_parallel_size=2)
-    assert PolicyConfig.checked(cfg, 8).jax_cfg.context_parallel_size == 2
+    cfg["parallel"].update(fsdp_size=2, context_parallel_size=2, tensor_parallel_size=2)
+    assert PolicyConfig.checked(cfg, 8).parallel.context_parallel_size == 2
 
 
 def test_width_ladder_must_split_into_2cp_chunks():
@@ -279,7 +279,7 @@ def check_jax_policy_against_hf_and_torch(cfg, name, model_dir, tokenizer, data,
 @pytest.mark.slow  # ~11 s through Ray; the CP step's equality in-process runs fast above
 def test_policy_with_cp_matches_hf_and_torch_step(ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=-1, context_parallel_size=2, tensor_parallel_size=2)
+    cfg["parallel"].update(fsdp_size=-1, context_parallel_size=2, tensor_parallel_size=2)
     check_jax_policy_against_hf_and_torch(
         cfg,
         "jax_cp",

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 import backends.jax_pjit.worker as worker_module
-import core.policy.worker_base as worker_base
+import core.policy.worker_training as worker_training
 from core.data import BatchedDataDict
 from core.losses import ClippedPGLossFn
 from core.policy.config import PolicyConfig
@@ -28,7 +28,7 @@ def worker(model_dirs, tokenizer):
     from backends.jax_pjit.worker import JaxPolicyWorker
 
     cfg = policy_config(model_dirs["llama"], "jax_pjit", train_micro_batch_size=1, logprob_batch_size=1)
-    cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
+    cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
     return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer, init_reference_model=False)
 
 
@@ -56,7 +56,7 @@ def test_train_reads_once_per_optimizer_step(worker, monkeypatch):
     grad_step = worker._grad_step(loss_fn)
     monkeypatch.setattr(worker, "_grad_step", lambda _: _recording(events, "micro batch", grad_step))
     monkeypatch.setattr(worker, "_apply_updates", _recording(events, "update", worker._apply_updates))
-    monkeypatch.setattr(worker_base, "read_once", _recording(events, "read", worker_base.read_once))
+    monkeypatch.setattr(worker_training, "read_once", _recording(events, "read", worker_training.read_once))
     out = worker.train(pg_batch(4, seed=1), loss_fn)  # one global batch of 4 rows, micro batches of 1
     assert events == ["micro batch"] * 4 + ["update", "read"]
     assert len(out.all_mb_metrics["loss"]) == 4 and out.grad_norm[0] > 0

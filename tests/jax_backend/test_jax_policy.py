@@ -55,11 +55,11 @@ def test_diagnostics_and_profiling(qwen2_worker, tmp_path, monkeypatch):
 
 def test_tp_that_does_not_divide_kv_heads_is_refused_on_the_driver(ray_session, model_dirs, tokenizer):
     cfg = policy_config(model_dirs["llama"], "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=2, tensor_parallel_size=4)
+    cfg["parallel"].update(fsdp_size=2, tensor_parallel_size=4)
     cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2)
     try:
         with pytest.raises(
-            ValueError, match="policy.jax_cfg.tensor_parallel_size=4 does not divide .*num_key_value_heads=2"
+            ValueError, match="policy.parallel.tensor_parallel_size=4 does not divide .*num_key_value_heads=2"
         ):
             Policy(cluster, cfg, tokenizer)
     finally:

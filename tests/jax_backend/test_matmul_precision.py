@@ -58,7 +58,7 @@ def _worker(model_dir, tokenizer, precision, **overrides):
     from backends.jax_pjit.worker import JaxPolicyWorker
 
     cfg = policy_config(model_dir, "jax_pjit", matmul_precision=precision, **overrides)
-    cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
+    cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
     return JaxPolicyWorker(PolicyConfig.checked(cfg), tokenizer)
 
 

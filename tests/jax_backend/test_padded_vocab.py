@@ -59,7 +59,7 @@ def _worker(model_dir, fsdp, tp):
     from backends.jax_pjit.worker import JaxPolicyWorker
 
     cfg = policy_config(model_dir, "jax_pjit")
-    cfg["jax_cfg"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
+    cfg["parallel"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
     return JaxPolicyWorker(cfg, tiny_tokenizer(VOCAB))
 
 

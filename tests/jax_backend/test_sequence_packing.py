@@ -144,7 +144,7 @@ def test_packing_with_cp_needs_budget_widths_that_split(model_dirs, tokenizer):
 def test_policy_with_packing_matches_hf_and_torch_step(ray_session, model_dirs, tokenizer):
     """The driver plans the bins (rows reordered by length, restored afterwards)."""
     cfg = policy_config(model_dirs["qwen2"], "jax_pjit", sequence_packing=packing())
-    cfg["jax_cfg"].update(fsdp_size=-1, tensor_parallel_size=2)
+    cfg["parallel"].update(fsdp_size=-1, tensor_parallel_size=2)
     check_jax_policy_against_hf_and_torch(
         cfg,
         "jax_packed",

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual
 def _cfg(fsdp, tp, backend="jax_pjit"):
     """The test policy section (no model is loaded: make_mesh reads the layout only)."""
     cfg = policy_config(Path("unused-model"), backend)
-    cfg["jax_cfg"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
+    cfg["parallel"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
     return cfg
 
 
@@ -73,7 +73,7 @@ def test_make_mesh_defaults_to_all_devices():
 
 @pytest.mark.parametrize(
     "fsdp, tp, field",
-    [(3, 2, "policy.jax_cfg.fsdp_size"), (-1, 3, "policy.jax_cfg.tensor_parallel_size"), (4, 4, "fsdp_size")],
+    [(3, 2, "policy.parallel.fsdp_size"), (-1, 3, "policy.parallel.tensor_parallel_size"), (4, 4, "fsdp_size")],
 )
 def test_make_mesh_bad_sizes_name_the_field(fsdp, tp, field):
     with pytest.raises(ValueError, match=field):

@@ -36,7 +36,7 @@ MESHES = [pytest.param((8, 1), id="fsdp8"), pytest.param((4, 2), id="fsdp4-tp2")
 def _policy_cfg(fsdp: int, tp: int) -> dict:
     cfg = copy.deepcopy(load_raw_config(DEFAULT_CONFIG_PATH)["policy"])
     cfg["backend"] = "jax_pjit"
-    cfg["jax_cfg"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
+    cfg["parallel"].update(fsdp_size=fsdp, tensor_parallel_size=tp)
     cfg["optimizer"]["kwargs"].update(lr=1e-2, weight_decay=0.01)
     cfg["scheduler"] = [
         {

@@ -538,11 +538,12 @@ def env(ray_session, model_dirs, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("catalogue")
     cfg = policy_config(model_dirs["llama"], "torch_fsdp")
     jax_cfg = policy_config(model_dirs["llama"], "jax_pjit")
-    jax_cfg["jax_cfg"].update(fsdp_size=4, tensor_parallel_size=2)
+    jax_cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
     gen_dir = save_tiny_model("llama_gen", tmp / "llama_gen")
     gen_cfg = refit_config(gen_dir, "torch_fsdp")
     gen_cfg["max_total_sequence_length"] = 32
-    gen_cfg["generation"]["vllm_cfg"].update(load_format="auto")  # real weights: serves without a refit
+    # real weights: serves without a refit; a hung call is reported within a minute
+    gen_cfg["generation"]["vllm_cfg"].update(load_format="auto", call_timeout_s=60)
     # The spare cluster is for the construction cases, which must fail before any worker
     # starts: a sliver of CPU each, so that a regression starts workers instead of hanging.
     # The session has 4 CPUs: torch 2 + JAX 1 + engine 0.9 + spare 2 x 0.01.
@@ -557,9 +558,7 @@ def env(ray_session, model_dirs, tokenizer, tmp_path_factory):
         handles.append(Policy(clusters[1], cfg, tokenizer, name_prefix="catalogue_torch"))
         handles.append(Policy(clusters[2], jax_cfg, tokenizer, name_prefix="catalogue_jax"))
         handles.append(
-            VllmGeneration(
-                clusters[3], gen_cfg, tokenizer, name_prefix="catalogue_engine", call_timeout_s=60, probe_timeout_s=20
-            )
+            VllmGeneration(clusters[3], gen_cfg, tokenizer, name_prefix="catalogue_engine", probe_timeout_s=20)
         )
         yield Env(
             *handles, cfg=cfg, model_dir=model_dirs["llama"], tmp=tmp, tokenizer=tokenizer, spare_cluster=clusters[0]

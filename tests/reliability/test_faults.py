@@ -268,3 +268,29 @@ def test_a_wedged_engine_is_declared_dead_not_waited_for(ray_session, gen_model_
         if engine is not None:
             engine.shutdown()
         cluster.shutdown()
+
+
+def test_a_call_past_the_configured_timeout_kills_the_engine(ray_session, gen_model_dirs, tokenizer):
+    """``policy.generation.vllm_cfg.call_timeout_s`` is the driver's deadline for an engine call:
+    a generate call that runs past it (simulated: the engine sleeps) is declared dead, within
+    that deadline rather than the default hour."""
+    cfg = refit_config(gen_model_dirs["llama_gen"], "torch_fsdp")
+    cfg["generation"]["vllm_cfg"].update(load_format="auto", call_timeout_s=5)
+    cluster = RayVirtualCluster([1], use_gpus=False, name="fault-timeout")
+    engine = None
+    try:
+        engine = VllmGeneration(cluster, cfg, tokenizer, name_prefix="fault_timeout", probe_timeout_s=5)
+        assert engine.call_timeout_s == 5
+
+        def hang(actor):
+            actor.llm.generate = lambda *args, **kwargs: time.sleep(3600)
+
+        ray.get(engine.engines[0].__ray_call__.remote(hang))
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"did not answer generate within 5 s"):
+            engine.generate(prompts(), greedy=True)
+        assert time.monotonic() - start < KILL_DEADLINE_S
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        cluster.shutdown()

@@ -36,7 +36,7 @@ def policy_config(model_dir: Path, backend: str, tp: int = 1, sp: bool = False, 
         max_total_sequence_length=32,
     )
     cfg["tokenizer"]["name"] = str(model_dir / "tokenizer")
-    cfg["dtensor_cfg"].update(tensor_parallel_size=tp, sequence_parallel=sp)
+    cfg["parallel"].update(tensor_parallel_size=tp, sequence_parallel=sp)
     cfg["optimizer"]["kwargs"].update(lr=1e-2, weight_decay=0.01)
     cfg["scheduler"] = [
         {

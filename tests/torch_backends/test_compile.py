@@ -1,4 +1,4 @@
-"""``policy.dtensor_cfg.compile``: torch.compile per transformer block (inductor; gcc on CPU).
+"""``policy.compile``: torch.compile per transformer block (inductor; gcc on CPU).
 
 The fast tests check the wiring (every block compiled in place, parameter names unchanged)
 and, with the ``aot_eager`` backend, that the traced blocks give the eager logits and
@@ -185,11 +185,11 @@ def test_compiled_blocks_match_eager(ray_session, model_dirs, tokenizer, tp, sp,
     LoRALinear forward inside the compiled blocks, only the adapters training)."""
     # two micro batches per rank either way: dp2 holds 2 of the 4 rows per rank, tp2 all 4
     cfg = policy_config(model_dirs["llama"], "torch_dtensor", tp=tp, sp=sp, train_micro_batch_size=tp)
-    cfg["dtensor_cfg"]["activation_checkpointing"] = True
+    cfg["activation_checkpointing"] = True
     if lora:
         cfg["lora"] = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": "all-linear", "init_seed": 3}
     eager = _run(cfg, tokenizer)
-    cfg["dtensor_cfg"]["compile"] = True
+    cfg["compile"] = True
     compiled = _run(cfg, tokenizer)
     assert (compiled[0] - eager[0]).abs().max() <= 5e-6
     assert math.isclose(compiled[1], eager[1], rel_tol=1e-6, abs_tol=1e-7)

@@ -4,6 +4,8 @@ Every layout runs the same three checks on one batch of very uneven lengths:
 ``get_logprobs`` against single-process HF (1e-5), the first ClippedPG step's loss and
 global gradient norm against a plain one-worker DTensor policy (1e-5: the gradients agree,
 or the norm would not), three AdamW steps' losses (1e-4) and the logprobs after them (1e-4).
+Before its steps every such layout refuses a logits-only loss (no ``loss_from_logprobs``) by
+name on the driver, and the same policy then trains those steps.
 ``make test`` runs cp2 and tp2-packed on Llama; the others (Qwen2, FSDP1 packing, the
 4-worker dp2 x cp2 and cp2 x tp2 with and without sequence parallelism, cp2 + packing) are
 ``slow`` (``make test-all``).
@@ -21,8 +23,10 @@ from core.config import ConfigError
 from core.data.sequence_packing import PackedRow, check_packing_budget, pack_bins, plan_packed_micro_batches
 from core.distributed import RayVirtualCluster
 from core.losses import ClippedPGLossFn
+from core.losses.contract import LossContractError
 from core.policy import Policy
 from core.policy.config import PolicyConfig
+from tests.backends.conftest import LogitsOnlyNLL
 from tests.torch_backends.conftest import hf_logprobs, policy_config, uneven_pg_batch
 from tests.unit.test_losses import BASE_CFG
 
@@ -45,7 +49,7 @@ def _layout_cfg(model_dir, backend, workers, cp=1, tp=1, sp=False, packing=None,
         train_global_batch_size=8,
         train_micro_batch_size=8 // workers * tp * cp if workers > 1 else 4,
     )
-    cfg["dtensor_cfg"]["context_parallel_size"] = cp
+    cfg["parallel"]["context_parallel_size"] = cp
     cfg["make_sequence_length_divisible_by"] = multiple
     # AdamW's first step moves a weight by lr x g / (|g| + eps): an element whose gradient is
     # about eps moves by lr / (4 eps) times its rounding difference (2.5e5 at this file's lr
@@ -61,12 +65,19 @@ def _layout_cfg(model_dir, backend, workers, cp=1, tp=1, sp=False, packing=None,
     return cfg
 
 
-def _run(cfg, workers, tokenizer, steps=3):
-    """(logprobs before, [(loss, grad norm)] per step, logprobs after) of a fresh policy."""
+def _run(cfg, workers, tokenizer, steps=3, logits_only_refused=False):
+    """(logprobs before, [(loss, grad norm)] per step, logprobs after) of a fresh policy;
+    ``logits_only_refused``: first check that a logits-only loss is refused on the driver."""
     data = uneven_batch()
     cluster = RayVirtualCluster([workers], use_gpus=False)
     policy = Policy(cluster, cfg, tokenizer)
     try:
+        if logits_only_refused:
+            with pytest.raises(
+                LossContractError,
+                match=r"^loss LogitsOnlyNLL has no loss_from_logprobs: with sequence packing or context parallelism",
+            ):
+                policy.train(data, LogitsOnlyNLL())
         before = policy.get_logprobs(data)["logprobs"]
         trace = []
         for _ in range(steps):
@@ -135,7 +146,7 @@ LAYOUTS = [
 def test_layout_matches_plain_path(layout, plain_runs, model_dirs, tokenizer):
     backend, model, workers, kw = layout
     cfg = _layout_cfg(model_dirs[model], backend, workers, **kw)
-    before, trace, after = _run(cfg, workers, tokenizer)
+    before, trace, after = _run(cfg, workers, tokenizer, logits_only_refused=True)
     ref_before, ref_trace, ref_after = plain_runs(model)
     data = uneven_batch()
     hf = AutoModelForCausalLM.from_pretrained(model_dirs[model]).float()
@@ -189,7 +200,7 @@ def test_bad_cp_and_packing_settings_name_the_field(model_dirs):
     cfg = _layout_cfg(model_dirs["llama"], "torch_dtensor", 2, cp=2, multiple=1)
     assert PolicyConfig.checked(cfg, 2).make_sequence_length_divisible_by == 1
     sp = _layout_cfg(model_dirs["llama"], "torch_dtensor", 4, cp=2, tp=2, sp=True, multiple=4)
-    assert PolicyConfig.checked(sp, 4).dtensor_cfg.sequence_parallel
+    assert PolicyConfig.checked(sp, 4).parallel.sequence_parallel
     with pytest.raises(ConfigError, match=r"context_parallel_size: .* does not divide the world size \(3\)"):
         PolicyConfig.checked(_layout_cfg(model_dirs["llama"], "torch_dtensor", 2, cp=2, multiple=4), 3)
     small = _layout_cfg(model_dirs["llama"], "torch_fsdp", 2, packing={**PACKING, "train_mb_tokens": 16})

@@ -59,6 +59,10 @@ def test_matmul_precision_applied_in_every_worker(case):
     assert [i["float32_matmul_precision"] for i in info] == [case["applied"]] * 2
     # cuDNN's TF32 switch follows: off for "highest" ("fp32 means fp32"), allowed for "high".
     assert [i["cudnn_allow_tf32"] for i in info] == [case["applied"] != "highest"] * 2
+    # fp32 linears on oneDNN (backends.torch_common.cpu_linear): the train step below checks the
+    # loss and gradient norm against plain HF at 1e-5 through it.
+    assert [i["cpu_linear_path"] for i in info] == ["onednn"] * 2
+    assert all(i["cpu_linear_modules"] > 0 for i in info)
 
 
 def test_train_reduces_gradients_once_per_step(case):

@@ -166,7 +166,7 @@ def test_context_parallel_derives_its_sequence_multiple(ray_session, model_dirs,
     the width to that multiple itself (make_sequence_length_divisible_by is not asked to say
     so), so cp=2 with the default multiple of 1 starts and scores a width-11 batch as HF does."""
     cfg = policy_config(model_dirs["llama"], "torch_dtensor")
-    cfg["dtensor_cfg"]["context_parallel_size"] = 2
+    cfg["parallel"]["context_parallel_size"] = 2
     assert cfg["make_sequence_length_divisible_by"] == 1
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = None
@@ -195,10 +195,9 @@ def test_bf16_with_activation_checkpointing_and_offload(backend, ray_session, mo
         model_dirs["llama"],
         backend,
         precision="bfloat16",
-        activation_checkpointing_enabled=True,
-        fsdp_offload_enabled=True,
+        activation_checkpointing=True,
+        cpu_offload=True,
     )
-    cfg["dtensor_cfg"].update(activation_checkpointing=True, cpu_offload=True)
     cfg["optimizer"]["kwargs"]["lr"] = 3e-3
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, cfg, tokenizer)

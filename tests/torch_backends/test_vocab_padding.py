@@ -17,11 +17,11 @@ from tests.padded_vocab import V
 def test_tp_no_longer_needs_to_divide_the_vocab():
     cfg = tiny_config("llama")
     cfg.vocab_size = V
-    check_tensor_parallel_fits(cfg, 2, "policy.dtensor_cfg.tensor_parallel_size")
+    check_tensor_parallel_fits(cfg, 2, "policy.parallel.tensor_parallel_size")
     cfg.num_key_value_heads = 3
     cfg.num_attention_heads = 3
     with pytest.raises(ValueError, match="does not divide the model's num_attention_heads=3, num_key_value_heads=3"):
-        check_tensor_parallel_fits(cfg, 2, "policy.dtensor_cfg.tensor_parallel_size")
+        check_tensor_parallel_fits(cfg, 2, "policy.parallel.tensor_parallel_size")
 
 
 def test_pad_vocab_in_process():

@@ -1,16 +1,16 @@
 """The advantage estimators (core.algorithms.advantages) against hand computations, and the
-config rules that tie ``grpo.advantage_estimator`` to the GRPO switches and the loss."""
+config rules that tie ``grpo.advantage_estimator`` to the GRPO switches and the loss: an
+estimator sets what it implies, and only an explicit value that contradicts it is refused."""
 
 from __future__ import annotations
 
 import math
-from typing import get_args
 
 import pytest
 import torch
 
-from core.algorithms.advantages import ESTIMATORS, compute_advantages
-from core.algorithms.config import ESTIMATOR_SWITCHES, AdvantageEstimatorName, GRPORunConfig
+from core.algorithms.advantages import ESTIMATORS, AdvantageEstimator, compute_advantages
+from core.algorithms.config import GRPORunConfig
 from core.config import EMBEDDED_CONFIGS, ConfigError, load_config
 
 GRPO_CONFIG = EMBEDDED_CONFIGS["grpo"]
@@ -24,10 +24,15 @@ def advantages(estimator, rewards, group, *, loo=False, normalize=False, tokens=
     return out.advantages.tolist()
 
 
-def test_the_registry_the_config_names_and_the_switch_rules_agree():
-    assert list(ESTIMATORS) == list(get_args(AdvantageEstimatorName)) == list(ESTIMATOR_SWITCHES)
-    for name, fn in ESTIMATORS.items():
-        assert fn.__doc__ and "20" in fn.__doc__, f"{name}: its docstring names its paper and year"
+def test_one_registry_entry_per_estimator():
+    assert list(ESTIMATORS) == ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo"]
+    for name, entry in ESTIMATORS.items():
+        assert isinstance(entry, AdvantageEstimator)
+        assert entry.compute.__doc__ and "20" in entry.compute.__doc__, f"{name}: its docstring names its paper"
+        assert not entry.implies or entry.why, f"{name}: what it implies says why"
+        for key in entry.implies:
+            section, _, field = key.partition(".")
+            assert field in GRPORunConfig.model_fields[section].annotation.model_fields, key
 
 
 def test_grpo_hand_values():
@@ -88,7 +93,7 @@ def test_the_default_estimator_gives_exactly_the_grpo_numbers():
 
 
 def test_contradictory_switches_and_unknown_names_are_refused_by_the_function():
-    with pytest.raises(ValueError, match="'rloo' needs use_leave_one_out_baseline=True"):
+    with pytest.raises(ValueError, match="'rloo' needs grpo.use_leave_one_out_baseline=True"):
         compute_advantages(torch.zeros(4), 2, estimator="rloo", leave_one_out=False, normalize=False)
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; known: grpo, rloo"):
         compute_advantages(torch.zeros(4), 2, estimator="ppo", leave_one_out=False, normalize=False)
@@ -108,35 +113,65 @@ def test_an_unknown_estimator_lists_the_known_ones():
     ]
 
 
-def test_an_estimator_that_contradicts_the_switches_names_each_switch():
-    errors = config_errors("grpo.advantage_estimator=rloo")  # the embedded default normalises, no loo
-    assert [e.split(":")[0] for e in errors] == ["grpo.normalize_rewards", "grpo.use_leave_one_out_baseline"]
-    assert "must be false with advantage_estimator: rloo (RLOO's baseline is the mean of the other" in errors[0]
+def test_an_estimator_sets_the_switches_it_implies():
+    """``grpo.advantage_estimator=rloo`` alone: the estimator sets the leave-one-out baseline
+    and no std (the embedded default leaves both switches to the estimator)."""
+    cfg = load_config(GRPO_CONFIG, ["grpo.advantage_estimator=rloo"], schema=GRPORunConfig)
+    assert (cfg.grpo.normalize_rewards, cfg.grpo.use_leave_one_out_baseline) == (False, True)
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        cfg = load_config(GRPO_CONFIG, [f"grpo.advantage_estimator={name}"], schema=GRPORunConfig)
+        assert (cfg.grpo.normalize_rewards, cfg.grpo.use_leave_one_out_baseline) == (False, False)
+    cfg = load_config(GRPO_CONFIG, [], schema=GRPORunConfig)  # grpo implies nothing: its own defaults
+    assert (cfg.grpo.normalize_rewards, cfg.grpo.use_leave_one_out_baseline) == (True, False)
+    cfg = load_config(GRPO_CONFIG, ["grpo.use_leave_one_out_baseline=true"], schema=GRPORunConfig)
+    assert cfg.grpo.use_leave_one_out_baseline  # grpo's option, set explicitly
+
+
+def test_an_explicit_value_that_contradicts_the_estimator_is_refused_by_name():
+    errors = config_errors("grpo.advantage_estimator=rloo", "grpo.normalize_rewards=true")
+    assert errors == [
+        "grpo.normalize_rewards: true contradicts grpo.advantage_estimator: rloo, which needs false (RLOO's "
+        "baseline is the mean of the other samples, and it does not divide by a std); leave the key out (the "
+        "estimator sets it) or choose another estimator (from override 'grpo.normalize_rewards=true')"
+    ]
+    errors = config_errors("grpo.advantage_estimator=reinforce_plus_plus", "grpo.use_leave_one_out_baseline=true")
+    assert [e.split(":")[0] for e in errors] == ["grpo.use_leave_one_out_baseline"]
+    # the value it implies, given explicitly, is no contradiction
     ok = ["grpo.advantage_estimator=rloo", "grpo.normalize_rewards=false", "grpo.use_leave_one_out_baseline=true"]
     assert load_config(GRPO_CONFIG, ok, schema=GRPORunConfig).grpo.advantage_estimator == "rloo"
-    errors = config_errors("grpo.advantage_estimator=reinforce_plus_plus")
-    assert errors[0].startswith("grpo.normalize_rewards: must be false with advantage_estimator: reinforce_plus_plus")
 
 
-def test_dr_grpo_needs_the_constant_token_normaliser_and_a_token_level_loss():
-    base = ["grpo.advantage_estimator=dr_grpo", "grpo.normalize_rewards=false"]
-    errors = config_errors(*base)
-    assert errors == [
-        "loss_fn.token_normalizer: must be constant with grpo.advantage_estimator: dr_grpo, got 'global_tokens' "
-        "(Dr. GRPO sums each response's token losses over a constant token budget, with no length normaliser) "
-        "(from core/configs/default.yaml)"
-    ]
-    errors = config_errors(*base, "loss_fn.token_normalizer=constant", "loss_fn.token_level_loss=false")
-    assert {e.split(":")[0] for e in errors} == {"loss_fn.token_level_loss", "loss_fn.token_normalizer"}
-    assert any("a sequence-level loss divides each sequence by its own length" in e for e in errors)
-    cfg = load_config(GRPO_CONFIG, [*base, "loss_fn.token_normalizer=constant"], schema=GRPORunConfig)
+def test_a_file_that_sets_a_switch_is_an_explicit_value(tmp_path):
+    """The estimator fills only what the config leaves out: a recipe file that sets a switch
+    contradicts another estimator, and the refusal names the file."""
+    (tmp_path / "recipe.yaml").write_text(f"defaults: {GRPO_CONFIG}\ngrpo:\n  normalize_rewards: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "recipe.yaml", ["grpo.advantage_estimator=dr_grpo"], schema=GRPORunConfig)
+    [line] = info.value.errors
+    assert line.startswith("grpo.normalize_rewards: true contradicts grpo.advantage_estimator: dr_grpo")
+    assert line.endswith(f"(from {tmp_path / 'recipe.yaml'})")
+
+
+def test_dr_grpo_sets_the_constant_token_normaliser_and_needs_a_token_level_loss():
+    cfg = load_config(GRPO_CONFIG, ["grpo.advantage_estimator=dr_grpo"], schema=GRPORunConfig)
+    assert (cfg.loss_fn.token_normalizer, cfg.loss_fn.token_level_loss, cfg.grpo.normalize_rewards) == (
+        "constant",
+        True,
+        False,
+    )
     assert cfg.response_token_limit() == 6  # the embedded default's max_new_tokens
+    errors = config_errors("grpo.advantage_estimator=dr_grpo", "loss_fn.token_normalizer=global_tokens")
+    assert [e.split(":")[0] for e in errors] == ["loss_fn.token_normalizer"]
+    assert "global_tokens contradicts grpo.advantage_estimator: dr_grpo, which needs constant" in errors[0]
+    errors = config_errors("grpo.advantage_estimator=dr_grpo", "loss_fn.token_level_loss=false")
+    assert "loss_fn.token_level_loss" in {e.split(":")[0] for e in errors}
+    assert any("false contradicts grpo.advantage_estimator: dr_grpo, which needs true" in e for e in errors)
 
 
 def test_dr_grpo_loss_budget_defaults_to_the_longest_response():
     from core.algorithms.grpo_setup import grpo_loss_fn
 
-    base = ["grpo.advantage_estimator=dr_grpo", "grpo.normalize_rewards=false", "loss_fn.token_normalizer=constant"]
+    base = ["grpo.advantage_estimator=dr_grpo"]
     cfg = load_config(GRPO_CONFIG, base, schema=GRPORunConfig)
     assert grpo_loss_fn(cfg).cfg.constant_token_budget == 6
     cfg = load_config(GRPO_CONFIG, [*base, "loss_fn.constant_token_budget=16"], schema=GRPORunConfig)

@@ -1,5 +1,5 @@
-"""The async GRPO schedule (core.algorithms.async_grpo), on its real threads, with a stand-in
-engine: the rollouts of step k come from exactly the weights of step max(start, k-1-m), no
+"""The async GRPO schedule (core.algorithms.async_grpo), on its real threads and a real run
+whose engine is a stand-in: the rollouts of step k come from exactly the weights of step max(start, k-1-m), no
 trainer ever sees a rollout older than m steps, the trainer refits only once the rollouts
 that need the older weights exist, a failing generation thread surfaces in the trainer, and
 stop() ends the thread.  (A real async run on Ray and vLLM: tests/algorithms.)"""
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 import core.algorithms.async_grpo as async_grpo
 from core.algorithms.async_grpo import AsyncGRPO, RolloutProducerError
 from core.algorithms.grpo import Rollout
+from core.datasets import PromptDatum
+from tests.grpo_runs import SMALL, grpo_run
 
 
 class FakeEngine:
@@ -39,10 +40,27 @@ class FakeEngine:
         self.policy_version += 1
 
 
-def fake_run(start: int, max_age: int) -> SimpleNamespace:
-    engine = FakeEngine(start)
-    grpo = SimpleNamespace(async_grpo=SimpleNamespace(max_trajectory_age_steps=max_age))
-    return SimpleNamespace(rollouts=engine, engine=engine, cfg=SimpleNamespace(grpo=grpo), trained_loader_state=None)
+@pytest.fixture
+def make_run(tmp_path):
+    """``make_run(start, max_age)``: a real GRPO run (its rollouts never drawn: the halves of a
+    step are stand-ins here) on an engine whose weights are those of step ``start``."""
+    runs = []
+    prompts = [PromptDatum(f"p{i}", (1, i), {}) for i in range(4)]
+
+    def make(start: int, max_age: int):
+        run = grpo_run(
+            tmp_path / f"run{len(runs)}",
+            prompts,
+            *SMALL,
+            f"grpo.async_grpo.max_trajectory_age_steps={max_age}",
+        )
+        runs.append(run)
+        run.rollouts = FakeEngine(start)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
 
 
 #: (generation, training) seconds per step: the schedule must hold whichever side is slower.
@@ -75,8 +93,8 @@ def generated(request, monkeypatch):
 
 @pytest.mark.parametrize("max_age", [0, 1, 2])
 @pytest.mark.parametrize("start", [0, 3])
-def test_every_step_trains_on_the_weights_the_schedule_names(generated, max_age, start):
-    run = fake_run(start, max_age)
+def test_every_step_trains_on_the_weights_the_schedule_names(generated, make_run, max_age, start):
+    run = make_run(start, max_age)
     last = start + 6
     scheduler = AsyncGRPO(run, start + 1, last, max_age)
     scheduler.start()
@@ -94,12 +112,12 @@ def test_every_step_trains_on_the_weights_the_schedule_names(generated, max_age,
     assert max(m["async/buffer_fill"] for m in rows) <= max_age + 1
 
 
-def test_a_failing_generation_thread_fails_the_trainer(generated, monkeypatch):
+def test_a_failing_generation_thread_fails_the_trainer(generated, make_run, monkeypatch):
     def broken(run, step):
         raise RuntimeError("engine 0 died")
 
     monkeypatch.setattr(async_grpo, "generate_rollout", broken)
-    scheduler = AsyncGRPO(fake_run(0, 1), 1, 5, 1)
+    scheduler = AsyncGRPO(make_run(0, 1), 1, 5, 1)
     scheduler.start()
     try:
         with pytest.raises(RolloutProducerError, match="engine 0 died") as info:
@@ -109,8 +127,8 @@ def test_a_failing_generation_thread_fails_the_trainer(generated, monkeypatch):
         scheduler.stop()
 
 
-def test_stop_ends_the_generation_thread_waiting_for_weights(generated):
-    scheduler = AsyncGRPO(fake_run(0, 0), 1, 5, 0)
+def test_stop_ends_the_generation_thread_waiting_for_weights(generated, make_run):
+    scheduler = AsyncGRPO(make_run(0, 0), 1, 5, 0)
     scheduler.start()  # no refit yet: the thread waits for the first weights
     scheduler.stop(timeout_s=5)
     assert not scheduler.producer._thread.is_alive()

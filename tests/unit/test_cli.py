@@ -20,22 +20,22 @@ def test_config_prints_the_resolved_config(capsys):
 
 
 def test_config_errors_name_every_bad_field(capsys):
-    rc = main(["config", "policy.train_global_batch_size=30", "policy.dtensor_cfg.tensor_paralel_size=2"])
+    rc = main(["config", "policy.train_global_batch_size=30", "policy.parallel.tensor_paralel_size=2"])
     err = capsys.readouterr().err
     assert rc == 2
     assert "policy.train_global_batch_size: 30 is not divisible" in err
     assert (
-        "policy.dtensor_cfg.tensor_paralel_size: unknown key (did you mean 'tensor_parallel_size'?) "
-        "(from override 'policy.dtensor_cfg.tensor_paralel_size=2')" in err
+        "policy.parallel.tensor_paralel_size: unknown key (did you mean 'tensor_parallel_size'?) "
+        "(from override 'policy.parallel.tensor_paralel_size=2')" in err
     )
 
 
 def test_config_errors_of_several_sections_are_listed_together(capsys):
-    rc = main(["config", "cluster.num_nodes=two", "policy.dtensor_cfg.tensor_paralel_size=2", "loss_fn.ratio_clip_c=1"])
+    rc = main(["config", "cluster.num_nodes=two", "policy.parallel.tensor_paralel_size=2", "loss_fn.ratio_clip_c=1"])
     err = capsys.readouterr().err
     assert rc == 2
     assert "cluster.num_nodes: expected int, got str ('two') (from override 'cluster.num_nodes=two')" in err
-    assert "policy.dtensor_cfg.tensor_paralel_size: unknown key (did you mean 'tensor_parallel_size'?)" in err
+    assert "policy.parallel.tensor_paralel_size: unknown key (did you mean 'tensor_parallel_size'?)" in err
     assert "loss_fn.ratio_clip_c: must be > 1 (or null to disable dual clipping), got 1.0" in err
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core.config import EMBEDDED_CONFIGS, ConfigError
-from core.policy.preflight import JAX_OPTIMIZERS, JAX_SCHEDULERS, import_error, model_vocab_size
+from core.policy.preflight import import_error, model_vocab_size
 from dualrl.cli import load_command_config, main
 from tests.unit.test_config import _config_models
 
@@ -172,8 +172,11 @@ def test_the_driver_mirrors_the_backends_class_resolution():
     pytest.importorskip("optax")
     from backends.jax_pjit.optim import SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS
     from backends.torch_common.optim import import_object
+    from core.policy.registry import backend_spec
 
-    assert (JAX_OPTIMIZERS, JAX_SCHEDULERS) == (SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS)
+    jax = backend_spec("jax_pjit")
+    assert (jax.optimizers, jax.schedulers) == (SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS)
+    assert backend_spec("torch_fsdp").optimizers is backend_spec("torch_dtensor").optimizers is None
     for path in ("torch.optim.AdamW", "torch.optim.Nope", "nodots", "no_such_pkg.X"):
         try:
             import_object(path, "x")
@@ -269,8 +272,8 @@ def test_compile_is_accepted_with_every_parallelism():
     and without sequence parallelism): no layout is refused any more."""
     for extra in (
         [],
-        ["policy.dtensor_cfg.tensor_parallel_size=2"],
-        ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"],
+        ["policy.parallel.tensor_parallel_size=2"],
+        ["policy.parallel.tensor_parallel_size=2", "policy.parallel.sequence_parallel=true"],
     ):
-        cfg = load_config(GRPO, ["policy.dtensor_cfg.compile=true", *extra])
-        assert cfg.policy.dtensor_cfg.compile is True
+        cfg = load_config(GRPO, ["policy.compile=true", *extra])
+        assert cfg.policy.compile is True

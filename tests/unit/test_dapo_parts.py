@@ -1,11 +1,11 @@
 """DAPO's loop parts without workers: the overlong penalty and filtering against hand values,
-dynamic sampling's group selection, and ``generate_rollout`` on a stand-in engine and
-environment (seeds, the groups trained on, the shortfall policies, the async loop)."""
+dynamic sampling's group selection, and ``generate_rollout`` on a real run whose engine and
+environment are scripted (seeds, the groups trained on, the shortfall policies, the async loop)."""
 
 from __future__ import annotations
 
+import logging
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +19,9 @@ from core.algorithms.rollouts import sample_seeds
 from core.algorithms.timing import StepTimer
 from core.config import EMBEDDED_CONFIGS, ConfigError, load_config, load_raw_config
 from core.data import BatchedDataDict
+from core.datasets import PromptDatum
+from core.environments import EnvironmentReturn
+from tests.grpo_runs import SMALL, grpo_run
 
 GRPO_CONFIG = EMBEDDED_CONFIGS["grpo"]
 EOS, PAD, MAX_NEW = 2, 0, 4
@@ -150,62 +153,60 @@ class ScriptedEngine:
         self.policy_version += 1
 
 
-class ScriptedLoader:
-    """Prompts whose metadata holds the rewards their group gets, batch after batch."""
-
-    def __init__(self, groups: list[list[list[float]]], first_id: int = 10) -> None:
-        self.batches, self.drawn = groups, 0
-        self.first_id = first_id
-
-    def next_batch(self):
-        group_rewards = self.batches[self.drawn]
-        self.drawn += 1
-        return [
-            SimpleNamespace(input_ids=[1, pid], prompt=f"p{pid}", metadata={"rewards": r})
-            for pid, r in enumerate(group_rewards, start=self.first_id + 10 * self.drawn)
-        ]
-
-    def state_dict(self):
-        return {"position": self.drawn}
+def scripted_prompts(groups: list[list[list[float]]], first_id: int = 10) -> list[PromptDatum]:
+    """Prompts in draw order: batch k's prompts have token ids ``first_id + 10 (k + 1) + j`` and
+    carry the rewards their group gets in their metadata."""
+    return [
+        PromptDatum(f"p{pid}", (1, pid), {"rewards": rewards})
+        for k, batch in enumerate(groups)
+        for pid, rewards in enumerate(batch, start=first_id + 10 * (k + 1))
+    ]
 
 
 class ScriptedEnv:
+    name = "scripted"
+
     def score(self, texts, completions, metadata):
         rewards = [m["rewards"][i % len(m["rewards"])] for i, m in enumerate(metadata)]
-        return SimpleNamespace(rewards=rewards, infos=[{"correct": r > 0} for r in rewards])
+        return EnvironmentReturn(rewards=rewards, infos=[{"correct": r > 0} for r in rewards])
 
 
-def fake_run(batches, **grpo):
-    defaults = {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "normalize_rewards": False}
-    policy = SimpleNamespace(train_global_batch_size=4)  # one optimizer step per rollout batch
-    cfg = SimpleNamespace(grpo=grpo_cfg(**{**defaults, **grpo}), policy=policy)
-    engine, lines = ScriptedEngine(), []
-    tokenizer = SimpleNamespace(
-        pad_token_id=PAD, batch_decode=lambda rows, skip_special_tokens: [" ".join(map(str, r)) for r in rows]
-    )
-    return SimpleNamespace(
-        cfg=cfg,
-        loader=ScriptedLoader(batches),
-        rollouts=engine,
-        engine=engine,
-        env=ScriptedEnv(),
-        tokenizer=tokenizer,
-        stop_token_ids=[EOS],
-        max_new_tokens=MAX_NEW,
-        progress=SimpleNamespace(write=lines.append),
-        lines=lines,
-        trained_loader_state=None,
-    )
+#: The run's settings the scripted groups assume: 2 prompts x 2 samples, one optimizer step per
+#: rollout batch (a global batch of 4), raw rewards as advantages' inputs.
+BASE = (*SMALL, "grpo.normalize_rewards=false", "grpo.seed=42")
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    """``make_run(batches, *overrides, first_id=10)``: a real GRPO run over the scripted prompts,
+    with the scripted engine and environment where the workers' would be."""
+    runs = []
+
+    def make(batches, *overrides, first_id=10):
+        run = grpo_run(tmp_path / f"run{len(runs)}", scripted_prompts(batches, first_id), *BASE, *overrides)
+        runs.append(run)
+        run.rollouts = ScriptedEngine()
+        run.env = ScriptedEnv()
+        run.stop_token_ids, run.max_new_tokens = [EOS], MAX_NEW
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
 
 
 TIED, SPLIT, SPLIT_BACK = [1.0, 1.0], [0.0, 1.0], [1.0, 0.0]
 
 
-def test_dynamic_sampling_generates_until_enough_groups_are_informative():
-    run = fake_run([[TIED, SPLIT], [[0.0, 0.0], SPLIT_BACK], [SPLIT, SPLIT]], use_dynamic_sampling=True)
-    rollout = generate_rollout(run, step=3)
+GRPO_LOG = "dualrl.core.algorithms.grpo"
+
+
+def test_dynamic_sampling_generates_until_enough_groups_are_informative(make_run, caplog):
+    run = make_run([[TIED, SPLIT], [[0.0, 0.0], SPLIT_BACK], [SPLIT, SPLIT]], "grpo.use_dynamic_sampling=true")
+    with caplog.at_level(logging.WARNING, logger=GRPO_LOG):
+        rollout = generate_rollout(run, step=3)
     # call 0 had one informative group, call 1 the second: two calls, the third batch never drawn
-    assert run.loader.drawn == 2 and rollout.loader_state == {"position": 2}
+    assert run.loader.position == 4 and rollout.loader_state == run.loader.state_dict()
     assert run.engine.seeds == [sample_seeds(42, 3, 4, stream=c).tolist() for c in (0, 1)]
     assert run.engine.seeds[0] != run.engine.seeds[1]
     prompts = rollout.data["input_ids"][:, 1].tolist()
@@ -216,66 +217,75 @@ def test_dynamic_sampling_generates_until_enough_groups_are_informative():
     assert (m["dynamic_sampling/gen_batches"], m["dynamic_sampling/dropped_groups"]) == (2, 2)
     assert (m["dynamic_sampling/cap_hit"], m["dynamic_sampling/skipped_step"]) == (0, 0)
     assert m["reward_mean"] == pytest.approx(4 / 8)  # every generated sample, dropped groups included
-    assert not rollout.skipped and run.lines == []
+    assert not rollout.skipped and caplog.records == []
 
 
-def test_without_dynamic_sampling_one_call_trains_on_every_group():
-    run = fake_run([[TIED, SPLIT]])
+def test_without_dynamic_sampling_one_call_trains_on_every_group(make_run):
+    run = make_run([[TIED, SPLIT]])
     rollout = generate_rollout(run, step=1)
-    assert run.loader.drawn == 1 and run.engine.seeds == [sample_seeds(42, 1, 4).tolist()]
+    assert run.loader.position == 2 and run.engine.seeds == [sample_seeds(42, 1, 4).tolist()]
     assert rollout.data["sample_mask"].tolist() == [1] * 4
     assert not any(k.startswith("dynamic_sampling/") for k in rollout.metrics)
 
 
-def test_at_the_cap_train_masks_the_filler_groups():
-    run = fake_run([[TIED, TIED], [SPLIT, TIED]], use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=2)
-    rollout = generate_rollout(run, step=1)
+CAP2 = ("grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2")
+
+
+def test_at_the_cap_train_masks_the_filler_groups(make_run, caplog):
+    run = make_run([[TIED, TIED], [SPLIT, TIED]], *CAP2)
+    with caplog.at_level(logging.WARNING, logger=GRPO_LOG):
+        rollout = generate_rollout(run, step=1)
     assert rollout.data["input_ids"][:, 1].tolist() == [30, 30, 20, 20]  # informative, then the first dropped
     assert rollout.data["sample_mask"].tolist() == [1, 1, 0, 0]
     assert rollout.data["advantages"][2:].abs().sum() == 0
     assert rollout.metrics["dynamic_sampling/cap_hit"] == 1 and not rollout.skipped
-    assert len(run.lines) == 1 and "found 1 informative group(s) of the 2 wanted in 2 generate call(s)" in run.lines[0]
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "found 1 informative group(s) of the 2 wanted in 2 generate call(s)" in record.getMessage()
 
 
-def test_at_the_cap_train_makes_fewer_optimizer_steps_rather_than_masked_ones():
-    run = fake_run([[TIED, TIED], [SPLIT, TIED]], use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=2)
-    run.cfg.policy.train_global_batch_size = 2  # two optimizer steps per full batch
+def test_at_the_cap_train_makes_fewer_optimizer_steps_rather_than_masked_ones(make_run):
+    run = make_run([[TIED, TIED], [SPLIT, TIED]], *CAP2, "policy.train_global_batch_size=2")  # 2 steps per batch
     rollout = generate_rollout(run, step=1)
     assert rollout.data.size == 2 and rollout.data["input_ids"][:, 1].tolist() == [30, 30]
     assert rollout.data["sample_mask"].tolist() == [1, 1]
 
 
 @pytest.mark.parametrize("policy", ["skip", "train"])
-def test_at_the_cap_skip_trains_on_nothing(policy):
+def test_at_the_cap_skip_trains_on_nothing(make_run, caplog, policy):
     batches = [[TIED, SPLIT]] if policy == "skip" else [[TIED, TIED]]  # train: no informative group at all
-    run = fake_run(
-        batches, use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=1, dynamic_sampling_on_shortfall=policy
+    run = make_run(
+        batches,
+        "grpo.use_dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_gen_batches=1",
+        f"grpo.dynamic_sampling_on_shortfall={policy}",
     )
-    rollout = generate_rollout(run, step=1)
+    with caplog.at_level(logging.WARNING, logger=GRPO_LOG):
+        rollout = generate_rollout(run, step=1)
     assert rollout.skipped and rollout.metrics["dynamic_sampling/skipped_step"] == 1
-    assert "skipping the step (no update)" in run.lines[0]
-    assert train_on_rollout(run, rollout, 1, StepTimer()) == {}  # no policy: nothing was trained
+    assert "skipping the step (no update)" in caplog.records[0].getMessage()
+    assert train_on_rollout(run, rollout, 1, StepTimer()) == {}  # no policy started: nothing was trained
     assert run.engine.policy_version == 1  # the step still counts as a weights version
 
 
-def test_at_the_cap_error_stops_the_run():
-    run = fake_run(
+def test_at_the_cap_error_stops_the_run(make_run):
+    run = make_run(
         [[TIED, SPLIT]],
-        use_dynamic_sampling=True,
-        dynamic_sampling_max_gen_batches=1,
-        dynamic_sampling_on_shortfall="error",
+        "grpo.use_dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_gen_batches=1",
+        "grpo.dynamic_sampling_on_shortfall=error",
     )
     with pytest.raises(DynamicSamplingError, match="dynamic_sampling_on_shortfall is error"):
         generate_rollout(run, step=1)
 
 
-def test_overlong_rows_are_masked_and_penalised_in_the_loop():
-    run = fake_run(
+def test_overlong_rows_are_masked_and_penalised_in_the_loop(make_run):
+    run = make_run(
         [[SPLIT, SPLIT]],
-        overlong_filtering=True,
-        reward_shaping={"enabled": True, "overlong_buffer_length": 2},
+        "grpo.overlong_filtering=true",
+        "grpo.reward_shaping={enabled: true, overlong_buffer_length: 2}",
+        first_id=40,  # prompt ids 50, 51: every row runs to MAX_NEW without eos
     )
-    run.loader.first_id = 40  # prompt ids 50, 51: every row runs to MAX_NEW without eos
     rollout = generate_rollout(run, step=1)
     assert rollout.data["sample_mask"].tolist() == [0, 0, 0, 0]
     m = rollout.metrics
@@ -284,16 +294,15 @@ def test_overlong_rows_are_masked_and_penalised_in_the_loop():
     assert m["truncated_fraction"] == 1.0
 
 
-def test_dynamic_sampling_runs_in_the_async_loop(monkeypatch):
+def test_dynamic_sampling_runs_in_the_async_loop(make_run, monkeypatch):
     """The producer thread runs the real generate_rollout: every step gets its informative groups."""
     batches = [[TIED, SPLIT], [SPLIT_BACK, TIED]] * 3
-    run = fake_run(batches, use_dynamic_sampling=True)
-    run.cfg.grpo.async_grpo.max_trajectory_age_steps = 1
+    run = make_run(batches, "grpo.use_dynamic_sampling=true", "grpo.async_grpo.max_trajectory_age_steps=1")
     trained = []
 
     def train(run_, rollout, step, timer):
         trained.append(rollout)
-        run_.rollouts.mark_stale()
+        run_.engine.mark_stale()
         return {}
 
     monkeypatch.setattr(async_grpo, "train_on_rollout", train)

@@ -4,12 +4,10 @@ rules, the vocabulary check before anything starts, and the placement of the tea
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from core.algorithms.config import GRPORunConfig
+from core.algorithms.config import DistillationConfig, GRPORunConfig
 from core.algorithms.distillation import (
     apply_teacher,
     check_teacher_tokenizer,
@@ -18,7 +16,7 @@ from core.algorithms.distillation import (
     teacher_is_reference,
     teacher_policy_config,
 )
-from core.algorithms.grpo import old_and_reference_logprobs
+from core.algorithms.grpo import logprob_passes
 from core.algorithms.placement import colocated_groups
 from core.algorithms.timing import StepTimer
 from core.config import EMBEDDED_CONFIGS, ConfigError, load_config
@@ -26,6 +24,13 @@ from core.data import BatchedDataDict
 from core.models.char_tokenizer import char_tokenizer
 
 DISTILL = EMBEDDED_CONFIGS["grpo"].parent / "distill_arithmetic.yaml"
+#: grpo.distillation.mode=loss and what it requires of the KL term.
+LOSS_MODE = (
+    "grpo.distillation.mode=loss",
+    "loss_fn.reference_policy_kl_type=k2",
+    "loss_fn.kl_output_clamp_value=null",
+    "grpo.distillation.coef=0.5",
+)
 
 # Two rows, 4 columns: column 0 is the prompt, row 1 is masked out of the loss (sample_mask 0).
 TEACHER = torch.tensor([[0.0, -0.5, -1.0, 0.0], [0.0, -2.0, -0.1, -0.3]])
@@ -56,8 +61,9 @@ class FakeTeacher:
         return BatchedDataDict(logprobs=TEACHER.clone())
 
 
-def _distill_cfg(**kw):
-    return SimpleNamespace(**{"mode": "reward", "coef": 1.0, "task_advantages": True, "enabled": True, **kw})
+def _distill_cfg(**kw) -> DistillationConfig:
+    fields = {"enabled": True, "teacher_model_name": "teacher", "mode": "reward", "coef": 1.0, "task_advantages": True}
+    return DistillationConfig.coerce(fields | kw, "grpo.distillation")
 
 
 # ----------------------------------------------------------------------------- the per-token term
@@ -94,17 +100,17 @@ def test_loss_mode_puts_the_teacher_in_the_reference_slot():
 
 
 def test_loss_mode_skips_the_students_reference_pass():
-    calls = []
-    policy = SimpleNamespace(
-        prepare_for_lp_inference=lambda: None,
-        get_reference_policy_logprobs=lambda data: calls.append("reference"),
-        get_logprobs=lambda data: calls.append("old") or {"logprobs": torch.zeros(2, 4)},
-    )
-    cfg = SimpleNamespace(grpo=SimpleNamespace(distillation=_distill_cfg(mode="loss")))
-    run = SimpleNamespace(cfg=cfg, policy=policy, loss_fn=SimpleNamespace(old_logprobs="forward", uses_reference=True))
-    assert teacher_is_reference(cfg)
-    old_and_reference_logprobs(run, _batch(), StepTimer())
-    assert calls == []
+    """With the teacher in the reference's place the student makes no reference pass, and (its
+    rollout batch one global batch) no old-logprob pass either: no call to the workers at all."""
+    from core.algorithms.grpo_setup import grpo_loss_fn
+
+    cfg = load_config(DISTILL, [*LOSS_MODE, "grpo.fuse_old_logprobs=true"], schema=GRPORunConfig)
+    loss_fn = grpo_loss_fn(cfg)
+    assert teacher_is_reference(cfg) and loss_fn.uses_reference  # the KL term, against the teacher
+    assert loss_fn.old_logprobs == "forward"  # 32 prompts x 8 samples = one global batch of 256
+    assert logprob_passes(loss_fn, cfg) == (False, False)
+    reward = load_config(DISTILL, ["grpo.fuse_old_logprobs=true"], schema=GRPORunConfig)
+    assert not teacher_is_reference(reward) and logprob_passes(grpo_loss_fn(reward), reward)[1] is False  # no KL
 
 
 # ----------------------------------------------------------------------------- config
@@ -196,4 +202,4 @@ def test_setup_refuses_another_vocabulary_before_building_or_starting_anything(t
         raise AssertionError("the vocabulary check must come before any model is built")
 
     with pytest.raises(ConfigError, match="the teacher's tokenizer differs from the student's"):
-        setup_grpo(cfg, lambda line: None, resolve=resolve)
+        setup_grpo(cfg, resolve=resolve)

@@ -5,7 +5,6 @@ that GRPO's validation reports exactly that, and ``dualrl eval``'s table, JSON a
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,9 +15,10 @@ from core.algorithms.evaluation import VALIDATION_STREAM, EvalPlan, evaluate
 from core.algorithms.grpo import grpo_validate
 from core.algorithms.rollouts import sample_seeds
 from core.data import BatchedDataDict
-from core.datasets import ListDataset, PromptDatum
+from core.datasets import PromptDatum
 from core.environments import ArithmeticEnvironment, EnvironmentReturn
 from core.models.char_tokenizer import char_tokenizer
+from tests.grpo_runs import SMALL, grpo_run
 
 TOKENIZER = char_tokenizer()
 PROBLEMS = [(a, b) for a in range(3, 7) for b in range(2)]  # 8 prompts "a+b="
@@ -109,19 +109,28 @@ def test_the_sampled_pass_draws_seeded_rows_and_estimates_every_k():
     assert 0 < metrics["pass@1"] < metrics["pass@4"] < 1  # the script is neither always right nor always wrong
 
 
-def test_grpo_validation_reports_what_evaluate_measures():
-    grpo = SimpleNamespace(val_batch_size=None, seed=3, val_pass_at_k=[1, 2], val_samples_per_prompt=3)
-    run = SimpleNamespace(
-        sync_weights=lambda: {},
-        rollouts=ScriptedEngine(),
-        env=ArithmeticEnvironment(),
-        tokenizer=TOKENIZER,
-        val_dataset=ListDataset(_prompts()),
-        cfg=SimpleNamespace(grpo=grpo, logger=SimpleNamespace(num_val_samples_to_print=0)),
+def test_grpo_validation_reports_what_evaluate_measures(tmp_path):
+    run = grpo_run(
+        tmp_path,
+        _prompts(),
+        *SMALL,
+        "grpo.val_batch_size=null",
+        "grpo.seed=3",
+        "grpo.val_pass_at_k=[1, 2]",
+        "grpo.val_num_samples=3",
+        "logger.num_val_samples_to_print=0",
+        val_prompts=_prompts(),
     )
+    synced = []
+    try:
+        assert run.tokenizer.get_vocab() == TOKENIZER.get_vocab()  # the prompts' tokenizer is the run's
+        run.rollouts, run.env = ScriptedEngine(), ArithmeticEnvironment()
+        metrics = grpo_validate(run, 7, lambda: synced.append(1) or {})
+    finally:
+        run.close()
     plan = EvalPlan(batch_size=8, seed=3, ks=(1, 2), num_samples=3)
     expected = evaluate(ScriptedEngine(), ArithmeticEnvironment(), TOKENIZER, _prompts(), plan).metrics()
-    assert grpo_validate(run, step=7) == expected
+    assert metrics == expected and synced == [1]  # the schedule's refit ran first
     assert {"accuracy", "pass@2", "maj@2", "mean@2", "sampled_response_length_mean"} <= set(expected)
 
 

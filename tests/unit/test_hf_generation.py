@@ -21,6 +21,7 @@ from backends.torch_common.generation import (
 from core.data import BatchedDataDict
 from core.policy.generation_config import GenerationConfig
 from core.testing.tiny_models import PAD_ID, build_tiny_model, random_batch
+from tests.logs import warns
 from tests.min_new_tokens_checks import assert_min_length, assert_stops_at_once, stop_heavy_ids
 
 N_NEW = 8
@@ -213,10 +214,10 @@ def test_model_generation_config_is_not_inherited(batch, baseline):
     assert max(token_ranks(model, sampled, batch)) >= 50  # neither the model's top_k=2 nor HF's default 50
 
 
-def test_uninheritable_field_warns(batch):
+def test_uninheritable_field_warns(batch, caplog, monkeypatch):
     model = build_tiny_model("llama")
     model.generation_config.forced_eos_token_id = 5
-    with pytest.warns(UserWarning, match="forced_eos_token_id"):
+    with warns(caplog, "forced_eos_token_id", monkeypatch):
         hf_generate(model, batch, gen_cfg(max_new_tokens=1), greedy=True, pad_token_id=PAD_ID)
 
 

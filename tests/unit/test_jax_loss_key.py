@@ -1,14 +1,14 @@
 """The JAX worker's compiled grad steps are keyed by the loss's settings
-(``backends.jax_pjit.steps.loss_key``): copies of one configured loss share a program, any two
-configurations do not.  A key blind to the typed config section once trained a loss with
+(``core.losses.contract.loss_cache_key``: the loss's ``cache_key()``): copies of one configured
+loss share a program, any two configurations do not.  A key blind to the typed config section once trained a loss with
 importance weights on the program compiled for a loss without them (a 31 % wrong loss)."""
 
 from __future__ import annotations
 
 import pickle
 
-from backends.jax_pjit.steps import loss_key
 from core.losses import ClippedPGLossFn, DPOLossFn, NLLLoss
+from core.losses.contract import loss_cache_key as loss_key
 from tests.hf_reference import PG_CFG
 
 

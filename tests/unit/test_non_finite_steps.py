@@ -7,6 +7,7 @@ jitted update's own skip: tests/jax_backend/test_non_finite_steps.py).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -35,7 +36,7 @@ def _result(reasons, losses, norms) -> TrainResult:
     return PolicyWorkerBase._train_steps_result(steps, 1e-3)
 
 
-def test_train_result_metrics_and_messages():
+def test_train_result_metrics_and_messages(caplog):
     from core.algorithms.training_run import report_skipped_steps, train_metrics
     from core.policy.policy import _skip_message, describe_skipped_steps
 
@@ -52,15 +53,12 @@ def test_train_result_metrics_and_messages():
     message = _skip_message(result)
     assert "policy.non_finite_step" in message and "unchanged" in message
 
-    lines = []
-
-    class Run:
-        class progress:  # noqa: N801 (a stand-in for StepProgress)
-            write = staticmethod(lines.append)
-
-    report_skipped_steps(Run, 7, result)
-    report_skipped_steps(Run, 8, _result([None], [0.5], [1.0]))
-    assert lines == [f"WARNING step 7: {phrase}; weights and optimizer state unchanged (policy.non_finite_step: skip)"]
+    with caplog.at_level(logging.WARNING, logger="dualrl.core.algorithms.training_run"):
+        report_skipped_steps(7, result)
+        report_skipped_steps(8, _result([None], [0.5], [1.0]))
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, f"step 7: {phrase}; weights and optimizer state unchanged (policy.non_finite_step: skip)")
+    ]
     masked = describe_skipped_steps(_result(["no_valid_tokens"], [0.0], [0.0]))
     assert masked == [
         "optimizer step 1 of 1 of this train() call skipped: the global batch has no valid token / "

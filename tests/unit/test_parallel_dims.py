@@ -94,7 +94,7 @@ def test_non_int_dimension():
         ParallelDims.build(4, tp=2.0)
 
 
-def _policy(backend, tp=1, cp=1, fsdp_size=-1, jax_tp=1):
+def _policy(backend, tp=1, cp=1, fsdp_size=-1):
     from core.policy.config import PolicyConfig
 
     return PolicyConfig.coerce(
@@ -108,16 +108,19 @@ def _policy(backend, tp=1, cp=1, fsdp_size=-1, jax_tp=1):
             "max_total_sequence_length": 16,
             "precision": "float32",
             "max_grad_norm": None,
-            "dtensor_cfg": {"tensor_parallel_size": tp, "context_parallel_size": cp},
-            "jax_cfg": {"fsdp_size": fsdp_size, "tensor_parallel_size": jax_tp},
+            "parallel": {"fsdp_size": fsdp_size, "tensor_parallel_size": tp, "context_parallel_size": cp},
         },
         "policy",
     )
 
 
-def test_policy_config_torch_fsdp_ignores_tp():
-    d = _policy("torch_fsdp", tp=2).parallel_dims(4)
+def test_policy_config_torch_fsdp_shards_over_every_rank_and_refuses_tp():
+    from core.config import ConfigError
+
+    d = _policy("torch_fsdp").parallel_dims(4)
     assert (d.fsdp, d.tp, d.cp, d.dp) == (4, 1, 1, 4)
+    with pytest.raises(ConfigError, match=r"policy\.parallel\.tensor_parallel_size: 2: the torch_fsdp backend"):
+        _policy("torch_fsdp", tp=2)
 
 
 def test_policy_config_dtensor():
@@ -128,19 +131,19 @@ def test_policy_config_dtensor():
 
 
 def test_policy_config_jax():
-    d = _policy("jax_pjit", jax_tp=2).parallel_dims(8)
+    d = _policy("jax_pjit", tp=2).parallel_dims(8)
     assert (d.fsdp, d.tp, d.dp) == (4, 2, 4)
-    d = _policy("jax_pjit", fsdp_size=2, jax_tp=2).parallel_dims(4)
+    d = _policy("jax_pjit", fsdp_size=2, tp=2).parallel_dims(4)
     assert d.dp == 2
     with pytest.raises(ValueError, match="does not match world_size 8"):
-        _policy("jax_pjit", fsdp_size=2, jax_tp=2).parallel_dims(8)
+        _policy("jax_pjit", fsdp_size=2, tp=2).parallel_dims(8)
 
 
 def test_policy_config_unknown_backend():
     from core.config import ConfigError
 
     with pytest.raises(
-        ConfigError, match=r"policy\.backend: expected one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit', got 'jax'"
+        ConfigError, match=r"policy\.backend: 'jax' is not a registered backend; known: \['torch_fsdp', 'torch_dtensor'"
     ):
         _policy("jax")
 

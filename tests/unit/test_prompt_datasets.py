@@ -9,7 +9,6 @@ token per whitespace-separated word), so prompt lengths are known by counting wo
 import json
 import subprocess
 import sys
-import warnings
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,6 +27,7 @@ from core.datasets.config import DataConfig
 from core.environments.arithmetic import ArithmeticTask
 from core.environments.config import ArithmeticTaskConfig
 from core.testing.tiny_models import tiny_tokenizer
+from tests.logs import warns
 
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
 WORDS = "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
@@ -231,7 +231,7 @@ def test_chat_template_is_applied_to_dataset_prompts(tmp_path, bos_tok):
 
 
 # ---------------------------------------------------------------- length limits
-def test_long_prompt_error_names_row_length_and_limit(tmp_path, tok):
+def test_long_prompt_error_names_row_length_and_limit(tmp_path, tok, caplog):
     rows = make_rows(6)
     rows[4]["prompt"] = "a b c d e f g"  # 7 tokens; the others have 3
     path = write_jsonl(tmp_path / "p.jsonl", rows)
@@ -241,12 +241,11 @@ def test_long_prompt_error_names_row_length_and_limit(tmp_path, tok):
         r"limit of 5.*on_long_prompt: filter",
     ):
         build(cfg(path, max_input_seq_length=5), tok, num_val=1, seed=0)
-    with pytest.warns(UserWarning, match="dropped 1 of 6"):
+    with warns(caplog, "dropped 1 of 6"):
         train, val = build(cfg(path, max_input_seq_length=5, on_long_prompt="filter"), tok, num_val=1, seed=0)
     assert train.num_filtered == 1 and train.size + val.size == 5
     assert "a b c d e f g" not in prompts(train) + prompts(val)
-    with pytest.raises(ValueError, match=r"all 6 rows .* dropped"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with pytest.raises(ValueError, match=r"all 6 rows .* dropped"):
         build(cfg(path, max_input_seq_length=2, on_long_prompt="filter"), tok, num_val=1, seed=0)
 
 
@@ -364,10 +363,8 @@ def test_builtin_long_prompts_error_or_are_skipped(tok):
     with pytest.raises(ValueError, match=r"data\.max_input_seq_length.* 4 tokens.*limit of 2"):
         build(c, tok, task, num_val=8, seed=0)
     c.on_long_prompt = "filter"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train, val = build(c, tok, task, num_val=8, seed=0)
-        items = [train[i].metadata["raw_prompt"] for i in range(100)]
+    train, val = build(c, tok, task, num_val=8, seed=0)
+    items = [train[i].metadata["raw_prompt"] for i in range(100)]
     assert all("-" in p for p in items + prompts(val))
     assert train.num_filtered > 0 and val.num_filtered > 0
 

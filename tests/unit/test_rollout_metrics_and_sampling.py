@@ -3,11 +3,10 @@ engine-independent sampling rules of ``core.generation.sampling``."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 
+from core import reporting
 from core.generation.sampling import (
     assemble_output,
     assemble_padded,
@@ -18,6 +17,7 @@ from core.generation.sampling import (
 )
 from core.kernels import generation_policy_kl, token_mult_prob_error
 from core.policy.generation_config import GenerationConfig
+from tests.logs import no_warning, warns
 from tests.unit.engines import ENGINES, to_engine, to_numpy, x64
 
 RNG = np.random.default_rng(0)
@@ -183,12 +183,12 @@ def test_sampling_kwargs_rejects_non_positive_temperature(temperature, greedy):
         sampling_kwargs(cfg, greedy=greedy, max_new_tokens=3, eos_token_ids=[2])
 
 
-def test_greedy_with_temperature_warns():
-    with pytest.warns(UserWarning, match="greedy vLLM generation reports logprobs at temperature 1.0"):
+def test_greedy_with_temperature_warns(caplog, monkeypatch):
+    with warns(caplog, "greedy vLLM generation reports logprobs at temperature 1.0", monkeypatch):
         kw = sampling_kwargs(gen(temperature=0.7), greedy=True, max_new_tokens=3, eos_token_ids=[2])
     assert kw["temperature"] == 0.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    monkeypatch.setattr(reporting, "_warned", set())
+    with no_warning(caplog):
         sampling_kwargs(gen(temperature=1.0), greedy=True, max_new_tokens=3, eos_token_ids=[2])
         sampling_kwargs(gen(temperature=0.7), greedy=False, max_new_tokens=3, eos_token_ids=[2])
 

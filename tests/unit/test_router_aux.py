@@ -78,9 +78,9 @@ def test_batch_value_is_the_mean_over_valid_sequences_however_split(engine):
         batch = {"input_lengths": LENGTHS[rows], "sample_mask": sample_mask[rows]}
         zero = to_engine(engine, np.zeros((), np.float32))
         loss, metrics = aux.add_to(zero, {}, to_engine(engine, logits[:, rows]), to_engine(engine, batch), 2.0, None)
-        total += float(to_numpy(metrics[AUX_METRIC]))
-        loss_total += float(to_numpy(loss))
-        assert float(to_numpy(metrics["loss"])) == pytest.approx(float(to_numpy(loss)))
+        total += to_numpy(metrics[AUX_METRIC]).item()
+        loss_total += to_numpy(loss).item()
+        assert to_numpy(metrics["loss"]).item() == pytest.approx(to_numpy(loss).item())
     assert total == pytest.approx(want, rel=1e-6)
     assert loss_total == pytest.approx(0.5 * want, rel=1e-6)
 
@@ -110,13 +110,14 @@ def test_moe_options_on_a_dense_model_are_refused_by_name():
     check_moe_options(tiny_config("qwen3_moe"), weighted)
     check_moe_options(tiny_config("llama"), PolicyConfig.coerce(base, path="policy"))  # the default passes
     blocked = PolicyConfig.coerce(base | {"backend": "jax_pjit", "jax_cfg": {"moe_dispatch": "blocked"}}, path="policy")
-    with pytest.raises(ValueError, match=r"policy.jax_cfg.moe_dispatch=blocked: model_type 'llama' has no"):
-        check_moe_options(tiny_config("llama"), blocked)
+    [(field, message)] = blocked.spec.model_checks(blocked, tiny_config("llama"))  # the JAX spec's own rule
+    assert field == "jax_cfg.moe_dispatch" and message.startswith("blocked: model_type 'llama' has no")
+    assert list(blocked.spec.model_checks(blocked, tiny_config("qwen3_moe"))) == []
     check_moe_options(tiny_config("qwen3_moe"), blocked)
 
 
 def test_expert_parallel_sizes_are_checked_on_the_driver():
-    """``policy.jax_cfg.expert_parallel_size``: refused on a dense model, when it does not
+    """``policy.parallel.expert_parallel_size``: refused on a dense model, when it does not
     divide the experts, and when it is not the fsdp size (statically, and against the world)."""
     from core.config import ConfigError
     from core.policy.config import PolicyConfig
@@ -128,18 +129,18 @@ def test_expert_parallel_sizes_are_checked_on_the_driver():
             "max_grad_norm": None, "tokenizer": {"name": "m"}}  # fmt: skip
 
     def policy(ep: int, fsdp: int = -1) -> PolicyConfig:
-        return PolicyConfig.coerce(base | {"jax_cfg": {"fsdp_size": fsdp, "expert_parallel_size": ep}}, path="policy")
+        return PolicyConfig.coerce(base | {"parallel": {"fsdp_size": fsdp, "expert_parallel_size": ep}}, path="policy")
 
-    with pytest.raises(ValueError, match=r"policy.jax_cfg.expert_parallel_size=2: model_type 'llama' has no"):
+    with pytest.raises(ValueError, match=r"policy.parallel.expert_parallel_size=2: model_type 'llama' has no"):
         check_moe_options(tiny_config("llama"), policy(2))
     check_moe_options(tiny_config("qwen3_moe"), policy(4))  # 8 experts
     with pytest.raises(ValueError, match=r"expert_parallel_size=3 does not divide the model's num_experts=8"):
         check_moe_options(tiny_config("qwen3_moe"), policy(3))
-    with pytest.raises(ConfigError, match=r"policy.jax_cfg.expert_parallel_size: 2 must be 1 or the fsdp size \(4\)"):
+    with pytest.raises(ConfigError, match=r"policy.parallel.expert_parallel_size: 2 must be 1 or the fsdp size \(4\)"):
         policy(2, fsdp=4)
-    with pytest.raises(ConfigError, match=r"policy.jax_cfg.expert_parallel_size: 4 must be 1 or the fsdp size \(2\)"):
-        PolicyConfig.checked(base | {"jax_cfg": {"expert_parallel_size": 4}}, world_size=2)
-    PolicyConfig.checked(base | {"jax_cfg": {"expert_parallel_size": 2}}, world_size=2)
+    with pytest.raises(ConfigError, match=r"policy.parallel.expert_parallel_size: 4 must be 1 or the fsdp size \(2\)"):
+        PolicyConfig.checked(base | {"parallel": {"expert_parallel_size": 4}}, world_size=2)
+    PolicyConfig.checked(base | {"parallel": {"expert_parallel_size": 2}}, world_size=2)
 
 
 def test_agreement_is_the_share_of_the_same_experts():
@@ -209,4 +210,4 @@ def test_routing_options_where_they_cannot_apply_are_refused_by_name(path, overr
         from core.config.loader import load_raw_config
 
         raw = load_raw_config(GRPO, [*overrides, "grpo.fuse_old_logprobs=false"])
-        run_config_class(raw).validate(raw)  # with a separate old-logprob pass: accepted
+        run_config_class(raw).model_validate(raw)  # with a separate old-logprob pass: accepted

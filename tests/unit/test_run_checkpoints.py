@@ -29,6 +29,7 @@ from core.checkpointing import (
 )
 from core.checkpointing.config import CheckpointingConfig
 from core.config import ConfigError
+from tests.logs import warns
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IDENTITY = {"algorithm": "grpo", "backend": "torch_fsdp", "model_name": "tiny-llama", "model_fingerprint": "ab12"}
@@ -217,24 +218,24 @@ def test_failing_write_policy_leaves_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10"]
 
 
-def test_crash_leftovers_are_skipped_and_cleaned(tmp_path):
+def test_crash_leftovers_are_skipped_and_cleaned(tmp_path, caplog):
     mgr = make(tmp_path)
     save(mgr, 20)
     tmp = tmp_path / ".tmp-step_30-0badf00d"
     write_policy(tmp / "policy")
     write_policy(tmp_path / "step_40" / "policy")  # a step dir whose manifest never came
-    with pytest.warns(UserWarning, match=r"step_40.*partial checkpoint.*no checkpoint\.json"):
+    with warns(caplog, r"step_40.*partial checkpoint.*no checkpoint\.json"):
         assert mgr.latest_complete() == tmp_path / "step_20"
     assert mgr.cleanup_stale_temp_dirs() == [tmp]
     assert not tmp.exists() and (tmp_path / "step_40").exists() and (tmp_path / "step_20").exists()
 
 
-def test_interrupted_resave_is_restored_by_cleanup(tmp_path):
+def test_interrupted_resave_is_restored_by_cleanup(tmp_path, caplog):
     mgr = make(tmp_path)
     save(mgr, 10)
     # died between "step_10 -> .old-step_10-*" and ".tmp-* -> step_10"
     os.replace(tmp_path / "step_10", tmp_path / ".old-step_10-12345678")
-    with pytest.warns(UserWarning, match="restored"):
+    with warns(caplog, "restored"):
         assert mgr.cleanup_stale_temp_dirs() == []
     assert mgr.load().step == 10
     # died after the second rename: the old copy is just removed
@@ -268,7 +269,7 @@ def test_resave_failing_at_the_final_rename_keeps_the_old_one(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10"]
 
 
-def test_truncated_file_is_reported_with_sizes(tmp_path):
+def test_truncated_file_is_reported_with_sizes(tmp_path, caplog):
     mgr = make(tmp_path)
     save(mgr, 10)
     path = save(mgr, 20)
@@ -277,7 +278,7 @@ def test_truncated_file_is_reported_with_sizes(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=rf"step_20.*'policy/model/layer0.npy'.*expected {size} bytes, found 100"):
         mgr.load(path)
-    with pytest.warns(UserWarning, match="step_20"):
+    with warns(caplog, "step_20"):
         assert mgr.latest_complete() == tmp_path / "step_10"
 
 
@@ -327,12 +328,12 @@ def test_identity_mismatch_names_key_and_values(tmp_path):
 
 
 # ----------------------------------------------------------------------------- resume
-def test_resume_errors_without_a_complete_checkpoint(tmp_path):
+def test_resume_errors_without_a_complete_checkpoint(tmp_path, caplog):
     assert make(tmp_path / "run").resume_point() is None  # resume: false
     with pytest.raises(CheckpointError, match=r"checkpointing\.resume is true but .*run has no complete checkpoint"):
         make(tmp_path / "run", resume=True).resume_point()
     (tmp_path / "run" / "step_5").mkdir(parents=True)
-    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=r"partial checkpoints found:\n  step_5: "):
+    with warns(caplog), pytest.raises(CheckpointError, match=r"partial checkpoints found:\n  step_5: "):
         make(tmp_path / "run", resume=True).resume_point()
 
 

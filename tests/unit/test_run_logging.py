@@ -23,6 +23,7 @@ from core.logging import (
     to_float,
 )
 from core.logging.plots import DPI, FIGSIZE
+from tests.logs import warns
 
 
 def _cfg(tmp_path, **overrides):
@@ -93,10 +94,10 @@ def test_jsonl_rejects_reserved_and_non_numeric_metrics(tmp_path):
     sink.close()
 
 
-def test_truncated_last_line_is_skipped_with_warning(tmp_path):
+def test_truncated_last_line_is_skipped_with_warning(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "split": "train", "loss": 1.0}\n{"step": 2, "split": "tr')
-    with pytest.warns(UserWarning, match="truncated last line 2"):
+    with warns(caplog, "truncated last line 2"):
         rows = read_metrics(path)
     assert [r["step"] for r in rows] == [1]
 
@@ -112,11 +113,11 @@ def test_malformed_middle_line_names_file_and_line(tmp_path):
         read_metrics(path)
 
 
-def test_append_keeps_rows_and_repairs_partial_line_truncate_does_not_keep(tmp_path):
+def test_append_keeps_rows_and_repairs_partial_line_truncate_does_not_keep(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     with open(path, "w") as f:
         f.write('{"step": 1, "split": "train", "loss": 1.0}\n{"step": 2, "spl')  # crash mid-write
-    with pytest.warns(UserWarning, match="partial last line"):
+    with warns(caplog, "partial last line"):
         sink = JsonlSink(path, append=True)
     sink.write("train", 2, {"loss": 0.5})
     sink.close()

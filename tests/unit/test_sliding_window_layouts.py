@@ -19,8 +19,8 @@ GEMMA3_1B = Path(__file__).parents[1] / "data" / "hf_configs" / "gemma-3-1b-it"
 def _policy(backend: str, packing: bool = False, cp: int = 1) -> PolicyConfig:
     cfg = policy_config(GEMMA3_1B, backend)
     cfg["sequence_packing"]["enabled"] = packing
-    cfg["dtensor_cfg"]["context_parallel_size"] = cp
-    cfg["jax_cfg"]["context_parallel_size"] = cp
+    cfg["parallel"]["context_parallel_size"] = cp
+    cfg["parallel"]["context_parallel_size"] = cp
     if cp > 1:
         cfg["make_sequence_length_divisible_by"] = 2 * cp
     return PolicyConfig.checked(cfg)

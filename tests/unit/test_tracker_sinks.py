@@ -285,21 +285,18 @@ def test_mlflow_resume_continues_the_run_and_keeps_its_first_params(tmp_path, ml
 # ----------------------------------------------------------------------------- a failed run
 
 
-def test_a_training_command_that_raises_closes_its_run_as_failed():
+def test_a_training_command_that_raises_closes_its_run_as_failed(tmp_path):
     """``execute`` (what ``dualrl grpo|sft|dpo`` runs) tells the run it failed, so the
     trackers' runs end failed rather than finished."""
     from core.algorithms.training_run import execute
+    from core.datasets import PromptDatum
+    from tests.grpo_runs import SMALL, grpo_run
 
-    class Run:  # the part of TrainingRun that execute touches
-        closed_as_failed: bool | None = None
-
-        def close(self, *, failed: bool = False) -> None:
-            self.closed_as_failed = failed
+    run = grpo_run(tmp_path, [PromptDatum("1+1=", (1, 5), {}), PromptDatum("2+2=", (1, 6), {})], *SMALL)
 
     def train(run):
         raise RuntimeError("reward function raised")
 
-    run = Run()
     with pytest.raises(RuntimeError, match="reward function raised"):
-        execute(lambda cfg, log: run, train, lambda run: {}, {}, print)
-    assert run.closed_as_failed is True
+        execute(lambda: run, train, lambda run: {})
+    assert run.failed is True

@@ -234,7 +234,7 @@ class CausalLM(CachedDecoding, nnx.Module):
         the mask of ``core.data.context_parallel.attention_allowed`` with matching ``positions``.
 
         ``remat``: recompute each decoder layer in the backward pass instead of keeping its
-        activations (``jax.checkpoint``; ``policy.jax_cfg.activation_checkpointing``).
+        activations (``jax.checkpoint``; ``policy.activation_checkpointing``).
 
         ``routing`` [sparse layers, B, S, top_k] int: routing replay -- the sparse layers send
         every token to these experts instead of their router's top-k (a mixture of experts only).

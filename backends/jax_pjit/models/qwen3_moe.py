@@ -19,7 +19,7 @@ its top-k experts only, expert-sorted blocks scanned with plain dots: the CPU de
 ``grouped`` (``jax.lax.ragged_dot``, for accelerators with a grouped kernel).  All exact, the
 same sum as HF's per-expert gather / index_add up to rounding.  Experts are stored sharded over
 ``fsdp`` (``logical_axes``: whole experts per rank); with ``MoEConfig.expert_parallel``
-(``policy.jax_cfg.expert_parallel_size`` = the fsdp size) they also *run* there: a
+(``policy.parallel.expert_parallel_size`` = the fsdp size) they also *run* there: a
 ``shard_map`` over that axis gathers every rank's tokens, each rank runs its own experts
 (blocked, empty blocks skipped) and the outputs are reduce-scattered back
 (``moe_dispatch.expert_parallel_experts``), instead of every rank gathering every expert.
@@ -86,7 +86,7 @@ class MoEConfig(ModelConfig):
     #: How the sparse layers run their experts (``moe_dispatch.DISPATCHES``; not an HF field:
     #: ``policy.jax_cfg.moe_dispatch`` resolved, see ``hf_mapping.from_pretrained``).
     dispatch: str = "dense"
-    #: Expert parallelism (``policy.jax_cfg.expert_parallel_size``; not an HF field): 1, or the
+    #: Expert parallelism (``policy.parallel.expert_parallel_size``; not an HF field): 1, or the
     #: size of the mesh axis the experts are stored over, whose ranks then each run their own
     #: experts on every rank's tokens (``moe_dispatch.expert_parallel_experts``).
     expert_parallel: int = 1
@@ -102,7 +102,7 @@ class MoEConfig(ModelConfig):
             raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
         if self.expert_parallel < 1 or self.num_experts % self.expert_parallel:
             raise ValueError(
-                f"policy.jax_cfg.expert_parallel_size={self.expert_parallel} must be >= 1 and divide "
+                f"policy.parallel.expert_parallel_size={self.expert_parallel} must be >= 1 and divide "
                 f"num_experts={self.num_experts} (each expert-parallel rank runs whole experts)"
             )
 
@@ -207,7 +207,7 @@ class SparseMoE(nnx.Module):
         ranks = int(mesh.shape[axis])
         if ranks != self.expert_parallel:
             raise ValueError(
-                f"policy.jax_cfg.expert_parallel_size={self.expert_parallel}: the experts are stored over "
+                f"policy.parallel.expert_parallel_size={self.expert_parallel}: the experts are stored over "
                 f"the mesh axis {axis!r} of size {ranks}; expert parallelism runs over that axis"
             )
         block = int(blocked_rule(jax.default_backend())["block"])

@@ -134,6 +134,7 @@ def generation_row(bench: Bench) -> dict:
     seconds = statistics.median(times)
     return {
         "sequences": batch.size,
+        "prompt_tokens": int(batch["input_lengths"].sum()),
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,

@@ -1,6 +1,7 @@
 """``bench.png`` of a ``dualrl bench`` run: one panel per section that measured something --
-tokens/s ×HF per layout (logprobs, train), the GRPO step's breakdown (sync and async rows side
-by side, TRL beside), refit GB/s.
+tokens/s ×HF per layout (logprobs, train), the roofline (every timed phase's GFLOP/s as a share of
+the machine's best measured matmul peak), the GRPO step's breakdown (sync and async rows side by
+side, TRL beside), refit GB/s.
 Legends sit outside the axes, right of each panel, so no bar is hidden behind one."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 from benchmarks.lib.compare.report import grpo_rows
 from benchmarks.lib.grpo_step import PHASES
 from benchmarks.lib.pairing import OPS, median, ratio
+from benchmarks.lib.roofline import best_peak
 
 LEGEND = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=7)
 
@@ -75,12 +77,39 @@ def refit_panel(ax, results: dict) -> None:
     ax.set_xticklabels([f"{n} {t}" for n, t, _ in refit], rotation=30, ha="right")
 
 
+def flop_phases(results: dict) -> list[dict]:
+    """The roofline's phases measured in FLOPs (refit, in bytes, has its own panel)."""
+    return [a for a in (results.get("roofline") or {}).get("achieved") or [] if a["unit"] == "GFLOP/s" and a["share"]]
+
+
+def roofline_panel(ax, results: dict) -> None:
+    """Each phase's share of the best peak; the other engines' peaks as lines at their share."""
+    phases = flop_phases(results)
+    ax.bar(range(len(phases)), [100 * a["share"] for a in phases], width=0.6)
+    roof = results["roofline"]
+    precision = results["machine"]["precision"]
+    engine, best = best_peak(roof, precision) or ("", 0.0)
+    for i, (name, rates) in enumerate(roof["peaks"].items()):
+        if rates.get(precision):
+            share = 100 * rates[precision] / best
+            ax.axhline(share, color=f"C{i + 1}", lw=1, ls="--", label=f"{name} peak {rates[precision]:,.0f} GFLOP/s")
+    ax.set(
+        title=f"% of the best matmul peak ({engine}, {best:,.0f} GFLOP/s {precision})",
+        xticks=range(len(phases)),
+        ylim=(0, 110),
+    )
+    ax.set_xticklabels([f"{a['row']} {a['phase']}" for a in phases], rotation=30, ha="right", fontsize=7)
+    ax.legend(**LEGEND)
+
+
 def panels(results: dict) -> list:
     """The panels with something to show, in the report's order."""
     layouts = results["layouts"]
     out = []
     if any("logprobs_s" in r for r in layouts):
         out.append(throughput_panel)
+    if flop_phases(results):
+        out.append(roofline_panel)
     if refit_transports(results):
         out.append(refit_panel)
     if any("step_s" in g for _, g in grpo_rows(results)):
@@ -93,6 +122,8 @@ def _panel_width(panel, results: dict) -> float:
     so that its rotated labels do not overlap; the legend sits to its right."""
     if panel is grpo_panel:
         return max(6.2, 3.5 + 0.55 * (len(grpo_rows(results)) + 1))
+    if panel is roofline_panel:
+        return max(6.2, 3.5 + 0.35 * len(flop_phases(results)))
     return 6.2
 
 

@@ -7,6 +7,7 @@ from benchmarks.lib.grpo_step import PRODUCER_PHASES, TRL_PHASES
 from benchmarks.lib.machine import flops_per_token, mfu
 from benchmarks.lib.markdown import cell, pct, table
 from benchmarks.lib.pairing import OPS, median, ratio
+from benchmarks.lib.roofline import ENGINES, best_peak
 
 
 def _mib(values) -> str:
@@ -140,12 +141,21 @@ def _grpo_cells(g: dict) -> list[str]:
     return [cell(phases.get(p), ".2f") for p in GRPO_COLUMNS] + [split, overlapped]
 
 
+def per_token_ratio(g: dict, trl_step_s: float | None, trl_tokens: float | None) -> float | None:
+    """×TRL per generated token: TRL's seconds per completion token over dualrl's (the two sides
+    sample their own completions, whose lengths differ unless the run is full length)."""
+    mine = g.get("response_length_mean")
+    if not (trl_step_s and trl_tokens and mine):
+        return None
+    return (trl_step_s / trl_tokens) / (g["step_s"] / mine)
+
+
 def grpo_lines(results: dict) -> list[str]:
     rows = []
     for name, g in grpo_rows(results):
         mode = g.get("mode", "sync")
         if "error" in g:
-            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 7))
+            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 8))
             continue
         trl = median(g.get("trl_step_s"))
         trl_len = median([x for x in g.get("trl_completion_length") or [] if x is not None])
@@ -159,6 +169,7 @@ def grpo_lines(results: dict) -> list[str]:
                 mode,
                 cell(g["step_s"], ".2f"),
                 cell(trl / g["step_s"] if trl else None, ".2f"),
+                cell(per_token_ratio(g, trl, trl_len), ".2f"),
                 cell(trl, ".2f"),
                 trl_split if trl_phases else "-",
                 *_grpo_cells(g),
@@ -175,6 +186,7 @@ def grpo_lines(results: dict) -> list[str]:
         "mode",
         "step s",
         "×TRL",
+        "×TRL per token",
         "TRL step s",
         "TRL " + " / ".join(k.removesuffix("_s") for k in TRL_PHASES) + " s",
         *[f"{p} s" for p in GRPO_COLUMNS],
@@ -185,7 +197,8 @@ def grpo_lines(results: dict) -> list[str]:
     ]
     lines = [
         f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens{full}, "
-        f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps)",
+        f"{results['grpo_generation']} generation; ×TRL = TRL step s / dualrl step s, paired steps; per token: "
+        "seconds per sampled completion token)",
         "",
         *table(header, rows),
         "",
@@ -270,6 +283,54 @@ def multi_turn_lines(results: dict) -> list[str]:
     ]
 
 
+#: What each roofline engine is, for the peaks table.
+ENGINE_NOTES = {
+    "xla": "jax.jit matmul (the JAX backend)",
+    "torch": "torch.matmul, torch's default path (BLAS: MKL on a CPU; HF eager and TRL)",
+    "torch-onednn": "oneDNN matmul (the torch backends' fp32 CPU linears)",
+}
+
+
+def roofline_lines(results: dict) -> list[str]:
+    """The engines' peaks on the workload's products, then every timed phase's rate and share
+    (``benchmarks.lib.roofline.achieved``, kept in the results by the run)."""
+    roof = results.get("roofline")
+    if not roof:
+        return []
+    dtypes = ("float32", "bfloat16")
+    peaks = roof.get("peaks", {})
+    engine_rows = [
+        [engine, *[cell(peaks[engine].get(d), ",.0f") for d in dtypes], ENGINE_NOTES.get(engine, "")]
+        for engine in ENGINES
+        if engine in peaks
+    ]
+    precision = results["machine"]["precision"]
+    best = best_peak(roof, precision)
+    phase_rows = [
+        [a["row"], a["phase"], cell(a["rate"], ",.1f" if a["unit"] == "GB/s" else ",.0f") + " " + a["unit"]]
+        + [cell(pct(a["share"]), ".1f")]
+        for a in roof.get("achieved") or []
+    ]
+    best_text = f"{best[1]:,.0f} GFLOP/s ({best[0]}, {precision})" if best else "not measured"
+    lines = [
+        f"### Roofline: matmul peaks on the workload's products ({roof['tokens']} tokens: each linear layer's "
+        "forward, input- and weight-gradient product, weighted as a training step makes them; worker set-up)",
+        "",
+        *table(["engine", "fp32 GFLOP/s", "bf16 GFLOP/s", "what"], engine_rows),
+        "",
+        *[f"roofline engine {family} not measured: {why}" for family, why in (roof.get("errors") or {}).items()],
+    ]
+    if phase_rows:
+        lines += [
+            f"Every timed phase against the machine's best measured peak, {best_text}; refit against the "
+            "memcpy bandwidth (GB/s over memcpy GB/s):",
+            "",
+            *table(["row", "phase", "achieved", "% of roof"], phase_rows),
+            "",
+        ]
+    return lines
+
+
 def report(results: dict, config) -> str:
     """The markdown report; ``config``: the model's HF config (its FLOPs per token for MFU)."""
     m = results["machine"]
@@ -283,7 +344,7 @@ def report(results: dict, config) -> str:
         + (f", micro {results['micro']}" if results["micro"] else ""),
         "",
     ]
-    lines += throughput_lines(results, config) + refit_lines(results)
+    lines += roofline_lines(results) + throughput_lines(results, config) + refit_lines(results)
     gen = results.get("generation")
     if gen and "tokens_per_s" in gen:
         lines += [

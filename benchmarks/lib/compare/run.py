@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -22,21 +23,24 @@ from benchmarks.lib.compare.baselines import (
     close_baselines,
     engine,
     generation_row,
+    grpo_run_config,
     lora_engine,
     start_baselines,
     vllm_missing,
 )
 from benchmarks.lib.errors import error_text
-from benchmarks.lib.grpo_step import TRL_PHASES, measure_grpo
-from benchmarks.lib.layouts import Layout, LayoutError, check_batch, check_fits, jax_model_problem, parse_layout
+from benchmarks.lib.grpo_step import TRL_PHASES, measure_grpo, training_prompts
+from benchmarks.lib.layouts import Layout, LayoutError, check_batch, check_fits, parse_layout
 from benchmarks.lib.machine import machine_facts
-from benchmarks.lib.models import param_count
+from benchmarks.lib.models import backend_model_problem, param_count
 from benchmarks.lib.pairing import Probe, measure, new_result
 from benchmarks.lib.policy import PolicyRunner
 from benchmarks.lib.proc import peak_rss_bytes
 from benchmarks.lib.ray_session import RaySession
+from benchmarks.lib.roofline import achieved, measure_peaks
 from benchmarks.lib.sizes import SIZES
 from benchmarks.lib.workload import make_batch
+from core.distributed.worker_output import WORKER_LOG_FILENAME
 
 SECTIONS = ("throughput", "refit", "generation", "grpo")
 #: A layout's GRPO rows: sync, async (--grpo-async), multi-turn (--grpo-multi-turn), the policy's own
@@ -66,10 +70,13 @@ def resolve_layouts(names: list[str], args) -> tuple[list[Layout], dict[str, str
 
 
 def start_session(bench: Bench) -> None:
-    """Ray once, before anything is timed, with the first JAX layout's host devices (CPU)."""
+    """Ray once, before anything is timed, with the first JAX layout's host devices (CPU); the
+    workers' own output (vLLM's Triton / NUMA lines, the libraries' FutureWarnings) goes to
+    ``--out``'s ``workers.log``, not between the bench's lines."""
     cpu = bench.args.device != "cuda"
-    bench.session = RaySession(bench.args.ray_cpus if cpu else None, host_devices=cpu)
-    first_jax = next((lay.devices for lay in bench.args.layout_objs if lay.is_jax), None)
+    worker_log = Path(bench.args.out) / WORKER_LOG_FILENAME
+    bench.session = RaySession(bench.args.ray_cpus if cpu else None, host_devices=cpu, worker_log=worker_log)
+    first_jax = next((lay.devices for lay in bench.args.layout_objs if lay.per_host), None)
     if bench.session.owned:
         bench.session.start(first_jax)
 
@@ -90,7 +97,7 @@ def ray_for(bench: Bench, layout: Layout) -> str | None:
 
 def jax_unsupported(bench: Bench, layout: Layout) -> str | None:
     """Why the JAX backend cannot run this model (its own config check, on the driver), or None."""
-    return jax_model_problem(bench.config, bench.args.model or "this model") if layout.is_jax else None
+    return backend_model_problem(layout.backend, bench.config, bench.args.model or "this model")
 
 
 # ----------------------------------------------------------------------------- per layout
@@ -256,6 +263,15 @@ def generation_section(bench: Bench, progress) -> dict:
         progress.update(1)
 
 
+def grpo_prompt_tokens_mean(bench: Bench) -> float:
+    """Mean prompt tokens of the prompts the GRPO rows' steps draw (warm-up and timed): what the
+    roofline counts per sample besides each side's completions."""
+    work = bench.size.grpo
+    cfg = grpo_run_config(bench, str(bench.tmp / "prompts"))
+    items = training_prompts(cfg, bench.tokenizer, work.prompts * (work.warmup + work.steps))
+    return statistics.fmean(len(p.input_ids) for p in items)
+
+
 def skip_notes(bench: Bench) -> None:
     """Without vLLM: no refit rows, and the GRPO step generates with the policy's own HF generate."""
     bench.refit_skipped = vllm_missing()
@@ -279,7 +295,10 @@ def run(bench: Bench, progress) -> dict:
     start_session(bench)
     bench.load_model(args.model)
     results["machine"] = machine_facts(args.device, args.precision, args.threads)
+    results["roofline"] = measure_peaks(bench.config, args.batch * args.seq, args.device, args.threads)
     results["tokens"] = int(make_batch(args.batch, args.seq, bench.config.vocab_size)["input_lengths"].sum())
+    if "grpo" in args.sections:
+        results["grpo_prompt_tokens_mean"] = grpo_prompt_tokens_mean(bench)
     start_baselines(bench)
     try:
         for layout in args.layout_objs:
@@ -322,4 +341,5 @@ def run_bench(args, progress) -> tuple[dict, Bench]:
         grpo_multi_turn=getattr(args, "grpo_multi_turn", None),
         load=os.getloadavg(),
     )
+    results["roofline"]["achieved"] = [dataclasses.asdict(a) for a in achieved(results, bench.config)]
     return results, bench

@@ -9,7 +9,7 @@ import statistics
 
 from benchmarks.lib import machine
 
-#: Rows of Policies; ``torch_dtensor-compiled`` is torch_dtensor with ``dtensor_cfg.compile`` on.
+#: Rows of Policies; ``torch_dtensor-compiled`` is torch_dtensor with ``policy.compile`` on.
 COMPILED = "torch_dtensor-compiled"
 BACKENDS = ("torch_fsdp", "torch_dtensor", COMPILED, "jax_pjit")
 

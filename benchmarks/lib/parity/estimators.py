@@ -4,7 +4,7 @@ layout and on ``hf``, with a registered advantage estimator's advantages and its
 
 The batch is GRPO step 0's (``grpo.grpo_batch``) with seeded rewards per row, in groups of
 consecutive rows (:func:`group_size`), turned into advantages by
-``core.algorithms.advantages.compute_advantages`` (the estimator's fixed switches), and the
+``core.algorithms.advantages.compute_advantages`` (the switches the estimator implies), and the
 last row's ``sample_mask`` at 0, as ``grpo.overlong_filtering`` leaves a truncated sample: it
 must leave the valid-sequence and valid-token counts, which each backend gathers over its
 ranks and micro batches -- and which Dr. GRPO's constant normaliser (valid sequences x
@@ -32,21 +32,20 @@ def estimator_batch(base, estimator: str, seed: int = ESTIMATOR_SEED):
     last sample masked out."""
     import torch
 
-    from core.algorithms.advantages import compute_advantages
-    from core.algorithms.config import ESTIMATOR_SWITCHES
+    from core.algorithms.advantages import ESTIMATORS, compute_advantages
     from core.data import BatchedDataDict
 
     mask, rows = base["token_mask"], len(base["input_ids"])
     sample_mask = base["sample_mask"].clone()
     sample_mask[-1] = 0.0
     rewards = torch.rand(rows, generator=torch.Generator().manual_seed(seed))
-    switches = ESTIMATOR_SWITCHES[estimator]
+    implied = ESTIMATORS[estimator].implies  # the rows' estimators set both switches
     advantages = compute_advantages(
         rewards,
         group_size(rows),
         estimator=estimator,
-        leave_one_out=bool(switches["use_leave_one_out_baseline"]),
-        normalize=bool(switches["normalize_rewards"]),
+        leave_one_out=bool(implied["grpo.use_leave_one_out_baseline"]),
+        normalize=bool(implied["grpo.normalize_rewards"]),
         token_counts=mask.sum(1) * sample_mask,
     ).advantages
     return BatchedDataDict({**base, "sample_mask": sample_mask, "advantages": advantages[:, None] * mask})

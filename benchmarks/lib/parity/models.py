@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.lib import layouts
-from benchmarks.lib.layouts import GRAMMAR, TORCH_LAYOUTS, jax_layout, torch_layout
+from benchmarks.lib import models
+from benchmarks.lib.layouts import device_layout, grammar, host_layout, parse_layout
 from benchmarks.lib.models import hf_config
 from benchmarks.lib.parity.checks import crossload_pairs
+from benchmarks.lib.parity.settings import TORCH_LAYOUTS
 
 
 def jax_devices(name: str) -> int | None:
-    """XLA host devices the layout's actor needs (``None``: a torch layout)."""
-    layout = jax_layout(name)
+    """XLA host devices the layout's one actor owns (``None``: a layout of one worker per device)."""
+    layout = host_layout(name)
     return layout.devices if layout else None
 
 
@@ -36,10 +37,10 @@ def check_arguments(layouts: list[str], engine: Any, crossload: str, seq: int, s
 def layout_problem(name: str, batch: int, threads: int, ray_cpus: float | None) -> str | None:
     """Why ``name`` cannot run here (unknown, does not fit, batch), or ``None``.  See "Bad
     input" in ``benchmarks/parity.py``'s docstring for what *fits* means."""
-    jax = jax_layout(name)
-    layout = torch_layout(name)
-    if jax is None and layout is None:
-        return f"unknown layout {name!r}: one of {', '.join(TORCH_LAYOUTS)}, or by the grammar {GRAMMAR}"
+    host = host_layout(name)
+    layout = device_layout(name)
+    if host is None and layout is None:
+        return f"unknown layout {name!r}: one of {', '.join(TORCH_LAYOUTS)}, or by the grammar {grammar()}"
     cpus = "" if ray_cpus is None else f" (the Ray cluster has {ray_cpus:g} CPUs)"
     if layout is not None:
         if layout.workers > threads:
@@ -59,7 +60,12 @@ def layout_problem(name: str, batch: int, threads: int, ray_cpus: float | None) 
 
 def jax_model_problem(model: str, model_path: str) -> str | None:
     """Why the JAX backend cannot load this model (its own check on the HF config), or ``None``."""
-    return layouts.jax_model_problem(hf_config(model_path), model)
+    return models.jax_model_problem(hf_config(model_path), model)
+
+
+def model_problem(layout: str, model: str, model_path: str) -> str | None:
+    """Why the layout's backend cannot load this model, where the benchmarks can tell on the driver."""
+    return models.backend_model_problem(parse_layout(layout).backend, hf_config(model_path), model)
 
 
 def parity_settings(cfg: dict, lr: float) -> dict:

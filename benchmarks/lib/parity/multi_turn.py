@@ -210,8 +210,6 @@ class MultiTurnWorkload:
     def batch(self, logprobs: LogprobsFn):
         """The GRPO train batch of the scripted episodes (see the module docstring), and the
         per-row data compared exactly (plain lists)."""
-        from types import SimpleNamespace
-
         import torch
 
         from core.algorithms.grpo import training_data
@@ -241,8 +239,7 @@ class MultiTurnWorkload:
                 "(--seq) and the scripted turns"
             )
         rows = episodes_to_rows(episodes, tok.pad_token_id)
-        run = SimpleNamespace(cfg=cfg, stop_token_ids=stops, max_new_tokens=cfg.policy.generation.max_new_tokens)
-        data, _ = training_data(run, rows, torch.ones(rows.size))
+        data, _ = training_data(cfg.grpo, rows, torch.ones(rows.size), stops, cfg.policy.generation.max_new_tokens)
         exact = {k: data[k].tolist() for k in EXACT_KEYS if k in data}
         exact.update(rewards=rows["rewards"].tolist(), turns=rows["turns"].tolist())
         return data, exact

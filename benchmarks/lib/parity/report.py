@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.lib.layouts import torch_layout
+from benchmarks.lib.layouts import dcp_layouts
 from benchmarks.lib.parity.exact import exact_table
 from benchmarks.lib.parity.models import jax_devices
 from benchmarks.lib.parity.settings import (
@@ -219,7 +219,7 @@ def _dcp_table(results: dict, checks: list[dict]) -> list[str]:
             *_table(rows),
         ]
     names = [n for n in results["measured"] if n not in (HF, HF_LORA)]
-    torch_names = [n for n in names if torch_layout(n) is not None]
+    torch_names = dcp_layouts(names)
     jax_names = [n for n in names if jax_devices(n) is not None]
     if torch_names and jax_names:
         lines.append(

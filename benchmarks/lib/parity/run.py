@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.errors import error_text
-from benchmarks.lib.layouts import torch_layout
+from benchmarks.lib.layouts import dcp_layouts, device_layout, parse_layout
 from benchmarks.lib.models import load_tokenizer, prepare_model, vocab_size
 from benchmarks.lib.parity.checks import collect, crossload_pairs, is_lora
 from benchmarks.lib.parity.engine import engine_check, engine_prompts, parity_engine
@@ -22,8 +22,8 @@ from benchmarks.lib.parity.measure import after_one_more_step, measure_policy, p
 from benchmarks.lib.parity.models import (
     check_arguments,
     jax_devices,
-    jax_model_problem,
     layout_problem,
+    model_problem,
     parity_settings,
 )
 from benchmarks.lib.parity.multi_turn import MultiTurnWorkload
@@ -210,13 +210,14 @@ class ParityRun:
                 f"token_mult_prob_error: the vLLM engine does not fit: its bundle of --threads {threads} CPUs "
                 f"next to a policy's needs {2 * threads}, the Ray cluster has {cluster_cpus:g}"
             )
-        runnable, jax_model = [], None
+        runnable, model_problems = [], {}
         for name in layouts:
             problem = layout_problem(name, self.args.batch, threads, cluster_cpus)
-            if problem is None and jax_devices(name) is not None:
-                if jax_model is None:  # the model's problem, asked once
-                    jax_model = jax_model_problem(model, self.paths[0]) or ""
-                problem = jax_model or None
+            if problem is None:
+                backend = parse_layout(name).backend
+                if backend not in model_problems:  # the model's problem, asked once per backend
+                    model_problems[backend] = model_problem(name, model, self.paths[0])
+                problem = model_problems[backend]
             if problem is not None:
                 self.errors[name] = f"{name}: {problem}"
             elif not self.session.fits(jax_devices(name)):
@@ -253,10 +254,10 @@ class ParityRun:
 
 
 def dcp_ring(names: list[str]) -> list[tuple[str, str]]:
-    """(source, target) DCP pairs: a ring over the torch layouts of each kind, full and ``-lora``
+    """(source, target) DCP pairs: a ring over the layouts that checkpoint in torch DCP, full and ``-lora``
     apart (none with fewer than two): a LoRA checkpoint holds adapters and their AdamW state
     that a full fine-tuning target has no place for, and the reverse."""
-    torch_names = [n for n in names if torch_layout(n) is not None]
+    torch_names = dcp_layouts(names)
     return [
         pair
         for lora in (False, True)
@@ -305,7 +306,7 @@ def run_parity(
         batch=batch, seq=seq, precision=precision, threads=threads, lr=lr, steps=steps, lora=LORA, exact=exact
     )
     # Ray (when started here) sized for a policy plus, with the engine, its bundle of --threads CPUs.
-    torch_layouts = [layout for layout in map(torch_layout, layouts) if layout is not None]
+    torch_layouts = [layout for layout in map(device_layout, layouts) if layout is not None]
     num_cpus = max(ray_cpus(torch_layouts, threads), threads * (2 if engine_layouts else 1))
     wall0 = time.perf_counter()
     cfg = parity_settings(default_policy_section(), lr)

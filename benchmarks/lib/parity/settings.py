@@ -10,6 +10,8 @@ HF_LORA = "hf-lora"
 #: tiny models' dimensions.  B = 0 at init: the adapted model starts as the base model.
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": "all-linear", "init_seed": 0}
 DEFAULT_LAYOUTS = ["fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "jax-fsdp2", "jax-tp2"]
+#: The torch layouts the benchmarks' help texts list (any other by ``benchmarks.lib.layouts.grammar()``).
+TORCH_LAYOUTS = ("fsdp1-dp1", "dtensor-dp1", "fsdp1-dp2", "dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp")
 STEPS = 3
 LEARNING_RATE = 1e-3
 #: Seed of the companion rows of the ``mixed`` variant (the batch itself uses benchmarks.lib.workload.SEED).
