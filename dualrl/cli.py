@@ -20,6 +20,9 @@
     dualrl bench [--size tiny|small|1b] [--layouts L ...] [--model NAME|PATH] [--device cpu|cuda] ...
         every layout on one workload in one run: tokens/s x HF eager, MFU, memory, refit GB/s,
         vLLM tokens/s, the GRPO step's breakdown x TRL (benchmarks.compare; --help lists all).
+    dualrl serve [--config FILE] [--backend NAME] [key.path=value ...]
+        the Tinker API on 127.0.0.1:8000 for the official tinker SDK (core/configs/serve_arithmetic.yaml;
+        docs/tinker.md): training and sampling clients on the chosen backend.
     dualrl bench --gpu [--size 1b|tiny] [--mbs M ...] [--sections throughput refit loss] ...
         one device (a GPU, else the CPU): every backend next to HF eager, tokens/s, MFU, peak
         memory, refit source seconds, fp32 loss curves vs plain torch (benchmarks.gpu).
@@ -262,6 +265,12 @@ def _parity_command(args: argparse.Namespace) -> int:
     return parity.main(args.forwarded, prog="dualrl parity")
 
 
+def _serve_command(args: argparse.Namespace) -> int:
+    from core.tinker_api.serve import main as serve  # FastAPI, the tinker SDK: only when serving
+
+    return serve(args.forwarded, prog="dualrl serve")
+
+
 def _bench_command(args: argparse.Namespace) -> int:
     if "--gpu" in args.forwarded:  # the one-device mode: every backend next to HF eager (benchmarks.gpu)
         from benchmarks import gpu
@@ -322,13 +331,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(benchmarks.gpu; dualrl bench --gpu --help)",
     )
     bench.set_defaults(func=_bench_command)
+    serve = sub.add_parser(
+        "serve", add_help=False, help="the Tinker API (the tinker SDK's clients) over HTTP (dualrl serve --help)"
+    )
+    serve.set_defaults(func=_serve_command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    forward = {"bench": _bench_command, "parity": _parity_command}
+    forward = {"bench": _bench_command, "parity": _parity_command, "serve": _serve_command}
     if argv[:1] and argv[0] in forward:  # every option is the benchmark's own (argparse cannot forward them)
         show_logs_above_progress(logging.WARNING)  # the library's warnings; the tables are the benchmark's own
         return forward[argv[0]](argparse.Namespace(forwarded=argv[1:]))

@@ -49,7 +49,8 @@ from backends.jax_pjit.generate import make_decode_fns
 from backends.jax_pjit.hf_mapping import from_pretrained, hf_layout
 from backends.jax_pjit.lora import LoRAParam, apply_lora, split_trainable
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
-from backends.jax_pjit.optim import build_optax, init_optimizer_state, set_learning_rate
+from backends.jax_pjit.optim import build_optax, build_schedule, init_optimizer_state, set_learning_rate
+from backends.jax_pjit.optimizer_params import AdamWParams, rebuilt_optimizer, with_adamw_params
 from backends.jax_pjit.param_placement import place_params
 from backends.jax_pjit.processes import check_multi_process, device_id, device_info, init_jax_distributed, on_mesh
 from backends.jax_pjit.row_layouts import RowLayouts
@@ -311,6 +312,19 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
 
     def _device_scalar(self) -> jax.Array:
         return jnp.zeros((), jnp.float32)
+
+    def set_optimizer_params(self, params: AdamWParams) -> None:
+        """AdamW's settings for the next steps: the lr as the schedule; others rebuild the chain."""
+        if self.tx is None:
+            raise RuntimeError(OPTIMIZER_MISSING)
+        self.prepare_for_training()  # the optimizer state on the devices
+        if params.constants() != getattr(self, "_adam_constants", None):  # else only the lr moves
+            with self.mesh:
+                self.tx, self.opt_state, self._apply_updates = rebuilt_optimizer(
+                    params, self.opt_state, self._trainable(self.params), self.shardings, self.trainable
+                )
+            self._adam_constants = params.constants()
+        self.cfg, self.schedule = with_adamw_params(self.cfg, params), build_schedule(None, params.lr)
 
     def _queue_optimizer_step(self, grads: Any, keys: list[str], totals: Any, gseq: Any, gtok: Any) -> list[Any]:
         """Queue the jitted update: it applies the accumulated gradients unless the step has

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from core.policy.config import OptimizerConfig, SchedulerEntry, scheduler_chain
+from core.policy.optimizer_params import AdamWParams
 
 
 def import_object(path: str, what: str) -> Any:
@@ -95,3 +96,16 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 state[key] = value.to(device, non_blocking=True)
+
+
+def set_adamw_params(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None, params: AdamWParams
+) -> None:
+    """Every param group of ``optimizer`` (an AdamW) takes ``params``; its state (moments, step
+    counts) is kept.  The constant schedule a policy without ``policy.scheduler`` has
+    (``build_scheduler``: base lr x 1) then keeps this learning rate when it steps."""
+    for group in optimizer.param_groups:
+        group.update(lr=params.lr, initial_lr=params.lr, betas=params.betas, eps=params.eps)
+        group["weight_decay"] = params.weight_decay
+    if scheduler is not None:
+        scheduler.base_lrs = [params.lr] * len(optimizer.param_groups)

@@ -46,7 +46,13 @@ from backends.torch_common.lora import apply_lora, trainable_parameters
 from backends.torch_common.memory_trade import full_copies_fit, weight_bytes
 from backends.torch_common.model_loading import hf_param_meta, load_hf_model, torch_dtype
 from backends.torch_common.moe import RouterRecorder
-from backends.torch_common.optim import build_optimizer, build_scheduler, current_lr, move_optimizer_state
+from backends.torch_common.optim import (
+    build_optimizer,
+    build_scheduler,
+    current_lr,
+    move_optimizer_state,
+    set_adamw_params,
+)
 from backends.torch_common.precision import apply_matmul_precision, matmul_precision_state
 from backends.torch_common.reference import ReferenceWeights, local_shards
 from backends.torch_common.routing import TorchRouting
@@ -60,6 +66,7 @@ from core.models.lora import is_adapter_name, lora_scale
 from core.parallel_dims import ParallelDims
 from core.policy.config import PolicyConfig
 from core.policy.generation_args import GenerationArgs
+from core.policy.optimizer_params import AdamWParams
 from core.policy.preflight import check_tokenizer_fits
 from core.policy.worker_base import OPTIMIZER_MISSING, REFERENCE_MISSING, PolicyWorkerBase, TrainCall, step_skip_reason
 from core.refit.manifest import tied_aliases
@@ -312,6 +319,11 @@ class TorchPolicyWorker(TorchLogprobs, TorchRouting, TorchWeightsIO, TorchShardi
         else:
             optimizer.zero_grad(set_to_none=True)
         return grad_norm, reason
+
+    def set_optimizer_params(self, params: AdamWParams) -> None:
+        """AdamW's settings for the next steps (``Policy.set_optimizer_params``); state kept."""
+        set_adamw_params(self._require_optimizer(), self.scheduler, params)
+        self.cfg = self.cfg.model_copy(update={"max_grad_norm": params.max_grad_norm})
 
     def _require_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer of a training call (``_check_train_call`` refused one without it)."""

@@ -78,7 +78,7 @@ class VllmGeneration(RefittableGenerationInterface):
             seed,
             name_prefix=name_prefix,
             workers_per_node=per_node,
-            env_vars=default_env(cluster.use_gpus),
+            env_vars=default_env(cluster.use_gpus, cluster.num_cpus_per_bundle),
         )
         self.engines = self.worker_group.workers
         self.health = EngineHealth(self.engines, probe_timeout_s)
@@ -100,6 +100,8 @@ class VllmGeneration(RefittableGenerationInterface):
         #: once, then A and B only; ``core.refit.adapter``), and why (``policy.lora.refit``).
         self.refit_mode: str = limits[0]["refit_mode"]
         self.refit_mode_reason: str = limits[0]["refit_mode_reason"]
+        #: Each engine worker's compute threads (on CPU: its bundle's CPUs, see ``default_env``).
+        self.engine_threads: list[int] = [int(lim["threads"]) for lim in limits]
         #: Adapter mode: the policy (``refit_token``) whose base weights the engines hold.
         self.base_weights_of: str | None = None
         if self.cfg.lora.enabled:

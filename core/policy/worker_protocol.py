@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from core.data import BatchedDataDict
     from core.interfaces import LossFunction, TrainResult
     from core.policy.config import PolicyConfig
+    from core.policy.optimizer_params import AdamWParams
     from core.refit.manifest import RefitManifest, RefitPart
 
 
@@ -77,6 +78,12 @@ class PolicyWorker(Protocol):
         every rank alike.  ``eval_mode``: the loss and metrics only.  The result's values are
         the same on every rank except ``all_mb_metrics`` (this worker's micro batches).
         Collective."""
+        ...
+
+    def set_optimizer_params(self, params: AdamWParams) -> None:
+        """AdamW's settings for the next ``train`` calls (``Policy.set_optimizer_params``,
+        checked there): learning rate, betas, eps, decoupled weight decay, gradient clipping;
+        the optimizer state (moments, step counts) is kept."""
         ...
 
     def prepare_for_training(self) -> None:

@@ -70,7 +70,14 @@ def _check_two_steps(run, transport: str):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_two_colocated_steps(colocated_run, backend):
-    _check_two_steps(colocated_run(backend), "ipc")
+    run = colocated_run(backend)
+    _check_two_steps(run, "ipc")
+    # A colocated engine computes on all of its bundle's CPUs (the policy waits meanwhile):
+    # Ray alone would give it the bundle's CPUs divided among the colocated groups.
+    cfg = run.cfg
+    bundle_cpus = 1 if cfg.policy.spec.one_worker_per_device else cfg.cluster.gpus_per_node
+    assert run.engine.generation is not None
+    assert set(run.engine.generation.engine_threads) == {bundle_cpus}
 
 
 @pytest.mark.parametrize("backend", backend_params(BACKENDS[1:]))

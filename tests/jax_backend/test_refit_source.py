@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import jax
 import ml_dtypes
-import numpy as np
 import pytest
+import torch
 
 from backends.jax_pjit.hf_mapping import jax_to_hf_tensors
 from backends.jax_pjit.sharding import host_copy
+from core.refit.manifest import dtype_name
+from core.refit.packing import as_torch
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) jax devices")
 
@@ -32,14 +34,20 @@ def test_stream_equals_the_host_conversion(worker, dtype):
     assert [name for name, _ in streamed] == list(reference)
     for name, array in streamed:
         expected = reference[name] if dtype is None else reference[name].astype(ml_dtypes.bfloat16)
-        assert isinstance(array, np.ndarray) and array.dtype == expected.dtype, name
-        assert array.shape == expected.shape and array.tobytes() == expected.tobytes(), name
+        # The stream carries numpy arrays or torch views of XLA's buffers (a replicated array).
+        tensor, wanted = as_torch(array), as_torch(expected)
+        assert dtype_name(tensor.dtype) == dtype_name(expected.dtype), name
+        assert tensor.shape == wanted.shape and _bits(tensor) == _bits(wanted), name
     # One program per distinct (shape, transform, dtype): the 2 layers share theirs.
     assert worker._hf_layout._cache_size() - programs_before < len(streamed)
 
 
+def _bits(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def test_prepare_refit_info_is_metadata_only(worker):
-    streamed = {name: (tuple(a.shape), str(a.dtype)) for name, a in worker.iter_full_weights()}
+    streamed = {name: (tuple(a.shape), dtype_name(a.dtype)) for name, a in worker.iter_full_weights()}
     worker.offload_after_refit()  # params to host memory: nothing on the devices to gather
     try:
         info = worker.prepare_refit_info()

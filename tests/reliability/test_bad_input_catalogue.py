@@ -406,7 +406,8 @@ CASES = [
         "policy",
         _new_policy(backend="torch_fsdp3"),
         ConfigError,
-        r"policy\.backend: expected one of 'torch_fsdp', 'torch_dtensor', 'jax_pjit', got 'torch_fsdp3'",
+        r"policy\.backend: 'torch_fsdp3' is not a registered backend; "
+        r"known: \['torch_fsdp', 'torch_dtensor', 'jax_pjit'\]",
     ),
     Case(
         "Policy: train_global_batch_size not divisible",
