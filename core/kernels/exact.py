@@ -31,7 +31,7 @@ What the mode fixes.  Each engine computes, on its own kernels, with these shape
   row tiles above: the reduced length is the row's own (hidden size, vocabulary).
 
 The engines supply the fixed-shape batched matmul and the iteration (torch: ``bmm`` over
-tiles; JAX: a loop over tiles, ``backends/jax_pjit/models/exact.py``); the arithmetic of
+tiles; JAX: a loop over tiles, in the JAX backend's exact model layers); the arithmetic of
 an attention block is written once here.  Nothing here makes results equal *across*
 engines or across precisions: each engine is exact against itself.
 """
