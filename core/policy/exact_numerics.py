@@ -5,6 +5,9 @@ Exact mode promises that the sampler's logprob of every sampled token equals the
 bit for bit; a layout that would break that silently is refused by name rather than run
 "approximately exact".  The refusals are one table (:data:`EXACT_REFUSALS`, config keys)
 and one model check (:func:`check_exact_model`), so a backend spec can take them over.
+Exact mode itself is a backend capability, the option ``numerics`` of
+``core.policy.options``: a backend whose spec does not list it in ``supports`` is refused by
+name like any option it lacks.
 """
 
 from __future__ import annotations
