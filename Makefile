@@ -14,8 +14,8 @@ VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 # The project's own venv (make test / lint) also gets the optional extras whose tests would
 # otherwise skip: lora (peft, the PEFT-load checks), mlflow and wandb (the tracker sinks), serve
 # (the tinker SDK, which the dualrl serve tests drive).
-# Together ~27 MB of wheels and ~10 s of CPU to install (2-core CPU, 2026-11-26; wandb is 20 MB
-# of it); users still install them only on request (pyproject.toml).
+# They are small (docs/results.md#install); users still install them only on request
+# (pyproject.toml).
 DEV_EXTRAS := test,dev,lora,mlflow,wandb,serve
 
 .PHONY: venv run test lint format test-all bench bench-gpu bench-kernels bench-moe-dispatch bench-torch bench-jax bench-refit bench-trl bench-packing bench-soak parity clean
@@ -53,6 +53,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python tools/import_graph.py --check
 	$(BIN)/python tools/backend_names.py --check
+	$(BIN)/python tools/history_in_code.py --check
 	$(BIN)/mypy
 
 format: $(STAMP)

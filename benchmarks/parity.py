@@ -108,8 +108,7 @@ What is compared (every layout against ``hf`` and against every other layout):
    separate-pass step: same loss, metrics and gradient norm within 1e-5, i.e. the fused path
    computes what the separate pass did, on every backend.  The NLL steps of item 2 follow,
    so the updated weights of the fused step are compared too (``loss_curve``,
-   ``trained_logprobs``).  Measured (tiny llama, fp32, fsdp1-dp2 / dtensor-tp2 / jax-fsdp2 /
-   jax-tp2, 2-core CPU, 2026-11-26): fused vs separate <= 1.2e-7 on every layout.
+   ``trained_logprobs``).
 
 9. ``-lora`` layouts (``fsdp1-dp2-lora``, ``dtensor-tp2-lora``, ``jax-fsdp2-lora``, ...): the
    layout's policy trains LoRA adapters, ``policy.lora`` at ``settings.LORA`` (rank 4, alpha 8,
@@ -149,8 +148,7 @@ What is compared (every layout against ``hf`` and against every other layout):
    word for a tool call: the episodes use a word-level tokenizer of their own words (ids < 64)
    on the run's model; a model with a smaller vocabulary, or a ``--seq`` the conversations do
    not fit (19 tokens), is refused naming the row (exit 2, before any layout starts).
-   Measured (tiny llama, fsdp1-dp2 / dtensor-tp2 / jax-fsdp2, fp32, 2-core AMD EPYC CPU,
-   2026-11-26): episodes bitwise equal, step <= 9.5e-7, logprobs after it <= 1.9e-6.
+
 11. ``grpo_dr_grpo_step`` / ``grpo_rloo_step`` (pairwise, ``hf`` included; the estimator rows,
    ``benchmarks.lib.parity.estimators``): right after the multi-turn step, one GRPO ``train``
    call of 2 optimizer steps per row on item 7's batch with the advantages of a registered
@@ -162,8 +160,7 @@ What is compared (every layout against ``hf`` and against every other layout):
    backend's count of valid sequences over ranks and micro batches enters the loss;
    ``grpo_rloo_step`` with the default per-token normaliser.  Old and reference log-probs as in
    item 7; compared: item 7's quantities.  A ``--batch`` below 2 is refused (RLOO needs two
-   samples per group).  Measured (tiny llama, fsdp1-dp2 / dtensor-tp2 / jax-fsdp2, fp32, 2-core
-   AMD EPYC CPU, loaded, 2026-11-26): ``grpo_dr_grpo_step`` <= 1.2e-7, ``grpo_rloo_step`` <= 2.0e-7.
+   samples per group).
 
 Bad input.  Each layout is checked before it starts, and a layout that cannot run gets an
 ``ERROR <layout>: ...`` line naming it and why while every other layout still runs and is
@@ -236,12 +233,7 @@ step moves this batch's logprobs by ~0.25, the metric by far more than 1e-4) -- 
 runs above ~1.05, tests/generation hold it to 1.001.  (``llama_gen`` itself is no parity model:
 its large logits push the TP layouts' fp32 logprob differences past the 1e-5 / 1e-4 above.)
 
-LoRA, measured (``--layouts fsdp1-dp2-lora dtensor-tp2-lora jax-fsdp2-lora``, tiny llama, 2-core
-AMD EPYC CPU, fp32, 2026-11-26; PASS, 68 of 68 checks, 144 s), largest differences: logprobs at
-start 9.5e-7, ``lora_b0_is_base`` 4.8e-7 (0 on ``hf-lora``), loss step 0 1.7e-7, grad norm 6.0e-8,
-loss curve 1.7e-7, trained logprobs 3.3e-6, ``grpo_step0`` 1.2e-7, ``grpo_fused`` 1.2e-7,
-``grpo_fused_vs_separate`` 1.2e-7, cross-load 9.5e-7 (into ``hf`` 4.8e-7), DCP cross-load
-fsdp1-dp2-lora <-> dtensor-tp2-lora 9.5e-7 and ``dcp_resume`` 9.5e-7, batch invariance 4.8e-7.
+LoRA rows: measured largest differences in docs/results.md (parity).
 
 Batch invariance, measured (2-core CPU, fp32, torch 2.13 / jax 0.10; tiny llama on every default
 layout plus jax-fsdp8, tiny qwen2 on fsdp1-dp2 / dtensor-tp2-sp / jax-tp2; batch 8 x 24):

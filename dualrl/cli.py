@@ -37,12 +37,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.config import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIGS, ConfigError, load_config, load_raw_config, parse_override
 from core.policy.registry import backend_names
 from core.reporting import show_logs_above_progress
+
+if TYPE_CHECKING:
+    from core.algorithms.config import MasterConfig
 
 #: ``dualrl grpo``'s config when none is given: the embedded default.
 GRPO_DEFAULT_CONFIG_PATH = EMBEDDED_CONFIGS["grpo"]
@@ -76,17 +80,29 @@ def load_command_config(args: argparse.Namespace) -> Any:
     (``dualrl config``: of the command whose section the file holds), then the preflight
     against the model's files and the classes it names, and the packages of the enabled
     trackers (W&B, MLflow) -- every error naming the file or override at fault."""
-    from core.algorithms.config import RUN_CONFIGS, run_config_class
+    from core.algorithms.config import RUN_CONFIGS
     from core.logging import tracker_package_errors
     from core.policy.preflight import preflight_errors
 
     overrides = list(args.overrides) + (["checkpointing.resume=true"] if getattr(args, "resume", False) else [])
     if args.command == "config":
-        schema = run_config_class(load_raw_config(args.config, overrides, backend=args.backend))
+        schema = file_config_class(load_raw_config(args.config, overrides, backend=args.backend))
     else:
         schema = RUN_CONFIGS[args.command]
     checks = [lambda cfg: preflight_errors(cfg.policy), lambda cfg: tracker_package_errors(cfg.logger)]
     return load_config(args.config, overrides, backend=args.backend, schema=schema, checks=checks)
+
+
+def file_config_class(raw: Mapping[str, Any]) -> type[MasterConfig]:
+    """The run config of the command a loaded file belongs to (what ``dualrl config`` checks
+    it as): ``dualrl serve``'s for a file with a ``serve`` section and no algorithm section,
+    else the algorithm's (``run_config_class``)."""
+    from core.algorithms.config import RUN_CONFIGS, run_config_class
+    from core.tinker_api.config import ServeRunConfig
+
+    if "serve" in raw and not any(name in raw for name in RUN_CONFIGS):
+        return ServeRunConfig
+    return run_config_class(raw)
 
 
 def load_eval_config(args: argparse.Namespace) -> tuple[Any, Any]:

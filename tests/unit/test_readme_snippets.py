@@ -126,6 +126,8 @@ def dualrl_argv(command: str, make_args_default: str) -> list[str] | None:
     ``make run`` runs ``dualrl $(ARGS)``; ``.venv/bin/dualrl`` / ``dualrl`` are the CLI itself.
     """
     words = shlex.split(command)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # VAR=value before the command
+        words = words[1:]
     if words[:2] == ["make", "run"]:
         args = next((w.split("=", 1)[1] for w in words[2:] if w.startswith("ARGS=")), make_args_default)
         return shlex.split(args)
@@ -135,11 +137,11 @@ def dualrl_argv(command: str, make_args_default: str) -> list[str] | None:
 
 
 def command_lines(snippet: Snippet) -> list[str]:
-    """The non-comment command lines of a bash block (a trailing `` # comment`` cut off)."""
+    """The non-comment command lines of a bash block (a trailing `` # comment`` cut off, a
+    line ending in ``\\`` joined with the next)."""
+    code = re.sub(r"\s*\\\n\s*", " ", snippet.code)
     return [
-        line.split(" #")[0].strip()
-        for line in snippet.code.splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
+        line.split(" #")[0].strip() for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")
     ]
 
 
@@ -153,6 +155,9 @@ def test_bash_command_lines_are_recognised():
     assert dualrl_argv("make run", "grpo") == ["grpo"]
     assert dualrl_argv(".venv/bin/dualrl sft --resume", "grpo") == ["sft", "--resume"]
     assert dualrl_argv("make test", "grpo") is None
+    assert dualrl_argv("KEY=tml-x dualrl serve serve.host=0.0.0.0", "grpo") == ["serve", "serve.host=0.0.0.0"]
+    joined = Snippet("bash", "dualrl grpo \\\n    a.b=1\n", 1, None, None)
+    assert command_lines(joined) == ["dualrl grpo a.b=1"]
     assert sum(dualrl_argv(cmd, "grpo") is not None for s in BASH for cmd in command_lines(s)) >= 8
 
 
@@ -193,6 +198,16 @@ def test_every_bash_command_parses_and_its_config_is_accepted(snippet, monkeypat
                 parser.parse_args(argv)
             except SystemExit:
                 pytest.fail(f"{where}: the benchmark does not accept these arguments")
+            continue
+        if argv[0] == "serve":  # dualrl.cli.main forwards it to the server's own parser and config
+            from core.tinker_api.config import load_serve_config
+            from core.tinker_api.serve import build_parser as serve_parser
+
+            try:
+                serve_args = serve_parser("dualrl serve").parse_args(argv[1:])
+            except SystemExit:
+                pytest.fail(f"{where}: dualrl serve does not accept these arguments")
+            load_serve_config(serve_args.config, list(serve_args.overrides), serve_args.backend)
             continue
         try:
             args = build_parser().parse_args(argv)

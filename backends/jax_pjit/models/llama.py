@@ -178,10 +178,8 @@ class CausalLM(CachedDecoding, nnx.Module):
         # layout changes (hf_mapping's ``layers/{i}/...`` rows, the sharding rules, orbax
         # checkpoints -- old ones no longer load -- and refit); stacked inside each step, every
         # layer's weights and gradients are copied once more per micro batch.  The loop's cost
-        # is compile time linear in depth, and it is small: the fp32 grad step of a tiny Llama
-        # (hidden 64, batch 2 x 64) traced + compiled in 1.1 / 1.2 / 1.5 / 2.3 / 4.7 / 10.6 s
-        # for 2 / 4 / 8 / 16 / 32 / 64 layers on 2 CPU cores (~0.14 s per layer; remat: 2.8 s
-        # at 2 layers, 4.7 s at 16, 15.9 s at 64 on a busier machine).  A 1B Llama has 16.
+        # is compile time linear in depth, and small at the depths RL trains (a 1B Llama has 16
+        # layers): docs/results.md#jax-compile-time-by-depth.
         self.layers = nnx.List(
             [DecoderLayer(cfg, rngs=rngs, mlp=self.mlp_class(cfg, i), **kw) for i in range(cfg.num_layers)]
         )
