@@ -25,7 +25,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and exactly pinned: an unpinned resolve would pull the newest CUDA build (GBs).
-	# (pip's byte-compiling stays on: 46 s of the install here, but with PYTHONDONTWRITEBYTECODE
+	# (pip's byte-compiling stays on: a share of the install's time, but with PYTHONDONTWRITEBYTECODE
 	# set, as on the CI machine, nothing else would ever write the .pyc, and every Ray worker
 	# would compile torch, vLLM and JAX from source at each start.)
 	$(BIN)/pip install --quiet "torch==2.13.0"

@@ -21,8 +21,8 @@ through Ray, one backend alive at a time.  Sections:
   forward ``2 N + 4 L S d`` FLOPs per token (``N`` matmul weights incl. the LM head, ``L``
   layers, ``S`` sequence, ``d`` hidden: attention's two ``[S, S]`` products, not halved for the
   causal mask), train 3x that (``6 N + 12 L S d``) -- ``benchmarks.lib.machine.flops_per_token``.
-  The peak is the datasheet's dense bf16 tensor-core figure of a known GPU (H100 / H200 989,
-  A100 312 TFLOP/s), or ``--peak-tflops``; MFU is n/a on a CPU, an unknown GPU, or in fp32
+  The peak is the datasheet's dense bf16 tensor-core figure of a known GPU (H100, H200, A100:
+  ``benchmarks.lib.machine``), or ``--peak-tflops``; MFU is n/a on a CPU, an unknown GPU, or in fp32
   (whose matmuls run at ``highest`` precision, a peak no table here gives).  Peak memory per
   backend and micro batch: the workers' peak allocated bytes (torch: ``max_memory_allocated``
   after ``reset_peak_memory_stats``; JAX: ``memory_stats()['peak_bytes_in_use']``, which XLA

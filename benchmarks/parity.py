@@ -68,8 +68,8 @@ What is compared (every layout against ``hf`` and against every other layout):
    generated sequences against the engine's sampling logprobs gives NeMo RL's
    ``token_mult_prob_error`` (``core.kernels.token_mult_prob_error``: mean over generated
    tokens of exp|lp_policy - lp_engine|, 1.0 = exact), the larger of the two transports.
-   Opt-in: the engine costs ~15-18 s to start and ~6 s to warm up (first generate) on a
-   2-core CPU, then ~2-3 s per layout -- about as much as the rest of a layout --, and vLLM's
+   Opt-in: the engine's start and warm-up (first generate), then its checks per layout, cost
+   about as much as the rest of a layout on a CPU (docs/results.md#other-costs-the-comments-gave), and vLLM's
    CPU attention has no kernel for head_dim 16, so the default tiny ``llama`` cannot be served:
    use ``--model tiny-llama-hd32`` (the same tiny llama at hidden 128, head_dim 32, built here)
    with ``--engine``.  ``--engine`` alone checks every layout, ``--engine L1 L2`` only those.  If

@@ -8,7 +8,9 @@ says *why* ("faster on CPU: docs/results.md#...").  Flagged:
 
 * in the comments and docstrings of the code (``core/``, ``backends/``, ``benchmarks/``,
   ``dualrl/``, ``tools/``), the YAML configs' comments and the Makefile's comments: an ISO date;
-  a "measured"/"on a busier machine"-style phrase next to a time, a ratio or a rate;
+  a "measured"/"on a busier machine"-style phrase next to a time, a ratio or a rate; a time or
+  rate that only a measurement gives (milliseconds, seconds per step, FLOP/s, GB/s, tokens/s) or
+  an "N x faster" speed-up, on its own;
 * in the documentation (README.md and docs/*.md except docs/results.md): an ISO date.
 
 String literals that are not docstrings (messages, data) are not read: a date a program
@@ -33,6 +35,9 @@ DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 #: A measurement phrase with a number and a unit of time, speed or ratio on the same line.
 MEASURED = re.compile(r"(?i)\b(measured|busier machine|loaded machine|quiet machine|on this machine)\b")
 QUANTITY = re.compile(r"\d(?:\.\d+)?\s*(?:s|ms|min|seconds|x|%|GFLOP/s|tok/s|points?)(?![\w/])")
+#: A time or rate no default or limit is written in, and a speed-up: measurements on their own.
+TIMING = re.compile(r"\d(?:\.\d+)?\s*(?:ms|s/step|[GT]FLOP/s|[GM]B/s|tok(?:ens)?/s)(?![\w/])")
+SPEEDUP = re.compile(r"(?i)\d(?:\.\d+)?x (?:faster|slower)\b")
 _DOCSTRING_BEFORE = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
 
 
@@ -63,7 +68,7 @@ def code_hits(path: Path) -> Iterator[str]:
     for number, line in texts:
         if DATE.search(line):
             yield f"{rel}:{number}: a date in a comment or docstring (move the measurement to {RESULTS_PAGE})"
-        elif MEASURED.search(line) and QUANTITY.search(line):
+        elif (MEASURED.search(line) and QUANTITY.search(line)) or TIMING.search(line) or SPEEDUP.search(line):
             yield f"{rel}:{number}: a measurement in a comment or docstring (move it to {RESULTS_PAGE})"
 
 

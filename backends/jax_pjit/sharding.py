@@ -509,7 +509,7 @@ def off_device(full: jax.Array) -> Any:
     device included) goes to torch by DLPack too: a view of XLA's own host buffer, no copy.
     Else numpy: each shard copied to the host once, into the full array (several processes:
     all-gathered first, a collective).  Not a replicated jit output: on CPU that all-gather
-    cost 2-4x the host copy."""
+    costs more than the host copy (docs/results.md#other-costs-the-comments-gave)."""
     device = jax.local_devices()[0]
     if jax.process_count() == 1 and device.platform == "gpu":
         import torch

@@ -38,9 +38,9 @@ class JaxConfig(ConfigModel):
     """How a mixture of experts' sparse layers run their experts (docs/moe.md): "dense" (every
     expert on every token, weight 0 for the others: num_experts / top_k times the work),
     "blocked" (each token through its top-k experts, in expert-sorted blocks, where that is
-    faster than dense on the platform: 3-9x dense on CPU; on an H100 from ~8K tokens of a
+    faster than dense on the platform: on CPU; on an H100 from ~8K tokens of a
     Qwen3-30B-A3B layer), "grouped" (jax.lax.ragged_dot: for accelerators with a grouped kernel;
-    on CPU and GPU a reference expansion, 0.1-0.7x dense); "auto": blocked on CPU and GPU (both
+    on CPU and GPU a reference expansion, slower than dense); "auto": blocked on CPU and GPU (both
     measured), dense on TPU.  A value other than auto on a dense model is refused."""
 
 

@@ -1,8 +1,8 @@
 """Start (or join) Ray once per process, quietly and with a small footprint.
 
 Every entry point (CLI, tests, benchmarks) calls :func:`init_ray` instead of ``ray.init``
-so that they all get the same settings: no dashboard (it costs ~1 s and ~100 MB and is
-useless on CI), a small object store (the default reserves 30 % of RAM), no usage-stats
+so that they all get the same settings: no dashboard (it costs start time and memory and
+is useless on CI), a small object store (the default reserves 30 % of RAM), no usage-stats
 reporting, and ``RAY_AUTH_MODE=disabled`` (Ray >= 2.5x otherwise asks for a token on
 some setups).  Worker stdout/stderr are forwarded to the driver, unless ``worker_log`` names
 a file for them (a training run's ``workers.log``: :mod:`core.distributed.worker_output`).

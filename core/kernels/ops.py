@@ -100,7 +100,8 @@ class TorchOps:
 
     def log_softmax_at(self, x, idx):
         """``log_softmax(x)[..., idx]``.  Through torch's fused log_softmax kernel: on CPU it
-        is ~2.4x faster than gather(x) - logsumexp(x), whose logsumexp materialises exp(x)."""
+        is faster than gather(x) - logsumexp(x), whose logsumexp materialises exp(x)
+        (docs/results.md#kernels-attention-and-moe-dispatch)."""
         return self.take_along_last(self.t.log_softmax(x, dim=-1), idx)
 
     def softmax(self, x):
@@ -108,7 +109,7 @@ class TorchOps:
 
     # Trailing underscore: may overwrite (and return) its first argument, which must be a
     # temporary the caller owns.  torch does it in place (no extra chunk-sized buffers,
-    # ~5x faster backward on CPU); jax, being functional, returns a new array.
+    # a faster backward on CPU); jax, being functional, returns a new array.
     def mul_(self, x, y):
         return x.mul_(y)
 
@@ -251,7 +252,7 @@ class JaxOps:
 
     def log_softmax_at(self, x, idx):
         """``log_softmax(x)[..., idx]`` as x[idx] - logsumexp(x): XLA fuses this into one
-        reduction pass (~3x faster than materialising log_softmax, and no [.., V] buffer)."""
+        reduction pass (faster than materialising log_softmax, and no [.., V] buffer)."""
         return self.take_along_last(x, idx) - self.logsumexp(x, axis=-1)
 
     def softmax(self, x):
@@ -261,7 +262,7 @@ class JaxOps:
         return x * y
 
     def add_at_last_(self, x, idx, vals):
-        """``x[..., idx] += vals`` per position (scatter-add: ~1.5x faster than a one-hot)."""
+        """``x[..., idx] += vals`` per position (scatter-add: faster than a one-hot)."""
         grid = self.jnp.indices(idx.shape, sparse=True)
         return x.at[(*grid, idx)].add(vals.astype(x.dtype))
 

@@ -31,6 +31,9 @@ def test_it_finds_dates_and_measurements_in_comments_and_docstrings_only(tmp_pat
         "Y = 2  # takes 3 s on a busier machine\n"
         'STAMP = "2026-11-26"  # a date the program prints is data\n'
         "TIMEOUT_S = 600  # seconds: a default, not a measurement\n"
+        "Z = 3  # 6.5 / 33 ms against 26 / 48 ms\n"
+        "W = 4  # the fused kernel: ~2.4x faster on CPU\n"
+        "V = 5  # a stream of 128 MB per bucket, 2x the smallest\n"
     )
     config = tmp_path / "core" / "configs" / "run.yaml"
     config.parent.mkdir()
@@ -43,6 +46,8 @@ def test_it_finds_dates_and_measurements_in_comments_and_docstrings_only(tmp_pat
         "core/bad.py:3",
         "core/bad.py:4",
         "core/bad.py:5",
+        "core/bad.py:8",
+        "core/bad.py:9",
     ]
     assert [h.split(": ")[0] for h in tool.code_hits(config)] == ["core/configs/run.yaml:1", "core/configs/run.yaml:2"]
     assert [h.split(": ")[0] for h in tool.page_hits(page)] == ["docs/page.md:1"]

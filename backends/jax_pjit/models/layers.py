@@ -302,7 +302,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     q [B, T, H, D]; k, v [B, T, KV, D] (KV heads read natively, never repeated); lengths [B].
     On an NVIDIA GPU (``attention_implementation`` "cudnn") through ``jax.nn.dot_product_attention``
     (flash attention); elsewhere ``attend`` with the causal and padding mask, whose layout XLA:CPU
-    runs 3-4x faster forward than ``jax.nn.dot_product_attention``'s "xla" path (see ``attend``).
+    runs faster than ``jax.nn.dot_product_attention``'s "xla" path (see ``attend``).
     A padding query (t >= lengths[b]) reads the row's valid keys; its output is never used.  A
     row of length 0 (a padding row of a micro batch) is given one key: no query reads an empty
     key range (cuDNN is not asked what one means; ``attend`` would give it a uniform mix).
@@ -326,9 +326,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, scale: 
 
     Head-major: the G = H / KV query heads of each KV head are folded into its query rows
     ([B, KV, T * G, D], t-major, so a ``cp``-sharded T stays a contiguous block), and both
-    products are single-batch-dim matmuls [T * G, D] x [D, S].  XLA:CPU runs that layout 3-4x
-    faster forward and 1.4x faster forward + backward than per-(KV, G) einsums
-    (8 x 256 tokens, 8 heads over 4 KV heads of 64: 6.5 / 33 ms against 26 / 48 ms).
+    products are single-batch-dim matmuls [T * G, D] x [D, S].  XLA:CPU runs that layout faster,
+    forward and forward + backward, than per-(KV, G) einsums (docs/results.md#kernels-attention-and-moe-dispatch).
     """
     b, t, h, d = q.shape
     kv = k.shape[2]

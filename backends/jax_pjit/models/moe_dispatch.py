@@ -42,19 +42,17 @@ import jax.numpy as jnp
 #: backward of one layer, ratios side by side), all exact:
 #:
 #: * ``block``: rows per block.  CPU 128 (64 was as fast forward + backward and slower forward).
-#:   GPU 1024: one H100, bf16, the Qwen3-30B-A3B layer (128 experts, top 8, 2048 x 768), train
-#:   x dense at 8,192 tokens 1.26 / 1.32 for blocks 512 / 1024, at 16,384 tokens 1.62 / 1.88
-#:   (with the blocks recomputed in the backward; before that 32,768 tokens took 166 / 106 / 83
-#:   ms for blocks 256 / 512 / 1024, and dense ran out of memory); each block costs a launch.
+#:   GPU 1024: on one H100 (bf16, the Qwen3-30B-A3B layer: 128 experts, top 8, 2048 x 768)
+#:   blocks of 1024 trained faster than blocks of 512 and 256; each block costs a launch.
 #: * ``margin``: blocked runs once ``tokens * (X - K) > margin * X * block`` (dense pushes T * X
 #:   rows through the experts, blocked at most T * K + X * block).  CPU 1 (the row count alone:
-#:   171 tokens for 8 experts top 2).  GPU 4: dense's big matmuls run near peak (7.5 ms for
-#:   4,096 tokens of that layer, ~650 TFLOP/s) and kept the lead at 4,096 tokens (blocked 1024:
-#:   0.82x in train), blocked 1024 led from 8,192 tokens (above).
+#:   171 tokens for 8 experts top 2).  GPU 4: dense's big matmuls run near peak and kept
+#:   the lead at 4,096 tokens of that layer; blocked 1024 led from 8,192 tokens.
 #: * ``min_dense_flops``: and only when dense's forward FLOPs (6 T X E M) reach this: a layer too
 #:   small to fill the GPU is launch-bound either way, and dense has the fewest launches (the
-#:   8-expert 512 x 704 bench layer: dense 2.6-3.5x blocked at 16,384 tokens, 2.8e11 FLOPs).
+#:   8-expert 512 x 704 bench layer, 2.8e11 FLOPs at 16,384 tokens, runs faster dense).
 #:
+#: The numbers behind each rule: docs/results.md#kernels-attention-and-moe-dispatch.
 #: Other platforms (TPU) are not measured: ``auto`` leaves them dense (``resolve_dispatch``).
 BLOCKED_RULES: dict[str, dict[str, float]] = {
     "cpu": {"block": 128, "margin": 1, "min_dense_flops": 0},
@@ -185,9 +183,8 @@ def blocked_experts(
     live = jnp.arange(layout.block_expert.shape[0]) < layout.used
     # A scan, not one batched einsum over gate[block_expert]: no [B, E, M] gathered copies of
     # the kernels (and faster on CPU, measured).  Each block's activations are recomputed in the
-    # backward rather than saved: stacking the saved ones cost more than the recompute (CPU,
-    # forward + backward of the qwen3_moe_bench layer at 2,048 tokens: 194 -> 126 ms; of the
-    # Qwen3-30B-A3B layer at 256 tokens: 3.2 -> 2.5 s; benchmarks.moe_dispatch).
+    # backward rather than saved: stacking the saved ones cost more than the recompute
+    # (benchmarks.moe_dispatch on CPU: docs/results.md#kernels-attention-and-moe-dispatch).
     _, y = jax.lax.scan(jax.checkpoint(one_block), None, (rows, weights, layout.block_expert, live))
     y = y.reshape(-1, x.shape[1]).at[layout.pair_slot].get(mode="fill", fill_value=0)
     return y.reshape(tokens, k, -1).sum(axis=1)

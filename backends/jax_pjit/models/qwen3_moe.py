@@ -192,8 +192,8 @@ class SparseMoE(nnx.Module):
         # in a shard_map over the batch's mesh axis (the experts gathered once per layer, not
         # once per block inside the scan).  Not a vmap over row groups: under vmap each block's
         # kernel slice becomes a batched gather, whose gradient is a general scatter-add into
-        # the whole [X, E, M] kernel every block (on one device that was 16 % of
-        # qwen3_moe_bench's training step on CPU).
+        # the whole [X, E, M] kernel every block (a large share of qwen3_moe_bench's training
+        # step on CPU: docs/results.md#kernels-attention-and-moe-dispatch).
         assert rows is not None
         return _over_tokens(self.dispatch, rows, tokens, kernels, kernel_spec=PartitionSpec()).reshape(b, s, e)
 

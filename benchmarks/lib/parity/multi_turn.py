@@ -158,7 +158,7 @@ class ScriptedEngine:
 @functools.cache
 def tool_arithmetic_config():
     """``core/configs/grpo_tool_arithmetic.yaml`` with this workload's group and batch sizes
-    (a ``GRPORunConfig``; loaded once: the YAML files take ~0.3 s)."""
+    (a ``GRPORunConfig``; loaded once: reading the YAML files is not free)."""
     from core.algorithms.config import GRPORunConfig
     from core.config import load_config
     from core.config.loader import DEFAULT_CONFIG_PATH
