@@ -202,7 +202,14 @@ grpo_multi_turn_logprobs max |a - b| after the multi-turn step          <= 1e-4
 multi_turn_episodes      max |a - b| of ids, masks, rewards, advantages <= 0
 grpo_dr_grpo_step        as grpo_step0 (Dr. GRPO advantages + loss)     <= 1e-5
 grpo_rloo_step           as grpo_step0 (RLOO advantages)                <= 1e-5
+exact_batch_invariance   --exact: batch_invariance's variants           <= 0
+exact_sampler            --exact: max |lp_sampler - lp_policy|, alone   <= 0
 =======================  ===========================================  =========
+
+``--exact`` runs every layout in exact mode (``policy.numerics: exact``, the policy's own
+sampler) and adds the two bitwise rows (``benchmarks.lib.parity.exact``): a layout whose sampler
+and trainer differ by one bit in one token fails; the other checks keep their tolerances
+(exact mode computes the same model as ``hf`` to rounding).
 
 ``--precision bfloat16`` runs every layout in bf16 compute over fp32 master weights (HF under
 CPU autocast) and judges it by ``BF16_TOLERANCES`` (their comment gives the measured maxima
@@ -309,6 +316,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="bfloat16: bf16 compute over fp32 master weights, judged by BF16_TOLERANCES",
     )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="every layout in exact mode (policy.numerics exact, its own sampler); adds the bitwise "
+        "exact_batch_invariance and exact_sampler checks (pass: 0)",
+    )
     return parser
 
 
@@ -326,6 +339,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             lr=args.lr,
             engine=engine,
             precision=args.precision,
+            exact=args.exact,
         )
     except (ValueError, OSError) as err:  # a bad argument, or a model that does not load
         print(f"parity: {type(err).__name__}: {err}", file=sys.stderr)

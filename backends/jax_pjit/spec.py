@@ -98,6 +98,7 @@ SPEC = BackendSpec(
             "dynamic_batching.enabled",
             "lora.enabled",
             "generation.backend",
+            "numerics",
         }
     ),
     why_not={

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.jax_pjit import steps
+from backends.jax_pjit.exact_generate import make_exact_decode_fns
+from backends.jax_pjit.exact_steps import make_exact_grad_step, make_exact_logprob_step
 from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
 from backends.jax_pjit.hf_mapping import from_pretrained, hf_layout
@@ -121,6 +123,8 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
         # A MoE model's training steps add the router's load-balancing loss (policy.moe).
         self.router_aux = router_aux_for(self.cfg.moe.router_aux_loss_coef, self.hf_config)
         self.model = model
+        # policy.numerics exact: the exact forward (models.exact) in the steps and the sampler.
+        self._exact = self.cfg.numerics == "exact"
         self.apply_fn, params = make_apply_fn(model)
         # A storage axis that does not divide a weight's preferred dim is moved (param_placement).
         self.shardings = place_params(params, logical_axes_tree(params), self.mesh)
@@ -141,12 +145,16 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
             self._apply_updates = steps.make_apply_updates(self.tx, self.shardings, opt_shardings, self.trainable)
         # A MoE policy recording its routing (policy.moe) gets each token's experts back too.
         self.route_top_k = self.router_aux.top_k if self.router_aux and self.cfg.moe.records_routing else None
-        self._logprob_step = steps.make_logprob_step(self.apply_fn, self.temperature, self.route_top_k)
+        self._logprob_step = (
+            make_exact_logprob_step(model, self.temperature, self.mesh)
+            if self._exact
+            else steps.make_logprob_step(self.apply_fn, self.temperature, self.route_top_k)
+        )
         self._grad_steps: dict[tuple, Any] = {}
         # Context parallelism / sequence packing: rows with explicit positions and segments.
         self.rows.check_widths()
         self._layout_logprob_step = steps.make_layout_logprob_step(self.apply_fn, self.temperature, self.rows.cp)
-        self._decode_fns = make_decode_fns(model)
+        self._decode_fns = make_exact_decode_fns(model, self.mesh) if self._exact else make_decode_fns(model)
         # Refit: HF layout + cast on the devices, each shard where it is (no gather yet).
         self._hf_layout = jax.jit(hf_layout, static_argnums=(1, 2, 3, 4))
         self._host_copies: dict[str, tuple[Any, Any]] = {}  # offloaded state, as sharding.stash returns it
@@ -358,7 +366,11 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
             # Only the grad steps remat: a forward-only step has no backward to save memory for.
             apply_fn = functools.partial(self.apply_fn, remat=True) if self.remat else self.apply_fn
             grad_shardings = self._trainable(self.shardings)
-            if self.rows.plain:
+            if self._exact:
+                self._grad_steps[key] = make_exact_grad_step(
+                    self.model, loss_fn, self.temperature, self.mesh, grad_shardings
+                )
+            elif self.rows.plain:
                 self._grad_steps[key] = steps.make_grad_step(
                     apply_fn,
                     loss_fn,

@@ -203,8 +203,15 @@ class GenerationReplica:
     The replica's structure is built on the first :meth:`load`; each call only reloads the weights.
     """
 
-    def __init__(self, model_config: PreTrainedConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_config: PreTrainedConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        prepare: Callable[[torch.nn.Module], Any] | None = None,
+    ) -> None:
         self.model_config, self.device, self.dtype = model_config, device, dtype
+        self._prepare = prepare  # applied to the built replica (policy.numerics exact: its exact layers)
         self._module: torch.nn.Module | None = None
 
     def load(self, full_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
@@ -217,6 +224,8 @@ class GenerationReplica:
             with torch.device(self.device):
                 replica = AutoModelForCausalLM.from_config(self.model_config, dtype=self.dtype)
             replica.config.use_cache = True
+            if self._prepare is not None:
+                self._prepare(replica)
             self._module = replica.eval()
         self._module.load_state_dict(dict(full_weights), strict=True)
         return self._module

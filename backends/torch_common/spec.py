@@ -22,6 +22,7 @@ TORCH_OPTIONS = frozenset(
         "lora.enabled",
         "lora.dropout",
         "generation.backend",
+        "numerics",
     }
 )
 

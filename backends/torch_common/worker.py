@@ -18,6 +18,7 @@ synchronisation: values stay on the device and are read once per optimizer step 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -37,6 +38,8 @@ from backends.torch_common.dist_env import (
     init_torch_distributed,
     reset_peak_memory,
 )
+from backends.torch_common.exact_generation import exact_generate
+from backends.torch_common.exact_ops import apply_exact_numerics
 from backends.torch_common.generation import GenerationReplica, hf_generate
 from backends.torch_common.logprob_pass import TorchLogprobs
 from backends.torch_common.lora import apply_lora, trainable_parameters
@@ -98,6 +101,9 @@ class TorchPolicyWorker(TorchLogprobs, TorchRouting, TorchWeightsIO, TorchShardi
 
         hf_model = load_hf_model(self.cfg.model_name)
         check_tokenizer_fits(self.tokenizer, hf_model.config, self.cfg.model_name)
+        self._exact = self.cfg.numerics == "exact"
+        if self._exact:  # before any wrapping: FSDP / fully_shard wrap the exact layers
+            apply_exact_numerics(hf_model)
         self.hf_config = hf_model.config
         # policy.lora: targeted linears become LoRALinear before any sharding; only adapters train.
         # A resumed run (weights_path) takes them from its checkpoint, not policy.lora.adapter_path.
@@ -134,7 +140,9 @@ class TorchPolicyWorker(TorchLogprobs, TorchRouting, TorchWeightsIO, TorchShardi
             # Frozen parameters (LoRA's base weights) get no optimizer state.
             self.optimizer = build_optimizer(self.cfg.optimizer, trainable_parameters(self.model))
             self.scheduler = build_scheduler(self.cfg.scheduler, self.optimizer)
-        self._replica = GenerationReplica(self.hf_config, self.device, self.compute_dtype)
+        self._replica = GenerationReplica(
+            self.hf_config, self.device, self.compute_dtype, apply_exact_numerics if self._exact else None
+        )
 
     # ------------------------------------------------------------------ what the layout is
     @classmethod
@@ -336,7 +344,8 @@ class TorchPolicyWorker(TorchLogprobs, TorchRouting, TorchWeightsIO, TorchShardi
         """HF ``generate`` on an unsharded replica of the current weights."""
         # The weights are gathered into the replica first: a collective, on every rank.
         module = self._replica.load(self.iter_full_weights(self.compute_dtype))
-        out = hf_generate(
+        sample = exact_generate if self._exact else functools.partial(hf_generate, synced_gpus=False)
+        out = sample(
             module,
             data.to(self.device),
             args.gen_cfg,
@@ -344,7 +353,6 @@ class TorchPolicyWorker(TorchLogprobs, TorchRouting, TorchWeightsIO, TorchShardi
             pad_token_id=args.pad_token_id,
             eos_token_ids=args.eos_token_ids,
             tokenizer=self.tokenizer,
-            synced_gpus=False,
             max_new_tokens=args.max_new_tokens,
             min_new_tokens=args.min_new_tokens,
             row_budgets=args.row_budgets,

@@ -151,10 +151,12 @@ def grpo_overrides(
     jax_cpu_slots: int | None = None,
     async_grpo: bool = False,
     multi_turn: int | None = None,
+    numerics: str = "default",
 ) -> list[str]:
     """The dotted overrides of the embedded GRPO config for this layout and workload;
     ``work.full_length``: ``min_new_tokens = max_new_tokens``; ``async_grpo``:
-    :data:`ASYNC_OVERRIDES`; ``multi_turn``: :func:`multi_turn_overrides` (the module docstring)."""
+    :data:`ASYNC_OVERRIDES`; ``multi_turn``: :func:`multi_turn_overrides` (the module docstring);
+    ``numerics``: ``policy.numerics`` (exact mode samples with ``generation`` hf)."""
     gbs = work.samples
     mbs = micro_batch(work, layout.dp)
     return [
@@ -172,6 +174,7 @@ def grpo_overrides(
         f"policy.generation.max_new_tokens={work.new_tokens}",
         f"policy.generation.min_new_tokens={work.new_tokens if work.full_length else 0}",
         f"policy.generation.backend={generation}",
+        f"policy.numerics={numerics}",
         # a constant lr: the default's 400-step decay schedule is no part of a step's cost
         "policy.scheduler=null",
         f"grpo.num_prompts_per_step={work.prompts}",
@@ -214,6 +217,7 @@ def grpo_config(
     async_grpo: bool = False,
     multi_turn: int | None = None,
     task: str = "arithmetic",
+    numerics: str = "default",
 ) -> GRPORunConfig:
     """The embedded GRPO config of ``task`` on this layout, model and workload (``generation``:
     vllm | hf)."""
@@ -221,7 +225,17 @@ def grpo_config(
     from core.config import load_config
 
     overrides = grpo_overrides(
-        layout, work, model_path, tokenizer_path, precision, log_dir, generation, jax_cpu_slots, async_grpo, multi_turn
+        layout,
+        work,
+        model_path,
+        tokenizer_path,
+        precision,
+        log_dir,
+        generation,
+        jax_cpu_slots,
+        async_grpo,
+        multi_turn,
+        numerics,
     )
     return load_config(task_config_path(task), overrides, schema=GRPORunConfig)
 
@@ -238,6 +252,7 @@ def measure_grpo(
     async_grpo: bool = False,
     multi_turn: int | None = None,
     task: str = "arithmetic",
+    numerics: str = "default",
 ) -> dict[str, Any]:
     """Set up the run (timed as ``startup_s``), ``warmup`` untimed steps, ``steps`` timed ones;
     the median of each phase and of the whole step, and the last step's rollout facts.  Async:
@@ -259,6 +274,7 @@ def measure_grpo(
         async_grpo,
         multi_turn,
         task,
+        numerics,
     )
     total = work.warmup + work.steps
     t0 = time.perf_counter()

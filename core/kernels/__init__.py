@@ -22,7 +22,7 @@ from core.kernels.ratios import (
     truncated_importance_weights,
 )
 from core.kernels.reductions import masked_mean, masked_sum
-from core.kernels.rollout_metrics import generation_policy_kl, token_mult_prob_error
+from core.kernels.rollout_metrics import generation_policy_kl, token_mult_prob_error, token_mult_prob_excess
 
 __all__ = [
     "KL_TYPES",
@@ -42,5 +42,6 @@ __all__ = [
     "ops_for",
     "sequence_level_ratio",
     "token_mult_prob_error",
+    "token_mult_prob_excess",
     "truncated_importance_weights",
 ]

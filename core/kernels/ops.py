@@ -49,6 +49,9 @@ class TorchOps:
     def exp(self, x):
         return self.t.exp(x)
 
+    def expm1(self, x):
+        return self.t.expm1(x)
+
     def log(self, x):
         return self.t.log(x)
 
@@ -84,6 +87,9 @@ class TorchOps:
         if axis is None:
             return x.sum()
         return x.sum(dim=axis, keepdim=keepdims)
+
+    def amax(self, x, axis=-1, keepdims=False):
+        return x.amax(dim=axis, keepdim=keepdims)
 
     def logsumexp(self, x, axis=-1, keepdims=False):
         return self.t.logsumexp(x, dim=axis, keepdim=keepdims)
@@ -199,6 +205,9 @@ class JaxOps:
     def exp(self, x):
         return self.jnp.exp(x)
 
+    def expm1(self, x):
+        return self.jnp.expm1(x)
+
     def log(self, x):
         return self.jnp.log(x)
 
@@ -231,6 +240,9 @@ class JaxOps:
 
     def sum(self, x, axis=None, keepdims=False):
         return self.jnp.sum(x, axis=axis, keepdims=keepdims)
+
+    def amax(self, x, axis=-1, keepdims=False):
+        return self.jnp.max(x, axis=axis, keepdims=keepdims)
 
     def logsumexp(self, x, axis=-1, keepdims=False):
         return self.jax.nn.logsumexp(x, axis=axis, keepdims=keepdims)

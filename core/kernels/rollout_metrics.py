@@ -34,6 +34,17 @@ def token_mult_prob_error(generation_logprobs, policy_logprobs, mask, global_nor
     return masked_mean(ops.exp(ops.abs(gen - pol)), mask, global_normalization_factor=global_normalization_factor)
 
 
+def token_mult_prob_excess(generation_logprobs, policy_logprobs, mask, global_normalization_factor=None):
+    """``token_mult_prob_error - 1`` as ``mean(expm1(|lp_gen - lp_policy|))``: 0 exactly when
+    every token's logprobs agree.  What a loss reports per micro batch: summed over micro
+    batches and ranks its shares stay exactly 0 for exact agreement, while shares of the
+    error itself (each near ``1 / micro batches``) need not sum to exactly 1.0
+    (``core.losses.metrics.whole_batch_metrics`` adds the 1 back once)."""
+    ops = ops_for(generation_logprobs, policy_logprobs)
+    gen, pol = _masked_inputs(ops, generation_logprobs, policy_logprobs, mask)
+    return masked_mean(ops.expm1(ops.abs(gen - pol)), mask, global_normalization_factor=global_normalization_factor)
+
+
 def generation_policy_kl(
     generation_logprobs, policy_logprobs, mask, kl_type: str = "k3", global_normalization_factor=None
 ):

@@ -30,6 +30,7 @@ from core.kernels import (
     ops_for,
     sequence_level_ratio,
     token_mult_prob_error,
+    token_mult_prob_excess,
     truncated_importance_weights,
 )
 from core.losses.checks import LossInputChecker
@@ -179,6 +180,7 @@ class ClippedPGLossFn(DeclaredLoss):
             "clip_fraction": tok_mean(ops.where(ops.abs(ratios - ratios_clamped) > 0, 1.0, 0.0)),
             # The same rollout-health metrics the refit reports, here per training batch.
             "token_mult_prob_error": sg(token_mult_prob_error(gen_lp, prev_lp, mask, global_valid_toks)),
+            "token_mult_prob_excess": sg(token_mult_prob_excess(gen_lp, prev_lp, mask, global_valid_toks)),
             "gen_kl_error": sg(generation_policy_kl(gen_lp, prev_lp, mask, "k3", global_valid_toks)),
             "sampling_importance_ratio": tok_mean(raw_is),
             "is_oob_ratio": tok_mean(is_oob),

@@ -16,6 +16,21 @@ from typing import Any
 
 from core.kernels.ops import ops_for
 
+#: Whole-batch metrics a loss reports as a summable offset-free part: ``name -> (part, offset)``.
+#: The mean of ``exp(|lp_gen - lp_policy|)`` is 1 + the mean of ``expm1(...)``; summing
+#: per-micro-batch shares of the mean itself would give 1.0000001 where every token agrees.
+OFFSET_METRICS = {"token_mult_prob_error": ("token_mult_prob_excess", 1.0)}
+
+
+def whole_batch_metrics(totals: Mapping[str, float]) -> dict[str, float]:
+    """The summed loss metrics of a global batch, each ``OFFSET_METRICS`` entry set to its
+    offset + its part's sum (so it is exact whenever the part is)."""
+    out = dict(totals)
+    for name, (part, offset) in OFFSET_METRICS.items():
+        if part in out:
+            out[name] = offset + out[part]
+    return out
+
 
 def read_once(*parts: Any) -> list[list[float]]:
     """Each array of ``parts`` (torch tensors or jax arrays, any shape) as a flat list of

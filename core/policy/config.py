@@ -24,6 +24,7 @@ from core.config import ConfigError, ConfigModel, Problem, join_path
 from core.parallel_dims import ParallelDims
 from core.policy.backend_blocks import block_models, errors_of, renamed_key_problems, split_blocks
 from core.policy.backend_spec import BackendSpec
+from core.policy.exact_numerics import Numerics, exact_numerics_problems
 from core.policy.generation_config import GenerationConfig
 from core.policy.options import OPTIONS
 from core.policy.registry import BackendNotFound, backend_spec
@@ -172,6 +173,11 @@ class PolicyConfig(ConfigModel):
     """Low-rank adapters (``enabled: false`` = full fine-tuning)."""
     moe: MoEConfig = Field(default_factory=MoEConfig)
     """Mixture-of-experts options (read only for a model with a router)."""
+    numerics: Numerics = "default"
+    """"exact": batch-invariant numerics -- a sequence's forward gives the same bits whatever its
+    batch, micro batch, padding or KV-cache decoding, so the sampler (generation.backend hf)
+    reports the trainer's logprobs bit for bit (core.kernels.exact; refusals in
+    core.policy.exact_numerics).  "default": the engines' own kernels."""
 
     # ------------------------------------------------------------------ the backend
     @field_validator("backend")
@@ -238,6 +244,7 @@ class PolicyConfig(ConfigModel):
         elif self.lora.refit == "adapter":
             yield "lora.refit", "'adapter' needs policy.lora.enabled (there is no adapter to refit)"
         yield from self._routing_problems()
+        yield from exact_numerics_problems(self)
 
     def _option_refusals(self, spec: BackendSpec) -> Iterable[Problem]:
         """Every option asked for that the backend does not implement, by name."""

@@ -63,6 +63,10 @@ def _policy_generation(backend: Any) -> bool:
     return backend == "hf"
 
 
+def _exact(numerics: Any) -> bool:
+    return numerics == "exact"
+
+
 #: Every option a backend may lack, in the order of the docs table.
 OPTIONS: tuple[Option, ...] = (
     Option("parallel.tensor_parallel_size", "tensor parallelism", _above_one, "1"),
@@ -79,6 +83,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("lora.dropout", "LoRA adapter dropout", _above_zero, "0", within="lora.enabled"),
     Option("generation.backend", "generation on the policy workers", _policy_generation,
            "vllm"),
+    Option("numerics", "batch-invariant exact numerics", _exact, "default"),
 )  # fmt: skip
 OPTION_KEYS = frozenset(o.key for o in OPTIONS)
 

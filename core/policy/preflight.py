@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from core.config import join_path
 from core.models.builtin import BUILTIN_MODELS, PREFIX
 from core.policy.config import PolicyConfig
+from core.policy.exact_numerics import check_exact_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
@@ -140,6 +141,7 @@ def preflight_model_checks(policy: PolicyConfig, tokenizer: PreTrainedTokenizerB
     check_lora_targets(policy, model_config)
     check_sliding_window_layouts(model_config, policy)
     check_moe_options(model_config, policy)
+    check_exact_model(model_config, policy)
     problems = [f"{join_path('policy', p)}: {m}" for p, m in policy.spec.model_checks(policy, model_config)]
     if problems:
         raise ValueError("; ".join(problems))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from core.distributed.recoverable import before_collectives
 from core.interfaces import LossFunction, TrainResult
-from core.losses.metrics import MicroBatchMetrics, read_once
+from core.losses.metrics import MicroBatchMetrics, read_once, whole_batch_metrics
 
 if TYPE_CHECKING:
     from core.data import BatchedDataDict
@@ -206,7 +206,7 @@ class WorkerTraining(abc.ABC, Generic[CallT]):
         gradient norm, skip flag).  Returns the whole-batch metrics, the per-micro-batch
         metrics and each extra array's values."""
         total_values, mb_values, *extra_values = read_once(totals, table, *extra)
-        metrics = dict(zip(collected.keys, total_values, strict=True))
+        metrics = whole_batch_metrics(dict(zip(collected.keys, total_values, strict=True)))
         return metrics, collected.per_micro_batch(mb_values), extra_values
 
     @staticmethod

@@ -579,3 +579,18 @@ def test_a_real_mixed_run_passes_with_two_references(ray_session):
     crossed = {(c["a"], c["b"]) for c in results["checks"] if c["check"] == "crossload"}
     assert ("fsdp1-dp2", "dtensor-tp2-lora") in crossed and ("dtensor-tp2-lora", "fsdp1-dp2") in crossed
     assert not any(c["check"] == "dcp_crossload" for c in results["checks"])
+
+
+def test_exact_rows_fail_at_one_bit():
+    """``--exact``: the sampler's logprob of one token one fp32 ulp off fails ``exact_sampler``,
+    and a batch-invariance deviation of one ulp fails ``exact_batch_invariance`` (both pass at 0)."""
+    measured = _clean()
+    exact = {"max_abs_vs_policy": 0.0, "max_abs_alone_vs_batch": 0.0, "rows_with_other_tokens_alone": 0, "tokens": 9}
+    measured["a"]["exact"] = {**exact, "value": 0.0}
+    measured["b"]["exact"] = {**exact, "value": 4.8e-7, "max_abs_vs_policy": 4.8e-7}
+    measured["b"]["invariance"]["alone_trimmed"] = 4.8e-7  # within batch_invariance's 1e-5
+    results = _results(measured)
+    assert _failed(results) == {("exact_sampler", "b", None), ("exact_batch_invariance", "b", None)}
+    report = format_matrix(results)
+    assert "FAIL exact_sampler: b: 4.800e-07 (needs <= 0)" in report
+    assert "a  exact_sampler: 0.0e+00  (9 tokens" in report

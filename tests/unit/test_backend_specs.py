@@ -46,6 +46,7 @@ ASKING = {
     "lora.enabled": {"lora": {"enabled": True}},
     "lora.dropout": {"lora": {"enabled": True, "dropout": 0.1}},
     "generation.backend": {"generation": {"backend": "hf"}},
+    "numerics": {"numerics": "exact", "generation": {"backend": "hf"}},
 }
 
 

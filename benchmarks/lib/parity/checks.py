@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
 from benchmarks.lib.layouts import LayoutError, parse_layout
+from benchmarks.lib.parity.exact import exact_checks
 from benchmarks.lib.parity.measure import max_abs_diff
 from benchmarks.lib.parity.settings import (
     ESTIMATOR_ROWS,
@@ -171,6 +173,7 @@ def evaluate(
             base = measured[HF_LORA]["base_logprobs"] if HF_LORA in measured else None
             value = max_abs_diff(measured[name]["logprobs"], base) if base is not None else float("nan")
             checks.append(_record("lora_b0_is_base", name, None, value, tolerances))
+        checks += exact_checks(name, measured[name], functools.partial(_record, a=name, b=None, tolerances=tolerances))
         moved = max_abs_diff(measured[name]["trained_logprobs"], measured[name]["logprobs"])
         checks.append(_record("weights_moved", name, None, moved, tolerances))
         if "engine" in measured[name]:
@@ -264,6 +267,7 @@ SUMMARY_KEYS = (
     "multi_turn_episodes",
     "grpo_s",
     "engine",
+    "exact",
     *(key for key, _, _ in ESTIMATOR_ROWS.values()),
 )
 

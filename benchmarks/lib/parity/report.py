@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.lib.layouts import dcp_layouts
+from benchmarks.lib.parity.exact import exact_table
 from benchmarks.lib.parity.models import jax_devices
 from benchmarks.lib.parity.settings import (
     ENGINE_NEW_TOKENS,
@@ -265,6 +266,7 @@ def format_matrix(results: dict) -> str:
             "",
         ]
     lines += _dcp_table(results, checks)
+    lines += exact_table(checks)
     engine = _engine_table(results, checks)
     if engine:
         lines += [*engine, ""]

@@ -15,6 +15,7 @@ from benchmarks.lib.layouts import dcp_layouts, device_layout, parse_layout
 from benchmarks.lib.models import load_tokenizer, prepare_model, vocab_size
 from benchmarks.lib.parity.checks import collect, crossload_pairs, is_lora
 from benchmarks.lib.parity.engine import engine_check, engine_prompts, parity_engine
+from benchmarks.lib.parity.exact import exact_prompts, exact_sampler_check
 from benchmarks.lib.parity.grpo import grpo_batch
 from benchmarks.lib.parity.hf_reference import HFReference, hf_export_logprobs
 from benchmarks.lib.parity.measure import after_one_more_step, measure_policy, policy_logprobs
@@ -66,6 +67,8 @@ class ParityRun:
         self.engine_startup_s: list[float] = []
         #: The episodes of ``grpo_multi_turn_step0`` (a ``MultiTurnWorkload``; None: not run).
         self.multi_turn = None
+        #: ``--exact``: the exact sampler's prompts (``benchmarks.lib.parity.exact``).
+        self.exact_prompts = None
 
     # ------------------------------------------------------------------ Ray / engine
     def start(self, name: str, model_path: str | None = None):
@@ -115,6 +118,8 @@ class ParityRun:
             export = self.tmp / f"export-{name}"
             runner.policy.save_hf_checkpoint(str(export))
             out.update(startup_s=startup, export=str(export))
+            if self.args.exact:
+                out["exact"] = exact_sampler_check(runner.policy, self.exact_prompts)
             self.measured[name] = out
             if engine:
                 self.engine_layout(name, runner.policy, prompts)
@@ -279,11 +284,13 @@ def run_parity(
     engine: bool | list[str] = False,
     tolerances: dict | None = None,
     precision: str = "float32",
+    exact: bool = False,
 ) -> dict:
     """Measure ``hf`` and every layout, compare them; the results (plain JSON-able data).
 
     ``engine``: the ``token_mult_prob_error`` check on every layout (``True``) or on the named
-    ones.  A layout that cannot run is reported (``errors``) and the others still run;
+    ones.  ``exact``: every layout in exact mode, with the bitwise checks of
+    ``benchmarks.lib.parity.exact``.  A layout that cannot run is reported (``errors``) and the others still run;
     ``ValueError`` only for arguments that make the whole run meaningless."""
     layouts = list(DEFAULT_LAYOUTS if layouts is None else layouts)
     check_arguments(layouts, engine, crossload, seq, steps, batch)
@@ -295,7 +302,9 @@ def run_parity(
     if precision not in ("float32", "bfloat16"):
         raise ValueError(f"precision must be float32 or bfloat16, got {precision!r}")
     tolerances = tolerances or (BF16_TOLERANCES if precision == "bfloat16" else TOLERANCES)
-    args = argparse.Namespace(batch=batch, seq=seq, precision=precision, threads=threads, lr=lr, steps=steps, lora=LORA)
+    args = argparse.Namespace(
+        batch=batch, seq=seq, precision=precision, threads=threads, lr=lr, steps=steps, lora=LORA, exact=exact
+    )
     # Ray (when started here) sized for a policy plus, with the engine, its bundle of --threads CPUs.
     torch_layouts = [layout for layout in map(device_layout, layouts) if layout is not None]
     num_cpus = max(ray_cpus(torch_layouts, threads), threads * (2 if engine_layouts else 1))
@@ -316,6 +325,7 @@ def run_parity(
         base = grpo_batch(data, initial)  # GRPO's batch: hf's initial logprobs stand in for the engine's
         grpo_steps = GRPO_STEPS if batch % GRPO_STEPS == 0 else 1
         run.multi_turn = multi_turn = MultiTurnWorkload.build(vocab, seq)
+        run.exact_prompts = exact_prompts(vocab) if exact else None
         kinds = {is_lora(n) for n in layouts}
         if False in kinds:
             run.measured[HF] = hf.measure(data, other, steps, base, grpo_steps, multi_turn)
@@ -362,4 +372,5 @@ def run_parity(
         crossload=crossload,
         engine_layouts=engine_layouts,
         grpo_steps=grpo_steps,
+        exact=exact,
     )

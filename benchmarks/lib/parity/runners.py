@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from benchmarks.lib.parity.exact import exact_settings
 from benchmarks.lib.parity.models import parity_settings
 from benchmarks.lib.policy import PolicyRunner
 
@@ -18,9 +19,14 @@ def parity_runner(name: str, model_path: str, tokenizer_path: str, tokenizer, ar
         tokenizer_path,
         tokenizer,
         args,
-        settings=lambda cfg: parity_settings(cfg, args.lr),
+        settings=lambda cfg: _settings(cfg, args),
         **policy_kwargs,
     )
+
+
+def _settings(cfg: dict, args) -> dict:
+    cfg = parity_settings(cfg, args.lr)
+    return exact_settings(cfg) if getattr(args, "exact", False) else cfg
 
 
 def new_runner(name: str, model_path: str, tokenizer_path: str, tokenizer, args) -> PolicyRunner:

@@ -62,6 +62,9 @@ TOLERANCES: dict[str, tuple[str, float]] = {
     "grpo_multi_turn_logprobs": ("<=", 1e-4),
     "multi_turn_episodes": ("<=", 0.0),
     **{check: ("<=", 1e-5) for check in ESTIMATOR_ROWS},
+    # --exact (benchmarks.lib.parity.exact): bit for bit, in every precision
+    "exact_batch_invariance": ("<=", 0.0),
+    "exact_sampler": ("<=", 0.0),
 }
 #: ``--precision bfloat16`` (bf16 compute, fp32 master weights and AdamW state, HF reference under
 #: CPU autocast).  What differs between layouts is where bf16 rounds a matmul's *inputs*
