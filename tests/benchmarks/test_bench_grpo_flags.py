@@ -181,7 +181,7 @@ def test_async_rows_report_the_trainer_phases_and_the_producer_apart(tmp_path):
     assert "| fsdp1-dp1 | sync | 3.00 | 2.00 | 4.00 | 6.00 | 2.50 / 1.00 / 0.00 / 2.50 | 0.25 | 0.25 | 0.25 |" in text
     assert "TRL generation / reference / old_logprobs / train s" in text
     # per completion token: TRL 6 s / 8 tokens against 3 s / 16 tokens
-    assert "| - | - | - | 16.0 / 8.0 | 1.0000 |" in text  # sync: no waits, no producer
+    assert "| - | - | - | - | 16.0 / 8.0 | 1.0000000 |" in text  # sync: no waits, no worker split, no producer
     assert "| fsdp1-dp1 | async | 3.00 | 2.00 | 4.00 | 6.00 | - | 0.20 | - | - | 0.25 |" in text  # TRL split not kept
     assert "| 1.50 / 0.01 | 16.0 / 8.0 |" in text and "not part of the step" in text
     assert panels(results) == [grpo_panel]
