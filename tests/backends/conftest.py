@@ -31,7 +31,13 @@ from core.interfaces import LossType
 from core.losses import NLLLoss
 from core.policy.worker_protocol import PolicyWorker
 from core.testing.tiny_models import random_batch
+from tests.plugin_backend.site import installed
 from tests.torch_backends.conftest import SEQ, VOCAB, policy_config
+
+# The plug-in backend's layout (tests/plugin_backend) is parsed while this package is collected
+# and run; the rest of the session does not see it (tests there list every backend).
+_PLUGIN = contextlib.ExitStack()
+_PLUGIN.enter_context(installed())
 
 #: Every layout the contract suite runs (``benchmarks.lib.layouts`` grammar).  A JAX worker owns all
 #: of its host's devices, and the test session gives it 8 (tests/conftest.py: XLA_FLAGS), so the
@@ -44,11 +50,13 @@ LAYOUTS = [
     "dtensor-dp2-tp2-sp",
     "jax-fsdp8",
     "jax-fsdp4-tp2",
+    "eager-dp1",
 ]
 #: Layouts behind ``@pytest.mark.slow`` (``make test-all``).  The fast run keeps one layout per
 #: engine: FSDP1; FSDP2 sharding composed with tensor and sequence parallel (4 workers); a
-#: sharded JAX mesh with tensor parallel.  The slow ones take each apart.
-SLOW_LAYOUTS = {"dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp8"}
+#: sharded JAX mesh with tensor parallel.  The slow ones take each apart, and run the plug-in backend
+#: (tests/plugin_backend; its fast proof is tests/plugin_backend/test_plugin_backend.py).
+SLOW_LAYOUTS = {"dtensor-dp2", "dtensor-tp2", "dtensor-tp2-sp", "jax-fsdp8", "eager-dp1"}
 #: The tiny model each layout's policy runs: Llama, Qwen2 (q/k/v bias) and tied embeddings spread
 #: over the layouts, so the fast ones cover every family (the padded-vocabulary policies run a
 #: tied Qwen2 on the fast torch and JAX layouts).
@@ -60,6 +68,7 @@ MODEL_OF = {
     "dtensor-dp2-tp2-sp": "qwen2",
     "jax-fsdp8": "qwen2",
     "jax-fsdp4-tp2": "llama_tied",
+    "eager-dp1": "llama",
 }
 #: Logical CPUs of the test session's Ray (tests/conftest.py ``ray_session``): a torch worker
 #: takes 1, the JAX worker 2.
@@ -256,6 +265,17 @@ class PolicyPool:
         held = cpus_of(self.value.layout) if self.value is not None else 0
         if held + cpus_of(layout) > RAY_CPUS:
             self.close()
+
+
+def pytest_collection_finish(session):
+    _PLUGIN.close()
+
+
+@pytest.fixture(scope="package", autouse=True)
+def plugin_backend_visible():
+    """The plug-in backend registered (by its entry point) while this package's tests run."""
+    with installed():
+        yield
 
 
 @pytest.fixture(scope="package")

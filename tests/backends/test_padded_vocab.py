@@ -141,8 +141,8 @@ def test_vocab_padding_is_configured_or_refused_by_name(layout, model_dirs, toke
     else:
         with pytest.raises(
             ConfigError,
-            match=r"make_vocab_size_divisible_by: 64: the torch_fsdp backend does not support vocabulary padding "
-            r"\(FSDP1 has no tensor parallelism",
+            match=rf"make_vocab_size_divisible_by: 64: the {layout.backend} backend does not support vocabulary "
+            "padding",
         ):
             refused_on_driver(layout, cfg, tokenizer)
     PolicyConfig.checked(layout_config(layout, model_dir, make_vocab_size_divisible_by=1))
