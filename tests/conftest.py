@@ -27,11 +27,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# The plug-in backend (tests/plugin_backend): its dist-info on PYTHONPATH before Ray starts, so
-# the workers find its entry point; the tests make it visible to this process where they use it.
-from tests.plugin_backend.site import session_site  # noqa: E402
-
-session_site()
 
 import pytest  # noqa: E402
 

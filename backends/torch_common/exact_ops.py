@@ -31,16 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.kernels.exact import (
-    KEY_BLOCK,
-    QUERY_TILE,
-    ROW_TILE,
-    block_scores,
-    online_softmax_init,
-    online_softmax_result,
-    online_softmax_update,
-    padded,
-)
+from core.kernels import exact as tiles
 
 ATTENTION_NAME = "dualrl_exact"
 #: HF ``model_type`` values whose modules the exact layers cover (dense, full attention).
@@ -56,12 +47,12 @@ def fixed_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _row_tiles(rows: torch.Tensor) -> torch.Tensor:
-    """[M, K] -> [M' / ROW_TILE, ROW_TILE, K], zero rows appended up to M'."""
+    """[M, K] -> [M' / tiles.ROW_TILE, tiles.ROW_TILE, K], zero rows appended up to M'."""
     m = rows.shape[0]
-    extra = padded(m, ROW_TILE) - m
+    extra = tiles.padded(m, tiles.ROW_TILE) - m
     if extra:
         rows = F.pad(rows, (0, 0, 0, extra))
-    return rows.view(-1, ROW_TILE, rows.shape[-1])
+    return rows.view(-1, tiles.ROW_TILE, rows.shape[-1])
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +103,7 @@ class ExactSiLU(nn.Module):
 
 class ExactKVCache:
     """Per-layer keys and values [B, kv heads, L, D], a key stored at the column of its
-    position (L a multiple of ``KEY_BLOCK``), passed to the model as ``exact_cache=``.
+    position (L a multiple of ``tiles.KEY_BLOCK``), passed to the model as ``exact_cache=``.
 
     Rows at different positions write different columns in the same step, which HF's caches
     (one write position per call) cannot do; zero-initialised, so unwritten columns hold
@@ -120,7 +111,7 @@ class ExactKVCache:
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype, device) -> None:
-        shape = (batch, kv_heads, padded(length, KEY_BLOCK), head_dim)
+        shape = (batch, kv_heads, tiles.padded(length, tiles.KEY_BLOCK), head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
@@ -146,18 +137,20 @@ def blocked_attention(
     # Rows of a kv head: its g query heads at each position, position-major.
     q = query.float().view(b, kv, g, t, d).transpose(2, 3).reshape(b, kv, rows, d)
     q_pos = positions.expand(b, t).repeat_interleave(g, dim=1)[:, None, :].expand(b, kv, rows)
-    extra = padded(rows, QUERY_TILE) - rows
-    q = F.pad(q, (0, 0, 0, extra)).view(b, kv, -1, QUERY_TILE, d)  # padding rows: position 0
-    q_pos = F.pad(q_pos, (0, extra)).reshape(b, kv, -1, QUERY_TILE)
+    extra = tiles.padded(rows, tiles.QUERY_TILE) - rows
+    q = F.pad(q, (0, 0, 0, extra)).view(b, kv, -1, tiles.QUERY_TILE, d)  # padding rows: position 0
+    q_pos = F.pad(q_pos, (0, extra)).reshape(b, kv, -1, tiles.QUERY_TILE)
     s = key.shape[2]
-    keys = F.pad(key.float(), (0, 0, 0, padded(s, KEY_BLOCK) - s))
-    values = F.pad(value.float(), (0, 0, 0, padded(s, KEY_BLOCK) - s))
-    carry = online_softmax_init(q)
-    for start in range(0, keys.shape[2], KEY_BLOCK):
-        k_t = keys[:, :, None, start : start + KEY_BLOCK].transpose(-1, -2)  # (B, KV, 1, D, KB)
-        scores = block_scores(q, k_t, q_pos, start, scale, fixed_matmul)
-        carry = online_softmax_update(carry, scores, values[:, :, None, start : start + KEY_BLOCK], fixed_matmul)
-    out = online_softmax_result(carry).reshape(b, kv, -1, d)[:, :, :rows]
+    keys = F.pad(key.float(), (0, 0, 0, tiles.padded(s, tiles.KEY_BLOCK) - s))
+    values = F.pad(value.float(), (0, 0, 0, tiles.padded(s, tiles.KEY_BLOCK) - s))
+    carry = tiles.online_softmax_init(q)
+    for start in range(0, keys.shape[2], tiles.KEY_BLOCK):
+        k_t = keys[:, :, None, start : start + tiles.KEY_BLOCK].transpose(-1, -2)  # (B, KV, 1, D, KB)
+        scores = tiles.block_scores(q, k_t, q_pos, start, scale, fixed_matmul)
+        carry = tiles.online_softmax_update(
+            carry, scores, values[:, :, None, start : start + tiles.KEY_BLOCK], fixed_matmul
+        )
+    out = tiles.online_softmax_result(carry).reshape(b, kv, -1, d)[:, :, :rows]
     return out.view(b, kv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
@@ -165,7 +158,7 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
     """transformers ``AttentionInterface`` function ``dualrl_exact``.
 
     The mask is not read (transformers passes none to an implementation without a mask
-    function): attention is causal by position, and right-padded rows never let a real
+    function): attention is causal by position, and right-tiles.padded rows never let a real
     query read a padding key.  ``position_ids`` must reach it (HF passes them through).
     """
     positions = kwargs.get("position_ids")

@@ -350,12 +350,8 @@ class TorchPolicyWorker(TorchLogprobs, TorchRouting, TorchWeightsIO, TorchShardi
             data.to(self.device),
             args.gen_cfg,
             greedy=greedy,
-            pad_token_id=args.pad_token_id,
-            eos_token_ids=args.eos_token_ids,
             tokenizer=self.tokenizer,
-            max_new_tokens=args.max_new_tokens,
-            min_new_tokens=args.min_new_tokens,
-            row_budgets=args.row_budgets,
+            **args.limits(),
             batch_size=self.cfg.generation_batch_size,
         )
         return out.to("cpu")

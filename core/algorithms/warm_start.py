@@ -144,10 +144,11 @@ def cache_key(
     shape, warm = BUILTIN_MODELS[short]
     payload = {"version": FORMAT_VERSION, "model": shape, "init_seed": INIT_SEED}
     if warm:  # the SFT config without what cannot change the weights (where logs and files go)
-        # Left out: where logs and files go, and the mixture-of-experts options (policy.moe, the
+        # Left out: where logs and files go, the mixture-of-experts options (policy.moe, the
         # expert parallelism and a backend's own blocks: exact either way, and the warm starts
-        # run torch), which came after the first keys were published.
-        left_out: dict[str, Any] = {"logger": True, "checkpointing": True, "policy": {"moe": True}}
+        # run torch) and policy.numerics (a warm start always runs the default numerics), which
+        # came after the first keys were published.
+        left_out: dict[str, Any] = {"logger": True, "checkpointing": True, "policy": {"moe": True, "numerics": True}}
         sft = warm_start_config(task_cfg or {}, short=short, prompt_template=prompt_template).model_dump(
             exclude=left_out, exclude_none=True
         )

@@ -25,6 +25,17 @@ class GenerationArgs(NamedTuple):
     """[B] int64 numpy: each row's own limit (``with_row_budgets``); None: every row may
     generate ``max_new_tokens``."""
 
+    def limits(self) -> dict[str, Any]:
+        """The keyword arguments every engine's generate takes from these args: the ids that
+        pad and end rows, and how many new tokens each row must and may get."""
+        return {
+            "pad_token_id": self.pad_token_id,
+            "eos_token_ids": self.eos_token_ids,
+            "max_new_tokens": self.max_new_tokens,
+            "min_new_tokens": self.min_new_tokens,
+            "row_budgets": self.row_budgets,
+        }
+
 
 def resolve_generation_args(
     policy_cfg: PolicyConfig, tokenizer: PreTrainedTokenizerBase | None, model_eos: Any, prompt_width: int

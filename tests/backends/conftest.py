@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,13 +32,8 @@ from core.interfaces import LossType
 from core.losses import NLLLoss
 from core.policy.worker_protocol import PolicyWorker
 from core.testing.tiny_models import random_batch
-from tests.plugin_backend.site import installed
+from tests.plugin_backend.site import PLUGIN_SESSION_ENV
 from tests.torch_backends.conftest import SEQ, VOCAB, policy_config
-
-# The plug-in backend's layout (tests/plugin_backend) is parsed while this package is collected
-# and run; the rest of the session does not see it (tests there list every backend).
-_PLUGIN = contextlib.ExitStack()
-_PLUGIN.enter_context(installed())
 
 #: Every layout the contract suite runs (``benchmarks.lib.layouts`` grammar).  A JAX worker owns all
 #: of its host's devices, and the test session gives it 8 (tests/conftest.py: XLA_FLAGS), so the
@@ -50,8 +46,12 @@ LAYOUTS = [
     "dtensor-dp2-tp2-sp",
     "jax-fsdp8",
     "jax-fsdp4-tp2",
-    "eager-dp1",
 ]
+# The plug-in backend's row (tests/plugin_backend): in a session started with the plug-in installed
+# (its dist-info on PYTHONPATH, so the Ray workers see it too), which
+# tests/plugin_backend/test_plugin_backend.py runs in a subprocess; other sessions list the built-ins.
+if os.environ.get(PLUGIN_SESSION_ENV):
+    LAYOUTS.append("eager-dp1")
 #: Layouts behind ``@pytest.mark.slow`` (``make test-all``).  The fast run keeps one layout per
 #: engine: FSDP1; FSDP2 sharding composed with tensor and sequence parallel (4 workers); a
 #: sharded JAX mesh with tensor parallel.  The slow ones take each apart, and run the plug-in backend
@@ -265,17 +265,6 @@ class PolicyPool:
         held = cpus_of(self.value.layout) if self.value is not None else 0
         if held + cpus_of(layout) > RAY_CPUS:
             self.close()
-
-
-def pytest_collection_finish(session):
-    _PLUGIN.close()
-
-
-@pytest.fixture(scope="package", autouse=True)
-def plugin_backend_visible():
-    """The plug-in backend registered (by its entry point) while this package's tests run."""
-    with installed():
-        yield
 
 
 @pytest.fixture(scope="package")

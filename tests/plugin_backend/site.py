@@ -22,6 +22,8 @@ from core.policy import registry
 from tests.plugin_backend.spec import NAME
 
 DIST = "dualrl_eager_plugin-0.1.dist-info"
+#: Set in a test session started with the plug-in installed (tests/backends adds its layout row).
+PLUGIN_SESSION_ENV = "DUALRL_TEST_PLUGIN_SESSION"
 
 
 def write_site(root: Path) -> Path:
@@ -35,19 +37,18 @@ def write_site(root: Path) -> Path:
 
 @functools.cache
 def session_site() -> Path:
-    """The test session's site (removed at exit), on ``PYTHONPATH`` for every process started
-    from now on: called by tests/conftest.py before Ray starts, so its workers see the plug-in.
-    This process sees it only inside :func:`installed`."""
+    """This test session's site (removed at exit): what a subprocess puts on ``PYTHONPATH`` to
+    run with the plug-in installed (its Ray workers inherit it); this process sees the plug-in
+    only inside :func:`installed`."""
     site = write_site(Path(tempfile.mkdtemp(prefix="dualrl-test-plugin-")))
     atexit.register(shutil.rmtree, site, ignore_errors=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(site)) if p)
     return site
 
 
 def subprocess_env(site: Path) -> dict[str, str]:
     """This process's environment with the repository and ``site`` on ``PYTHONPATH``."""
     repo = Path(__file__).resolve().parents[2]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join((str(repo), str(site)))}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join((str(repo), str(site))), PLUGIN_SESSION_ENV: "1"}
 
 
 @contextlib.contextmanager

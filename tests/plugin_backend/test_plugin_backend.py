@@ -6,6 +6,7 @@ layout contract suite runs it too (tests/backends: layout ``eager-dp1``, slow)."
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from core.losses import ClippedPGLossFn
 from core.policy.registry import backend_names
 from core.testing.tiny_models import random_batch
 from tests.hf_reference import PG_CFG, reference_loss_and_norm
-from tests.plugin_backend.site import session_site, subprocess_env
+from tests.plugin_backend.site import PLUGIN_SESSION_ENV, session_site, subprocess_env
 from tests.torch_backends.conftest import SEQ, VOCAB, hf_logprobs, pg_batch, policy_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,8 +51,25 @@ def test_dualrl_config_selects_it_and_refuses_what_it_lacks_by_name():
     assert "policy.parallel: the eager_torch backend runs on exactly 1 worker, the layout asks for 2" in refused.stderr
 
 
+@pytest.mark.slow
+def test_a_session_with_the_plugin_installed_passes_its_policy_and_contract_rows():
+    """The next test and the layout contract suite's ``eager-dp1`` row, in a pytest session started
+    with the plug-in on ``PYTHONPATH`` (as ``pip install`` would put it), so its Ray workers see it."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+           "tests/plugin_backend/test_plugin_backend.py::test_a_policy_on_it_matches_hf",
+           "tests/backends", "-k", "policy_on_it or eager-dp1"]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO, env=subprocess_env(session_site()), timeout=1800
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], out.stdout[-2000:]
+
+
+@pytest.mark.slow
 def test_a_policy_on_it_matches_hf(ray_session, model_dirs, tokenizer):
     """get_logprobs and one train step (loss and gradient norm) against single-process HF at 1e-5."""
+    if not os.environ.get(PLUGIN_SESSION_ENV):
+        pytest.skip("needs a session started with the plug-in installed: run by the test above")
     from transformers import AutoModelForCausalLM
 
     from core.distributed import RayVirtualCluster

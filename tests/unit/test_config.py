@@ -950,7 +950,7 @@ def test_the_embedded_config_of_one_command_is_refused_by_another(monkeypatch):
             SFT,
             SFTRunConfig,
             ["data.dataset_name=rows.jsonl"],
-            "data.arithmetic: not used: data.dataset_name is not a built-in task",
+            "data.arithmetic: not used: data.dataset_name is not a built-in arithmetic task",
         ),
         (GRPO, GRPORunConfig, ["checkpointing.checkpoint_dir=null"], "checkpointing.checkpoint_dir: required when"),
     ],
