@@ -31,7 +31,6 @@ profiler); full weights, orbax checkpoints and refit streams are ``weights_io.py
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +42,10 @@ import numpy as np
 
 from backends.jax_pjit import steps
 from backends.jax_pjit.exact_generate import make_exact_decode_fns
-from backends.jax_pjit.exact_steps import make_exact_grad_step, make_exact_logprob_step
+from backends.jax_pjit.exact_steps import make_exact_logprob_step
 from backends.jax_pjit.generate import generate as jax_generate
 from backends.jax_pjit.generate import make_decode_fns
+from backends.jax_pjit.grad_step_choice import make_worker_grad_step
 from backends.jax_pjit.hf_mapping import from_pretrained, hf_layout
 from backends.jax_pjit.lora import LoRAParam, apply_lora, split_trainable
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
@@ -363,27 +363,18 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
         # loss with any other setting must not (the program closes over the loss).
         key = (type(loss_fn).__name__, loss_cache_key(loss_fn), self.rows.plain)
         if key not in self._grad_steps:
-            # Only the grad steps remat: a forward-only step has no backward to save memory for.
-            apply_fn = functools.partial(self.apply_fn, remat=True) if self.remat else self.apply_fn
-            grad_shardings = self._trainable(self.shardings)
-            if self._exact:
-                self._grad_steps[key] = make_exact_grad_step(
-                    self.model, loss_fn, self.temperature, self.mesh, grad_shardings
-                )
-            elif self.rows.plain:
-                self._grad_steps[key] = steps.make_grad_step(
-                    apply_fn,
-                    loss_fn,
-                    self.temperature,
-                    grad_shardings,
-                    self.trainable,
-                    self.router_aux,
-                    replay=self.cfg.moe.routing_replay.enabled,
-                )
-            else:
-                self._grad_steps[key] = steps.make_layout_grad_step(
-                    apply_fn, loss_fn, self.temperature, self.rows.cp, grad_shardings, self.trainable, self.router_aux
-                )
+            self._grad_steps[key] = make_worker_grad_step(
+                loss_fn,
+                exact_model=self.model if self._exact else None,
+                apply_fn=self.apply_fn,
+                remat=self.remat,
+                rows=self.rows,
+                temperature=self.temperature,
+                grad_shardings=self._trainable(self.shardings),
+                trainable=self.trainable,
+                router_aux=self.router_aux,
+                replay=self.cfg.moe.routing_replay.enabled,
+            )
         return self._grad_steps[key]
 
     # ------------------------------------------------------------------ generation hook
