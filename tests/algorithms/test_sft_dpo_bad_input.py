@@ -145,7 +145,7 @@ def test_dpo_config_errors(tmp_path, capsys, override, message):
         ("checkpointing.export_hf_dir=3", "checkpointing.export_hf_dir"),
         (
             "data.dataset_name=rows.jsonl data.arithmetic.max_value=9",
-            "data.arithmetic: not used: data.dataset_name is not a built-in task",
+            "data.arithmetic: not used: data.dataset_name is not a built-in arithmetic task",
         ),
     ],
 )
