@@ -20,7 +20,7 @@ train per real token of the throughput batch; vLLM generation per prompt and gen
 the mean sequence length; the GRPO step's generation and train phases (dualrl's and TRL's) per
 sample at its mean prompt + completion length.  The share is against the machine's best
 measured peak in the run's precision.  Refit moves bytes, not FLOPs: its roof is the memcpy
-bandwidth measured beside it (``benchmarks.lib.refit``), its share GB/s over memcpy GB/s.
+bandwidth the refit section times beside it (``benchmarks.lib.refit``): its share is refit GB/s over memcpy GB/s.
 """
 
 from __future__ import annotations
