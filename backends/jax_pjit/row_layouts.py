@@ -16,6 +16,7 @@ back its own rows of the outputs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -31,7 +32,16 @@ from core.data.context_parallel import check_cp_width
 from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
 from core.policy.config import PolicyConfig, SequencePackingConfig
 
-__all__ = ["RowLayouts"]
+__all__ = ["DynamicChunk", "RowLayouts"]
+
+
+@dataclass(frozen=True)
+class DynamicChunk:
+    """One global batch's share of the driver's dynamic-batching plan: ``(start, end)`` row
+    ranges and each micro batch's padded length."""
+
+    ranges: tuple[tuple[int, int], ...]
+    lengths: tuple[int, ...]
 
 
 class RowLayouts:
@@ -151,6 +161,47 @@ class RowLayouts:
             yield bins[i : i + fsdp]
 
     # ------------------------------------------------------------------ training
+    def _attached_plan(self, data: BatchedDataDict) -> tuple[list, list] | None:
+        """The driver's dynamic-batching plan ``(micro_batch_indices, micro_batch_lengths)``
+        attached to ``data``; None when dynamic batching is off or no plan is attached."""
+        if not self.cfg.dynamic_batching.enabled or self.packing is not None:
+            return None
+        indices, lengths = getattr(data, "micro_batch_indices", None), getattr(data, "micro_batch_lengths", None)
+        return None if indices is None or lengths is None else (indices, lengths)
+
+    def dynamic_plan(self, data: BatchedDataDict, chunk_rows: int) -> list[DynamicChunk] | None:
+        """``policy.dynamic_batching``: the driver's token-budget plan of each chunk of
+        ``chunk_rows`` rows (rows already sorted by length; the plan is the same on every host)."""
+        attached = self._attached_plan(data)
+        if attached is None:
+            return None
+        counts = [ranges[-1][1] if ranges else 0 for ranges in attached[0]]
+        if any(count != chunk_rows for count in counts):
+            raise ValueError(f"dynamic batching plan covers chunks of {counts} rows, expected chunks of {chunk_rows}")
+        return [DynamicChunk(tuple(map(tuple, r)), tuple(w)) for r, w in zip(*attached, strict=True)]
+
+    def dynamic_segments(self, data: BatchedDataDict) -> list[tuple[int, int, int]] | None:
+        """Every planned micro batch of ``data`` as ``(start, end, padded length)`` over all its
+        rows (an inference call's plan)."""
+        attached = self._attached_plan(data)
+        if attached is None:
+            return None
+        out, offset = [], 0
+        for ranges, widths in zip(*attached, strict=True):
+            out += [(offset + a, offset + b, w) for (a, b), w in zip(ranges, widths, strict=True)]
+            offset += ranges[-1][1] if ranges else 0
+        return out
+
+    def dynamic_shape(self, rows: int, length: int) -> tuple[int, int]:
+        """``(rows, width)`` a planned micro batch is padded to: the width its plan gives (a
+        multiple of ``sequence_length_round``; context parallelism: the ladder's rung), the rows
+        up to a power of two that the fsdp axis divides -- few distinct shapes, so few compiled
+        programs, and every host pads the same plan to the same shape."""
+        width = self.bucket(length) if self.cp > 1 else steps.round_up(length, self.seq_multiple)
+        fsdp = int(self.mesh.shape["fsdp"])
+        padded = 1 << max(rows - 1, 0).bit_length()
+        return steps.round_up(max(padded, fsdp), fsdp), width
+
     def train_micro_batches(
         self, gb: Mapping[str, np.ndarray], plan: Any, mbs: int, bucket: int
     ) -> Iterator[tuple[Any, ...]]:
@@ -160,6 +211,20 @@ class RowLayouts:
         the plan per micro batch as packed rows, with the loss batch = the bins' rows in the
         plain layout, padded to all of ``gb``'s rows (one program per packed width)."""
         rows_total = len(gb["input_ids"])
+        if isinstance(plan, DynamicChunk):
+            for (start, end), length in zip(plan.ranges, plan.lengths, strict=True):
+                rows, width = self.dynamic_shape(end - start, length)
+                # the plan's width covers every row's real tokens: only padding is cut
+                cut = {k: (v[start:end, :width] if v.ndim >= 2 else v[start:end]) for k, v in gb.items()}
+                mb = steps.pad_micro_batch(cut, rows, width)
+                if self.plain:
+                    yield (self.device_batch(mb),)
+                else:
+                    yield (
+                        self.device_batch(steps.plain_rows(mb["input_ids"], mb["input_lengths"])),
+                        self.device_batch(mb),
+                    )
+            return
         if self.packing is None:
             for start in range(0, rows_total, mbs):
                 mb = steps.pad_micro_batch({k: v[start : start + mbs] for k, v in gb.items()}, mbs, bucket)

@@ -62,7 +62,7 @@ class ApplyFn(Protocol):
 MIN_BUCKET = 16
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -70,11 +70,11 @@ def length_buckets(max_len: int, minimum: int = MIN_BUCKET, multiple: int = 1) -
     """Powers of two from ``minimum`` up to, and always ending at, ``max_len``; with
     ``multiple`` > 1 (``policy.make_sequence_length_divisible_by``) every rung is rounded up
     to a multiple of it -- the top one too, which may then exceed ``max_len`` (padding)."""
-    top = _round_up(max_len, multiple)
+    top = round_up(max_len, multiple)
     ladder: list[int] = []
     n = minimum
     while n < max_len:
-        rung = _round_up(n, multiple)
+        rung = round_up(n, multiple)
         if rung < top and (not ladder or rung > ladder[-1]):
             ladder.append(rung)
         n *= 2

@@ -78,7 +78,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 @dataclass
 class JaxTrainCall(TrainCall):
-    """A JAX ``train`` call: its global batches are ``(host rows, packing plan or None)``."""
+    """A JAX ``train`` call: its global batches are ``(host rows, plan)``, the plan a packing
+    plan, a dynamic-batching ``DynamicChunk`` or None (fixed micro batches)."""
 
     grad_step: Any  # the compiled micro-batch step (``_grad_step``)
     bucket: int  # the padded width every micro batch shares (one compiled shape)
@@ -222,20 +223,28 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
         self._reload("params")
         ids, lengths = data["input_ids"].numpy(), data["input_lengths"].numpy()
         if self.rows.plain:
-            return self._plain_logprobs(ids, lengths, mbs)
+            return self._plain_logprobs(ids, lengths, mbs, self.rows.dynamic_segments(data))
         with self._on_mesh():
             return self.rows.layout_logprobs(self._layout_logprob_step, self.params, ids, lengths, data, mbs), None
 
-    def _plain_logprobs(self, ids: np.ndarray, lengths: np.ndarray, mbs: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """[N, S] logprobs of plain right-padded rows, ``mbs`` rows per micro batch, and (a MoE
-        policy recording its routing) the rows' ``routed_experts`` [N, S, sparse layers, top_k]."""
+    def _plain_logprobs(
+        self, ids: np.ndarray, lengths: np.ndarray, mbs: int, plan: list[tuple[int, int, int]] | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """[N, S] logprobs of plain right-padded rows and (a MoE policy recording its routing)
+        their ``routed_experts`` [N, S, sparse layers, top_k]: ``mbs`` rows per micro batch at
+        the batch's bucket, or with ``plan`` (dynamic batching: ``(start, end, length)`` of each
+        micro batch) each planned micro batch at its own shape (``RowLayouts.dynamic_shape``)."""
         width = ids.shape[1]
-        bucket = steps.bucket_for(width, self.cfg.max_total_sequence_length, self.rows.seq_multiple)
+        if plan is None:
+            bucket = steps.bucket_for(width, self.cfg.max_total_sequence_length, self.rows.seq_multiple)
+            shapes = [(start, min(start + mbs, len(ids)), mbs, bucket) for start in range(0, len(ids), mbs)]
+        else:
+            shapes = [(start, end, *self.rows.dynamic_shape(end - start, length)) for start, end, length in plan]
         pending = []
         with self._on_mesh():
-            for start in range(0, len(ids), mbs):
+            for start, end, rows, cols in shapes:
                 host = steps.pad_micro_batch(
-                    {"input_ids": ids[start : start + mbs], "input_lengths": lengths[start : start + mbs]}, mbs, bucket
+                    {"input_ids": ids[start:end, :cols], "input_lengths": lengths[start:end]}, rows, cols
                 )
                 dev = self.rows.device_batch(host)
                 pending.append(self._logprob_step(self.params, dev["input_ids"], dev["input_lengths"]))
@@ -243,10 +252,13 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
         # device idle while the host copies the result and prepares the next micro batch.
         per_step = 1 if self.route_top_k is None else 2  # (logprobs[, routed_experts]) per micro batch
         read = self.rows.host_rows_of([x for out in pending for x in (out if per_step > 1 else (out,))])
-        counts = [min(mbs, len(ids) - start) for start in range(0, len(ids), mbs)]
 
         def joined(j: int, empty: np.ndarray) -> np.ndarray:
-            parts = [read[i * per_step + j][:n, :width] for i, n in enumerate(counts)]
+            parts = []
+            for i, (start, end, _, _) in enumerate(shapes):
+                part = read[i * per_step + j][: end - start, :width]
+                pad = [(0, 0), (0, width - part.shape[1])] + [(0, 0)] * (part.ndim - 2)
+                parts.append(np.pad(part, pad))  # a planned micro batch narrower than the batch
             return np.concatenate(parts) if parts else empty
 
         logprobs = joined(0, np.zeros((0, width), np.float32))
@@ -276,7 +288,7 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
         plans = (
             self.rows.packing_plan(data, host["input_lengths"], local_gbs, "train_mb_tokens")
             if self.rows.packing is not None
-            else None
+            else self.rows.dynamic_plan(data, local_gbs)
         )
         batches = [
             ({k: v[g * local_gbs : (g + 1) * local_gbs] for k, v in host.items()}, plans[g] if plans else None)
