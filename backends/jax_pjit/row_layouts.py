@@ -213,10 +213,10 @@ class RowLayouts:
         rows_total = len(gb["input_ids"])
         if isinstance(plan, DynamicChunk):
             for (start, end), length in zip(plan.ranges, plan.lengths, strict=True):
-                rows, width = self.dynamic_shape(end - start, length)
+                padded_rows, width = self.dynamic_shape(end - start, length)
                 # the plan's width covers every row's real tokens: only padding is cut
                 cut = {k: (v[start:end, :width] if v.ndim >= 2 else v[start:end]) for k, v in gb.items()}
-                mb = steps.pad_micro_batch(cut, rows, width)
+                mb = steps.pad_micro_batch(cut, padded_rows, width)
                 if self.plain:
                     yield (self.device_batch(mb),)
                 else:
