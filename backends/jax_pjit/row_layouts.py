@@ -44,6 +44,14 @@ class DynamicChunk:
     lengths: tuple[int, ...]
 
 
+def _check_plan_chunks(what: str, indices: list, chunk_rows: int, n_chunks: int) -> None:
+    """A driver's plan (``micro_batch_indices``) must cover ``n_chunks`` chunks of ``chunk_rows``
+    rows each -- one per global batch of this call."""
+    counts = [ranges[-1][1] if ranges else 0 for ranges in indices]
+    if counts != [chunk_rows] * n_chunks:
+        raise ValueError(f"{what} plan covers chunks of {counts} rows, expected {n_chunks} chunk(s) of {chunk_rows}")
+
+
 class RowLayouts:
     """The row layouts of one worker: its mesh and the ``policy`` config's widths and packing."""
 
@@ -132,12 +140,7 @@ class RowLayouts:
         n_chunks = len(lengths) // chunk_rows if chunk_rows else 0
         attached = getattr(data, "micro_batch_indices", None)
         if attached is not None:
-            counts = [ranges[-1][1] if ranges else 0 for ranges in attached]
-            if counts != [chunk_rows] * n_chunks:
-                raise ValueError(
-                    f"sequence packing plan covers chunks of {counts} rows, expected "
-                    f"{n_chunks} chunk(s) of {chunk_rows}"
-                )
+            _check_plan_chunks("sequence packing", attached, chunk_rows, n_chunks)
             return [(np.arange(chunk_rows), [tuple(r) for r in ranges]) for ranges in attached]
         sp = self.packing
         if sp is None:
@@ -175,9 +178,7 @@ class RowLayouts:
         attached = self._attached_plan(data)
         if attached is None:
             return None
-        counts = [ranges[-1][1] if ranges else 0 for ranges in attached[0]]
-        if any(count != chunk_rows for count in counts):
-            raise ValueError(f"dynamic batching plan covers chunks of {counts} rows, expected chunks of {chunk_rows}")
+        _check_plan_chunks("dynamic batching", attached[0], chunk_rows, len(attached[0]))
         return [DynamicChunk(tuple(map(tuple, r)), tuple(w)) for r, w in zip(*attached, strict=True)]
 
     def dynamic_segments(self, data: BatchedDataDict) -> list[tuple[int, int, int]] | None:
