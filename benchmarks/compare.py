@@ -43,6 +43,9 @@ budget, one layout alive at a time:
   ``core/configs/grpo_reasoning_gym.yaml`` instead of the arithmetic one: its reasoning-gym prompts
   (English, up to its ``data.max_input_seq_length`` tokens: the prompts' room) and reward on both
   sides, TRL's included; the size's random Llama reads bytes (the built-in byte tokenizer).
+  Dynamic sampling is off on both sides (TRL has none: one generate call per step), and the
+  layout name decides the micro batches: a ``-dynamic`` layout (``dtensor-dp2-dynamic``) plans
+  token-budget ones, so ``--layouts dtensor-dp2 dtensor-dp2-dynamic`` measures dynamic batching.
 
 Sizes: ``tiny`` (the built-in ~1M-parameter Llama's shape: a CI smoke, seconds per layout),
 ``small`` (a ~25M-parameter Llama: CPU minutes), ``1b`` (Llama-3.2-1B's shape, bf16: a GPU); all

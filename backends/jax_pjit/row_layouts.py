@@ -32,7 +32,27 @@ from core.data.context_parallel import check_cp_width
 from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
 from core.policy.config import PolicyConfig, SequencePackingConfig
 
-__all__ = ["DynamicChunk", "RowLayouts"]
+__all__ = ["DynamicChunk", "RowLayouts", "row_rung"]
+
+#: Rungs per doubling of the rows ladder of planned micro batches (:func:`row_rung`).
+ROW_RUNGS_PER_DOUBLING = 4
+
+
+def row_rung(rows: int, multiple: int) -> int:
+    """The rows a planned micro batch of ``rows`` rows is padded to, a multiple of ``multiple``
+    (the fsdp axis): the next rung of a ladder with :data:`ROW_RUNGS_PER_DOUBLING` rungs per
+    doubling above 16 rows (..., 8, 16, 20, 24, 28, 32, 40, ...).  Each distinct shape is a
+    compiled program, so rows are not kept exact (a plan's last micro batch has any count);
+    a power of two would pad a micro batch of 65 rows to 128 (the token-budget plan's micro
+    batches are seldom a power of two), the ladder pads it to 80: at most a quarter of
+    padding rows for a few more programs.  Up to 16 rows, where padding costs little, powers
+    of two."""
+    per = ROW_RUNGS_PER_DOUBLING.bit_length() - 1  # log2 of the rungs per doubling
+    if rows <= 1 << (2 * per):
+        rung = 1 << max(rows - 1, 0).bit_length()
+    else:
+        rung = steps.round_up(rows, 1 << ((rows - 1).bit_length() - 1 - per))
+    return steps.round_up(max(rung, multiple), multiple)
 
 
 @dataclass(frozen=True)
@@ -196,12 +216,10 @@ class RowLayouts:
     def dynamic_shape(self, rows: int, length: int) -> tuple[int, int]:
         """``(rows, width)`` a planned micro batch is padded to: the width its plan gives (a
         multiple of ``sequence_length_round``; context parallelism: the ladder's rung), the rows
-        up to a power of two that the fsdp axis divides -- few distinct shapes, so few compiled
+        up to :func:`row_rung` of the fsdp axis -- few distinct shapes, so few compiled
         programs, and every host pads the same plan to the same shape."""
         width = self.bucket(length) if self.cp > 1 else steps.round_up(length, self.seq_multiple)
-        fsdp = int(self.mesh.shape["fsdp"])
-        padded = 1 << max(rows - 1, 0).bit_length()
-        return steps.round_up(max(padded, fsdp), fsdp), width
+        return row_rung(rows, int(self.mesh.shape["fsdp"])), width
 
     def train_micro_batches(
         self, gb: Mapping[str, np.ndarray], plan: Any, mbs: int, bucket: int

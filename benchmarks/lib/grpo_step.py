@@ -21,7 +21,9 @@ reference, train -- while the producer thread's generation and reward seconds
 (``dualrl bench --grpo-task``, :data:`GRPO_TASKS`): ``arithmetic`` (``grpo_arithmetic.yaml``, the
 default) or ``reasoning_gym`` (``grpo_reasoning_gym.yaml``: its reasoning-gym task mix, English
 prompts of up to its ``data.max_input_seq_length`` tokens, each task's own ``score_answer``); a
-size's random Llama takes that task's built-in tokenizer (:func:`task_tokenizer`).
+size's random Llama takes that task's built-in tokenizer (:func:`task_tokenizer`).  Dynamic
+sampling is off on every task (one generate call per step, as TRL's step), and the layout name
+decides the micro batches (``-dynamic``: token budgets; :func:`dynamic_batching_overrides`).
 
 ``multi_turn=N`` measures the same workload as multi-turn GRPO (``dualrl bench --grpo-multi-turn N``):
 the scripted environment of :mod:`benchmarks.lib.multi_turn_env` (every episode exactly N turns,
@@ -161,6 +163,7 @@ def grpo_overrides(
     mbs = micro_batch(work, layout.dp)
     return [
         *layout_overrides(layout, jax_cpu_slots),
+        *dynamic_batching_overrides(layout, mbs * work.seq),
         f"policy.model_name={model_path}",
         f"policy.tokenizer.name={tokenizer_path}",
         f"policy.precision={precision}",
@@ -178,6 +181,9 @@ def grpo_overrides(
         # a constant lr: the default's 400-step decay schedule is no part of a step's cost
         "policy.scheduler=null",
         f"grpo.num_prompts_per_step={work.prompts}",
+        # one generate call per step, as TRL's GRPOTrainer (it has no DAPO dynamic sampling,
+        # which the reasoning-gym recipe turns on and which would triple the generation)
+        "grpo.use_dynamic_sampling=false",
         f"grpo.num_generations_per_prompt={work.group}",
         f"grpo.max_num_steps={work.warmup + work.steps}",
         "grpo.val_period=0",
@@ -196,6 +202,15 @@ def grpo_overrides(
         *(ASYNC_OVERRIDES if async_grpo else ()),
         *(multi_turn_overrides(work, multi_turn) if multi_turn else ()),
     ]
+
+
+def dynamic_batching_overrides(layout: Layout, budget: int) -> list[str]:
+    """The layout name decides the micro batches, whatever the task config says: a ``-dynamic``
+    layout plans token-budget micro batches of ``budget`` tokens (a fixed micro batch's padded
+    tokens: as many rows where they are short), any other one fixed rows."""
+    if not layout.dynamic:
+        return ["policy.dynamic_batching.enabled=false"]
+    return [f"policy.dynamic_batching.{key}={_yaml(value)}" for key, value in layout.dynamic_batching(budget).items()]
 
 
 def micro_batch(work: GRPOWorkload, dp: int) -> int:

@@ -5,13 +5,15 @@ backend plugged in from outside has its layouts too.  For a backend whose spec h
 ``layout_prefix`` P and ``data_axis`` A (``D``, ``C``, ``T``: positive integers; bracketed
 parts optional, at least one size)::
 
-    P-[A<D>][-cp<C>][-tp<T>][-sp][-ep][-packed][-lora][-compiled]
+    P-[A<D>][-cp<C>][-tp<T>][-sp][-ep][-packed][-dynamic][-lora][-compiled]
 
 on ``D x C x T`` devices: ``D`` data-parallel (sharded) ranks, the sequence split over ``C``
 (context parallel), the weights over ``T`` (tensor parallel); ``-sp`` sequence parallel
 (needs ``T >= 2``); ``-ep`` a mixture of experts' experts expert-parallel over the data axis
 (``policy.parallel.expert_parallel_size = D``, needs ``D >= 2``); ``-packed`` sequence
-packing (rows of at most one padded micro batch's tokens); ``-lora`` ``policy.lora.enabled``
+packing (rows of at most one padded micro batch's tokens); ``-dynamic`` dynamic batching
+(rows sorted by length into micro batches of at most one padded micro batch's tokens, each as
+wide as its longest row; not with ``-packed``); ``-lora`` ``policy.lora.enabled``
 at the settings the caller passes (``dualrl parity``: ``benchmarks.lib.parity.settings.LORA``;
 a benchmark that passes none refuses the layout by name, :func:`benchmarks.lib.workload.
 policy_config`); ``-compiled`` ``policy.compile`` (each transformer block under
@@ -26,6 +28,7 @@ on a backend whose workers own a host (``per_host``), all of them; either way a 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,10 +44,13 @@ PARTS = {
     "sp": "parallel.sequence_parallel",
     "ep": "parallel.expert_parallel_size",
     "packed": "sequence_packing.enabled",
+    "dynamic": "dynamic_batching.enabled",
     "lora": "lora.enabled",
     "compiled": "compile",
 }
-_FLAGS = ("sp", "ep", "packed", "lora", "compiled")
+_FLAGS = ("sp", "ep", "packed", "dynamic", "lora", "compiled")
+#: A ``-dynamic`` layout pads each micro batch to a multiple of this (times its sequence multiple).
+DYNAMIC_ROUND = 4
 
 
 class LayoutError(ValueError):
@@ -63,6 +69,7 @@ class Layout:
     compiled: bool = False  # policy.compile on
     lora: bool = False  # policy.lora.enabled (at the caller's LoRA settings)
     ep: bool = False  # policy.parallel.expert_parallel_size = the fsdp size
+    dynamic: bool = False  # dynamic batching on (token-budget micro batches)
     per_host: bool = field(default=False, compare=False)  # one worker owns all the devices (its spec says)
     checkpoint_format: str = field(default="torch-dcp", compare=False)  # its spec's save_checkpoint format
 
@@ -82,7 +89,8 @@ class Layout:
 
     def policy_settings(self) -> dict[str, Any]:
         """The policy keys (dotted below ``policy``) that put a run on this layout, LoRA aside
-        (its settings are the caller's)."""
+        (its settings are the caller's), and so are dynamic batching's token budgets (the
+        config refuses ``dynamic_batching.enabled`` without them)."""
         out: dict[str, Any] = {
             "backend": self.backend,
             "parallel.fsdp_size": self.dp,
@@ -96,7 +104,21 @@ class Layout:
             out["make_sequence_length_divisible_by"] = self.sequence_multiple
         if self.packed:
             out["sequence_packing.enabled"] = True
+        if self.dynamic:
+            out["dynamic_batching.enabled"] = True
         return out
+
+    def dynamic_batching(self, budget: int) -> dict[str, Any]:
+        """``policy.dynamic_batching`` of this ``-dynamic`` layout: micro batches of at most
+        ``budget`` tokens (training and logprobs), each padded to a multiple of its round."""
+        if not self.dynamic:
+            raise LayoutError(f"layout {self.name!r} has no -dynamic: it runs micro batches of fixed rows")
+        return {
+            "enabled": True,
+            "train_mb_tokens": budget,
+            "logprob_mb_tokens": budget,
+            "sequence_length_round": math.lcm(DYNAMIC_ROUND, self.sequence_multiple),
+        }
 
 
 def apply_settings(policy: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +164,8 @@ def _layout(name: str, spec: BackendSpec, match: re.Match[str]) -> Layout:
     on = dict(zip(_FLAGS, (bool(f) for f in flags), strict=True))
     layout = Layout(
         name, spec.name, int(dp or 1), int(tp or 1), on["sp"], int(cp or 1), on["packed"], on["compiled"],
-        on["lora"], on["ep"], per_host=not spec.one_worker_per_device, checkpoint_format=spec.checkpoint_format,
+        on["lora"], on["ep"], on["dynamic"], per_host=not spec.one_worker_per_device,
+        checkpoint_format=spec.checkpoint_format,
     )  # fmt: skip
     asked = {"cp": layout.cp > 1, "tp": layout.tp > 1, **on}
     for part, key in PARTS.items():
@@ -152,6 +175,11 @@ def _layout(name: str, spec: BackendSpec, match: re.Match[str]) -> Layout:
                 f"layout {name!r}: -{part} asks for {option(key).what} (policy.{key}), which the {spec.name} backend "
                 "does not support" + (f": {why}" if why else "")
             )
+    if layout.packed and layout.dynamic:
+        raise LayoutError(
+            f"layout {name!r}: -packed and -dynamic are two ways of batching by tokens (sequence packing, "
+            "dynamic batching); a layout takes one"
+        )
     if layout.sp and layout.tp < 2:
         raise LayoutError(f"layout {name!r}: sequence parallel (-sp) needs tensor parallel tp >= 2")
     if layout.ep and layout.dp < 2:

@@ -226,8 +226,15 @@ def spec_from_dualrl(
     sequence_level_importance_ratios), ``env`` and ``data.use_chat_template``.
 
     Raises ``ValueError`` when dualrl's step would be several optimizer steps
-    (``policy.train_global_batch_size`` < prompts x generations): the baseline is one."""
+    (``policy.train_global_batch_size`` < prompts x generations): the baseline is one; or
+    several generate calls (``grpo.use_dynamic_sampling``): the baseline makes one."""
     g, policy, loss = cfg["grpo"], cfg["policy"], cfg.get("loss_fn") or {}
+    if g.get("use_dynamic_sampling"):
+        raise ValueError(
+            "grpo.use_dynamic_sampling: dualrl's step would make up to "
+            f"{g.get('dynamic_sampling_max_gen_batches')} generate calls, the TRL baseline (no dynamic "
+            "sampling) makes one per step; turn it off to compare the same work"
+        )
     gen, opt = policy["generation"], (policy.get("optimizer") or {}).get("kwargs") or {}
     batch = g["num_prompts_per_step"] * g["num_generations_per_prompt"]
     gbs = policy.get("train_global_batch_size", batch)

@@ -76,7 +76,8 @@ def policy_config(
 ) -> dict:
     """The default policy section on this model and layout, width ``seq``; micro batches of
     ``micro`` rows per data-parallel rank (default: one micro batch of all the rank's rows);
-    ``packing`` updates ``sequence_packing`` (``benchmarks.packing``); ``lora``: the
+    ``packing`` updates ``sequence_packing`` (``benchmarks.packing``); a ``-dynamic`` layout
+    plans token-budget micro batches of a rank's ``local x seq`` padded tokens; ``lora``: the
     ``policy.lora`` settings of a ``-lora`` layout (one without them is refused by name).
 
     A layout of one worker owning all the devices (JAX) has a micro batch holding every rank's
@@ -100,6 +101,9 @@ def policy_config(
         cfg["sequence_packing"].update(enabled=True, train_mb_tokens=local * seq, logprob_mb_tokens=local * seq)
     if packing:
         cfg["sequence_packing"].update(packing)
+    if layout.dynamic:  # token budgets of one rank's padded micro batch: more rows where they are short
+        rows = local // layout.dp if layout.per_host else local
+        cfg["dynamic_batching"].update(layout.dynamic_batching(rows * seq))
     if layout.lora:
         if lora is None:  # a benchmark with no LoRA settings of its own would run the base model
             raise LayoutError(f"layout {layout.name!r}: -lora (policy.lora) is measured by dualrl parity only")

@@ -14,7 +14,7 @@ from benchmarks.lib.grpo_step import ASYNC_PHASES, PHASES, layout_overrides
 from benchmarks.lib.layouts import LayoutError, check_fits, host_layout, parse_layout
 from benchmarks.lib.pairing import ratio
 from benchmarks.lib.ray_session import device_count_of, with_device_count
-from benchmarks.lib.workload import policy_config
+from benchmarks.lib.workload import make_batch, policy_config
 
 
 def test_a_compiled_layout_turns_dtensor_compile_on_in_every_config_it_builds():
@@ -178,3 +178,49 @@ def test_a_model_the_jax_backend_cannot_run_is_named_before_any_worker_starts():
     why = jax_unsupported(bench, parse_layout("jax-fsdp2"))
     assert "model 'tiny-gpt2' is not supported by the JAX backend" in why and "'gpt2'" in why
     assert jax_unsupported(bench, parse_layout("dtensor-dp2")) is None  # torch runs any HF model
+
+
+def test_a_dynamic_layout_plans_token_budget_micro_batches_and_parity_splits_a_ranks_rows():
+    """``-dynamic`` (every backend): budgets of one padded micro batch in bench configs, half of it
+    in parity's, where each data-parallel rank's rows of the parity batch fall into micro batches
+    of different widths -- so the parity row measures gradient accumulation over a real plan."""
+    from benchmarks.lib.parity.models import parity_settings
+    from core.data.batched_data_dict import DynamicBatchingArgs
+
+    # the rank's rows are one micro batch of all 4 of them; the round is a multiple of the
+    # layout's sequence multiple (2 x cp x tp under sequence parallel)
+    for name, round_to in (
+        ("fsdp1-dp2-dynamic", 4),
+        ("dtensor-dp2-dynamic", 4),
+        ("jax-fsdp2-dynamic", 4),
+        ("dtensor-dp2-cp2-tp2-sp-dynamic", 8),
+    ):
+        layout = parse_layout(name)
+        assert layout.dynamic and layout.policy_settings()["dynamic_batching.enabled"] is True
+        cfg = policy_config("m", "t", layout, 8, 24, "float32")
+        assert cfg["dynamic_batching"] == {
+            "enabled": True,
+            "train_mb_tokens": 4 * 24,
+            "logprob_mb_tokens": 4 * 24,
+            "sequence_length_round": round_to,
+        }
+        assert not cfg["sequence_packing"]["enabled"]
+    parity = parity_settings(policy_config("m", "t", parse_layout("fsdp1-dp2-dynamic"), 8, 24, "float32"), 1e-3)
+    budget = parity["dynamic_batching"]["train_mb_tokens"]
+    assert budget == parity["dynamic_batching"]["logprob_mb_tokens"] == 48
+    args = DynamicBatchingArgs(
+        input_key="input_ids",
+        input_lengths_key="input_lengths",
+        sequence_length_round=4,
+        max_tokens_per_microbatch=budget,
+    )
+    shards, _ = make_batch(8, 24, 50).shard_by_batch_size(2, dynamic_batching_args=args)
+    for shard in shards:
+        assert len(shard.micro_batch_lengths[0]) >= 2 and len(set(shard.micro_batch_lengths[0])) >= 2
+    assert not parse_layout("fsdp1-dp2").dynamic
+    with pytest.raises(LayoutError, match="-packed and -dynamic are two ways of batching by tokens"):
+        parse_layout("dtensor-dp2-packed-dynamic")
+    with pytest.raises(LayoutError, match="unknown layout"):
+        parse_layout("dtensor-dp2-dynamic-packed")  # the grammar's order
+    with pytest.raises(LayoutError, match="has no -dynamic"):
+        parse_layout("dtensor-dp2").dynamic_batching(64)

@@ -294,3 +294,31 @@ def test_the_reasoning_gym_task_without_the_package_is_refused(with_vllm, monkey
     assert (
         "--grpo-task reasoning_gym: 'reasoning_gym' needs the optional package reasoning-gym" in capsys.readouterr().err
     )
+
+
+def test_the_layout_name_decides_dynamic_batching_whatever_the_task_config_says(with_vllm):
+    """``-dynamic``: token-budget micro batches of one fixed micro batch's padded tokens; any
+    other layout runs fixed rows, also on the reasoning-gym task whose recipe plans by tokens."""
+    work = parse("--grpo-task", "reasoning_gym").grpo_work
+    mbs = micro_batch(work, 2)
+    for task in ("arithmetic", "reasoning_gym"):
+        task_work = work if task == "reasoning_gym" else SIZES["small"].grpo
+        budget = micro_batch(task_work, 2) * task_work.seq
+        dynamic = grpo_config(parse_layout("dtensor-dp2-dynamic"), task_work, "m", "t", "float32", "/x", task=task)
+        db = dynamic.policy.dynamic_batching
+        assert (db.enabled, db.train_mb_tokens, db.logprob_mb_tokens, db.sequence_length_round) == (
+            True,
+            budget,
+            budget,
+            4,
+        )
+        fixed = grpo_config(parse_layout("dtensor-dp2"), task_work, "m", "t", "float32", "/x", task=task)
+        assert not fixed.policy.dynamic_batching.enabled
+        # one generate call per step on both sides: TRL's step has no dynamic sampling
+        assert not fixed.grpo.use_dynamic_sampling and not dynamic.grpo.use_dynamic_sampling
+    assert (
+        mbs * work.seq
+        == grpo_config(
+            parse_layout("jax-fsdp2-dynamic"), work, "m", "t", "float32", "/x", task="reasoning_gym"
+        ).policy.dynamic_batching.train_mb_tokens
+    )

@@ -104,6 +104,15 @@ def test_spec_and_grpo_config_follow_the_embedded_grpo_config():
         trl_grpo.spec_from_dualrl(
             {**data, "policy": {**data["policy"], "train_global_batch_size": 128}}, ["1+1="], ["2"], "/m", "/t"
         )
+    # several generate calls per dualrl step (DAPO's dynamic sampling): refused
+    with pytest.raises(ValueError, match="grpo.use_dynamic_sampling: dualrl's step would make up to 3 generate"):
+        trl_grpo.spec_from_dualrl(
+            {**data, "grpo": {**data["grpo"], "use_dynamic_sampling": True, "dynamic_sampling_max_gen_batches": 3}},
+            ["1+1="],
+            ["2"],
+            "/m",
+            "/t",
+        )
     # the prompts are walked in order, prompts_per_step per step, cycling
     rows = trl_grpo.cycled_rows(["a", "b", "c"], ["1", "2", "3"], 2)
     assert [r["prompt"] for r in rows] == ["a", "b", "c", "a", "b", "c"] and rows[4]["answer"] == "2"

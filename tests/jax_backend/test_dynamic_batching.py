@@ -3,10 +3,10 @@
 With ``policy.dynamic_batching`` the driver sorts a shard's rows by length and cuts each global
 batch into micro batches of at most ``train_mb_tokens`` padded tokens
 (``core.data.dynamic_batching``).  The JAX worker runs exactly those micro batches, each padded
-to its own planned width (not the batch's widest row) and its rows to a power of two that the
-fsdp axis divides, so short rows cost short programs.  The loss is normalised by the global
-batch's valid sequences and tokens, so the plan changes nothing but summation order: loss,
-gradient norm and the trained weights equal the fixed-micro-batch run.
+to its own planned width (not the batch's widest row) and its rows to a rung of a ladder that
+the fsdp axis divides (``row_rung``), so short rows cost short programs.  The loss is
+normalised by the global batch's valid sequences and tokens, so the plan changes nothing but
+summation order: loss, gradient norm and the trained weights equal the fixed-micro-batch run.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax
 import pytest
 import torch
 
+from backends.jax_pjit.row_layouts import row_rung
 from core.data import BatchedDataDict
 from core.data.dynamic_batching import DynamicBatchingArgs
 from core.losses import ClippedPGLossFn
@@ -48,9 +49,20 @@ def planned_shard(data):
     return shard, order
 
 
+def test_the_rows_ladder_pads_at_most_a_quarter_above_sixteen_rows():
+    assert [row_rung(r, 1) for r in (1, 3, 5, 9, 16, 17, 33, 65, 85, 128, 129, 170)] == [
+        1, 4, 8, 16, 16, 20, 40, 80, 96, 128, 160, 192,
+    ]  # fmt: skip
+    assert [row_rung(r, 8) for r in (1, 5, 9, 17, 65, 85)] == [8, 8, 16, 24, 80, 96]
+    assert row_rung(37, 3) == 42 and row_rung(37, 3) % 3 == 0  # a multiple of any fsdp axis
+    for rows in range(17, 1025):
+        rung = row_rung(rows, 2)
+        assert rows <= rung <= rows * 1.25 + 2 and rung % 2 == 0
+
+
 def test_micro_batches_follow_the_plan(model_dirs, tokenizer):
     """Each planned micro batch reaches the grad step at its own width (a multiple of the round,
-    below the batch's widest row) with its rows padded to a power of two of the fsdp axis."""
+    below the batch's widest row) with its rows padded to the ladder's rung of the fsdp axis."""
     worker = jax_worker(model_dirs["llama"], tokenizer, FSDP, 1, 1, dynamic_batching=dynamic())
     shard, _ = planned_shard(uneven_batch(LENGTHS, seed=3))
     chunks = worker.rows.dynamic_plan(shard, len(LENGTHS) // 2)
@@ -64,7 +76,7 @@ def test_micro_batches_follow_the_plan(model_dirs, tokenizer):
         ):
             n, width = batch["input_ids"].shape
             assert width == length and width % ROUND == 0
-            assert n >= end - start and n % FSDP == 0 and n & (n - 1) == 0
+            assert n == row_rung(end - start, FSDP) and n % FSDP == 0
             assert int(batch["sample_mask"][: end - start].sum()) == int(rows["sample_mask"][start:end].sum())
             assert int(batch["sample_mask"][end - start :].sum()) == 0
             seen.append(width)

@@ -71,7 +71,15 @@ def model_problem(layout: str, model: str, model_path: str) -> str | None:
 def parity_settings(cfg: dict, lr: float) -> dict:
     """The policy section of a parity run: a constant learning rate large enough that 3 steps
     move the weights visibly (the default 5e-6 with a 10-step warm-up barely does), so that the
-    loss curve and the cross-loaded export test trained weights, not the initial ones."""
+    loss curve and the cross-loaded export test trained weights, not the initial ones; a
+    ``-dynamic`` layout's token budgets halved."""
     cfg["optimizer"]["kwargs"]["lr"] = lr
     cfg["scheduler"] = None
+    dynamic = cfg.get("dynamic_batching") or {}
+    if dynamic.get("enabled"):
+        # a -dynamic layout's budget is one micro batch's padded tokens, which the parity
+        # batch's short rows never fill: at half of it a rank's rows are split over micro
+        # batches of different widths, whose accumulated gradient must still match hf's
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            dynamic[key] = max(cfg["max_total_sequence_length"], dynamic[key] // 2)
     return cfg
