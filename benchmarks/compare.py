@@ -3,7 +3,8 @@
     dualrl bench [--size tiny|small|1b] [--layouts L ...] [--model NAME|PATH] [--device cpu|cuda]
         [--sections throughput refit generation grpo] [--out DIR] [--json FILE]
         [--batch B] [--seq S] [--micro M] [--iters N] [--warmup W] [--precision P] [--threads T]
-        [--grpo-new-tokens N] [--grpo-prompts P] [--grpo-group G] [--[no-]grpo-full-length] [--grpo-async]
+        [--grpo-new-tokens N] [--grpo-prompts P] [--grpo-group G] [--grpo-micro-batch M] [--grpo-steps S]
+        [--[no-]grpo-full-length] [--grpo-async]
         [--grpo-multi-turn N] [--grpo-task arithmetic|reasoning_gym]
     python -m benchmarks.compare [same]
 
@@ -30,7 +31,8 @@ budget, one layout alive at a time:
   model, prompt set, group size, completion length and optimizer (``benchmarks.lib.trl_grpo``; needs
   the optional ``bench`` extra, ``pip install -e .[bench]``, else skipped with a note), its steps
   interleaved with the layouts' steps like the HF calls.  ``--grpo-new-tokens`` / ``--grpo-prompts`` /
-  ``--grpo-group`` override the size's GRPO workload (the generation row's too);
+  ``--grpo-group`` / ``--grpo-micro-batch`` / ``--grpo-steps`` override the size's GRPO workload
+  (the generation row's too);
   ``--grpo-full-length`` makes every completion exactly N tokens on both sides;
   ``--grpo-async`` adds an async GRPO row next to every layout's sync one (the engine on a
   device / slot of its own, the policy on the layout's; ``benchmarks.lib.grpo_step``);
@@ -121,6 +123,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         + "); the sequence limit grows with it, the prompts keep their room",
     )
     grpo.add_argument("--grpo-prompts", type=int, metavar="P", help="prompts per step (default: the size's)")
+    grpo.add_argument(
+        "--grpo-micro-batch",
+        type=int,
+        metavar="M",
+        help="rows per train / logprob micro batch and rank, both sides (default: the size's; "
+        + ", ".join(f"{k} {v.grpo.micro_batch}" for k, v in SIZES.items() if v.grpo)
+        + "); a -dynamic layout's token budget is M x the sequence limit",
+    )
+    grpo.add_argument(
+        "--grpo-steps",
+        type=int,
+        metavar="S",
+        help="timed GRPO steps per layout, each paired with a TRL step (default: the size's; "
+        + ", ".join(f"{k} {v.grpo.steps}" for k, v in SIZES.items() if v.grpo)
+        + ")",
+    )
     grpo.add_argument("--grpo-group", type=int, metavar="G", help="generations per prompt, >= 2 (default: the size's)")
     grpo.add_argument(
         "--grpo-full-length",
@@ -163,7 +181,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-GRPO_WORKLOAD_FLAGS = ("grpo_new_tokens", "grpo_prompts", "grpo_group", "grpo_full_length", "grpo_task")
+GRPO_WORKLOAD_FLAGS = (
+    "grpo_new_tokens",
+    "grpo_prompts",
+    "grpo_group",
+    "grpo_full_length",
+    "grpo_task",
+    "grpo_micro_batch",
+    "grpo_steps",
+)
 
 
 def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
@@ -203,6 +229,8 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         ("--grpo-new-tokens", args.grpo_new_tokens, 1),
         ("--grpo-prompts", args.grpo_prompts, 1),
         ("--grpo-group", args.grpo_group, 2),
+        ("--grpo-micro-batch", args.grpo_micro_batch, 1),
+        ("--grpo-steps", args.grpo_steps, 1),
     ):
         if value is not None and value < low:
             why = " (GRPO's advantage compares a prompt's samples; TRL's GRPOTrainer needs 2)" if low == 2 else ""
@@ -212,6 +240,11 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         return None
     full = args.grpo_full_length if args.grpo_full_length is not None else args.grpo_new_tokens is not None
     work = size.grpo.with_overrides(args.grpo_new_tokens, args.grpo_prompts, args.grpo_group, full)
+    work = dataclasses.replace(
+        work,
+        micro_batch=work.micro_batch if args.grpo_micro_batch is None else args.grpo_micro_batch,
+        steps=work.steps if args.grpo_steps is None else args.grpo_steps,
+    )
     if args.grpo_task not in (None, "arithmetic"):  # the task's prompts keep their own room
         work = dataclasses.replace(work, seq=task_prompt_room(args.grpo_task) + work.new_tokens)
     positions = size.shape.get("max_position_embeddings")

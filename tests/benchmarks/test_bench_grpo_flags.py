@@ -51,6 +51,8 @@ def test_defaults_are_the_size_workload_and_the_flags_override_it(with_vllm):
     other = parse("--grpo-prompts", "4", "--grpo-group", "2").grpo_work
     assert (other.prompts, other.group, other.samples, other.new_tokens, other.full_length) == (4, 2, 8, 16, False)
     assert parse("--grpo-async").grpo_async
+    tuned = parse("--grpo-micro-batch", "64", "--grpo-steps", "4").grpo_work
+    assert (tuned.micro_batch, tuned.steps, tuned.prompts, tuned.new_tokens) == (64, 4, small.prompts, small.new_tokens)
 
 
 def test_the_overrides_the_workload_and_async_produce():
@@ -89,6 +91,9 @@ def test_the_overrides_the_workload_and_async_produce():
         (["--grpo-new-tokens", "0"], "--grpo-new-tokens must be >= 1, got 0"),
         (["--grpo-group", "1"], "--grpo-group must be >= 2 (GRPO's advantage compares a prompt's samples"),
         (["--grpo-prompts", "0"], "--grpo-prompts must be >= 1, got 0"),
+        (["--grpo-micro-batch", "0"], "--grpo-micro-batch must be >= 1, got 0"),
+        (["--grpo-steps", "0"], "--grpo-steps must be >= 1, got 0"),
+        (["--grpo-steps", "2", "--sections", "refit"], "--grpo-steps: only --sections grpo and generation use"),
         (["--grpo-new-tokens", "600"], "prompt room 16 + 600 new tokens = 616 > the small model's 512 positions"),
         (["--grpo-prompts", "3", "--grpo-group", "3"], "9 samples per step do not split over the data-parallel"),
         (["--grpo-async", "--sections", "throughput"], "--grpo-async adds rows to --sections grpo"),
