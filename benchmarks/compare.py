@@ -114,31 +114,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-progress", action="store_true")
     grpo = parser.add_argument_group("GRPO step (--sections grpo; the workload flags also set the generation row's)")
-    grpo.add_argument(
-        "--grpo-new-tokens",
-        type=int,
-        metavar="N",
-        help="completion length, policy.generation.max_new_tokens (default: the size's; "
-        + ", ".join(f"{k} {v.grpo.new_tokens}" for k, v in SIZES.items() if v.grpo)
-        + "); the sequence limit grows with it, the prompts keep their room",
-    )
-    grpo.add_argument("--grpo-prompts", type=int, metavar="P", help="prompts per step (default: the size's)")
-    grpo.add_argument(
-        "--grpo-micro-batch",
-        type=int,
-        metavar="M",
-        help="rows per train / logprob micro batch and rank, both sides (default: the size's; "
-        + ", ".join(f"{k} {v.grpo.micro_batch}" for k, v in SIZES.items() if v.grpo)
-        + "); a -dynamic layout's token budget is M x the sequence limit",
-    )
-    grpo.add_argument(
-        "--grpo-steps",
-        type=int,
-        metavar="S",
-        help="timed GRPO steps per layout, each paired with a TRL step (default: the size's; "
-        + ", ".join(f"{k} {v.grpo.steps}" for k, v in SIZES.items() if v.grpo)
-        + ")",
-    )
+    for flag, metavar, field, what, after in (
+        ("--grpo-new-tokens", "N", "new_tokens", "completion length, policy.generation.max_new_tokens",
+         "; the sequence limit grows with it, the prompts keep their room"),
+        ("--grpo-prompts", "P", "prompts", "prompts per step", ""),
+        ("--grpo-micro-batch", "M", "micro_batch", "rows per train / logprob micro batch and rank, both sides",
+         "; a -dynamic layout's token budget is M x the sequence limit"),
+        ("--grpo-steps", "S", "steps", "timed GRPO steps per layout, each paired with a TRL step", ""),
+    ):  # fmt: skip
+        sizes = ", ".join(f"{k} {getattr(v.grpo, field)}" for k, v in SIZES.items() if v.grpo)
+        grpo.add_argument(flag, type=int, metavar=metavar, help=f"{what} (default: the size's; {sizes}){after}")
     grpo.add_argument("--grpo-group", type=int, metavar="G", help="generations per prompt, >= 2 (default: the size's)")
     grpo.add_argument(
         "--grpo-full-length",
