@@ -97,7 +97,11 @@ class Engine:
         try:
             t0 = time.perf_counter()
             self.generation = VllmGeneration(
-                self._cluster, cfg or engine_config(model_path, tokenizer_path, args), tokenizer, name_prefix=name
+                self._cluster,
+                cfg or engine_config(model_path, tokenizer_path, args),
+                tokenizer,
+                name_prefix=name,
+                engines_per_bundle=1,  # the refit and generation rows measure one engine on all the threads
             )
             self.startup_s = time.perf_counter() - t0
         except BaseException:

@@ -1,9 +1,9 @@
 """Where a :class:`~core.distributed.worker_group.RayWorkerGroup` puts its actors, and what
 each one is told about its rank.
 
-One actor per used bundle of a :class:`~core.distributed.virtual_cluster.RayVirtualCluster`,
-node by node, rank = bundle order, each pinned to its bundle and started with the
-``torch.distributed`` ``env://`` variables of its rank.
+One actor per used bundle of a :class:`~core.distributed.virtual_cluster.RayVirtualCluster`
+(or ``per_bundle`` of them, sharing its resources), node by node, rank = bundle order, each
+pinned to its bundle and started with the ``torch.distributed`` ``env://`` variables of its rank.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ def check_env_vars(env_vars: Mapping[str, str] | None) -> dict[str, str]:
     return env_vars
 
 
-def check_workers_per_node(bundles: list[int], requested: int | list[int] | None) -> list[int]:
-    """Workers on each node: validated against the node's bundle count."""
+def check_workers_per_node(bundles: list[int], requested: int | list[int] | None, per_bundle: int = 1) -> list[int]:
+    """Workers on each node: validated against the node's bundle count (x ``per_bundle``)."""
+    if isinstance(per_bundle, bool) or not isinstance(per_bundle, int) or per_bundle < 1:
+        raise ValueError(f"RayWorkerGroup: actors_per_bundle must be a positive int, got {per_bundle!r}")
+    bundles = [n * per_bundle for n in bundles]
     if requested is None:
         return list(bundles)
     if isinstance(requested, int) and not isinstance(requested, bool):
@@ -56,7 +59,10 @@ def check_workers_per_node(bundles: list[int], requested: int | list[int] | None
         raise TypeError(f"RayWorkerGroup: workers_per_node must be None, an int or a list, got {requested!r}")
     for node, (want, have) in enumerate(zip(counts, bundles, strict=True)):
         if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= have:
-            raise ValueError(f"RayWorkerGroup: node {node} has {have} bundles; cannot place {want!r} workers there")
+            raise ValueError(
+                f"RayWorkerGroup: node {node} has {have // per_bundle} bundles x {per_bundle} worker(s) each; "
+                f"cannot place {want!r} workers there"
+            )
     if sum(counts) == 0:
         raise ValueError("RayWorkerGroup: workers_per_node places no worker at all")
     return counts
@@ -70,8 +76,10 @@ def create_actors(
     env_vars: Mapping[str, str],
     counts: list[int],
     name_prefix: str,
+    per_bundle: int = 1,
 ) -> tuple[list[ray.actor.ActorHandle], list[tuple[int, int]]]:
-    """One actor per used bundle (``counts[n]`` on node ``n``), node by node, pinned to its
+    """``counts[n]`` actors on node ``n``, node by node, ``per_bundle`` of them per bundle
+    (consecutive ranks, each with that share of the bundle's resources), each pinned to its
     bundle; returns the actors (index = rank) and each rank's (node rank, bundle index).
 
     If an actor cannot be created, the ones created before it are killed and the error
@@ -82,7 +90,7 @@ def create_actors(
     else:
         actor_cls = ray.remote(worker_cls)
     master_addr, master_port = cluster.get_master_address_and_port()
-    share = 1.0 / cluster.max_colocated_worker_groups
+    share = 1.0 / (cluster.max_colocated_worker_groups * per_bundle)
     resources: dict[str, float] = {"num_cpus": cluster.num_cpus_per_bundle * share}
     if cluster.use_gpus:
         resources["num_gpus"] = share
@@ -109,7 +117,7 @@ def create_actors(
                 name=f"{name_prefix}-{rank}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg,
-                    placement_group_bundle_index=local_rank,
+                    placement_group_bundle_index=local_rank // per_bundle,
                     # tasks/actors a worker spawns stay inside the cluster's resources
                     placement_group_capture_child_tasks=True,
                 ),
@@ -125,7 +133,7 @@ def create_actors(
             except Exception:
                 kill_actors(workers)
                 raise
-            placement.append((node_rank, local_rank))
+            placement.append((node_rank, local_rank // per_bundle))
             rank += 1
     return workers, placement
 

@@ -99,7 +99,10 @@ class RayWorkerGroup:
         *worker_args, **worker_kwargs: passed to every worker's constructor.
         name_prefix: actors are named ``f"{name_prefix}-{rank}"`` (unique per Ray namespace).
         workers_per_node: ``None`` = every bundle; ``int`` = that many (the first ones) on
-            every node; ``list`` = one count per node.  Counts may not exceed a node's bundles.
+            every node; ``list`` = one count per node.  Counts may not exceed a node's bundles
+            (x ``actors_per_bundle``).
+        actors_per_bundle: workers sharing each bundle (consecutive ranks, each with that
+            share of its CPUs / GPUs); default one per bundle.
         env_vars: extra env vars for every worker (may not override the rank variables).
         layout: rank -> coordinates; default ``WorkerLayout({"dp": world_size})``.
 
@@ -119,12 +122,13 @@ class RayWorkerGroup:
         workers_per_node: int | list[int] | None = None,
         env_vars: Mapping[str, str] | None = None,
         layout: WorkerLayout | None = None,
+        actors_per_bundle: int = 1,
         **worker_kwargs: Any,
     ) -> None:
         env_vars = check_env_vars(env_vars)
         self._cluster = cluster
         self._name_prefix = name_prefix
-        self._counts = check_workers_per_node(cluster.bundle_ct_per_node_list, workers_per_node)
+        self._counts = check_workers_per_node(cluster.bundle_ct_per_node_list, workers_per_node, actors_per_bundle)
         world_size = sum(self._counts)
         self._layout = layout if layout is not None else WorkerLayout.data_parallel(world_size)
         if self._layout.world_size != world_size:
@@ -138,7 +142,7 @@ class RayWorkerGroup:
         self.recover_grace_s = RECOVER_GRACE_S
         #: The actor of every rank, and its (node rank, bundle index) for error messages.
         self._workers, self._placement = create_actors(
-            cluster, worker_cls, worker_args, worker_kwargs, env_vars, self._counts, name_prefix
+            cluster, worker_cls, worker_args, worker_kwargs, env_vars, self._counts, name_prefix, actors_per_bundle
         )
 
     # ------------------------------------------------------------------ description

