@@ -483,6 +483,21 @@ def test_tiny_matrix_one_layout_per_backend_passes(actor_devices):
     json.dumps(results)
 
 
+# slow (~60 s): two layouts; the fast proof that a -dynamic layout's rows split into micro
+# batches of different widths is tests/benchmarks/test_bench_compare.py
+@pytest.mark.slow
+def test_dynamic_batching_layouts_pass_the_matrix(actor_devices):
+    """``-dynamic`` on a torch and a JAX layout: every check against hf and each other passes."""
+    layouts = ["fsdp1-dp2-dynamic", f"jax-fsdp{actor_devices}-dynamic"]
+    results = run_parity(layouts, "llama")
+    report = format_matrix(results)
+    assert results["passed"], report
+    assert list(results["measured"]) == ["hf", *layouts]
+    checks = results["checks"]
+    for check in ("logprobs", "loss_step0", "grad_norm_step0", "grpo_step0", "grpo_fused"):
+        assert sum(c["check"] == check for c in checks) == 3, check  # hf + 2 layouts, every pair
+
+
 def test_bf16_bands_are_used_for_bf16_runs_and_are_tighter_than_a_real_error():
     assert judge("logprobs", 5e-3, BF16_TOLERANCES) and not judge("logprobs", 5e-3)
     assert not judge("logprobs", 0.1, BF16_TOLERANCES)  # a tenth of a nat: a real error
