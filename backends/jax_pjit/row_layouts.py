@@ -64,10 +64,10 @@ class DynamicChunk:
     lengths: tuple[int, ...]
 
 
-def _check_plan_chunks(what: str, indices: list, chunk_rows: int, n_chunks: int) -> None:
-    """A driver's plan (``micro_batch_indices``) must cover ``n_chunks`` chunks of ``chunk_rows``
+def _check_plan_chunks(what: str, data: BatchedDataDict, chunk_rows: int, n_chunks: int) -> None:
+    """A driver's plan attached to ``data`` must cover ``n_chunks`` chunks of ``chunk_rows``
     rows each -- one per global batch of this call."""
-    counts = [ranges[-1][1] if ranges else 0 for ranges in indices]
+    counts = data.plan_chunk_sizes()
     if counts != [chunk_rows] * n_chunks:
         raise ValueError(f"{what} plan covers chunks of {counts} rows, expected {n_chunks} chunk(s) of {chunk_rows}")
 
@@ -160,7 +160,7 @@ class RowLayouts:
         n_chunks = len(lengths) // chunk_rows if chunk_rows else 0
         attached = getattr(data, "micro_batch_indices", None)
         if attached is not None:
-            _check_plan_chunks("sequence packing", attached, chunk_rows, n_chunks)
+            _check_plan_chunks("sequence packing", data, chunk_rows, n_chunks)
             return [(np.arange(chunk_rows), [tuple(r) for r in ranges]) for ranges in attached]
         sp = self.packing
         if sp is None:
@@ -198,20 +198,13 @@ class RowLayouts:
         attached = self._attached_plan(data)
         if attached is None:
             return None
-        _check_plan_chunks("dynamic batching", attached[0], chunk_rows, len(attached[0]))
+        _check_plan_chunks("dynamic batching", data, chunk_rows, len(attached[0]))
         return [DynamicChunk(tuple(map(tuple, r)), tuple(w)) for r, w in zip(*attached, strict=True)]
 
     def dynamic_segments(self, data: BatchedDataDict) -> list[tuple[int, int, int]] | None:
         """Every planned micro batch of ``data`` as ``(start, end, padded length)`` over all its
         rows (an inference call's plan)."""
-        attached = self._attached_plan(data)
-        if attached is None:
-            return None
-        out, offset = [], 0
-        for ranges, widths in zip(*attached, strict=True):
-            out += [(offset + a, offset + b, w) for (a, b), w in zip(ranges, widths, strict=True)]
-            offset += ranges[-1][1] if ranges else 0
-        return out
+        return None if self._attached_plan(data) is None else data.planned_micro_batches()
 
     def dynamic_shape(self, rows: int, length: int) -> tuple[int, int]:
         """``(rows, width)`` a planned micro batch is padded to: the width its plan gives (a

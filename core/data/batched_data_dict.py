@@ -414,12 +414,36 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def _dynamic_microbatches(self, chunk_ids: list[int]) -> Iterator[SlicedDataDict]:
         """Generator body of ``make_microbatch_iterator_with_dynamic_shapes``."""
-        indices, lengths = self._require_plan()
         for chunk in chunk_ids:
+            for start, end, length in self.planned_micro_batches(chunk):
+                yield self.slice(start, end).truncate_tensors(dim=1, truncated_len=length)
+
+    def planned_micro_batches(self, batch_idx: int | None = None) -> list[tuple[int, int, int]]:
+        """``(start, end, padded length)`` of each micro batch of the attached dynamic-batching
+        plan, rows counted within this dict (chunk ``batch_idx`` only, or every chunk in order).
+
+        Raises:
+            ValueError: no plan is attached.
+            IndexError: ``batch_idx`` is out of range.
+        """
+        indices, lengths = self._require_plan()
+        out = []
+        for chunk in self._plan_chunk_ids(batch_idx):
             offset, _ = self._plan_chunk_rows(chunk)
-            for (start, end), length in zip(indices[chunk], lengths[chunk], strict=True):
-                micro = self.slice(offset + start, offset + end)
-                yield micro.truncate_tensors(dim=1, truncated_len=length)
+            out += [(offset + a, offset + b, n) for (a, b), n in zip(indices[chunk], lengths[chunk], strict=True)]
+        return out
+
+    def plan_chunk_sizes(self) -> list[int]:
+        """Rows of each chunk of the attached plan (``micro_batch_indices``: a dynamic-batching
+        plan, or a packing plan's bins); each chunk's micro batches cover its rows
+        contiguously from 0, so the end of its last one is its row count.
+
+        Raises:
+            ValueError: no plan is attached.
+        """
+        if self.micro_batch_indices is None:
+            raise ValueError("no micro-batch plan is attached to this batch")
+        return [ranges[-1][1] if ranges else 0 for ranges in self.micro_batch_indices]
 
     def get_microbatch_iterator_dynamic_shapes_len(self, batch_idx: int | None = None) -> int:
         """Number of micro batches ``make_microbatch_iterator_with_dynamic_shapes(batch_idx)``
@@ -453,9 +477,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def _plan_chunk_rows(self, chunk: int) -> tuple[int, int]:
         """Row range ``[start, end)`` of plan chunk ``chunk`` within this dict."""
         self._plan_chunk_ids(chunk)
-        # Each chunk's micro batches cover its rows contiguously from 0, so the end of
-        # its last micro batch is its row count.
-        counts = [ranges[-1][1] if ranges else 0 for ranges in self._require_plan()[0]]
+        counts = self.plan_chunk_sizes()
         start = sum(counts[:chunk])
         return start, start + counts[chunk]
 
