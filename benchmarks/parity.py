@@ -7,10 +7,11 @@
 
 Every layout (``benchmarks.lib.parity.settings.TORCH_LAYOUTS``, or any name of the ``benchmarks.lib.layouts``
 grammar: ``fsdp1-dp<D>``, ``dtensor-[dp<D>][-cp<C>][-tp<T>][-sp]``, ``jax-[fsdp<F>][-cp<C>][-tp<T>]``,
-each optionally ``-packed`` or ``-dynamic`` and then ``-lora`` (item 9) -- so context parallelism,
-sequence packing and dynamic batching are checked against the plain layouts like any other
-layout; a ``-dynamic`` layout's token budget is half a rank's padded micro batch, so that its
-rows split into micro batches of different widths) runs
+each optionally ``-packed``, ``-shared`` (packing with shared prompts) or ``-dynamic`` and then
+``-lora`` (item 9) -- so context parallelism, sequence packing (with shared prompts: the GRPO
+batch of item 7 holds each prompt's two samples) and dynamic batching are checked against the
+plain layouts like any other layout; a ``-dynamic`` layout's token budget is half a rank's padded
+micro batch, so that its rows split into micro batches of different widths) runs
 one :class:`core.policy.Policy`, started by the benchmarks' runner (``benchmarks.lib.policy``: same
 cluster shapes, thread budget, Ray/XLA set-up), on one fixed ragged batch (``benchmarks.lib.workload.make_batch``:
 right-padded random ids of different lengths, seed 0, loss on every real token).  ``hf`` is a

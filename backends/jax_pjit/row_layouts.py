@@ -30,6 +30,7 @@ from backends.jax_pjit.sharding import shard_host_batch
 from core.data import BatchedDataDict
 from core.data.context_parallel import check_cp_width
 from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
+from core.data.shared_prompts import plan_shared_prompt_micro_batches, prompt_groups
 from core.policy.config import PolicyConfig, SequencePackingConfig
 
 __all__ = ["DynamicChunk", "RowLayouts", "row_rung"]
@@ -82,6 +83,8 @@ class RowLayouts:
         self.seq_multiple = cfg.make_sequence_length_divisible_by
         #: ``policy.sequence_packing`` when enabled, else None.
         self.packing: SequencePackingConfig | None = cfg.sequence_packing if cfg.sequence_packing.enabled else None
+        #: ``policy.sequence_packing.shared_prompts``: a bin's rows of one prompt hold it once.
+        self.shared_prompts = self.packing is not None and self.packing.shared_prompts
 
     @property
     def plain(self) -> bool:
@@ -169,13 +172,29 @@ class RowLayouts:
         check_packing_budget(lengths.tolist(), budget, f"policy.sequence_packing.{budget_key}")
         plans = []
         for g in range(n_chunks):
-            ((order, bins),) = plan_packed_micro_batches(
-                [lengths[g * chunk_rows : (g + 1) * chunk_rows].tolist()],
-                budget,
-                sp.algorithm,
-            )
+            rows = slice(g * chunk_rows, (g + 1) * chunk_rows)
+            chunk = lengths[rows].tolist()
+            mask = self._token_mask(data)
+            if mask is not None:
+                groups = prompt_groups(data["input_ids"][rows], chunk, mask[rows])
+                ((order, bins),) = plan_shared_prompt_micro_batches([(chunk, groups)], budget, sp.algorithm)
+            else:
+                ((order, bins),) = plan_packed_micro_batches([chunk], budget, sp.algorithm)
             plans.append((np.asarray(order, np.int64), bins))
         return plans
+
+    def _token_mask(self, data: Mapping[str, Any]) -> np.ndarray | None:
+        """``data``'s token mask (host) when shared-prompt packing can use it, else None."""
+        if not self.shared_prompts or "token_mask" not in data:
+            return None
+        mask = data["token_mask"]
+        return mask.numpy() if hasattr(mask, "numpy") else np.asarray(mask)
+
+    def _bin_tokens(self, ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None, group: list) -> int:
+        """Tokens of the fullest packed row of ``group``'s bins."""
+        if mask is None:
+            return max(int(lengths[a:b].sum()) for a, b in group)
+        return max(steps.bin_layout(ids, lengths, mask, a, b).tokens for a, b in group)
 
     def _bin_groups(self, bins: list[tuple[int, int]]) -> Iterator[list[tuple[int, int]]]:
         """``fsdp`` consecutive bins per micro batch: one packed row per fsdp shard."""
@@ -249,8 +268,9 @@ class RowLayouts:
         order, bins = plan
         gb = steps.pad_micro_batch({k: v[order] for k, v in gb.items()}, rows_total, bucket)
         fsdp = self.mesh.shape["fsdp"]
+        mask = self._token_mask(gb)
         for group in self._bin_groups(bins):
-            tokens = max(int(gb["input_lengths"][a:b].sum()) for a, b in group)
+            tokens = self._bin_tokens(gb["input_ids"], gb["input_lengths"], mask, group)
             rows, _ = steps.packed_micro_batch(
                 gb["input_ids"],
                 gb["input_lengths"],
@@ -258,6 +278,7 @@ class RowLayouts:
                 fsdp,
                 self.packed_bucket(tokens, "train_mb_tokens"),
                 unpack_rows=rows_total,
+                token_mask=mask,
             )
             start, end = group[0][0], group[-1][1]
             mb = steps.pad_micro_batch({k: v[start:end] for k, v in gb.items()}, rows_total, bucket)
@@ -292,12 +313,19 @@ class RowLayouts:
             return out * (np.arange(width)[None, :] < lengths[:, None])
         fsdp = self.mesh.shape["fsdp"]
         unpack, pending = [], []
+        data_mask = self._token_mask(data)
         for order, bins in self.packing_plan(data, lengths, n, "logprob_mb_tokens"):
             chunk_ids, chunk_lengths = ids[order], lengths[order]
+            mask = None if data_mask is None else data_mask[order]
             for group in self._bin_groups(bins):
-                tokens = max(int(chunk_lengths[a:b].sum()) for a, b in group)
+                tokens = self._bin_tokens(chunk_ids, chunk_lengths, mask, group)
                 rows, packs = steps.packed_micro_batch(
-                    chunk_ids, chunk_lengths, group, fsdp, self.packed_bucket(tokens, "logprob_mb_tokens")
+                    chunk_ids,
+                    chunk_lengths,
+                    group,
+                    fsdp,
+                    self.packed_bucket(tokens, "logprob_mb_tokens"),
+                    token_mask=mask,
                 )
                 pending.append(logprob_step(params, self.device_batch(rows)))
                 unpack.append((order, group, packs))

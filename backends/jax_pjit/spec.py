@@ -95,6 +95,7 @@ SPEC = BackendSpec(
             "activation_checkpointing",
             "make_vocab_size_divisible_by",
             "sequence_packing.enabled",
+            "sequence_packing.shared_prompts",
             "dynamic_batching.enabled",
             "lora.enabled",
             "generation.backend",

@@ -36,6 +36,7 @@ import numpy as np
 from backends.jax_pjit.models.layers import constrain
 from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
 from core.data.sequence_packing import PackedRow
+from core.data.shared_prompts import prompt_groups
 from core.kernels import apply_temperature, logprobs_from_logits, logprobs_to_sequence_layout, next_token_logprobs
 from core.kernels.moe import routed_experts_of
 
@@ -228,23 +229,22 @@ def make_grad_step(
 # ``load_balanced_columns(width, cp)`` order before the model, so the contiguous split of
 # the sequence over the ``cp`` mesh axis gives every device a head and a tail chunk).
 
-ROW_KEYS = ("input_ids", "positions", "segments")
+ROW_KEYS = ("input_ids", "positions", "segments", "prefix_segments")
 MASK_AXES = ("batch", "seq", "kv_seq")
 
 
 def layout_next_logprobs(
     apply_fn: ApplyFn,
     params: Any,
-    input_ids: jax.Array,
-    positions: jax.Array,
-    segments: jax.Array,
+    rows: Mapping[str, jax.Array],
     cp: int,
     temperature: float,
     capture_router: bool = False,
 ) -> Any:
-    """Next-token logprobs ``[B, W-1]`` (column order, compute dtype) of rows ``input_ids``
-    ``[B, W]`` whose tokens carry ``positions`` (RoPE) and ``segments`` (attention stays
-    within a segment, causal in column order).  Column ``t`` scores ``input_ids[:, t+1]``.
+    """Next-token logprobs ``[B, W-1]`` (column order, compute dtype) of the ``ROW_KEYS`` arrays
+    ``rows``: ``input_ids`` ``[B, W]`` whose tokens carry ``positions`` (RoPE) and ``segments`` (attention stays
+    within a segment, causal in column order; ``prefix_segments``: the segment each token reads
+    as well, a shared prompt's).  Column ``t`` scores ``input_ids[:, t+1]``.
 
     With ``cp`` > 1 the model sees the columns in load-balanced order (ids, positions and
     the mask follow the permutation); the target of the token at column ``c`` is
@@ -252,12 +252,14 @@ def layout_next_logprobs(
     the result equals ``cp`` = 1 up to float summation order.  ``capture_router``: returns
     ``(logprobs, router logits [layers, B, W, experts] in column order, or None)``.
     """
+    input_ids, positions, segments = rows["input_ids"], rows["positions"], rows["segments"]
+    prefix_segments = rows.get("prefix_segments")
     width = input_ids.shape[1]
     cols = load_balanced_columns(width, cp).reshape(-1) if cp > 1 else np.arange(width)
     # Column indices as (small) device constants: the [W, W] comparison is computed by the
     # program instead of being embedded in it.
     dev_cols = jnp.asarray(cols, dtype=jnp.int32)
-    allowed = constrain(attention_allowed(dev_cols, dev_cols, segments), MASK_AXES)  # (B, W, W)
+    allowed = constrain(attention_allowed(dev_cols, dev_cols, segments, prefix_segments), MASK_AXES)  # (B, W, W)
     ids, pos = (
         (input_ids, positions) if cp == 1 else (jnp.take(input_ids, dev_cols, 1), jnp.take(positions, dev_cols, 1))
     )
@@ -290,10 +292,7 @@ def make_layout_logprob_step(apply_fn: ApplyFn, temperature: float, cp: int) -> 
 
     @jax.jit
     def step(params, rows):
-        lp = layout_next_logprobs(
-            apply_fn, params, rows["input_ids"], rows["positions"], rows["segments"], cp, temperature
-        )
-        return lp.astype(jnp.float32)
+        return layout_next_logprobs(apply_fn, params, rows, cp, temperature).astype(jnp.float32)
 
     return step
 
@@ -319,16 +318,7 @@ def make_layout_grad_step(
     """
 
     def micro_loss(params, rows, batch, gseq, gtok):
-        out = layout_next_logprobs(
-            apply_fn,
-            params,
-            rows["input_ids"],
-            rows["positions"],
-            rows["segments"],
-            cp,
-            temperature,
-            capture_router=router_aux is not None,
-        )
+        out = layout_next_logprobs(apply_fn, params, rows, cp, temperature, capture_router=router_aux is not None)
         next_lp, router_logits = out if router_aux is not None else (out, None)
         if "unpack_index" in rows:
             next_lp = unpack_next(next_lp, rows["unpack_index"], rows["unpack_valid"])
@@ -355,11 +345,22 @@ def make_layout_grad_step(
 def plain_rows(input_ids: np.ndarray, input_lengths: np.ndarray) -> dict[str, np.ndarray]:
     """``ROW_KEYS`` of right-padded rows (host): positions 0.., padding as its own segment."""
     rows, width = input_ids.shape
+    segments = row_segments(input_lengths, width).astype(np.int32)
     return {
         "input_ids": input_ids,
         "positions": np.broadcast_to(np.arange(width, dtype=np.int32), (rows, width)).copy(),
-        "segments": row_segments(input_lengths, width).astype(np.int32),
+        "segments": segments,
+        "prefix_segments": segments,
     }
+
+
+def bin_layout(
+    input_ids: np.ndarray, input_lengths: np.ndarray, token_mask: np.ndarray | None, a: int, b: int, multiple: int = 1
+) -> PackedRow:
+    """The packed row of rows ``[a, b)``; with ``token_mask`` (shared-prompt packing) the rows
+    of one prompt hold it once (``core.data.shared_prompts``)."""
+    groups = () if token_mask is None else prompt_groups(input_ids[a:b], input_lengths[a:b], token_mask[a:b])
+    return PackedRow.build(input_lengths[a:b], input_ids.shape[1], multiple=multiple, groups=groups)
 
 
 def packed_micro_batch(
@@ -369,6 +370,7 @@ def packed_micro_batch(
     rows: int,
     width: int,
     unpack_rows: int | None = None,
+    token_mask: np.ndarray | None = None,
 ) -> tuple[dict, list[PackedRow]]:
     """Pack ``bins`` (row ranges of the right-padded ``input_ids`` [N, S]) into ``rows`` packed
     rows of ``width`` tokens each (``PackedRow.build``; rows past ``len(bins)`` are all
@@ -376,15 +378,15 @@ def packed_micro_batch(
     bin; with ``unpack_rows`` also ``unpack_index`` / ``unpack_valid`` [unpack_rows, S-1]
     mapping the packed next-token logprobs (flattened) onto the bins' rows in order,
     followed by invalid padding rows, and ``token_index`` [unpack_rows, S] mapping packed
-    per-token values (router logits) the same way (padding reads token 0)."""
+    per-token values (router logits) the same way (padding reads token 0).  ``token_mask``
+    [N, S] (shared-prompt packing): each bin's rows of one prompt hold it once
+    (:func:`bin_layout`)."""
     source_width = input_ids.shape[1]
     if len(bins) > rows:
         raise ValueError(f"packed_micro_batch: {len(bins)} bins do not fit {rows} rows")
-    packs = [PackedRow.build(input_lengths[a:b], source_width, multiple=width) for a, b in bins]
+    packs = [bin_layout(input_ids, input_lengths, token_mask, a, b, width) for a, b in bins]
     if any(p.width != width for p in packs):
-        raise ValueError(
-            f"packed_micro_batch: a bin of {[int(p.lengths.sum()) for p in packs]} tokens exceeds the width {width}"
-        )
+        raise ValueError(f"packed_micro_batch: a bin of {[p.tokens for p in packs]} tokens exceeds the width {width}")
     empty = PackedRow.build(np.zeros(0, np.int64), source_width, multiple=width)
     out = {key: np.zeros((rows, width), np.int32) for key in ROW_KEYS}
     for k in range(rows):
@@ -394,6 +396,7 @@ def packed_micro_batch(
             out["input_ids"][k] = pack.pack(np.asarray(input_ids[a:b]))[0]
         out["positions"][k] = pack.positions
         out["segments"][k] = pack.segments
+        out["prefix_segments"][k] = pack.prefix_segments
     if unpack_rows is not None:
         index = np.zeros((unpack_rows, source_width - 1), np.int32)
         valid = np.zeros((unpack_rows, source_width - 1), bool)

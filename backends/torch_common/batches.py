@@ -16,6 +16,7 @@ import torch.distributed as dist
 from core.data import BatchedDataDict
 from core.data.context_parallel import row_segments
 from core.data.sequence_packing import PackedRow
+from core.data.shared_prompts import prompt_groups
 
 
 def micro_batches(batch: BatchedDataDict, micro_batch_size: int) -> Iterator[BatchedDataDict]:
@@ -45,21 +46,31 @@ def model_inputs(
     return to_device(ids, device), to_device(mask, device), seq_len
 
 
+def packed_layout(mb: BatchedDataDict, seq_multiple: int = 1, shared_prompts: bool = False) -> PackedRow:
+    """The packing layout of a micro batch: one packed row of its sequences, and with
+    ``shared_prompts`` one copy of each group's prompt (``core.data.shared_prompts``)."""
+    lengths = mb["input_lengths"]
+    groups = prompt_groups(mb["input_ids"], lengths, mb["token_mask"]) if shared_prompts and "token_mask" in mb else ()
+    return PackedRow.build(lengths.tolist(), mb["input_ids"].shape[1], seq_multiple, groups)
+
+
 def reshaped_rows(
-    mb: BatchedDataDict, packed: bool, seq_multiple: int = 1
-) -> tuple[PackedRow | None, torch.Tensor, torch.Tensor, np.ndarray]:
-    """``(packing layout or None, input_ids, positions, segments)`` on the host for a micro
-    batch that leaves the plain padded layout: packed into one row of several sequences
-    (positions restarting at 0, segments confining attention to each sequence), or -- for
-    context parallelism -- its right-padded rows with explicit positions and segments."""
-    width = mb["input_ids"].shape[1]
+    mb: BatchedDataDict, packed: bool, seq_multiple: int = 1, shared_prompts: bool = False
+) -> tuple[PackedRow | None, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """``(packing layout or None, input_ids, positions, segments, prefix segments)`` on the
+    host for a micro batch that leaves the plain padded layout: packed into one row of
+    several sequences (positions restarting at 0, segments confining attention to each
+    sequence, a shared prompt read by its samples), or -- for context parallelism -- its
+    right-padded rows with explicit positions and segments."""
     lengths = mb["input_lengths"]
     if packed:
-        layout = PackedRow.build(lengths.tolist(), width, seq_multiple)
-        return layout, layout.pack(mb["input_ids"]), torch.from_numpy(layout.positions)[None], layout.segments[None]
+        layout = packed_layout(mb, seq_multiple, shared_prompts)
+        positions = torch.from_numpy(layout.positions)[None]
+        return layout, layout.pack(mb["input_ids"]), positions, layout.segments[None], layout.prefix_segments[None]
     ids, _, _ = model_inputs(mb, "cpu", seq_multiple)
     positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-    return None, ids, positions, row_segments(lengths.tolist(), ids.shape[1])
+    segments = row_segments(lengths.tolist(), ids.shape[1])
+    return None, ids, positions, segments, segments
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -86,6 +86,10 @@ class TorchLogprobs:
         return self.cfg.sequence_packing.enabled
 
     @property
+    def _shared_prompts(self) -> bool:
+        return self.cfg.sequence_packing.shared_prompts
+
+    @property
     def _rows_reshaped(self) -> bool:
         """Whether micro batches leave the plain padded layout (packing or context parallel)."""
         return self._packing or self.dims.cp > 1
@@ -96,20 +100,32 @@ class TorchLogprobs:
             logits, ids, seq_len = self._forward_logits(mb)
             return self._next_token_logprobs(logits, ids)[:, : seq_len - 1]
         width = mb["input_ids"].shape[1]
-        layout, ids, positions, segments = reshaped_rows(mb, self._packing, self._seq_multiple)
+        layout, ids, positions, segments, prefix_segments = reshaped_rows(
+            mb, self._packing, self._seq_multiple, self._shared_prompts
+        )
         ids, positions = to_device(ids, self.device), to_device(positions, self.device)
         if self.dims.cp > 1:
             if self._cp_rows is None:  # the DTensor worker sets it whenever cp > 1
                 raise RuntimeError("context parallelism without ContextParallelRows")
-            next_lp = self._cp_rows.next_logprobs(self._model_logits, self._token_logprobs, ids, positions, segments)
+            next_lp = self._cp_rows.next_logprobs(
+                self._model_logits, self._token_logprobs, ids, positions, segments, prefix_segments
+            )
         elif self._varlen_attention:
+            if self._shared_prompts:
+                raise ValueError(
+                    "policy.sequence_packing.shared_prompts: the model's attention implementation "
+                    f"{getattr(self.hf_config, '_attn_implementation', None)!r} finds packed sequences from "
+                    "restarting positions and cannot let samples read a shared prompt; load the model with "
+                    "'sdpa' or 'eager' attention, or set shared_prompts to false"
+                )
             # FlashAttention's varlen kernel: HF finds the sequences from the restarting
             # position ids (no mask), and skips the attention between them.
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
             next_lp = self._next_token_logprobs(apply_temperature(logits, self.temperature), ids)
         else:
             cols = np.arange(ids.shape[1])
-            allowed = to_device(torch.from_numpy(attention_allowed(cols, cols, segments))[:, None], self.device)
+            mask = attention_allowed(cols, cols, segments, prefix_segments)
+            allowed = to_device(torch.from_numpy(mask)[:, None], self.device)
             next_lp = self._next_token_logprobs(self._model_logits(ids, positions, allowed), ids)
         if layout is not None:
             return layout.unpack_next_logprobs(next_lp)

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backends.torch_common.batches import to_device
-from core.data.sequence_packing import PackedRow
+from backends.torch_common.batches import packed_layout, to_device
 
 if TYPE_CHECKING:
     from backends.torch_common.moe import RouterRecorder
@@ -32,6 +31,9 @@ class TorchRouting:
 
         @property
         def _packing(self) -> bool: ...
+
+        @property
+        def _shared_prompts(self) -> bool: ...
 
     def _routing(self, mb: BatchedDataDict, replay: bool) -> contextlib.AbstractContextManager:
         """The routers of a MoE model recorded over one micro batch (``RouterRecorder``), and,
@@ -56,7 +58,7 @@ class TorchRouting:
         if self._routers is None:
             raise RuntimeError("router logits of a model without routers")
         rows, width = mb["input_ids"].shape
-        packed = PackedRow.build(mb["input_lengths"].tolist(), width, self._seq_multiple) if self._packing else None
+        packed = packed_layout(mb, self._seq_multiple, self._shared_prompts) if self._packing else None
         logits = self._routers.stacked(recorded, 1 if packed is not None else rows)  # (L, rows', cols', X)
         if self.dims.cp > 1 and self._cp_rows is not None:
             logits = self._cp_rows.gather_columns(logits, logits.shape[2] * self.dims.cp, dim=2)

@@ -18,6 +18,7 @@ TORCH_OPTIONS = frozenset(
         "activation_checkpointing",
         "cpu_offload",
         "sequence_packing.enabled",
+        "sequence_packing.shared_prompts",
         "dynamic_batching.enabled",
         "lora.enabled",
         "lora.dropout",

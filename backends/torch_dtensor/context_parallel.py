@@ -109,8 +109,10 @@ class ContextParallelRows:
         ids: torch.Tensor,
         positions: torch.Tensor,
         segments: np.ndarray,
+        prefix_segments: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """``[rows, T - 1]`` next-token logprobs of ``ids`` [rows, T], equal to the cp=1 ones.
+        """``[rows, T - 1]`` next-token logprobs of ``ids`` [rows, T], equal to the cp=1 ones
+        (``segments`` / ``prefix_segments``: ``core.data.context_parallel.attention_allowed``).
 
         ``forward(input_ids, position_ids, attention_mask) -> logits`` runs the model (with
         temperature) on this rank's columns; ``token_logprobs(logits, targets)`` scores them.
@@ -119,7 +121,8 @@ class ContextParallelRows:
         cols = load_balanced_columns(width, self.cp)
         mine, order = cols[self.rank], cols.reshape(-1)
         # Host-built index/mask tensors go over with to_device: no host sync per micro batch.
-        allowed = to_device(torch.from_numpy(attention_allowed(mine, order, segments))[:, None], ids.device)
+        mask = attention_allowed(mine, order, segments, prefix_segments)
+        allowed = to_device(torch.from_numpy(mask)[:, None], ids.device)
         index = to_device(torch.from_numpy(mine), ids.device)
         logits = forward(ids[:, index], positions[:, index], allowed)
         targets = ids[:, to_device(torch.from_numpy(np.minimum(mine + 1, width - 1)), ids.device)]

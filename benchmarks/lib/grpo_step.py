@@ -23,7 +23,8 @@ default) or ``reasoning_gym`` (``grpo_reasoning_gym.yaml``: its reasoning-gym ta
 prompts of up to its ``data.max_input_seq_length`` tokens, each task's own ``score_answer``); a
 size's random Llama takes that task's built-in tokenizer (:func:`task_tokenizer`).  Dynamic
 sampling is off on every task (one generate call per step, as TRL's step), and the layout name
-decides the micro batches (``-dynamic``: token budgets; :func:`dynamic_batching_overrides`).
+decides the micro batches (``-dynamic``: token budgets, ``-packed`` / ``-shared``: packed rows;
+:func:`token_batching_overrides`).
 
 ``multi_turn=N`` measures the same workload as multi-turn GRPO (``dualrl bench --grpo-multi-turn N``):
 the scripted environment of :mod:`benchmarks.lib.multi_turn_env` (every episode exactly N turns,
@@ -163,7 +164,7 @@ def grpo_overrides(
     mbs = micro_batch(work, layout.dp)
     return [
         *layout_overrides(layout, jax_cpu_slots),
-        *dynamic_batching_overrides(layout, mbs * work.seq),
+        *token_batching_overrides(layout, mbs * work.seq, PACKED_ROW_SEQUENCES * work.seq),
         f"policy.model_name={model_path}",
         f"policy.tokenizer.name={tokenizer_path}",
         f"policy.precision={precision}",
@@ -204,13 +205,26 @@ def grpo_overrides(
     ]
 
 
-def dynamic_batching_overrides(layout: Layout, budget: int) -> list[str]:
+#: A ``-packed`` / ``-shared`` layout's packed rows hold this many full-length sequences' tokens:
+#: the attention over a packed row grows with its width (its mask is dense), the projections
+#: and MLP do not, so short packed rows cost least.
+PACKED_ROW_SEQUENCES = 2
+
+
+def token_batching_overrides(layout: Layout, budget: int, packed_budget: int) -> list[str]:
     """The layout name decides the micro batches, whatever the task config says: a ``-dynamic``
     layout plans token-budget micro batches of ``budget`` tokens (a fixed micro batch's padded
-    tokens: as many rows where they are short), any other one fixed rows."""
+    tokens: as many rows where they are short), a ``-packed`` / ``-shared`` one packed rows of
+    ``packed_budget`` tokens, any other one fixed rows."""
+    out = [f"policy.sequence_packing.enabled={_yaml(layout.packed)}"]
+    out.append(f"policy.sequence_packing.shared_prompts={_yaml(layout.shared)}")
+    if layout.packed:
+        out += [f"policy.sequence_packing.{key}={packed_budget}" for key in ("train_mb_tokens", "logprob_mb_tokens")]
     if not layout.dynamic:
-        return ["policy.dynamic_batching.enabled=false"]
-    return [f"policy.dynamic_batching.{key}={_yaml(value)}" for key, value in layout.dynamic_batching(budget).items()]
+        return [*out, "policy.dynamic_batching.enabled=false"]
+    return out + [
+        f"policy.dynamic_batching.{key}={_yaml(value)}" for key, value in layout.dynamic_batching(budget).items()
+    ]
 
 
 def micro_batch(work: GRPOWorkload, dp: int) -> int:

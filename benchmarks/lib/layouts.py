@@ -5,15 +5,17 @@ backend plugged in from outside has its layouts too.  For a backend whose spec h
 ``layout_prefix`` P and ``data_axis`` A (``D``, ``C``, ``T``: positive integers; bracketed
 parts optional, at least one size)::
 
-    P-[A<D>][-cp<C>][-tp<T>][-sp][-ep][-packed][-dynamic][-lora][-compiled]
+    P-[A<D>][-cp<C>][-tp<T>][-sp][-ep][-packed][-shared][-dynamic][-lora][-compiled]
 
 on ``D x C x T`` devices: ``D`` data-parallel (sharded) ranks, the sequence split over ``C``
 (context parallel), the weights over ``T`` (tensor parallel); ``-sp`` sequence parallel
 (needs ``T >= 2``); ``-ep`` a mixture of experts' experts expert-parallel over the data axis
 (``policy.parallel.expert_parallel_size = D``, needs ``D >= 2``); ``-packed`` sequence
-packing (rows of at most one padded micro batch's tokens); ``-dynamic`` dynamic batching
+packing (rows of at most one padded micro batch's tokens); ``-shared`` sequence packing with
+shared prompts (``policy.sequence_packing.shared_prompts``: the samples of one prompt hold it
+once; implies packing); ``-dynamic`` dynamic batching
 (rows sorted by length into micro batches of at most one padded micro batch's tokens, each as
-wide as its longest row; not with ``-packed``); ``-lora`` ``policy.lora.enabled``
+wide as its longest row; not with ``-packed`` or ``-shared``); ``-lora`` ``policy.lora.enabled``
 at the settings the caller passes (``dualrl parity``: ``benchmarks.lib.parity.settings.LORA``;
 a benchmark that passes none refuses the layout by name, :func:`benchmarks.lib.workload.
 policy_config`); ``-compiled`` ``policy.compile`` (each transformer block under
@@ -44,11 +46,12 @@ PARTS = {
     "sp": "parallel.sequence_parallel",
     "ep": "parallel.expert_parallel_size",
     "packed": "sequence_packing.enabled",
+    "shared": "sequence_packing.shared_prompts",
     "dynamic": "dynamic_batching.enabled",
     "lora": "lora.enabled",
     "compiled": "compile",
 }
-_FLAGS = ("sp", "ep", "packed", "dynamic", "lora", "compiled")
+_FLAGS = ("sp", "ep", "packed", "shared", "dynamic", "lora", "compiled")
 #: A ``-dynamic`` layout pads each micro batch to a multiple of this (times its sequence multiple).
 DYNAMIC_ROUND = 4
 
@@ -65,11 +68,12 @@ class Layout:
     tp: int = 1
     sp: bool = False
     cp: int = 1  # context parallel: the sequence split over this many devices
-    packed: bool = False  # sequence packing on
+    packed: bool = False  # sequence packing on (also with -shared)
     compiled: bool = False  # policy.compile on
     lora: bool = False  # policy.lora.enabled (at the caller's LoRA settings)
     ep: bool = False  # policy.parallel.expert_parallel_size = the fsdp size
     dynamic: bool = False  # dynamic batching on (token-budget micro batches)
+    shared: bool = False  # sequence packing with shared prompts
     per_host: bool = field(default=False, compare=False)  # one worker owns all the devices (its spec says)
     checkpoint_format: str = field(default="torch-dcp", compare=False)  # its spec's save_checkpoint format
 
@@ -104,6 +108,8 @@ class Layout:
             out["make_sequence_length_divisible_by"] = self.sequence_multiple
         if self.packed:
             out["sequence_packing.enabled"] = True
+        if self.shared:
+            out["sequence_packing.shared_prompts"] = True
         if self.dynamic:
             out["dynamic_batching.enabled"] = True
         return out
@@ -163,8 +169,8 @@ def _layout(name: str, spec: BackendSpec, match: re.Match[str]) -> Layout:
     dp, cp, tp, *flags = match.groups()
     on = dict(zip(_FLAGS, (bool(f) for f in flags), strict=True))
     layout = Layout(
-        name, spec.name, int(dp or 1), int(tp or 1), on["sp"], int(cp or 1), on["packed"], on["compiled"],
-        on["lora"], on["ep"], on["dynamic"], per_host=not spec.one_worker_per_device,
+        name, spec.name, int(dp or 1), int(tp or 1), on["sp"], int(cp or 1), on["packed"] or on["shared"],
+        on["compiled"], on["lora"], on["ep"], on["dynamic"], on["shared"], per_host=not spec.one_worker_per_device,
         checkpoint_format=spec.checkpoint_format,
     )  # fmt: skip
     asked = {"cp": layout.cp > 1, "tp": layout.tp > 1, **on}
@@ -177,9 +183,11 @@ def _layout(name: str, spec: BackendSpec, match: re.Match[str]) -> Layout:
             )
     if layout.packed and layout.dynamic:
         raise LayoutError(
-            f"layout {name!r}: -packed and -dynamic are two ways of batching by tokens (sequence packing, "
-            "dynamic batching); a layout takes one"
+            f"layout {name!r}: -{'shared' if layout.shared else 'packed'} and -dynamic are two ways of batching by "
+            "tokens (sequence packing, dynamic batching); a layout takes one"
         )
+    if on["packed"] and on["shared"]:
+        raise LayoutError(f"layout {name!r}: -shared is sequence packing with shared prompts; drop -packed")
     if layout.sp and layout.tp < 2:
         raise LayoutError(f"layout {name!r}: sequence parallel (-sp) needs tensor parallel tp >= 2")
     if layout.ep and layout.dp < 2:

@@ -159,6 +159,9 @@ def cache_key(
 
 #: Keys of the policy section added after the first cache keys were published (left out of them).
 _ADDED_SINCE_PUBLISHED = frozenset({"parallel.expert_parallel_size"})
+#: Policy keys added since, with the value that leaves the weights as they were: left out of the
+#: key at that value (a model built before keeps its key), hashed at any other.
+_ADDED_AT_DEFAULT = {"sequence_packing.shared_prompts": False}
 
 
 def _published_spelling(policy: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +174,13 @@ def _published_spelling(policy: dict[str, Any]) -> dict[str, Any]:
     renamed = renamed_keys()
     shared = {new.split(".")[0] for new in renamed.values()}
     out = {k: v for k, v in policy.items() if k not in shared and k not in block_models()}
+    for key, default in _ADDED_AT_DEFAULT.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) or {}
+        if node.get(leaf, default) == default:
+            node.pop(leaf, None)
     for old, new in renamed.items():
         if new not in _ADDED_SINCE_PUBLISHED:
             *parents, leaf = old.split(".")

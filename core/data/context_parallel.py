@@ -49,15 +49,23 @@ def row_segments(lengths: Sequence[int] | np.ndarray, width: int) -> np.ndarray:
 
 
 @overload
-def attention_allowed(q_cols: np.ndarray, k_cols: np.ndarray, segments: np.ndarray) -> np.ndarray: ...
+def attention_allowed(
+    q_cols: np.ndarray, k_cols: np.ndarray, segments: np.ndarray, prefix_segments: np.ndarray | None = None
+) -> np.ndarray: ...
 @overload
-def attention_allowed(q_cols: jax.Array, k_cols: jax.Array, segments: jax.Array) -> jax.Array: ...
-def attention_allowed(q_cols, k_cols, segments):
+def attention_allowed(
+    q_cols: jax.Array, k_cols: jax.Array, segments: jax.Array, prefix_segments: jax.Array | None = None
+) -> jax.Array: ...
+def attention_allowed(q_cols, k_cols, segments, prefix_segments=None):
     """``[rows, len(q_cols), len(k_cols)]`` bool: query column q may read key column k.
 
-    Causal in column order, and only within the query's own segment.  Every query may at
-    least read itself, so no softmax row is empty (padding queries read padding keys and
-    produce finite values nobody reads)."""
+    Causal in column order, and only within the query's own segment -- or the segment
+    ``prefix_segments`` names for it (a shared prompt's samples read the prompt's segment;
+    ``core.data.shared_prompts``).  Every query may at least read itself, so no softmax row
+    is empty (padding queries read padding keys and produce finite values nobody reads)."""
     causal = k_cols[None, :] <= q_cols[:, None]  # (q, k)
-    same = segments[:, q_cols][:, :, None] == segments[:, k_cols][:, None, :]  # (rows, q, k)
+    keys = segments[:, k_cols][:, None, :]
+    same = segments[:, q_cols][:, :, None] == keys  # (rows, q, k)
+    if prefix_segments is not None:
+        same = same | (prefix_segments[:, q_cols][:, :, None] == keys)
     return causal[None] & same

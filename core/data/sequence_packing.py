@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, get_args
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, get_args
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from core.data.shared_prompts import PromptGroup
 
 #: How sequences are binned into packed rows (NeMo RL's names; ``policy.sequence_packing.algorithm``).
 PackingAlgorithm = Literal["modified_first_fit_decreasing", "first_fit_decreasing", "concatenative"]
@@ -45,6 +48,7 @@ class SequencePackingArgs(TypedDict):
     input_lengths_key: str  # [B] real lengths
     max_tokens_per_microbatch: int  # tokens of one packed row (before rounding up)
     algorithm: str  # one of PACKING_ALGORITHMS
+    shared_prompts: NotRequired[bool]  # rows of one prompt hold it once (core.data.shared_prompts)
 
 
 def check_packing_budget(lengths: Sequence[int], budget: int, field: str) -> None:
@@ -180,13 +184,19 @@ class PackedRow:
     """Index maps between ``rows`` right-padded sequences and one packed row.
 
     Attributes:
-        lengths: ``[rows]`` real lengths; ``starts``: where each begins in the packed row.
-        width: packed width, ``sum(lengths)`` rounded up to ``multiple``; the tail is one
-            padding segment of its own.
+        lengths: ``[rows]`` real lengths; ``starts``: where each row's own segment begins in
+            the packed row.
+        width: packed width, its tokens rounded up to ``multiple``; the tail is one padding
+            segment of its own.
         source: ``[width]`` flat index ``row * source_width + col`` of each packed token
             (0 for the padding tail), ``valid``: ``[width]`` real-token flags.
-        positions: ``[width]`` RoPE positions, restarting at 0 for every sequence.
-        segments: ``[width]`` sequence number of each token (``rows`` for the tail).
+        positions: ``[width]`` RoPE positions, restarting at 0 for every sequence (a shared
+            prompt's samples continue their prompt's positions).
+        segments: ``[width]`` segment of each token (the tail's is one past the last).
+        prefix_segments: ``[width]`` the segment a token reads besides its own: a sample's
+            shared prompt (``core.data.shared_prompts``), else the token's own segment.
+        shared: ``[rows]`` leading tokens of each row held once for its group (0: none), read
+            from the segment starting at ``prefix_starts[row]``.
     """
 
     lengths: np.ndarray
@@ -197,29 +207,81 @@ class PackedRow:
     valid: np.ndarray
     positions: np.ndarray
     segments: np.ndarray
+    prefix_segments: np.ndarray
+    shared: np.ndarray
+    prefix_starts: np.ndarray
 
     @classmethod
-    def build(cls, lengths: Sequence[int] | np.ndarray, source_width: int, multiple: int = 1) -> PackedRow:
+    def build(
+        cls,
+        lengths: Sequence[int] | np.ndarray,
+        source_width: int,
+        multiple: int = 1,
+        groups: Sequence[PromptGroup] = (),
+    ) -> PackedRow:
+        """Pack every row as its own segment, except the rows of each of ``groups``: one
+        segment of their shared tokens, then one per row of the rest (``core.data.shared_prompts``)."""
         lens = np.asarray(lengths, dtype=np.int64)
         if lens.ndim != 1 or (lens < 0).any() or (lens > source_width).any():
             raise ValueError(f"PackedRow: lengths {lens.tolist()} must lie in [0, {source_width}]")
-        total = int(lens.sum())
+        rows = len(lens)
+        shared = np.zeros(rows, np.int64)
+        head = np.arange(rows)  # the row whose tokens hold each row's shared prefix
+        for g in groups:
+            if not 0 <= g.start < g.end <= rows or g.shared < 1 or (lens[g.start : g.end] <= g.shared).any():
+                raise ValueError(
+                    f"PackedRow: group of rows [{g.start}, {g.end}) sharing {g.shared} tokens does not fit rows of "
+                    f"lengths {lens.tolist()} (each row needs a token of its own)"
+                )
+            if (shared[g.start : g.end] > 0).any():
+                raise ValueError(f"PackedRow: group of rows [{g.start}, {g.end}) overlaps another group")
+            shared[g.start : g.end], head[g.start : g.end] = g.shared, g.start
+        # (row, first column, token count, segment read besides its own) of each segment in order
+        pieces: list[tuple[int, int, int, int]] = []
+        starts, prefix_starts = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+        group_piece: dict[int, int] = {}  # a group's first row -> its shared segment
+        cursor = 0
+        for i in range(rows):
+            n_shared = int(shared[i])
+            if n_shared and head[i] == i:
+                group_piece[i] = len(pieces)
+                pieces.append((i, 0, n_shared, len(pieces)))
+                prefix_starts[i] = cursor
+                cursor += n_shared
+            if n_shared:
+                prefix_starts[i] = prefix_starts[head[i]]
+            starts[i] = cursor
+            reads = group_piece[int(head[i])] if n_shared else len(pieces)
+            pieces.append((i, n_shared, int(lens[i]) - n_shared, reads))
+            cursor += int(lens[i]) - n_shared
+        total = cursor
         width = max(-(-total // multiple) * multiple, multiple)
-        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
-        segments = np.repeat(np.arange(len(lens)), lens)
-        positions = np.concatenate([np.arange(n) for n in lens]) if total else np.zeros(0, np.int64)
-        source = segments * source_width + positions
+        counts = np.asarray([n for _, _, n, _ in pieces], np.int64)
+        seg = np.repeat(np.arange(len(pieces)), counts)
+        read_segments = np.repeat(np.asarray([r for *_, r in pieces], np.int64), counts)
+        offset = np.concatenate([np.arange(n) for n in counts]) if total else np.zeros(0, np.int64)
+        first_col = np.repeat(np.asarray([c for _, c, _, _ in pieces], np.int64), counts)
+        row_of = np.repeat(np.asarray([r for r, *_ in pieces], np.int64), counts)
+        positions = first_col + offset
         tail = width - total
         return cls(
             lengths=lens,
             starts=starts,
             source_width=source_width,
             width=width,
-            source=np.concatenate([source, np.zeros(tail, np.int64)]),
+            source=np.concatenate([row_of * source_width + positions, np.zeros(tail, np.int64)]).astype(np.int64),
             valid=np.concatenate([np.ones(total, bool), np.zeros(tail, bool)]),
             positions=np.concatenate([positions, np.arange(tail)]).astype(np.int64),
-            segments=np.concatenate([segments, np.full(tail, len(lens))]).astype(np.int64),
+            segments=np.concatenate([seg, np.full(tail, len(pieces))]).astype(np.int64),
+            prefix_segments=np.concatenate([read_segments, np.full(tail, len(pieces))]).astype(np.int64),
+            shared=shared,
+            prefix_starts=prefix_starts,
         )
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens in the packed row."""
+        return int(self.valid.sum())
 
     def pack(self, tokens: Any) -> Any:
         """``[rows, source_width]`` token ids (numpy, torch or jax) -> ``[1, width]``."""
@@ -237,9 +299,15 @@ class PackedRow:
         return self._row_index(self.source_width, self.lengths)
 
     def _row_index(self, width: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # A row's token t lies in its group's shared segment while t < shared, else in its own
+        # segment (whose first token is the row's token ``shared``).  The prediction at the
+        # shared segment's last token scores the first token of the group's first row -- the
+        # prompt's last token, the same in every row of the group.
         t = np.arange(width)[None, :]
         valid = t < counts[:, None]
-        return np.where(valid, self.starts[:, None] + t, 0), valid
+        shared = self.shared[:, None]
+        index = np.where(t < shared, self.prefix_starts[:, None] + t, self.starts[:, None] + t - shared)
+        return np.where(valid, index, 0), valid
 
     def unpack_next_logprobs(self, packed_next: Any) -> Any:
         """``[1, width - 1]`` (or ``[width - 1]``) packed next-token logprobs -> the rows'

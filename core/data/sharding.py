@@ -9,7 +9,8 @@ indices and plans, and the batch slices itself by them.
 * :func:`dynamic_shard_plan` -- each chunk sorted by length and dealt round-robin, with one
   token-budget micro-batch plan shared by every shard (``core.data.dynamic_batching``);
 * :func:`packed_shard_plan` -- dealt the same way, then each shard's rows bin-packed and
-  reordered so every bin is one contiguous micro batch (``core.data.sequence_packing``).
+  reordered so every bin is one contiguous micro batch (``core.data.sequence_packing``);
+  with shared prompts whole prompt groups are dealt and binned (``core.data.shared_prompts``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from core.data.dynamic_batching import (
     validate_dynamic_batching_args,
 )
 from core.data.sequence_packing import SequencePackingArgs, plan_packed_micro_batches
+from core.data.shared_prompts import packing_units, plan_shared_prompt_micro_batches, prompt_groups
 
 __all__ = [
     "ShardPlan",
@@ -132,14 +134,18 @@ def packed_shard_plan(data: Mapping[str, Any], shards: int, batch_size: int, arg
     shard_rows: list[list[int]] = [[] for _ in range(shards)]
     ranges: list[list[list[tuple[int, int]]]] = [[] for _ in range(shards)]
     widths: list[list[list[int]]] = [[] for _ in range(shards)]
+    shared = bool(args.get("shared_prompts")) and "token_mask" in data
     for chunk_start in range(0, len(lengths), max(batch_size, 1)):
         chunk_lengths = lengths[chunk_start : chunk_start + batch_size]
-        dealt = sort_and_deal(chunk_lengths, shards)
-        plans = plan_packed_micro_batches(
-            [[chunk_lengths[i] for i in part] for part in dealt],
-            args["max_tokens_per_microbatch"],
-            args["algorithm"],
-        )
+        if shared:
+            dealt, plans = _shared_prompt_plans(data, chunk_start, chunk_lengths, shards, args)
+        else:
+            dealt = sort_and_deal(chunk_lengths, shards)
+            plans = plan_packed_micro_batches(
+                [[chunk_lengths[i] for i in part] for part in dealt],
+                args["max_tokens_per_microbatch"],
+                args["algorithm"],
+            )
         for k, (part, (order, bins)) in enumerate(zip(dealt, plans, strict=True)):
             rows = [part[i] for i in order]
             shard_rows[k].extend(chunk_start + i for i in rows)
@@ -147,3 +153,28 @@ def packed_shard_plan(data: Mapping[str, Any], shards: int, batch_size: int, arg
             # A bin's tensors keep the width of its longest row (the worker packs them).
             widths[k].append([max(chunk_lengths[rows[i]] for i in range(a, b)) for a, b in bins])
     return ShardPlan(shard_rows, ranges, widths)
+
+
+def _shared_prompt_plans(
+    data: Mapping[str, Any], chunk_start: int, lengths: list[int], shards: int, args: SequencePackingArgs
+) -> tuple[list[list[int]], list[tuple[list[int], list[tuple[int, int]]]]]:
+    """Shared-prompt packing of one chunk: ``(each shard's chunk rows, its packing plan)``.
+
+    Whole prompt groups are dealt over the shards, largest first, when they split evenly (a
+    GRPO batch: every prompt with the same number of samples); otherwise each shard takes a
+    contiguous part of the chunk, which keeps the groups inside it together."""
+    end = chunk_start + len(lengths)
+    ids, mask = data[args["input_key"]][chunk_start:end], data["token_mask"][chunk_start:end]
+    budget = args["max_tokens_per_microbatch"]
+    units = packing_units(lengths, prompt_groups(ids, lengths, mask), budget)
+    sizes = {u.end - u.start for u in units}
+    if len(sizes) == 1 and len(units) % shards == 0:
+        order = sorted(range(len(units)), key=lambda u: -units[u].tokens)
+        dealt = [[r for u in order[k::shards] for r in range(units[u].start, units[u].end)] for k in range(shards)]
+    else:
+        part = len(lengths) // shards
+        dealt = [list(range(k * part, (k + 1) * part)) for k in range(shards)]
+    shard_inputs = [
+        ([lengths[i] for i in rows], prompt_groups(ids[rows], [lengths[i] for i in rows], mask[rows])) for rows in dealt
+    ]
+    return dealt, plan_shared_prompt_micro_batches(shard_inputs, budget, args["algorithm"])

@@ -78,6 +78,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("compile", "torch.compile of each transformer block", _on, "false"),
     Option("make_vocab_size_divisible_by", "vocabulary padding", _above_one, "1"),
     Option("sequence_packing.enabled", "sequence packing", _on, "false"),
+    Option("sequence_packing.shared_prompts", "shared-prompt packing", _on, "false", within="sequence_packing.enabled"),
     Option("dynamic_batching.enabled", "dynamic batching", _on, "false"),
     Option("lora.enabled", "LoRA adapters", _on, "false"),
     Option("lora.dropout", "LoRA adapter dropout", _above_zero, "0", within="lora.enabled"),

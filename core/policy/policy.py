@@ -162,6 +162,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             input_lengths_key="input_lengths",
             max_tokens_per_microbatch=budget,
             algorithm=sp.algorithm,
+            shared_prompts=sp.shared_prompts,
         )
 
     def _shard(self, data: BatchedDataDict, batch_size: int | None, budget_key: str):

@@ -169,11 +169,18 @@ class SequencePackingConfig(ConfigModel):
     """Tokens per packed logprob row; required when enabled."""
     algorithm: PackingAlgorithm = "modified_first_fit_decreasing"
     """How sequences are binned into packed rows."""
+    shared_prompts: bool = False
+    """Adjacent rows with the same prompt (a GRPO group's samples: the same tokens before the
+    first trained token) hold one copy of it in the packed row, each sample attending to that
+    copy: the same logprobs and gradients, the prompt's projections and MLP run once per group
+    (core.data.shared_prompts)."""
 
     def check(self) -> Iterable[Problem]:
         for key in ("train_mb_tokens", "logprob_mb_tokens"):
             if self.enabled and getattr(self, key) is None:
                 yield key, "required when sequence_packing.enabled is true"
+        if self.shared_prompts and not self.enabled:
+            yield "shared_prompts", "true needs sequence_packing.enabled: shared prompts are a way of packing rows"
 
 
 class OptimizerConfig(ConfigModel):

@@ -224,3 +224,26 @@ def test_a_dynamic_layout_plans_token_budget_micro_batches_and_parity_splits_a_r
         parse_layout("dtensor-dp2-dynamic-packed")  # the grammar's order
     with pytest.raises(LayoutError, match="has no -dynamic"):
         parse_layout("dtensor-dp2").dynamic_batching(64)
+
+
+def test_shared_layouts_pack_with_shared_prompts():
+    """``-shared``: packing with shared prompts on every backend; the GRPO bench gives its packed
+    rows two full-length sequences' tokens; ``-packed-shared`` and ``-shared-dynamic`` are refused."""
+    from benchmarks.lib.grpo_step import token_batching_overrides
+
+    for name in ("fsdp1-dp2-shared", "dtensor-dp2-shared", "jax-fsdp2-shared"):
+        layout = parse_layout(name)
+        assert layout.packed and layout.shared
+        cfg = policy_config("m", "t", layout, 8, 24, "float32")
+        assert cfg["sequence_packing"]["enabled"] and cfg["sequence_packing"]["shared_prompts"]
+    overrides = token_batching_overrides(parse_layout("dtensor-dp2-shared"), 512, 256)
+    assert "policy.sequence_packing.shared_prompts=true" in overrides
+    assert "policy.sequence_packing.train_mb_tokens=256" in overrides
+    assert "policy.dynamic_batching.enabled=false" in overrides
+    plain = token_batching_overrides(parse_layout("dtensor-dp2"), 512, 256)
+    assert "policy.sequence_packing.enabled=false" in plain and "policy.sequence_packing.shared_prompts=false" in plain
+    assert not parse_layout("dtensor-dp2-packed").shared
+    with pytest.raises(LayoutError, match="-shared and -dynamic are two ways of batching by tokens"):
+        parse_layout("dtensor-dp2-shared-dynamic")
+    with pytest.raises(LayoutError, match="-shared is sequence packing with shared prompts; drop -packed"):
+        parse_layout("dtensor-dp2-packed-shared")

@@ -234,9 +234,7 @@ def test_layout_step_permutes_columns_for_load_balance():
 
     ids = ((np.arange(width) * 7 + 3) % vocab)[None].astype(np.int32)
     rows = {k: jnp.asarray(v) for k, v in steps.plain_rows(ids, np.array([length])).items()}
-    lp = np.asarray(
-        steps.layout_next_logprobs(fake_apply, None, rows["input_ids"], rows["positions"], rows["segments"], 2, 1.0)
-    )
+    lp = np.asarray(steps.layout_next_logprobs(fake_apply, None, rows, 2, 1.0))
     order = load_balanced_columns(width, 2).reshape(-1)
     np.testing.assert_array_equal(order, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
     np.testing.assert_array_equal(seen["positions"][0], order)

@@ -47,6 +47,21 @@ def packing(enabled=True, budget=BUDGET):
     }
 
 
+def driver_plan(data, budget: int, shared_prompts: bool = False):
+    """``(the one shard, row order)`` of the driver's packing plan for one worker."""
+    (shard,), order = data.shard_by_batch_size(
+        1,
+        sequence_packing_args=SequencePackingArgs(
+            input_key="input_ids",
+            input_lengths_key="input_lengths",
+            max_tokens_per_microbatch=budget,
+            algorithm="modified_first_fit_decreasing",
+            shared_prompts=shared_prompts,
+        ),
+    )
+    return shard, order
+
+
 # ------------------------------------------------------------------------- layout (no model)
 def test_packed_micro_batch_layout():
     ids = np.array([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]], np.int32)
@@ -90,15 +105,7 @@ def test_packing_on_equals_off(model_dirs, tokenizer, unpacked, mesh):
     )
     torch.testing.assert_close(before, hf, rtol=0, atol=1e-5)
     # A shard planned by the driver (rows reordered, bins attached) gives the same rows back.
-    (shard,), order = data.shard_by_batch_size(
-        1,
-        sequence_packing_args=SequencePackingArgs(
-            input_key="input_ids",
-            input_lengths_key="input_lengths",
-            max_tokens_per_microbatch=BUDGET,
-            algorithm="modified_first_fit_decreasing",
-        ),
-    )
+    shard, order = driver_plan(data, BUDGET)
     assert shard.micro_batch_indices is not None and order != list(range(len(LENGTHS)))
     torch.testing.assert_close(worker.get_logprobs(shard).reorder_data(order)["logprobs"], before, rtol=0, atol=1e-5)
     result = worker.train(data, ClippedPGLossFn(BASE_CFG))

@@ -107,6 +107,28 @@ def uneven_pg_batch(lengths, width: int, seed: int):
     )
 
 
+def shared_prompt_pg_batch(groups, width: int, seed: int):
+    """A ClippedPG batch of prompt groups, as GRPO builds one: ``groups`` is a list of
+    ``(prompt length, [row lengths])``; a group's rows repeat one random prompt and go on with
+    their own random completions (``token_mask`` 1 on them), right-padded to ``width``."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [(p, n) for p, lengths in groups for n in lengths]
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    token_mask = torch.zeros(len(rows), width)
+    r = 0
+    for p, lengths in groups:
+        prompt = torch.randint(4, VOCAB, (p,), generator=g)
+        for n in lengths:
+            ids[r, :p] = prompt
+            ids[r, p:n] = torch.randint(4, VOCAB, (n - p,), generator=g)
+            token_mask[r, p:n] = 1
+            r += 1
+    batch = uneven_pg_batch([n for _, n in rows], width, seed)
+    batch["input_ids"], batch["token_mask"] = ids, token_mask
+    batch["advantages"] = batch["advantages"] * token_mask
+    return batch
+
+
 # c10d ops in a worker's profiler trace, FSDP2 / FSDP1 (FSDP1 all-gathers CPU tensors with the list form).
 ALL_GATHERS = ("c10d::_allgather_base_", "c10d::allgather_")
 REDUCE_SCATTERS = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_")

@@ -42,6 +42,7 @@ ASKING = {
     "compile": {"compile": True},
     "make_vocab_size_divisible_by": {"make_vocab_size_divisible_by": 64},
     "sequence_packing.enabled": {"sequence_packing": {"enabled": True}},
+    "sequence_packing.shared_prompts": {"sequence_packing": {"enabled": True, "shared_prompts": True}},
     "dynamic_batching.enabled": {"dynamic_batching": {"enabled": True}},
     "lora.enabled": {"lora": {"enabled": True}},
     "lora.dropout": {"lora": {"enabled": True, "dropout": 0.1}},

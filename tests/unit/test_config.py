@@ -538,6 +538,18 @@ def test_sequence_packing_requires_token_fields_that_hold_a_sequence(cfg):
     ]
 
 
+def test_shared_prompts_need_packing(cfg):
+    sp = cfg["policy"]["sequence_packing"]
+    assert validate(MasterConfig, cfg).policy.sequence_packing.shared_prompts is False  # the default
+    sp["shared_prompts"] = True
+    assert errors_of(cfg) == [
+        "policy.sequence_packing.shared_prompts: true needs sequence_packing.enabled: shared prompts are a way of "
+        "packing rows"
+    ]
+    sp.update(enabled=True, train_mb_tokens=512, logprob_mb_tokens=512)
+    assert validate(MasterConfig, cfg).policy.sequence_packing.shared_prompts is True
+
+
 def test_dynamic_batching_and_packing_exclusive(cfg):
     cfg["policy"]["dynamic_batching"]["enabled"] = True
     cfg["policy"]["sequence_packing"]["enabled"] = True

@@ -21,19 +21,26 @@ def grpo_loss_fn(old_logprobs: str = "batch", overrides: dict | None = None):
 def grpo_batch(data, generation_logprobs, seed: int = GRPO_SEED):
     """The GRPO train batch of the parity batch, keyed and masked as
     ``core.algorithms.rollouts.training_batch`` builds one: the first third of each ragged row
-    (at least one token) is its "prompt", the rest its "response" (``token_mask`` = 1 there);
+    (at least one token) is its "prompt", the rest its "response" (``token_mask`` = 1 there),
+    and rows 2k and 2k+1 share row 2k's prompt (one prompt's two samples);
     advantages: a seeded normal draw per row; ``generation_logprobs``: given (``hf``'s)."""
     import torch
 
     from core.data import BatchedDataDict
 
-    ids, lengths = data["input_ids"], data["input_lengths"]
+    ids, lengths = data["input_ids"].clone(), data["input_lengths"]
     prompt = (lengths // 3).clamp_min(1)
+    # As in a GRPO batch, a prompt's samples are adjacent rows: row 2k+1 takes row 2k's prompt
+    # (when it is longer than that prompt), so -shared layouts hold it once.
+    for row in range(1, len(ids), 2):
+        p = int(prompt[row - 1])
+        if int(lengths[row]) > p:
+            ids[row, :p], prompt[row] = ids[row - 1, :p], p
     cols = torch.arange(ids.shape[1])[None]
     mask = ((cols >= prompt[:, None]) & (cols < lengths[:, None])).float()
     advantages = torch.randn(len(ids), generator=torch.Generator().manual_seed(seed))
     return BatchedDataDict(
-        input_ids=ids.clone(),
+        input_ids=ids,
         input_lengths=lengths.clone(),
         token_mask=mask,
         sample_mask=torch.ones(len(ids)),
