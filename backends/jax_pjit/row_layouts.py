@@ -171,10 +171,10 @@ class RowLayouts:
         budget = getattr(sp, budget_key)
         check_packing_budget(lengths.tolist(), budget, f"policy.sequence_packing.{budget_key}")
         plans = []
+        mask = self._token_mask(data)  # once per call, not per chunk
         for g in range(n_chunks):
             rows = slice(g * chunk_rows, (g + 1) * chunk_rows)
             chunk = lengths[rows].tolist()
-            mask = self._token_mask(data)
             if mask is not None:
                 groups = prompt_groups(data["input_ids"][rows], chunk, mask[rows])
                 ((order, bins),) = plan_shared_prompt_micro_batches([(chunk, groups)], budget, sp.algorithm)
