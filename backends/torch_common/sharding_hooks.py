@@ -44,6 +44,12 @@ class TorchShardingHooks(abc.ABC):
         parameters once and keeps them until the block ends (then every copy is freed)."""
 
     @abc.abstractmethod
+    def _keep_params_gathered_in_training(self) -> contextlib.AbstractContextManager:
+        """Around a train call's micro batches when their gradient reduction is deferred
+        (``_no_gradient_sync`` on all but the last): each wrapped unit gathers its parameters
+        once and keeps them through every forward and backward (then every copy is freed)."""
+
+    @abc.abstractmethod
     def _iter_stored_weights(
         self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
     ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -183,6 +183,18 @@ class DTensorPolicyWorker(TorchPolicyWorker):
                 block.set_reshard_after_forward(True, recurse=False)
                 block.reshard()
 
+    @contextlib.contextmanager
+    def _keep_params_gathered_in_training(self):
+        # FSDP2's gradient-accumulation trade: no reshard after forward (backward reuses the
+        # gathered blocks) nor after backward (the next micro batch's forward does too).
+        self.model.set_reshard_after_backward(False)
+        try:
+            with self._keep_params_gathered():
+                yield
+        finally:
+            self.model.set_reshard_after_backward(True)
+            self._reshard_all()
+
     def _reshard_all(self) -> None:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):

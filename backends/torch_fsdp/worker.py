@@ -137,6 +137,12 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         finally:
             self._reshard_all()
 
+    def _keep_params_gathered_in_training(self):
+        # The same marking: under no_sync FSDP1 frees a unit after backward only for the
+        # reshard-after-forward strategies, so a SHARD_GRAD_OP unit stays gathered through
+        # the deferred micro batches; the last (synced) backward frees it as it reduces.
+        return self._keep_params_gathered()
+
     def _local_weight_shards(self) -> list[torch.Tensor]:
         # The flat parameters are what FSDP1 all-gathers for a forward pass; the HF-named
         # parameters (use_orig_params) are views FSDP re-points, not stable storage.

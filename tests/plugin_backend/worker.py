@@ -45,6 +45,9 @@ class EagerPolicyWorker(TorchPolicyWorker):
     def _keep_params_gathered(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # nothing is ever sharded
 
+    def _keep_params_gathered_in_training(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # nothing is ever sharded
+
     def _iter_stored_weights(
         self, dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()
     ) -> Iterator[tuple[str, torch.Tensor]]:
