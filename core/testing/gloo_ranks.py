@@ -36,16 +36,33 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = GLOO_TIMEOUT_
     )
 
 
+def _rank_main(target: Callable, *args: Any) -> None:
+    """A spawned rank: the body, then the group's teardown.  A process that exits with its gloo
+    group alive may abort in the group's threads' destructors ("terminate called without an
+    active exception", exit code -6) after it has reported, so every rank tears it down here."""
+    import torch.distributed as dist
+
+    try:
+        target(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def run_ranks(target: Callable, world: int, args: tuple = (), timeout_s: float = SPAWN_TIMEOUT_S) -> dict[int, Any]:
     """Spawn ``target(rank, world, port, results, *args)`` on ``world`` processes; each must put
     ``(rank, report)`` on ``results`` once.  -> ``{rank: report}``.  ``target`` must be a
-    module-level function (the processes are spawned, not forked)."""
+    module-level function (the processes are spawned, not forked); the group a body joins with
+    :func:`init_gloo` is destroyed when it returns."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, world, port, results, *args), daemon=True) for rank in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(target, rank, world, port, results, *args), daemon=True)
+        for rank in range(world)
+    ]
     for p in procs:
         p.start()
     reports: dict[int, Any] = {}

@@ -20,7 +20,6 @@ import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from backends.torch_common.layers import decoder_layers
 from backends.torch_dtensor.compile import compile_blocks
@@ -130,8 +129,6 @@ def _tp_compile_rank(rank, world, port, results, sp, ac):
         error = traceback.format_exc()
     finally:
         results.put((rank, error))
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 # CI runs the two cases that hit the two torch bugs; the other two combinations are slow.

@@ -245,8 +245,6 @@ def _worker(rank, world, port, results, case_names):
         report["<setup>"] = traceback.format_exc()
     finally:
         results.put((rank, report))
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _run_ranks(world, case_names):
