@@ -114,7 +114,9 @@ class JaxWeightsIO:
 
     def _load_state(self, weights_path: str, optimizer_path: str | None, checksums: bool, what: str) -> int | None:
         """Verified restore: manifests, kinds, and orbax's metadata against the live trees
-        (keys and shapes) are checked before any array is read."""
+        (keys and shapes) are checked before any array is read.  Offloaded state comes back to
+        the mesh first: it is the live tree the restore checks against and replaces."""
+        self.prepare_for_training()
         self.params, self.opt_state, step = jax_ckpt.load_orbax(
             self.params, self.opt_state, weights_path, optimizer_path, checksums=checksums, what=what
         )

@@ -94,6 +94,16 @@ def reset_peak_memory(device: torch.device) -> None:
             pass
 
 
+def resident_on(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``model`` is on ``device`` (any index of its type
+    when ``device`` names none)."""
+
+    def on(t: torch.Tensor) -> bool:
+        return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+    return all(on(t) for t in (*model.parameters(), *model.buffers()))
+
+
 def empty_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()

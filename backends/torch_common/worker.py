@@ -37,6 +37,7 @@ from backends.torch_common.dist_env import (
     empty_cache,
     init_torch_distributed,
     reset_peak_memory,
+    resident_on,
 )
 from backends.torch_common.exact_generation import exact_generate
 from backends.torch_common.exact_ops import apply_exact_numerics
@@ -379,6 +380,12 @@ class TorchPolicyWorker(TorchLogprobs, TorchRouting, TorchWeightsIO, TorchShardi
         empty_cache(self.device)
 
     def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+        """``model.to(device)`` unless nothing would move: the wrapper's parameter CPU offload
+        owns placement, or every parameter and buffer is already there.  ``Module.to`` swaps
+        every DTensor parameter even then (``swap_tensors``: new tensor objects at every
+        ``prepare_for_*`` call, and an error while the profiler holds references to them)."""
+        if self._offloading or resident_on(model, torch.device(device)):
+            return model
         return model.to(device)
 
     def move_to_cuda(self, model: torch.nn.Module) -> torch.nn.Module:

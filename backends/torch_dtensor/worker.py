@@ -216,11 +216,6 @@ class DTensorPolicyWorker(TorchPolicyWorker):
             tensor = unpad_rows(tensor, self._stored_meta[name][0])  # padded vocab rows never leave
             yield name, tensor if dtype is None else tensor.to(as_torch_dtype(dtype))
 
-    def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:
-        if self._offloading:
-            return model  # FSDP2's CPUOffloadPolicy owns parameter placement
-        return model.to(device)
-
 
 if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
     from core.policy.worker_protocol import PolicyWorker

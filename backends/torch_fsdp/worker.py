@@ -153,11 +153,6 @@ class FSDP1PolicyWorker(TorchPolicyWorker):
         # FSDP1 never reshards the root after forward and has no public reshard call.
         reshard_gathered(self.model)
 
-    def move_to_device(self, model: torch.nn.Module, device) -> torch.nn.Module:
-        if self._offloading:
-            return model  # FSDP1 CPU offload manages parameter placement itself
-        return model.to(device)
-
 
 if TYPE_CHECKING:  # the type checker holds this worker to the driver's contract
     from core.policy.worker_protocol import PolicyWorker
