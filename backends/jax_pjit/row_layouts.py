@@ -33,7 +33,7 @@ from core.data.sequence_packing import check_packing_budget, plan_packed_micro_b
 from core.data.shared_prompts import plan_shared_prompt_micro_batches, prompt_groups
 from core.policy.config import PolicyConfig, SequencePackingConfig
 
-__all__ = ["DynamicChunk", "RowLayouts", "row_rung"]
+__all__ = ["DynamicChunk", "RowLayouts", "row_rung", "spread_bins"]
 
 #: Rungs per doubling of the rows ladder of planned micro batches (:func:`row_rung`).
 ROW_RUNGS_PER_DOUBLING = 4
@@ -54,6 +54,26 @@ def row_rung(rows: int, multiple: int) -> int:
     else:
         rung = steps.round_up(rows, 1 << ((rows - 1).bit_length() - 1 - per))
     return steps.round_up(max(rung, multiple), multiple)
+
+
+def spread_bins(bins: list[tuple[int, int]], lengths: np.ndarray, shards: int) -> list[tuple[int, int]]:
+    """``bins`` (row ranges of one micro batch, in order) split at row boundaries until there
+    are ``shards`` of them or none has two rows: the fullest bin first, where its tokens
+    halve.  A micro batch gives every fsdp shard one packed row of the width of its fullest
+    bin, so a missing bin is a row of padding as wide as the others, and a split bin a
+    narrower width.  Deterministic in ``bins`` and ``lengths`` (every host splits alike);
+    the ranges stay contiguous and ordered, each sequence whole in one of them."""
+    out = list(bins)
+    while len(out) < shards:
+        splittable = [(int(lengths[a:b].sum()), i) for i, (a, b) in enumerate(out) if b - a >= 2]
+        if not splittable:
+            break
+        i = max(splittable)[1]
+        a, b = out[i]
+        before = np.cumsum(lengths[a:b])[:-1]  # tokens left of each cut a+1 .. b-1
+        cut = a + 1 + int(np.argmin(np.abs(2 * before - before[-1] - int(lengths[b - 1]))))
+        out[i : i + 1] = [(a, cut), (cut, b)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -85,6 +105,12 @@ class RowLayouts:
         self.packing: SequencePackingConfig | None = cfg.sequence_packing if cfg.sequence_packing.enabled else None
         #: ``policy.sequence_packing.shared_prompts``: a bin's rows of one prompt hold it once.
         self.shared_prompts = self.packing is not None and self.packing.shared_prompts
+
+    @property
+    def band_block(self) -> int | None:
+        """Packed rows attend over a band of keys (``steps.packed_micro_batch``), except under
+        context parallelism, whose columns are permuted before the model."""
+        return steps.BAND_BLOCK if self.cp == 1 else None
 
     @property
     def plain(self) -> bool:
@@ -196,11 +222,13 @@ class RowLayouts:
             return max(int(lengths[a:b].sum()) for a, b in group)
         return max(steps.bin_layout(ids, lengths, mask, a, b).tokens for a, b in group)
 
-    def _bin_groups(self, bins: list[tuple[int, int]]) -> Iterator[list[tuple[int, int]]]:
-        """``fsdp`` consecutive bins per micro batch: one packed row per fsdp shard."""
+    def _bin_groups(self, bins: list[tuple[int, int]], lengths: np.ndarray) -> Iterator[list[tuple[int, int]]]:
+        """``fsdp`` consecutive bins per micro batch: one packed row per fsdp shard.  A micro batch
+        with fewer bins than shards (a batch smaller than ``fsdp`` budgets, or the plan's last
+        micro batch) has its bins split until every shard has a row (:func:`spread_bins`)."""
         fsdp = self.mesh.shape["fsdp"]
         for i in range(0, len(bins), fsdp):
-            yield bins[i : i + fsdp]
+            yield spread_bins(bins[i : i + fsdp], lengths, fsdp)
 
     # ------------------------------------------------------------------ training
     def _attached_plan(self, data: BatchedDataDict) -> tuple[list, list] | None:
@@ -269,7 +297,7 @@ class RowLayouts:
         gb = steps.pad_micro_batch({k: v[order] for k, v in gb.items()}, rows_total, bucket)
         fsdp = self.mesh.shape["fsdp"]
         mask = self._token_mask(gb)
-        for group in self._bin_groups(bins):
+        for group in self._bin_groups(bins, gb["input_lengths"]):
             tokens = self._bin_tokens(gb["input_ids"], gb["input_lengths"], mask, group)
             rows, _ = steps.packed_micro_batch(
                 gb["input_ids"],
@@ -279,6 +307,7 @@ class RowLayouts:
                 self.packed_bucket(tokens, "train_mb_tokens"),
                 unpack_rows=rows_total,
                 token_mask=mask,
+                band_block=self.band_block,
             )
             start, end = group[0][0], group[-1][1]
             mb = steps.pad_micro_batch({k: v[start:end] for k, v in gb.items()}, rows_total, bucket)
@@ -317,7 +346,7 @@ class RowLayouts:
         for order, bins in self.packing_plan(data, lengths, n, "logprob_mb_tokens"):
             chunk_ids, chunk_lengths = ids[order], lengths[order]
             mask = None if data_mask is None else data_mask[order]
-            for group in self._bin_groups(bins):
+            for group in self._bin_groups(bins, chunk_lengths):
                 tokens = self._bin_tokens(chunk_ids, chunk_lengths, mask, group)
                 rows, packs = steps.packed_micro_batch(
                     chunk_ids,
@@ -326,6 +355,7 @@ class RowLayouts:
                     fsdp,
                     self.packed_bucket(tokens, "logprob_mb_tokens"),
                     token_mask=mask,
+                    band_block=self.band_block,
                 )
                 pending.append(logprob_step(params, self.device_batch(rows)))
                 unpack.append((order, group, packs))

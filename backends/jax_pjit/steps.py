@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from backends.jax_pjit.models.banded_attention import Banded, band_keys, band_window, banded_mask
 from backends.jax_pjit.models.layers import constrain
 from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
 from core.data.sequence_packing import PackedRow
@@ -55,7 +56,7 @@ class ApplyFn(Protocol):
         input_ids: jax.Array,
         attention_mask: jax.Array | None,
         positions: jax.Array | None = None,
-        allowed: jax.Array | None = None,
+        allowed: jax.Array | Banded | None = None,
         capture_router: bool = False,
     ) -> Any: ...
 
@@ -231,6 +232,8 @@ def make_grad_step(
 
 ROW_KEYS = ("input_ids", "positions", "segments", "prefix_segments")
 MASK_AXES = ("batch", "seq", "kv_seq")
+#: Query columns per block of banded attention over packed rows (``packed_micro_batch``).
+BAND_BLOCK = 64
 
 
 def layout_next_logprobs(
@@ -259,7 +262,11 @@ def layout_next_logprobs(
     # Column indices as (small) device constants: the [W, W] comparison is computed by the
     # program instead of being embedded in it.
     dev_cols = jnp.asarray(cols, dtype=jnp.int32)
-    allowed = constrain(attention_allowed(dev_cols, dev_cols, segments, prefix_segments), MASK_AXES)  # (B, W, W)
+    allowed: jax.Array | Banded
+    if "band_keys" in rows and cp == 1:  # packed rows whose tokens reach back less than half the row
+        allowed = banded_mask(rows["band_keys"], segments, prefix_segments)
+    else:
+        allowed = constrain(attention_allowed(dev_cols, dev_cols, segments, prefix_segments), MASK_AXES)  # (B, W, W)
     ids, pos = (
         (input_ids, positions) if cp == 1 else (jnp.take(input_ids, dev_cols, 1), jnp.take(positions, dev_cols, 1))
     )
@@ -371,6 +378,7 @@ def packed_micro_batch(
     width: int,
     unpack_rows: int | None = None,
     token_mask: np.ndarray | None = None,
+    band_block: int | None = BAND_BLOCK,
 ) -> tuple[dict, list[PackedRow]]:
     """Pack ``bins`` (row ranges of the right-padded ``input_ids`` [N, S]) into ``rows`` packed
     rows of ``width`` tokens each (``PackedRow.build``; rows past ``len(bins)`` are all
@@ -380,7 +388,10 @@ def packed_micro_batch(
     followed by invalid padding rows, and ``token_index`` [unpack_rows, S] mapping packed
     per-token values (router logits) the same way (padding reads token 0).  ``token_mask``
     [N, S] (shared-prompt packing): each bin's rows of one prompt hold it once
-    (:func:`bin_layout`)."""
+    (:func:`bin_layout`).  ``band_block``: when every real token reaches back less than half
+    the row (``PackedRow.attention_reach``), also ``band_keys`` [rows, width / band_block,
+    window]: the model then attends over that band only (``models.banded_attention``; None:
+    never, e.g. with context parallelism, whose columns are permuted)."""
     source_width = input_ids.shape[1]
     if len(bins) > rows:
         raise ValueError(f"packed_micro_batch: {len(bins)} bins do not fit {rows} rows")
@@ -397,6 +408,10 @@ def packed_micro_batch(
         out["positions"][k] = pack.positions
         out["segments"][k] = pack.segments
         out["prefix_segments"][k] = pack.prefix_segments
+    if band_block is not None and packs:
+        window = band_window(max(p.attention_reach for p in packs), width, band_block)
+        if window is not None:
+            out["band_keys"] = band_keys(rows, width, band_block, window)
     if unpack_rows is not None:
         index = np.zeros((unpack_rows, source_width - 1), np.int32)
         valid = np.zeros((unpack_rows, source_width - 1), bool)

@@ -283,6 +283,21 @@ class PackedRow:
         """Real tokens in the packed row."""
         return int(self.valid.sum())
 
+    @property
+    def attention_reach(self) -> int:
+        """How far back a real token's keys go: the largest ``column - first column it reads``
+        (its own segment's start, or its shared prompt's): an attention kernel that reads a
+        band of keys behind each query needs no wider band."""
+        if not self.valid.any():
+            return 0
+        first: dict[int, int] = {}
+        for col, seg in enumerate(self.segments.tolist()):
+            first.setdefault(seg, col)
+        starts = np.asarray([first[s] for s in range(max(first) + 1)], np.int64)
+        cols = np.flatnonzero(self.valid)
+        reads_from = np.minimum(starts[self.segments[cols]], starts[self.prefix_segments[cols]])
+        return int((cols - reads_from).max())
+
     def pack(self, tokens: Any) -> Any:
         """``[rows, source_width]`` token ids (numpy, torch or jax) -> ``[1, width]``."""
         flat = tokens.reshape(-1)[self.source]

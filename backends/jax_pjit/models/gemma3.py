@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from backends.jax_pjit.models.banded_attention import Banded
 from backends.jax_pjit.models.config import ModelConfig, _freeze
 from backends.jax_pjit.models.hf_table import Row
 from backends.jax_pjit.models.layers import (
@@ -260,8 +261,11 @@ def _block(layer: DecoderLayer, h, cos, sin, allowed) -> jax.Array:
 _remat_block = nnx.remat(_block)
 
 
-def _explicit(mask: jax.Array | RightPadded, width: int) -> jax.Array:
-    """A ``RightPadded`` mask as the [B, S, S] bool it stands for (causal, keys < length)."""
+def _explicit(mask: jax.Array | RightPadded | Banded, width: int) -> jax.Array:
+    """A ``RightPadded`` mask (causal, keys < length) or a ``Banded`` one as the [B, S, S] bool
+    it stands for: Gemma's sliding-window layers combine it with their window."""
+    if isinstance(mask, Banded):
+        return mask.dense(width)
     if not isinstance(mask, RightPadded):
         return mask
     causal = jnp.tril(jnp.ones((width, width), bool))  # (S, S)

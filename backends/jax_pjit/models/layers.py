@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from backends.jax_pjit.logical_axes import PARAM_AXES
+from backends.jax_pjit.models.banded_attention import Banded, banded_attention
 from backends.jax_pjit.models.config import ModelConfig
 
 #: Per layer, the (k, v) cache of KV-cache decoding, each [B, max_len, kv_heads, head_dim].
@@ -395,6 +396,8 @@ class Attention(nnx.Module):
         k, v = k.astype(self.dtype), v.astype(self.dtype)
         if isinstance(allowed, RightPadded):
             out = causal_attention(q, k, v, allowed.lengths, self.scale)  # (B, T, H, D)
+        elif isinstance(allowed, Banded):
+            out = banded_attention(q, k, v, allowed, self.scale)  # (B, T, H, D)
         else:
             out = attend(q, k, v, allowed, self.scale)  # (B, T, H, D)
         return self.o_proj(constrain(out, HEADS_AXES)), new_cache
@@ -471,10 +474,14 @@ __all__ = [
 
 
 def positions_and_mask(
-    input_ids: jax.Array, attention_mask: jax.Array | None, positions: jax.Array | None, allowed: jax.Array | None
-) -> tuple[jax.Array, jax.Array | RightPadded]:
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None,
+    positions: jax.Array | None,
+    allowed: jax.Array | Banded | None,
+) -> tuple[jax.Array, jax.Array | RightPadded | Banded]:
     """A family ``CausalLM.__call__``'s ``positions`` (default 0..S-1 on every row) and mask:
-    ``allowed`` [B, S, S] when given, else the right-padded rows' key counts (``RightPadded``)."""
+    ``allowed`` ([B, S, S], or a ``Banded`` one over packed rows) when given, else the
+    right-padded rows' key counts (``RightPadded``)."""
     b, s = input_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))  # (B, S)

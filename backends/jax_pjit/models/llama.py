@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from backends.jax_pjit.models.banded_attention import Banded
 from backends.jax_pjit.models.config import ModelConfig
 from backends.jax_pjit.models.hf_table import Row
 from backends.jax_pjit.models.layers import (
@@ -214,7 +215,7 @@ class CausalLM(CachedDecoding, nnx.Module):
         input_ids: jax.Array,
         attention_mask: jax.Array | None,
         positions: jax.Array | None = None,
-        allowed: jax.Array | None = None,
+        allowed: jax.Array | Banded | None = None,
         remat: bool = False,
         routing: jax.Array | None = None,
     ) -> jax.Array:
@@ -229,7 +230,8 @@ class CausalLM(CachedDecoding, nnx.Module):
         ``allowed`` [B, S, S] bool (query i may read key j) replaces that mask (``attention_mask``
         is then not read and may be None): packed rows (attention confined to each sequence),
         context parallelism (columns permuted for load balance) and any other padding pass
-        the mask of ``core.data.context_parallel.attention_allowed`` with matching ``positions``.
+        the mask of ``core.data.context_parallel.attention_allowed`` with matching ``positions``;
+        packed rows of short sequences may pass its band instead (``Banded``).
 
         ``remat``: recompute each decoder layer in the backward pass instead of keeping its
         activations (``jax.checkpoint``; ``policy.activation_checkpointing``).
