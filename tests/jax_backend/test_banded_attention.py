@@ -64,8 +64,14 @@ def test_the_window_covers_the_reach_and_must_save_half():
     np.testing.assert_array_equal(keys[1, 3], range(128, 256))
 
 
-@pytest.mark.parametrize("groups", [pytest.param(GROUPS, id="shared-prompt"), pytest.param((), id="plain")])
-@pytest.mark.parametrize("heads", [(8, 4), (4, 4), (8, 2)], ids=["gqa2", "mha", "gqa4"])
+@pytest.mark.parametrize(
+    ("groups", "heads"),
+    [
+        pytest.param(GROUPS, (8, 4), id="shared-prompt-gqa2"),
+        pytest.param((), (4, 4), id="plain-mha"),
+        pytest.param(GROUPS, (8, 2), id="shared-prompt-gqa4"),
+    ],
+)
 def test_banded_attention_is_dense_attention_on_every_real_token(groups, heads):
     row = packed_row(groups)
     width, block = row.width, 64
