@@ -4,7 +4,7 @@
         [--sections throughput refit generation grpo] [--out DIR] [--json FILE]
         [--batch B] [--seq S] [--micro M] [--iters N] [--warmup W] [--precision P] [--threads T]
         [--grpo-new-tokens N] [--grpo-prompts P] [--grpo-group G] [--grpo-micro-batch M] [--grpo-steps S]
-        [--[no-]grpo-full-length] [--grpo-async]
+        [--grpo-warmup W] [--[no-]grpo-full-length] [--grpo-async]
         [--grpo-multi-turn N] [--grpo-task arithmetic|reasoning_gym]
     python -m benchmarks.compare [same]
 
@@ -31,8 +31,9 @@ budget, one layout alive at a time:
   model, prompt set, group size, completion length and optimizer (``benchmarks.lib.trl_grpo``; needs
   the optional ``bench`` extra, ``pip install -e .[bench]``, else skipped with a note), its steps
   interleaved with the layouts' steps like the HF calls.  ``--grpo-new-tokens`` / ``--grpo-prompts`` /
-  ``--grpo-group`` / ``--grpo-micro-batch`` / ``--grpo-steps`` override the size's GRPO workload
-  (the generation row's too);
+  ``--grpo-group`` / ``--grpo-micro-batch`` / ``--grpo-steps`` / ``--grpo-warmup`` override the size's
+  GRPO workload (the generation row's too; more untimed steps first for layouts that compile a program
+  per new shape, as packed JAX rows do: each step's bins set the packed width);
   ``--grpo-full-length`` makes every completion exactly N tokens on both sides;
   ``--grpo-async`` adds an async GRPO row next to every layout's sync one (the engine on a
   device / slot of its own, the policy on the layout's; ``benchmarks.lib.grpo_step``);
@@ -121,6 +122,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         ("--grpo-micro-batch", "M", "micro_batch", "rows per train / logprob micro batch and rank, both sides",
          "; a -dynamic layout's token budget is M x the sequence limit"),
         ("--grpo-steps", "S", "steps", "timed GRPO steps per layout, each paired with a TRL step", ""),
+        ("--grpo-warmup", "W", "warmup", "untimed GRPO steps per layout and for TRL before the timed ones",
+         "; packed JAX rows compile a program per new packed shape"),
     ):  # fmt: skip
         sizes = ", ".join(f"{k} {getattr(v.grpo, field)}" for k, v in SIZES.items() if v.grpo)
         grpo.add_argument(flag, type=int, metavar=metavar, help=f"{what} (default: the size's; {sizes}){after}")
@@ -174,6 +177,7 @@ GRPO_WORKLOAD_FLAGS = (
     "grpo_task",
     "grpo_micro_batch",
     "grpo_steps",
+    "grpo_warmup",
 )
 
 
@@ -216,6 +220,7 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         ("--grpo-group", args.grpo_group, 2),
         ("--grpo-micro-batch", args.grpo_micro_batch, 1),
         ("--grpo-steps", args.grpo_steps, 1),
+        ("--grpo-warmup", args.grpo_warmup, 1),
     ):
         if value is not None and value < low:
             why = " (GRPO's advantage compares a prompt's samples; TRL's GRPOTrainer needs 2)" if low == 2 else ""
@@ -229,6 +234,7 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         work,
         micro_batch=work.micro_batch if args.grpo_micro_batch is None else args.grpo_micro_batch,
         steps=work.steps if args.grpo_steps is None else args.grpo_steps,
+        warmup=work.warmup if args.grpo_warmup is None else args.grpo_warmup,
     )
     if args.grpo_task not in (None, "arithmetic"):  # the task's prompts keep their own room
         work = dataclasses.replace(work, seq=task_prompt_room(args.grpo_task) + work.new_tokens)

@@ -51,8 +51,9 @@ def test_defaults_are_the_size_workload_and_the_flags_override_it(with_vllm):
     other = parse("--grpo-prompts", "4", "--grpo-group", "2").grpo_work
     assert (other.prompts, other.group, other.samples, other.new_tokens, other.full_length) == (4, 2, 8, 16, False)
     assert parse("--grpo-async").grpo_async
-    tuned = parse("--grpo-micro-batch", "64", "--grpo-steps", "4").grpo_work
+    tuned = parse("--grpo-micro-batch", "64", "--grpo-steps", "4", "--grpo-warmup", "3").grpo_work
     assert (tuned.micro_batch, tuned.steps, tuned.prompts, tuned.new_tokens) == (64, 4, small.prompts, small.new_tokens)
+    assert (tuned.warmup, parse().grpo_work.warmup) == (3, small.warmup)
 
 
 def test_the_overrides_the_workload_and_async_produce():
@@ -93,6 +94,7 @@ def test_the_overrides_the_workload_and_async_produce():
         (["--grpo-prompts", "0"], "--grpo-prompts must be >= 1, got 0"),
         (["--grpo-micro-batch", "0"], "--grpo-micro-batch must be >= 1, got 0"),
         (["--grpo-steps", "0"], "--grpo-steps must be >= 1, got 0"),
+        (["--grpo-warmup", "0"], "--grpo-warmup must be >= 1, got 0"),
         (["--grpo-steps", "2", "--sections", "refit"], "--grpo-steps: only --sections grpo and generation use"),
         (["--grpo-new-tokens", "600"], "prompt room 16 + 600 new tokens = 616 > the small model's 512 positions"),
         (["--grpo-prompts", "3", "--grpo-group", "3"], "9 samples per step do not split over the data-parallel"),
