@@ -4,7 +4,7 @@
         [--sections throughput refit generation grpo] [--out DIR] [--json FILE]
         [--batch B] [--seq S] [--micro M] [--iters N] [--warmup W] [--precision P] [--threads T]
         [--grpo-new-tokens N] [--grpo-prompts P] [--grpo-group G] [--grpo-micro-batch M] [--grpo-steps S]
-        [--grpo-warmup W] [--[no-]grpo-full-length] [--grpo-async]
+        [--grpo-warmup W] [--grpo-packed-row-sequences K] [--[no-]grpo-full-length] [--grpo-async]
         [--grpo-multi-turn N] [--grpo-task arithmetic|reasoning_gym]
     python -m benchmarks.compare [same]
 
@@ -124,6 +124,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         ("--grpo-steps", "S", "steps", "timed GRPO steps per layout, each paired with a TRL step", ""),
         ("--grpo-warmup", "W", "warmup", "untimed GRPO steps per layout and for TRL before the timed ones",
          "; packed JAX rows compile a program per new packed shape"),
+        ("--grpo-packed-row-sequences", "K", "packed_row_sequences",
+         "full-length sequences per packed row of a -packed / -shared layout (its token budget)", ""),
     ):  # fmt: skip
         sizes = ", ".join(f"{k} {getattr(v.grpo, field)}" for k, v in SIZES.items() if v.grpo)
         grpo.add_argument(flag, type=int, metavar=metavar, help=f"{what} (default: the size's; {sizes}){after}")
@@ -178,6 +180,7 @@ GRPO_WORKLOAD_FLAGS = (
     "grpo_micro_batch",
     "grpo_steps",
     "grpo_warmup",
+    "grpo_packed_row_sequences",
 )
 
 
@@ -221,6 +224,7 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         ("--grpo-micro-batch", args.grpo_micro_batch, 1),
         ("--grpo-steps", args.grpo_steps, 1),
         ("--grpo-warmup", args.grpo_warmup, 1),
+        ("--grpo-packed-row-sequences", args.grpo_packed_row_sequences, 1),
     ):
         if value is not None and value < low:
             why = " (GRPO's advantage compares a prompt's samples; TRL's GRPOTrainer needs 2)" if low == 2 else ""
@@ -235,6 +239,9 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         micro_batch=work.micro_batch if args.grpo_micro_batch is None else args.grpo_micro_batch,
         steps=work.steps if args.grpo_steps is None else args.grpo_steps,
         warmup=work.warmup if args.grpo_warmup is None else args.grpo_warmup,
+        packed_row_sequences=work.packed_row_sequences
+        if args.grpo_packed_row_sequences is None
+        else args.grpo_packed_row_sequences,
     )
     if args.grpo_task not in (None, "arithmetic"):  # the task's prompts keep their own room
         work = dataclasses.replace(work, seq=task_prompt_room(args.grpo_task) + work.new_tokens)

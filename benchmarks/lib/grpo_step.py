@@ -164,7 +164,7 @@ def grpo_overrides(
     mbs = micro_batch(work, layout.dp)
     return [
         *layout_overrides(layout, jax_cpu_slots),
-        *token_batching_overrides(layout, mbs * work.seq, PACKED_ROW_SEQUENCES * work.seq),
+        *token_batching_overrides(layout, mbs * work.seq, work.packed_row_sequences * work.seq),
         f"policy.model_name={model_path}",
         f"policy.tokenizer.name={tokenizer_path}",
         f"policy.precision={precision}",
@@ -203,12 +203,6 @@ def grpo_overrides(
         *(ASYNC_OVERRIDES if async_grpo else ()),
         *(multi_turn_overrides(work, multi_turn) if multi_turn else ()),
     ]
-
-
-#: A ``-packed`` / ``-shared`` layout's packed rows hold this many full-length sequences' tokens:
-#: the attention over a packed row grows with its width (its mask is dense), the projections
-#: and MLP do not, so short packed rows cost least.
-PACKED_ROW_SEQUENCES = 2
 
 
 def token_batching_overrides(layout: Layout, budget: int, packed_budget: int) -> list[str]:

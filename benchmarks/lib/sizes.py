@@ -22,6 +22,11 @@ class GRPOWorkload:
     steps: int  # timed steps
     warmup: int = 1  # untimed steps first (compile, first refit, allocator)
     full_length: bool = False  # every completion exactly new_tokens long (min_new_tokens = new_tokens)
+    #: A -packed / -shared layout's packed row (its token budget) holds this many full-length
+    #: sequences.  Short rows keep a dense packed mask cheap (torch); a worker that gives each
+    #: device one packed row per micro batch runs many small micro batches with them, and JAX's
+    #: banded attention makes wide rows cheap (docs/results.md, packed rows on JAX).
+    packed_row_sequences: int = 2
 
     @property
     def samples(self) -> int:

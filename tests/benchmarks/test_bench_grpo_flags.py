@@ -54,6 +54,10 @@ def test_defaults_are_the_size_workload_and_the_flags_override_it(with_vllm):
     tuned = parse("--grpo-micro-batch", "64", "--grpo-steps", "4", "--grpo-warmup", "3").grpo_work
     assert (tuned.micro_batch, tuned.steps, tuned.prompts, tuned.new_tokens) == (64, 4, small.prompts, small.new_tokens)
     assert (tuned.warmup, parse().grpo_work.warmup) == (3, small.warmup)
+    wide = parse("--grpo-packed-row-sequences", "32").grpo_work
+    assert (wide.packed_row_sequences, small.packed_row_sequences) == (32, 2)
+    budget = f"policy.sequence_packing.train_mb_tokens={32 * wide.seq}"
+    assert budget in grpo_overrides(parse_layout("jax-fsdp2-packed"), wide, "m", "t", "float32", "/x")
 
 
 def test_the_overrides_the_workload_and_async_produce():
@@ -95,6 +99,7 @@ def test_the_overrides_the_workload_and_async_produce():
         (["--grpo-micro-batch", "0"], "--grpo-micro-batch must be >= 1, got 0"),
         (["--grpo-steps", "0"], "--grpo-steps must be >= 1, got 0"),
         (["--grpo-warmup", "0"], "--grpo-warmup must be >= 1, got 0"),
+        (["--grpo-packed-row-sequences", "0"], "--grpo-packed-row-sequences must be >= 1, got 0"),
         (["--grpo-steps", "2", "--sections", "refit"], "--grpo-steps: only --sections grpo and generation use"),
         (["--grpo-new-tokens", "600"], "prompt room 16 + 600 new tokens = 616 > the small model's 512 positions"),
         (["--grpo-prompts", "3", "--grpo-group", "3"], "9 samples per step do not split over the data-parallel"),
