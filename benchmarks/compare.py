@@ -234,14 +234,9 @@ def grpo_workload(parser: argparse.ArgumentParser, args: argparse.Namespace, siz
         return None
     full = args.grpo_full_length if args.grpo_full_length is not None else args.grpo_new_tokens is not None
     work = size.grpo.with_overrides(args.grpo_new_tokens, args.grpo_prompts, args.grpo_group, full)
+    given_fields = ("micro_batch", "steps", "warmup", "packed_row_sequences")
     work = dataclasses.replace(
-        work,
-        micro_batch=work.micro_batch if args.grpo_micro_batch is None else args.grpo_micro_batch,
-        steps=work.steps if args.grpo_steps is None else args.grpo_steps,
-        warmup=work.warmup if args.grpo_warmup is None else args.grpo_warmup,
-        packed_row_sequences=work.packed_row_sequences
-        if args.grpo_packed_row_sequences is None
-        else args.grpo_packed_row_sequences,
+        work, **{f: getattr(args, f"grpo_{f}") for f in given_fields if getattr(args, f"grpo_{f}") is not None}
     )
     if args.grpo_task not in (None, "arithmetic"):  # the task's prompts keep their own room
         work = dataclasses.replace(work, seq=task_prompt_room(args.grpo_task) + work.new_tokens)

@@ -290,10 +290,8 @@ class PackedRow:
         band of keys behind each query needs no wider band."""
         if not self.valid.any():
             return 0
-        first: dict[int, int] = {}
-        for col, seg in enumerate(self.segments.tolist()):
-            first.setdefault(seg, col)
-        starts = np.asarray([first[s] for s in range(max(first) + 1)], np.int64)
+        # Segments are numbered 0, 1, ... in column order: each one's first column.
+        starts = np.searchsorted(self.segments, np.arange(int(self.segments[-1]) + 1))
         cols = np.flatnonzero(self.valid)
         reads_from = np.minimum(starts[self.segments[cols]], starts[self.prefix_segments[cols]])
         return int((cols - reads_from).max())

@@ -58,8 +58,8 @@ def band_window(reach: int, width: int, block: int) -> int | None:
     at least half of the dense scores (or ``block`` does not divide ``width``)."""
     if width % block:
         return None
-    blocks = 1 << max(0, -(-(reach + block) // block) - 1).bit_length()  # ceil((reach + block) / block), 2^k
-    window = blocks * block
+    needed = -(-(reach + block) // block)  # blocks: the query's own and those its reach spans
+    window = (1 << (needed - 1).bit_length()) * block
     return window if 2 * window <= width else None
 
 
