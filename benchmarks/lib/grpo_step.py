@@ -123,20 +123,25 @@ def multi_turn_overrides(work: GRPOWorkload, turns: int) -> list[str]:
     ]
 
 
-def layout_overrides(layout: Layout, jax_cpu_slots: int | None = None) -> list[str]:
-    """What puts a run on ``layout``: backend, slots, parallel sizes.  A JAX worker on a CPU
-    machine gets ``jax_cpu_slots`` CPUs (its XLA host devices come from ``XLA_FLAGS``, which the
-    benchmark's Ray session sets), elsewhere one slot per device."""
+def layout_overrides(layout: Layout, cpu_threads: int | None = None) -> list[str]:
+    """What puts a run on ``layout``: backend, slots, parallel sizes.  On a CPU machine every
+    layout gets ``cpu_threads`` CPUs in all (``dualrl bench --threads``, as every other section):
+    a JAX worker one XLA host device per CPU (from ``XLA_FLAGS``, which the benchmark's Ray
+    session sets), a torch layout's workers ``cpu_threads / workers`` each
+    (``cluster.cpus_per_slot``: their threads, and the engines colocated on each slot).  On a
+    GPU (``cpu_threads`` None) one slot per device."""
     if layout.lora:  # no LoRA settings here: the layout would run the base model
         raise LayoutError(f"layout {layout.name!r}: -lora (policy.lora) is measured by dualrl parity only")
     settings = layout.policy_settings()  # packing, if on, with the config's own budgets
-    devices = layout.devices
-    if layout.per_host and jax_cpu_slots:
+    devices, cpus_per_slot = layout.devices, 1
+    if layout.per_host and cpu_threads:
         # the mesh's fsdp axis fills the actor's devices (checked after start-up: mesh_mismatch)
-        devices = max(layout.tp * layout.cp, jax_cpu_slots - jax_cpu_slots % (layout.tp * layout.cp))
+        devices = max(layout.tp * layout.cp, cpu_threads - cpu_threads % (layout.tp * layout.cp))
         settings["parallel.fsdp_size"] = -1
+    elif cpu_threads:
+        cpus_per_slot = max(1, cpu_threads // devices)
     out = [f"policy.{key}={_yaml(value)}" for key, value in settings.items()]
-    return out + [f"cluster.gpus_per_node={devices}", "cluster.num_nodes=1"]
+    return out + [f"cluster.gpus_per_node={devices}", "cluster.num_nodes=1", f"cluster.cpus_per_slot={cpus_per_slot}"]
 
 
 def _yaml(value: Any) -> str:
@@ -151,7 +156,7 @@ def grpo_overrides(
     precision: str,
     log_dir: str,
     generation: str = "vllm",
-    jax_cpu_slots: int | None = None,
+    cpu_threads: int | None = None,
     async_grpo: bool = False,
     multi_turn: int | None = None,
     numerics: str = "default",
@@ -163,7 +168,7 @@ def grpo_overrides(
     gbs = work.samples
     mbs = micro_batch(work, layout.dp)
     return [
-        *layout_overrides(layout, jax_cpu_slots),
+        *layout_overrides(layout, cpu_threads),
         *token_batching_overrides(layout, mbs * work.seq, work.packed_row_sequences * work.seq),
         f"policy.model_name={model_path}",
         f"policy.tokenizer.name={tokenizer_path}",
@@ -236,7 +241,7 @@ def grpo_config(
     precision: str,
     log_dir: str,
     generation: str = "vllm",
-    jax_cpu_slots: int | None = None,
+    cpu_threads: int | None = None,
     async_grpo: bool = False,
     multi_turn: int | None = None,
     task: str = "arithmetic",
@@ -255,7 +260,7 @@ def grpo_config(
         precision,
         log_dir,
         generation,
-        jax_cpu_slots,
+        cpu_threads,
         async_grpo,
         multi_turn,
         numerics,
@@ -271,7 +276,7 @@ def measure_grpo(
     precision: str,
     log_dir: str,
     generation: str = "vllm",
-    jax_cpu_slots: int | None = None,
+    cpu_threads: int | None = None,
     async_grpo: bool = False,
     multi_turn: int | None = None,
     task: str = "arithmetic",
@@ -293,7 +298,7 @@ def measure_grpo(
         precision,
         log_dir,
         generation,
-        jax_cpu_slots,
+        cpu_threads,
         async_grpo,
         multi_turn,
         task,
@@ -307,6 +312,7 @@ def measure_grpo(
         mismatch = mesh_mismatch(run.policy, layout)
         if mismatch:
             raise RuntimeError(mismatch)
+        threads = compute_threads(run)
         if async_grpo:
             from core.algorithms.async_grpo import async_grpo_loop
 
@@ -316,8 +322,17 @@ def measure_grpo(
         steps = [step_fn(step) for step in range(1, total + 1)]
     finally:
         run.close()
-    out = summarize(steps, work, startup, async_grpo)
+    out = {**summarize(steps, work, startup, async_grpo), "threads": threads}
     return {**out, **multi_turn_facts(steps[work.warmup :], multi_turn)} if multi_turn else out
+
+
+def compute_threads(run) -> dict[str, list[int | None]]:
+    """The compute threads each policy worker and each engine has: torch's own count (None for a
+    JAX worker: XLA's pool spans the CPUs the process may run on) and the engines' (empty when the
+    policy generates itself)."""
+    policy = [info.get("torch_num_threads") for info in run.policy.get_gpu_info()]
+    generation = run.engine.generation
+    return {"policy": policy, "engines": list(generation.engine_threads) if generation is not None else []}
 
 
 def summarize(steps: list[dict[str, float]], work: GRPOWorkload, startup: float, async_grpo: bool) -> dict[str, Any]:

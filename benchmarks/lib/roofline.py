@@ -137,8 +137,11 @@ def _xla_runs(dtype: str, products: list[Product]) -> list:
 
 
 def serve_peaks(spec: dict) -> None:
-    """Child side of :func:`measure_peaks`: one reply ``{engine: {dtype: GFLOP/s}}`` for the spec's
-    engines (its ``pin``: CPUs to restrict every thread of this process to, before any pool starts)."""
+    """Child side of :func:`measure_peaks`: one reply ``{"peaks": {engine: {dtype: GFLOP/s}},
+    "errors": {"engine dtype": why}}`` for the spec's engines (its ``pin``: CPUs to restrict every
+    thread of this process to, before any pool starts).  A product one engine cannot run in one
+    dtype (oneDNN has no bf16 inner product on a CPU without AVX-512) is that pair's error; the
+    engine's other dtype still counts."""
     if spec.get("pin"):
         os.sched_setaffinity(0, spec["pin"])
     products = [Product(**p) for p in spec["products"]]
@@ -147,16 +150,24 @@ def serve_peaks(spec: dict) -> None:
 
         if spec["device"] != "cuda":
             torch.set_num_threads(spec["threads"])
-    out: dict[str, dict[str, float]] = {}
+    peaks: dict[str, dict[str, float]] = {}
+    errors: dict[str, str] = {}
     for engine in spec["engines"]:
-        out[engine] = {}
+        peaks[engine] = {}
         for dtype in spec["dtypes"]:
-            if engine == "xla":
-                runs = _xla_runs(dtype, products)
-            else:
-                runs = _torch_runs(engine, dtype, spec["device"], products)
-            out[engine][dtype] = combined_rate(products, [_best_seconds(r, spec["repeats"]) for r in runs])
-    reply(out)
+            try:
+                if engine == "xla":
+                    runs = _xla_runs(dtype, products)
+                else:
+                    runs = _torch_runs(engine, dtype, spec["device"], products)
+                peaks[engine][dtype] = combined_rate(products, [_best_seconds(r, spec["repeats"]) for r in runs])
+            except RuntimeError as err:  # the engine's own refusal of this dtype; anything else fails the child
+                errors[f"{engine} {dtype}"] = _last_line(err)
+    reply({"peaks": peaks, "errors": errors})
+
+
+def _last_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[-1][:300]
 
 
 def present_engines(device: str) -> dict[str, list[str]]:
@@ -190,7 +201,8 @@ def measure_peaks(
     config: Any, tokens: int, device: str, threads: int, repeats: int = 3, dtypes: tuple[str, ...] = DTYPES
 ) -> dict[str, Any]:
     """Every present engine's rate on the workload's products (the module docstring), each engine
-    family in a child process of its own; an engine that fails is reported with its error."""
+    family in a child process of its own; a family whose child fails, or an engine that refuses
+    one dtype, is reported with its error (``errors``: by family, or by ``"engine dtype"``)."""
     products = workload_products(config, tokens)
     peaks: dict[str, dict[str, float]] = {}
     errors: dict[str, str] = {}
@@ -208,9 +220,10 @@ def measure_peaks(
         }
         try:
             (got,) = run_child("benchmarks.lib.roofline:serve_peaks", spec, threads, env=env)
-            peaks.update(got)
+            peaks.update(got["peaks"])
+            errors.update(got["errors"])
         except Exception as err:  # noqa: BLE001 -- reported; the other engines still count
-            errors[family] = str(err).strip().splitlines()[-1][:300]
+            errors[family] = _last_line(err)
     return {"tokens": tokens, "products": [vars(p) for p in products], "peaks": peaks, "errors": errors}
 
 

@@ -61,6 +61,12 @@ class ClusterConfig(ConfigModel):
     """On CPU machines: worker slots per node."""
     num_nodes: int = Field(1, ge=1)
     """Nodes; world size = gpus_per_node x num_nodes."""
+    cpus_per_slot: int = Field(1, ge=1)
+    """CPUs Ray reserves with each slot.  On CPU machines they are the slot's compute threads:
+    a torch worker's, a JAX host worker's (per device), and the vLLM engines colocated on the
+    slot (one single-threaded engine per CPU); e.g. ``gpus_per_node=1 cpus_per_slot=8`` runs one
+    torch worker on 8 cores.  A CPU run may ask for more than the machine's cores (the OS
+    shares them); on an existing Ray cluster the slots must fit its CPUs."""
 
     @property
     def world_size(self) -> int:

@@ -73,7 +73,7 @@ def cpu_slots_needed(cfg: MasterConfig) -> int:
     """Logical CPUs a CPU-only run asks Ray for: the training slots, plus the engines' own
     slots when generation is not colocated.  May exceed the cores: on a CPU machine a slot
     is a process, and the OS shares the cores between them."""
-    slots = cfg.cluster.world_size
+    slots = cfg.cluster.world_size * cfg.cluster.cpus_per_slot
     gen = cfg.policy.generation
     if gen is not None and uses_vllm(cfg) and not is_colocated(cfg):
         resources = gen.colocated.resources
@@ -94,13 +94,13 @@ def policy_cluster(cfg: MasterConfig, name: str = "policy") -> RayVirtualCluster
     """The training cluster (shared with the engines when generation is colocated, and with
     the distillation teacher's workers)."""
     cluster = cfg.cluster
-    per_node, nodes = cluster.gpus_per_node, cluster.num_nodes
+    per_node, nodes, cpus = cluster.gpus_per_node, cluster.num_nodes, cluster.cpus_per_slot
     share = colocated_groups(cfg)
     if not cfg.policy.spec.one_worker_per_device:
         return RayVirtualCluster(
-            [1] * nodes, num_cpus_per_bundle=per_node, max_colocated_worker_groups=share, name=name
+            [1] * nodes, num_cpus_per_bundle=per_node * cpus, max_colocated_worker_groups=share, name=name
         )
-    return RayVirtualCluster([per_node] * nodes, max_colocated_worker_groups=share, name=name)
+    return RayVirtualCluster([per_node] * nodes, num_cpus_per_bundle=cpus, max_colocated_worker_groups=share, name=name)
 
 
 def colocated_groups(cfg: MasterConfig) -> int:

