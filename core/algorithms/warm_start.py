@@ -153,6 +153,11 @@ def cache_key(
             exclude=left_out, exclude_none=True
         )
         sft["policy"] = _published_spelling(sft["policy"])
+        # cluster.cpus_per_slot came after the first keys too; at its default (the published
+        # builds' one CPU per slot) it is left out, other values key their own build (a torch
+        # worker's thread count can change its reductions' bits).
+        if sft["cluster"].get("cpus_per_slot") == 1:
+            del sft["cluster"]["cpus_per_slot"]
         payload.update(warm_start=sft, exclude=sorted(exclude))
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

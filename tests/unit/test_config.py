@@ -284,7 +284,7 @@ def test_unknown_key_with_suggestion(cfg):
 
 def test_unknown_key_without_close_match_lists_known_keys(cfg):
     cfg["cluster"]["zzz"] = 1
-    assert errors_of(cfg) == ["cluster.zzz: unknown key (known keys: gpus_per_node, num_nodes)"]
+    assert errors_of(cfg) == ["cluster.zzz: unknown key (known keys: gpus_per_node, num_nodes, cpus_per_slot)"]
 
 
 def test_unknown_top_level_key(cfg):

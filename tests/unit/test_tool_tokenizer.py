@@ -60,3 +60,14 @@ def test_the_embedded_models_cache_keys_did_not_move():
 
     assert cache_key("arithmetic-llama", ArithmeticTaskConfig(), ["1+2="]) == "75e09adbe821cb07"
     assert cache_key("arithmetic-llama-small", ArithmeticTaskConfig(), ["1+2="]) == "1f4f367eff91d920"
+
+
+def test_a_warm_start_on_more_cpus_per_slot_keys_its_own_build(monkeypatch):
+    # cluster.cpus_per_slot is left out of the key at its default only (the published keys above);
+    # another thread count may change the weights' bits, so it builds apart.
+    from core.algorithms.warm_start import cache_key
+    from core.environments.config import ArithmeticTaskConfig
+    from core.models.builtin import WARM_START_SFT_OVERRIDES
+
+    monkeypatch.setitem(WARM_START_SFT_OVERRIDES, "arithmetic-llama", ("cluster.cpus_per_slot=2",))
+    assert cache_key("arithmetic-llama", ArithmeticTaskConfig(), ["1+2="]) != "75e09adbe821cb07"
