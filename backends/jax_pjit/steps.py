@@ -152,11 +152,22 @@ def zero_grads(params: Any) -> Any:
     """A gradient accumulator: zeros shaped *and sharded* like ``params``.
 
     The sharding must be the one the grad step returns, or the second micro batch would see
-    a differently laid-out accumulator and compile a second program.
+    a differently laid-out accumulator and compile a second program.  One program makes every
+    leaf (a dispatch per leaf cost as much as a whole optimizer update on a CPU host).
     """
-    # jnp.zeros(device=...) hits jax's own compilation cache on every call; a fresh
-    # jax.jit(lambda ...) per call would trace and compile again each time.
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), params)
+    leaves, treedef = jax.tree.flatten(params)
+    return _zeros_program(treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))()
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros_program(treedef: Any, leaves: tuple[tuple[tuple[int, ...], Any, Any], ...]) -> Callable[[], Any]:
+    """The jitted zeros of one params tree (kept: a fresh ``jax.jit`` per call would trace again)."""
+    shardings = jax.tree.unflatten(treedef, [sharding for _, _, sharding in leaves])
+
+    def zeros() -> Any:
+        return jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype, _ in leaves])
+
+    return jax.jit(zeros, out_shardings=shardings)
 
 
 def value_and_grad_of(micro_loss: Callable, trainable: Any = None) -> Callable:

@@ -425,12 +425,18 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
 
     def _offload(self, name: str) -> None:
         """Move ``self.<name>`` (a sharded pytree) to host memory (``sharding.stash``); the device
-        buffers are freed when the last reference goes."""
+        buffers are freed when the last reference goes.  Not on CPU devices: their buffers are
+        host memory already, so the move would free nothing for a colocated engine and cost
+        two copies of the state per step (out before the refit, back before the next call)."""
         tree = getattr(self, name)
-        if tree is None:
+        if tree is None or not self._offload_frees_device_memory:
             return
         self._host_copies[name] = stash(tree)
         setattr(self, name, None)
+
+    @property
+    def _offload_frees_device_memory(self) -> bool:
+        return self.mesh.devices.flat[0].platform != "cpu"
 
     def _reload(self, name: str) -> None:
         if name in self._host_copies:

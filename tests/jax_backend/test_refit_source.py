@@ -1,9 +1,10 @@
 """The JAX worker's side of a refit: metadata without a gather, tensors laid out and cast on the devices.
 
 ``prepare_refit_info`` answers from the HF mapping's shapes (it works with the params
-offloaded to host memory and leaves them there); ``iter_full_weights(dtype)`` lays out and
-casts each tensor on the devices -- one program per distinct shape, shared by the layers --
-and its tensors equal, bit for bit, the host-side conversion of the gathered params.
+offloaded to host memory and leaves them there; on CPU devices the offload moves nothing);
+``iter_full_weights(dtype)`` lays out and casts each tensor on the devices -- one program per
+distinct shape, shared by the layers -- and its tensors equal, bit for bit, the host-side
+conversion of the gathered params.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def _bits(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def test_prepare_refit_info_is_metadata_only(worker):
+def test_prepare_refit_info_is_metadata_only(worker, monkeypatch):
     streamed = {name: (tuple(a.shape), dtype_name(a.dtype)) for name, a in worker.iter_full_weights()}
+    # The offload of a worker on accelerators (CPU devices keep their buffers: the test below).
+    monkeypatch.setattr(type(worker), "_offload_frees_device_memory", property(lambda self: True))
     worker.offload_after_refit()  # params to host memory: nothing on the devices to gather
     try:
         info = worker.prepare_refit_info()
@@ -55,3 +58,15 @@ def test_prepare_refit_info_is_metadata_only(worker):
         assert list(info) == list(streamed) and info == streamed
     finally:
         worker.prepare_for_training()
+
+
+def test_offload_on_cpu_devices_moves_nothing(worker):
+    """CPU devices' buffers are host memory: the placement calls keep the very same arrays (no
+    copy out before a refit and back before the next call)."""
+    params, opt_state = worker.params, worker.opt_state
+    assert opt_state is not None
+    worker.offload_before_refit()
+    worker.offload_after_refit()
+    assert worker.params is params and worker.opt_state is opt_state and not worker._host_copies
+    worker.prepare_for_training()
+    assert worker.params is params and worker.opt_state is opt_state

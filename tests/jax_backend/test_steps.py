@@ -163,3 +163,18 @@ def test_bfloat16_compute_over_fp32_params(model_dir):
     np.testing.assert_allclose(lp[:, :SEQ], ref.numpy(), rtol=0, atol=0.1)
     assert all(g.dtype == jnp.float32 and bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_zero_grads_are_one_program_sharded_like_the_params(model_dir):
+    _, _, _, _, params, shardings = _setup(model_dir, 4, 2)
+    before = steps._zeros_program.cache_info()
+    acc = steps.zero_grads(params)
+    again = steps.zero_grads(params)
+    after = steps._zeros_program.cache_info()
+    assert after.hits - before.hits >= 1 and after.misses - before.misses <= 1  # one program per params tree
+    leaves = zip(jax.tree.leaves(acc), jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True)
+    for zero, param, sharding in leaves:
+        assert zero.shape == param.shape and zero.dtype == param.dtype
+        assert zero.sharding.is_equivalent_to(sharding, param.ndim) and not np.asarray(zero).any()
+    fresh = zip(jax.tree.leaves(acc), jax.tree.leaves(again), strict=True)
+    assert all(a is not b for a, b in fresh)  # new buffers each call: the grad step donates them
