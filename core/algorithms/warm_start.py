@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from core.algorithms.config import MasterConfig, SFTRunConfig
+from core.algorithms.config import ClusterConfig, MasterConfig, SFTRunConfig
 from core.algorithms.sft import setup_sft, sft_train
 from core.algorithms.training_run import execute
 from core.config import EMBEDDED_CONFIGS, ConfigError, load_config
@@ -156,7 +156,7 @@ def cache_key(
         # cluster.cpus_per_slot came after the first keys too; at its default (the published
         # builds' one CPU per slot) it is left out, other values key their own build (a torch
         # worker's thread count can change its reductions' bits).
-        if sft["cluster"].get("cpus_per_slot") == 1:
+        if sft["cluster"].get("cpus_per_slot") == ClusterConfig.model_fields["cpus_per_slot"].default:
             del sft["cluster"]["cpus_per_slot"]
         payload.update(warm_start=sft, exclude=sorted(exclude))
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
