@@ -73,8 +73,7 @@ def policy_problems(policy: PolicyConfig, hf_config: Any, cluster: RayVirtualClu
     own, e.g. expert parallelism over fsdp), then the weights' placement on it."""
     devices = workers * host_device_count(cluster)
     where = f" ({workers} worker(s) x {devices // workers} device(s) each)"
-    # layout_problems' last rule, whole micro batches per data-parallel rank, is the run config's:
-    # a JAX host splits each micro batch over its own devices.
+    # layout_problems' last rule holds as on a worker per device: every data-parallel device runs
+    # train_micro_batch_size rows per micro batch (the worker's micro batch: that many per device).
     mesh = [(field, message + where) for field, message in policy.layout_problems(devices)]
-    mesh = [(field, message) for field, message in mesh if field != "train_global_batch_size"]
     return mesh or placement_problems(policy, hf_config, policy.parallel_dims(devices))

@@ -146,14 +146,13 @@ class RowLayouts:
 
     # ------------------------------------------------------------------ host <-> device
     def check_rows_split(self, rows: int, field: str) -> None:
-        """Several processes: a micro batch of ``rows`` rows per process must split over the
-        mesh's fsdp axis (one process cannot fall back to replicating its rows: the others'
-        differ)."""
+        """A micro batch holds ``rows`` rows on each device of the mesh's fsdp (data-parallel)
+        axis; several processes each feed an equal share of them."""
         n, fsdp = jax.process_count(), int(self.mesh.shape["fsdp"])
-        if n > 1 and (rows * n) % fsdp:
+        if (rows * fsdp) % n:
             raise ValueError(
-                f"{field}={rows} rows per process x {n} processes is not divisible by the mesh's "
-                f"fsdp axis of size {fsdp}: multi-process JAX needs every micro batch split over fsdp"
+                f"{field}={rows} rows per data-parallel device x fsdp {fsdp} is not divisible by the {n} "
+                "processes: each process feeds an equal share of every micro batch"
             )
 
     def device_batch(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -82,6 +82,12 @@ def _driver_checks(
     return policy_problems(policy, model_config, cluster, workers)
 
 
+def _devices_per_worker(cluster: RayVirtualCluster) -> int:
+    from backends.jax_pjit.driver_checks import host_device_count
+
+    return host_device_count(cluster)
+
+
 SPEC = BackendSpec(
     name="jax_pjit",
     worker="backends.jax_pjit.worker:JaxPolicyWorker",
@@ -127,4 +133,5 @@ SPEC = BackendSpec(
     layout_checks=_layout_checks,
     model_checks=_model_checks,
     driver_checks=_driver_checks,
+    devices_per_worker=_devices_per_worker,
 )

@@ -174,6 +174,10 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
         return jax.process_count()  # the driver shards over hosts; each splits its rows over its devices
 
     @property
+    def _data_parallel_devices(self) -> int:
+        return int(self.mesh.shape["fsdp"])
+
+    @property
     def _context_parallel_size(self) -> int:
         return int(self.mesh.shape["cp"])
 

@@ -79,15 +79,10 @@ def policy_config(
     ``packing`` updates ``sequence_packing`` (``benchmarks.packing``); a ``-dynamic`` layout
     plans token-budget micro batches of a rank's ``local x seq`` padded tokens; ``lora``: the
     ``policy.lora`` settings of a ``-lora`` layout (one without them is refused by name).
-
-    A layout of one worker owning all the devices (JAX) has a micro batch holding every rank's
-    rows (split over the mesh's fsdp axis inside the worker): ``micro x fsdp`` rows, by default
-    the whole batch."""
+    A rank is a device of the data axis on every backend (a JAX worker owning several runs
+    ``micro`` rows on each)."""
     cfg = apply_settings(default_policy_section(), layout.policy_settings())
-    if layout.per_host:
-        local = min(micro * layout.dp if micro else batch, batch)
-    else:
-        local = min(micro or batch, batch // layout.dp)
+    local = min(micro or batch, batch // layout.dp)
     cfg.update(
         model_name=model_path,
         train_global_batch_size=batch,
@@ -102,8 +97,7 @@ def policy_config(
     if packing:
         cfg["sequence_packing"].update(packing)
     if layout.dynamic:  # token budgets of one rank's padded micro batch: more rows where they are short
-        rows = local // layout.dp if layout.per_host else local
-        cfg["dynamic_batching"].update(layout.dynamic_batching(rows * seq))
+        cfg["dynamic_batching"].update(layout.dynamic_batching(local * seq))
     if layout.lora:
         if lora is None:  # a benchmark with no LoRA settings of its own would run the base model
             raise LayoutError(f"layout {layout.name!r}: -lora (policy.lora) is measured by dualrl parity only")

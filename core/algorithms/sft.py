@@ -131,7 +131,7 @@ def sft_validate(run: TrainingRun, step: int) -> dict[str, float]:
 
 def check_val_batches(run: TrainingRun) -> None:
     """Validation batches must split over the data-parallel ranks like training batches."""
-    section, dp = supervised_section(run), run.policy.dp
+    section, dp = supervised_section(run), run.policy.data_parallel_size
     gbs, mbs = section.val_global_batch_size, section.val_micro_batch_size
     if section.val_batches and gbs % (dp * mbs):
         raise ValueError(

@@ -118,6 +118,9 @@ class BackendSpec:
     """How ``policy.parallel`` becomes its mesh on a world size."""
     worker_layout: Callable[[PolicyConfig, int], WorkerLayout] | None = None
     """How its workers are laid out (None: :func:`device_layout` or :func:`host_layout`)."""
+    devices_per_worker: Callable[[RayVirtualCluster], int] | None = None
+    """How many devices each of its workers will own on a cluster, where a worker owns a whole
+    host (None: one, a worker per device).  With the worker count, the world its mesh spans."""
 
     def __post_init__(self) -> None:
         unknown = sorted((set(self.supports) | set(self.why_not)) - OPTION_KEYS)
@@ -131,6 +134,13 @@ class BackendSpec:
         if self.worker_layout is not None:
             return self.worker_layout(policy, n_workers)
         return (device_layout if self.one_worker_per_device else host_layout)(policy, n_workers)
+
+    def data_parallel_size(self, policy: PolicyConfig, cluster: RayVirtualCluster, n_workers: int) -> int:
+        """Data-parallel ranks of ``policy``'s mesh on ``n_workers`` workers of ``cluster``,
+        counted in devices: every one of them runs ``policy.train_micro_batch_size`` rows per
+        micro batch, whichever worker owns it."""
+        per_worker = 1 if self.devices_per_worker is None else self.devices_per_worker(cluster)
+        return self.parallel_dims(policy, n_workers * per_worker).dp
 
     def load_worker(self) -> type:
         module_name, _, cls_name = self.worker.partition(":")

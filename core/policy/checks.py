@@ -146,12 +146,19 @@ def check_sequence_lengths(data: Mapping[str, Any], max_total_sequence_length: i
 
 
 def check_train_batch(
-    data: Mapping[str, Any], gbs: int, mbs: int, dp: int, max_total_sequence_length: int, local: bool = True
+    data: Mapping[str, Any],
+    gbs: int,
+    mbs: int,
+    dp: int,
+    max_total_sequence_length: int,
+    local: bool = True,
+    shards: int | None = None,
 ) -> int:
-    """Validate a training batch; returns the rows per rank and global batch (gbs / dp).
+    """Validate a training batch of ``mbs`` rows per micro batch on each of ``dp``
+    data-parallel devices; returns the rows per shard and global batch (gbs / shards).
 
-    ``local``: ``data`` is one data-parallel rank's shard (workers) rather than the whole
-    batch (the driver).
+    ``local``: ``data`` is one shard (a worker's) rather than the whole batch (the driver).
+    ``shards``: the workers the rows are sharded over (default ``dp``: a worker per device).
     """
     check_sequence_lengths(data, max_total_sequence_length)
     if gbs <= 0 or mbs <= 0:
@@ -163,12 +170,13 @@ def check_train_batch(
         )
     if "sample_mask" not in data:
         raise BatchError(f"training data is missing 'sample_mask'; it has {sorted(data.keys())}")
-    rows = gbs // dp if local else gbs
+    shards = shards or dp
+    rows = gbs // shards if local else gbs
     size = data["input_ids"].shape[0]
     if size == 0 or size % rows:
         where = "this rank's shard" if local else "the batch"
         raise BatchError(
             f"{where} has {size} rows, not a positive multiple of the global batch size {rows}"
-            + (f" / dp {dp}" if local else "")
+            + (f" / {shards} shards" if local else "")
         )
     return rows

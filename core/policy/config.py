@@ -123,9 +123,10 @@ class PolicyConfig(ConfigModel):
     train_global_batch_size: int = Field(gt=0)
     """Sequences per optimizer step, over all data-parallel ranks."""
     train_micro_batch_size: int = Field(gt=0)
-    """Sequences per forward/backward on one data-parallel rank."""
+    """Sequences per forward/backward on one data-parallel rank (a device of the data axis,
+    on every backend: a worker that owns several runs that many on each)."""
     logprob_batch_size: int = Field(gt=0)
-    """Sequences per forward when only log-probs are needed."""
+    """Sequences per forward, on one data-parallel rank, when only log-probs are needed."""
     generation_batch_size: int | None = Field(None, gt=0)
     """hf generation: rows per model generate call (per worker); null = all rows at once."""
     max_total_sequence_length: int = Field(gt=0)

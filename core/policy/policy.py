@@ -108,6 +108,11 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         problems = spec.driver_checks(self.cfg, self.model_config, cluster, n_workers)
         if found := [f"{join_path('policy', field)}: {message}" for field, message in problems]:
             raise ConfigError(found)
+        #: Data-parallel ranks counted in devices (``dp`` where a worker owns one device; on
+        #: workers owning a host, its data-parallel devices times the workers): each runs
+        #: ``train_micro_batch_size`` / ``logprob_batch_size`` rows per micro batch, as the
+        #: config check says, so a batch size means the same work per device on every backend.
+        self.data_parallel_size = spec.data_parallel_size(self.cfg, cluster, n_workers)
         self.tokenizer = tokenizer
         self.cluster = cluster
         #: The backend's worker class: the driver asks it what a layout refuses before sending work.
@@ -146,7 +151,9 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
             input_key="input_ids",
             input_lengths_key="input_lengths",
             sequence_length_round=db.sequence_length_round,
-            max_tokens_per_microbatch=getattr(db, budget_key),
+            # the budget is per data-parallel device: a worker owning several splits its
+            # micro batch over them
+            max_tokens_per_microbatch=getattr(db, budget_key) * (self.data_parallel_size // self.dp),
         )
 
     def _packing_args(self, budget_key: str, data: BatchedDataDict) -> SequencePackingArgs | None:
@@ -243,7 +250,7 @@ class Policy(ColocatablePolicyInterface, GenerationInterface):
         # before any worker call (inside a worker it would come after the step's collectives).
         contract.refuse_logits_only(self.worker_class.logits_loss_refusal(self.cfg, self.context_parallel))
         check_one_step_for_fused_old_logprobs(contract, data.size, gbs, eval_mode)
-        check_train_batch(data, gbs, mbs, self.dp, self.cfg.max_total_sequence_length, local=False)
+        check_train_batch(data, gbs, mbs, self.data_parallel_size, self.cfg.max_total_sequence_length, local=False)
         check_model_inputs(data, self.model_config.vocab_size)
         # Only on the driver (the workers trust it): a bad key or shape must not reach the
         # workers, where one rank's exception would take the whole group down, and the value

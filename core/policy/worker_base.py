@@ -117,6 +117,16 @@ class PolicyWorkerBase(
         """How many workers the driver's rows are sharded over (a global batch's divisor)."""
 
     @property
+    def _data_parallel_devices(self) -> int:
+        """Data-parallel ranks counted in devices, each running a batch size's rows per micro
+        batch (the workers, where a worker is one device)."""
+        return self._data_parallel_size
+
+    def _micro_batch_rows(self, mbs: int) -> int:
+        # this worker's share of a micro batch of ``mbs`` rows on every data-parallel device
+        return mbs * self._data_parallel_devices // self._data_parallel_size
+
+    @property
     def _context_parallel_size(self) -> int:
         """Ranks that split each sequence (1 without context parallelism)."""
         return 1
@@ -134,15 +144,24 @@ class PolicyWorkerBase(
         check_sequence_lengths(data, self.cfg.max_total_sequence_length)
         check_model_inputs(data, self.hf_config.vocab_size)
 
-    def _check_train_call(self, data: Mapping[str, Any], loss_fn: Any, gbs: int, mbs: int, eval_mode: bool) -> int:
+    def _check_train_call(
+        self, data: Mapping[str, Any], loss_fn: Any, gbs: int, mbs: int, eval_mode: bool
+    ) -> tuple[int, int]:
         """``train`` input, the loss's fit to this layout included; returns this rank's rows
-        per global batch."""
-        local_gbs = check_train_batch(data, gbs, mbs, self._data_parallel_size, self.cfg.max_total_sequence_length)
+        per global batch and per micro batch."""
+        field = "policy.train_micro_batch_size" if mbs == self.cfg.train_micro_batch_size else "mbs"
+        self._check_micro_batch_split(mbs, field)
+        local_gbs = check_train_batch(
+            data,
+            gbs,
+            mbs,
+            self._data_parallel_devices,
+            self.cfg.max_total_sequence_length,
+            shards=self._data_parallel_size,
+        )
         check_model_inputs(data, self.hf_config.vocab_size)
         contract = check_loss_fn(loss_fn)
         contract.refuse_logits_only(self.logits_loss_refusal(self.cfg, self._context_parallel_size))
         if not eval_mode and not self._has_optimizer:
             raise RuntimeError(OPTIMIZER_MISSING)
-        field = "policy.train_micro_batch_size" if mbs == self.cfg.train_micro_batch_size else "mbs"
-        self._check_micro_batch_split(mbs, field)
-        return local_gbs
+        return local_gbs, self._micro_batch_rows(mbs)

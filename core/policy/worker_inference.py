@@ -50,7 +50,7 @@ class WorkerInference(abc.ABC):
         with before_collectives():
             self._check_batch(data)
             self._check_micro_batch_split(mbs, "micro_batch_size" if micro_batch_size else "policy.logprob_batch_size")
-        logprobs, routed = self._score_rows(data, mbs, self._records_routing)
+        logprobs, routed = self._score_rows(data, self._micro_batch_rows(mbs), self._records_routing)
         out: BatchedDataDict[Any] = BatchedDataDict(logprobs=host_tensor(logprobs))
         if routed is not None:
             out["routed_experts"] = host_tensor(routed)
@@ -94,6 +94,12 @@ class WorkerInference(abc.ABC):
     def _check_micro_batch_split(self, mbs: int, field: str) -> None:
         """Refuse a micro batch size the engine's layout cannot split (``field`` names it)."""
         return None  # any size: the engine splits rows as they come
+
+    @abc.abstractmethod
+    def _micro_batch_rows(self, mbs: int) -> int:
+        """Rows of this worker's shard in one micro batch when every data-parallel device runs
+        ``mbs`` rows (a batch size's meaning on every backend): ``mbs`` where a worker is one
+        device; a worker owning several runs their rows together."""
 
     @abc.abstractmethod
     def _score_rows(self, data: BatchedDataDict, mbs: int, record_routing: bool) -> tuple[Any, Any]:

@@ -118,8 +118,8 @@ class WorkerTraining(abc.ABC, Generic[CallT]):
         gbs = gbs or self.cfg.train_global_batch_size
         mbs = mbs or self.cfg.train_micro_batch_size
         with before_collectives():
-            local_gbs = self._check_train_call(data, loss_fn, gbs, mbs, eval_mode)
-        with self._train_call(data, loss_fn, local_gbs, mbs, eval_mode) as call:
+            local_gbs, rows = self._check_train_call(data, loss_fn, gbs, mbs, eval_mode)
+        with self._train_call(data, loss_fn, local_gbs, rows, eval_mode) as call:
             results = [self._train_global_batch(call, gb) for gb in call.global_batches]
         if not eval_mode and any(r.skip_reason is None for r in results):
             self._advance_schedule()
@@ -142,15 +142,19 @@ class WorkerTraining(abc.ABC, Generic[CallT]):
 
     # ------------------------------------------------------------------ engine hooks
     @abc.abstractmethod
-    def _check_train_call(self, data: Mapping[str, Any], loss_fn: Any, gbs: int, mbs: int, eval_mode: bool) -> int:
-        """``train``'s input checks (no collective); this rank's rows per global batch."""
+    def _check_train_call(
+        self, data: Mapping[str, Any], loss_fn: Any, gbs: int, mbs: int, eval_mode: bool
+    ) -> tuple[int, int]:
+        """``train``'s input checks (no collective); this rank's rows per global batch and per
+        micro batch (``mbs`` per data-parallel device)."""
 
     @abc.abstractmethod
     def _train_call(
         self, data: BatchedDataDict, loss_fn: LossFunction, local_gbs: int, mbs: int, eval_mode: bool
     ) -> contextlib.AbstractContextManager[CallT]:
         """Prepare the call (modes, device state, compiled steps, learning rate); the block
-        runs every global batch of ``data`` (``local_gbs`` rows each)."""
+        runs every global batch of ``data`` (``local_gbs`` rows each) in micro batches of
+        ``mbs`` of this rank's rows."""
 
     @abc.abstractmethod
     def _global_valid_counts(self, gb: Any) -> tuple[Any, Any]:

@@ -90,7 +90,7 @@ class ServedModel:
             self.params = params
         batch: BatchedDataDict[Any] = BatchedDataDict.from_batches(self.pending)
         datums = batch.size
-        batch, mbs = padded_train_batch(batch, self.policy.dp, self.policy.cfg.train_micro_batch_size)
+        batch, mbs = padded_train_batch(batch, self.policy.data_parallel_size, self.policy.cfg.train_micro_batch_size)
         result = self.policy.train(batch, self.loss, gbs=batch.size, mbs=mbs)
         self.pending = []
         skipped = result.skipped_steps > 0

@@ -48,7 +48,8 @@ LAYOUTS = {
     "torch_fsdp": [],
     "torch_dtensor": ["policy.parallel.tensor_parallel_size=2"],
     # The test session's JAX actors see 8 XLA host devices (tests/conftest.py): fsdp 4 x tp 2.
-    "jax_pjit": ["policy.parallel.tensor_parallel_size=2"],
+    # Batch sizes are per data-parallel device: 4 x 2 scores the 8 rows of a call at once.
+    "jax_pjit": ["policy.parallel.tensor_parallel_size=2", "policy.logprob_batch_size=2"],
 }
 SEPARATE_ENGINE = [
     "policy.generation.colocated.enabled=false",

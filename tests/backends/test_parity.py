@@ -80,8 +80,7 @@ def test_eval_loss_is_the_full_batch_loss_at_every_micro_batch_size(fresh_policy
     data = pg_batch(4, seed=3)
     loss_fn = ClippedPGLossFn(PG_CFG)
     ref_loss, _ = reference_loss_and_norm(fresh_policy.model_dir, data, loss_fn)
-    dp = 1 if layout.per_host else layout.dp  # JAX: one worker, the whole batch
-    for mbs in (1, 4 // dp):  # 4 // dp: the whole of this rank's rows in one micro batch
+    for mbs in (1, 4 // layout.dp):  # 4 // dp: the whole of a data-parallel rank's rows in one micro batch
         loss = float(policy.train(data, loss_fn, eval_mode=True, mbs=mbs).loss[0])
         assert math.isclose(loss, ref_loss, rel_tol=1e-5, abs_tol=1e-6), (mbs, loss, ref_loss)
 

@@ -120,9 +120,9 @@ def test_worker_refuses_a_width_that_cannot_split(model_dirs, tokenizer):
 # ------------------------------------------------------------------------- numerics
 @pytest.fixture(scope="module")
 def cp1_reference(model_dirs, tokenizer):
-    """cp = 1 (fsdp 8): the first step's loss and grad norm, three AdamW steps' losses and a
-    probe's logprobs afterwards."""
-    worker = jax_worker(model_dirs["qwen2"], tokenizer, 8, 1, 1)
+    """cp = 1 (fsdp 4 x tp 2): the first step's loss and grad norm, three AdamW steps' losses
+    and a probe's logprobs afterwards."""
+    worker = jax_worker(model_dirs["qwen2"], tokenizer, 4, 1, 2)
     loss_fn = ClippedPGLossFn(BASE_CFG)
     results = [worker.train(pg_batch(4, seed=10 + i), loss_fn) for i in range(3)]
     probe = worker.get_logprobs(_ragged(4, seed=20))["logprobs"]

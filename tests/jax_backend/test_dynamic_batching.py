@@ -28,7 +28,7 @@ from tests.unit.test_losses import BASE_CFG
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) jax devices")
 
 BUDGET = 64
-FSDP = 8
+FSDP, TP = 4, 2
 ROUND = 8
 
 
@@ -63,7 +63,7 @@ def test_the_rows_ladder_pads_at_most_a_quarter_above_sixteen_rows():
 def test_micro_batches_follow_the_plan(model_dirs, tokenizer):
     """Each planned micro batch reaches the grad step at its own width (a multiple of the round,
     below the batch's widest row) with its rows padded to the ladder's rung of the fsdp axis."""
-    worker = jax_worker(model_dirs["llama"], tokenizer, FSDP, 1, 1, dynamic_batching=dynamic())
+    worker = jax_worker(model_dirs["llama"], tokenizer, FSDP, 1, TP, dynamic_batching=dynamic())
     shard, _ = planned_shard(uneven_batch(LENGTHS, seed=3))
     chunks = worker.rows.dynamic_plan(shard, len(LENGTHS) // 2)
     assert chunks is not None and len(chunks) == 2
@@ -90,12 +90,12 @@ def test_dynamic_batching_on_equals_off(model_dirs, tokenizer):
     data = uneven_batch(LENGTHS, seed=3)
     logprobs, results, after = [], [], []
     for enabled in (False, True):
-        worker = jax_worker(model_dirs["llama"], tokenizer, FSDP, 1, 1, dynamic_batching=dynamic(enabled))
+        worker = jax_worker(model_dirs["llama"], tokenizer, FSDP, 1, TP, dynamic_batching=dynamic(enabled))
         batch, order = planned_shard(data) if enabled else (data, None)
         assert (worker.rows.dynamic_segments(batch) is not None) == enabled
         scored = BatchedDataDict(logprobs=worker.get_logprobs(batch)["logprobs"])
         logprobs.append(scored.reorder_data(order)["logprobs"] if order is not None else scored["logprobs"])
-        results.append(worker.train(batch, ClippedPGLossFn(BASE_CFG), gbs=4, mbs=2))
+        results.append(worker.train(batch, ClippedPGLossFn(BASE_CFG), gbs=4, mbs=1))
         after.append(worker.get_logprobs(data)["logprobs"])
     torch.testing.assert_close(logprobs[1], logprobs[0], rtol=0, atol=1e-5)
     for step in range(2):

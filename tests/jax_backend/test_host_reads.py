@@ -44,10 +44,11 @@ def test_get_logprobs_queues_every_micro_batch_before_reading(worker, monkeypatc
     events: list[str] = []
     monkeypatch.setattr(worker, "_logprob_step", _recording(events, "step", worker._logprob_step))
     monkeypatch.setattr(worker_module.jax, "device_get", _recording(events, "read", jax.device_get))
-    data = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(4, SEQ, VOCAB, seed=3), strict=True))
+    # a micro batch: one row on each of the 4 fsdp devices
+    data = BatchedDataDict(zip(("input_ids", "input_lengths"), random_batch(16, SEQ, VOCAB, seed=3), strict=True))
     out = worker.get_logprobs(data)
     assert events == ["step"] * 4 + ["read"]
-    assert tuple(out["logprobs"].shape) == (4, SEQ)
+    assert tuple(out["logprobs"].shape) == (16, SEQ)
 
 
 def test_train_reads_once_per_optimizer_step(worker, monkeypatch):
@@ -57,6 +58,7 @@ def test_train_reads_once_per_optimizer_step(worker, monkeypatch):
     monkeypatch.setattr(worker, "_grad_step", lambda _: _recording(events, "micro batch", grad_step))
     monkeypatch.setattr(worker, "_apply_updates", _recording(events, "update", worker._apply_updates))
     monkeypatch.setattr(worker_training, "read_once", _recording(events, "read", worker_training.read_once))
-    out = worker.train(pg_batch(4, seed=1), loss_fn)  # one global batch of 4 rows, micro batches of 1
+    # one global batch of 16 rows, micro batches of 1 row on each of the 4 fsdp devices
+    out = worker.train(pg_batch(16, seed=1), loss_fn, gbs=16)
     assert events == ["micro batch"] * 4 + ["update", "read"]
     assert len(out.all_mb_metrics["loss"]) == 4 and out.grad_norm[0] > 0

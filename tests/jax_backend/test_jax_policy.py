@@ -64,3 +64,21 @@ def test_tp_that_does_not_divide_kv_heads_is_refused_on_the_driver(ray_session, 
             Policy(cluster, cfg, tokenizer)
     finally:
         cluster.shutdown()
+
+
+def test_a_global_batch_short_of_a_micro_batch_per_device_is_refused_on_the_driver(ray_session, model_dirs, tokenizer):
+    """Batch sizes are per data-parallel device on JAX as on torch: 2 rows on each of fsdp 4
+    devices is a micro batch of 8 rows, more than the global batch of 4 -- refused before the
+    worker starts, naming the fields."""
+    cfg = policy_config(model_dirs["llama"], "jax_pjit", train_global_batch_size=4, train_micro_batch_size=2)
+    cfg["parallel"].update(fsdp_size=4, tensor_parallel_size=2)
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=2)
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"policy\.train_global_batch_size: 4 is not divisible by train_micro_batch_size \(2\) x data "
+            r"parallel size \(4\) = 8",
+        ):
+            Policy(cluster, cfg, tokenizer)
+    finally:
+        cluster.shutdown()

@@ -109,7 +109,8 @@ def _same_program_only_under_the_same_precision(worker) -> None:
 
     ids, lengths = random_batch(2, SEQ, VOCAB, seed=2)
     host = {"input_ids": ids.numpy(), "input_lengths": lengths.numpy()}
-    host = steps.pad_micro_batch(host, 2, worker.rows.bucket(SEQ))
+    rows = worker._micro_batch_rows(worker.cfg.logprob_batch_size)  # get_logprobs' micro batch
+    host = steps.pad_micro_batch(host, rows, worker.rows.bucket(SEQ))
     dev = worker.rows.device_batch(host)
     assert worker.get_compile_counts()["logprobs"] == 1
     for precision, programs in (("highest", 1), ("default", 2)):

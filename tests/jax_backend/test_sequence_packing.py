@@ -124,11 +124,11 @@ def test_packing_on_equals_off(model_dirs, tokenizer, unpacked, mesh):
 
 
 def test_packed_nll_matches_unpacked(model_dirs, tokenizer):
-    """Another loss through the same unpacking (token-level NLL, llama, fsdp 8)."""
+    """Another loss through the same unpacking (token-level NLL, llama, fsdp 4 x tp 2)."""
     data = uneven_batch(LENGTHS[:4], seed=5)
     results = []
     for enabled in (False, True):
-        worker = jax_worker(model_dirs["llama"], tokenizer, 8, 1, 1, sequence_packing=packing(enabled))
+        worker = jax_worker(model_dirs["llama"], tokenizer, 4, 1, 2, sequence_packing=packing(enabled))
         results.append(worker.train(data, NLLLoss(), eval_mode=True))
     torch.testing.assert_close(results[1].loss, results[0].loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(results[1].metrics["num_unmasked_tokens"], results[0].metrics["num_unmasked_tokens"])

@@ -31,9 +31,11 @@ SERVER_OVERRIDES = [
     "policy.train_micro_batch_size=8",
     "policy.logprob_batch_size=16",
 ]
-#: Per backend: the layout the tests serve with (the session's JAX actors see 8 host devices).
+#: Per backend: the layout the tests serve with.  The session's JAX actors see 8 host devices,
+#: and batch sizes are per data-parallel device: 2 rows on each of the 8 is 16 a micro batch.
 CLUSTERS = {"torch_fsdp": ["cluster.gpus_per_node=2"], "torch_dtensor": ["cluster.gpus_per_node=2"],
-            "jax_pjit": ["cluster.gpus_per_node=2"]}  # fmt: skip
+            "jax_pjit": ["cluster.gpus_per_node=2", "policy.train_micro_batch_size=2",
+                         "policy.logprob_batch_size=2"]}  # fmt: skip
 
 
 def server_config(backend: str, model: str, checkpoint_dir: Any, *extra: str) -> Any:

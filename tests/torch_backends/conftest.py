@@ -25,14 +25,18 @@ VOCAB = 256
 
 def policy_config(model_dir: Path, backend: str, tp: int = 1, sp: bool = False, **overrides) -> dict:
     """The default policy section pointed at a tiny model, with test-sized batches and a
-    learning rate large enough that three steps visibly move the weights."""
+    learning rate large enough that three steps visibly move the weights.  Batch sizes are
+    per data-parallel device: 2 rows on each of a torch layout's (at most 2) ranks; 1 on each
+    device of a JAX mesh's fsdp axis (the session's JAX worker owns 8 devices: mostly fsdp 4
+    x tp 2, whose micro batch is the 4-row global batch)."""
+    rows = 1 if backend == "jax_pjit" else 2
     cfg = copy.deepcopy(load_raw_config(DEFAULT_CONFIG_PATH)["policy"])
     cfg.update(
         backend=backend,
         model_name=str(model_dir),
         train_global_batch_size=4,
-        train_micro_batch_size=2,
-        logprob_batch_size=2,
+        train_micro_batch_size=rows,
+        logprob_batch_size=rows,
         max_total_sequence_length=32,
     )
     cfg["tokenizer"]["name"] = str(model_dir / "tokenizer")

@@ -253,6 +253,24 @@ def test_an_outside_package_registers_by_entry_point(tmp_path):
     assert json.loads(out.stdout) == ["toyplug", 2], out.stderr
 
 
+@pytest.mark.parametrize("backend", BUILTINS)
+def test_the_data_parallel_size_counts_devices_whatever_a_worker_owns(backend):
+    """Batch sizes are per data-parallel device on every backend, so the driver counts the
+    ranks in devices: 2 workers x 4 devices each (where a worker owns a host) or 8 workers of
+    one device -> 8 ranks of train_micro_batch_size rows each per micro batch (4 with tp 2)."""
+    import dataclasses
+
+    spec = backend_spec(backend)
+    tp = 2 if "parallel.tensor_parallel_size" in spec.supports else 1
+    cfg = PolicyConfig.coerce(policy(backend, parallel={"tensor_parallel_size": tp}), "policy")
+    if spec.one_worker_per_device:
+        assert spec.devices_per_worker is None and spec.data_parallel_size(cfg, None, 8) == 8 // tp
+    else:
+        assert spec.devices_per_worker is not None  # asks the cluster how many devices a host gives
+        hosts = dataclasses.replace(spec, devices_per_worker=lambda cluster: 4)
+        assert hosts.data_parallel_size(cfg, None, 2) == 8 // tp
+
+
 # ----------------------------------------------------------------------------- the checks that keep it so
 def test_core_names_no_builtin_backend():
     assert _load_tool("backend_names").hits() == []

@@ -71,16 +71,16 @@ def grpo_step0_policy(runner, base, steps: int = GRPO_STEPS, loss_fn=None) -> di
     from core.data import BatchedDataDict
 
     policy = runner.policy
-    rows = base["input_ids"].shape[0]
-    if rows % (steps * policy.dp):
-        raise ValueError(f"grpo_step0 needs the batch ({rows}) divisible by {steps} steps x dp {policy.dp}")
+    rows, dp = base["input_ids"].shape[0], policy.data_parallel_size
+    if rows % (steps * dp):
+        raise ValueError(f"grpo_step0 needs the batch ({rows}) divisible by {steps} steps x dp {dp}")
     gbs = rows // steps
     data = BatchedDataDict(dict(base))
     policy.prepare_for_lp_inference()
     data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
     data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
     policy.prepare_for_training()
-    result = policy.train(data, loss_fn or grpo_loss_fn(), gbs=gbs, mbs=gbs // policy.dp)
+    result = policy.train(data, loss_fn or grpo_loss_fn(), gbs=gbs, mbs=gbs // dp)
     policy.finish_training()
     return grpo_summary(result.loss, result.grad_norm, result.metrics)
 
@@ -94,13 +94,13 @@ def grpo_fused_policy(runner, base) -> dict:
     from core.data import BatchedDataDict
 
     policy = runner.policy
-    rows = base["input_ids"].shape[0]
-    if rows % policy.dp:
-        raise ValueError(f"grpo_fused needs the batch ({rows}) divisible by dp {policy.dp}")
+    rows, dp = base["input_ids"].shape[0], policy.data_parallel_size
+    if rows % dp:
+        raise ValueError(f"grpo_fused needs the batch ({rows}) divisible by dp {dp}")
     data = BatchedDataDict(dict(base))
     policy.prepare_for_lp_inference()
     data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
     policy.prepare_for_training()
-    result = policy.train(data, grpo_loss_fn("forward"), gbs=rows, mbs=rows // policy.dp)
+    result = policy.train(data, grpo_loss_fn("forward"), gbs=rows, mbs=rows // dp)
     policy.finish_training()
     return grpo_summary(result.loss, result.grad_norm, result.metrics)
