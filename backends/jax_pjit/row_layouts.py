@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from backends.jax_pjit import steps
 from backends.jax_pjit.sharding import shard_host_batch
+from backends.jax_pjit.spec import settings as jax_settings
 from core.data import BatchedDataDict
 from core.data.context_parallel import check_cp_width
 from core.data.sequence_packing import check_packing_budget, plan_packed_micro_batches
@@ -48,11 +49,10 @@ def row_rung(rows: int, multiple: int) -> int:
     batches are seldom a power of two), the ladder pads it to 80: at most a quarter of
     padding rows for a few more programs.  Up to 16 rows, where padding costs little, powers
     of two."""
-    per = ROW_RUNGS_PER_DOUBLING.bit_length() - 1  # log2 of the rungs per doubling
-    if rows <= 1 << (2 * per):
+    if rows <= ROW_RUNGS_PER_DOUBLING**2:
         rung = 1 << max(rows - 1, 0).bit_length()
     else:
-        rung = steps.round_up(rows, 1 << ((rows - 1).bit_length() - 1 - per))
+        rung = steps.octave_round_up(rows, ROW_RUNGS_PER_DOUBLING)
     return steps.round_up(max(rung, multiple), multiple)
 
 
@@ -101,6 +101,8 @@ class RowLayouts:
         self.mesh = mesh
         self.cp = int(mesh.shape["cp"])
         self.seq_multiple = cfg.make_sequence_length_divisible_by
+        #: ``policy.jax_cfg.padded_widths_per_doubling``: the rungs of the widths ladder.
+        self.per_doubling = jax_settings(cfg).padded_widths_per_doubling
         #: ``policy.sequence_packing`` when enabled, else None.
         self.packing: SequencePackingConfig | None = cfg.sequence_packing if cfg.sequence_packing.enabled else None
         #: ``policy.sequence_packing.shared_prompts``: a bin's rows of one prompt hold it once.
@@ -121,16 +123,24 @@ class RowLayouts:
     def check_widths(self) -> None:
         """Under context parallelism every width a step can see must split into 2 x cp chunks:
         refuse a ladder that cannot, naming ``policy.make_sequence_length_divisible_by``."""
-        steps.check_cp_ladder(self.cfg.max_total_sequence_length, self.cp, self.seq_multiple)
+        steps.check_cp_ladder(
+            self.cfg.max_total_sequence_length, self.cp, self.seq_multiple, per_doubling=self.per_doubling
+        )
         if self.packing is not None:
             for key in ("train_mb_tokens", "logprob_mb_tokens"):
                 steps.check_cp_ladder(
-                    getattr(self.packing, key), self.cp, self.seq_multiple, f"policy.sequence_packing.{key}"
+                    getattr(self.packing, key),
+                    self.cp,
+                    self.seq_multiple,
+                    f"policy.sequence_packing.{key}",
+                    self.per_doubling,
                 )
 
     def bucket(self, width: int) -> int:
         """The ladder width a plain batch of ``width`` columns is padded to."""
-        bucket = steps.bucket_for(width, self.cfg.max_total_sequence_length, self.seq_multiple)
+        bucket = steps.bucket_for(
+            width, self.cfg.max_total_sequence_length, self.seq_multiple, per_doubling=self.per_doubling
+        )
         if self.cp > 1:
             check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")
         return bucket
@@ -138,7 +148,11 @@ class RowLayouts:
     def packed_bucket(self, tokens: int, budget_key: str) -> int:
         """The ladder width (up to the packing budget) of a packed row of ``tokens`` tokens."""
         bucket = steps.bucket_for(
-            tokens, getattr(self.packing, budget_key), self.seq_multiple, f"policy.sequence_packing.{budget_key}"
+            tokens,
+            getattr(self.packing, budget_key),
+            self.seq_multiple,
+            f"policy.sequence_packing.{budget_key}",
+            self.per_doubling,
         )
         if self.cp > 1:
             check_cp_width(bucket, self.cp, 2 * self.cp, "policy.make_sequence_length_divisible_by")

@@ -43,6 +43,14 @@ class JaxConfig(ConfigModel):
     on CPU and GPU a reference expansion, slower than dense); "auto": blocked on CPU and GPU (both
     measured), dense on TPU.  A value other than auto on a dense model is refused."""
 
+    padded_widths_per_doubling: Literal[1, 2, 4, 8] = 2
+    """The widths a micro batch's rows are padded to, per doubling of the sequence length, from
+    16 up to ``policy.max_total_sequence_length`` (or a packing budget): ``jax.jit`` compiles one
+    program per width and step kind, so this trades padding for programs.  1: powers of two
+    (16, 32, 64, ...: a row of 17 tokens computes 32 columns); 2: the midpoints too (16, 24,
+    32, 48, ...: at most 1.5x the longest row); 4 and 8 finer still.  The torch backends pad a
+    micro batch to its longest row."""
+
 
 def settings(policy: PolicyConfig) -> JaxConfig:
     """``policy.jax_cfg`` (its defaults where the config has no such block)."""

@@ -240,7 +240,7 @@ class JaxPolicyWorker(JaxWeightsIO, PolicyWorkerBase[JaxTrainCall]):
         micro batch) each planned micro batch at its own shape (``RowLayouts.dynamic_shape``)."""
         width = ids.shape[1]
         if plan is None:
-            bucket = steps.bucket_for(width, self.cfg.max_total_sequence_length, self.rows.seq_multiple)
+            bucket = self.rows.bucket(width)
             shapes = [(start, min(start + mbs, len(ids)), mbs, bucket) for start in range(0, len(ids), mbs)]
         else:
             shapes = [(start, end, *self.rows.dynamic_shape(end - start, length)) for start, end, length in plan]

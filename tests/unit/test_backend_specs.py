@@ -167,11 +167,14 @@ def test_the_chosen_backends_block_is_filled_in_and_read_through_its_spec():
     raw = policy("jax_pjit")
     del raw["jax_cfg"], raw["dtensor_cfg"]
     cfg = PolicyConfig.coerce(raw, "policy")
-    assert cfg.to_dict()["jax_cfg"] == {"moe_dispatch": "auto"} and "dtensor_cfg" not in cfg.to_dict()
+    assert cfg.to_dict()["jax_cfg"] == {"moe_dispatch": "auto", "padded_widths_per_doubling": 2}
+    assert "dtensor_cfg" not in cfg.to_dict()
     spec = backend_spec("torch_dtensor")
     assert cfg.block(spec, spec.config_block).custom_parallel_plan is None  # another backend's: its defaults
     (line,) = errors(policy("jax_pjit", jax_cfg={"moe_dispatch": "fast"}))
     assert line.startswith("policy.jax_cfg.moe_dispatch: expected one of 'auto', 'dense', 'blocked', 'grouped'")
+    (line,) = errors(policy("jax_pjit", jax_cfg={"padded_widths_per_doubling": 3}))
+    assert line.startswith("policy.jax_cfg.padded_widths_per_doubling: expected one of 1, 2, 4, 8")
 
 
 def _master():

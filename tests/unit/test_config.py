@@ -1234,7 +1234,7 @@ def test_defaults_on_the_shipped_config(tmp_path):
         "sequence_parallel": False,
         "expert_parallel_size": 1,
     }
-    assert cfg.policy.to_dict()["jax_cfg"] == {"moe_dispatch": "auto"}
+    assert cfg.policy.to_dict()["jax_cfg"] == {"moe_dispatch": "auto", "padded_widths_per_doubling": 2}
     assert cfg.policy.model_name == "Qwen/Qwen2.5-0.5B"
 
 
