@@ -2,7 +2,7 @@
 
 Three layouts of a micro batch's rows:
 
-* **plain** -- right-padded rows, padded to a shape bucket (``steps.bucket_for``), through the
+* **plain** -- right-padded rows, padded to a shape bucket (``widths.bucket_for``), through the
   original steps;
 * **context parallel** (``parallel.context_parallel_size`` > 1) -- the same rows with
   explicit positions and segments (``steps.plain_rows``), through the explicit-layout steps;
@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from backends.jax_pjit import steps
+from backends.jax_pjit import steps, widths
 from backends.jax_pjit.sharding import shard_host_batch
 from backends.jax_pjit.spec import settings as jax_settings
 from core.data import BatchedDataDict
@@ -52,8 +52,8 @@ def row_rung(rows: int, multiple: int) -> int:
     if rows <= ROW_RUNGS_PER_DOUBLING**2:
         rung = 1 << max(rows - 1, 0).bit_length()
     else:
-        rung = steps.octave_round_up(rows, ROW_RUNGS_PER_DOUBLING)
-    return steps.round_up(max(rung, multiple), multiple)
+        rung = widths.octave_round_up(rows, ROW_RUNGS_PER_DOUBLING)
+    return widths.round_up(max(rung, multiple), multiple)
 
 
 def spread_bins(bins: list[tuple[int, int]], lengths: np.ndarray, shards: int) -> list[tuple[int, int]]:
@@ -122,23 +122,13 @@ class RowLayouts:
     # ------------------------------------------------------------------ widths
     def check_widths(self) -> None:
         """Under context parallelism every width a step can see must split into 2 x cp chunks:
-        refuse a ladder that cannot, naming ``policy.make_sequence_length_divisible_by``."""
-        steps.check_cp_ladder(
-            self.cfg.max_total_sequence_length, self.cp, self.seq_multiple, per_doubling=self.per_doubling
-        )
-        if self.packing is not None:
-            for key in ("train_mb_tokens", "logprob_mb_tokens"):
-                steps.check_cp_ladder(
-                    getattr(self.packing, key),
-                    self.cp,
-                    self.seq_multiple,
-                    f"policy.sequence_packing.{key}",
-                    self.per_doubling,
-                )
+        refuse a ladder that cannot, naming ``policy.make_sequence_length_divisible_by`` (the
+        driver's config check refuses it first; a worker built on its own checks here)."""
+        widths.check_cp_ladders(self.cfg, self.cp, self.per_doubling)
 
     def bucket(self, width: int) -> int:
         """The ladder width a plain batch of ``width`` columns is padded to."""
-        bucket = steps.bucket_for(
+        bucket = widths.bucket_for(
             width, self.cfg.max_total_sequence_length, self.seq_multiple, per_doubling=self.per_doubling
         )
         if self.cp > 1:
@@ -147,7 +137,7 @@ class RowLayouts:
 
     def packed_bucket(self, tokens: int, budget_key: str) -> int:
         """The ladder width (up to the packing budget) of a packed row of ``tokens`` tokens."""
-        bucket = steps.bucket_for(
+        bucket = widths.bucket_for(
             tokens,
             getattr(self.packing, budget_key),
             self.seq_multiple,
@@ -271,7 +261,7 @@ class RowLayouts:
         multiple of ``sequence_length_round``; context parallelism: the ladder's rung), the rows
         up to :func:`row_rung` of the fsdp axis -- few distinct shapes, so few compiled
         programs, and every host pads the same plan to the same shape."""
-        width = self.bucket(length) if self.cp > 1 else steps.round_up(length, self.seq_multiple)
+        width = self.bucket(length) if self.cp > 1 else widths.round_up(length, self.seq_multiple)
         return row_rung(rows, int(self.mesh.shape["fsdp"])), width
 
     def train_micro_batches(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal
 
+from backends.jax_pjit.widths import check_cp_ladders
 from core.config import ConfigModel, Problem
 from core.policy.backend_spec import BackendSpec
 
@@ -64,9 +65,14 @@ def _checks(policy: PolicyConfig) -> Iterable[Problem]:
 
 
 def _layout_checks(policy: PolicyConfig, world_size: int) -> Iterable[Problem]:
-    ep, fsdp = policy.parallel.expert_parallel_size, policy.parallel_dims(world_size).fsdp
+    dims = policy.parallel_dims(world_size)
+    ep, fsdp = policy.parallel.expert_parallel_size, dims.fsdp
     if ep > 1 and ep != fsdp:
         yield "parallel.expert_parallel_size", EXPERT_AXIS.format(ep=ep, fsdp=fsdp)
+    try:  # every width a step can see must split into the cp chunks (RowLayouts checks it again)
+        check_cp_ladders(policy, dims.cp, settings(policy).padded_widths_per_doubling)
+    except ValueError as err:
+        yield "make_sequence_length_divisible_by", str(err)
 
 
 def _model_checks(policy: PolicyConfig, model_config: PreTrainedConfig) -> Iterable[Problem]:

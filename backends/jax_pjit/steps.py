@@ -8,10 +8,9 @@ is one of the shared ``core.losses`` objects, called on jax arrays through its
 
 Why buckets: ``jit`` compiles one program per input shape.  Every micro batch is padded
 to ``micro_batch_size`` rows (padding rows have ``sample_mask = 0``, so they contribute
-nothing) and to a sequence length from a short ladder (from 16, ``per_doubling`` evenly spaced
-widths per doubling -- ``policy.jax_cfg.padded_widths_per_doubling`` -- capped at
-``max_total_sequence_length``), so a run compiles at most ``len(ladder)`` programs per step
-kind, however ragged its batches are.  ``CompileCounter`` reports how many were built.
+nothing) and to a width of a short ladder (``widths``), so a run compiles at most
+``len(ladder)`` programs per step kind, however ragged its batches are.  ``CompileCounter``
+reports how many were built.
 
 Context parallelism and sequence packing use the ``layout`` steps further down: the rows
 carry explicit positions and segments (packed rows: several sequences each), the columns
@@ -36,7 +35,7 @@ import numpy as np
 
 from backends.jax_pjit.models.banded_attention import Banded, band_keys, band_window, banded_mask
 from backends.jax_pjit.models.layers import constrain
-from core.data.context_parallel import attention_allowed, check_cp_width, load_balanced_columns, row_segments
+from core.data.context_parallel import attention_allowed, load_balanced_columns, row_segments
 from core.data.sequence_packing import PackedRow
 from core.data.shared_prompts import prompt_groups
 from core.kernels import apply_temperature, logprobs_from_logits, logprobs_to_sequence_layout, next_token_logprobs
@@ -60,71 +59,6 @@ class ApplyFn(Protocol):
         allowed: jax.Array | Banded | None = None,
         capture_router: bool = False,
     ) -> Any: ...
-
-
-MIN_BUCKET = 16
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def octave_round_up(n: int, per_doubling: int) -> int:
-    """``n`` rounded up to the next of ``per_doubling`` evenly spaced rungs between the powers of
-    two around it (``per_doubling`` a power of two): 17..32 with 4 -> 20, 24, 28 or 32; with 1
-    the next power of two.  A rung is at most ``1 + 1 / per_doubling`` times ``n``."""
-    shift = max((n - 1).bit_length() - 1 - (per_doubling.bit_length() - 1), 0)
-    return round_up(n, 1 << shift)
-
-
-def length_buckets(max_len: int, minimum: int = MIN_BUCKET, multiple: int = 1, per_doubling: int = 1) -> list[int]:
-    """The widths from ``minimum`` up to, and always ending at, ``max_len``: ``per_doubling``
-    evenly spaced rungs per doubling (1: powers of two; 2: 16, 24, 32, 48, ...); with
-    ``multiple`` > 1 (``policy.make_sequence_length_divisible_by``) every rung is rounded up
-    to a multiple of it -- the top one too, which may then exceed ``max_len`` (padding)."""
-    top = round_up(max_len, multiple)
-    ladder: list[int] = []
-    n = minimum
-    while n < max_len:
-        rung = round_up(n, multiple)
-        if rung < top and (not ladder or rung > ladder[-1]):
-            ladder.append(rung)
-        n = octave_round_up(n + 1, per_doubling)
-    return ladder + [top]
-
-
-def bucket_for(
-    length: int,
-    max_len: int,
-    multiple: int = 1,
-    field: str = "policy.max_total_sequence_length",
-    per_doubling: int = 1,
-) -> int:
-    """The smallest bucket holding ``length`` tokens (``field`` names ``max_len`` in the error)."""
-    if length > max_len:
-        raise ValueError(f"sequence length {length} exceeds {field}={max_len}")
-    return next(b for b in length_buckets(max_len, multiple=multiple, per_doubling=per_doubling) if b >= length)
-
-
-def check_cp_ladder(
-    max_len: int, cp: int, multiple: int, field: str = "policy.max_total_sequence_length", per_doubling: int = 1
-) -> None:
-    """Context parallelism splits every row into ``2 * cp`` chunks, so every width of the
-    ladder up to ``max_len`` (``field``) must be a multiple of ``2 * cp``; the widths are
-    rounded up to ``policy.make_sequence_length_divisible_by``, the field the error names."""
-    if cp <= 1:
-        return
-    ladder = length_buckets(max_len, multiple=multiple, per_doubling=per_doubling)
-    for width in ladder:
-        try:
-            check_cp_width(width, cp, 2 * cp, "policy.make_sequence_length_divisible_by")
-        except ValueError as err:
-            raise ValueError(
-                f"{err} (policy.parallel.context_parallel_size={cp}: the JAX backend pads rows to the widths "
-                f"{ladder} for {field}={max_len}, {per_doubling} per doubling "
-                f"(policy.jax_cfg.padded_widths_per_doubling), each rounded up to "
-                f"make_sequence_length_divisible_by={multiple})"
-            ) from None
 
 
 def pad_micro_batch(batch: Mapping[str, np.ndarray], rows: int, width: int) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@ sharded over a JAX mesh.
 One worker per host owns all of that host's devices (several hosts join one
 ``jax.distributed`` runtime, the coordinator being the worker group's MASTER_ADDR/PORT).
 Data arrives as ``BatchedDataDict``s of torch tensors, is converted at this boundary to
-host numpy, padded to a shape bucket (``steps.bucket_for``) and placed on the mesh.
+host numpy, padded to a width of the ladder (``widths.bucket_for``) and placed on the mesh.
 
 Several processes (``jax.process_count() > 1``): each feeds its own rows of every micro
 batch (``shard_host_batch``), gets its own rows of the outputs back, and the loss's valid

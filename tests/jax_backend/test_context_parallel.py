@@ -20,7 +20,7 @@ import torch
 from jax.sharding import PartitionSpec as P
 from transformers import AutoModelForCausalLM
 
-from backends.jax_pjit import steps
+from backends.jax_pjit import steps, widths
 from backends.jax_pjit.logical_axes import DECODE_RULES, RULES
 from backends.jax_pjit.sharding import logical_to_mesh_spec, make_mesh
 from core.config import ConfigError
@@ -96,20 +96,20 @@ def test_config_validation_names_context_parallel_size(model_dirs):
 
 
 def test_width_ladder_must_split_into_2cp_chunks():
-    steps.check_cp_ladder(32, 2, 1)  # 16, 32: multiples of 4
+    widths.check_cp_ladder(32, 2, 1)  # 16, 32: multiples of 4
     with pytest.raises(
         ValueError,
         match=r"sequence width 30 is not divisible by 4 .*set "
         r"policy\.make_sequence_length_divisible_by to a multiple of 4",
     ):
-        steps.check_cp_ladder(30, 2, 1)
+        widths.check_cp_ladder(30, 2, 1)
     with pytest.raises(ValueError, match=r"width 16 is not divisible by 6 .*make_sequence_length_divisible_by"):
-        steps.check_cp_ladder(64, 3, 1)
-    assert steps.length_buckets(30, multiple=4) == [16, 32]  # the fix the message asks for
-    steps.check_cp_ladder(30, 2, 4)
-    assert steps.length_buckets(64, multiple=6) == [18, 36, 66]
-    steps.check_cp_ladder(64, 3, 6)
-    assert steps.length_buckets(100) == [16, 32, 64, 100]  # multiple 1: the ladder as before
+        widths.check_cp_ladder(64, 3, 1)
+    assert widths.length_buckets(30, multiple=4) == [16, 32]  # the fix the message asks for
+    widths.check_cp_ladder(30, 2, 4)
+    assert widths.length_buckets(64, multiple=6) == [18, 36, 66]
+    widths.check_cp_ladder(64, 3, 6)
+    assert widths.length_buckets(100) == [16, 32, 64, 100]  # multiple 1: the ladder as before
 
 
 def test_worker_refuses_a_width_that_cannot_split(model_dirs, tokenizer):

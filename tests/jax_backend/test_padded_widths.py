@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from backends.jax_pjit import steps
+from backends.jax_pjit import steps, widths
 from backends.jax_pjit.models.layers import activation_constraint
 from backends.jax_pjit.row_layouts import RowLayouts
 from backends.jax_pjit.sharding import activation_constraint as make_constraint
 from backends.jax_pjit.sharding import make_mesh
+from core.config import ConfigError
 from core.losses import ClippedPGLossFn
 from core.policy.config import PolicyConfig
 from tests.jax_backend.conftest import mesh_config
@@ -27,19 +28,19 @@ from tests.unit.test_losses import BASE_CFG
 
 
 def test_the_ladder_has_the_widths_asked_per_doubling():
-    assert steps.length_buckets(256) == [16, 32, 64, 128, 256]
-    assert steps.length_buckets(256, per_doubling=2) == [16, 24, 32, 48, 64, 96, 128, 192, 256]
-    assert steps.length_buckets(64, per_doubling=4) == [16, 20, 24, 28, 32, 40, 48, 56, 64]
-    assert steps.length_buckets(100, per_doubling=2) == [16, 24, 32, 48, 64, 96, 100]  # ends at the cap
-    assert steps.length_buckets(64, multiple=6, per_doubling=2) == [18, 24, 36, 48, 66]  # rounded, deduplicated
+    assert widths.length_buckets(256) == [16, 32, 64, 128, 256]
+    assert widths.length_buckets(256, per_doubling=2) == [16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert widths.length_buckets(64, per_doubling=4) == [16, 20, 24, 28, 32, 40, 48, 56, 64]
+    assert widths.length_buckets(100, per_doubling=2) == [16, 24, 32, 48, 64, 96, 100]  # ends at the cap
+    assert widths.length_buckets(64, multiple=6, per_doubling=2) == [18, 24, 36, 48, 66]  # rounded, deduplicated
 
 
 @pytest.mark.parametrize("per_doubling", [1, 2, 4, 8])
 def test_a_row_is_padded_to_the_nearest_rung_and_less_than_one_step_of_its_doubling(per_doubling):
-    ladder = steps.length_buckets(1024, per_doubling=per_doubling)
+    ladder = widths.length_buckets(1024, per_doubling=per_doubling)
     assert len(ladder) == 6 * per_doubling + 1  # 16 .. 1024: six doublings
     for n in range(1, 1025):
-        width = steps.bucket_for(n, 1024, per_doubling=per_doubling)
+        width = widths.bucket_for(n, 1024, per_doubling=per_doubling)
         assert width == min(w for w in ladder if w >= n)
         assert width == 16 if n <= 16 else width < n * (1 + 1 / per_doubling), (n, width)
 
@@ -48,7 +49,7 @@ def test_a_row_is_padded_to_the_nearest_rung_and_less_than_one_step_of_its_doubl
 def test_the_worker_pads_to_the_configured_ladder(per_doubling, width):
     cfg = mesh_config(2, 1)
     cfg["jax_cfg"] = {"padded_widths_per_doubling": per_doubling}
-    policy = PolicyConfig.checked(cfg)
+    policy = PolicyConfig.checked(cfg, 2)
     rows = RowLayouts(policy, make_mesh(policy, jax.devices()[:2]))
     assert rows.bucket(23) == width
     assert rows.bucket(17) == {1: 32, 2: 24, 4: 20, 8: 18}[per_doubling]
@@ -63,10 +64,25 @@ def test_a_value_off_the_ladder_is_refused_naming_the_field():
 
 def test_context_parallel_refuses_a_ladder_it_cannot_split_naming_both_fields():
     # cp 8 splits a row into 16 chunks: the midpoint 24 cannot be split, the powers of two can.
-    steps.check_cp_ladder(64, 8, 1, per_doubling=1)
+    widths.check_cp_ladder(64, 8, 1, per_doubling=1)
     with pytest.raises(ValueError, match="padded_widths_per_doubling.*make_sequence_length_divisible_by=1"):
-        steps.check_cp_ladder(64, 8, 1, per_doubling=2)
-    steps.check_cp_ladder(64, 8, 16, per_doubling=2)  # rounded up to multiples of 16: 16, 32, 48, 64
+        widths.check_cp_ladder(64, 8, 1, per_doubling=2)
+    widths.check_cp_ladder(64, 8, 16, per_doubling=2)  # rounded up to multiples of 16: 16, 32, 48, 64
+
+
+def test_the_layout_check_refuses_the_ladder_before_any_worker_starts():
+    cfg = mesh_config(1, 1, cp=8)
+    cfg["max_total_sequence_length"] = 64
+    with pytest.raises(
+        ConfigError,
+        match=r"policy\.make_sequence_length_divisible_by: sequence width 24 .*"
+        r"2 per doubling \(policy\.jax_cfg\.padded_widths_per_doubling\)",
+    ):
+        PolicyConfig.checked(cfg, 8)
+    cfg["jax_cfg"] = {"padded_widths_per_doubling": 1}
+    assert PolicyConfig.checked(cfg, 8).parallel.context_parallel_size == 8
+    cfg["jax_cfg"], cfg["make_sequence_length_divisible_by"] = {}, 16
+    assert PolicyConfig.checked(cfg, 8).make_sequence_length_divisible_by == 16
 
 
 def test_logprobs_and_gradients_do_not_depend_on_the_padded_width(model_dir):  # noqa: F811

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from backends.jax_pjit import steps
+from backends.jax_pjit import steps, widths
 from core.data.sequence_packing import SequencePackingArgs
 from core.losses import ClippedPGLossFn, NLLLoss
 from tests.jax_backend.test_context_parallel import check_jax_policy_against_hf_and_torch, jax_worker
@@ -118,7 +118,7 @@ def test_packing_on_equals_off(model_dirs, tokenizer, unpacked, mesh):
     # One program per packed width: however the bins fall, at most the budget's ladder.
     worker.train(uneven_batch(LENGTHS[::-1], seed=4), ClippedPGLossFn(BASE_CFG))
     counts = worker.compile_counts
-    ladder = len(steps.length_buckets(BUDGET))
+    ladder = len(widths.length_buckets(BUDGET))
     assert counts["logprobs"] == 0 and 1 <= counts["logprobs_layout"] <= ladder
     assert [v for k, v in counts.items() if k.startswith("grad")][0] <= ladder
 
@@ -143,7 +143,7 @@ def test_packing_with_cp_needs_budget_widths_that_split(model_dirs, tokenizer):
         r"policy\.make_sequence_length_divisible_by.*sequence_packing\.train_mb_tokens=34",
     ):
         jax_worker(model_dirs["llama"], tokenizer, 2, 2, 2, sequence_packing=packing(budget=34))
-    steps.check_cp_ladder(34, 2, 4, "policy.sequence_packing.train_mb_tokens")  # the fix: divisible_by 4
+    widths.check_cp_ladder(34, 2, 4, "policy.sequence_packing.train_mb_tokens")  # the fix: divisible_by 4
 
 
 # ------------------------------------------------------------------------- through Ray

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from transformers import AutoModelForCausalLM
 
-from backends.jax_pjit import steps
+from backends.jax_pjit import steps, widths
 from backends.jax_pjit.hf_mapping import from_pretrained, jax_to_hf_tensors
 from backends.jax_pjit.models import logical_axes_tree, make_apply_fn
 from backends.jax_pjit.models.layers import activation_constraint
@@ -76,7 +76,7 @@ def _host(batch) -> dict:
 def test_logprob_step_matches_hf(model_dir, mesh_shape):
     cfg, mesh, _, apply_fn, params, _ = _setup(model_dir, *mesh_shape)
     data = pg_batch(8, seed=1)
-    width = steps.bucket_for(SEQ, 32)
+    width = widths.bucket_for(SEQ, 32)
     host = steps.pad_micro_batch(
         {"input_ids": data["input_ids"].numpy(), "input_lengths": data["input_lengths"].numpy()}, 8, width
     )
@@ -127,7 +127,7 @@ def test_loss_and_grads_match_torch(model_dir, mesh_shape):
     data = pg_batch(4, seed=3)
     loss_fn = ClippedPGLossFn(BASE_CFG)
     ref_loss, ref_grads = _torch_grads(model_dir, data, loss_fn)
-    width = steps.bucket_for(SEQ, 32)
+    width = widths.bucket_for(SEQ, 32)
     with mesh, activation_constraint(make_constraint(mesh)):
         for mbs in (1, 2, 4):
             loss, grads, grad_step = _accumulate(apply_fn, params, loss_fn, data, mbs, width, mesh)
@@ -151,7 +151,7 @@ def test_bfloat16_compute_over_fp32_params(model_dir):
     shardings = tree_shardings(logical_axes_tree(params), mesh)
     params = jax.device_put(params, shardings)
     data = pg_batch(4, seed=7)
-    width = steps.bucket_for(SEQ, 32)
+    width = widths.bucket_for(SEQ, 32)
     host = steps.pad_micro_batch(_host(data), 4, width)
     with mesh, activation_constraint(make_constraint(mesh)):
         dev = _on_mesh(host, mesh)
