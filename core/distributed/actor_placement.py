@@ -10,6 +10,11 @@ On a CPU cluster each actor computes with its share of its bundle's CPUs (``OMP_
 groups colocated on it.  Ray would give an actor ``floor(its num_cpus)`` threads, and its
 ``num_cpus`` is also divided among the colocated groups (the policy and its vLLM engines): that
 would halve both, although each waits while the other runs.  A user's ``OMP_NUM_THREADS`` wins.
+
+A CPU actor also starts with glibc's malloc asking for transparent huge pages
+(:data:`CPU_MALLOC_TUNABLES`): XLA:CPU maps each program's temporary buffer afresh on every
+execution (GB for a training step), and in 4 KiB pages each execution faulted it in again.
+A user's ``GLIBC_TUNABLES`` wins.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from core.distributed.virtual_cluster import RayVirtualCluster
 
 __all__ = [
+    "CPU_MALLOC_TUNABLES",
     "RESERVED_ENV_VARS",
     "check_env_vars",
     "check_workers_per_node",
@@ -42,6 +48,14 @@ RESERVED_ENV_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+
+#: ``GLIBC_TUNABLES`` of a CPU actor: malloc advises transparent huge pages on the memory it maps
+#: for a large allocation.  glibc serves every allocation above 32 MiB with a fresh mapping and
+#: unmaps it on free; XLA:CPU's temporary buffer of a GRPO training step on the bench's small model
+#: is 2.3 GB per device and execution, faulted in page by page each time (2.4 M minor faults and
+#: up to half the CPU in the kernel per train call; docs/results.md).  Ignored by a glibc older
+#: than 2.35 and where the kernel's THP mode is ``never``; no computed value depends on it.
+CPU_MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
 
 
 def check_env_vars(env_vars: Mapping[str, str] | None) -> dict[str, str]:
@@ -125,6 +139,7 @@ def create_actors(
                 env.setdefault("CUDA_VISIBLE_DEVICES", "")
                 threads = os.environ.get("OMP_NUM_THREADS", str(cpu_threads(cluster, per_bundle)))
                 env.setdefault("OMP_NUM_THREADS", threads)
+                env.setdefault("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES", CPU_MALLOC_TUNABLES))
             env.update(
                 RANK=str(rank),
                 WORLD_SIZE=str(world_size),

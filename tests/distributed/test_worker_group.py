@@ -25,6 +25,7 @@ from core.distributed import (
     WorkerGroupError,
     WorkerLayout,
 )
+from core.distributed.actor_placement import CPU_MALLOC_TUNABLES
 from core.policy.backend_spec import device_layout
 
 ENV_KEYS = (
@@ -38,6 +39,7 @@ ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
     "EXTRA_VAR",
     "OMP_NUM_THREADS",
+    "GLIBC_TUNABLES",
 )
 
 
@@ -57,6 +59,24 @@ class ProbeWorker:
 
     def rank(self) -> int:
         return _my_rank()
+
+    def huge_pages_of_a_malloc(self, nbytes: int) -> int:
+        """KiB of transparent huge pages this process gained by touching a fresh ``malloc`` of
+        ``nbytes`` (above glibc's mapping threshold, so it is a mapping of its own)."""
+        import ctypes
+
+        def anon_huge_kib() -> int:
+            with open("/proc/self/smaps_rollup") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        before = anon_huge_kib()
+        block = libc.malloc(nbytes)
+        ctypes.memset(block, 1, nbytes)
+        gained = anon_huge_kib() - before
+        libc.free(ctypes.c_void_p(block))
+        return gained
 
     def echo(self, x, scale: int = 1) -> dict:
         return {"rank": _my_rank(), "x": x, "scale": scale, "tag": self.tag}
@@ -381,6 +401,46 @@ def test_cpu_actor_threads_are_its_share_of_the_bundle(ray_session, monkeypatch)
         group = RayWorkerGroup(cluster, ProbeWorker, name_prefix="threads_user")
         try:
             assert group.get_all_worker_results(group.run_all_workers_single_data("env"))[0]["OMP_NUM_THREADS"] == "3"
+        finally:
+            group.shutdown()
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (the bracketed word), None where it has none."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def test_cpu_actor_malloc_maps_large_blocks_in_huge_pages(ray_session, monkeypatch):
+    """A CPU actor starts with CPU_MALLOC_TUNABLES: a 64 MiB malloc (XLA:CPU's temporary buffer
+    is such a block, per execution) is faulted in as huge pages where the kernel allows them on
+    request; the driver's own process, without the tunable, keeps 4 KiB pages.  A user's
+    GLIBC_TUNABLES wins."""
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1) as cluster:
+        group = RayWorkerGroup(cluster, ProbeWorker, name_prefix="malloc")
+        try:
+            assert (
+                group.get_all_worker_results(group.run_all_workers_single_data("env"))[0]["GLIBC_TUNABLES"]
+                == CPU_MALLOC_TUNABLES
+            )
+            if _thp_mode() in ("madvise", "always"):
+                gained = group.get_all_worker_results(
+                    group.run_all_workers_single_data("huge_pages_of_a_malloc", 64 << 20)
+                )
+                assert gained[0] >= 32 * 1024, f"{gained[0]} KiB of huge pages for a 64 MiB malloc"
+        finally:
+            group.shutdown()
+        if _thp_mode() == "madvise":
+            assert ProbeWorker().huge_pages_of_a_malloc(64 << 20) == 0
+        monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+        group = RayWorkerGroup(cluster, ProbeWorker, name_prefix="malloc_user")
+        try:
+            envs = group.get_all_worker_results(group.run_all_workers_single_data("env"))
+            assert envs[0]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
         finally:
             group.shutdown()
 
