@@ -11,10 +11,10 @@ groups colocated on it.  Ray would give an actor ``floor(its num_cpus)`` threads
 ``num_cpus`` is also divided among the colocated groups (the policy and its vLLM engines): that
 would halve both, although each waits while the other runs.  A user's ``OMP_NUM_THREADS`` wins.
 
-A CPU actor also starts with glibc's malloc asking for transparent huge pages
-(:data:`CPU_MALLOC_TUNABLES`): XLA:CPU maps each program's temporary buffer afresh on every
-execution (GB for a training step), and in 4 KiB pages each execution faulted it in again.
-A user's ``GLIBC_TUNABLES`` wins.
+A CPU actor also starts with glibc's malloc set to keep the memory it frees, in transparent
+huge pages (:data:`CPU_MALLOC_TUNABLES`): XLA:CPU allocates each program's temporary buffer
+afresh on every execution (GB for a training step), and glibc mapped it afresh each time, so
+every execution faulted it in again.  A user's ``GLIBC_TUNABLES`` wins.
 """
 
 from __future__ import annotations
@@ -49,13 +49,29 @@ RESERVED_ENV_VARS = (
     "MASTER_PORT",
 )
 
-#: ``GLIBC_TUNABLES`` of a CPU actor: malloc advises transparent huge pages on the memory it maps
-#: for a large allocation.  glibc serves every allocation above 32 MiB with a fresh mapping and
-#: unmaps it on free; XLA:CPU's temporary buffer of a GRPO training step on the bench's small model
-#: is 2.3 GB per device and execution, faulted in page by page each time (2.4 M minor faults and
-#: up to half the CPU in the kernel per train call; docs/results.md).  Ignored by a glibc older
-#: than 2.35 and where the kernel's THP mode is ``never``; no computed value depends on it.
-CPU_MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
+#: ``GLIBC_TUNABLES`` of a CPU actor: malloc keeps the memory it frees for the next allocation,
+#: in transparent huge pages.  By default glibc serves every allocation above 32 MiB with a fresh
+#: mapping and unmaps it on free; XLA:CPU allocates a training step's temporary buffer (GB per
+#: device on the bench's small model) afresh on every execution, so each execution faulted it in
+#: again, page by page, and on a VM that hands freed guest memory back to its host each fault is
+#: a host fault too (docs/results.md, "CPU actors ...").  Hence:
+#:
+#: * ``arena_max=1`` and ``mmap_max=0``: every thread allocates from the one heap that grows
+#:   with ``brk`` (a thread arena's heap is capped at 64 MiB and would map large blocks anyway);
+#: * ``trim_threshold``: that heap is never shrunk, so a process keeps its high-water mark of
+#:   malloc'd memory and reuses it: no faults once a program has run;
+#: * ``hugetlb=1``: what the heap grows by is advised as transparent huge pages (512x fewer faults).
+#:
+#: Ignored by a glibc older than 2.26 (``hugetlb``: 2.35, or a kernel whose THP mode is
+#: ``never``); no computed value depends on it.
+CPU_MALLOC_TUNABLES = ":".join(
+    (
+        "glibc.malloc.arena_max=1",
+        "glibc.malloc.mmap_max=0",
+        f"glibc.malloc.trim_threshold={1 << 40}",
+        "glibc.malloc.hugetlb=1",
+    )
+)
 
 
 def check_env_vars(env_vars: Mapping[str, str] | None) -> dict[str, str]:

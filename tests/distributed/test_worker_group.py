@@ -62,7 +62,7 @@ class ProbeWorker:
 
     def huge_pages_of_a_malloc(self, nbytes: int) -> int:
         """KiB of transparent huge pages this process gained by touching a fresh ``malloc`` of
-        ``nbytes`` (above glibc's mapping threshold, so it is a mapping of its own)."""
+        ``nbytes`` (a mapping of its own by glibc's defaults; heap growth with a CPU actor's)."""
         import ctypes
 
         def anon_huge_kib() -> int:
@@ -77,6 +77,24 @@ class ProbeWorker:
         gained = anon_huge_kib() - before
         libc.free(ctypes.c_void_p(block))
         return gained
+
+    def faults_of_a_second_malloc(self, nbytes: int) -> int:
+        """Minor page faults of touching a ``malloc`` of ``nbytes`` made after one of the same
+        size was touched and freed (XLA:CPU's temporary buffer of the next execution)."""
+        import ctypes
+        import resource
+
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        first = libc.malloc(nbytes)
+        ctypes.memset(first, 1, nbytes)
+        libc.free(ctypes.c_void_p(first))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = libc.malloc(nbytes)
+        ctypes.memset(block, 1, nbytes)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        libc.free(ctypes.c_void_p(block))
+        return faults
 
     def echo(self, x, scale: int = 1) -> dict:
         return {"rank": _my_rank(), "x": x, "scale": scale, "tag": self.tag}
@@ -414,11 +432,19 @@ def _thp_mode() -> str | None:
     return text.split("[", 1)[1].split("]", 1)[0]
 
 
-def test_cpu_actor_malloc_maps_large_blocks_in_huge_pages(ray_session, monkeypatch):
-    """A CPU actor starts with CPU_MALLOC_TUNABLES: a 64 MiB malloc (XLA:CPU's temporary buffer
+def _started_with(name: str) -> bool:
+    """Whether this process was started with env var ``name`` (monkeypatch cannot unset it for
+    glibc, which read it at start-up)."""
+    return any(entry.startswith(name.encode() + b"=") for entry in Path("/proc/self/environ").read_bytes().split(b"\0"))
+
+
+def test_cpu_actor_malloc_keeps_large_blocks_in_huge_pages(ray_session, monkeypatch):
+    """A CPU actor starts with CPU_MALLOC_TUNABLES: a 64 MiB block (XLA:CPU's temporary buffer
     is such a block, per execution) is faulted in as huge pages where the kernel allows them on
-    request; the driver's own process, without the tunable, keeps 4 KiB pages.  A user's
+    request, and once freed it is kept: the next one of its size faults nothing in.  The driver's
+    own process, without the tunables, maps 4 KiB pages and faults every one in again.  A user's
     GLIBC_TUNABLES wins."""
+    nbytes = 64 << 20
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1) as cluster:
         group = RayWorkerGroup(cluster, ProbeWorker, name_prefix="malloc")
@@ -428,14 +454,17 @@ def test_cpu_actor_malloc_maps_large_blocks_in_huge_pages(ray_session, monkeypat
                 == CPU_MALLOC_TUNABLES
             )
             if _thp_mode() in ("madvise", "always"):
-                gained = group.get_all_worker_results(
-                    group.run_all_workers_single_data("huge_pages_of_a_malloc", 64 << 20)
-                )
+                gained = group.get_all_worker_results(group.run_all_workers_single_data("huge_pages_of_a_malloc", nbytes))
                 assert gained[0] >= 32 * 1024, f"{gained[0]} KiB of huge pages for a 64 MiB malloc"
+            refaults = group.get_all_worker_results(group.run_all_workers_single_data("faults_of_a_second_malloc", nbytes))
+            # kept: no page faults in; mapped afresh it would be 32 (huge pages) or 16,384 (4 KiB)
+            assert refaults[0] < 8, f"{refaults[0]} page faults for a 64 MiB block freed and allocated again"
         finally:
             group.shutdown()
-        if _thp_mode() == "madvise":
-            assert ProbeWorker().huge_pages_of_a_malloc(64 << 20) == 0
+        if not _started_with("GLIBC_TUNABLES"):
+            if _thp_mode() == "madvise":
+                assert ProbeWorker().huge_pages_of_a_malloc(nbytes) == 0
+            assert ProbeWorker().faults_of_a_second_malloc(nbytes) >= (nbytes >> 12) // 2
         monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
         group = RayWorkerGroup(cluster, ProbeWorker, name_prefix="malloc_user")
         try:
