@@ -454,9 +454,13 @@ def test_cpu_actor_malloc_keeps_large_blocks_in_huge_pages(ray_session, monkeypa
                 == CPU_MALLOC_TUNABLES
             )
             if _thp_mode() in ("madvise", "always"):
-                gained = group.get_all_worker_results(group.run_all_workers_single_data("huge_pages_of_a_malloc", nbytes))
+                gained = group.get_all_worker_results(
+                    group.run_all_workers_single_data("huge_pages_of_a_malloc", nbytes)
+                )
                 assert gained[0] >= 32 * 1024, f"{gained[0]} KiB of huge pages for a 64 MiB malloc"
-            refaults = group.get_all_worker_results(group.run_all_workers_single_data("faults_of_a_second_malloc", nbytes))
+            refaults = group.get_all_worker_results(
+                group.run_all_workers_single_data("faults_of_a_second_malloc", nbytes)
+            )
             # kept: no page faults in; mapped afresh it would be 32 (huge pages) or 16,384 (4 KiB)
             assert refaults[0] < 8, f"{refaults[0]} page faults for a 64 MiB block freed and allocated again"
         finally:
