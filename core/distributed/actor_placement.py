@@ -53,8 +53,8 @@ RESERVED_ENV_VARS = (
 #: in transparent huge pages.  By default glibc serves every allocation above 32 MiB with a fresh
 #: mapping and unmaps it on free; XLA:CPU allocates a training step's temporary buffer (GB per
 #: device on the bench's small model) afresh on every execution, so each execution faulted it in
-#: again, page by page, and on a VM that hands freed guest memory back to its host each fault is
-#: a host fault too (docs/results.md, "CPU actors ...").  Hence:
+#: again, page by page (on a VM that hands freed guest memory back to its host, likely a host
+#: fault too; docs/results.md, "CPU actors keep the memory malloc frees").  Hence:
 #:
 #: * ``arena_max=1`` and ``mmap_max=0``: every thread allocates from the one heap that grows
 #:   with ``brk`` (a thread arena's heap is capped at 64 MiB and would map large blocks anyway);

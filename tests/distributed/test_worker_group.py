@@ -8,8 +8,10 @@ placement groups or actors behind for the next one.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import os
+import resource
 import socket
 import time
 from pathlib import Path
@@ -48,6 +50,20 @@ def _my_rank() -> int:
     return int(os.environ["RANK"])
 
 
+def _libc() -> ctypes.CDLL:
+    """This process's libc, ``malloc`` returning a pointer (ctypes' default ``int`` would truncate it)."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    return libc
+
+
+def _touched_malloc(nbytes: int) -> int:
+    """The address of a ``malloc`` of ``nbytes`` with every byte written, so its pages are in."""
+    block = _libc().malloc(nbytes)
+    ctypes.memset(block, 1, nbytes)
+    return block
+
+
 class ProbeWorker:
     """Tiny worker: reports its environment, echoes, sleeps, dies or raises on request."""
 
@@ -63,37 +79,25 @@ class ProbeWorker:
     def huge_pages_of_a_malloc(self, nbytes: int) -> int:
         """KiB of transparent huge pages this process gained by touching a fresh ``malloc`` of
         ``nbytes`` (a mapping of its own by glibc's defaults; heap growth with a CPU actor's)."""
-        import ctypes
 
         def anon_huge_kib() -> int:
             with open("/proc/self/smaps_rollup") as f:
                 return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
 
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = ctypes.c_void_p
         before = anon_huge_kib()
-        block = libc.malloc(nbytes)
-        ctypes.memset(block, 1, nbytes)
+        block = _touched_malloc(nbytes)
         gained = anon_huge_kib() - before
-        libc.free(ctypes.c_void_p(block))
+        _libc().free(ctypes.c_void_p(block))
         return gained
 
     def faults_of_a_second_malloc(self, nbytes: int) -> int:
         """Minor page faults of touching a ``malloc`` of ``nbytes`` made after one of the same
         size was touched and freed (XLA:CPU's temporary buffer of the next execution)."""
-        import ctypes
-        import resource
-
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = ctypes.c_void_p
-        first = libc.malloc(nbytes)
-        ctypes.memset(first, 1, nbytes)
-        libc.free(ctypes.c_void_p(first))
+        _libc().free(ctypes.c_void_p(_touched_malloc(nbytes)))
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        block = libc.malloc(nbytes)
-        ctypes.memset(block, 1, nbytes)
+        block = _touched_malloc(nbytes)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        libc.free(ctypes.c_void_p(block))
+        _libc().free(ctypes.c_void_p(block))
         return faults
 
     def echo(self, x, scale: int = 1) -> dict:
