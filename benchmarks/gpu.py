@@ -10,7 +10,11 @@ tokens; ``--size tiny``, the default on a CPU: a smoke, fp32, 4 x 64), every row
 the default AdamW of ``core/configs/policy.yaml``.  One :class:`core.policy.Policy` per backend
 (``torch_fsdp``, ``torch_dtensor``, ``torch_dtensor-compiled`` -- ``policy.compile`` on, by
 default only on a GPU --, ``jax_pjit``) on one bundle of one GPU (or of ``--threads`` CPUs)
-through Ray, one backend alive at a time.  Sections:
+through Ray, one backend alive at a time.  With the throughput or refit section the run first
+measures its **roofline** (``benchmarks.lib.roofline``): every matmul engine present on the workload's
+products at the largest micro batch, in the run's precision, and a device copy of the refit's bytes;
+the throughput rows then show their share of the best engine ("% roof") and the refit rows theirs of
+the copy.  Sections:
 
 * **throughput**, per backend and micro batch size (``--mbs``): ``get_logprobs`` and ``train``
   (one optimizer step over the whole batch per call) tokens/s = ``batch x seq`` / the median

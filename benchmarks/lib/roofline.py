@@ -6,7 +6,8 @@ the workload's own matrices, and the share of the best one that every timed phas
 (``[in, T] @ [T, out]``) product at ``T`` = the throughput batch's padded tokens, each shape
 weighted by how often a training step makes it (:func:`workload_products`).  An engine's rate is
 the FLOPs of that set over its best seconds (each product best of ``repeats`` after a warm-up).
-Engines: ``xla`` (``jax.jit`` of the products), ``torch`` (``torch.matmul``: torch's default
+Engines: ``xla`` (``jax.jit`` of the products at the matmul precision the JAX backend takes for
+that dtype by default), ``torch`` (``torch.matmul``: torch's default
 path, MKL's sgemm on a CPU) and, where torch has oneDNN, ``torch-onednn`` (the product the torch
 backends' fp32 CPU linears run: ``backends.torch_common.cpu_linear``); fp32 and bf16 each.  They
 run in child processes set up as the workers are (:func:`measure_peaks`): ``--threads``
@@ -124,14 +125,20 @@ def _torch_runs(engine: str, dtype: str, device: str, products: list[Product]) -
 def _xla_runs(dtype: str, products: list[Product]) -> list:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    matmul = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest"))
-    rng = np.random.default_rng(0)
+    from core.policy.matmul_precision import default_matmul_precision
+
+    # The JAX backend's own precision for this dtype: on a GPU, "highest" on bf16 inputs can
+    # take another (slower) kernel than the backend's "default" does.
+    precision = default_matmul_precision(dtype)
+    matmul = jax.jit(lambda a, b: jnp.dot(a, b, precision=precision))
+    # Drawn on the device: a 1b model's LM-head products hold GB of inputs, which host-side
+    # float64 draws and conversions took minutes to make.
+    key, dt = jax.random.key(0), getattr(jnp, dtype)
     runs = []
-    for p in products:
-        a = jnp.asarray(rng.standard_normal((p.m, p.k)), getattr(jnp, dtype))
-        b = jnp.asarray(rng.standard_normal((p.k, p.n)), getattr(jnp, dtype))
+    for i, p in enumerate(products):
+        ka, kb = jax.random.split(jax.random.fold_in(key, i))
+        a, b = jax.random.normal(ka, (p.m, p.k), dt), jax.random.normal(kb, (p.k, p.n), dt)
         runs.append(lambda a=a, b=b: matmul(a, b).block_until_ready())
     return runs
 
@@ -152,6 +159,9 @@ def serve_peaks(spec: dict) -> None:
             torch.set_num_threads(spec["threads"])
     peaks: dict[str, dict[str, float]] = {}
     errors: dict[str, str] = {}
+    extra = {}
+    if spec["family"] == "torch" and spec.get("copy_bytes"):
+        extra["copy_gb_s"] = _copy_gb_s(spec["device"], spec["copy_bytes"], spec["repeats"])
     for engine in spec["engines"]:
         peaks[engine] = {}
         for dtype in spec["dtypes"]:
@@ -163,7 +173,19 @@ def serve_peaks(spec: dict) -> None:
                 peaks[engine][dtype] = combined_rate(products, [_best_seconds(r, spec["repeats"]) for r in runs])
             except RuntimeError as err:  # the engine's own refusal of this dtype; anything else fails the child
                 errors[f"{engine} {dtype}"] = _last_line(err)
-    reply({"peaks": peaks, "errors": errors})
+    reply({"peaks": peaks, "errors": errors, **extra})
+
+
+def _copy_gb_s(device: str, nbytes: int, repeats: int) -> float:
+    """GB/s of ``dst.copy_(src)`` of ``nbytes`` on ``device`` (bytes copied per second): the roof of
+    a refit's source side where :mod:`benchmarks.lib.refit`'s host memcpy is not measured beside it
+    (``dualrl bench --gpu``), since its gathers and casts to the engine dtype are copies."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return nbytes / _best_seconds(lambda: (dst.copy_(src), sync()), repeats) / 1e9
 
 
 def _last_line(err: BaseException) -> str:
@@ -198,14 +220,22 @@ def worker_env(family: str, device: str, threads: int) -> tuple[dict[str, str | 
 
 
 def measure_peaks(
-    config: Any, tokens: int, device: str, threads: int, repeats: int = 3, dtypes: tuple[str, ...] = DTYPES
+    config: Any,
+    tokens: int,
+    device: str,
+    threads: int,
+    repeats: int = 3,
+    dtypes: tuple[str, ...] = DTYPES,
+    copy_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Every present engine's rate on the workload's products (the module docstring), each engine
     family in a child process of its own; a family whose child fails, or an engine that refuses
-    one dtype, is reported with its error (``errors``: by family, or by ``"engine dtype"``)."""
+    one dtype, is reported with its error (``errors``: by family, or by ``"engine dtype"``).
+    ``copy_bytes``: also the copy bandwidth of that many bytes on the device (``copy_gb_s``)."""
     products = workload_products(config, tokens)
     peaks: dict[str, dict[str, float]] = {}
     errors: dict[str, str] = {}
+    copy: dict[str, float] = {}
     for family, engines in present_engines(device).items():
         env, pin = worker_env(family, device, threads)
         spec = {
@@ -217,14 +247,16 @@ def measure_peaks(
             "repeats": repeats,
             "pin": pin,
             "products": [vars(p) for p in products],
+            "copy_bytes": copy_bytes,
         }
         try:
             (got,) = run_child("benchmarks.lib.roofline:serve_peaks", spec, threads, env=env)
             peaks.update(got["peaks"])
             errors.update(got["errors"])
+            copy.update({"copy_gb_s": got["copy_gb_s"]} if "copy_gb_s" in got else {})
         except Exception as err:  # noqa: BLE001 -- reported; the other engines still count
             errors[family] = _last_line(err)
-    return {"tokens": tokens, "products": [vars(p) for p in products], "peaks": peaks, "errors": errors}
+    return {"tokens": tokens, "products": [vars(p) for p in products], "peaks": peaks, "errors": errors, **copy}
 
 
 # ----------------------------------------------------------------------------- achieved shares

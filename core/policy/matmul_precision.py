@@ -30,10 +30,16 @@ from core.policy.config import PolicyConfig
 TORCH_FLOAT32_MATMUL = {"highest": "highest", "high": "high", "default": "high"}
 
 
+def default_matmul_precision(precision: str) -> str:
+    """The matmul precision a left-out ``policy.matmul_precision`` means for compute in
+    ``precision`` (``highest`` for float32, ``default`` otherwise)."""
+    return "highest" if precision == "float32" else "default"
+
+
 def resolve_matmul_precision(policy_cfg: PolicyConfig) -> str:
     """``policy.matmul_precision`` with its default filled in (see the module docstring)."""
     if policy_cfg.matmul_precision is None:
-        return "highest" if policy_cfg.precision == "float32" else "default"
+        return default_matmul_precision(policy_cfg.precision)
     return policy_cfg.matmul_precision
 
 

@@ -115,8 +115,17 @@ def _records(device="cuda", peak=989.0) -> list[dict]:
         "flops_per_token": flops,
     }
     t = lambda s: {"first_s": 5 * s, "times_s": [s], "median_s": s}  # noqa: E731
+    roof = {
+        "kind": "roofline",
+        "tokens": 8192,
+        "peaks": {"torch": {"bfloat16": 700e3}, "xla": {"bfloat16": 500e3}},  # GFLOP/s
+        "errors": {"torch float32": "not measured here"},
+        "copy_gb_s": 2000.0,
+        "copy_bytes": 2e9,
+    }
     return [
         m,
+        roof,
         {"kind": "skipped", "row": "vLLM generation", "reason": "vLLM is not installed on this machine"},
         {
             "kind": "throughput",
@@ -169,13 +178,23 @@ def test_report_ratios_mfu_memory_skips_and_errors():
     text = report(records, 1e-5)
     # hf eager first at its micro batch, = 1.00; JAX at half its speed; MFU = tok/s x FLOPs / peak
     lp_mfu, train_mfu = 100 * 65536 * 1e9 / 989e12, 100 * 16384 * 3e9 / 989e12
-    assert f"| hf eager | 1 | 65,536 | 1.00 | 16,384 | 1.00 | {lp_mfu:.1f} | {train_mfu:.1f} | 1,024 (device)" in text
+    # % roof: the same FLOP/s over the best measured engine in the run's precision (torch, 700 TFLOP/s)
+    lp_roof, train_roof = 100 * 65536 * 1e9 / 700e12, 100 * 16384 * 3e9 / 700e12
+    assert (
+        f"| hf eager | 1 | 65,536 | 1.00 | 16,384 | 1.00 | {lp_mfu:.1f} | {train_mfu:.1f} | {lp_roof:.1f} | "
+        f"{train_roof:.1f} | 1,024 (device)" in text
+    )
+    assert "| torch | - | 700 | torch.matmul" in text and "| xla | - | 500 | jax.jit" in text
+    assert "roof: 700 TFLOP/s (torch, bfloat16)" in text and "copy: 2,000 GB/s (dst.copy_(src) of 2 GB" in text
+    assert "roofline engine torch float32 not measured: not measured here" in text
+    assert text.index("### Roofline") < text.index("### Throughput")
     assert (
         "| jax_pjit | 1 | 32,768 | 0.50 | 8,192 | 0.50 | " in text and "3,072 (device) | 2.50 / 10.00 | 9.0 |" in text
     )
     assert text.index("| hf eager | 1") < text.index("| jax_pjit | 1") < text.index("| jax_pjit | 4 | FAILED")
     assert "ERROR jax_pjit mbs 4 (throughput): XlaRuntimeError: RESOURCE_EXHAUSTED" in text
-    assert "| torch_fsdp | 3 | 2.000 bfloat16 | 0.10 | 6.00 | 4.00 | 0.50 | 1 x cuda_ipc |" in text
+    # 0.5 GB/s of a 2,000 GB/s copy: 0.025 %
+    assert "| torch_fsdp | 3 | 2.000 bfloat16 | 0.10 | 6.00 | 4.00 | 0.50 | 0.0 | 1 x cuda_ipc |" in text
     assert "SKIPPED vLLM generation: vLLM is not installed on this machine" in text
     assert "| jax_pjit | 2.0000000 | 1.5000400 | 2.67e-05 | 0.00e+00 | FAIL |" in text
     assert "torch 2.11" in text and "vllm" not in text.split("\n")[2]  # absent packages are not listed
@@ -183,7 +202,14 @@ def test_report_ratios_mfu_memory_skips_and_errors():
     ok = [r for r in records if "error" not in r and r.get("passed") is not False]
     assert not failed(ok)
     cpu = report(_records("cpu", None), 1e-5)
-    assert "| hf eager | 1 | 65,536 | 1.00 | 16,384 | 1.00 | - | - |" in cpu  # MFU n/a without a peak
+    assert f"| hf eager | 1 | 65,536 | 1.00 | 16,384 | 1.00 | - | - | {lp_roof:.1f} |" in cpu  # MFU n/a, roof not
+    no_roof = report([r for r in _records() if r["kind"] != "roofline"], 1e-5)
+    assert "### Roofline" not in no_roof and f"| {train_mfu:.1f} | - | - | 1,024 (device)" in no_roof
+    failed_roof = [
+        {"kind": "roofline", "error": "RuntimeError: no device"} if r["kind"] == "roofline" else r for r in records
+    ]
+    text = report(failed_roof, 1e-5)
+    assert "ERROR roofline (roofline): RuntimeError: no device" in text and "### Roofline" not in text
 
 
 def test_reference_steps_do_not_depend_on_the_micro_batch(tmp_path):
@@ -244,8 +270,12 @@ def _finite(*xs) -> bool:
 def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(run_cli, tmp_path):
     proc, rows = _run(run_cli, tmp_path, "--sections", "throughput", "refit", "--iters", "1", "--refit-repeats", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    m = rows[0]
+    m, roof = rows[0], rows[1]
     assert m["kind"] == "machine" and m["device"] == "cpu" and m["peak_tflops"] is None and m["params"] > 1e5
+    # the roofline at the largest micro batch's tokens, in the run's precision only; the copy of fp32 weights
+    assert roof["kind"] == "roofline" and roof["tokens"] == 2 * 64 and roof["copy_bytes"] == 4 * m["params"]
+    assert {"xla", "torch"} <= set(roof["peaks"]) and _finite(roof["copy_gb_s"]), roof
+    assert all(set(rates) == {"float32"} and _finite(*rates.values()) for rates in roof["peaks"].values()), roof
     tput = {r["backend"]: r for r in rows if r["kind"] == "throughput"}
     assert set(tput) == {"hf eager", *EAGER}
     for name, r in tput.items():
@@ -270,7 +300,7 @@ def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(run_cli, tmp
     assert "| hf eager | 2 |" in out and "| 1.00 |" in out and "SKIPPED vLLM generation: vLLM treated as absent" in out
     for name in EAGER:
         assert f"| {name} | 2 | " in out and f"| {name} | {refit[name]['tensors']} |" in out
-    assert "MFU peak: MFU n/a on a CPU" in out and "ERROR" not in out
+    assert "MFU peak: MFU n/a on a CPU" in out and "ERROR" not in out and "roof: " in out and "% of copy" in out
 
 
 @pytest.mark.slow  # ~80 s on 2 cores: four fresh fp32 Policies (one compiled) and the reference process

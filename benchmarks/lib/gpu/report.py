@@ -6,6 +6,7 @@ from __future__ import annotations
 from benchmarks.lib.gpu.workload import BACKENDS, tokens_per_s
 from benchmarks.lib.machine import mfu
 from benchmarks.lib.markdown import cell, pct, table
+from benchmarks.lib.roofline import ENGINES, best_peak
 
 ROW_ORDER = ("hf eager", "hf compile+fused", *BACKENDS)
 
@@ -25,16 +26,65 @@ def machine_line(m: dict) -> list[str]:
     ]
 
 
+#: What each roofline engine runs in this mode (on a GPU: the backends' own matmul libraries).
+ENGINE_NOTES = {
+    "xla": "jax.jit matmul at the JAX backend's precision (highest in fp32, default in bf16)",
+    "torch": "torch.matmul (cuBLAS on a GPU, MKL on a CPU: HF eager and the torch backends)",
+    "torch-onednn": "oneDNN matmul (the torch backends' fp32 CPU linears)",
+}
+
+
+def roofline_of(records: list[dict]) -> dict:
+    return next((r for r in records if r["kind"] == "roofline" and "error" not in r), {})
+
+
+def roof_tflops(records: list[dict], precision: str) -> float | None:
+    """The best measured engine's TFLOP/s in ``precision`` (None without a roofline)."""
+    best = best_peak(roofline_of(records), precision)
+    return best[1] / 1e3 if best else None
+
+
+def roofline_lines(records: list[dict], m: dict) -> list[str]:
+    roof = roofline_of(records)
+    if not roof:
+        return []
+    peaks = roof.get("peaks", {})
+    tflops = lambda gflops: gflops / 1e3 if gflops else None  # noqa: E731
+    rows = [
+        [engine, *[cell(tflops(peaks[engine].get(d)), ",.3g") for d in ("float32", "bfloat16")]]
+        + [ENGINE_NOTES.get(engine, "")]
+        for engine in ENGINES
+        if engine in peaks
+    ]
+    best = best_peak(roof, m["precision"])
+    copy = roof.get("copy_gb_s")
+    return [
+        f"### Roofline: matmul peaks on the workload's products ({roof['tokens']:,} tokens, the largest micro "
+        "batch: each linear layer's forward, input- and weight-gradient product, weighted as a training step "
+        "makes them; child processes set up as the workers)",
+        "",
+        *table(["engine", "fp32 TFLOP/s", "bf16 TFLOP/s", "what"], rows),
+        "",
+        f"roof: {best[1] / 1e3:,.3g} TFLOP/s ({best[0]}, {m['precision']})" if best else "roof: not measured",
+        *(
+            [f"copy: {copy:,.0f} GB/s (dst.copy_(src) of {roof['copy_bytes'] / 1e9:.3g} GB, the refit's roof)"]
+            * bool(copy)
+        ),
+        *[f"roofline engine {what} not measured: {why}" for what, why in (roof.get("errors") or {}).items()],
+        "",
+    ]
+
+
 def throughput_rows(records: list[dict], m: dict) -> list[list[str]]:
     rows = sorted(
         (r for r in records if r["kind"] == "throughput"), key=lambda r: (r["mbs"], ROW_ORDER.index(r["backend"]))
     )
     base = {r["mbs"]: r for r in rows if r["backend"] == "hf eager" and "error" not in r}
-    flops, peak = m["flops_per_token"], m["peak_tflops"]
+    flops, peak, roof = m["flops_per_token"], m["peak_tflops"], roof_tflops(records, m["precision"])
     out = []
     for r in rows:
         if "error" in r:
-            out.append([r["backend"], str(r["mbs"]), "FAILED (below)"] + ["-"] * 8)
+            out.append([r["backend"], str(r["mbs"]), "FAILED (below)"] + ["-"] * 10)
             continue
         lp, tr = tokens_per_s(m["tokens"], r["logprobs"]), tokens_per_s(m["tokens"], r["train"])
         hf = base.get(r["mbs"])
@@ -51,6 +101,8 @@ def throughput_rows(records: list[dict], m: dict) -> list[list[str]]:
                 cell(tr / hf_tr if hf_tr else None, ".2f"),
                 cell(pct(mfu(lp, flops["forward"], peak)), ".1f"),
                 cell(pct(mfu(tr, flops["train"], peak)), ".1f"),
+                cell(pct(mfu(lp, flops["forward"], roof)), ".1f"),
+                cell(pct(mfu(tr, flops["train"], roof)), ".1f"),
                 cell(peak_mib, ",.0f") + (f" ({r['memory']})" if peak_mib else ""),
                 f"{r['logprobs']['first_s']:.2f} / {r['train']['first_s']:.2f}",
                 cell(r.get("startup_s"), ".1f"),
@@ -65,7 +117,8 @@ def throughput_lines(records: list[dict], m: dict) -> list[str]:
         return []
     return [
         "### Throughput (tokens/s = tokens per call / median seconds; ×HF = / hf eager at the same micro "
-        "batch; MFU: forward 2N + 4LSd, train 6N + 12LSd FLOPs per token over the peak above)",
+        "batch; MFU: forward 2N + 4LSd, train 6N + 12LSd FLOPs per token over the peak above; % roof: the "
+        "same FLOP/s over the roofline's best measured peak)",
         "",
         *table(
             [
@@ -77,6 +130,8 @@ def throughput_lines(records: list[dict], m: dict) -> list[str]:
                 "×HF",
                 "lp MFU %",
                 "train MFU %",
+                "lp % roof",
+                "train % roof",
                 "peak MiB",
                 "first call s (lp / train)",
                 "start s",
@@ -92,10 +147,10 @@ def throughput_lines(records: list[dict], m: dict) -> list[str]:
 
 
 def refit_lines(records: list[dict]) -> list[str]:
-    rows = []
+    rows, copy = [], roofline_of(records).get("copy_gb_s")
     for r in (r for r in records if r["kind"] == "refit"):
         if "error" in r:
-            rows.append([r["backend"], "FAILED (below)"] + ["-"] * 6)
+            rows.append([r["backend"], "FAILED (below)"] + ["-"] * 7)
             continue
         gb = r["bytes"] / 1e9
         gb_s = gb / r["median_s"] if r["median_s"] else None
@@ -108,6 +163,7 @@ def refit_lines(records: list[dict]) -> list[str]:
                 f"{r['first_s']:.2f}",
                 f"{r['median_s']:.2f}",
                 cell(gb_s, ".2f"),
+                cell(pct(gb_s / copy if gb_s and copy else None), ".1f"),
                 f"{r['buckets']} x {'/'.join(map(str, r['transport']))}",
             ]
         )
@@ -118,7 +174,18 @@ def refit_lines(records: list[dict]) -> list[str]:
         "exported buckets)",
         "",
         *table(
-            ["backend", "tensors", "GB", "prepare_refit_info s", "first stream s", "stream s", "GB/s", "buckets"], rows
+            [
+                "backend",
+                "tensors",
+                "GB",
+                "prepare_refit_info s",
+                "first stream s",
+                "stream s",
+                "GB/s",
+                "% of copy",
+                "buckets",
+            ],
+            rows,
         ),
         "",
     ]
@@ -157,13 +224,16 @@ def loss_lines(records: list[dict], tol: float | None) -> list[str]:
 
 def report(records: list[dict], loss_tol: float | None = None) -> str:
     m = next(r for r in records if r["kind"] == "machine")
-    lines = machine_line(m) + throughput_lines(records, m) + refit_lines(records) + loss_lines(records, loss_tol)
+    lines = machine_line(m) + roofline_lines(records, m) + throughput_lines(records, m) + refit_lines(records)
+    lines += loss_lines(records, loss_tol)
     lines += [f"SKIPPED {r['row']}: {r['reason']}" for r in records if r["kind"] == "skipped"]
     lines += [
         f"note: {r['backend']} attention: {r['attn_implementation']}" for r in records if r["kind"] == "yardstick"
     ]
     lines += [
-        f"ERROR {r['backend']}" + (f" mbs {r['mbs']}" if "mbs" in r else "") + f" ({r['kind']}): {r['error']}"
+        f"ERROR {r.get('backend', 'roofline')}"
+        + (f" mbs {r['mbs']}" if "mbs" in r else "")
+        + f" ({r['kind']}): {r['error']}"
         for r in records
         if "error" in r
     ]

@@ -1,5 +1,5 @@
 """The run of ``dualrl bench --gpu``: which rows are recorded, in what order -- the machine facts,
-the vLLM rows it skips, the HF yardstick, each backend's Policy, the fp32 loss curves."""
+the roofline, the vLLM rows it skips, the HF yardstick, each backend's Policy, the fp32 loss curves."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from benchmarks.lib.gpu.workload import mfu_peak
 from benchmarks.lib.gpu.yardstick import child_spec, run_yardstick
 from benchmarks.lib.models import param_count
 from benchmarks.lib.ray_session import RaySession
+from benchmarks.lib.roofline import measure_peaks
 from benchmarks.lib.sizes import GPU_SIZES
 from benchmarks.lib.workload import full_batch
 
@@ -105,10 +106,29 @@ def machine_row(bench: Bench) -> dict:
     }
 
 
+def roofline_row(bench: Bench) -> dict:
+    """Every engine's matmul rate on the workload's products at the largest micro batch (the
+    tokens one forward multiplies at once) in the run's precision, and the device's copy
+    bandwidth on the bytes a refit streams (the refit's roof), in child processes set up as the
+    workers are.  One precision only: the rows compute in one, and a second would double the
+    roofline's time, which at the 1b shape on a GPU is long (docs/results.md)."""
+    a = bench.args
+    copy_bytes = param_count(bench.config) * (2 if a.precision == "bfloat16" else 4)
+    try:
+        roof = measure_peaks(
+            bench.config, max(a.mbs) * a.seq, bench.device, a.threads, dtypes=(a.precision,), copy_bytes=copy_bytes
+        )
+    except Exception as err:  # noqa: BLE001 -- reported in its row; the rows still run without a roof
+        return {"kind": "roofline", "error": error_text(err)}
+    return {"kind": "roofline", "copy_bytes": copy_bytes, **roof}
+
+
 def run(bench: Bench) -> None:
     a = bench.args
     bench.load_model(model_dir=a.model_dir)
     bench.record(machine_row(bench))
+    if "throughput" in a.sections or "refit" in a.sections:
+        bench.record(roofline_row(bench))
     reason = vllm_skip_reason(a.no_vllm)
     for what in ("refit into the vLLM engine", "vLLM generation"):
         bench.record({"kind": "skipped", "row": what, "reason": reason})
