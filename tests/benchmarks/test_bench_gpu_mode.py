@@ -265,7 +265,7 @@ def _finite(*xs) -> bool:
     return all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
 
 
-# slow (~35 s): every backend's Policy plus HF; the report and JSON rows are checked fast above
+# slow: every backend's Policy plus HF and the roofline's children; the report and JSON rows are checked fast above
 @pytest.mark.slow
 def test_cpu_run_every_backend_row_next_to_hf_and_vllm_rows_skipped(run_cli, tmp_path):
     proc, rows = _run(run_cli, tmp_path, "--sections", "throughput", "refit", "--iters", "1", "--refit-repeats", "1")
