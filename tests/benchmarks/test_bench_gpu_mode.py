@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
+import subprocess
 import types
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +96,26 @@ def test_parse_defaults_and_bad_micro_batches(capsys):
     with pytest.raises(SystemExit):
         parse(["--size", "tiny", "--mbs", "3"])
     assert "do not divide --batch 4" in capsys.readouterr().err
+
+
+def test_the_prepared_gpu_session_runs_valid_bench_stages_over_every_backend():
+    """tools/gpu_session.sh (a lent GPU's prepared run) parses, and each stage's arguments are the
+    GPU mode's own, with its default micro batches and every backend."""
+    script = Path(__file__).resolve().parents[2] / "tools" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    backends = shlex.split(re.search(r"^backends=\((.*)\)$", text, re.M).group(1))
+    assert sorted(backends) == sorted(BACKENDS)
+    mbs = shlex.split(re.search(r"MBS:-([^}]*)\}", text).group(1))
+    stages = [shlex.split(line)[3:] for line in text.splitlines() if line.startswith("stage ")]
+    assert [s[s.index("--sections") + 1] for s in stages] == ["throughput", "loss"]
+    for args in stages:
+        expanded = []
+        for arg in args:
+            expanded += {"${mbs[@]}": mbs, "${backends[@]}": backends}.get(arg, [arg])
+        a = parse(["--size", "1b", "--device", "cpu", *expanded])
+        assert a.backends == backends
+        assert a.mbs == ([int(m) for m in mbs] if "--mbs" in expanded else list(SIZES["1b"].mbs))
 
 
 def _records(device="cuda", peak=989.0) -> list[dict]:
