@@ -132,8 +132,8 @@ def _xla_runs(dtype: str, products: list[Product]) -> list:
     # take another (slower) kernel than the backend's "default" does.
     precision = default_matmul_precision(dtype)
     matmul = jax.jit(lambda a, b: jnp.dot(a, b, precision=precision))
-    # Drawn on the device: a 1b model's LM-head products hold GB of inputs, which host-side
-    # float64 draws and conversions took minutes to make.
+    # Drawn on the device: a 1b model's LM-head products hold GB of inputs, far too many to draw
+    # in float64 on the host and convert.
     key, dt = jax.random.key(0), getattr(jnp, dtype)
     runs = []
     for i, p in enumerate(products):

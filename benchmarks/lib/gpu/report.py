@@ -44,20 +44,27 @@ def roof_tflops(records: list[dict], precision: str) -> float | None:
     return best[1] / 1e3 if best else None
 
 
+def _tflops(gflops: float | None) -> float | None:
+    return gflops / 1e3 if gflops else None
+
+
 def roofline_lines(records: list[dict], m: dict) -> list[str]:
     roof = roofline_of(records)
     if not roof:
         return []
     peaks = roof.get("peaks", {})
-    tflops = lambda gflops: gflops / 1e3 if gflops else None  # noqa: E731
     rows = [
-        [engine, *[cell(tflops(peaks[engine].get(d)), ",.3g") for d in ("float32", "bfloat16")]]
+        [engine, *[cell(_tflops(peaks[engine].get(d)), ",.3g") for d in ("float32", "bfloat16")]]
         + [ENGINE_NOTES.get(engine, "")]
         for engine in ENGINES
         if engine in peaks
     ]
     best = best_peak(roof, m["precision"])
-    copy = roof.get("copy_gb_s")
+    notes = [f"roof: {best[1] / 1e3:,.3g} TFLOP/s ({best[0]}, {m['precision']})" if best else "roof: not measured"]
+    if roof.get("copy_gb_s"):
+        size = roof["copy_bytes"] / 1e9
+        notes.append(f"copy: {roof['copy_gb_s']:,.0f} GB/s (dst.copy_(src) of {size:.3g} GB, the refit's roof)")
+    notes += [f"roofline engine {what} not measured: {why}" for what, why in (roof.get("errors") or {}).items()]
     return [
         f"### Roofline: matmul peaks on the workload's products ({roof['tokens']:,} tokens, the largest micro "
         "batch: each linear layer's forward, input- and weight-gradient product, weighted as a training step "
@@ -65,12 +72,7 @@ def roofline_lines(records: list[dict], m: dict) -> list[str]:
         "",
         *table(["engine", "fp32 TFLOP/s", "bf16 TFLOP/s", "what"], rows),
         "",
-        f"roof: {best[1] / 1e3:,.3g} TFLOP/s ({best[0]}, {m['precision']})" if best else "roof: not measured",
-        *(
-            [f"copy: {copy:,.0f} GB/s (dst.copy_(src) of {roof['copy_bytes'] / 1e9:.3g} GB, the refit's roof)"]
-            * bool(copy)
-        ),
-        *[f"roofline engine {what} not measured: {why}" for what, why in (roof.get("errors") or {}).items()],
+        *notes,
         "",
     ]
 
