@@ -36,6 +36,12 @@ from benchmarks.lib.child import reply, run_child
 
 #: The engines, in report order; ``torch-onednn`` only where torch has oneDNN (CPU).
 ENGINES = ("xla", "torch", "torch-onednn")
+#: What each engine is, for the reports' peaks tables.
+ENGINE_NOTES = {
+    "xla": "jax.jit matmul at the JAX backend's precision (highest in fp32, default in bf16)",
+    "torch": "torch.matmul, torch's default path (cuBLAS on a GPU, MKL on a CPU; HF eager and TRL)",
+    "torch-onednn": "oneDNN matmul (the torch backends' fp32 CPU linears)",
+}
 DTYPES = ("float32", "bfloat16")
 
 

@@ -7,7 +7,7 @@ from benchmarks.lib.grpo_step import PRODUCER_PHASES, TRL_PHASES
 from benchmarks.lib.machine import flops_per_token, mfu
 from benchmarks.lib.markdown import cell, pct, table
 from benchmarks.lib.pairing import OPS, median, ratio
-from benchmarks.lib.roofline import ENGINES, best_peak
+from benchmarks.lib.roofline import ENGINE_NOTES, ENGINES, best_peak
 
 
 def _mib(values) -> str:
@@ -292,14 +292,6 @@ def multi_turn_lines(results: dict) -> list[str]:
         "played every turn).",
         "",
     ]
-
-
-#: What each roofline engine is, for the peaks table.
-ENGINE_NOTES = {
-    "xla": "jax.jit matmul (the JAX backend)",
-    "torch": "torch.matmul, torch's default path (BLAS: MKL on a CPU; HF eager and TRL)",
-    "torch-onednn": "oneDNN matmul (the torch backends' fp32 CPU linears)",
-}
 
 
 def roofline_lines(results: dict) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from benchmarks.lib.gpu.workload import BACKENDS, tokens_per_s
 from benchmarks.lib.machine import mfu
 from benchmarks.lib.markdown import cell, pct, table
-from benchmarks.lib.roofline import ENGINES, best_peak
+from benchmarks.lib.roofline import ENGINE_NOTES, ENGINES, best_peak
 
 ROW_ORDER = ("hf eager", "hf compile+fused", *BACKENDS)
 
@@ -26,26 +26,18 @@ def machine_line(m: dict) -> list[str]:
     ]
 
 
-#: What each roofline engine runs in this mode (on a GPU: the backends' own matmul libraries).
-ENGINE_NOTES = {
-    "xla": "jax.jit matmul at the JAX backend's precision (highest in fp32, default in bf16)",
-    "torch": "torch.matmul (cuBLAS on a GPU, MKL on a CPU: HF eager and the torch backends)",
-    "torch-onednn": "oneDNN matmul (the torch backends' fp32 CPU linears)",
-}
-
-
 def roofline_of(records: list[dict]) -> dict:
     return next((r for r in records if r["kind"] == "roofline" and "error" not in r), {})
+
+
+def _tflops(gflops: float | None) -> float | None:
+    return gflops / 1e3 if gflops else None
 
 
 def roof_tflops(records: list[dict], precision: str) -> float | None:
     """The best measured engine's TFLOP/s in ``precision`` (None without a roofline)."""
     best = best_peak(roofline_of(records), precision)
-    return best[1] / 1e3 if best else None
-
-
-def _tflops(gflops: float | None) -> float | None:
-    return gflops / 1e3 if gflops else None
+    return _tflops(best[1]) if best else None
 
 
 def roofline_lines(records: list[dict], m: dict) -> list[str]:
