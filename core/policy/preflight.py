@@ -7,7 +7,7 @@ config`` and the start of ``dualrl grpo|sft|dpo`` run them after validation
 and each worker once more on the model it actually loaded.  What cannot be known offline is
 skipped: a vocabulary comes from a built-in model's shape or a local ``config.json``, never
 from the hub.  Backends are never imported here (``core/`` does not import ``backends/``):
-how they resolve class names is mirrored below, and ``tests/unit/test_config_honesty.py``
+how they resolve class names is mirrored below, and ``tests/unit/config/test_config_honesty.py``
 holds the mirror to the backends' own tables.
 """
 

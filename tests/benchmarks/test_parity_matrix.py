@@ -12,7 +12,7 @@ import torch
 from benchmarks import parity as parity_cli
 from benchmarks.lib.layouts import LayoutError, device_layout, parse_layout
 from benchmarks.lib.models import save_tiny_gpt2
-from benchmarks.lib.parity.checks import collect, crossload_pairs, judge
+from benchmarks.lib.parity.checks import crossload_pairs, judge
 from benchmarks.lib.parity.estimators import estimator_batch, estimator_loss_fn, group_size
 from benchmarks.lib.parity.grpo import grpo_batch, grpo_summary
 from benchmarks.lib.parity.hf_reference import HFReference
@@ -21,119 +21,28 @@ from benchmarks.lib.parity.report import format_matrix
 from benchmarks.lib.parity.run import dcp_ring, run_parity
 from benchmarks.lib.parity.settings import (
     BF16_TOLERANCES,
-    ENGINE_TRANSPORTS,
     ESTIMATOR_ROWS,
     ESTIMATOR_SEED,
     HF,
     HF_LORA,
     LORA,
-    VARIANTS,
 )
 from benchmarks.lib.workload import default_policy_section, policy_config
 from dualrl.cli import main as cli_main
-
-# ----------------------------------------------------------------------------- fabricated results
-
-
-def _grpo() -> dict:
-    """A GRPO step-0 summary as ``grpo_summary`` makes one (two optimizer steps)."""
-    return grpo_summary(
-        [0.17, -0.58],
-        [1.72, 1.47],
-        {
-            "loss": [0.17, -0.58],
-            "actor_loss": [0.17, -0.58],
-            "kl_penalty": [0.0, 4.6e-4],
-            "clip_fraction": [0.0, 0.0],
-            "probs_ratio": [1.0, 0.998],
-        },
-    )
-
-
-def _fused() -> dict:
-    """A fused-step summary (one optimizer step; the ratio is 1 by construction)."""
-    return grpo_summary(
-        [-0.21],
-        [1.31],
-        {
-            "loss": [-0.21],
-            "actor_loss": [-0.21],
-            "kl_penalty": [9.1e-4],
-            "clip_fraction": [0.0],
-            "probs_ratio": [1.0],
-        },
-    )
-
-
-def _measurement(logprobs: torch.Tensor, losses=(5.5, 5.25, 5.0), norms=(2.0, 1.9, 1.8), moved=0.01) -> dict:
-    trained = logprobs - moved
-    return {
-        "logprobs": logprobs,
-        "invariance": {v: 0.0 for v in VARIANTS},
-        "loss": list(losses),
-        "grad_norm": list(norms),
-        "trained_logprobs": trained,
-        "grpo": _grpo(),
-        "grpo_fused": _fused(),
-        "resumed": {"loss": 4.8, "grad_norm": 1.7, "logprobs": trained - moved},
-    }
-
-
-def _engine(value: float) -> dict:
-    per = {
-        t: {"token_mult_prob_error": value, "max_abs_diff": 2e-5, "gen_kl_error": 1e-9, "tokens": 30, "refit_s": 0.1}
-        for t in ENGINE_TRANSPORTS
-    }
-    return {"token_mult_prob_error": value, "transports": per}
-
-
-def _results(measured: dict, errors: dict | None = None, dcp: dict | None = None) -> dict:
-    """``collect`` on fabricated measurements; every layout's export loaded by the next one, and
-    (unless ``dcp`` is given) its DCP checkpoint too, exactly."""
-    names = [n for n in measured if n not in (HF, HF_LORA)]
-    crossloaded = {
-        (src, tgt): measured[src]["trained_logprobs"].clone()
-        for src, tgt in [(n, HF) for n in names] + crossload_pairs(names, "ring")
-    }
-    if dcp is None:
-        dcp = {
-            (src, tgt): {
-                "logprobs": measured[src]["trained_logprobs"].clone(),
-                "resumed": dict(measured[src]["resumed"]),
-            }
-            for src, tgt in crossload_pairs(names, "ring")
-        }
-    return collect(
-        measured,
-        crossloaded,
-        errors=errors,
-        seconds={"total": 1.0},
-        model="fabricated",
-        layouts=names,
-        batch=4,
-        seq=6,
-        real_tokens=20,
-        steps=3,
-        lr=1e-3,
-        max_grad_norm=1.0,
-        crossload="ring",
-        dcp=dcp,
-    )
-
-
-def _clean() -> dict:
-    lp = -torch.rand(4, 6, generator=torch.Generator().manual_seed(0)) * 5
-    hf = {**_measurement(lp), "grpo_fused_separate": _fused()}
-    return {HF: hf, "a": _measurement(lp.clone()), "b": _measurement(lp + 3e-7)}
-
-
-def _failed(results: dict) -> set[tuple]:
-    return {(c["check"], c["a"], c["b"]) for c in results["checks"] if not c["pass"]}
+from tests.benchmarks.fabricated_parity import (
+    clean_measurements,
+    engine_row,
+    failed_checks,
+    fused_step,
+    grpo_step0,
+    measurement,
+    results_of,
+)
 
 
 def test_fabricated_results_within_tolerance_pass():
-    results = _results(_clean())
-    assert results["passed"] and not _failed(results)
+    results = results_of(clean_measurements())
+    assert results["passed"] and not failed_checks(results)
     report = format_matrix(results)
     assert not re.search(r"e[+-]\d\d FAIL", report)  # no cell marked
     assert not any(line.startswith("FAIL") for line in report.splitlines())
@@ -160,11 +69,11 @@ def test_fabricated_results_within_tolerance_pass():
 
 
 def test_a_perturbed_logprob_is_reported_as_fail():
-    measured = _clean()
+    measured = clean_measurements()
     measured["b"]["logprobs"][1, 2] += 1e-3  # one position of one layout, 100x the tolerance
-    results = _results(measured)
+    results = results_of(measured)
     assert not results["passed"]
-    assert _failed(results) == {("logprobs", "hf", "b"), ("logprobs", "a", "b")}
+    assert failed_checks(results) == {("logprobs", "hf", "b"), ("logprobs", "a", "b")}
     report = format_matrix(results)
     assert "FAIL logprobs: hf vs b: 1.000e-03 (needs <= 1e-05)" in report
     assert "FAIL logprobs: a vs b" in report
@@ -173,15 +82,15 @@ def test_a_perturbed_logprob_is_reported_as_fail():
 
 
 def test_each_tolerance_is_applied():
-    measured = _clean()
+    measured = clean_measurements()
     measured["a"]["loss"][0] += 2e-5  # 2e-5 / 5.5 = 3.6e-6 relative: within 1e-5
     measured["a"]["grad_norm"][0] = float("nan")  # NaN never passes
     measured["b"]["loss"][2] += 1e-3  # the curve's tolerance is 1e-4 (x 5.0)
     measured["b"]["invariance"]["reversed"] = 1e-4  # above 1e-5
     measured["hf"]["invariance"]["alone"] = 1e-6  # within, but not bitwise
     measured["hf"]["trained_logprobs"] = measured["hf"]["logprobs"] - 1e-4  # training did not move it
-    results = _results(measured)
-    failed = _failed(results)
+    results = results_of(measured)
+    failed = failed_checks(results)
     assert ("loss_step0", "hf", "a") not in failed
     assert {("grad_norm_step0", "hf", "a"), ("grad_norm_step0", "a", "b")} <= failed
     assert {("loss_curve", "hf", "b"), ("loss_curve", "a", "b")} <= failed
@@ -192,15 +101,15 @@ def test_each_tolerance_is_applied():
 
 
 def test_a_layout_that_did_not_run_fails_the_run():
-    results = _results(_clean(), errors={"jax-tp2": "jax-tp2: RuntimeError: boom"})
+    results = results_of(clean_measurements(), errors={"jax-tp2": "jax-tp2: RuntimeError: boom"})
     assert not results["passed"]
     assert "ERROR jax-tp2: RuntimeError: boom" in format_matrix(results)
 
 
 def test_exit_code_follows_the_verdict(monkeypatch, tmp_path, capsys):
-    measured = _clean()
+    measured = clean_measurements()
     measured["a"]["grad_norm"][0] += 1.0
-    for results, rc in ((_results(_clean()), 0), (_results(measured), 1)):
+    for results, rc in ((results_of(clean_measurements()), 0), (results_of(measured), 1)):
         monkeypatch.setattr(parity_cli, "run_parity", lambda *a, _r=results, **k: _r)  # what main() calls
         out = tmp_path / f"rc{rc}.json"
         assert cli_main(["parity", "--layouts", "fsdp1-dp2", "--json", str(out)]) == rc
@@ -209,25 +118,25 @@ def test_exit_code_follows_the_verdict(monkeypatch, tmp_path, capsys):
 
 
 def test_a_grpo_metric_out_of_tolerance_fails_its_pairs():
-    measured = _clean()
+    measured = clean_measurements()
     measured["b"]["grpo"]["metrics"]["kl_penalty"][1] += 1e-4  # 10x the tolerance (absolute below 1)
     measured["a"]["grpo"]["grad_norm"][0] *= 1 + 5e-6  # relative 5e-6: within
-    results = _results(measured)
-    assert _failed(results) == {("grpo_step0", "hf", "b"), ("grpo_step0", "a", "b")}
+    results = results_of(measured)
+    assert failed_checks(results) == {("grpo_step0", "hf", "b"), ("grpo_step0", "a", "b")}
     worst = next(c for c in results["checks"] if (c["check"], c["a"], c["b"]) == ("grpo_step0", "hf", "b"))
     assert max(worst["per_quantity"], key=worst["per_quantity"].get) == "kl_penalty"
     report = format_matrix(results)
     assert "FAIL grpo_step0: hf vs b: 1.000e-04 (needs <= 1e-05)" in report
     # A measurement without a GRPO summary is left out of the GRPO pairs, not failed.
     del measured["b"]["grpo"]
-    assert {(c["a"], c["b"]) for c in _results(measured)["checks"] if c["check"] == "grpo_step0"} == {("hf", "a")}
+    assert {(c["a"], c["b"]) for c in results_of(measured)["checks"] if c["check"] == "grpo_step0"} == {("hf", "a")}
 
 
 def test_a_fused_step_off_the_separate_path_fails_both_checks():
-    measured = _clean()
+    measured = clean_measurements()
     measured["a"]["grpo_fused"]["metrics"]["kl_penalty"][0] += 1e-4  # 10x the tolerance (absolute below 1)
-    results = _results(measured)
-    assert _failed(results) == {
+    results = results_of(measured)
+    assert failed_checks(results) == {
         ("grpo_fused_vs_separate", "a", None),
         ("grpo_fused", "hf", "a"),
         ("grpo_fused", "a", "b"),
@@ -236,25 +145,25 @@ def test_a_fused_step_off_the_separate_path_fails_both_checks():
     assert "FAIL grpo_fused_vs_separate: a: 1.000e-04 (needs <= 1e-05)" in report
     # Without hf's separate-pass step there is nothing to hold the fused step to: no check.
     del measured[HF]["grpo_fused_separate"]
-    assert not any(c["check"] == "grpo_fused_vs_separate" for c in _results(measured)["checks"])
+    assert not any(c["check"] == "grpo_fused_vs_separate" for c in results_of(measured)["checks"])
 
 
 def test_the_estimator_rows_are_pairwise_grpo_checks_in_the_report():
     keys = {check: key for check, (key, _, _) in ESTIMATOR_ROWS.items()}
     assert set(keys) == {"grpo_dr_grpo_step", "grpo_rloo_step"}
-    measured = {name: {**m, **{key: _grpo() for key in keys.values()}} for name, m in _clean().items()}
-    results = _results(measured)
+    measured = {name: {**m, **{key: grpo_step0() for key in keys.values()}} for name, m in clean_measurements().items()}
+    results = results_of(measured)
     assert results["passed"], format_matrix(results)
     for check in keys:
         assert sum(c["check"] == check for c in results["checks"]) == 3, check  # hf, a, b: every pair
     measured["a"]["grpo_dr_grpo"]["loss"][1] += 2e-5  # 2x the tolerance
-    results = _results(measured)
-    assert _failed(results) == {("grpo_dr_grpo_step", "hf", "a"), ("grpo_dr_grpo_step", "a", "b")}
+    results = results_of(measured)
+    assert failed_checks(results) == {("grpo_dr_grpo_step", "hf", "a"), ("grpo_dr_grpo_step", "a", "b")}
     report = format_matrix(results)
     assert "FAIL grpo_dr_grpo_step: hf vs a: 2.000e-05 (needs <= 1e-05)" in report
     assert "loss / (valid sequences x constant_token_budget)" in report  # the row's title
     assert re.search(r"^a +dr_grpo +0\.170000 -0\.579980", report, re.M)  # its line in the GRPO table
-    assert results["measured"]["a"]["grpo_rloo"] == _grpo()  # kept in the JSON
+    assert results["measured"]["a"]["grpo_rloo"] == grpo_step0()  # kept in the JSON
 
 
 def test_the_estimator_batch_has_the_estimators_advantages_and_one_sample_masked_out():
@@ -276,17 +185,17 @@ def test_the_estimator_batch_has_the_estimators_advantages_and_one_sample_masked
 
 
 def test_a_dcp_load_or_resume_out_of_tolerance_fails():
-    measured = _clean()
+    measured = clean_measurements()
     bad_load = {"logprobs": measured["b"]["trained_logprobs"] + 2e-5, "resumed": dict(measured["b"]["resumed"])}
     resumed = dict(measured["a"]["resumed"], logprobs=measured["a"]["resumed"]["logprobs"] + 2e-4)
-    results = _results(
+    results = results_of(
         measured,
         dcp={
             ("a", "b"): {"logprobs": measured["a"]["trained_logprobs"].clone(), "resumed": resumed},
             ("b", "a"): bad_load,
         },
     )
-    assert _failed(results) == {("dcp_crossload", "b", "a"), ("dcp_resume", "a", "b")}
+    assert failed_checks(results) == {("dcp_crossload", "b", "a"), ("dcp_resume", "a", "b")}
     report = format_matrix(results)
     assert re.search(r"FAIL dcp_crossload: b vs a: 2\.00\de-05 \(needs <= 1e-05\)", report)
     assert re.search(r"FAIL dcp_resume: a vs b: 2\.00\de-04 \(needs <= 0\.0001\)", report)
@@ -298,7 +207,7 @@ def _multi_turn(seed: int = 0) -> dict:
     lp = -torch.rand(2, 5, generator=torch.Generator().manual_seed(seed)) * 5
     mask = [[0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0]]
     return {
-        "grpo_multi_turn": _grpo(),
+        "grpo_multi_turn": grpo_step0(),
         "multi_turn_episodes": {
             "input_ids": [[1, 7, 8, 9, 10], [1, 7, 8, 0, 0]],
             "token_mask": mask,
@@ -311,8 +220,8 @@ def _multi_turn(seed: int = 0) -> dict:
 
 
 def test_the_multi_turn_row_holds_episodes_exactly_and_the_step_to_its_tolerances():
-    measured = {name: {**m, **_multi_turn()} for name, m in _clean().items()}
-    results = _results(measured)
+    measured = {name: {**m, **_multi_turn()} for name, m in clean_measurements().items()}
+    results = results_of(measured)
     assert results["passed"], format_matrix(results)
     for check in ("grpo_multi_turn_step0", "grpo_multi_turn_logprobs", "multi_turn_episodes"):
         assert sum(c["check"] == check for c in results["checks"]) == 3, check  # hf, a, b: every pair
@@ -321,8 +230,8 @@ def test_the_multi_turn_row_holds_episodes_exactly_and_the_step_to_its_tolerance
     measured["b"]["multi_turn_generation_logprobs"][0, 1] += 2e-5  # 2x the tolerance
     measured["b"]["multi_turn_logprobs"][1, 2] += 5e-5  # within 1e-4 after training
     measured["hf"]["grpo_multi_turn"]["metrics"]["probs_ratio"][1] += 1e-6  # within 1e-5
-    results = _results(measured)
-    assert _failed(results) == {
+    results = results_of(measured)
+    assert failed_checks(results) == {
         ("multi_turn_episodes", "hf", "a"),
         ("multi_turn_episodes", "a", "b"),
         ("grpo_multi_turn_step0", "hf", "b"),
@@ -334,7 +243,7 @@ def test_the_multi_turn_row_holds_episodes_exactly_and_the_step_to_its_tolerance
     assert "FAIL multi_turn_episodes: hf vs a: 1.000e+00 (needs <= 0)" in report
     assert "multi-turn GRPO step (scripted tool-use episodes" in report
     del measured["b"]["multi_turn_episodes"]["rewards"]  # a field one side lacks: NaN, never a pass
-    assert ("multi_turn_episodes", "a", "b") in _failed(_results(measured))
+    assert ("multi_turn_episodes", "a", "b") in failed_checks(results_of(measured))
 
 
 def test_the_multi_turn_episodes_come_from_the_tool_environment_and_mask_the_scripted_turns():
@@ -370,11 +279,11 @@ def test_the_multi_turn_episodes_come_from_the_tool_environment_and_mask_the_scr
 
 
 def test_token_mult_prob_error_band():
-    measured = _clean()
-    measured["a"]["engine"] = _engine(1.0000026)  # what vLLM on CPU measures
-    measured["b"]["engine"] = _engine(1.0012)  # a refit that mangled a tensor would be far above
-    results = _results(measured)
-    assert _failed(results) == {("token_mult_prob_error", "b", None)}
+    measured = clean_measurements()
+    measured["a"]["engine"] = engine_row(1.0000026)  # what vLLM on CPU measures
+    measured["b"]["engine"] = engine_row(1.0012)  # a refit that mangled a tensor would be far above
+    results = results_of(measured)
+    assert failed_checks(results) == {("token_mult_prob_error", "b", None)}
     report = format_matrix(results)
     assert "FAIL token_mult_prob_error: b: 1.001e+00 (needs <= 1.0001)" in report
     assert re.search(r"^a +ipc +1\.0000026 ", report, re.M)
@@ -525,24 +434,24 @@ def _lora_run(b0_offset: float = 0.0) -> dict:
     norms, trained logprobs, GRPO metrics) but starts at the base logprobs."""
     lp = -torch.rand(4, 6, generator=torch.Generator().manual_seed(0)) * 5
     lora = {"losses": (5.5, 5.4, 5.3), "norms": (0.3, 0.29, 0.28), "moved": 0.002}
-    separate = _fused()
+    separate = fused_step()
     lora_separate = grpo_summary([-0.2], [0.3], {k: v for k, v in separate["metrics"].items()})
 
     def lora_measurement(logprobs):
-        return {**_measurement(logprobs, **lora), "grpo_fused": lora_separate}
+        return {**measurement(logprobs, **lora), "grpo_fused": lora_separate}
 
     return {
-        HF: {**_measurement(lp), "grpo_fused_separate": separate},
+        HF: {**measurement(lp), "grpo_fused_separate": separate},
         HF_LORA: {**lora_measurement(lp.clone()), "grpo_fused_separate": lora_separate, "base_logprobs": lp.clone()},
-        "fsdp1-dp2": _measurement(lp.clone()),
+        "fsdp1-dp2": measurement(lp.clone()),
         "fsdp1-dp2-lora": lora_measurement(lp.clone()),
         "jax-fsdp2-lora": lora_measurement(lp + b0_offset),
     }
 
 
 def test_a_mixed_run_compares_lora_with_lora_and_full_with_full():
-    results = _results(_lora_run())
-    assert results["passed"], _failed(results)
+    results = results_of(_lora_run())
+    assert results["passed"], failed_checks(results)
     lora = {HF_LORA, "fsdp1-dp2-lora", "jax-fsdp2-lora"}
     pairs = {(c["a"], c["b"]) for c in results["checks"] if c["check"] == "loss_curve"}
     assert pairs == {(HF, "fsdp1-dp2"), (HF_LORA, "fsdp1-dp2-lora"), (HF_LORA, "jax-fsdp2-lora"),
@@ -556,8 +465,8 @@ def test_a_mixed_run_compares_lora_with_lora_and_full_with_full():
 
 
 def test_lora_off_the_base_model_at_init_fails_lora_b0_is_base():
-    results = _results(_lora_run(b0_offset=2e-5))
-    failed = _failed(results)
+    results = results_of(_lora_run(b0_offset=2e-5))
+    failed = failed_checks(results)
     assert ("lora_b0_is_base", "jax-fsdp2-lora", None) in failed
     assert ("lora_b0_is_base", "fsdp1-dp2-lora", None) not in failed
     assert "FAIL lora_b0_is_base: jax-fsdp2-lora" in format_matrix(results)
@@ -599,13 +508,13 @@ def test_a_real_mixed_run_passes_with_two_references(ray_session):
 def test_exact_rows_fail_at_one_bit():
     """``--exact``: the sampler's logprob of one token one fp32 ulp off fails ``exact_sampler``,
     and a batch-invariance deviation of one ulp fails ``exact_batch_invariance`` (both pass at 0)."""
-    measured = _clean()
+    measured = clean_measurements()
     exact = {"max_abs_vs_policy": 0.0, "max_abs_alone_vs_batch": 0.0, "rows_with_other_tokens_alone": 0, "tokens": 9}
     measured["a"]["exact"] = {**exact, "value": 0.0}
     measured["b"]["exact"] = {**exact, "value": 4.8e-7, "max_abs_vs_policy": 4.8e-7}
     measured["b"]["invariance"]["alone_trimmed"] = 4.8e-7  # within batch_invariance's 1e-5
-    results = _results(measured)
-    assert _failed(results) == {("exact_sampler", "b", None), ("exact_batch_invariance", "b", None)}
+    results = results_of(measured)
+    assert failed_checks(results) == {("exact_sampler", "b", None), ("exact_batch_invariance", "b", None)}
     report = format_matrix(results)
     assert "FAIL exact_sampler: b: 4.800e-07 (needs <= 0)" in report
     assert "a  exact_sampler: 0.0e+00  (9 tokens" in report

@@ -201,7 +201,7 @@ def test_agreement_metric_is_over_the_trained_tokens():
     ],
 )  # fmt: skip
 def test_routing_options_where_they_cannot_apply_are_refused_by_name(path, overrides, named):
-    from tests.unit.test_config import GRPO, SFT, load_errors
+    from tests.unit.config.cases import GRPO, SFT, load_errors
 
     errors = load_errors({"GRPO": GRPO, "SFT": SFT}[path], *overrides)
     assert any(named in e for e in errors), errors

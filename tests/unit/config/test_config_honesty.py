@@ -15,10 +15,7 @@ import pytest
 from core.config import EMBEDDED_CONFIGS, ConfigError
 from core.policy.preflight import import_error, model_vocab_size
 from dualrl.cli import load_command_config, main
-from tests.unit.test_config import _config_models
-
-REPO = Path(__file__).resolve().parents[2]
-GRPO = EMBEDDED_CONFIGS["grpo"]
+from tests.unit.config.cases import GRPO, REPO, config_models
 
 
 def load_config(path, overrides=(), backend=None):
@@ -49,7 +46,7 @@ REFUSED_SWITCHES = {("VllmConfig", "async_engine"): "policy.generation.vllm_cfg.
 def _source_text() -> str:
     """core/ and backends/ without the config machinery and the modules that define the
     sections (a model's own checks read its fields; that is not a use)."""
-    model_files = {Path(inspect.getfile(m)).resolve() for m in _config_models()}
+    model_files = {Path(inspect.getfile(m)).resolve() for m in config_models()}
     files = [
         p
         for root in ("core", "backends")
@@ -62,7 +59,7 @@ def _source_text() -> str:
 def test_every_schema_field_is_read_outside_the_config_modules():
     """A field nobody reads is a setting that silently does nothing (generation_batch_size was one)."""
     source = _source_text()
-    models = _config_models()
+    models = config_models()
     assert len(models) > 20  # every section module was imported
     unread = sorted(
         f"{model.__name__}.{key}"
