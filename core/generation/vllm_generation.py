@@ -234,7 +234,9 @@ class VllmGeneration(RefittableGenerationInterface):
         self._get([e.is_alive.remote() for e in self.engines], "is_alive", timeout_s)
 
     def shutdown(self) -> bool:
-        return self.worker_group.shutdown()
+        """Every engine released in its actor (False when one could not be), then the actors
+        killed."""
+        return self.worker_group.shutdown(cleanup_method=VllmGenerationWorker.shutdown.__name__)
 
     # ------------------------------------------------------------------ internals
     def _get(

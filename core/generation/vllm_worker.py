@@ -280,7 +280,17 @@ class VllmGenerationWorker:
         return all(self.llm.collective_rpc("dualrl_weights_valid"))
 
     def shutdown(self) -> bool:
+        """Release the engine, then vLLM's process groups.  Each engine's world store is a file of
+        its own in the temporary directory, which only the groups' teardown deletes: an engine
+        actor that is just killed leaves one behind per run."""
+        import gc
+
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
         del self.llm
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
         return True
 
 

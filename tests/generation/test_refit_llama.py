@@ -7,6 +7,9 @@ the engine and therefore comes last.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import ray
 import torch
@@ -229,6 +232,17 @@ def test_min_new_tokens_keeps_every_row_full_length(fsdp_policy, gen_model_dirs,
         mult, _ = rollout_agreement(fsdp_policy, out, data)
         assert 1.0 <= mult <= 1.001, mult
     assert torch.equal(greedy["output_ids"], reference["output_ids"])
+
+
+def test_a_shut_down_engine_leaves_no_world_store_file(ray_session, gen_model_dirs, tokenizer):
+    """vLLM gives each engine's process groups a file store of its own in the temporary
+    directory; shutting the engine down deletes it (a killed actor would leave it behind)."""
+    stores = lambda: set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))  # noqa: E731
+    before = stores()
+    with one_engine(gen_model_dirs["llama_gen"], tokenizer, "vllm_store"):
+        created = stores() - before
+        assert created, "the engine made no file store: this test no longer checks anything"
+    assert not [p for p in created if p.exists()], "the engine's file store outlived it"
 
 
 def test_a_dead_engine_gives_a_clear_error_not_a_hang(engine, fsdp_policy):
