@@ -7,6 +7,7 @@ broken rule fails instead of passing silently.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import core.refit.shm as shm_module
 from core.refit import collective
 from core.refit.buckets import GB
 from core.refit.manifest import (
@@ -44,14 +46,15 @@ def test_shm_write_open_round_trip(writer):
         ("a", special_values((3, 4), torch.float32)),
         ("b", special_values((5,), torch.bfloat16, 1)),
         ("c", special_values((), torch.float16, 2)),
+        ("d", special_values((6, 4), torch.float32, 3).t()),  # not contiguous
     ]
     handle = writer.write(items)
     assert handle["kind"] == "shm"
     assert os.path.exists(handle["path"])
     assert os.path.getsize(handle["path"]) == handle["nbytes"] == plan_layout(items)[1]
-    assert [s[0] for s in handle["slots"]] == ["a", "b", "c"]
+    assert [s[0] for s in handle["slots"]] == ["a", "b", "c", "d"]
     opened = open_bucket(handle)
-    assert [n for n, _ in opened] == ["a", "b", "c"]
+    assert [n for n, _ in opened] == ["a", "b", "c", "d"]
     for (_, got), (_, want) in zip(opened, items, strict=True):
         assert_bit_equal(got, want)
 
@@ -65,6 +68,18 @@ def test_shm_next_bucket_unlinks_previous_and_release_unlinks(writer):
     writer.release()
     assert not os.path.exists(second["path"])
     writer.release()  # idempotent
+
+
+def test_shm_full_directory_is_a_refit_error_and_leaves_no_segment(writer, monkeypatch):
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shm_module.os, "pwrite", no_space)
+    with pytest.raises(RefitError, match=r"refit bucket of \d+ bytes does not fit .*policy.refit_buffer_size_gb"):
+        writer.write([("a", torch.ones(4))])
+    monkeypatch.undo()
+    prefix = f"dualrl-refit-test-{os.getpid()}-"
+    assert [n for n in os.listdir(shm_module._shm_dir()) if n.startswith(prefix)] == []
 
 
 def test_shm_open_released_bucket_is_a_clear_error(writer):
