@@ -183,7 +183,7 @@ def _write_segment(path: str, total: int, slots: Sequence[Slot], tensors: Sequen
     try:
         os.ftruncate(fd, total)  # the alignment gaps read as zeros
         for slot, tensor in zip(slots, tensors, strict=True):
-            data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
             written = 0
             while written < slot.nbytes:
                 written += os.pwrite(fd, data[written:], slot.offset + written)

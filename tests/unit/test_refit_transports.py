@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 
+import ml_dtypes  # noqa: F401 -- registers the "bfloat16" name with numpy (the JAX-like sender)
 import numpy as np
 import pytest
 import torch
