@@ -234,13 +234,16 @@ def test_min_new_tokens_keeps_every_row_full_length(fsdp_policy, gen_model_dirs,
     assert torch.equal(greedy["output_ids"], reference["output_ids"])
 
 
+def _file_stores() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
+
+
 def test_a_shut_down_engine_leaves_no_world_store_file(ray_session, gen_model_dirs, tokenizer):
     """vLLM gives each engine's process groups a file store of its own in the temporary
     directory; shutting the engine down deletes it (a killed actor would leave it behind)."""
-    stores = lambda: set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))  # noqa: E731
-    before = stores()
+    before = _file_stores()
     with one_engine(gen_model_dirs["llama_gen"], tokenizer, "vllm_store"):
-        created = stores() - before
+        created = _file_stores() - before
         assert created, "the engine made no file store: this test no longer checks anything"
     assert not [p for p in created if p.exists()], "the engine's file store outlived it"
 

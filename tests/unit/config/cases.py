@@ -9,10 +9,7 @@ from typing import Any
 
 import pytest
 
-from core.algorithms.config import (
-    MasterConfig,
-    run_config_class,
-)
+from core.algorithms.config import MasterConfig, run_config_class
 from core.config import (
     DEFAULT_CONFIG_PATH,
     EMBEDDED_CONFIGS,

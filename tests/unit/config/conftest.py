@@ -6,10 +6,7 @@ import copy
 
 import pytest
 
-from core.config import (
-    DEFAULT_CONFIG_PATH,
-    load_yaml,
-)
+from core.config import DEFAULT_CONFIG_PATH, load_yaml
 
 
 @pytest.fixture(scope="module")
